@@ -1,0 +1,402 @@
+"""The host agent: supervises one role's processes (a worker's ranks, or a relay) on one host.
+
+Started detached on every host, it runs its processes in their own process group, records
+status atomically in `<dir>/status.json`, restarts them within limits, and is what `stop` and
+`status` talk to. Standard library only: it runs on hosts before anything else is known to work.
+
+    python -m nebula_cli.agent start  DIR          # daemonize and supervise DIR/agent.json
+    python -m nebula_cli.agent status DIR [DIR..]  # JSON list of reconciled statuses
+    python -m nebula_cli.agent stop   DIR [DIR..] [--grace S] [--force]
+
+`agent.json`: {"job_id", "cluster", "host", "role", "cwd", "grace", "max_restarts",
+"restart_backoff", "processes": [{"rank": int, "argv": [...], "env": {...}, "log": path}]}
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+ACTIVE = ("STARTING", "RUNNING", "RESTARTING", "STOPPING")
+POLL_S = 0.2
+ENV_MARK = "NEBULA_AGENT_DIR"
+
+
+# -- small helpers ---------------------------------------------------------------------------
+def write_json(path: Path, data: dict[str, Any]) -> None:
+    """Write JSON atomically (write a temp file, then rename over)."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(data, indent=1))
+    os.replace(tmp, path)
+
+
+def read_json(path: Path) -> dict[str, Any] | None:
+    try:
+        return json.loads(path.read_text())
+    except (FileNotFoundError, json.JSONDecodeError):
+        return None
+
+
+def pid_alive(pid: int | None) -> bool:
+    if not pid:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:  # a zombie is not alive
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return True
+
+
+def is_agent_of(pid: int | None, agent_dir: Path) -> bool:
+    """Whether pid is (still) the agent of agent_dir, not a recycled pid."""
+    if not pid_alive(pid):
+        return False
+    try:
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    except OSError:
+        return True  # no /proc: trust the pid
+    return str(agent_dir).encode() in cmdline
+
+
+def group_members(pgid: int) -> list[int]:
+    """Live (non-zombie) processes of a process group, from /proc."""
+    members = []
+    for entry in Path("/proc").glob("[0-9]*"):
+        try:
+            fields = entry.joinpath("stat").read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if fields[0] != "Z" and int(fields[2]) == pgid:
+            members.append(int(entry.name))
+    return members
+
+
+def group_alive(pgid: int | None) -> bool:
+    """Whether a process group still has a live member (zombies left to init do not count)."""
+    if not pgid:
+        return False
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return bool(group_members(pgid)) if Path("/proc/self/stat").exists() else True
+
+
+def signal_group(pgid: int | None, sig: int) -> bool:
+    if not pgid:
+        return False
+    try:
+        os.killpg(pgid, sig)
+    except (ProcessLookupError, PermissionError):
+        return False
+    return True
+
+
+def marked_pids(agent_dir: Path) -> list[int]:
+    """Processes whose environment carries this agent's mark (escaped groups included)."""
+    mark = f"{ENV_MARK}={agent_dir}".encode()
+    me = os.getpid()
+    found = []
+    for entry in Path("/proc").glob("[0-9]*"):
+        pid = int(entry.name)
+        if pid == me:
+            continue
+        try:
+            if mark in entry.joinpath("environ").read_bytes().split(b"\0"):
+                found.append(pid)
+        except OSError:
+            continue
+    return found
+
+
+def sweep(agent_dir: Path) -> list[int]:
+    """SIGKILL every process still carrying this agent's mark; the pids killed."""
+    killed = []
+    for pid in marked_pids(agent_dir):
+        try:
+            os.kill(pid, signal.SIGKILL)
+            killed.append(pid)
+        except (ProcessLookupError, PermissionError):
+            pass
+    return killed
+
+
+def describe_exit(code: int | None) -> str:
+    if code is None:
+        return "running"
+    if code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exit {code}"
+
+
+# -- the supervisor --------------------------------------------------------------------------
+class Supervisor:
+    """Runs the processes of agent.json in one process group and keeps status.json true."""
+
+    def __init__(self, agent_dir: Path) -> None:
+        self.dir = agent_dir
+        self.config: dict[str, Any] = json.loads((agent_dir / "agent.json").read_text())
+        self.status_path = agent_dir / "status.json"
+        self.procs: list[subprocess.Popen[bytes]] = []
+        self.pgid: int | None = None
+        self.stop_requested = False
+        self.status: dict[str, Any] = {
+            "job_id": self.config.get("job_id"),
+            "cluster": self.config.get("cluster"),
+            "host": self.config.get("host"),
+            "role": self.config.get("role"),
+            "state": "STARTING",
+            "agent_pid": os.getpid(),
+            "pid": None,
+            "pgid": None,
+            "pids": [],
+            "started": time.time(),
+            "ended": None,
+            "exit_code": None,
+            "exit_codes": {},
+            "restarts": 0,
+            "reason": None,
+        }
+
+    def save(self, **changes: Any) -> None:
+        self.status.update(changes)
+        self.status["updated"] = time.time()
+        write_json(self.status_path, self.status)
+
+    def event(self, kind: str, message: str) -> None:
+        line = json.dumps({"ts": time.time(), "kind": kind, "message": message})
+        with open(self.dir / "events.jsonl", "a") as fh:
+            fh.write(line + "\n")
+
+    def on_term(self, signum: int, frame: object) -> None:
+        self.stop_requested = True
+
+    def spawn(self) -> None:
+        self.procs = []
+        self.pgid = None
+        cwd = self.config.get("cwd") or None
+        for spec in self.config["processes"]:
+            log_path = self.dir / spec["log"]
+            log_path.parent.mkdir(parents=True, exist_ok=True)
+            env = {**os.environ, **spec.get("env", {}), ENV_MARK: str(self.dir)}
+            with open(log_path, "ab") as log:
+                # one new process group (in the agent's session) for all of them
+                kwargs: dict[str, Any] = {"process_group": self.pgid or 0}
+                proc = subprocess.Popen(
+                    spec["argv"], cwd=cwd, env=env, stdin=subprocess.DEVNULL,
+                    stdout=log, stderr=subprocess.STDOUT, **kwargs,
+                )
+            if self.pgid is None:
+                self.pgid = proc.pid
+            self.procs.append(proc)
+        self.save(state="RUNNING", pid=self.procs[0].pid, pgid=self.pgid,
+                  pids=[p.pid for p in self.procs], exit_code=None, exit_codes={})
+        self.event("started", f"{len(self.procs)} process(es), pgid {self.pgid}")
+
+    def end_group(self, grace: float) -> None:
+        """SIGTERM the group, wait up to `grace`, then SIGKILL it and sweep stragglers."""
+        signal_group(self.pgid, signal.SIGTERM)
+        deadline = time.monotonic() + grace
+        while time.monotonic() < deadline and any(p.poll() is None for p in self.procs):
+            time.sleep(POLL_S)
+        signal_group(self.pgid, signal.SIGKILL)
+        for proc in self.procs:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(timeout=10)
+        sweep(self.dir)
+
+    def codes(self) -> dict[str, int | None]:
+        ranks = [str(p.get("rank", i)) for i, p in enumerate(self.config["processes"])]
+        return {rank: proc.poll() for rank, proc in zip(ranks, self.procs, strict=False)}
+
+    def run(self) -> int:
+        signal.signal(signal.SIGTERM, self.on_term)
+        signal.signal(signal.SIGINT, self.on_term)
+        max_restarts = int(self.config.get("max_restarts", 0))
+        backoff = float(self.config.get("restart_backoff", 5.0))
+        try:
+            self.spawn()
+        except OSError as exc:
+            self.save(state="FAILED", reason=f"cannot start: {exc}", ended=time.time(),
+                      exit_code=127)
+            return 1
+        while True:
+            if self.stop_requested:
+                return self.stop()
+            codes = self.codes()
+            failed = {r: c for r, c in codes.items() if c not in (None, 0)}
+            if failed:
+                rank, code = next(iter(failed.items()))
+                reason = f"rank {rank} {describe_exit(code)}"
+                self.event("failed", reason)
+                self.end_group(float(self.config.get("grace", 10.0)))
+                codes = self.codes()
+                if self.status["restarts"] < max_restarts and not self.stop_requested:
+                    self.save(state="RESTARTING", reason=reason, exit_codes=codes,
+                              restarts=self.status["restarts"] + 1)
+                    self.event("restarting", f"restart {self.status['restarts']} in {backoff:g} s")
+                    if self._sleep(backoff):
+                        return self.stop()
+                    self.spawn()
+                    continue
+                self.save(state="FAILED", reason=reason, exit_code=code, exit_codes=codes,
+                          ended=time.time())
+                return 1
+            if all(c == 0 for c in codes.values()):
+                self.save(state="SUCCEEDED", exit_code=0, exit_codes=codes, ended=time.time())
+                self.event("succeeded", "all processes exited 0")
+                return 0
+            time.sleep(POLL_S)
+
+    def _sleep(self, seconds: float) -> bool:
+        """Sleep, waking early on a stop request (returns True then)."""
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline:
+            if self.stop_requested:
+                return True
+            time.sleep(POLL_S)
+        return self.stop_requested
+
+    def stop(self) -> int:
+        request = read_json(self.dir / "stop.json") or {}
+        grace = 0.0 if request.get("force") else float(
+            request.get("grace", self.config.get("grace", 10.0)))
+        self.save(state="STOPPING")
+        self.end_group(grace)
+        self.save(state="STOPPED", exit_codes=self.codes(), ended=time.time(),
+                  reason="stopped on request")
+        self.event("stopped", f"stopped (grace {grace:g} s)")
+        return 0
+
+
+# -- commands ---------------------------------------------------------------------------------
+def daemonize(agent_dir: Path) -> int:
+    """Fork a supervisor detached from this session; print its pid once it has started."""
+    read_fd, write_fd = os.pipe()
+    pid = os.fork()
+    if pid:  # the caller: wait for the daemon to report its pid
+        os.close(write_fd)
+        with os.fdopen(read_fd) as pipe:
+            line = pipe.readline().strip()
+        os.waitpid(pid, 0)
+        if not line:
+            print(json.dumps({"error": "agent did not start; see agent.log"}))
+            return 1
+        print(json.dumps({"agent_pid": int(line)}))
+        return 0
+    os.close(read_fd)
+    os.setsid()
+    if os.fork():
+        os._exit(0)
+    log = os.open(agent_dir / "agent.log", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    null = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(null, 0)
+    os.dup2(log, 1)
+    os.dup2(log, 2)
+    os.close(null)
+    os.close(log)
+    try:
+        supervisor = Supervisor(agent_dir)
+        supervisor.save()
+    except Exception as exc:  # noqa: BLE001 - report anything that stops the start
+        print(f"agent: cannot start: {exc}", flush=True)
+        os.close(write_fd)
+        os._exit(1)
+    os.write(write_fd, f"{os.getpid()}\n".encode())
+    os.close(write_fd)
+    os._exit(supervisor.run())
+
+
+def reconciled_status(agent_dir: Path) -> dict[str, Any]:
+    """status.json, corrected when the agent vanished without recording an end."""
+    status = read_json(agent_dir / "status.json")
+    if status is None:
+        return {"dir": str(agent_dir), "state": "PENDING", "reason": "agent not started"}
+    status["dir"] = str(agent_dir)
+    if status.get("state") in ACTIVE and not is_agent_of(status.get("agent_pid"), agent_dir):
+        status["state"] = "LOST"
+        status["reason"] = "the agent died without recording an end"
+    status["group_alive"] = group_alive(status.get("pgid"))
+    return status
+
+
+def stop_all(agent_dirs: list[Path], grace: float, force: bool) -> list[dict[str, Any]]:
+    """Ask every agent to stop its group at once; make sure nothing of them is left either way."""
+    before = {d: read_json(d / "status.json") or {} for d in agent_dirs}
+    for d, status in before.items():
+        write_json(d / "stop.json", {"grace": grace, "force": force, "ts": time.time()})
+        if is_agent_of(status.get("agent_pid"), d):
+            os.kill(status["agent_pid"], signal.SIGTERM)
+    deadline = time.monotonic() + (0 if force else grace) + 15
+    while time.monotonic() < deadline and any(
+        is_agent_of(s.get("agent_pid"), d) for d, s in before.items()
+    ):
+        time.sleep(POLL_S)
+    results = []
+    for d, status in before.items():
+        if is_agent_of(status.get("agent_pid"), d):
+            os.kill(status["agent_pid"], signal.SIGKILL)
+        signal_group(status.get("pgid"), signal.SIGKILL)
+        killed = sweep(d)
+        after = reconciled_status(d)
+        if after.get("state") in ACTIVE or after.get("state") == "LOST":
+            after.update(state="STOPPED", ended=after.get("ended") or time.time(),
+                         reason="stopped on request")
+            after.pop("group_alive", None)
+            write_json(d / "status.json", {k: v for k, v in after.items() if k != "dir"})
+        after["was"] = status.get("state", "PENDING")
+        after["swept"] = killed
+        results.append(after)
+    return results
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="nebula-agent", description=__doc__.split("\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    start = sub.add_parser("start", help="start a detached supervisor for DIR")
+    start.add_argument("dir", type=Path)
+    start.add_argument("--foreground", action="store_true", help="supervise in this process")
+    status = sub.add_parser("status", help="print the reconciled status of each DIR as JSON")
+    status.add_argument("dirs", type=Path, nargs="+")
+    stop = sub.add_parser("stop", help="stop each DIR's processes; print what was stopped")
+    stop.add_argument("dirs", type=Path, nargs="+")
+    stop.add_argument("--grace", type=float, default=10.0)
+    stop.add_argument("--force", action="store_true")
+    args = parser.parse_args(argv)
+
+    if args.command == "start":
+        agent_dir = args.dir.resolve()
+        if not (agent_dir / "agent.json").is_file():
+            print(json.dumps({"error": f"{agent_dir}/agent.json not found"}))
+            return 2
+        if args.foreground:
+            return Supervisor(agent_dir).run()
+        return daemonize(agent_dir)
+    if args.command == "status":
+        print(json.dumps([reconciled_status(d.resolve()) for d in args.dirs]))
+        return 0
+    print(json.dumps(stop_all([d.resolve() for d in args.dirs], args.grace, args.force)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,329 @@
+"""launch / status / stop / logs as plans carried out over transports, recorded in the store.
+
+The orchestrator only talks to host agents (through `python -m nebula_cli.agent ...` run over a
+transport); it never signals a worker itself.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import posixpath
+import socket
+from collections import defaultdict
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from nebula_cli import jobplan
+from nebula_cli.errors import LaunchError, NebulaError, TransportError
+from nebula_cli.fanout import GroupError, fanout
+from nebula_cli.follow import LogFollower, MetricsFollower
+from nebula_cli.jobplan import ProcessPlan
+from nebula_cli.spec import JobSpec
+from nebula_cli.state import ACTIVE_STATES, END_STATES, HostRecord, JobRecord, StateStore
+from nebula_cli.transport import Transport, connect, machine_key
+
+SETUP_TIMEOUT = 3600.0
+AGENT_TIMEOUT = 60.0
+
+Progress = Callable[[str], None]
+
+
+def _quiet(_: str) -> None:
+    pass
+
+
+@dataclass
+class JobSnapshot:
+    """A job as last seen: its record and every agent's record."""
+
+    job: JobRecord
+    hosts: list[HostRecord]
+
+    @property
+    def active(self) -> bool:
+        return any(h.state in ACTIVE_STATES for h in self.hosts)
+
+
+@dataclass
+class StopReport:
+    job: JobRecord
+    stopped: list[HostRecord] = field(default_factory=list)  # were active, now ended
+    already_ended: list[HostRecord] = field(default_factory=list)
+    swept: int = 0  # stray processes killed by the sweep
+
+
+def job_state(hosts: list[HostRecord], current: str) -> str:
+    """The job's state from its agents' states."""
+    states = {h.state for h in hosts}
+    if not hosts:
+        return current
+    if states & ACTIVE_STATES:
+        return "RUNNING"
+    if states & {"FAILED", "LOST"}:
+        return "FAILED"
+    if "STOPPED" in states:
+        return "STOPPED"
+    return "SUCCEEDED"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class Orchestrator:
+    """Carries out commands on a job's hosts. Close it to release its connections."""
+
+    def __init__(self, store: StateStore) -> None:
+        self.store = store
+        self._transports: dict[tuple[Any, ...], Transport] = {}
+
+    # -- connections ------------------------------------------------------------------------
+    def transport(self, conn: dict[str, Any]) -> Transport:
+        key = machine_key(conn)
+        if key not in self._transports:
+            self._transports[key] = connect(conn)
+        return self._transports[key]
+
+    def transport_of(self, rec: HostRecord) -> Transport:
+        return self.transport(rec.detail["conn"])
+
+    def close(self) -> None:
+        for t in self._transports.values():
+            t.close()
+        self._transports.clear()
+
+    def __enter__(self) -> Orchestrator:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _agent(self, conn: dict[str, Any], *args: str) -> list[str]:
+        return [conn["python"], "-m", "nebula_cli.agent", *args]
+
+    # -- launch -----------------------------------------------------------------------------
+    def launch(self, spec: JobSpec, progress: Progress = _quiet) -> JobRecord:
+        """Provision every host, start every agent; on any failure end what started."""
+        job = self.store.create_job(spec.name, spec.model_dump(mode="json"), spec.source)
+        self.store.add_event(job.id, "launch", f"launching {spec.name}")
+        progress(f"job {job.id}")
+        plans = self.plan(spec, job.id)
+        started: list[ProcessPlan] = []
+        try:
+            fanout(plans, lambda p: self._provision(spec, p, progress), timeout=SETUP_TIMEOUT)
+            for plan in plans:
+                self._record(job.id, plan, "PENDING")
+            # relays first, so that workers find them; then workers
+            for role in (jobplan.RELAY, jobplan.WORKER):
+                batch = [p for p in plans if p.role == role]
+                results = fanout(batch, self._start, timeout=AGENT_TIMEOUT)
+                for plan, pid in results.items():
+                    started.append(plan)
+                    self._record(job.id, plan, "STARTING", pid=pid)
+                    progress(f"started {plan.key} (agent pid {pid})")
+        except NebulaError as exc:
+            reason = _failure_reason(exc)
+            self.store.add_event(job.id, "launch-failed", reason)
+            self._stop_plans(plans, grace=0.0, force=True)
+            self.refresh(job.id)
+            self.store.set_job_state(job.id, "FAILED", reason=reason)
+            raise LaunchError(f"launch of {job.id} failed; everything started was ended.\n"
+                              f"{reason}") from exc
+        self.store.set_job_state(job.id, "RUNNING")
+        self.store.add_event(job.id, "running", f"{len(started)} agents started")
+        return self.store.get_job(job.id)
+
+    def plan(self, spec: JobSpec, job_id: str) -> list[ProcessPlan]:
+        ports = {c.name: free_port() for c in spec.clusters}
+        return jobplan.plan_workers(
+            spec, job_id, local_home=str(self.store.home), master_ports=ports
+        )
+
+    def _provision(self, spec: JobSpec, plan: ProcessPlan, progress: Progress) -> None:
+        t = self.transport(plan.conn)
+        t.makedirs(posixpath.join(plan.agent_dir, "logs"))
+        ds = spec.deepspeed_config()
+        if ds is not None:
+            t.put_bytes(json.dumps(ds, indent=1).encode(),
+                        posixpath.join(plan.job_root, "ds_config.json"))
+        for rel, data in plan.files.items():
+            t.put_bytes(data, posixpath.join(plan.agent_dir, rel), mode=0o600)
+        t.put_bytes(json.dumps(plan.agent_config, indent=1).encode(),
+                    posixpath.join(plan.agent_dir, "agent.json"), mode=0o600)
+        if spec.setup and plan.role == jobplan.WORKER:
+            progress(f"{plan.cluster}/{plan.host}: running setup")
+            result = t.run(["/bin/sh", "-c", spec.setup], cwd=plan.agent_config["cwd"],
+                           env=plan.agent_config["processes"][0]["env"],
+                           timeout=SETUP_TIMEOUT)
+            for line in (result.stdout + result.stderr).splitlines()[-20:]:
+                progress(f"{plan.cluster}/{plan.host} setup | {line}")
+            if not result.ok:
+                raise TransportError(f"setup failed: {result}", host=plan.host)
+
+    def _start(self, plan: ProcessPlan) -> int:
+        t = self.transport(plan.conn)
+        result = t.run(self._agent(plan.conn, "start", plan.agent_dir), timeout=AGENT_TIMEOUT)
+        try:
+            reply = json.loads(result.stdout.strip().splitlines()[-1])
+            return int(reply["agent_pid"])
+        except (ValueError, KeyError, IndexError) as exc:
+            raise TransportError(f"agent for {plan.key} did not start: {result}",
+                                 host=plan.host) from exc
+
+    def _record(self, job_id: str, plan: ProcessPlan, state: str, pid: int | None = None) -> None:
+        metrics = {
+            str(p["rank"]): posixpath.relpath(p["env"]["NEBULA_METRICS_FILE"], plan.agent_dir)
+            for p in plan.agent_config["processes"] if "NEBULA_METRICS_FILE" in p.get("env", {})
+        }
+        self.store.upsert_host(HostRecord(
+            job_id=job_id, cluster=plan.cluster, host=plan.host, role=plan.role,
+            node_rank=plan.node_rank, slots=plan.slots, agent_dir=plan.agent_dir, state=state,
+            pid=pid, detail={"conn": plan.conn, "logs": plan.logs, "metrics": metrics},
+        ))
+
+    # -- status -----------------------------------------------------------------------------
+    def _by_machine(self, hosts: list[HostRecord]) -> dict[tuple[Any, ...], list[HostRecord]]:
+        groups: dict[tuple[Any, ...], list[HostRecord]] = defaultdict(list)
+        for rec in hosts:
+            groups[machine_key(rec.detail["conn"])].append(rec)
+        return groups
+
+    def _agent_call(self, recs: list[HostRecord], *args: str, timeout: float) -> list[dict]:
+        conn = recs[0].detail["conn"]
+        result = self.transport(conn).run(
+            self._agent(conn, *args, *[r.agent_dir for r in recs]), timeout=timeout
+        )
+        try:
+            replies = json.loads(result.stdout)
+        except json.JSONDecodeError as exc:
+            raise TransportError(f"agent did not answer: {result}", host=conn["name"]) from exc
+        if not isinstance(replies, list) or len(replies) != len(recs):
+            raise TransportError(f"agent gave an unexpected answer: {result}", host=conn["name"])
+        return replies
+
+    def refresh(self, ref: str) -> JobSnapshot:
+        """Ask every agent of an unfinished job for its state; record changes; derive the job's."""
+        job = self.store.get_job(ref)
+        hosts = self.store.hosts(job.id)
+        live = [h for h in hosts if h.state not in END_STATES]
+        if live:
+            groups = self._by_machine(live)
+            try:
+                answers = fanout(
+                    list(groups), lambda k: self._agent_call(groups[k], "status", timeout=30),
+                    timeout=60,
+                )
+            except GroupError as exc:
+                answers = {k: v for k, v in exc.results.items() if isinstance(v, list)}
+                for key, err in exc.failures.items():
+                    for rec in groups[key]:  # type: ignore[index]
+                        rec.detail["unreachable"] = str(err)
+                        self.store.upsert_host(rec)
+            for key, replies in answers.items():
+                for rec, status in zip(groups[key], replies, strict=True):
+                    self._apply_status(rec, status)
+            hosts = self.store.hosts(job.id)
+        if job.state not in ("PENDING",):
+            state = job_state(hosts, job.state)
+            if state != job.state:
+                failed = [h for h in hosts if h.state in ("FAILED", "LOST")]
+                reason = "; ".join(
+                    f"{h.cluster}/{h.host} {h.role}: {h.detail.get('reason') or h.state}"
+                    for h in failed
+                ) or None
+                self.store.set_job_state(job.id, state, reason=reason)
+                self.store.add_event(job.id, "state", f"job {state.lower()}")
+                job = self.store.get_job(job.id)
+        return JobSnapshot(job=job, hosts=hosts)
+
+    def _apply_status(self, rec: HostRecord, status: dict[str, Any]) -> None:
+        state = status.get("state", rec.state)
+        if state == "PENDING" and rec.state != "PENDING":
+            state = "LOST"  # status.json vanished after the agent had started
+        changed = state != rec.state
+        rec.state = state
+        rec.pid = status.get("pid") or rec.pid
+        rec.pgid = status.get("pgid") or rec.pgid
+        rec.exit_code = status.get("exit_code", rec.exit_code)
+        rec.restarts = int(status.get("restarts") or 0)
+        rec.detail.update({
+            "reason": status.get("reason"), "exit_codes": status.get("exit_codes") or {},
+            "agent_pid": status.get("agent_pid"), "started": status.get("started"),
+            "ended": status.get("ended"), "group_alive": status.get("group_alive"),
+        })
+        rec.detail.pop("unreachable", None)
+        self.store.upsert_host(rec)
+        if changed:
+            why = f" ({rec.detail['reason']})" if rec.detail.get("reason") else ""
+            self.store.add_event(rec.job_id, "host-state", f"{rec.role} {state.lower()}{why}",
+                                 cluster=rec.cluster, host=rec.host)
+
+    # -- stop -------------------------------------------------------------------------------
+    def stop(self, ref: str, *, grace: float = 10.0, force: bool = False) -> StopReport:
+        """End every process group of the job on every host. Ending an ended job is fine."""
+        snap = self.refresh(ref)
+        report = StopReport(job=snap.job)
+        groups = self._by_machine(snap.hosts)
+        args = ["stop", "--grace", str(grace)] + (["--force"] if force else [])
+        self.store.add_event(snap.job.id, "stop", f"stop requested (grace {grace:g} s)")
+        failures: dict[object, object] = {}
+        try:
+            answers = fanout(
+                list(groups),
+                lambda k: self._agent_call(groups[k], *args, timeout=grace + 60),
+                timeout=grace + 90,
+            )
+        except GroupError as exc:
+            answers = {k: v for k, v in exc.results.items() if isinstance(v, list)}
+            failures = dict(exc.failures)
+        for key, replies in answers.items():
+            for rec, reply in zip(groups[key], replies, strict=True):
+                was_active = rec.state not in END_STATES
+                self._apply_status(rec, reply)
+                report.swept += len(reply.get("swept") or [])
+                (report.stopped if was_active else report.already_ended).append(rec)
+        hosts = self.store.hosts(snap.job.id)
+        if snap.job.state not in END_STATES or report.stopped:
+            final = "STOPPED" if not any(h.state in ("FAILED", "LOST") for h in report.stopped) \
+                else "FAILED"
+            self.store.set_job_state(snap.job.id, final if report.stopped else
+                                     job_state(hosts, snap.job.state))
+        report.job = self.store.get_job(snap.job.id)
+        if failures:
+            raise GroupError({**{k: "stopped" for k in answers}, **failures})
+        return report
+
+    def _stop_plans(self, plans: list[ProcessPlan], grace: float, force: bool) -> None:
+        """End the agents of a launch that did not finish (best effort, every host tried)."""
+        groups: dict[tuple[Any, ...], list[ProcessPlan]] = defaultdict(list)
+        for p in plans:
+            groups[machine_key(p.conn)].append(p)
+
+        def stop_group(key: tuple[Any, ...]) -> None:
+            conn = groups[key][0].conn
+            dirs = [p.agent_dir for p in groups[key]]
+            args = ["stop", "--grace", str(grace)] + (["--force"] if force else [])
+            self.transport(conn).run(self._agent(conn, *args, *dirs), timeout=grace + 60)
+
+        # best effort: the launch error is what the user needs; every host is tried
+        with contextlib.suppress(GroupError):
+            fanout(list(groups), stop_group, timeout=grace + 90)
+
+    # -- logs and metrics -------------------------------------------------------------------
+    def follow_logs(self, ref: str, **filters: Any) -> LogFollower:
+        job = self.store.get_job(ref)
+        return LogFollower(self.store.hosts(job.id), self.transport_of, **filters)
+
+    def follow_metrics(self, ref: str) -> MetricsFollower:
+        job = self.store.get_job(ref)
+        return MetricsFollower(self.store.hosts(job.id), self.transport_of)
+
+
+def _failure_reason(exc: NebulaError) -> str:
+    if isinstance(exc, GroupError):
+        return "\n".join(f"{k}: {v}" for k, v in exc.failures.items())
+    return str(exc)

@@ -1,0 +1,121 @@
+"""Transport: how a command or a file reaches one host. One interface, two implementations.
+
+Results are plain data; a failed command raises `CommandFailed` carrying its result only when
+the caller asks (`check=True`). Implementations translate their backend's errors into
+`TransportError` at this boundary.
+"""
+
+from __future__ import annotations
+
+import shlex
+from abc import ABC, abstractmethod
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from nebula_cli.errors import CommandFailed
+
+DEFAULT_TIMEOUT = 120.0
+
+
+@dataclass(frozen=True)
+class CommandResult:
+    """What a finished command left behind."""
+
+    command: str
+    exit_code: int
+    stdout: str
+    stderr: str
+
+    @property
+    def ok(self) -> bool:
+        return self.exit_code == 0
+
+    def tail(self, lines: int = 10) -> str:
+        text = (self.stderr.strip() or self.stdout.strip()).splitlines()
+        return "\n".join(text[-lines:])
+
+    def __str__(self) -> str:
+        tail = self.tail(5)
+        return f"`{self.command}` exited {self.exit_code}" + (f":\n{tail}" if tail else "")
+
+
+def shell_join(argv: Sequence[str] | str) -> str:
+    """A shell command line from an argv list (a string is taken as already a command line)."""
+    return argv if isinstance(argv, str) else shlex.join(argv)
+
+
+class Transport(ABC):
+    """A connection to one host. Opens lazily, `close()` is idempotent, usable as `with`."""
+
+    #: name shown to users (the spec's host entry)
+    name: str
+
+    @property
+    @abstractmethod
+    def home(self) -> str:
+        """Absolute path of nebula's directory on the host (remote jobs live in home/jobs)."""
+
+    @property
+    @abstractmethod
+    def python(self) -> str:
+        """The Python interpreter on the host that has nebula_cli importable."""
+
+    @abstractmethod
+    def run(
+        self,
+        argv: Sequence[str] | str,
+        *,
+        env: Mapping[str, str] | None = None,
+        cwd: str | None = None,
+        timeout: float = DEFAULT_TIMEOUT,
+        stdin: bytes | None = None,
+    ) -> CommandResult:
+        """Run a command to completion and capture its output (stdout and stderr drained)."""
+
+    @abstractmethod
+    def put_bytes(self, data: bytes, remote: str, *, mode: int = 0o644) -> None:
+        """Write bytes to a file on the host (parent directories made), atomically."""
+
+    @abstractmethod
+    def put(self, local: str, remote: str, *, mode: int | None = None) -> None:
+        """Copy a local file to the host."""
+
+    @abstractmethod
+    def get(self, remote: str, local: str) -> None:
+        """Copy a file from the host to this machine."""
+
+    @abstractmethod
+    def read_tail(self, remote: str, offset: int, max_bytes: int = 1 << 20) -> tuple[bytes, int]:
+        """Bytes of a file from `offset` (at most max_bytes) and the offset after them.
+
+        A missing file reads as empty. A file shorter than `offset` (truncated or replaced)
+        is read from its start."""
+
+    @abstractmethod
+    def makedirs(self, remote: str, *, mode: int = 0o755) -> None:
+        """Make a directory and its parents on the host."""
+
+    def read_file(self, remote: str, max_bytes: int = 16 << 20) -> bytes | None:
+        """A whole (small) file, or None when it does not exist."""
+        data, _ = self.read_tail(remote, 0, max_bytes)
+        return data if data or self.exists(remote) else None
+
+    @abstractmethod
+    def exists(self, remote: str) -> bool:
+        """Whether a path exists on the host."""
+
+    def run_checked(self, argv: Sequence[str] | str, **kwargs: object) -> CommandResult:
+        """`run`, raising CommandFailed (with the result) on a non-zero exit."""
+        result = self.run(argv, **kwargs)  # type: ignore[arg-type]
+        if not result.ok:
+            raise CommandFailed(result, host=self.name)
+        return result
+
+    def close(self) -> None:  # noqa: B027 - optional hook
+        """Release connections. Safe to call twice."""
+
+    def __enter__(self) -> Transport:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,111 @@
+"""LocalTransport: every "host" is a set of process groups on this machine."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+from nebula_cli.errors import TransportError
+from nebula_cli.state import nebula_home
+from nebula_cli.transport.base import DEFAULT_TIMEOUT, CommandResult, Transport, shell_join
+
+
+class LocalTransport(Transport):
+    """Runs commands as subprocesses of this machine; files are plain file operations."""
+
+    def __init__(self, name: str = "localhost", *, home: str | None = None,
+                 python: str | None = None) -> None:
+        self.name = name
+        self._home = str(Path(home).expanduser() if home else nebula_home())
+        self._python = python or sys.executable
+
+    @property
+    def home(self) -> str:
+        return self._home
+
+    @property
+    def python(self) -> str:
+        return self._python
+
+    def run(
+        self,
+        argv: Sequence[str] | str,
+        *,
+        env: Mapping[str, str] | None = None,
+        cwd: str | None = None,
+        timeout: float = DEFAULT_TIMEOUT,
+        stdin: bytes | None = None,
+    ) -> CommandResult:
+        full_env = {**os.environ, **(env or {})}
+        shell = isinstance(argv, str)
+        try:
+            proc = subprocess.run(
+                argv, shell=shell, env=full_env, cwd=cwd, input=stdin,
+                capture_output=True, timeout=timeout, check=False,
+                stdin=None if stdin is not None else subprocess.DEVNULL,
+            )
+        except subprocess.TimeoutExpired as exc:
+            raise TransportError(
+                f"`{shell_join(argv)}` did not finish within {timeout:g} s", host=self.name
+            ) from exc
+        except OSError as exc:
+            raise TransportError(f"cannot run `{shell_join(argv)}`: {exc}", host=self.name) from exc
+        return CommandResult(
+            command=shell_join(argv),
+            exit_code=proc.returncode,
+            stdout=proc.stdout.decode(errors="replace"),
+            stderr=proc.stderr.decode(errors="replace"),
+        )
+
+    def put_bytes(self, data: bytes, remote: str, *, mode: int = 0o644) -> None:
+        target = Path(remote)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.")
+        try:
+            os.fchmod(fd, mode)
+            with os.fdopen(fd, "wb") as fh:
+                fh.write(data)
+            os.replace(tmp, target)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
+
+    def put(self, local: str, remote: str, *, mode: int | None = None) -> None:
+        Path(remote).parent.mkdir(parents=True, exist_ok=True)
+        try:
+            shutil.copyfile(local, remote)
+            if mode is not None:
+                os.chmod(remote, mode)
+        except OSError as exc:
+            raise TransportError(f"cannot copy {local} to {remote}: {exc}", host=self.name) from exc
+
+    def get(self, remote: str, local: str) -> None:
+        try:
+            shutil.copyfile(remote, local)
+        except OSError as exc:
+            raise TransportError(f"cannot copy {remote} to {local}: {exc}", host=self.name) from exc
+
+    def read_tail(self, remote: str, offset: int, max_bytes: int = 1 << 20) -> tuple[bytes, int]:
+        try:
+            with open(remote, "rb") as fh:
+                size = os.fstat(fh.fileno()).st_size
+                if size < offset:
+                    offset = 0
+                fh.seek(offset)
+                data = fh.read(max_bytes)
+        except FileNotFoundError:
+            return b"", offset
+        except OSError as exc:
+            raise TransportError(f"cannot read {remote}: {exc}", host=self.name) from exc
+        return data, offset + len(data)
+
+    def makedirs(self, remote: str, *, mode: int = 0o755) -> None:
+        Path(remote).mkdir(parents=True, exist_ok=True, mode=mode)
+
+    def exists(self, remote: str) -> bool:
+        return os.path.exists(remote)

@@ -1,0 +1,173 @@
+"""rich renderables: tables, log prefixes, the metrics panel, human units."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable
+from datetime import datetime
+from typing import Any
+
+from rich.console import Group
+from rich.panel import Panel
+from rich.table import Table
+from rich.text import Text
+
+from nebula_cli.errors import SpecError
+from nebula_cli.follow import LogLine, finite
+from nebula_cli.orchestrator import JobSnapshot
+from nebula_cli.state import HostRecord, JobRecord
+
+PALETTE = ["cyan", "magenta", "green", "yellow", "blue", "red", "bright_cyan", "bright_magenta"]
+STATE_STYLE = {
+    "RUNNING": "green", "STARTING": "cyan", "PENDING": "cyan", "RESTARTING": "yellow",
+    "STOPPING": "yellow", "SUCCEEDED": "bold green", "FAILED": "bold red", "LOST": "bold red",
+    "STOPPED": "dim",
+}
+
+
+def cluster_colors(clusters: Iterable[str]) -> dict[str, str]:
+    return {name: PALETTE[i % len(PALETTE)] for i, name in enumerate(clusters)}
+
+
+def state_text(state: str) -> Text:
+    return Text(state, style=STATE_STYLE.get(state, ""))
+
+
+def human_bytes(n: float | None) -> str:
+    if n is None or not finite(n):
+        return "-"
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if abs(n) < 1000 or unit == "TB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1000
+    return f"{n:.1f} TB"
+
+
+def human_duration(seconds: float | None) -> str:
+    if seconds is None or not finite(seconds):
+        return "-"
+    seconds = int(seconds)
+    h, rem = divmod(seconds, 3600)
+    m, s = divmod(rem, 60)
+    return f"{h}h{m:02d}m{s:02d}s" if h else f"{m}m{s:02d}s" if m else f"{s}s"
+
+
+def human_time(ts: float | None) -> str:
+    return datetime.fromtimestamp(ts).strftime("%Y-%m-%d %H:%M:%S") if ts else "-"
+
+
+def num(value: Any, fmt: str = ".3f") -> str:
+    return format(value, fmt) if finite(value) else "-"
+
+
+def job_duration(job: JobRecord) -> float | None:
+    if job.started is None:
+        return None
+    return (job.ended or time.time()) - job.started
+
+
+def exit_text(rec: HostRecord) -> str:
+    codes = {r: c for r, c in (rec.detail.get("exit_codes") or {}).items() if c not in (None,)}
+    if rec.exit_code is None and not codes:
+        return "-"
+    if len(codes) > 1:
+        return " ".join(f"r{r}:{c}" for r, c in codes.items())
+    return str(rec.exit_code if rec.exit_code is not None else next(iter(codes.values())))
+
+
+def jobs_table(jobs: list[JobRecord]) -> Table:
+    table = Table(title="nebula jobs", title_justify="left")
+    for col in ("name", "id", "state", "clusters", "hosts", "started", "duration"):
+        table.add_column(col, no_wrap=col in ("id", "started"))
+    for job in jobs:
+        table.add_row(job.name, job.id, state_text(job.state), ", ".join(job.clusters),
+                      str(job.num_hosts), human_time(job.started or job.created),
+                      human_duration(job_duration(job)))
+    return table
+
+
+def job_detail(snap: JobSnapshot, metrics: dict[str, dict[str, Any]] | None = None) -> Group:
+    job = snap.job
+    colors = cluster_colors(job.clusters)
+    head = Text.assemble(
+        (job.id, "bold"), "  ", state_text(job.state),
+        f"  started {human_time(job.started)}  ran {human_duration(job_duration(job))}",
+    )
+    if job.reason and job.state in ("FAILED",):
+        head.append(f"\nreason: {job.reason}", style="red")
+    table = Table(show_edge=False)
+    for col in ("cluster", "host", "role", "state", "agent", "pid", "restarts", "exit", "note"):
+        table.add_column(col)
+    for h in snap.hosts:
+        note = h.detail.get("unreachable") or (
+            h.detail.get("reason") if h.state in ("FAILED", "LOST", "RESTARTING") else "")
+        table.add_row(
+            Text(h.cluster, style=colors.get(h.cluster, "")), h.host, h.role, state_text(h.state),
+            str(h.detail.get("agent_pid") or "-"), str(h.pid or "-"), str(h.restarts),
+            exit_text(h), note or "",
+        )
+    parts: list[Any] = [head, table]
+    if metrics:
+        parts.append(metrics_table(job.clusters, metrics, {}))
+    return Group(*parts)
+
+
+def metrics_table(
+    clusters: list[str], latest: dict[str, dict[str, Any]], relay: dict[str, dict[str, Any]]
+) -> Table:
+    """Per cluster: step, losses, tokens/s, outer round, round time, WAN bytes, present."""
+    colors = cluster_colors(clusters)
+    table = Table(show_edge=False, title_justify="left")
+    for col in ("cluster", "step", "loss", "eval loss", "tokens/s", "round", "round time",
+                "WAN sent", "WAN recv", "present"):
+        table.add_column(col, justify="right" if col != "cluster" else "left")
+    for name in clusters:
+        m = latest.get(name, {})
+        r = relay.get(name, {})
+        present = m.get("clusters_present", r.get("present"))
+        if isinstance(present, list):
+            present = len(present)
+        table.add_row(
+            Text(name, style=colors[name]), str(m.get("step", "-")), num(m.get("loss")),
+            num(m.get("eval_loss")), num(m.get("tokens_per_s"), ".0f"),
+            str(m.get("outer_round", r.get("round", "-"))),
+            num(m.get("round_s", r.get("round_s")), ".2f") + ("s" if finite(
+                m.get("round_s", r.get("round_s"))) else ""),
+            human_bytes(r.get("bytes_sent", m.get("wan_bytes_sent"))),
+            human_bytes(r.get("bytes_received", m.get("wan_bytes_received"))),
+            str(present if present is not None else "-"),
+        )
+    return table
+
+
+def status_panel(snap: JobSnapshot, latest: dict[str, Any], relay: dict[str, Any]) -> Panel:
+    counts: dict[str, int] = {}
+    for h in snap.hosts:
+        counts[h.state] = counts.get(h.state, 0) + 1
+    summary = Text.assemble(
+        (snap.job.id, "bold"), "  ", state_text(snap.job.state), "  ",
+        ", ".join(f"{n} {s.lower()}" for s, n in sorted(counts.items())),
+        f"  {human_duration(job_duration(snap.job))}",
+    )
+    parts: list[Any] = [summary]
+    if latest or relay:
+        parts.append(metrics_table(snap.job.clusters, latest, relay))
+    return Panel(Group(*parts), title="nebula", title_align="left", border_style="dim")
+
+
+def log_text(line: LogLine, colors: dict[str, str]) -> Text:
+    prefix = f"{line.cluster}/{line.host}/{line.rank}"
+    return Text.assemble((prefix, colors.get(line.cluster, "")), (" | ", "dim"), line.text)
+
+
+def spec_error_text(err: SpecError) -> Text:
+    problems = err.problems or [err]
+    text = Text()
+    for i, p in enumerate(problems):
+        if i:
+            text.append("\n")
+        text.append(p.location(), style="bold")
+        if p.field:
+            text.append(f": {p.field}", style="cyan")
+        text.append(f": {p.message}")
+    return text

@@ -1,0 +1,85 @@
+"""Shared fixtures: an isolated NEBULA_HOME, a CLI runner, and a sweep for leftover processes."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def job_processes(job_id: str) -> list[int]:
+    """Pids of processes whose environment carries NEBULA_JOB_ID=job_id."""
+    mark = f"NEBULA_JOB_ID={job_id}".encode()
+    found = []
+    for entry in Path("/proc").glob("[0-9]*"):
+        try:
+            if mark in entry.joinpath("environ").read_bytes().split(b"\0"):
+                found.append(int(entry.name))
+        except OSError:
+            continue
+    return found
+
+
+def kill_job_processes(job_id: str) -> list[int]:
+    pids = job_processes(job_id)
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    return pids
+
+
+@dataclass
+class CLI:
+    home: Path
+    env: dict[str, str]
+
+    def __call__(self, *args: str, timeout: float = 120, check: bool = False
+                 ) -> subprocess.CompletedProcess[str]:
+        proc = subprocess.run(
+            [sys.executable, "-m", "nebula_cli", *args], env=self.env, capture_output=True,
+            text=True, timeout=timeout, cwd=REPO, stdin=subprocess.DEVNULL,
+        )
+        if check and proc.returncode != 0:
+            raise AssertionError(f"nebula {' '.join(args)} exited {proc.returncode}:\n"
+                                 f"{proc.stdout}\n{proc.stderr}")
+        return proc
+
+    def job_ids(self) -> list[str]:
+        jobs_dir = self.home / "jobs"
+        return sorted(p.name for p in jobs_dir.iterdir()) if jobs_dir.exists() else []
+
+
+@pytest.fixture
+def nebula_home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    home = tmp_path / "nebula-home"
+    monkeypatch.setenv("NEBULA_HOME", str(home))
+    return home
+
+
+@pytest.fixture
+def cli(nebula_home: Path) -> Iterator[CLI]:
+    """Runs `nebula` in a subprocess against an isolated NEBULA_HOME; ends every job after."""
+    env = {**os.environ, "NEBULA_HOME": str(nebula_home), "COLUMNS": "200", "NO_COLOR": "1"}
+    runner = CLI(home=nebula_home, env=env)
+    try:
+        yield runner
+    finally:
+        for job_id in runner.job_ids():
+            runner("stop", job_id, "--force", timeout=120)
+            kill_job_processes(job_id)
+
+
+def write_spec(directory: Path, body: str, name: str = "job.yaml") -> Path:
+    path = directory / name
+    path.write_text(textwrap.dedent(body).lstrip())
+    return path

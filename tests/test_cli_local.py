@@ -1,0 +1,138 @@
+"""launch -> status -> logs -> stop through the real CLI, local transport, real agents."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from pathlib import Path
+from typing import Any
+
+from conftest import CLI, job_processes, write_spec
+
+HELLO = """
+name: hello
+workdir: .
+run: >-
+  echo "I am $NEBULA_CLUSTER/$NEBULA_HOST rank $RANK of $WORLD_SIZE
+  node $NEBULA_NODE_RANK/$NEBULA_NUM_NODES"; i=0;
+  while [ $i -lt {ticks} ]; do i=$((i+1)); echo "tick $i"; sleep {every}; done
+env: {{GREETING: hi, API_TOKEN: s3cret}}
+clusters:
+  - name: east
+    transport: local
+    hosts: [{{host: e1}}, {{host: e2}}]
+  - name: west
+    transport: local
+    hosts: [{{host: w1}}, {{host: w2, slots: 2}}]
+"""
+
+
+def spec(tmp_path: Path, ticks: int = 600, every: float = 0.5) -> Path:
+    return write_spec(tmp_path, HELLO.format(ticks=ticks, every=every))
+
+
+def status_json(cli: CLI, job_id: str) -> dict[str, Any]:
+    return json.loads(cli("status", job_id, "--json", check=True).stdout)
+
+
+def wait_for(pred: Any, timeout: float = 30.0) -> Any:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = pred()
+        if value:
+            return value
+        time.sleep(0.3)
+    raise AssertionError("condition not met in time")
+
+
+def test_launch_status_logs_stop(cli: CLI, tmp_path: Path) -> None:
+    launched = cli("launch", str(spec(tmp_path)), "--detach", check=True)
+    job_id = launched.stdout.strip()
+    assert job_id.startswith("hello-") and cli.job_ids() == [job_id]
+
+    st = wait_for(lambda: (s := status_json(cli, job_id))["state"] == "RUNNING"
+                  and all(h["state"] == "RUNNING" for h in s["hosts"]) and s)
+    assert {(h["cluster"], h["host"]) for h in st["hosts"]} == {
+        ("east", "e1"), ("east", "e2"), ("west", "w1"), ("west", "w2")}
+    assert all(h["pid"] and h["exit_code"] is None for h in st["hosts"])
+
+    listing = json.loads(cli("status", "--json", check=True).stdout)
+    assert [j["id"] for j in listing] == [job_id] and listing[0]["hosts"] == 4
+
+    wait_for(lambda: "tick 2" in cli("logs", job_id, "--host", "w2").stdout)
+    logs = cli("logs", job_id, check=True).stdout
+    assert "east/e1/0 | I am east/e1 rank 0 of 2 node 0/2" in logs
+    assert "west/w2/2 | I am west/w2 rank 2 of 3 node 1/2" in logs
+    only = cli("logs", job_id, "--cluster", "west", "--rank", "1", "--tail", "1").stdout
+    assert only.count("\n") == 1 and only.startswith("west/w2/1 | ")
+
+    pids = job_processes(job_id)
+    assert len(pids) >= 5  # 5 ranks (plus their agents)
+    stopped = cli("stop", job_id, "--grace", "2", check=True)
+    assert stopped.stdout.count("stopped ") >= 4 and "stopped" in stopped.stdout.splitlines()[-1]
+    assert job_processes(job_id) == []
+    after = status_json(cli, job_id)
+    assert after["state"] == "STOPPED" and {h["state"] for h in after["hosts"]} == {"STOPPED"}
+
+    again = cli("stop", job_id)
+    assert again.returncode == 0 and "already ended" in again.stdout
+
+
+def test_foreground_launch_streams_prefixed_logs_and_succeeds(cli: CLI, tmp_path: Path) -> None:
+    proc = cli("launch", str(spec(tmp_path, ticks=2, every=0.2)), timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "east/e2/1 | I am east/e2 rank 1 of 2" in proc.stdout
+    assert "west/w2/2 | tick 2" in proc.stdout
+    assert "SUCCEEDED" in proc.stdout
+    assert "s3cret" not in proc.stdout + proc.stderr
+
+
+def test_worker_killed_while_detached_shows_failed(cli: CLI, tmp_path: Path) -> None:
+    job_id = cli("launch", str(spec(tmp_path)), "--detach", check=True).stdout.strip()
+    st = wait_for(lambda: (s := status_json(cli, job_id))["hosts"]
+                  and all(h["state"] == "RUNNING" for h in s["hosts"]) and s)
+    victim = next(h for h in st["hosts"] if h["host"] == "e1")
+    os.kill(victim["pid"], signal.SIGKILL)
+    after = wait_for(lambda: (s := status_json(cli, job_id)) and any(
+        h["host"] == "e1" and h["state"] == "FAILED" for h in s["hosts"]) and s)
+    e1 = next(h for h in after["hosts"] if h["host"] == "e1")
+    assert e1["exit_code"] == -9 and "killed by SIGKILL" in e1["detail"]["reason"]
+    text = cli("status", job_id).stdout
+    assert "FAILED" in text and "-9" in text
+
+    # every other process dies too, unwatched: the job ends FAILED, never stuck RUNNING
+    for h in after["hosts"]:
+        if h["state"] == "RUNNING":
+            for pid in h["detail"].get("pids") or [h["pid"]]:
+                os.kill(pid, signal.SIGKILL)
+    final = wait_for(lambda: (s := status_json(cli, job_id))["state"] != "RUNNING" and s)
+    assert final["state"] == "FAILED" and "e1" in final["reason"]
+    plain = cli("status").stdout
+    assert job_id in plain and "FAILED" in plain
+
+
+def test_dead_agent_and_workers_are_not_stuck_running(cli: CLI, tmp_path: Path) -> None:
+    job_id = cli("launch", str(spec(tmp_path)), "--detach", check=True).stdout.strip()
+    wait_for(lambda: all(h["state"] == "RUNNING" for h in status_json(cli, job_id)["hosts"]))
+    for pid in job_processes(job_id):  # agents and workers, all at once
+        os.kill(pid, signal.SIGKILL)
+    final = wait_for(lambda: (s := status_json(cli, job_id))["state"] != "RUNNING" and s)
+    assert final["state"] == "FAILED"
+    assert {h["state"] for h in final["hosts"]} <= {"FAILED", "LOST"}
+
+
+def test_exit_codes(cli: CLI, tmp_path: Path) -> None:
+    bad = write_spec(tmp_path, "name: x\nrun: true\nclusters: []\n", "bad.yaml")
+    assert cli("validate", str(bad)).returncode == 2
+    assert cli("launch", str(bad)).returncode == 2
+    assert cli("validate", str(tmp_path / "missing.yaml")).returncode == 2
+    assert cli("status", "no-such-job").returncode == 2
+    assert cli("launch").returncode == 2  # missing argument: usage
+    assert cli("validate", str(spec(tmp_path))).returncode == 0
+    failing = write_spec(tmp_path, HELLO.format(ticks=1, every=0.1).replace(
+        "run: >-\n", "run: >-\n  exit 3;\n"), "failing.yaml")
+    proc = cli("launch", str(failing), timeout=120)
+    assert proc.returncode == 1 and "FAILED" in proc.stdout
+    assert "Traceback" not in proc.stdout + proc.stderr

@@ -1,0 +1,398 @@
+"""Tests of nebula_cli.pki: issued files, and real TLS 1.3 handshakes over loopback sockets."""
+
+from __future__ import annotations
+
+import datetime as dt
+import logging
+import os
+import socket
+import ssl
+import stat
+import threading
+from pathlib import Path
+
+import pytest
+from cryptography import x509
+from cryptography.hazmat.primitives import serialization
+from cryptography.x509.oid import ExtendedKeyUsageOID
+
+from nebula_cli import pki
+from nebula_cli.errors import NebulaError
+from nebula_cli.pki import (
+    CertPair,
+    Identity,
+    JobPKI,
+    PeerRejected,
+    client_context,
+    issue_job_pki,
+    load_pki,
+    server_context,
+    wrap_client,
+    wrap_server,
+)
+
+JOB = "train-20250101-000000-ab12"
+CLUSTERS = {"alpha": ["a1", "a2.example.org"], "beta": ["b1"]}
+TIMEOUT = 5.0
+
+
+@pytest.fixture(scope="module")
+def job(tmp_path_factory: pytest.TempPathFactory) -> JobPKI:
+    return issue_job_pki(JOB, CLUSTERS, tmp_path_factory.mktemp("pki") / "job")
+
+
+@pytest.fixture(scope="module")
+def other_job(tmp_path_factory: pytest.TempPathFactory) -> JobPKI:
+    return issue_job_pki("other-job", {"alpha": ["a1"]}, tmp_path_factory.mktemp("pki2") / "job")
+
+
+def _craft(job: JobPKI, ident: Identity, out: Path, **validity: dt.datetime) -> CertPair:
+    """A pair for ``ident`` signed by ``job``'s CA (identities issue_job_pki never makes)."""
+    ca_cert = x509.load_pem_x509_certificate(job.ca_cert.read_bytes())
+    ca_key = serialization.load_pem_private_key(job.ca_key.read_bytes(), password=None)
+    now = dt.datetime.now(dt.timezone.utc)
+    cert, key = pki._issue_leaf(
+        ca_cert,
+        ca_key,
+        ident,
+        not_before=validity.get("not_before", now - dt.timedelta(minutes=1)),
+        not_after=validity.get("not_after", now + dt.timedelta(hours=1)),
+    )
+    out.mkdir(parents=True, exist_ok=True)
+    pair = CertPair(out / "crafted.pem", out / "crafted.key")
+    pki._write_pair(cert, key, pair)
+    return pair
+
+
+def _handshake(
+    server_ctx: ssl.SSLContext,
+    client_ctx: ssl.SSLContext,
+    *,
+    server_roles: set[str],
+    client_roles: set[str] = frozenset({"relay"}),
+    server_cluster: str | None = None,
+    job_id: str = JOB,
+    server_timeout: float = TIMEOUT,
+    client_sends: bool = True,
+) -> dict[str, object]:
+    """One real handshake over 127.0.0.1. Returns what each side got: a tuple or an exception.
+
+    On success the client sends b"ping" and the server answers b"pong", so data really flows.
+    """
+    out: dict[str, object] = {}
+    listener = socket.create_server(("127.0.0.1", 0))
+    listener.settimeout(TIMEOUT)
+    port = listener.getsockname()[1]
+
+    def serve() -> None:
+        conn = None
+        try:
+            conn, _ = listener.accept()
+            sslsock, ident = wrap_server(
+                conn,
+                server_ctx,
+                job_id=job_id,
+                roles=server_roles,
+                cluster=server_cluster,
+                timeout=server_timeout,
+            )
+            with sslsock:
+                sslsock.settimeout(TIMEOUT)
+                data = sslsock.recv(4)
+                sslsock.sendall(b"pong")
+                out["server"] = (ident, sslsock.version(), data)
+        except Exception as exc:  # recorded for the test to inspect
+            out["server"] = exc
+        finally:
+            if conn is not None:
+                conn.close()
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    sock = socket.create_connection(("127.0.0.1", port), timeout=TIMEOUT)
+    try:
+        if client_sends:
+            sslsock, ident = wrap_client(
+                sock, client_ctx, job_id=job_id, roles=client_roles, timeout=TIMEOUT
+            )
+            with sslsock:
+                try:
+                    sslsock.sendall(b"ping")
+                    reply = sslsock.recv(4)
+                except OSError as exc:
+                    reply = exc
+                out["client"] = (ident, sslsock.version(), reply)
+        else:  # a silent client: connected, never says anything
+            thread.join(TIMEOUT)
+    except Exception as exc:
+        out["client"] = exc
+    finally:
+        sock.close()
+        thread.join(TIMEOUT)
+        listener.close()
+    assert not thread.is_alive(), "server thread did not finish"
+    return out
+
+
+def _rejected(result: object, *needles: str) -> PeerRejected:
+    assert isinstance(result, PeerRejected), f"expected PeerRejected, got {result!r}"
+    for needle in needles:
+        assert needle in result.reason, result.reason
+    assert result.peer and result.peer.startswith("127.0.0.1:")
+    return result
+
+
+# --------------------------------------------------------------------------- issued files
+
+
+def test_layout_and_key_modes(tmp_path: Path) -> None:
+    old = os.umask(0)  # keys must be 0600 whatever the umask
+    try:
+        job = issue_job_pki(JOB, CLUSTERS, tmp_path / "job")
+    finally:
+        os.umask(old)
+    expected = {"ca.pem", "ca.key"}
+    for cluster, hosts in CLUSTERS.items():
+        expected |= {f"{cluster}/relay.pem", f"{cluster}/relay.key"}
+        expected |= {f"{cluster}/worker-{h}.{ext}" for h in hosts for ext in ("pem", "key")}
+    found = {str(p.relative_to(job.root)) for p in job.root.rglob("*") if p.is_file()}
+    assert found == expected
+    keys = list(job.root.rglob("*.key"))
+    assert len(keys) == 1 + 2 + 3
+    for key in keys:
+        assert stat.S_IMODE(key.stat().st_mode) == 0o600, key
+    assert job.relay("beta") == CertPair(job.root / "beta/relay.pem", job.root / "beta/relay.key")
+    assert job.worker("alpha", "a1").cert == job.root / "alpha/worker-a1.pem"
+    with pytest.raises(NebulaError, match="gamma"):
+        job.relay("gamma")
+    with pytest.raises(NebulaError, match="b9"):
+        job.worker("beta", "b9")
+
+
+def test_refuses_overwrite_and_bad_names(job: JobPKI, tmp_path: Path) -> None:
+    with pytest.raises(NebulaError, match="already exists"):
+        issue_job_pki(JOB, CLUSTERS, job.root)
+    with pytest.raises(NebulaError, match="cluster name"):
+        issue_job_pki(JOB, {"a/b": ["h"]}, tmp_path / "x")
+    with pytest.raises(NebulaError, match="host name"):
+        issue_job_pki(JOB, {"a": ["../h"]}, tmp_path / "y")
+    with pytest.raises(NebulaError, match="positive"):
+        issue_job_pki(JOB, {"a": ["h"]}, tmp_path / "z", valid_for=dt.timedelta(0))
+
+
+def test_load_pki_round_trip(job: JobPKI) -> None:
+    loaded = load_pki(job.root)
+    assert loaded.job_id == JOB
+    assert loaded.clusters == {c: sorted(h) for c, h in CLUSTERS.items()}
+    assert (loaded.ca_cert, loaded.ca_key) == (job.ca_cert, job.ca_key)
+    assert loaded.worker("alpha", "a2.example.org") == job.worker("alpha", "a2.example.org")
+
+
+def test_certificate_contents_and_validity(tmp_path: Path) -> None:
+    valid_for = dt.timedelta(hours=6)
+    before = dt.datetime.now(dt.timezone.utc)
+    job = issue_job_pki(JOB, {"alpha": ["a1"]}, tmp_path / "job", valid_for=valid_for)
+    after = dt.datetime.now(dt.timezone.utc)
+    ca = x509.load_pem_x509_certificate(job.ca_cert.read_bytes())
+    bc = ca.extensions.get_extension_for_class(x509.BasicConstraints)
+    assert bc.critical and bc.value.ca and bc.value.path_length == 0
+    for pair, ident in [
+        (job.relay("alpha"), Identity(JOB, "relay", "alpha", "relay")),
+        (job.worker("alpha", "a1"), Identity(JOB, "worker", "alpha", "a1")),
+    ]:
+        cert = x509.load_pem_x509_certificate(pair.cert.read_bytes())
+        assert pki.identity_of(cert) == ident
+        san = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+        assert san.get_values_for_type(x509.UniformResourceIdentifier) == [
+            f"nebula://{JOB}/{ident.role}/alpha/{ident.name}"
+        ]
+        cn = cert.subject.get_attributes_for_oid(x509.oid.NameOID.COMMON_NAME)[0].value
+        assert "alpha" in cn
+        assert cert.issuer == ca.subject
+        assert not cert.extensions.get_extension_for_class(x509.BasicConstraints).value.ca
+        ku = cert.extensions.get_extension_for_class(x509.KeyUsage).value
+        assert ku.digital_signature and not ku.key_cert_sign
+        eku = cert.extensions.get_extension_for_class(x509.ExtendedKeyUsage).value
+        assert set(eku) == {ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH}
+        slack = dt.timedelta(seconds=2)
+        nb, na = cert.not_valid_before_utc, cert.not_valid_after_utc
+        assert before - pki.CLOCK_SKEW - slack <= nb <= after - pki.CLOCK_SKEW
+        assert before + valid_for - slack <= na <= after + valid_for
+        assert ca.not_valid_before_utc <= nb and na <= ca.not_valid_after_utc
+
+
+def test_contexts_are_tls13_mutual(job: JobPKI) -> None:
+    for ctx in (server_context(job.relay("alpha"), job.ca_cert),
+                client_context(job.relay("alpha"), job.ca_cert)):
+        assert ctx.minimum_version == ssl.TLSVersion.TLSv1_3
+        assert ctx.verify_mode == ssl.CERT_REQUIRED
+        assert ctx.check_hostname is False
+    with pytest.raises(NebulaError, match="missing"):
+        server_context(CertPair(job.root / "nope.pem", job.root / "nope.key"), job.ca_cert)
+
+
+# --------------------------------------------------------------------------- handshakes
+
+
+def test_relay_to_relay_both_ways(job: JobPKI) -> None:
+    for srv, cli in [("alpha", "beta"), ("beta", "alpha")]:
+        out = _handshake(
+            server_context(job.relay(srv), job.ca_cert),
+            client_context(job.relay(cli), job.ca_cert),
+            server_roles={"relay"},
+        )
+        s_ident, s_version, s_data = out["server"]
+        c_ident, c_version, c_data = out["client"]
+        assert s_ident == Identity(JOB, "relay", cli, "relay")
+        assert c_ident == Identity(JOB, "relay", srv, "relay")
+        assert s_version == c_version == "TLSv1.3"
+        assert (s_data, c_data) == (b"ping", b"pong")
+
+
+def test_worker_to_its_relay(job: JobPKI) -> None:
+    out = _handshake(
+        server_context(job.relay("alpha"), job.ca_cert),
+        client_context(job.worker("alpha", "a2.example.org"), job.ca_cert),
+        server_roles={"worker"},
+        server_cluster="alpha",
+    )
+    s_ident, version, data = out["server"]
+    assert s_ident == Identity(JOB, "worker", "alpha", "a2.example.org")
+    assert version == "TLSv1.3" and data == b"ping"
+    assert out["client"][0] == Identity(JOB, "relay", "alpha", "relay")
+
+
+def test_worker_where_relay_required(job: JobPKI, caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.WARNING, logger="nebula.pki")
+    out = _handshake(
+        server_context(job.relay("alpha"), job.ca_cert),
+        client_context(job.worker("beta", "b1"), job.ca_cert),
+        server_roles={"relay"},
+    )
+    exc = _rejected(out["server"], "worker certificate presented where a relay is required")
+    # the server closed the connection: the client cannot get an answer
+    assert not (isinstance(out["client"], tuple) and out["client"][2] == b"pong")
+    warnings = [
+        r for r in caplog.records if r.name == "nebula.pki" and r.levelno == logging.WARNING
+    ]
+    assert any(exc.reason in r.getMessage() and exc.peer in r.getMessage() for r in warnings)
+
+
+def test_worker_of_another_cluster(job: JobPKI) -> None:
+    out = _handshake(
+        server_context(job.relay("alpha"), job.ca_cert),
+        client_context(job.worker("beta", "b1"), job.ca_cert),
+        server_roles={"worker"},
+        server_cluster="alpha",
+    )
+    _rejected(out["server"], "certificate of cluster beta, expected alpha")
+
+
+def test_client_of_another_job_ca(job: JobPKI, other_job: JobPKI) -> None:
+    # The client trusts our CA (it is public) but holds a cert of another job's CA.
+    out = _handshake(
+        server_context(job.relay("alpha"), job.ca_cert),
+        client_context(other_job.relay("alpha"), job.ca_cert),
+        server_roles={"relay"},
+    )
+    _rejected(out["server"], "not issued by this job's CA")
+    # A client of the other job that also trusts only its own CA refuses our server first;
+    # the server sees its alert and still refuses the connection with a reason.
+    out = _handshake(
+        server_context(job.relay("alpha"), job.ca_cert),
+        client_context(other_job.relay("alpha"), other_job.ca_cert),
+        server_roles={"relay"},
+    )
+    _rejected(out["client"], "not issued by this job's CA")
+    _rejected(out["server"], "not issued by its job's CA")
+
+
+def test_server_of_another_job_ca(job: JobPKI, other_job: JobPKI) -> None:
+    out = _handshake(
+        server_context(other_job.relay("alpha"), other_job.ca_cert),
+        client_context(job.relay("beta"), job.ca_cert),
+        server_roles={"relay"},
+    )
+    _rejected(out["client"], "not issued by this job's CA")
+    assert isinstance(out["server"], PeerRejected)  # the client's alert ends the server side too
+
+
+def test_same_ca_but_other_job_id(job: JobPKI, tmp_path: Path) -> None:
+    forged = _craft(job, Identity("other-job", "relay", "beta", "relay"), tmp_path)
+    out = _handshake(
+        server_context(job.relay("alpha"), job.ca_cert),
+        client_context(forged, job.ca_cert),
+        server_roles={"relay"},
+    )
+    _rejected(out["server"], f"certificate of job other-job, expected {JOB}")
+    # and the other way round: a server with that cert is refused by the client
+    out = _handshake(
+        server_context(forged, job.ca_cert),
+        client_context(job.relay("alpha"), job.ca_cert),
+        server_roles={"relay"},
+    )
+    _rejected(out["client"], f"certificate of job other-job, expected {JOB}")
+
+
+def test_no_client_certificate(job: JobPKI) -> None:
+    bare = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    bare.check_hostname = False
+    bare.load_verify_locations(cafile=str(job.ca_cert))
+    out = _handshake(
+        server_context(job.relay("alpha"), job.ca_cert), bare, server_roles={"relay"}
+    )
+    _rejected(out["server"], "no certificate")
+
+
+def test_expired_certificate(job: JobPKI, tmp_path: Path) -> None:
+    now = dt.datetime.now(dt.timezone.utc)
+    expired = _craft(
+        job,
+        Identity(JOB, "relay", "beta", "relay"),
+        tmp_path,
+        not_before=now - dt.timedelta(days=2),
+        not_after=now - dt.timedelta(days=1),
+    )
+    out = _handshake(
+        server_context(job.relay("alpha"), job.ca_cert),
+        client_context(expired, job.ca_cert),
+        server_roles={"relay"},
+    )
+    _rejected(out["server"], "expired")
+    out = _handshake(
+        server_context(expired, job.ca_cert),
+        client_context(job.relay("alpha"), job.ca_cert),
+        server_roles={"relay"},
+    )
+    _rejected(out["client"], "expired")
+
+
+def test_tls12_client_refused(job: JobPKI) -> None:
+    old = client_context(job.relay("beta"), job.ca_cert)
+    old.minimum_version = ssl.TLSVersion.TLSv1_2
+    old.maximum_version = ssl.TLSVersion.TLSv1_2
+    out = _handshake(
+        server_context(job.relay("alpha"), job.ca_cert), old, server_roles={"relay"}
+    )
+    _rejected(out["server"], "TLS")
+    assert isinstance(out["client"], PeerRejected)
+
+
+def test_silent_client_times_out(job: JobPKI) -> None:
+    out = _handshake(
+        server_context(job.relay("alpha"), job.ca_cert),
+        client_context(job.relay("beta"), job.ca_cert),
+        server_roles={"relay"},
+        server_timeout=0.3,
+        client_sends=False,
+    )
+    _rejected(out["server"], "timed out")
+
+
+def test_check_peer_rejects_bad_roles_argument(job: JobPKI) -> None:
+    out = _handshake(
+        server_context(job.relay("alpha"), job.ca_cert),
+        client_context(job.relay("beta"), job.ca_cert),
+        server_roles={"admin"},
+    )
+    assert isinstance(out["server"], ValueError)

@@ -1,0 +1,120 @@
+"""The state store: schema, job ids, lookups and several processes at once."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import re
+import sqlite3
+from pathlib import Path
+
+import pytest
+
+from nebula_cli.errors import JobNotFound, NebulaError
+from nebula_cli.state import SCHEMA_VERSION, HostRecord, StateStore, new_job_id
+
+SPEC = {"name": "demo", "clusters": [{"name": "a", "hosts": [{"host": "h1"}]}]}
+
+
+def test_job_id_is_readable() -> None:
+    job_id = new_job_id("demo", 1_700_000_000)
+    assert re.fullmatch(r"demo-\d{8}-\d{6}-[0-9a-f]{4}", job_id)
+
+
+def test_create_get_and_lookup_by_prefix_and_name(tmp_path: Path) -> None:
+    with StateStore(tmp_path) as store:
+        job = store.create_job("demo", SPEC, "job.yaml")
+        assert job.state == "PENDING" and job.clusters == ["a"] and job.num_hosts == 1
+        assert store.get_job(job.id).id == job.id
+        assert store.get_job(job.id[:-2]).id == job.id
+        assert store.get_job("demo").id == job.id
+        assert (tmp_path / "jobs" / job.id).is_dir()
+        with pytest.raises(JobNotFound, match="no job 'nope'"):
+            store.get_job("nope")
+        store.create_job("demo", SPEC, None)
+        with pytest.raises(JobNotFound, match="matches several jobs"):
+            store.get_job("demo-")
+
+
+def test_state_transitions_set_times(tmp_path: Path) -> None:
+    with StateStore(tmp_path) as store:
+        job = store.create_job("demo", SPEC, None)
+        store.set_job_state(job.id, "RUNNING")
+        running = store.get_job(job.id)
+        assert running.started is not None and running.ended is None
+        store.set_job_state(job.id, "FAILED", reason="a/h1 worker: rank 0 exit 3")
+        failed = store.get_job(job.id)
+        assert failed.ended is not None and failed.reason == "a/h1 worker: rank 0 exit 3"
+
+
+def test_hosts_and_events_round_trip(tmp_path: Path) -> None:
+    with StateStore(tmp_path) as store:
+        job = store.create_job("demo", SPEC, None)
+        rec = HostRecord(job.id, "a", "h1", "worker", 0, 2, "/x", "RUNNING", pid=10,
+                         detail={"logs": {"0": "logs/rank0.log"}})
+        store.upsert_host(rec)
+        rec.state, rec.exit_code = "FAILED", -9
+        store.upsert_host(rec)
+        (got,) = store.hosts(job.id)
+        assert (got.state, got.exit_code, got.pid, got.detail["logs"]) == (
+            "FAILED", -9, 10, {"0": "logs/rank0.log"})
+        store.add_event(job.id, "state", "first", cluster="a", host="h1")
+        store.add_event(job.id, "state", "second")
+        events = store.events(job.id)
+        assert [e.message for e in events] == ["first", "second"]
+        assert [e.message for e in store.events(job.id, after_id=events[0].id)] == ["second"]
+
+
+def test_schema_is_versioned_and_a_newer_schema_is_refused(tmp_path: Path) -> None:
+    with StateStore(tmp_path) as store:
+        assert store.schema_version == SCHEMA_VERSION
+    db = sqlite3.connect(tmp_path / "state.db")
+    assert db.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
+    db.execute(f"PRAGMA user_version = {SCHEMA_VERSION + 1}")
+    db.close()
+    with pytest.raises(NebulaError, match="newer than this nebula"):
+        StateStore(tmp_path)
+
+
+def _writer(home: str, n: int, out: mp.Queue) -> None:
+    try:
+        with StateStore(Path(home)) as store:
+            for i in range(n):
+                job = store.create_job("w", SPEC, None)
+                store.set_job_state(job.id, "RUNNING")
+                store.upsert_host(HostRecord(job.id, "a", "h1", "worker", 0, 1, "/x", "RUNNING"))
+                store.add_event(job.id, "tick", str(i))
+        out.put("ok")
+    except Exception as exc:  # reported to the test
+        out.put(repr(exc))
+
+
+def _reader(home: str, n: int, out: mp.Queue) -> None:
+    try:
+        with StateStore(Path(home)) as store:
+            for _ in range(n):
+                for job in store.list_jobs():
+                    store.hosts(job.id)
+                    store.events(job.id)
+        out.put("ok")
+    except Exception as exc:
+        out.put(repr(exc))
+
+
+def test_concurrent_writers_and_readers_never_see_locks(tmp_path: Path) -> None:
+    StateStore(tmp_path).close()
+    ctx = mp.get_context("spawn")
+    out: mp.Queue = ctx.Queue()
+    procs = [ctx.Process(target=_writer, args=(str(tmp_path), 25, out)) for _ in range(3)]
+    procs += [ctx.Process(target=_reader, args=(str(tmp_path), 40, out)) for _ in range(2)]
+    for p in procs:
+        p.start()
+    try:
+        results = [out.get(timeout=120) for _ in procs]
+    finally:
+        for p in procs:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()
+    assert results == ["ok"] * len(procs)
+    with StateStore(tmp_path) as store:
+        assert len(store.list_jobs()) == 75

@@ -1,0 +1,261 @@
+"""Train the small GPT on the bundled corpus with DeepSpeed: the script a nebula job runs.
+
+Run by nebula as ``python -u train.py`` in this directory, one process per slot, with the
+usual torch.distributed variables (RANK, WORLD_SIZE, MASTER_ADDR, ...) and NEBULA_* ones.
+Also runs by hand: ``python train.py`` (one process) or ``deepspeed --num_gpus 2 train.py``.
+
+- DeepSpeed config: ``--ds-config``, else $NEBULA_DS_CONFIG, else ``ds_config.json`` here.
+- Every rank of every cluster builds the model from the same seed (identical initial
+  weights); each (cluster, rank) draws its own batches.
+- With $NEBULA_RELAY_ADDR set, ``nebula_cli.runtime.sync.OuterSync`` syncs with the
+  other clusters (its round metrics are merged into the logged records).
+- Rank 0 of the cluster logs loss, tokens/s and lr every ``--log-every`` steps and
+  ``eval_loss`` every ``--eval-every`` steps (``nebula_cli.runtime.log``), and at the end a
+  ``final`` record with the eval loss and a sha256 of the fp32 parameters.
+- SIGTERM: the current step finishes, the final record is written, exit status 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import signal
+import socket
+import sys
+import time
+from pathlib import Path
+from types import FrameType
+from typing import Any
+
+import deepspeed
+import torch
+import torch.distributed as dist
+from deepspeed.accelerator import get_accelerator
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+try:
+    import nebula_cli.runtime  # noqa: F401
+except ImportError:  # run from a checkout without nebula installed
+    sys.path.append(str(HERE.parents[1]))
+
+from data import BatchSampler, eval_batches, evaluate, load_corpus, split_corpus  # noqa: E402
+from model import GPT, GPTConfig  # noqa: E402
+
+from nebula_cli.runtime import log  # noqa: E402
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    defaults = GPTConfig()
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--steps", type=int, default=int(os.environ.get("NEBULA_STEPS") or 300))
+    p.add_argument("--eval-every", type=int, default=50, help="steps between evaluations")
+    p.add_argument("--eval-batches", type=int, default=8, help="fixed eval batches")
+    p.add_argument("--log-every", type=int, default=10, help="steps between metric records")
+    p.add_argument("--seed", type=int, default=int(os.environ.get("NEBULA_SEED") or 1234))
+    p.add_argument("--ds-config", type=Path, default=None, help="DeepSpeed config JSON")
+    p.add_argument("--d-model", type=int, default=defaults.d_model)
+    p.add_argument("--n-layer", type=int, default=defaults.n_layer)
+    p.add_argument("--n-head", type=int, default=defaults.n_head)
+    p.add_argument("--context", type=int, default=defaults.block_size)
+    # The deepspeed launcher passes --local_rank; LOCAL_RANK in the environment is what is used.
+    p.add_argument("--local_rank", "--local-rank", type=int, default=-1, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    for name in ("steps", "eval_every", "eval_batches", "log_every"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be at least 1")
+    return args
+
+
+class StopFlag:
+    """Set by SIGTERM; a second SIGTERM falls back to the default action."""
+
+    def __init__(self) -> None:
+        self.requested = False
+
+    def __call__(self, signum: int, frame: FrameType | None) -> None:
+        self.requested = True
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _single_process_env() -> None:
+    """Let ``python train.py`` run alone, without a launcher."""
+    if "RANK" not in os.environ:
+        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_SIZE="1")
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+
+
+def _set_threads() -> None:
+    """Share the cores among the processes on this host unless OMP_NUM_THREADS says otherwise."""
+    if "OMP_NUM_THREADS" in os.environ:
+        return
+    local = os.environ.get("LOCAL_SIZE") or os.environ.get("LOCAL_WORLD_SIZE") or "1"
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, int(local))))
+
+
+def load_ds_config(path: Path | None) -> dict[str, Any]:
+    path = path or Path(os.environ.get("NEBULA_DS_CONFIG") or HERE / "ds_config.json")
+    with open(path, encoding="utf-8") as f:
+        return json.load(f)
+
+
+def param_checksum(engine: Any) -> str:
+    """sha256 of every parameter's fp32 bytes, in name order (a collective under ZeRO-3)."""
+    zero = engine.zero_optimization_stage() > 0
+    h = hashlib.sha256()
+    for _, p in sorted(engine.module.named_parameters(), key=lambda kv: kv[0]):
+        full = deepspeed.utils.safe_get_full_fp32_param(p) if zero else p.data
+        h.update(full.detach().float().cpu().contiguous().numpy().tobytes())
+    return h.hexdigest()
+
+
+def _all_reduce(values: list[float], device: torch.device, op: Any = None) -> list[float]:
+    t = torch.tensor(values, dtype=torch.float64, device=device)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(t, op=op or dist.ReduceOp.SUM)
+    return t.tolist()
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    stop = StopFlag()
+    signal.signal(signal.SIGTERM, stop)
+    _single_process_env()
+    _set_threads()
+
+    on_cpu = get_accelerator().device_name() == "cpu"
+    deepspeed.init_distributed(dist_backend="gloo" if on_cpu else None)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    cluster_index = int(os.environ.get("NEBULA_CLUSTER_INDEX") or 0)
+    lead = rank == 0
+
+    cfg = GPTConfig(
+        block_size=args.context, n_layer=args.n_layer, n_head=args.n_head, d_model=args.d_model
+    )
+    torch.manual_seed(args.seed)  # same initial weights on every rank of every cluster
+    model = GPT(cfg)
+    engine, _, _, _ = deepspeed.initialize(
+        model=model, model_parameters=model.parameters(), config=load_ds_config(args.ds_config)
+    )
+    device = engine.device
+    micro, accum = engine.train_micro_batch_size_per_gpu(), engine.gradient_accumulation_steps()
+
+    split = split_corpus(load_corpus())
+    sampler = BatchSampler(
+        split.train, micro, cfg.block_size, seed=args.seed, rank=rank, cluster=cluster_index
+    )
+    held_out = eval_batches(split.eval, args.eval_batches, micro, cfg.block_size, seed=args.seed)
+
+    sync = None
+    if os.environ.get("NEBULA_RELAY_ADDR"):
+        from nebula_cli.runtime.sync import OuterSync
+
+        sync = OuterSync(engine)
+
+    if lead:
+        print(
+            f"gpt: {model.num_params():,} parameters, {world} rank(s), micro batch {micro} x "
+            f"{accum} accum x {cfg.block_size} tokens, {len(split.train):,} train / "
+            f"{len(split.eval):,} eval bytes, {args.steps} steps",
+            flush=True,
+        )
+
+    tokens_per_step = micro * accum * cfg.block_size * world
+    first_loss = last_loss = eval_loss = float("nan")
+    window_loss, window_steps = 0.0, 0
+    t_start = t_window = time.perf_counter()
+    t_first_step = None
+    step = 0
+    try:
+        for step in range(1, args.steps + 1):
+            step_loss = 0.0
+            info: dict[str, Any] = {}
+            for _ in range(accum):
+                x, y = sampler.next()
+                _, loss = engine(x.to(device), y.to(device))
+                engine.backward(loss)
+                if sync is not None:  # gradient mode averages gradients across clusters here
+                    info.update(sync.after_backward() or {})
+                engine.step()
+                step_loss += loss.item() / accum
+            if sync is not None:  # DiLoCo mode: an outer round every few steps
+                info.update(sync.after_step(step) or {})
+            window_loss += step_loss
+            window_steps += 1
+            if t_first_step is None:
+                t_first_step = time.perf_counter()
+            # Every rank must agree on stopping, or the others would wait in a collective.
+            stopping = _all_reduce([float(stop.requested)], device, dist.ReduceOp.MAX)[0] > 0
+            last = stopping or step == args.steps
+            record: dict[str, Any] = {}
+            if step == 1 or step % args.log_every == 0 or last:
+                total, steps_seen = _all_reduce([window_loss, float(window_steps)], device)
+                now = time.perf_counter()
+                last_loss = total / (steps_seen or 1)
+                if step == 1:
+                    first_loss = last_loss
+                record.update(
+                    loss=last_loss,
+                    tokens_per_s=tokens_per_step * window_steps / max(now - t_window, 1e-9),
+                    lr=engine.get_lr()[0],
+                )
+                window_loss, window_steps = 0.0, 0
+            if step % args.eval_every == 0 or last:
+                eval_loss = evaluate(engine, held_out, device)
+                record["eval_loss"] = eval_loss
+            if info:
+                record.update(info)
+            if lead and record:
+                log(step=step, **record)
+            if "loss" in record:
+                t_window = time.perf_counter()  # the next window leaves out eval and logging
+            if stopping:
+                if lead:
+                    print(f"gpt: SIGTERM, stopped after step {step}", flush=True)
+                break
+        t_loop = time.perf_counter()
+        if sync is not None:  # overlap mode: apply the round still in flight
+            flushed = sync.flush()
+            if getattr(sync, "overlap", False):  # the same on every rank
+                eval_loss = evaluate(engine, held_out, device)
+            if lead and flushed:
+                log(step=step, eval_loss=eval_loss, **flushed)
+        elapsed = time.perf_counter() - t_start
+        checksum = param_checksum(engine)
+        if lead:
+            per_step = (t_loop - (t_first_step or t_start)) / max(step - 1, 1)
+            log(
+                step=step,
+                final=True,
+                eval_loss=eval_loss,
+                param_sha256=checksum,
+                first_loss=first_loss,
+                last_loss=last_loss,
+                s_per_step=per_step,
+                elapsed_s=elapsed,
+            )
+            print(
+                f"gpt: final step={step} eval_loss={eval_loss:.4f} first_loss={first_loss:.4f} "
+                f"last_loss={last_loss:.4f} s/step={per_step:.3f} elapsed={elapsed:.1f}s "
+                f"param_sha256={checksum}",
+                flush=True,
+            )
+    finally:
+        if sync is not None:
+            sync.close()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

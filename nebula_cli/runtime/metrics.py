@@ -1,0 +1,150 @@
+"""Training metrics as JSON lines: written by workers, read back by the CLI.
+
+``log(step=..., loss=...)`` appends one JSON object per call to the file named by
+``NEBULA_METRICS_FILE`` (when set) and prints the same object on stdout behind
+``METRICS_TAG``, so a follower of plain logs can pick metrics out too. Every record
+carries ``ts`` (unix time), ``step``, ``cluster``, ``host`` and ``rank`` from the worker's
+environment. Floats that are not finite become ``null``.
+
+``read_metrics(path, offset)`` reads complete records from a byte offset and returns the
+offset to continue from, for tailing a file that is still being written.
+
+This module imports only the standard library: the CLI uses it without torch.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+import threading
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from nebula_cli.errors import NebulaError
+
+METRICS_TAG = "[nebula-metrics]"
+METRICS_FILE_ENV = "NEBULA_METRICS_FILE"
+RESERVED_KEYS = frozenset({"ts", "step", "cluster", "host", "rank"})
+
+_lock = threading.Lock()
+
+
+def _clean(value: Any) -> Any:
+    """A JSON-able copy of ``value``: non-finite floats -> None, ``.item()`` scalars unwrapped."""
+    if value is None or isinstance(value, (bool, int, str)):
+        return value
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, Mapping):
+        return {str(k): _clean(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_clean(v) for v in value]
+    item = getattr(value, "item", None)  # numpy / torch scalars, without importing either
+    if callable(item):
+        try:
+            return _clean(item())
+        except (TypeError, ValueError, RuntimeError):
+            pass
+    return str(value)
+
+
+def _env_rank() -> int | None:
+    raw = os.environ.get("RANK")
+    try:
+        return int(raw) if raw is not None else None
+    except ValueError:
+        return None
+
+
+def record(step: int, **values: Any) -> dict[str, Any]:
+    """The record ``log`` would write, without writing it."""
+    clash = RESERVED_KEYS.intersection(values)
+    if clash:
+        raise NebulaError(f"metric names {sorted(clash)} are reserved for the record's tags")
+    rec: dict[str, Any] = {
+        "ts": time.time(),
+        "step": int(step),
+        "cluster": os.environ.get("NEBULA_CLUSTER"),
+        "host": os.environ.get("NEBULA_HOST"),
+        "rank": _env_rank(),
+    }
+    rec.update({str(k): _clean(v) for k, v in values.items()})
+    return rec
+
+
+def format_record(rec: Mapping[str, Any]) -> str:
+    """One record as a compact JSON line (no newline); strict JSON (no NaN/Infinity)."""
+    return json.dumps(_clean(dict(rec)), separators=(",", ":"), allow_nan=False)
+
+
+def log(step: int, **values: Any) -> dict[str, Any]:
+    """Record metrics for ``step``: append to ``$NEBULA_METRICS_FILE`` and print a tagged line.
+
+    Returns the record written. Values may be numbers, strings, bools, None, lists or dicts
+    of those, or scalar objects with ``.item()`` (a 0-d tensor); anything else is ``str()``-ed.
+    """
+    rec = record(step, **values)
+    line = format_record(rec)
+    with _lock:
+        path = os.environ.get(METRICS_FILE_ENV)
+        if path:
+            target = Path(path)
+            target.parent.mkdir(parents=True, exist_ok=True)
+            data = (line + "\n").encode("utf-8")
+            # One write on an O_APPEND descriptor: whole lines, even with several writers.
+            fd = os.open(target, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+            try:
+                os.write(fd, data)
+            finally:
+                os.close(fd)
+        sys.stdout.write(f"{METRICS_TAG} {line}\n")
+        sys.stdout.flush()
+    return rec
+
+
+def parse_line(line: str | bytes) -> dict[str, Any] | None:
+    """A record from one JSON line or one tagged log line, or None if it is not one."""
+    if isinstance(line, bytes):
+        line = line.decode("utf-8", errors="replace")
+    text = line.strip()
+    at = text.find(METRICS_TAG)
+    if at >= 0:  # a tagged log line, possibly behind a log prefix
+        text = text[at + len(METRICS_TAG) :].strip()
+    if not text.startswith("{"):
+        return None
+    try:
+        rec = json.loads(text)
+    except ValueError:
+        return None
+    return rec if isinstance(rec, dict) else None
+
+
+def read_metrics(path: str | os.PathLike[str], offset: int = 0) -> tuple[list[dict[str, Any]], int]:
+    """Records in complete lines of ``path`` from byte ``offset`` on, and the offset to go on from.
+
+    A last line without its newline yet is left for the next call; malformed lines are
+    skipped. A missing file gives ``([], offset)``; a file shorter than ``offset`` (it was
+    replaced or truncated) is read again from the start.
+    """
+    try:
+        with open(path, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            if offset > size:
+                offset = 0
+            f.seek(offset)
+            data = f.read()
+    except FileNotFoundError:
+        return [], offset
+    end = data.rfind(b"\n")
+    if end < 0:
+        return [], offset
+    records = []
+    for raw in data[:end].split(b"\n"):
+        rec = parse_line(raw) if raw.strip() else None
+        if rec is not None:
+            records.append(rec)
+    return records, offset + end + 1

@@ -18,9 +18,21 @@ def machine_key(conn: dict[str, Any]) -> tuple[Any, ...]:
     return ("ssh", conn.get("user"), conn.get("host"), conn.get("port"), conn.get("jump"))
 
 
-def connect(conn: dict[str, Any]) -> Transport:
+def connect(conn: dict[str, Any], *, accept_new_host_keys: bool = False) -> Transport:
     """A transport for a connection description made by `jobplan.connection_of`."""
     kind = conn.get("transport")
     if kind == "local":
         return LocalTransport(conn["name"], home=conn.get("home"), python=conn.get("python"))
+    if kind == "ssh":
+        from nebula_cli.transport.ssh import CONNECT_TIMEOUT, SSHTransport  # paramiko on demand
+
+        return SSHTransport(
+            conn["name"], conn.get("host"),
+            user=conn.get("user"), port=conn.get("port"), key=conn.get("key"),
+            jump=conn.get("jump"), python=conn.get("python"),
+            home=conn.get("home") or "~/.nebula",
+            ssh_config=conn.get("ssh_config"), known_hosts=conn.get("known_hosts"),
+            accept_new_host_keys=accept_new_host_keys or bool(conn.get("accept_new_host_keys")),
+            connect_timeout=float(conn.get("connect_timeout") or CONNECT_TIMEOUT),
+        )
     raise UsageError(f"transport '{kind}' is not available in this version of nebula")

@@ -1,0 +1,506 @@
+"""SSHTransport against real sshd processes on 127.0.0.1 (one target, one jump host)."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import pwd
+import shutil
+import signal
+import socket
+import subprocess
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from nebula_cli.errors import CommandFailed, TransportError
+from nebula_cli.transport.hostkeys import fingerprint, host_entry_name
+from nebula_cli.transport.ssh import (
+    AuthError,
+    ChangedHostKey,
+    HostKeyError,
+    SSHTimeout,
+    SSHTransport,
+    UnknownHostKey,
+    UnreachableError,
+)
+from nebula_cli.transport.sshconfig import parse_destination, resolve
+
+SSHD = "/usr/sbin/sshd"
+PRIVSEP_DIR = Path("/run/sshd")
+
+pytestmark = [
+    pytest.mark.skipif(os.geteuid() != 0, reason="needs root to run a test sshd"),
+    pytest.mark.skipif(not os.path.exists(SSHD) or shutil.which("ssh-keygen") is None,
+                       reason="needs openssh-server (/usr/sbin/sshd) and ssh-keygen"),
+]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def keygen(path: Path) -> Path:
+    subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", path.name, "-f",
+                    str(path)], check=True, capture_output=True, timeout=30)
+    return path
+
+
+def ssh_keygen_fingerprint(pub: Path) -> str:
+    out = subprocess.run(["ssh-keygen", "-l", "-E", "sha256", "-f", str(pub)], check=True,
+                         capture_output=True, text=True, timeout=30).stdout
+    return out.split()[1]
+
+
+def descendants(pid: int) -> list[int]:
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").glob("[0-9]*"):
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            ppid = int(entry.joinpath("stat").read_text().rsplit(")", 1)[1].split()[1])
+            children.setdefault(ppid, []).append(int(entry.name))
+    found, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
+@dataclass
+class Sshd:
+    name: str
+    port: int
+    host_key: Path
+    log: Path
+    proc: subprocess.Popen[bytes]
+
+    @property
+    def pub_line(self) -> str:
+        """`type base64` of this server's host key."""
+        return " ".join(self.host_key.with_suffix(".pub").read_text().split()[:2])
+
+    def known_line(self, port: int | None = None) -> str:
+        return f"{host_entry_name('127.0.0.1', port or self.port)} {self.pub_line}\n"
+
+    def accepted(self) -> int:
+        return self.log.read_text(errors="replace").count("Accepted publickey")
+
+    def stop(self) -> None:
+        for pid in [*descendants(self.proc.pid), self.proc.pid]:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        self.proc.wait(timeout=10)
+
+
+def start_sshd(directory: Path, name: str, authorized: Path) -> Sshd:
+    host_key = keygen(directory / f"{name}_host_ed25519")
+    port = free_port()
+    config = directory / f"{name}_sshd_config"
+    config.write_text(
+        f"Port {port}\nListenAddress 127.0.0.1\nHostKey {host_key}\n"
+        f"PidFile {directory / f'{name}.pid'}\nAuthorizedKeysFile {authorized}\n"
+        "StrictModes no\nUsePAM no\nPasswordAuthentication no\n"
+        "KbdInteractiveAuthentication no\nPermitRootLogin prohibit-password\n"
+        "Subsystem sftp internal-sftp\nAllowTcpForwarding yes\nLogLevel INFO\n"
+        "MaxStartups 50\n")
+    log = directory / f"{name}.log"
+    with log.open("wb") as out:
+        proc = subprocess.Popen([SSHD, "-D", "-e", "-f", str(config)], stdout=out,
+                                stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+    server = Sshd(name, port, host_key, log, proc)
+    deadline = time.monotonic() + 10
+    while "Server listening" not in log.read_text(errors="replace"):
+        if proc.poll() is not None or time.monotonic() > deadline:
+            server.stop()
+            raise RuntimeError(f"sshd {name} did not start:\n{log.read_text()}")
+        time.sleep(0.05)
+    return server
+
+
+@dataclass
+class Bed:
+    dir: Path
+    user_key: Path
+    wrong_key: Path
+    target: Sshd
+    jump: Sshd
+    known_hosts: Path
+    no_config: Path
+    remote_dir: str  # "~/.nebula-test-<random>"
+
+    def transport(self, **kw: object) -> SSHTransport:
+        args: dict[str, object] = dict(
+            host="127.0.0.1", user="root", port=self.target.port, key=str(self.user_key),
+            known_hosts=str(self.known_hosts), ssh_config=str(self.no_config),
+            connect_timeout=5.0)
+        args.update(kw)
+        return SSHTransport("target", **args)  # type: ignore[arg-type]
+
+
+@pytest.fixture(scope="module")
+def bed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Bed]:
+    directory = tmp_path_factory.mktemp("sshbed")
+    made_privsep = not PRIVSEP_DIR.exists()
+    PRIVSEP_DIR.mkdir(mode=0o755, exist_ok=True)
+    user_key = keygen(directory / "user_key")
+    wrong_key = keygen(directory / "wrong_key")
+    authorized = directory / "authorized_keys"
+    authorized.write_text(user_key.with_suffix(".pub").read_text())
+    name = f".nebula-test-{uuid.uuid4().hex[:10]}"
+    servers: list[Sshd] = []
+    try:
+        servers.append(start_sshd(directory, "target", authorized))
+        servers.append(start_sshd(directory, "jump", authorized))
+        known = directory / "known_hosts"
+        known.write_text(servers[0].known_line() + servers[1].known_line())
+        yield Bed(directory, user_key, wrong_key, servers[0], servers[1], known,
+                  directory / "no_ssh_config", f"~/{name}")
+    finally:
+        for server in servers:
+            server.stop()
+        shutil.rmtree(Path(pwd.getpwuid(0).pw_dir) / name, ignore_errors=True)
+        if made_privsep:
+            with contextlib.suppress(OSError):
+                PRIVSEP_DIR.rmdir()
+
+
+# --- commands --------------------------------------------------------------------------------
+
+def test_run_env_cwd_stdin_and_exit_codes(bed: Bed) -> None:
+    with bed.transport() as t:
+        assert t.connection is None  # lazy: nothing opened yet
+        result = t.run(["sh", "-c", 'printf "%s|%s|" "$FOO" "$PWD"; cat; echo oops >&2; exit 3'],
+                       env={"FOO": "a b'c $HOME"}, cwd="/tmp", stdin=b"from stdin")
+        assert result.exit_code == 3 and not result.ok
+        assert result.stdout == "a b'c $HOME|/tmp|from stdin"
+        assert result.stderr == "oops\n"
+        shell = t.run('echo "$X" && echo "$X" two', env={"X": "1"})
+        assert shell.ok and shell.stdout == "1\n1 two\n"
+        home = pwd.getpwuid(0).pw_dir
+        assert t.run("pwd", cwd="~").stdout.strip() == home
+        assert t.home == f"{home}/.nebula" and t.python == "python3"
+        missing = t.run(["nebula-no-such-python", "-V"])
+        assert missing.exit_code == 127 and "not found" in missing.stderr
+        with pytest.raises(CommandFailed) as failed:
+            t.run_checked(["false"])
+        assert failed.value.host == "target"
+        with pytest.raises(TransportError, match="invalid environment variable"):
+            t.run(["true"], env={"BAD NAME": "x"})
+    assert t.connection is None
+    t.close()  # idempotent
+
+
+def test_large_stdout_and_stderr_do_not_deadlock(bed: Bed) -> None:
+    size = 10_000_000
+    with bed.transport() as t:
+        start = time.monotonic()
+        result = t.run(
+            f"(head -c {size} /dev/zero | tr '\\0' o) & (head -c {size} /dev/zero | tr '\\0' e)"
+            " >&2; wait", timeout=60)
+        assert result.ok, result
+        assert len(result.stdout) == size and len(result.stderr) == size
+        assert set(result.stdout) == {"o"} and set(result.stderr) == {"e"}
+        assert time.monotonic() - start < 30
+
+
+def test_command_timeout_closes_channel(bed: Bed) -> None:
+    pidfile = bed.dir / "sleeper.pid"
+    with bed.transport() as t:
+        start = time.monotonic()
+        try:
+            with pytest.raises(SSHTimeout, match="did not finish within 1 s"):
+                t.run(f"echo $$ > {pidfile}; exec sleep 30", timeout=1)
+        finally:
+            with contextlib.suppress(OSError, ValueError):
+                os.kill(int(pidfile.read_text()), signal.SIGKILL)
+        assert time.monotonic() - start < 4
+        assert t.run(["echo", "still usable"]).stdout == "still usable\n"
+
+
+def test_one_connection_shared_by_threads(bed: Bed) -> None:
+    before = bed.target.accepted()
+    with bed.transport() as t:
+        t.put_bytes(b"shared\n", f"{bed.remote_dir}/shared.txt")
+        conn = t.connection
+        errors: list[BaseException] = []
+        outputs: list[str] = []
+
+        def work(i: int) -> None:
+            try:
+                for j in range(5):
+                    outputs.append(t.run(["echo", f"{i}-{j}"]).stdout.strip())
+                    assert t.read_file(f"{bed.remote_dir}/shared.txt") == b"shared\n"
+            except BaseException as exc:  # reported below
+                errors.append(exc)
+
+        threads = [threading.Thread(target=work, args=(i,)) for i in range(10)]
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join(60)
+        assert not errors, errors
+        assert sorted(outputs) == sorted(f"{i}-{j}" for i in range(10) for j in range(5))
+        assert t.connection is conn
+    assert bed.target.accepted() - before == 1
+
+
+def test_dropped_connection_reopens_on_next_use(bed: Bed) -> None:
+    before = bed.target.accepted()
+    with bed.transport() as t:
+        assert t.exists("/")
+        first = t.connection
+        assert first is not None
+        first.close()  # as if the network dropped it
+        assert t.run(["echo", "again"]).stdout == "again\n" and t.exists("/")
+        assert t.connection is not None and t.connection is not first
+    assert bed.target.accepted() - before == 2
+
+
+# --- files -----------------------------------------------------------------------------------
+
+def test_files_with_home_relative_paths(bed: Bed, tmp_path: Path) -> None:
+    base = f"{bed.remote_dir}/files"
+    home = pwd.getpwuid(0).pw_dir
+    with bed.transport() as t:
+        absolute = t.remote_path(base)
+        assert absolute == f"{home}/{bed.remote_dir[2:]}/files"
+        assert t.remote_path("/abs/x") == "/abs/x"
+        assert not t.exists(base)
+        t.makedirs(f"{base}/a/b", mode=0o750)
+        assert t.exists(f"{base}/a/b") and Path(absolute, "a/b").is_dir()
+        t.makedirs(f"{base}/a/b")  # exists already: fine
+
+        t.put_bytes(b"secret", f"{base}/deep/new/key.pem", mode=0o600)
+        on_disk = Path(absolute, "deep/new/key.pem")
+        assert on_disk.read_bytes() == b"secret" and on_disk.stat().st_mode & 0o777 == 0o600
+        t.put_bytes(b"replaced", f"{base}/deep/new/key.pem", mode=0o600)
+        assert on_disk.read_bytes() == b"replaced"
+        assert [p.name for p in on_disk.parent.iterdir()] == ["key.pem"]  # no temp files left
+
+        local = tmp_path / "script.sh"
+        local.write_bytes(b"#!/bin/sh\necho hi\n" * 1000)
+        local.chmod(0o755)
+        t.put(str(local), f"{base}/script.sh")
+        assert Path(absolute, "script.sh").stat().st_mode & 0o777 == 0o755
+        t.put(str(local), f"{base}/script.sh", mode=0o700)
+        assert Path(absolute, "script.sh").stat().st_mode & 0o777 == 0o700
+        back = tmp_path / "back.sh"
+        t.get(f"{base}/script.sh", str(back))
+        assert back.read_bytes() == local.read_bytes()
+        with pytest.raises(TransportError, match="target: cannot copy"):
+            t.get(f"{base}/missing", str(tmp_path / "never"))
+        assert not (tmp_path / "never").exists()
+        with pytest.raises(TransportError, match="cannot copy"):
+            t.put(str(tmp_path / "no-such-file"), f"{base}/x")
+
+        log = f"{base}/log.txt"
+        assert t.read_tail(log, 7) == (b"", 7)
+        assert t.read_file(log) is None
+        t.put_bytes(b"line1\nline2\n", log)
+        assert t.read_tail(log, 0) == (b"line1\nline2\n", 12)
+        assert t.read_tail(log, 6, max_bytes=3) == (b"lin", 9)
+        assert t.read_tail(log, 12) == (b"", 12)
+        t.put_bytes(b"new\n", log)  # replaced by a shorter file: read from the start
+        assert t.read_tail(log, 12) == (b"new\n", 4)
+        big = os.urandom(3 << 20)
+        t.put_bytes(big, log)
+        assert t.read_tail(log, 1000, max_bytes=2 << 20) == (big[1000:1000 + (2 << 20)],
+                                                              1000 + (2 << 20))
+        assert t.read_file(log) == big
+
+
+def test_sync_dir_skips_unchanged_and_honours_excludes(bed: Bed, tmp_path: Path) -> None:
+    src = tmp_path / "work"
+    for rel, data in {
+        "train.py": b"print('train')\n", "pkg/__init__.py": b"", "pkg/model.py": b"x = 1\n" * 500,
+        "pkg/model.pyc": b"compiled", "pkg/__pycache__/model.cpython-311.pyc": b"c",
+        ".git/HEAD": b"ref", ".venv/bin/python": b"bin", "data/empty/.keep": b"",
+    }.items():
+        Path(src, rel).parent.mkdir(parents=True, exist_ok=True)
+        Path(src, rel).write_bytes(data)
+    remote = f"{bed.remote_dir}/sync"
+    calls: list[tuple[int, int]] = []
+    with bed.transport() as t:
+        sent = t.sync_dir(str(src), remote, exclude=[".git", ".venv", "__pycache__", "*.pyc"],
+                          progress=lambda done, total: calls.append((done, total)))
+        expected = len(b"print('train')\n") + len(b"x = 1\n" * 500)
+        assert sent == (4, expected)
+        assert calls and calls[-1] == (expected, expected)
+        root = Path(t.remote_path(remote))
+        found = sorted(p.relative_to(root).as_posix() for p in root.rglob("*") if p.is_file())
+        assert found == ["data/empty/.keep", "pkg/__init__.py", "pkg/model.py", "train.py"]
+        assert Path(root, "pkg/model.py").stat().st_mtime == int(
+            Path(src, "pkg/model.py").stat().st_mtime)
+
+        assert t.sync_dir(str(src), remote, exclude=["*.pyc", ".git", ".venv",
+                                                     "__pycache__"]) == (0, 0)
+        Path(src, "train.py").write_bytes(b"print('changed')\n")
+        os.utime(Path(src, "train.py"), (time.time() + 5, time.time() + 5))
+        assert t.sync_dir(str(src), remote, exclude=["*.pyc", ".git", ".venv",
+                                                     "__pycache__"]) == (1, 17)
+        assert Path(root, "train.py").read_bytes() == b"print('changed')\n"
+
+
+# --- host keys -------------------------------------------------------------------------------
+
+def test_unknown_host_key_refused_with_fingerprint(bed: Bed, tmp_path: Path) -> None:
+    empty = tmp_path / "known_hosts"
+    with pytest.raises(UnknownHostKey) as info:
+        bed.transport(known_hosts=str(empty)).run(["true"])
+    message = str(info.value)
+    expected = ssh_keygen_fingerprint(bed.target.host_key.with_suffix(".pub"))
+    assert message.startswith("target: unknown host key for ")
+    assert f"[127.0.0.1]:{bed.target.port}" in message and expected in message
+    assert f"ssh-keyscan -p {bed.target.port} 127.0.0.1 >> {empty}" in message
+    assert "--accept-new-host-keys" in message
+    assert not empty.exists()  # nothing recorded
+
+
+def test_accept_new_records_key_then_refuses_changed_key(bed: Bed, tmp_path: Path) -> None:
+    known = tmp_path / "ssh" / "known_hosts"
+    with bed.transport(known_hosts=str(known), accept_new_host_keys=True) as t:
+        assert t.run(["true"]).ok
+    assert known.read_text() == bed.target.known_line()
+    with bed.transport(known_hosts=str(known)) as t:  # now known without accept-new
+        assert t.run(["true"]).ok
+    # The recorded key for [127.0.0.1]:port is now a different server's key.
+    known.write_text(bed.jump.known_line(port=bed.target.port))
+    with pytest.raises(ChangedHostKey) as info:
+        bed.transport(known_hosts=str(known), accept_new_host_keys=True).run(["true"])
+    message = str(info.value)
+    assert "HOST KEY CHANGED" in message and message.startswith("target: ")
+    assert ssh_keygen_fingerprint(bed.jump.host_key.with_suffix(".pub")) in message  # old
+    assert ssh_keygen_fingerprint(bed.target.host_key.with_suffix(".pub")) in message  # new
+    assert known.read_text() == bed.jump.known_line(port=bed.target.port)  # untouched
+
+
+def test_hashed_known_hosts_entry_accepted(bed: Bed, tmp_path: Path) -> None:
+    known = tmp_path / "known_hosts"
+    known.write_text(bed.target.known_line())
+    subprocess.run(["ssh-keygen", "-H", "-f", str(known)], check=True, capture_output=True,
+                   timeout=30)
+    assert known.read_text().startswith("|1|")
+    with bed.transport(known_hosts=str(known)) as t:
+        assert t.run(["true"]).ok
+
+
+def test_fingerprint_matches_openssh(bed: Bed) -> None:
+    import paramiko
+
+    key = paramiko.PKey.from_path(str(bed.target.host_key))
+    assert fingerprint(key) == ssh_keygen_fingerprint(bed.target.host_key.with_suffix(".pub"))
+
+
+# --- failures --------------------------------------------------------------------------------
+
+def test_wrong_key_is_auth_error(bed: Bed) -> None:
+    with pytest.raises(AuthError) as info:
+        bed.transport(key=str(bed.wrong_key)).run(["true"])
+    message = str(info.value)
+    assert message.startswith("target: authentication failed for root@127.0.0.1:")
+    assert str(bed.wrong_key) in message
+
+
+def test_connection_refused_is_unreachable_quickly(bed: Bed) -> None:
+    start = time.monotonic()
+    with pytest.raises(UnreachableError, match="target: connection refused by 127.0.0.1:"):
+        bed.transport(port=free_port()).run(["true"])
+    assert time.monotonic() - start < 2
+
+
+def test_silent_server_times_out(bed: Bed) -> None:
+    with socket.socket() as silent:  # accepts TCP, never speaks SSH
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(4)
+        start = time.monotonic()
+        with pytest.raises(SSHTimeout, match="target: SSH handshake with .* timed out"):
+            bed.transport(port=silent.getsockname()[1], connect_timeout=1.0).run(["true"])
+        assert time.monotonic() - start < 4
+
+
+# --- ssh_config and ProxyJump ----------------------------------------------------------------
+
+def test_ssh_config_resolution_and_explicit_fields_win(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    config = tmp_path / "config"
+    config.write_text(
+        "Host gpu1\n  HostName 10.1.2.3\n  User alice\n  Port 2200\n"
+        "  IdentityFile ~/.ssh/gpu_key\n  ProxyJump bastion\n"
+        "Host bastion\n  HostName 10.0.0.1\n  User bob\n  Port 2222\n"
+        "Host *\n  User fallback\n")
+    got = resolve("gpu1", config_path=str(config))
+    assert (got.hostname, got.user, got.port, got.jump) == ("10.1.2.3", "alice", 2200, "bastion")
+    assert got.identity_files == (os.path.expanduser("~/.ssh/gpu_key"),)
+    assert not got.key_explicit
+    mine = resolve("gpu1", user="carol", port=22, key="/keys/k", jump="none",
+                   config_path=str(config))
+    assert (mine.hostname, mine.user, mine.port, mine.jump) == ("10.1.2.3", "carol", 22, None)
+    assert mine.identity_files == ("/keys/k",) and mine.identities_only
+    other = resolve("node7", config_path=str(config))
+    assert (other.hostname, other.user, other.port, other.jump) == ("node7", "fallback", 22, None)
+    assert resolve("x", config_path=str(tmp_path / "missing")).port == 22
+
+    assert parse_destination("bob@host:2222") == ("bob", "host", 2222)
+    assert parse_destination("[::1]:22") == (None, "::1", 22)
+    assert parse_destination("alias") == (None, "alias", None)
+    with pytest.raises(TransportError):
+        parse_destination("a b")
+
+    t = SSHTransport("gpu1", ssh_config=str(config), known_hosts=str(tmp_path / "kh"))
+    assert t.jump is not None and str(t.jump.target) == "bob@10.0.0.1:2222"
+    assert t.connection is None  # nothing dialled yet
+    chained = SSHTransport("gpu2", "10.9.9.9", jump="u@first:1,bastion",
+                           ssh_config=str(config), known_hosts=str(tmp_path / "kh"))
+    assert chained.jump is not None and chained.jump.jump is not None
+    assert str(chained.jump.target) == "bob@10.0.0.1:2222"
+    assert str(chained.jump.jump.target) == "u@first:1"
+    monkeypatch.setenv("NEBULA_SSH_CONFIG", str(config))
+    monkeypatch.setenv("NEBULA_KNOWN_HOSTS", str(tmp_path / "env_known_hosts"))
+    by_env = SSHTransport("gpu1")
+    assert by_env.target.port == 2200
+    assert by_env.known_hosts.path == str(tmp_path / "env_known_hosts")
+    assert by_env.known_hosts.extra_files == []
+    loop = tmp_path / "loop"
+    loop.write_text("Host a\n  ProxyJump b\nHost b\n  ProxyJump a\n")
+    with pytest.raises(TransportError, match="ProxyJump chain"):
+        SSHTransport("a", ssh_config=str(loop))
+
+
+def test_alias_with_proxyjump_over_real_sshd(bed: Bed, tmp_path: Path) -> None:
+    config = tmp_path / "config"
+    config.write_text(
+        f"Host nebula-target\n  HostName 127.0.0.1\n  Port {bed.target.port}\n  User root\n"
+        f"  IdentityFile {bed.user_key}\n  IdentitiesOnly yes\n  ProxyJump nebula-jump\n"
+        f"Host nebula-jump\n  HostName 127.0.0.1\n  Port {bed.jump.port}\n  User root\n"
+        f"  IdentityFile {bed.user_key}\n  IdentitiesOnly yes\n")
+    jumps, targets = bed.jump.accepted(), bed.target.accepted()
+    with SSHTransport("nebula-target", ssh_config=str(config),
+                      known_hosts=str(bed.known_hosts)) as t:
+        seen = t.run("echo $SSH_CONNECTION").stdout.split()
+        assert seen[-1] == str(bed.target.port)
+        assert t.jump is not None and t.jump.connection is not None
+        assert t.exists("/")
+    assert t.jump.connection is None  # closed with its owner
+    assert bed.jump.accepted() == jumps + 1 and bed.target.accepted() == targets + 1
+
+    # An explicit jump string in the spec; the jump host is offered the target's key.
+    with bed.transport(jump=f"root@127.0.0.1:{bed.jump.port}") as t:
+        assert t.run(["echo", "via jump"]).stdout == "via jump\n"
+
+    # The jump host's key is checked too.
+    only_target = tmp_path / "known_hosts"
+    only_target.write_text(bed.target.known_line())
+    with pytest.raises(HostKeyError, match="jump host of nebula-target"):
+        SSHTransport("nebula-target", ssh_config=str(config),
+                     known_hosts=str(only_target)).run(["true"])
+
+    # The jump host cannot reach the target.
+    with pytest.raises(UnreachableError, match="cannot reach 127.0.0.1:"):
+        bed.transport(port=free_port(), jump=f"root@127.0.0.1:{bed.jump.port}").run(["true"])

@@ -47,6 +47,12 @@ class ProcessPlan:
         """rank (or role name) -> log path relative to the agent dir."""
         return {str(p["rank"]): p["log"] for p in self.agent_config.get("processes", [])}
 
+    @property
+    def metrics(self) -> dict[str, str]:
+        """rank (or role name) -> metrics path relative to the agent dir."""
+        return {str(p["rank"]): p["metrics"] for p in self.agent_config.get("processes", [])
+                if "metrics" in p}
+
 
 def connection_of(cluster: ClusterSpec, host: HostSpec, local_home: str) -> dict[str, Any]:
     """What a transport needs to reach `host`: plain data, kept in the state store."""
@@ -68,7 +74,7 @@ def host_address(cluster: ClusterSpec, host: HostSpec) -> str:
 
 def worker_env(
     spec: JobSpec, job_id: str, cluster_index: int, node_rank: int, master_port: int,
-    extra: dict[str, str],
+    extra: dict[str, str], master_addr: str,
 ) -> dict[str, str]:
     """The environment shared by every rank of one host (rank-specific variables excluded)."""
     cluster = spec.clusters[cluster_index]
@@ -87,7 +93,7 @@ def worker_env(
         "LOCAL_SIZE": str(host.slots),
         "CROSS_RANK": str(node_rank),
         "CROSS_SIZE": str(len(cluster.hosts)),
-        "MASTER_ADDR": host_address(cluster, cluster.hosts[0]),
+        "MASTER_ADDR": master_addr,
         "MASTER_PORT": str(master_port),
         "PYTHONUNBUFFERED": "1",
     })
@@ -99,31 +105,53 @@ def worker_env(
     return env
 
 
+@dataclass(frozen=True)
+class Site:
+    """Where a host keeps nebula's files and the address its cluster peers reach it at."""
+
+    home: str  # absolute path of nebula's directory on the host
+    address: str
+
+
+def lib_dir(job_root: str) -> str:
+    """Where the nebula_cli package is uploaded on a remote host (put on PYTHONPATH)."""
+    return posixpath.join(job_root, "lib")
+
+
+def base_env(cluster: ClusterSpec, job_root: str, python: str) -> dict[str, str]:
+    """PATH/PYTHONPATH so that `python` and `nebula_cli` are the right ones on that host."""
+    if cluster.transport == "local":
+        # `python` in the run command is the interpreter nebula runs under.
+        bindir = os.path.dirname(python)
+        return {"PATH": bindir + os.pathsep + os.environ.get("PATH", "/usr/bin:/bin")}
+    return {"PYTHONPATH": lib_dir(job_root)}
+
+
 def plan_workers(
-    spec: JobSpec, job_id: str, *, local_home: str, remote_home: str = "~/.nebula",
-    master_ports: dict[str, int], extra_env: dict[str, dict[str, str]] | None = None,
+    spec: JobSpec, job_id: str, *, sites: dict[str, Site], local_home: str,
+    master_ports: dict[str, int],
 ) -> list[ProcessPlan]:
     """One worker agent per host: `slots` processes each running `spec.run` in the workdir.
 
-    `extra_env` maps "cluster/host" to variables added to that host's processes (relay address,
-    certificate paths). `master_ports` maps cluster name to its rendezvous port."""
+    `sites` maps "cluster/host" to the host's Site; `master_ports` maps a cluster to its
+    rendezvous port (on the cluster's first host)."""
     plans = []
     for ci, cluster in enumerate(spec.clusters):
         rank = 0
+        master = sites[f"{cluster.name}/{cluster.hosts[0].host}"].address
         for node_rank, host in enumerate(cluster.hosts):
             local = cluster.transport == "local"
-            home = local_home if local else remote_home
+            site = sites[f"{cluster.name}/{host.host}"]
             plan = ProcessPlan(
                 cluster=cluster.name, host=host.host, role=WORKER, node_rank=node_rank,
                 slots=host.slots, conn=connection_of(cluster, host, local_home),
-                job_root=posixpath.join(home, "jobs", job_id),
+                job_root=posixpath.join(site.home, "jobs", job_id),
             )
-            extra = dict((extra_env or {}).get(f"{cluster.name}/{host.host}", {}))
-            if local:
-                # `python` in the run command is the interpreter nebula runs under.
-                bindir = os.path.dirname(plan.conn["python"])
-                extra["PATH"] = bindir + os.pathsep + os.environ.get("PATH", "/usr/bin:/bin")
-            env = worker_env(spec, job_id, ci, node_rank, master_ports[cluster.name], extra)
+            if not local:
+                plan.conn["pythonpath"] = lib_dir(plan.job_root)
+            extra = base_env(cluster, plan.job_root, plan.conn["python"])
+            env = worker_env(spec, job_id, ci, node_rank, master_ports[cluster.name], extra,
+                             master)
             cwd = spec.workdir if local else posixpath.join(plan.job_root, "work")
             if spec.deepspeed is not None:
                 env["NEBULA_DS_CONFIG"] = posixpath.join(plan.job_root, "ds_config.json")
@@ -138,6 +166,7 @@ def plan_workers(
                             plan.agent_dir, "metrics", f"rank{rank}.jsonl"),
                     },
                     "log": f"logs/rank{rank}.log",
+                    "metrics": f"metrics/rank{rank}.jsonl",
                 })
                 rank += 1
             plan.agent_config = {
@@ -147,3 +176,106 @@ def plan_workers(
             }
             plans.append(plan)
     return plans
+
+
+def relay_worker_env(spec: JobSpec, cluster: ClusterSpec, worker_port: int,
+                     cert_dir: str, relay_host: str) -> dict[str, str]:
+    """What the workers of `cluster` need to reach their relay and run the outer loop."""
+    relay = spec.relay
+    assert relay is not None  # only called for a spec with a relay
+    sync, comp = relay.sync, relay.compression
+    return {
+        "NEBULA_RELAY_ADDR": f"{relay_host}:{worker_port}",
+        "NEBULA_TLS_CA": posixpath.join(cert_dir, "ca.pem"),
+        "NEBULA_TLS_CERT": posixpath.join(cert_dir, "worker.pem"),
+        "NEBULA_TLS_KEY": posixpath.join(cert_dir, "worker.key"),
+        "NEBULA_SYNC_MODE": sync.mode,
+        "NEBULA_INNER_STEPS": str(sync.inner_steps),
+        "NEBULA_OUTER_LR": str(sync.outer_lr),
+        "NEBULA_OUTER_MOMENTUM": str(sync.outer_momentum),
+        "NEBULA_OUTER_NESTEROV": "1" if sync.nesterov else "0",
+        "NEBULA_SYNC_OVERLAP": "1" if sync.overlap else "0",
+        "NEBULA_CODEC": comp.codec,
+        "NEBULA_ERROR_FEEDBACK": "1" if comp.error_feedback else "0",
+        "NEBULA_ROUND_TIMEOUT": str(relay.timeout),
+    }
+
+
+def plan_relays(
+    spec: JobSpec, job_id: str, *, sites: dict[str, Site], local_home: str,
+) -> list[ProcessPlan]:
+    """One relay agent per cluster, on its gateway. The relay's config (`relay_config`) and
+    certificates are added by the caller."""
+    if spec.relay is None:
+        return []
+    plans = []
+    for cluster in spec.clusters:
+        gateway = cluster.gateway_host
+        site = sites[f"{cluster.name}/{gateway.host}"]
+        node_rank = [h.host for h in cluster.hosts].index(gateway.host)
+        plan = ProcessPlan(
+            cluster=cluster.name, host=gateway.host, role=RELAY, node_rank=node_rank, slots=1,
+            conn=connection_of(cluster, gateway, local_home),
+            job_root=posixpath.join(site.home, "jobs", job_id),
+        )
+        if cluster.transport != "local":
+            plan.conn["pythonpath"] = lib_dir(plan.job_root)
+        env = {"NEBULA_JOB_ID": job_id, "NEBULA_CLUSTER": cluster.name,
+               "NEBULA_HOST": gateway.host, "PYTHONUNBUFFERED": "1",
+               **base_env(cluster, plan.job_root, plan.conn["python"])}
+        plan.agent_config = {
+            "job_id": job_id, "cluster": cluster.name, "host": gateway.host, "role": RELAY,
+            "cwd": plan.agent_dir, "grace": 5.0, "max_restarts": spec.max_restarts,
+            "restart_backoff": 2.0,
+            "processes": [{
+                "rank": "relay",
+                "argv": [plan.conn["python"], "-m", "nebula_cli.relay.server",
+                         "--config", posixpath.join(plan.agent_dir, "relay.json")],
+                "env": env,
+                "log": "logs/relay.log",
+                "metrics": "metrics/relay.jsonl",
+            }],
+        }
+        plans.append(plan)
+    return plans
+
+
+def relay_config(
+    spec: JobSpec, job_id: str, cluster: ClusterSpec, agent_dir: str,
+    ports: dict[str, tuple[int, int]], sites: dict[str, Site],
+) -> dict[str, Any]:
+    """relay.json for `cluster`'s relay (see nebula_cli.relay.config.RelayConfig)."""
+    relay = spec.relay
+    assert relay is not None
+    by_name = {c.name: c for c in spec.clusters}
+    local = cluster.transport == "local"
+
+    def dial_address(c: ClusterSpec) -> str:
+        return c.relay_address or sites[f"{c.name}/{c.gateway_host.host}"].address
+
+    bind = "127.0.0.1" if local else "0.0.0.0"
+    shaping = relay.shaping
+    cert_dir = posixpath.join(agent_dir, "certs")
+    return {
+        "job_id": job_id,
+        "cluster": cluster.name,
+        "clusters": [c.name for c in spec.clusters],
+        "peer_listen": f"{bind}:{ports[cluster.name][0]}",
+        "worker_listen": f"{bind}:{ports[cluster.name][1]}",
+        "peers": {
+            name: f"{dial_address(c)}:{ports[name][0]}"
+            for name, c in by_name.items() if name != cluster.name
+        },
+        "tls": {"ca": posixpath.join(cert_dir, "ca.pem"),
+                "cert": posixpath.join(cert_dir, "relay.pem"),
+                "key": posixpath.join(cert_dir, "relay.key")},
+        "codec": relay.compression.codec,
+        "error_feedback": relay.compression.error_feedback,
+        "block_size": relay.compression.block_size,
+        "round_timeout": relay.timeout,
+        "heartbeat": relay.heartbeat,
+        "shaping": {"rate_mbit": shaping.rate_mbit if shaping else None,
+                    "delay_ms": shaping.delay_ms if shaping else 0.0},
+        "status_file": posixpath.join(agent_dir, "relay-status.json"),
+        "metrics_file": posixpath.join(agent_dir, "metrics", "relay.jsonl"),
+    }

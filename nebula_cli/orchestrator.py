@@ -13,18 +13,23 @@ import socket
 from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
-from nebula_cli import jobplan
+from nebula_cli import jobplan, pki
 from nebula_cli.errors import LaunchError, NebulaError, TransportError
 from nebula_cli.fanout import GroupError, fanout
 from nebula_cli.follow import LogFollower, MetricsFollower
 from nebula_cli.jobplan import ProcessPlan
-from nebula_cli.spec import JobSpec
+from nebula_cli.spec import ClusterSpec, JobSpec
 from nebula_cli.state import ACTIVE_STATES, END_STATES, HostRecord, JobRecord, StateStore
 from nebula_cli.transport import Transport, connect, machine_key
 
 SETUP_TIMEOUT = 3600.0
+PACKAGE_DIR = Path(__file__).resolve().parent
+FREE_PORT_PY = (
+    "import socket; s = socket.socket(); s.bind(('', 0)); print(s.getsockname()[1]); s.close()"
+)
 AGENT_TIMEOUT = 60.0
 
 Progress = Callable[[str], None]
@@ -103,7 +108,11 @@ class Orchestrator:
         self.close()
 
     def _agent(self, conn: dict[str, Any], *args: str) -> list[str]:
-        return [conn["python"], "-m", "nebula_cli.agent", *args]
+        """The agent command line; on remote hosts nebula_cli comes from the job's lib dir."""
+        argv = [conn["python"], "-m", "nebula_cli.agent", *args]
+        if conn.get("pythonpath"):
+            return ["env", f"PYTHONPATH={conn['pythonpath']}", *argv]
+        return argv
 
     # -- launch -----------------------------------------------------------------------------
     def launch(self, spec: JobSpec, progress: Progress = _quiet) -> JobRecord:
@@ -111,10 +120,14 @@ class Orchestrator:
         job = self.store.create_job(spec.name, spec.model_dump(mode="json"), spec.source)
         self.store.add_event(job.id, "launch", f"launching {spec.name}")
         progress(f"job {job.id}")
-        plans = self.plan(spec, job.id)
+        plans: list[ProcessPlan] = []
         started: list[ProcessPlan] = []
         try:
-            fanout(plans, lambda p: self._provision(spec, p, progress), timeout=SETUP_TIMEOUT)
+            plans = self.plan(spec, job.id)
+            hosts = {(p.cluster, p.host): p for p in plans if p.role == jobplan.WORKER}
+            fanout(list(hosts.values()), lambda p: self._provision_host(spec, p, progress),
+                   timeout=SETUP_TIMEOUT)
+            fanout(plans, self._write_agent_files, timeout=AGENT_TIMEOUT)
             for plan in plans:
                 self._record(job.id, plan, "PENDING")
             # relays first, so that workers find them; then workers
@@ -137,24 +150,98 @@ class Orchestrator:
         self.store.add_event(job.id, "running", f"{len(started)} agents started")
         return self.store.get_job(job.id)
 
-    def plan(self, spec: JobSpec, job_id: str) -> list[ProcessPlan]:
-        ports = {c.name: free_port() for c in spec.clusters}
-        return jobplan.plan_workers(
-            spec, job_id, local_home=str(self.store.home), master_ports=ports
-        )
+    def sites(self, spec: JobSpec) -> dict[str, jobplan.Site]:
+        """Every host's nebula directory and address (connecting to remote hosts to learn it)."""
+        home = str(self.store.home)
+        entries = {f"{c.name}/{h.host}": (c, h) for c in spec.clusters for h in c.hosts}
 
-    def _provision(self, spec: JobSpec, plan: ProcessPlan, progress: Progress) -> None:
+        def site(key: str) -> jobplan.Site:
+            cluster, host = entries[key]
+            if cluster.transport == "local":
+                return jobplan.Site(home, host.address or "127.0.0.1")
+            t = self.transport(jobplan.connection_of(cluster, host, home))
+            target = getattr(t, "target", None)  # ssh: the HostName that ssh_config resolved
+            return jobplan.Site(t.home, host.address or getattr(target, "hostname", host.host))
+
+        return fanout(list(entries), site, timeout=AGENT_TIMEOUT)
+
+    def _master_port(self, cluster: ClusterSpec, home: str) -> int:
+        """A free port on the cluster's first host for DeepSpeed's rendezvous."""
+        if cluster.transport == "local":
+            return free_port()
+        t = self.transport(jobplan.connection_of(cluster, cluster.hosts[0], home))
+        result = t.run([t.python, "-c", FREE_PORT_PY], timeout=AGENT_TIMEOUT)
+        try:
+            return int(result.stdout.strip())
+        except ValueError as exc:
+            raise TransportError(f"cannot find a free port: {result}",
+                                 host=cluster.hosts[0].host) from exc
+
+
+    def plan(self, spec: JobSpec, job_id: str) -> list[ProcessPlan]:
+        """Every agent to start, with its config and files (certificates, relay.json)."""
+        home = str(self.store.home)
+        sites = self.sites(spec)
+        master_ports = {c.name: self._master_port(c, home) for c in spec.clusters}
+        workers = jobplan.plan_workers(spec, job_id, sites=sites, local_home=home,
+                                       master_ports=master_ports)
+        relays = jobplan.plan_relays(spec, job_id, sites=sites, local_home=home)
+        if not relays or spec.relay is None:
+            return workers
+        relay = spec.relay
+        ports = {  # clusters on this machine cannot share ports
+            c.name: (free_port(), free_port()) if c.transport == "local"
+            else (relay.port, relay.effective_worker_port)
+            for c in spec.clusters
+        }
+        issued = pki.issue_job_pki(
+            job_id, {c.name: [h.host for h in c.hosts] for c in spec.clusters},
+            self.store.job_dir(job_id) / "pki",
+        )
+        ca = issued.ca_cert.read_bytes()
+        clusters = {c.name: c for c in spec.clusters}
+        relay_hosts = {}
+        for rp in relays:
+            pair = issued.relay(rp.cluster)
+            config = jobplan.relay_config(spec, job_id, clusters[rp.cluster], rp.agent_dir,
+                                          ports, sites)
+            relay_hosts[rp.cluster] = sites[f"{rp.cluster}/{rp.host}"].address
+            rp.files = {
+                "relay.json": json.dumps(config, indent=1).encode(),
+                "certs/ca.pem": ca, "certs/relay.pem": pair.cert.read_bytes(),
+                "certs/relay.key": pair.key.read_bytes(),
+            }
+        for wp in workers:
+            pair = issued.worker(wp.cluster, wp.host)
+            env = jobplan.relay_worker_env(spec, clusters[wp.cluster], ports[wp.cluster][1],
+                                           posixpath.join(wp.agent_dir, "certs"),
+                                           relay_hosts[wp.cluster])
+            for proc in wp.agent_config["processes"]:
+                proc["env"].update(env)
+            wp.files = {"certs/ca.pem": ca, "certs/worker.pem": pair.cert.read_bytes(),
+                        "certs/worker.key": pair.key.read_bytes()}
+        return relays + workers
+
+    def _provision_host(self, spec: JobSpec, plan: ProcessPlan, progress: Progress) -> None:
+        """Once per host: job dir, nebula_cli and the workdir uploaded (remote hosts), setup."""
         t = self.transport(plan.conn)
-        t.makedirs(posixpath.join(plan.agent_dir, "logs"))
+        t.makedirs(plan.job_root)
+        if plan.conn["transport"] != "local":
+            sync_dir = getattr(t, "sync_dir", None)
+            if sync_dir is None:
+                raise TransportError("this transport cannot upload directories", host=plan.host)
+            n, size = sync_dir(str(PACKAGE_DIR), posixpath.join(jobplan.lib_dir(plan.job_root),
+                                                                 "nebula_cli"),
+                               ["__pycache__", "*.pyc"])
+            progress(f"{plan.cluster}/{plan.host}: nebula_cli uploaded ({n} files)")
+            n, size = sync_dir(spec.workdir, plan.agent_config["cwd"], list(spec.exclude))
+            progress(f"{plan.cluster}/{plan.host}: workdir uploaded ({n} files changed, "
+                     f"{size} bytes)")
         ds = spec.deepspeed_config()
         if ds is not None:
             t.put_bytes(json.dumps(ds, indent=1).encode(),
                         posixpath.join(plan.job_root, "ds_config.json"))
-        for rel, data in plan.files.items():
-            t.put_bytes(data, posixpath.join(plan.agent_dir, rel), mode=0o600)
-        t.put_bytes(json.dumps(plan.agent_config, indent=1).encode(),
-                    posixpath.join(plan.agent_dir, "agent.json"), mode=0o600)
-        if spec.setup and plan.role == jobplan.WORKER:
+        if spec.setup:
             progress(f"{plan.cluster}/{plan.host}: running setup")
             result = t.run(["/bin/sh", "-c", spec.setup], cwd=plan.agent_config["cwd"],
                            env=plan.agent_config["processes"][0]["env"],
@@ -163,6 +250,14 @@ class Orchestrator:
                 progress(f"{plan.cluster}/{plan.host} setup | {line}")
             if not result.ok:
                 raise TransportError(f"setup failed: {result}", host=plan.host)
+
+    def _write_agent_files(self, plan: ProcessPlan) -> None:
+        t = self.transport(plan.conn)
+        t.makedirs(posixpath.join(plan.agent_dir, "logs"))
+        for rel, data in plan.files.items():
+            t.put_bytes(data, posixpath.join(plan.agent_dir, rel), mode=0o600)
+        t.put_bytes(json.dumps(plan.agent_config, indent=1).encode(),
+                    posixpath.join(plan.agent_dir, "agent.json"), mode=0o600)
 
     def _start(self, plan: ProcessPlan) -> int:
         t = self.transport(plan.conn)
@@ -175,14 +270,10 @@ class Orchestrator:
                                  host=plan.host) from exc
 
     def _record(self, job_id: str, plan: ProcessPlan, state: str, pid: int | None = None) -> None:
-        metrics = {
-            str(p["rank"]): posixpath.relpath(p["env"]["NEBULA_METRICS_FILE"], plan.agent_dir)
-            for p in plan.agent_config["processes"] if "NEBULA_METRICS_FILE" in p.get("env", {})
-        }
         self.store.upsert_host(HostRecord(
             job_id=job_id, cluster=plan.cluster, host=plan.host, role=plan.role,
             node_rank=plan.node_rank, slots=plan.slots, agent_dir=plan.agent_dir, state=state,
-            pid=pid, detail={"conn": plan.conn, "logs": plan.logs, "metrics": metrics},
+            pid=pid, detail={"conn": plan.conn, "logs": plan.logs, "metrics": plan.metrics},
         ))
 
     # -- status -----------------------------------------------------------------------------

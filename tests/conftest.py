@@ -14,6 +14,8 @@ from pathlib import Path
 
 import pytest
 
+pytest_plugins = ["testbed.fixtures"]
+
 REPO = Path(__file__).resolve().parent.parent
 
 

@@ -16,11 +16,17 @@ from rich.console import Console
 
 from nebula_cli import __version__
 from nebula_cli.errors import EXIT_FAILED, EXIT_OK, NebulaError, SpecError
-from nebula_cli.live import watch
+from nebula_cli.live import print_line, watch
 from nebula_cli.orchestrator import Orchestrator
 from nebula_cli.spec import load_spec
 from nebula_cli.state import END_STATES, StateStore
-from nebula_cli.ui import cluster_colors, job_detail, jobs_table, log_text, spec_error_text
+from nebula_cli.ui import (
+    cluster_colors,
+    host_checks_table,
+    job_detail,
+    jobs_table,
+    spec_error_text,
+)
 
 app = typer.Typer(
     help="Train one model on several GPU clusters joined by slow wide-area links.",
@@ -31,6 +37,10 @@ err = Console(stderr=True, highlight=False, soft_wrap=True)
 _debug = {"on": False}
 
 F = TypeVar("F", bound=Callable[..., Any])
+AcceptNew = Annotated[bool, typer.Option(
+    "--accept-new-host-keys",
+    help="Record host keys not yet in known_hosts (like OpenSSH's accept-new); a changed key "
+         "is always refused.")]
 
 
 def handle_errors(fn: F) -> F:
@@ -78,13 +88,28 @@ def _store() -> StateStore:
 @handle_errors
 def validate(
     spec_path: Annotated[Path, typer.Argument(metavar="SPEC", help="The job spec (YAML).")],
+    hosts: Annotated[bool, typer.Option(
+        "--hosts", help="Also reach every host: SSH, python, torch, deepspeed, disk.")] = False,
+    accept_new: AcceptNew = False,
 ) -> None:
     """Check a job spec: every problem with file:line:col and the field path."""
     spec = load_spec(spec_path)
-    hosts = sum(len(c.hosts) for c in spec.clusters)
+    n_hosts = sum(len(c.hosts) for c in spec.clusters)
     slots = sum(h.slots for c in spec.clusters for h in c.hosts)
     out.print(f"[green]✓[/] {spec_path} is valid: job [bold]{spec.name}[/], "
-              f"{len(spec.clusters)} clusters, {hosts} hosts, {slots} processes")
+              f"{len(spec.clusters)} clusters, {n_hosts} hosts, {slots} processes")
+    if not hosts:
+        return
+    with _store() as store, Orchestrator(store, accept_new_host_keys=accept_new) as orch:
+        checks = orch.check_hosts(spec)
+    out.print(host_checks_table(checks))
+    bad = [c for c in checks if not c.ok]
+    if bad:
+        for c in bad:
+            err.print(f"[bold red]{c.cluster}/{c.host}:[/] {'; '.join(c.problems)}",
+                      markup=True)
+        raise typer.Exit(EXIT_FAILED)
+    out.print(f"[green]✓[/] all {len(checks)} hosts ready")
 
 
 @app.command()
@@ -93,10 +118,11 @@ def launch(
     spec_path: Annotated[Path, typer.Argument(metavar="SPEC", help="The job spec (YAML).")],
     detach: Annotated[bool, typer.Option("--detach", "-d",
                                          help="Return once started; print the job id.")] = False,
+    accept_new: AcceptNew = False,
 ) -> None:
     """Provision every host, start the job, then show it live (Ctrl-C detaches)."""
     spec = load_spec(spec_path)
-    with _store() as store, Orchestrator(store) as orch:
+    with _store() as store, Orchestrator(store, accept_new_host_keys=accept_new) as orch:
         job = orch.launch(spec, progress=lambda msg: err.print(f"[dim]{msg}[/]"))
         if detach:
             out.print(job.id)
@@ -180,7 +206,7 @@ def logs(
                 snap = orch.refresh(job.id) if follow else None
                 final = snap is None or not snap.active
                 for line in follower.poll(final=final):
-                    out.print(log_text(line, colors), markup=False, highlight=False)
+                    print_line(out, line, colors)
                 if final:
                     break
                 time.sleep(1.0)

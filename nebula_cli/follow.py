@@ -134,6 +134,7 @@ class MetricsFollower:
         self.latest: dict[str, dict[str, Any]] = {}  # cluster -> merged newest worker values
         self.relay: dict[str, dict[str, Any]] = {}  # cluster -> newest relay record
         self.history: dict[str, list[dict[str, Any]]] = {}  # cluster -> worker records
+        self.finals: list[dict[str, Any]] = []  # every rank's `final` record
 
     def poll(self) -> None:
         for rec, lt in self.tails:
@@ -147,6 +148,10 @@ class MetricsFollower:
                     continue
                 if rec.role == "relay":
                     self.relay.setdefault(rec.cluster, {}).update(m)
+                elif m.get("final"):
+                    self.finals.append({"cluster": rec.cluster, "host": rec.host, **m})
+                    self.latest.setdefault(rec.cluster, {}).update(
+                        {k: v for k, v in m.items() if k in ("step", "eval_loss")})
                 else:
                     self.latest.setdefault(rec.cluster, {}).update(m)
                     self.history.setdefault(rec.cluster, []).append(m)

@@ -7,8 +7,10 @@ import time
 from rich.console import Console
 from rich.live import Live
 
+from nebula_cli.follow import LogLine
 from nebula_cli.orchestrator import JobSnapshot, Orchestrator
-from nebula_cli.ui import cluster_colors, job_detail, log_text, status_panel
+from nebula_cli.runtime.metrics import METRICS_TAG
+from nebula_cli.ui import cluster_colors, final_summary, job_detail, log_text, status_panel
 
 POLL_S = 0.5
 REFRESH_S = 2.0
@@ -26,8 +28,8 @@ def watch(orch: Orchestrator, job_id: str, console: Console) -> JobSnapshot:
     with Live(status_panel(snap, {}, {}), console=console, refresh_per_second=4,
               transient=True, redirect_stdout=False) as live:
         while True:
-            for line in logs.poll():
-                live.console.print(log_text(line, colors), markup=False, highlight=False)
+            for line in shown(logs.poll()):
+                print_line(live.console, line, colors)
             metrics.poll()
             if time.monotonic() - last >= REFRESH_S:
                 snap = orch.refresh(job_id)
@@ -36,9 +38,21 @@ def watch(orch: Orchestrator, job_id: str, console: Console) -> JobSnapshot:
             if not snap.active:
                 break
             time.sleep(POLL_S)
-        for line in logs.poll(final=True):
-            live.console.print(log_text(line, colors), markup=False, highlight=False)
+        for line in shown(logs.poll(final=True)):
+            print_line(live.console, line, colors)
         metrics.poll()
     console.print(status_panel(snap, metrics.latest, metrics.relay))
     console.print(job_detail(snap))
+    summary = final_summary(metrics.finals, snap.job.clusters)
+    if summary is not None:
+        console.print(summary)
     return snap
+
+
+def print_line(console: Console, line: LogLine, colors: dict[str, str]) -> None:
+    console.print(log_text(line, colors), markup=False, highlight=False, soft_wrap=True)
+
+
+def shown(lines: list[LogLine]) -> list[LogLine]:
+    """Log lines for the live view: metric records are shown in the panel instead."""
+    return [ln for ln in lines if METRICS_TAG not in ln.text]

@@ -20,6 +20,7 @@ from nebula_cli import jobplan, pki
 from nebula_cli.errors import LaunchError, NebulaError, TransportError
 from nebula_cli.fanout import GroupError, fanout
 from nebula_cli.follow import LogFollower, MetricsFollower
+from nebula_cli.hostcheck import HostCheck, check_host
 from nebula_cli.jobplan import ProcessPlan
 from nebula_cli.spec import ClusterSpec, JobSpec
 from nebula_cli.state import ACTIVE_STATES, END_STATES, HostRecord, JobRecord, StateStore
@@ -60,7 +61,8 @@ class StopReport:
 
 
 def job_state(hosts: list[HostRecord], current: str) -> str:
-    """The job's state from its agents' states."""
+    """The job's state from its agents' states. Relays serve the workers: once the workers
+    are done, relays ended by nebula do not make the job STOPPED."""
     states = {h.state for h in hosts}
     if not hosts:
         return current
@@ -68,7 +70,8 @@ def job_state(hosts: list[HostRecord], current: str) -> str:
         return "RUNNING"
     if states & {"FAILED", "LOST"}:
         return "FAILED"
-    if "STOPPED" in states:
+    workers = {h.state for h in hosts if h.role == jobplan.WORKER} or states
+    if "STOPPED" in workers:
         return "STOPPED"
     return "SUCCEEDED"
 
@@ -82,15 +85,17 @@ def free_port() -> int:
 class Orchestrator:
     """Carries out commands on a job's hosts. Close it to release its connections."""
 
-    def __init__(self, store: StateStore) -> None:
+    def __init__(self, store: StateStore, *, accept_new_host_keys: bool = False) -> None:
         self.store = store
+        self.accept_new_host_keys = accept_new_host_keys
         self._transports: dict[tuple[Any, ...], Transport] = {}
 
     # -- connections ------------------------------------------------------------------------
     def transport(self, conn: dict[str, Any]) -> Transport:
         key = machine_key(conn)
         if key not in self._transports:
-            self._transports[key] = connect(conn)
+            self._transports[key] = connect(
+                conn, accept_new_host_keys=self.accept_new_host_keys)
         return self._transports[key]
 
     def transport_of(self, rec: HostRecord) -> Transport:
@@ -276,6 +281,21 @@ class Orchestrator:
             pid=pid, detail={"conn": plan.conn, "logs": plan.logs, "metrics": plan.metrics},
         ))
 
+    def check_hosts(self, spec: JobSpec) -> list[HostCheck]:
+        """Reach every host of the spec in parallel and report what each one has."""
+        home = str(self.store.home)
+        entries = {f"{c.name}/{h.host}": (c, h) for c in spec.clusters for h in c.hosts}
+
+        def check(key: str) -> HostCheck:
+            cluster, host = entries[key]
+            try:
+                t = self.transport(jobplan.connection_of(cluster, host, home))
+            except NebulaError as exc:
+                return HostCheck(cluster.name, host.host, host.slots, error=str(exc))
+            return check_host(t, cluster.name, host.host, host.slots)
+
+        return list(fanout(list(entries), check, timeout=120).values())
+
     # -- status -----------------------------------------------------------------------------
     def _by_machine(self, hosts: list[HostRecord]) -> dict[tuple[Any, ...], list[HostRecord]]:
         groups: dict[tuple[Any, ...], list[HostRecord]] = defaultdict(list)
@@ -318,6 +338,8 @@ class Orchestrator:
                 for rec, status in zip(groups[key], replies, strict=True):
                     self._apply_status(rec, status)
             hosts = self.store.hosts(job.id)
+            if job.state != "PENDING" and self._end_idle_relays(hosts):
+                hosts = self.store.hosts(job.id)
         if job.state not in ("PENDING",):
             state = job_state(hosts, job.state)
             if state != job.state:
@@ -326,10 +348,30 @@ class Orchestrator:
                     f"{h.cluster}/{h.host} {h.role}: {h.detail.get('reason') or h.state}"
                     for h in failed
                 ) or None
-                self.store.set_job_state(job.id, state, reason=reason)
+                ends = [h.detail.get("ended") for h in hosts if h.role == jobplan.WORKER]
+                at = max(ends) if ends and all(ends) and state in END_STATES else None
+                self.store.set_job_state(job.id, state, reason=reason, at=at)
                 self.store.add_event(job.id, "state", f"job {state.lower()}")
                 job = self.store.get_job(job.id)
         return JobSnapshot(job=job, hosts=hosts)
+
+    def _end_idle_relays(self, hosts: list[HostRecord]) -> bool:
+        """Once every worker has ended, the relays have nothing left to do: end them."""
+        workers = [h for h in hosts if h.role == jobplan.WORKER]
+        relays = [h for h in hosts if h.role == jobplan.RELAY and h.state not in END_STATES]
+        if not relays or not workers or any(w.state not in END_STATES for w in workers):
+            return False
+        groups = self._by_machine(relays)
+        try:
+            answers = fanout(list(groups), lambda k: self._agent_call(
+                groups[k], "stop", "--grace", "5", timeout=60), timeout=90)
+        except GroupError as exc:
+            answers = {k: v for k, v in exc.results.items() if isinstance(v, list)}
+        for key, replies in answers.items():
+            for rec, reply in zip(groups[key], replies, strict=True):
+                reply["reason"] = "ended after the workers finished"
+                self._apply_status(rec, reply)
+        return True
 
     def _apply_status(self, rec: HostRecord, status: dict[str, Any]) -> None:
         state = status.get("state", rec.state)

@@ -229,8 +229,11 @@ class StateStore:
         self.job_dir(job_id).mkdir(parents=True, exist_ok=True)
         return self.get_job(job_id)
 
-    def set_job_state(self, job_id: str, state: str, reason: str | None = None) -> None:
-        now = time.time()
+    def set_job_state(
+        self, job_id: str, state: str, reason: str | None = None, at: float | None = None
+    ) -> None:
+        """Record a job's new state; `at` is when it happened (default now)."""
+        now = at if at is not None else time.time()
         with self._write() as db:
             db.execute(
                 "UPDATE jobs SET state = ?,"

@@ -14,6 +14,7 @@ from rich.text import Text
 
 from nebula_cli.errors import SpecError
 from nebula_cli.follow import LogLine, finite
+from nebula_cli.hostcheck import HostCheck
 from nebula_cli.orchestrator import JobSnapshot
 from nebula_cli.state import HostRecord, JobRecord
 
@@ -133,8 +134,8 @@ def metrics_table(
             str(m.get("outer_round", r.get("round", "-"))),
             num(m.get("round_s", r.get("round_s")), ".2f") + ("s" if finite(
                 m.get("round_s", r.get("round_s"))) else ""),
-            human_bytes(r.get("bytes_sent", m.get("wan_bytes_sent"))),
-            human_bytes(r.get("bytes_received", m.get("wan_bytes_received"))),
+            human_bytes(r.get("bytes_sent_total", m.get("wan_bytes_sent"))),
+            human_bytes(r.get("bytes_received_total", m.get("wan_bytes_received"))),
             str(present if present is not None else "-"),
         )
     return table
@@ -171,3 +172,45 @@ def spec_error_text(err: SpecError) -> Text:
             text.append(f": {p.field}", style="cyan")
         text.append(f": {p.message}")
     return text
+
+
+def final_summary(finals: list[dict[str, Any]], clusters: list[str]) -> Group | None:
+    """The workers' final records: losses, speed, and whether every worker ended identical."""
+    if not finals:
+        return None
+    colors = cluster_colors(clusters)
+    table = Table(title="summary", title_justify="left", show_edge=False)
+    for col in ("cluster", "host", "rank", "step", "first loss", "last loss", "eval loss",
+                "s/step", "parameters sha256"):
+        table.add_column(col, justify="left" if col in ("cluster", "host") else "right")
+    ordered = sorted(finals, key=lambda f: (clusters.index(f["cluster"])
+                                            if f["cluster"] in clusters else 99,
+                                            str(f.get("rank"))))
+    for f in ordered:
+        table.add_row(Text(f["cluster"], style=colors.get(f["cluster"], "")), f["host"],
+                      str(f.get("rank", "-")), str(f.get("step", "-")), num(f.get("first_loss")),
+                      num(f.get("last_loss")), num(f.get("eval_loss")),
+                      num(f.get("s_per_step"), ".2f"), str(f.get("param_sha256", "-"))[:16])
+    sums = {f.get("param_sha256") for f in finals}
+    if len(sums) == 1 and None not in sums:
+        verdict = Text(f"all {len(finals)} workers hold identical parameters", style="green")
+    else:
+        verdict = Text(f"workers hold {len(sums)} different parameter sets", style="bold red")
+    return Group(table, verdict)
+
+
+def host_checks_table(checks: list[HostCheck]) -> Table:
+    """`validate --hosts`: one row per host, failures named."""
+    colors = cluster_colors(dict.fromkeys(c.cluster for c in checks))
+    table = Table(title="hosts", title_justify="left", show_edge=False)
+    for col in ("cluster", "host", "reachable", "python", "torch", "deepspeed", "free disk",
+                "slots", "problems"):
+        table.add_column(col)
+    for c in checks:
+        table.add_row(
+            Text(c.cluster, style=colors.get(c.cluster, "")), c.host,
+            Text("yes", style="green") if c.reachable else Text("no", style="red"),
+            c.python or "-", c.torch or "-", c.deepspeed or "-", human_bytes(c.free_bytes),
+            str(c.slots), Text("; ".join(c.problems), style="red") if c.problems else "",
+        )
+    return table

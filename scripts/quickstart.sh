@@ -4,4 +4,4 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/bootstrap.sh
-exec .venv/bin/nebula launch "${1:-templates/hello.yaml}"
+exec .venv/bin/nebula launch "${1:-templates/quickstart.yaml}"

@@ -9,7 +9,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from conftest import CLI, job_processes, write_spec
+from conftest import CLI, job_processes, kill_job_processes, write_spec
 
 HELLO = """
 name: hello
@@ -116,8 +116,7 @@ def test_worker_killed_while_detached_shows_failed(cli: CLI, tmp_path: Path) -> 
 def test_dead_agent_and_workers_are_not_stuck_running(cli: CLI, tmp_path: Path) -> None:
     job_id = cli("launch", str(spec(tmp_path)), "--detach", check=True).stdout.strip()
     wait_for(lambda: all(h["state"] == "RUNNING" for h in status_json(cli, job_id)["hosts"]))
-    for pid in job_processes(job_id):  # agents and workers, all at once
-        os.kill(pid, signal.SIGKILL)
+    assert kill_job_processes(job_id)  # agents and workers, all at once
     final = wait_for(lambda: (s := status_json(cli, job_id))["state"] != "RUNNING" and s)
     assert final["state"] == "FAILED"
     assert {h["state"] for h in final["hosts"]} <= {"FAILED", "LOST"}

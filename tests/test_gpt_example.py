@@ -210,7 +210,10 @@ def test_two_rank_deepspeed_run_loss_falls(tmp_path: Path) -> None:
     finally:
         _stop(procs)
     recs = _records(tmp_path)
-    assert not (tmp_path / "metrics-1.jsonl").exists()  # only rank 0 of the cluster logs
+    # rank 1 logs only its final record: the checksum of its parameters, equal to rank 0's
+    (other,) = [json.loads(x) for x in (tmp_path / "metrics-1.jsonl").read_text().splitlines()]
+    assert other["final"] is True and other["rank"] == 1
+    assert other["param_sha256"] == recs[-1]["param_sha256"]
     losses = [r["loss"] for r in recs if "loss" in r]
     assert [r["step"] for r in recs if "loss" in r] == [1, 5, 10, 15, 20]
     assert losses[0] > 4.5 and losses[-1] < losses[0] - 0.8, losses

@@ -231,18 +231,19 @@ def main(argv: list[str] | None = None) -> int:
                 log(step=step, eval_loss=eval_loss, **flushed)
         elapsed = time.perf_counter() - t_start
         checksum = param_checksum(engine)
+        per_step = (t_loop - (t_first_step or t_start)) / max(step - 1, 1)
+        # every rank reports its parameters' checksum: all workers must end identical
+        log(
+            step=step,
+            final=True,
+            eval_loss=eval_loss,
+            param_sha256=checksum,
+            first_loss=first_loss,
+            last_loss=last_loss,
+            s_per_step=per_step,
+            elapsed_s=elapsed,
+        )
         if lead:
-            per_step = (t_loop - (t_first_step or t_start)) / max(step - 1, 1)
-            log(
-                step=step,
-                final=True,
-                eval_loss=eval_loss,
-                param_sha256=checksum,
-                first_loss=first_loss,
-                last_loss=last_loss,
-                s_per_step=per_step,
-                elapsed_s=elapsed,
-            )
             print(
                 f"gpt: final step={step} eval_loss={eval_loss:.4f} first_loss={first_loss:.4f} "
                 f"last_loss={last_loss:.4f} s/step={per_step:.3f} elapsed={elapsed:.1f}s "

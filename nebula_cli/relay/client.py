@@ -1,0 +1,333 @@
+"""RelayClient: the worker side of the local hop to this cluster's relay (mutual TLS).
+
+Only the cluster's rank 0 talks to the relay. The local hop carries raw fp32 (it is local and
+fast); the relay compresses for the WAN. Protocol (frames of :mod:`nebula_cli.relay.wire`)::
+
+    HELLO {role: worker, cluster}                   -> WELCOME {cluster, codec, clusters}
+    CONTRIB {op: allreduce, round, numel} + chunks  -> RESULT {round_id, present, ...} + chunks
+                                                       [+ STATE chunks when catching up]
+    STATE {op: publish, round, numel} + chunks      -> STATE {op: stored, round}
+    STATE_REQUEST {op: fetch}                       -> STATE {op: state, round|null, numel} + chunks
+    BYE
+
+A tensor travels as a header frame (no payload) and then frames of the same type with meta
+``{"lo": offset}`` and up to ``CHUNK_NUMEL`` fp32 elements each, in order.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import socket
+import ssl
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from nebula_cli.errors import NebulaError
+from nebula_cli.pki import CertPair, PeerRejected, client_context, wrap_client
+from nebula_cli.relay.config import parse_addr
+from nebula_cli.relay.wire import (
+    HEADER_SIZE,
+    ConnectionClosed,
+    Frame,
+    FrameType,
+    WireError,
+    decode_meta,
+    encode_frame,
+    parse_header,
+    recv_frame,
+    tune_socket,
+)
+
+log = logging.getLogger("nebula.relay.client")
+
+CHUNK_NUMEL = 4 << 20
+"""fp32 elements per frame on the local hop (16 MiB)."""
+SOCKET_BUFFER = 4 << 20
+
+
+class RelayError(NebulaError):
+    """The relay could not be reached, refused a request, or broke the protocol."""
+
+
+@dataclass
+class RoundResult:
+    """The outcome of one round, as seen by this cluster."""
+
+    tensor: torch.Tensor
+    """The average over the clusters present (flat fp32); zeros when ``global_state`` is set or
+    nobody was present."""
+    present: list[str]
+    """Clusters whose contribution is in the average (sorted)."""
+    round_id: int
+    """The round this cluster is at after the call (the state's round when catching up)."""
+    bytes_sent: int
+    """Bytes this cluster's relay sent over the WAN in this round."""
+    bytes_received: int
+    """Bytes this cluster's relay received over the WAN in this round."""
+    seconds: float
+    """Wall time of the round at the relay."""
+    global_state: torch.Tensor | None = None
+    """Set when this cluster was behind: theta_global as published by a peer after round_id."""
+    rejected: list[str] = field(default_factory=list)
+    """Clusters whose contribution was refused (non-finite, wrong size)."""
+    missing: list[str] = field(default_factory=list)
+    """Clusters not ready by the deadline."""
+
+
+# ---------------------------------------------------------------------- tensors on a socket
+
+
+def tensor_frames(ftype: FrameType, meta: dict[str, Any], tensor: torch.Tensor,
+                  chunk_numel: int = CHUNK_NUMEL) -> list[Frame]:
+    """A header frame carrying ``meta`` + ``numel``, then the tensor's bytes in chunk frames."""
+    flat = tensor.detach().to(device="cpu", dtype=torch.float32).reshape(-1).contiguous()
+    frames = [Frame(ftype, {**meta, "numel": flat.numel()})]
+    data = memoryview(flat.numpy()).cast("B")
+    for lo in range(0, flat.numel(), chunk_numel):
+        hi = min(lo + chunk_numel, flat.numel())
+        frames.append(Frame(ftype, {"lo": lo}, data[4 * lo : 4 * hi]))
+    return frames
+
+
+def send_frames(sock: socket.socket, frames: list[Frame]) -> int:
+    """sendall every frame (payloads not copied); returns the bytes written."""
+    total = 0
+    for frame in frames:
+        for part in encode_frame(frame):
+            sock.sendall(part)
+            total += memoryview(part).nbytes
+    return total
+
+
+def recv_tensor(sock: socket.socket, ftype: FrameType, numel: int,
+                max_numel: int = 1 << 34) -> torch.Tensor:
+    """Read the chunk frames of a tensor of ``numel`` elements announced by a header frame."""
+    if not isinstance(numel, int) or isinstance(numel, bool) or not 0 <= numel <= max_numel:
+        raise WireError(f"bad tensor size {numel!r}")
+    out = torch.empty(numel, dtype=torch.float32)
+    dest = memoryview(out.numpy()).cast("B") if numel else memoryview(b"")
+    head = bytearray(HEADER_SIZE)
+    got = 0
+    while got < numel:  # each payload lands in place: no per-frame buffer, no copy
+        _recv_exact(sock, memoryview(head))
+        t, meta_len, payload_len = parse_header(head, max_payload=4 * (numel - got))
+        meta = decode_meta(_recv_exact(sock, memoryview(bytearray(meta_len))))
+        if t != ftype or meta.get("lo") != got:
+            raise WireError(f"expected {ftype.name} chunk at element {got}, got {t.name} {meta}")
+        if payload_len == 0 or payload_len % 4:
+            raise WireError(f"bad chunk of {payload_len} bytes at element {got}")
+        _recv_exact(sock, dest[4 * got : 4 * got + payload_len])
+        got += payload_len // 4
+    return out
+
+
+def _recv_exact(sock: socket.socket, view: memoryview) -> memoryview:
+    """Fill ``view`` from ``sock`` (WireError if the connection ends first)."""
+    n = 0
+    while n < len(view):
+        try:
+            k = sock.recv_into(view[n:], len(view) - n)
+        except TimeoutError:
+            raise WireError(f"timed out after {n} of {len(view)} bytes") from None
+        except ssl.SSLEOFError:
+            k = 0
+        if not k:
+            raise WireError(f"connection closed after {n} of {len(view)} bytes of a frame")
+        n += k
+    return view
+
+
+def tune_buffers(sock: socket.socket, size: int = SOCKET_BUFFER) -> None:
+    """TCP_NODELAY and large kernel buffers (bulk transfers of many MB)."""
+    tune_socket(sock)
+    for opt in (socket.SO_SNDBUF, socket.SO_RCVBUF):
+        with contextlib.suppress(OSError):
+            sock.setsockopt(socket.SOL_SOCKET, opt, size)
+
+
+# ---------------------------------------------------------------------- the client
+
+
+class RelayClient:
+    """A connection to this cluster's relay. Opens lazily, reconnects after the relay restarts
+    (for up to ``retry_for`` seconds per call), ``close()`` is idempotent; a context manager."""
+
+    def __init__(
+        self,
+        addr: str,
+        *,
+        ca: str | Path,
+        cert: str | Path,
+        key: str | Path,
+        job_id: str,
+        cluster: str,
+        round_timeout: float = 600.0,
+        connect_timeout: float = 10.0,
+        retry_for: float = 120.0,
+        result_timeout: float | None = None,
+    ) -> None:
+        self.host, self.port = parse_addr(addr)
+        self.addr = addr
+        self.job_id = job_id
+        self.cluster = cluster
+        self.round_timeout = round_timeout
+        self.connect_timeout = connect_timeout
+        self.retry_for = retry_for
+        self.result_timeout = result_timeout or max(600.0, 10 * round_timeout)
+        """Longest wait for a round's result (a slow WAN and a large model take a while)."""
+        self._ctx = client_context(CertPair(Path(cert), Path(key)), Path(ca))
+        self._sock: ssl.SSLSocket | None = None
+        self.relay_info: dict[str, Any] = {}
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None) -> RelayClient:
+        """Build from NEBULA_RELAY_ADDR, NEBULA_TLS_CA/CERT/KEY, NEBULA_JOB_ID, NEBULA_CLUSTER
+        and NEBULA_ROUND_TIMEOUT (NEBULA_CODEC is the relay's business: the local hop is fp32)."""
+        env = os.environ if env is None else env
+        names = ["NEBULA_RELAY_ADDR", "NEBULA_TLS_CA", "NEBULA_TLS_CERT", "NEBULA_TLS_KEY",
+                 "NEBULA_JOB_ID", "NEBULA_CLUSTER"]
+        missing = [n for n in names if not env.get(n)]
+        if missing:
+            raise RelayError(f"relay client: environment variable(s) not set: {', '.join(missing)}")
+        timeout = env.get("NEBULA_ROUND_TIMEOUT") or "600"
+        try:
+            round_timeout = float(timeout)
+        except ValueError:
+            raise RelayError(f"NEBULA_ROUND_TIMEOUT={timeout!r} is not a number") from None
+        return cls(env["NEBULA_RELAY_ADDR"], ca=env["NEBULA_TLS_CA"], cert=env["NEBULA_TLS_CERT"],
+                   key=env["NEBULA_TLS_KEY"], job_id=env["NEBULA_JOB_ID"],
+                   cluster=env["NEBULA_CLUSTER"], round_timeout=round_timeout)
+
+    # ------------------------------------------------------------------ API
+
+    def allreduce(self, round_id: int, tensor: torch.Tensor) -> RoundResult:
+        """Send this cluster's contribution (flat fp32 CPU) for ``round_id``; the average back."""
+        if not isinstance(round_id, int) or isinstance(round_id, bool) or round_id < 0:
+            raise RelayError(f"round_id must be a non-negative integer, got {round_id!r}")
+        if not isinstance(tensor, torch.Tensor) or not tensor.is_floating_point():
+            raise RelayError("allreduce needs a floating-point torch.Tensor")
+        frames = tensor_frames(FrameType.CONTRIB, {"op": "allreduce", "round": round_id}, tensor)
+
+        def call(sock: ssl.SSLSocket) -> RoundResult:
+            send_frames(sock, frames)
+            sock.settimeout(self.result_timeout)
+            head = self._expect(sock, FrameType.RESULT)
+            m = head.meta
+            avg = recv_tensor(sock, FrameType.RESULT, m.get("numel"))
+            state = None
+            if m.get("has_state"):
+                shead = self._expect(sock, FrameType.STATE)
+                state = recv_tensor(sock, FrameType.STATE, shead.meta.get("numel"))
+            return RoundResult(
+                tensor=avg, present=list(m.get("present", [])), round_id=int(m["round_id"]),
+                bytes_sent=int(m.get("bytes_sent", 0)),
+                bytes_received=int(m.get("bytes_received", 0)),
+                seconds=float(m.get("seconds", 0.0)), global_state=state,
+                rejected=list(m.get("rejected", [])), missing=list(m.get("missing", [])),
+            )
+
+        return self._call(call, f"round {round_id}")
+
+    def publish_state(self, round_id: int, tensor: torch.Tensor) -> None:
+        """Hand theta_global after ``round_id`` to the relay (served to clusters catching up)."""
+        frames = tensor_frames(FrameType.STATE, {"op": "publish", "round": round_id}, tensor)
+
+        def call(sock: ssl.SSLSocket) -> None:
+            send_frames(sock, frames)
+            sock.settimeout(max(60.0, self.connect_timeout))
+            self._expect(sock, FrameType.STATE)
+
+        self._call(call, "publish_state")
+
+    def fetch_state(self) -> torch.Tensor | None:
+        """The newest global state a peer (or this relay) holds, None if there is none."""
+        return self.fetch_state_with_round()[1]
+
+    def fetch_state_with_round(self) -> tuple[int | None, torch.Tensor | None]:
+        """(round, state) of the newest global state known to the relay and its peers."""
+
+        def call(sock: ssl.SSLSocket) -> tuple[int | None, torch.Tensor | None]:
+            send_frames(sock, [Frame(FrameType.STATE_REQUEST, {"op": "fetch"})])
+            sock.settimeout(self.result_timeout)
+            head = self._expect(sock, FrameType.STATE)
+            if head.meta.get("round") is None:
+                return None, None
+            return int(head.meta["round"]), recv_tensor(sock, FrameType.STATE, head.meta["numel"])
+
+        return self._call(call, "fetch_state")
+
+    def close(self) -> None:
+        sock, self._sock = self._sock, None
+        if sock is None:
+            return
+        try:
+            sock.settimeout(1.0)
+            send_frames(sock, [Frame(FrameType.BYE)])
+        except (OSError, WireError):
+            pass
+        sock.close()
+
+    def __enter__(self) -> RelayClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------ internals
+
+    def _call(self, fn: Any, what: str) -> Any:
+        """Run ``fn(sock)``; on a lost connection reconnect (backoff) and run it again."""
+        give_up = time.monotonic() + self.retry_for
+        delay = 0.2
+        while True:
+            try:
+                return fn(self._connect())
+            except (ConnectionClosed, OSError, PeerRejected) as exc:
+                self._drop()
+                if time.monotonic() + delay > give_up:
+                    raise RelayError(f"{what}: relay at {self.addr} unreachable: {exc}") from exc
+                log.warning("%s: relay at %s: %s; retrying in %.1fs", what, self.addr, exc, delay)
+                time.sleep(delay)
+                delay = min(delay * 2, 5.0)
+            except WireError as exc:
+                self._drop()
+                raise RelayError(f"{what}: {exc}") from exc
+
+    def _connect(self) -> ssl.SSLSocket:
+        if self._sock is not None:
+            return self._sock
+        raw = socket.create_connection((self.host, self.port), timeout=self.connect_timeout)
+        tune_buffers(raw)
+        sock, _ = wrap_client(raw, self._ctx, job_id=self.job_id, roles={"relay"},
+                              cluster=self.cluster, timeout=self.connect_timeout)
+        try:
+            sock.settimeout(self.connect_timeout)
+            send_frames(sock, [Frame(FrameType.HELLO, {"role": "worker", "cluster": self.cluster,
+                                                       "job_id": self.job_id})])
+            self.relay_info = self._expect(sock, FrameType.WELCOME).meta
+        except BaseException:
+            sock.close()
+            raise
+        self._sock = sock
+        return sock
+
+    def _drop(self) -> None:
+        sock, self._sock = self._sock, None
+        if sock is not None:
+            sock.close()
+
+    @staticmethod
+    def _expect(sock: ssl.SSLSocket, ftype: FrameType) -> Frame:
+        frame = recv_frame(sock)
+        if frame.type == FrameType.ERROR:
+            raise RelayError(f"relay refused: {frame.meta.get('reason', frame.meta)}")
+        if frame.type != ftype:
+            raise WireError(f"expected {ftype.name} from the relay, got {frame.type.name}")
+        return frame

@@ -1,0 +1,80 @@
+"""The quickstart end to end: two clusters of DeepSpeed workers joined by the relay, through the
+real CLI, with a short schedule. And the same with three clusters."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from conftest import CLI, REPO, job_processes
+
+pytestmark = pytest.mark.slow
+
+
+def short_spec(tmp_path: Path, *, clusters: dict[str, list[str]], steps: int, inner: int,
+               name: str = "quick") -> Path:
+    spec = yaml.safe_load((REPO / "templates" / "quickstart.yaml").read_text())
+    spec["name"] = name
+    spec["workdir"] = str(REPO / "examples" / "gpt")
+    spec["run"] = f"python -u train.py --steps {steps} --eval-every {inner} --log-every 5"
+    spec["clusters"] = [
+        {"name": c, "transport": "local", "hosts": [{"host": h} for h in hosts]}
+        for c, hosts in clusters.items()
+    ]
+    spec["relay"]["sync"]["inner_steps"] = inner
+    path = tmp_path / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(spec))
+    return path
+
+
+def metric_records(home: Path, job_id: str) -> list[dict[str, Any]]:
+    records = []
+    for path in sorted((home / "jobs" / job_id).glob("*/*/worker/metrics/*.jsonl")):
+        records += [json.loads(line) for line in path.read_text().splitlines() if line]
+    return records
+
+
+def check_finished_job(cli: CLI, job_id: str, workers: int, rounds: int) -> None:
+    records = metric_records(cli.home, job_id)
+    finals = [r for r in records if r.get("final")]
+    assert len(finals) == workers
+    assert len({r["param_sha256"] for r in finals}) == 1, "workers ended with different weights"
+    first = [r["loss"] for r in records if "loss" in r]
+    assert first and finals[0]["eval_loss"] < first[0] - 0.5, "the loss did not fall"
+    synced = [r for r in records if r.get("outer_round") is not None and "round_s" in r]
+    assert max(r["outer_round"] for r in synced) + 1 >= rounds
+    assert all(r["clusters_present"] >= 2 for r in synced)
+    assert all(r["wan_bytes_sent"] > 0 for r in synced)
+    st = json.loads(cli("status", job_id, "--json", check=True).stdout)
+    assert st["state"] == "SUCCEEDED"
+    assert {h["state"] for h in st["hosts"] if h["role"] == "worker"} == {"SUCCEEDED"}
+    assert {h["state"] for h in st["hosts"] if h["role"] == "relay"} <= {"STOPPED", "SUCCEEDED"}
+    assert job_processes(job_id) == []
+    stop = cli("stop", job_id, check=True)
+    assert "already ended" in stop.stdout and job_processes(job_id) == []
+
+
+def test_quickstart_two_clusters(cli: CLI, tmp_path: Path) -> None:
+    spec = short_spec(tmp_path, clusters={"east": ["e1", "e2"], "west": ["w1", "w2"]},
+                      steps=40, inner=10)
+    proc = cli("launch", str(spec), timeout=900)
+    out = proc.stdout
+    assert proc.returncode == 0, out + proc.stderr
+    (job_id,) = cli.job_ids()
+    assert "east/e1/relay |" in out and "west/w2/1 |" in out
+    assert "all 4 workers hold identical parameters" in out
+    assert "SUCCEEDED" in out and "eval loss" in out
+    check_finished_job(cli, job_id, workers=4, rounds=4)
+
+
+def test_three_clusters_end_identical(cli: CLI, tmp_path: Path) -> None:
+    spec = short_spec(tmp_path, clusters={"a": ["a1"], "b": ["b1"], "c": ["c1"]},
+                      steps=20, inner=10, name="three")
+    job_id = cli("launch", str(spec), "--detach", check=True).stdout.strip()
+    follow = cli("logs", job_id, "-f", timeout=900)
+    assert follow.returncode == 0
+    assert "gpt: final" in follow.stdout
+    check_finished_job(cli, job_id, workers=3, rounds=2)

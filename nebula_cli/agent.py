@@ -198,6 +198,9 @@ class Supervisor:
             log_path = self.dir / spec["log"]
             log_path.parent.mkdir(parents=True, exist_ok=True)
             env = {**os.environ, **spec.get("env", {}), ENV_MARK: str(self.dir)}
+            prepend = env.pop("NEBULA_PATH_PREPEND", None)
+            if prepend:  # the cluster's python first, whatever PATH the host gave us
+                env["PATH"] = prepend + os.pathsep + env.get("PATH", os.defpath)
             with open(log_path, "ab") as log:
                 # one new process group (in the agent's session) for all of them
                 kwargs: dict[str, Any] = {"process_group": self.pgid or 0}

@@ -15,6 +15,8 @@ from nebula_cli.spec import ClusterSpec, HostSpec, JobSpec
 
 WORKER = "worker"
 RELAY = "relay"
+# A relay is restarted this often at least: a cluster whose relay died rejoins and catches up.
+RELAY_RESTARTS = 3
 
 
 @dataclass(eq=False)
@@ -124,7 +126,10 @@ def base_env(cluster: ClusterSpec, job_root: str, python: str) -> dict[str, str]
         # `python` in the run command is the interpreter nebula runs under.
         bindir = os.path.dirname(python)
         return {"PATH": bindir + os.pathsep + os.environ.get("PATH", "/usr/bin:/bin")}
-    return {"PYTHONPATH": lib_dir(job_root)}
+    env = {"PYTHONPATH": lib_dir(job_root)}
+    if posixpath.isabs(python):  # `python` in the run command is the cluster's python
+        env["NEBULA_PATH_PREPEND"] = posixpath.dirname(python)
+    return env
 
 
 def plan_workers(
@@ -225,8 +230,8 @@ def plan_relays(
                **base_env(cluster, plan.job_root, plan.conn["python"])}
         plan.agent_config = {
             "job_id": job_id, "cluster": cluster.name, "host": gateway.host, "role": RELAY,
-            "cwd": plan.agent_dir, "grace": 5.0, "max_restarts": spec.max_restarts,
-            "restart_backoff": 2.0,
+            "cwd": plan.agent_dir, "grace": 5.0,
+            "max_restarts": max(spec.max_restarts, RELAY_RESTARTS), "restart_backoff": 1.0,
             "processes": [{
                 "rank": "relay",
                 "argv": [plan.conn["python"], "-m", "nebula_cli.relay.server",

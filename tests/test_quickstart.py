@@ -3,7 +3,11 @@ real CLI, with a short schedule. And the same with three clusters."""
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
+import signal
+import time
 from pathlib import Path
 from typing import Any
 
@@ -78,3 +82,53 @@ def test_three_clusters_end_identical(cli: CLI, tmp_path: Path) -> None:
     assert follow.returncode == 0
     assert "gpt: final" in follow.stdout
     check_finished_job(cli, job_id, workers=3, rounds=2)
+
+
+def wait_for(pred: Any, timeout: float) -> Any:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = pred()
+        if value:
+            return value
+        time.sleep(0.5)
+    raise AssertionError("condition not met in time")
+
+
+def rounds_of(cli: CLI, job_id: str, cluster: str) -> list[dict[str, Any]]:
+    return [r for r in metric_records(cli.home, job_id)
+            if r.get("cluster") == cluster and r.get("outer_round") is not None]
+
+
+def test_relay_killed_mid_run_is_left_out_then_catches_up(cli: CLI, tmp_path: Path) -> None:
+    spec_path = short_spec(tmp_path, clusters={"east": ["e1"], "west": ["w1"]},
+                           steps=80, inner=5, name="relaykill")
+    spec = yaml.safe_load(spec_path.read_text())
+    spec["relay"].update(timeout=4, heartbeat=1)
+    spec_path.write_text(yaml.safe_dump(spec))
+    job_id = cli("launch", str(spec_path), "--detach", check=True).stdout.strip()
+    try:
+        wait_for(lambda: len(rounds_of(cli, job_id, "west")) >= 2, timeout=600)
+        st = json.loads(cli("status", job_id, "--json", check=True).stdout)
+        (relay,) = [h for h in st["hosts"] if h["role"] == "relay" and h["cluster"] == "east"]
+        os.kill(relay["pid"], signal.SIGSTOP)  # east's relay hangs: west must go on alone
+        alone = wait_for(lambda: [r for r in rounds_of(cli, job_id, "west")
+                                  if r["clusters_present"] == 1], timeout=120)
+        assert alone
+        os.kill(relay["pid"], signal.SIGKILL)  # then dies; its agent restarts it
+    finally:
+        with contextlib.suppress(ProcessLookupError, UnboundLocalError):
+            os.kill(relay["pid"], signal.SIGKILL)
+    assert cli("logs", job_id, "-f", timeout=600).returncode == 0
+    st = json.loads(cli("status", job_id, "--json", check=True).stdout)
+    assert st["state"] == "SUCCEEDED", st
+    (relay,) = [h for h in st["hosts"] if h["role"] == "relay" and h["cluster"] == "east"]
+    assert relay["restarts"] >= 1
+    east, west = rounds_of(cli, job_id, "east"), rounds_of(cli, job_id, "west")
+    # east missed a round or more (caught up from west's published state, or handed the
+    # average of the clusters that were present), then trains in step with west again
+    outage = [i for i, r in enumerate(east) if r.get("caught_up") or r["clusters_present"] < 2]
+    assert outage, "east's relay outage left no trace in east's rounds"
+    joint_east = {r["outer_round"] for r in east[outage[-1] + 1:] if r["clusters_present"] == 2}
+    joint_west = {r["outer_round"] for r in west if r["clusters_present"] == 2}
+    assert len(joint_east) >= 5 and joint_east <= joint_west
+    assert job_processes(job_id) == []

@@ -1,0 +1,172 @@
+"""nebula over real SSH: hosts are sshd servers in network namespaces (the test bed)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+import time
+from collections.abc import Iterator
+from importlib.metadata import version
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from conftest import CLI, REPO, job_processes
+from testbed import TestBed
+
+pytestmark = [pytest.mark.testbed, pytest.mark.slow]
+REMOTE_JOBS = Path.home() / ".nebula" / "jobs"  # the bed's hosts share this filesystem
+
+
+@pytest.fixture
+def ssh_cli(cli: CLI, bed_clean: TestBed) -> Iterator[CLI]:
+    """The CLI, with the bed's ssh_config and known_hosts; remote job dirs removed after."""
+    cli.env["NEBULA_SSH_CONFIG"] = str(bed_clean.ssh_config)
+    cli.env["NEBULA_KNOWN_HOSTS"] = str(bed_clean.known_hosts)
+    yield cli
+    for job_id in cli.job_ids():  # the cli fixture stops the jobs; their files go here
+        shutil.rmtree(REMOTE_JOBS / job_id, ignore_errors=True)
+
+
+def ssh_spec(tmp_path: Path, bed: TestBed, *, clusters: dict[str, list[str]], run: str,
+             relay: dict[str, Any] | None = None, name: str = "sshjob",
+             workdir: Path | None = None, deepspeed: str | None = None) -> Path:
+    spec: dict[str, Any] = {
+        "name": name, "workdir": str(workdir or tmp_path), "run": run,
+        "env": {"OMP_NUM_THREADS": "1"},
+        "clusters": [
+            {"name": c, "transport": "ssh", "python": sys.executable,
+             "interface": bed.interface(hosts[0].removesuffix("-jump")),
+             "hosts": [{"host": h} for h in hosts]}
+            for c, hosts in clusters.items()
+        ],
+    }
+    if relay is not None:
+        spec["relay"] = relay
+    if deepspeed:
+        spec["deepspeed"] = deepspeed
+    path = tmp_path / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(spec))
+    return path
+
+
+def records(job_id: str) -> list[dict[str, Any]]:
+    out = []
+    for path in sorted((REMOTE_JOBS / job_id).glob("*/*/worker/metrics/*.jsonl")):
+        out += [json.loads(x) for x in path.read_text().splitlines() if x]
+    return out
+
+
+def test_quickstart_model_over_ssh(ssh_cli: CLI, bed_clean: TestBed, tmp_path: Path) -> None:
+    quick = yaml.safe_load((REPO / "templates" / "quickstart.yaml").read_text())
+    relay = quick["relay"]
+    relay["sync"]["inner_steps"] = 10
+    relay["shaping"] = {"rate_mbit": None, "delay_ms": 25}  # the bed's tc shapes the rate
+    spec = ssh_spec(tmp_path, bed_clean, clusters={"east": ["e1", "e2"], "west": ["w1", "w2"]},
+                    run="python -u train.py --steps 30 --eval-every 10 --log-every 5",
+                    relay=relay, workdir=REPO / "examples" / "gpt", deepspeed="ds_config.json")
+    proc = ssh_cli("launch", str(spec), timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    (job_id,) = ssh_cli.job_ids()
+    out = proc.stdout
+    assert "all 4 workers hold identical parameters" in out
+    assert "uploaded" in proc.stderr
+    finals = [r for r in records(job_id) if r.get("final")]
+    assert {(r["cluster"], r["host"]) for r in finals} == {
+        ("east", "e1"), ("east", "e2"), ("west", "w1"), ("west", "w2")}
+    assert len({r["param_sha256"] for r in finals}) == 1
+    rounds = [r for r in records(job_id) if r.get("outer_round") is not None]
+    assert rounds and all(r["clusters_present"] == 2 for r in rounds)
+    assert all(r["wan_bytes_sent"] > 100_000 for r in rounds)
+    first = next(r["loss"] for r in records(job_id) if "loss" in r)
+    assert finals[0]["eval_loss"] < first - 0.3
+    st = json.loads(ssh_cli("status", job_id, "--json", check=True).stdout)
+    assert st["state"] == "SUCCEEDED"
+    assert job_processes(job_id) == []
+    assert "already ended" in ssh_cli("stop", job_id, check=True).stdout
+
+
+def test_launch_status_stop_over_ssh_through_a_bastion(ssh_cli: CLI, bed_clean: TestBed,
+                                                       tmp_path: Path) -> None:
+    spec = ssh_spec(tmp_path, bed_clean, clusters={"east": ["e1-jump"], "west": ["w1"]},
+                    run='echo "on $(ip -4 -o addr show eth0 | awk \'{print $4}\')"; sleep 300')
+    job_id = ssh_cli("launch", str(spec), "--detach", check=True).stdout.strip()
+    logs = ""
+    for _ in range(60):
+        logs = ssh_cli("logs", job_id).stdout
+        if logs.count("on 198.18.") == 2:
+            break
+        time.sleep(0.5)
+    assert f"east/e1-jump/0 | on {bed_clean.hosts['e1'].address}/" in logs
+    assert f"west/w1/0 | on {bed_clean.hosts['w1'].address}/" in logs
+    st = json.loads(ssh_cli("status", job_id, "--json", check=True).stdout)
+    assert {h["state"] for h in st["hosts"]} == {"RUNNING"}
+    stopped = ssh_cli("stop", job_id, "--grace", "2", check=True)
+    assert stopped.stdout.count("stopped ") >= 2
+    assert job_processes(job_id) == []
+    assert json.loads(ssh_cli("status", job_id, "--json").stdout)["state"] == "STOPPED"
+
+
+def test_host_keys_unknown_refused_accept_new_records_changed_refused(
+        ssh_cli: CLI, bed_clean: TestBed, tmp_path: Path) -> None:
+    spec = ssh_spec(tmp_path, bed_clean, clusters={"east": ["e1"]}, run="true")
+    known = tmp_path / "known_hosts"
+    known.write_text("")
+    ssh_cli.env["NEBULA_KNOWN_HOSTS"] = str(known)
+    refused = ssh_cli("validate", str(spec), "--hosts")
+    assert refused.returncode == 1
+    assert "SHA256:" in refused.stderr and "e1" in refused.stderr
+    accepted = ssh_cli("validate", str(spec), "--hosts", "--accept-new-host-keys")
+    assert accepted.returncode == 0, accepted.stderr
+    assert "all 1 hosts ready" in accepted.stdout
+    assert bed_clean.hosts["e1"].address in known.read_text()
+    # the recorded key replaced by another host's key: a changed key, always refused
+    w1_key = next(line for line in bed_clean.known_hosts.read_text().splitlines()
+                  if line.startswith(bed_clean.hosts["w1"].address + " "))
+    known.write_text(w1_key.replace(bed_clean.hosts["w1"].address,
+                                    bed_clean.hosts["e1"].address) + "\n")
+    for extra in ([], ["--accept-new-host-keys"]):
+        changed = ssh_cli("validate", str(spec), "--hosts", *extra)
+        assert changed.returncode == 1 and "CHANGED" in changed.stderr.upper()
+
+
+def test_validate_hosts_reports_versions(ssh_cli: CLI, bed_clean: TestBed,
+                                         tmp_path: Path) -> None:
+    spec = ssh_spec(tmp_path, bed_clean, clusters={"east": ["e1", "e2"], "west": ["w1-jump"]},
+                    run="true")
+    proc = ssh_cli("validate", str(spec), "--hosts", check=True)
+    assert version("torch") in proc.stdout and version("deepspeed") in proc.stdout
+    assert "all 3 hosts ready" in proc.stdout
+
+
+def test_stopped_sshd_fails_the_launch_cleanly(ssh_cli: CLI, bed_clean: TestBed,
+                                               tmp_path: Path) -> None:
+    spec = ssh_spec(tmp_path, bed_clean, clusters={"east": ["e1", "e2"], "west": ["w1"]},
+                    run="sleep 300")
+    bed_clean.stop_sshd("e2")
+    try:
+        proc = ssh_cli("launch", str(spec), "--detach")
+    finally:
+        bed_clean.start_sshd("e2")
+    assert proc.returncode == 1 and "e2" in proc.stderr and "Traceback" not in proc.stderr
+    (job_id,) = ssh_cli.job_ids()
+    st = json.loads(ssh_cli("status", job_id, "--json").stdout)
+    assert st["state"] == "FAILED" and "e2" in st["reason"]
+    assert job_processes(job_id) == []
+
+
+def test_unreachable_host_fails_the_launch_cleanly(ssh_cli: CLI, bed_clean: TestBed,
+                                                   tmp_path: Path) -> None:
+    spec = ssh_spec(tmp_path, bed_clean, clusters={"east": ["e1"], "west": ["w1", "w2"]},
+                    run="sleep 300")
+    bed_clean.cut("w2")
+    try:
+        proc = ssh_cli("launch", str(spec), "--detach", timeout=180)
+    finally:
+        bed_clean.restore("w2")
+    assert proc.returncode == 1 and "w2" in proc.stderr
+    (job_id,) = ssh_cli.job_ids()
+    assert json.loads(ssh_cli("status", job_id, "--json").stdout)["state"] == "FAILED"
+    assert job_processes(job_id) == []

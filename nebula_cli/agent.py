@@ -346,6 +346,8 @@ def stop_all(agent_dirs: list[Path], grace: float, force: bool) -> list[dict[str
     """Ask every agent to stop its group at once; make sure nothing of them is left either way."""
     before = {d: read_json(d / "status.json") or {} for d in agent_dirs}
     for d, status in before.items():
+        if not d.is_dir():
+            continue  # never provisioned: only the sweep below can find anything of it
         write_json(d / "stop.json", {"grace": grace, "force": force, "ts": time.time()})
         if is_agent_of(status.get("agent_pid"), d):
             os.kill(status["agent_pid"], signal.SIGTERM)
@@ -361,7 +363,7 @@ def stop_all(agent_dirs: list[Path], grace: float, force: bool) -> list[dict[str
         signal_group(status.get("pgid"), signal.SIGKILL)
         killed = sweep(d)
         after = reconciled_status(d)
-        if after.get("state") in ACTIVE or after.get("state") == "LOST":
+        if d.is_dir() and after.get("state") in (*ACTIVE, "LOST"):
             after.update(state="STOPPED", ended=after.get("ended") or time.time(),
                          reason="stopped on request")
             after.pop("group_alive", None)

@@ -10,6 +10,8 @@ import contextlib
 import json
 import posixpath
 import socket
+import threading
+import time
 from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -124,17 +126,18 @@ class Orchestrator:
         """Provision every host, start every agent; on any failure end what started."""
         job = self.store.create_job(spec.name, spec.model_dump(mode="json"), spec.source)
         self.store.add_event(job.id, "launch", f"launching {spec.name}")
+        progress = _logged(progress, self.store.job_dir(job.id) / "launch.log")
         progress(f"job {job.id}")
         plans: list[ProcessPlan] = []
         started: list[ProcessPlan] = []
         try:
             plans = self.plan(spec, job.id)
+            for plan in plans:  # recorded first: `stop` reaches hosts a failed launch touched
+                self._record(job.id, plan, "PENDING")
             hosts = {(p.cluster, p.host): p for p in plans if p.role == jobplan.WORKER}
             fanout(list(hosts.values()), lambda p: self._provision_host(spec, p, progress),
                    timeout=SETUP_TIMEOUT)
             fanout(plans, self._write_agent_files, timeout=AGENT_TIMEOUT)
-            for plan in plans:
-                self._record(job.id, plan, "PENDING")
             # relays first, so that workers find them; then workers
             for role in (jobplan.RELAY, jobplan.WORKER):
                 batch = [p for p in plans if p.role == role]
@@ -145,10 +148,15 @@ class Orchestrator:
                     progress(f"started {plan.key} (agent pid {pid})")
         except NebulaError as exc:
             reason = _failure_reason(exc)
+            progress(f"launch failed: {reason}")
             self.store.add_event(job.id, "launch-failed", reason)
             self._stop_plans(plans, grace=0.0, force=True)
-            self.refresh(job.id)
             self.store.set_job_state(job.id, "FAILED", reason=reason)
+            for rec in self.refresh(job.id).hosts:
+                if rec.state == "PENDING":  # its agent never started
+                    rec.state = "STOPPED"
+                    rec.detail["reason"] = "not started: the launch failed"
+                    self.store.upsert_host(rec)
             raise LaunchError(f"launch of {job.id} failed; everything started was ended.\n"
                               f"{reason}") from exc
         self.store.set_job_state(job.id, "RUNNING")
@@ -248,9 +256,10 @@ class Orchestrator:
                         posixpath.join(plan.job_root, "ds_config.json"))
         if spec.setup:
             progress(f"{plan.cluster}/{plan.host}: running setup")
+            # marked like the agent's processes, so that stopping the agent sweeps it too
+            env = {**plan.agent_config["processes"][0]["env"], "NEBULA_AGENT_DIR": plan.agent_dir}
             result = t.run(["/bin/sh", "-c", spec.setup], cwd=plan.agent_config["cwd"],
-                           env=plan.agent_config["processes"][0]["env"],
-                           timeout=SETUP_TIMEOUT)
+                           env=env, timeout=SETUP_TIMEOUT)
             for line in (result.stdout + result.stderr).splitlines()[-20:]:
                 progress(f"{plan.cluster}/{plan.host} setup | {line}")
             if not result.ok:
@@ -340,7 +349,7 @@ class Orchestrator:
             hosts = self.store.hosts(job.id)
             if job.state != "PENDING" and self._end_idle_relays(hosts):
                 hosts = self.store.hosts(job.id)
-        if job.state not in ("PENDING",):
+        if job.state == "RUNNING":  # launching (PENDING) and ended jobs keep their state
             state = job_state(hosts, job.state)
             if state != job.state:
                 failed = [h for h in hosts if h.state in ("FAILED", "LOST")]
@@ -427,7 +436,11 @@ class Orchestrator:
                                      job_state(hosts, snap.job.state))
         report.job = self.store.get_job(snap.job.id)
         if failures:
-            raise GroupError({**{k: "stopped" for k in answers}, **failures})
+            def label(key: object) -> str:
+                return ", ".join(sorted({f"{r.cluster}/{r.host}" for r in groups[key]}))  # type: ignore[index]
+
+            raise GroupError({**{label(k): "stopped" for k in answers},
+                              **{label(k): v for k, v in failures.items()}})
         return report
 
     def _stop_plans(self, plans: list[ProcessPlan], grace: float, force: bool) -> None:
@@ -454,6 +467,18 @@ class Orchestrator:
     def follow_metrics(self, ref: str) -> MetricsFollower:
         job = self.store.get_job(ref)
         return MetricsFollower(self.store.hosts(job.id), self.transport_of)
+
+
+def _logged(progress: Progress, path: Path) -> Progress:
+    """`progress`, also appending each message to the job's launch.log (kept for later)."""
+    lock = threading.Lock()
+
+    def emit(message: str) -> None:
+        with lock, open(path, "a") as fh:
+            fh.write(f"{time.strftime('%Y-%m-%d %H:%M:%S')} {message}\n")
+        progress(message)
+
+    return emit
 
 
 def _failure_reason(exc: NebulaError) -> str:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import subprocess
 import sys
 import time
 from collections.abc import Iterator
@@ -169,4 +170,35 @@ def test_unreachable_host_fails_the_launch_cleanly(ssh_cli: CLI, bed_clean: Test
     assert proc.returncode == 1 and "w2" in proc.stderr
     (job_id,) = ssh_cli.job_ids()
     assert json.loads(ssh_cli("status", job_id, "--json").stdout)["state"] == "FAILED"
+    assert job_processes(job_id) == []
+
+
+def test_host_cut_off_during_provisioning_fails_cleanly(ssh_cli: CLI, bed_clean: TestBed,
+                                                        tmp_path: Path) -> None:
+    spec = ssh_spec(tmp_path, bed_clean, clusters={"east": ["e1"], "west": ["w1", "w2"]},
+                    run="sleep 300")
+    data = yaml.safe_load(spec.read_text())
+    data["setup"] = 'if [ "$NEBULA_HOST" = w2 ]; then sleep 60; fi'
+    spec.write_text(yaml.safe_dump(data))
+    launch = subprocess.Popen(
+        [sys.executable, "-m", "nebula_cli", "launch", str(spec), "--detach"],
+        env=ssh_cli.env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        stdin=subprocess.DEVNULL, cwd=REPO)
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and "w2: running setup" not in "".join(
+                p.read_text() for p in ssh_cli.home.glob("jobs/*/launch.log")):
+            time.sleep(0.2)
+        bed_clean.cut("w2")
+        out, err = launch.communicate(timeout=120)
+    finally:
+        bed_clean.restore("w2")
+        if launch.poll() is None:
+            launch.kill()
+    assert launch.returncode == 1 and "w2" in err and "connection lost" in err, err
+    (job_id,) = ssh_cli.job_ids()
+    assert json.loads(ssh_cli("status", job_id, "--json").stdout)["state"] == "FAILED"
+    # the cut host's setup could not be ended while it was unreachable; now it is back,
+    # `stop` ends what is left of the job there
+    ssh_cli("stop", job_id, "--grace", "1", check=True)
     assert job_processes(job_id) == []

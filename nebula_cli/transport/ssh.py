@@ -346,6 +346,17 @@ class SSHTransport(Transport):
         raise AuthError(f"authentication failed for {tgt} (publickey); tried: {offered}",
                         host=self.name)
 
+    def _answers(self, conn: paramiko.Transport) -> bool:
+        """Whether the server still answers (like OpenSSH's ServerAliveInterval): a global
+        request it must reply to, waited for at most `keepalive` seconds."""
+        if not conn.is_active():
+            return False
+        probe = threading.Thread(
+            target=lambda: conn.global_request("keepalive@openssh.com", wait=True), daemon=True)
+        probe.start()
+        probe.join(self.keepalive)
+        return not probe.is_alive()
+
     def _drop(self) -> None:
         """Forget the current connection (caller holds self._lock)."""
         sftp, conn, sock = self._sftp, self._conn, self._sock
@@ -440,8 +451,17 @@ class SSHTransport(Transport):
             raise timed_out(exc) from exc
         except OSError:
             pass  # the command exited without reading its input; its status tells the story
-        for reader in readers:
-            reader.join(max(deadline - time.monotonic(), 0))
+        while any(r.is_alive() for r in readers) and time.monotonic() < deadline:
+            for reader in readers:
+                reader.join(min(self.keepalive, max(deadline - time.monotonic(), 0)))
+            if any(r.is_alive() for r in readers) and not self._answers(conn):
+                chan.close()
+                with self._lock:
+                    if self._conn is conn:
+                        self._drop()
+                raise UnreachableError(
+                    f"connection lost while running `{command}`: no answer to a keepalive "
+                    f"within {self.keepalive} s", host=self.name)
         if any(r.is_alive() for r in readers) or not chan.status_event.wait(
                 max(deadline - time.monotonic(), 0)):
             raise timed_out()

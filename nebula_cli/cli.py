@@ -26,6 +26,7 @@ from nebula_cli.ui import (
     job_detail,
     jobs_table,
     spec_error_text,
+    upload_bars,
 )
 
 app = typer.Typer(
@@ -123,7 +124,8 @@ def launch(
     """Provision every host, start the job, then show it live (Ctrl-C detaches)."""
     spec = load_spec(spec_path)
     with _store() as store, Orchestrator(store, accept_new_host_keys=accept_new) as orch:
-        job = orch.launch(spec, progress=lambda msg: err.print(f"[dim]{msg}[/]"))
+        with upload_bars(err) as (note, transfer):
+            job = orch.launch(spec, progress=note, transfer=transfer)
         if detach:
             out.print(job.id)
             return

@@ -36,6 +36,7 @@ FREE_PORT_PY = (
 AGENT_TIMEOUT = 60.0
 
 Progress = Callable[[str], None]
+Transfer = Callable[[str, int, int], None]  # (what, bytes done, bytes in all)
 
 
 def _quiet(_: str) -> None:
@@ -122,7 +123,8 @@ class Orchestrator:
         return argv
 
     # -- launch -----------------------------------------------------------------------------
-    def launch(self, spec: JobSpec, progress: Progress = _quiet) -> JobRecord:
+    def launch(self, spec: JobSpec, progress: Progress = _quiet,
+               transfer: Transfer | None = None) -> JobRecord:
         """Provision every host, start every agent; on any failure end what started."""
         job = self.store.create_job(spec.name, spec.model_dump(mode="json"), spec.source)
         self.store.add_event(job.id, "launch", f"launching {spec.name}")
@@ -135,7 +137,8 @@ class Orchestrator:
             for plan in plans:  # recorded first: `stop` reaches hosts a failed launch touched
                 self._record(job.id, plan, "PENDING")
             hosts = {(p.cluster, p.host): p for p in plans if p.role == jobplan.WORKER}
-            fanout(list(hosts.values()), lambda p: self._provision_host(spec, p, progress),
+            fanout(list(hosts.values()),
+                   lambda p: self._provision_host(spec, p, progress, transfer),
                    timeout=SETUP_TIMEOUT)
             fanout(plans, self._write_agent_files, timeout=AGENT_TIMEOUT)
             # relays first, so that workers find them; then workers
@@ -235,7 +238,8 @@ class Orchestrator:
                         "certs/worker.key": pair.key.read_bytes()}
         return relays + workers
 
-    def _provision_host(self, spec: JobSpec, plan: ProcessPlan, progress: Progress) -> None:
+    def _provision_host(self, spec: JobSpec, plan: ProcessPlan, progress: Progress,
+                        transfer: Transfer | None = None) -> None:
         """Once per host: job dir, nebula_cli and the workdir uploaded (remote hosts), setup."""
         t = self.transport(plan.conn)
         t.makedirs(plan.job_root)
@@ -243,13 +247,19 @@ class Orchestrator:
             sync_dir = getattr(t, "sync_dir", None)
             if sync_dir is None:
                 raise TransportError("this transport cannot upload directories", host=plan.host)
-            n, size = sync_dir(str(PACKAGE_DIR), posixpath.join(jobplan.lib_dir(plan.job_root),
-                                                                 "nebula_cli"),
-                               ["__pycache__", "*.pyc"])
-            progress(f"{plan.cluster}/{plan.host}: nebula_cli uploaded ({n} files)")
-            n, size = sync_dir(spec.workdir, plan.agent_config["cwd"], list(spec.exclude))
-            progress(f"{plan.cluster}/{plan.host}: workdir uploaded ({n} files changed, "
-                     f"{size} bytes)")
+            where = f"{plan.cluster}/{plan.host}"
+
+            def bar(what: str) -> Callable[[int, int], None] | None:
+                if transfer is None:
+                    return None
+                return lambda done, total: transfer(f"{where} {what}", done, total)
+
+            lib = posixpath.join(jobplan.lib_dir(plan.job_root), "nebula_cli")
+            n, size = sync_dir(str(PACKAGE_DIR), lib, ["__pycache__", "*.pyc"], bar("nebula_cli"))
+            progress(f"{where}: nebula_cli uploaded ({n} files changed)")
+            n, size = sync_dir(spec.workdir, plan.agent_config["cwd"], list(spec.exclude),
+                               bar("workdir"))
+            progress(f"{where}: workdir uploaded ({n} files changed, {size} bytes)")
         ds = spec.deepspeed_config()
         if ds is not None:
             t.put_bytes(json.dumps(ds, indent=1).encode(),

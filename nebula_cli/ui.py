@@ -3,12 +3,21 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from datetime import datetime
 from typing import Any
 
-from rich.console import Group
+from rich.console import Console, Group
 from rich.panel import Panel
+from rich.progress import (
+    BarColumn,
+    DownloadColumn,
+    Progress,
+    TaskID,
+    TextColumn,
+    TransferSpeedColumn,
+)
 from rich.table import Table
 from rich.text import Text
 
@@ -214,3 +223,23 @@ def host_checks_table(checks: list[HostCheck]) -> Table:
             str(c.slots), Text("; ".join(c.problems), style="red") if c.problems else "",
         )
     return table
+
+
+@contextmanager
+def upload_bars(console: Console) -> Iterator[tuple[Callable[[str], None],
+                                                    Callable[[str, int, int], None]]]:
+    """Progress bars for uploads, one per host and payload, with messages printed above."""
+    bars = Progress(TextColumn("{task.description}"), BarColumn(), DownloadColumn(),
+                    TransferSpeedColumn(), console=console, transient=True)
+    tasks: dict[str, TaskID] = {}
+
+    def note(message: str) -> None:
+        bars.console.print(Text(message, style="dim"))
+
+    def transfer(what: str, done: int, total: int) -> None:
+        if what not in tasks:
+            tasks[what] = bars.add_task(what, total=total)
+        bars.update(tasks[what], completed=done, total=total)
+
+    with bars:
+        yield note, transfer

@@ -8,15 +8,18 @@ import signal
 import subprocess
 import sys
 import textwrap
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
 import pytest
 
 pytest_plugins = ["testbed.fixtures"]
 
 REPO = Path(__file__).resolve().parent.parent
+T = TypeVar("T")
 
 
 def job_processes(job_id: str) -> list[int]:
@@ -79,6 +82,17 @@ def cli(nebula_home: Path) -> Iterator[CLI]:
         for job_id in runner.job_ids():
             runner("stop", job_id, "--force", timeout=120)
             kill_job_processes(job_id)
+
+
+def wait_for(pred: Callable[[], T], timeout: float = 30.0, every: float = 0.2) -> T:
+    """pred()'s first truthy value, polled every `every` seconds for at most `timeout`."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = pred()
+        if value:
+            return value
+        time.sleep(every)
+    raise AssertionError(f"condition not met within {timeout:g} s")
 
 
 def write_spec(directory: Path, body: str, name: str = "job.yaml") -> Path:

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from conftest import wait_for
 
 from nebula_cli.agent import marked_pids, pid_alive
 
@@ -33,14 +34,6 @@ def make_dir(tmp_path: Path, script: str, slots: int = 1, **config: Any) -> Path
     return d
 
 
-def wait_for(pred: Any, timeout: float = 20.0) -> Any:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = pred()
-        if value:
-            return value
-        time.sleep(0.1)
-    raise AssertionError("condition not met in time")
 
 
 def status(d: Path) -> dict[str, Any]:

@@ -5,11 +5,10 @@ from __future__ import annotations
 import json
 import os
 import signal
-import time
 from pathlib import Path
 from typing import Any
 
-from conftest import CLI, job_processes, kill_job_processes, write_spec
+from conftest import CLI, job_processes, kill_job_processes, wait_for, write_spec
 
 HELLO = """
 name: hello
@@ -37,14 +36,6 @@ def status_json(cli: CLI, job_id: str) -> dict[str, Any]:
     return json.loads(cli("status", job_id, "--json", check=True).stdout)
 
 
-def wait_for(pred: Any, timeout: float = 30.0) -> Any:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = pred()
-        if value:
-            return value
-        time.sleep(0.3)
-    raise AssertionError("condition not met in time")
 
 
 def test_launch_status_logs_stop(cli: CLI, tmp_path: Path) -> None:

@@ -7,13 +7,12 @@ import contextlib
 import json
 import os
 import signal
-import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
-from conftest import CLI, REPO, job_processes
+from conftest import CLI, REPO, job_processes, wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -84,14 +83,6 @@ def test_three_clusters_end_identical(cli: CLI, tmp_path: Path) -> None:
     check_finished_job(cli, job_id, workers=3, rounds=2)
 
 
-def wait_for(pred: Any, timeout: float) -> Any:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = pred()
-        if value:
-            return value
-        time.sleep(0.5)
-    raise AssertionError("condition not met in time")
 
 
 def rounds_of(cli: CLI, job_id: str, cluster: str) -> list[dict[str, Any]]:

@@ -17,6 +17,8 @@ from rich.console import Console
 from nebula_cli import __version__
 from nebula_cli.errors import EXIT_FAILED, EXIT_OK, NebulaError, SpecError
 from nebula_cli.live import print_line, watch
+from nebula_cli.netbench import run_bench, write_report
+from nebula_cli.netbench_render import bench_matrix, bench_progress
 from nebula_cli.orchestrator import Orchestrator
 from nebula_cli.spec import load_spec
 from nebula_cli.state import END_STATES, StateStore
@@ -234,6 +236,40 @@ def stop(
         out.print(f"stopped {h.cluster}/{h.host} {h.role} (pid {h.pid or '-'})")
     extra = f", {report.swept} stray process(es) killed" if report.swept else ""
     out.print(f"[bold]{report.job.id}[/] {report.job.state.lower()}{extra}")
+
+
+@app.command("bench-network")
+@handle_errors
+def bench_network(
+    spec_path: Annotated[Path, typer.Argument(metavar="SPEC", help="The job spec (YAML).")],
+    duration: Annotated[float, typer.Option(
+        help="Seconds each throughput test sends (TLS, then plain TCP).")] = 5.0,
+    streams: Annotated[int, typer.Option(help="Parallel connections per throughput test.")]
+    = 4,
+    intra: Annotated[bool, typer.Option(
+        "--intra", help="Also measure inside each cluster (its first two hosts).")] = False,
+    output: Annotated[Path | None, typer.Option(
+        "--output", "-o", help="Write the figures as JSON here (read by `nebula plan`).")]
+    = None,
+    port: Annotated[int, typer.Option(
+        help="Port of the TLS probe on SSH hosts (plain TCP: port+1); 0 picks free ones.")]
+    = 0,
+    accept_new: AcceptNew = False,
+) -> None:
+    """Latency and throughput between every pair of clusters, over the relay's TLS and plain TCP."""
+    spec = load_spec(spec_path)
+    with (_store() as store, Orchestrator(store, accept_new_host_keys=accept_new) as orch,
+          bench_progress(err) as (note, step)):
+        report = run_bench(orch, spec, duration=duration, streams=streams, intra=intra,
+                           port=port, note=note, step=step)
+    out.print(bench_matrix(report))
+    if output is not None:
+        write_report(report, output)
+        out.print(f"figures written to {output}")
+    for problem in report["errors"]:
+        err.print(f"[bold red]error:[/] {problem}", markup=True, highlight=False)
+    if report["errors"]:
+        raise typer.Exit(EXIT_FAILED)
 
 
 def run() -> None:  # pragma: no cover - console entry point wrapper

@@ -1,0 +1,361 @@
+"""`nebula bench-network`: latency and throughput between clusters, as the relay would see them.
+
+For every ordered pair of clusters (gateway to gateway, both directions) and, with `intra`, from
+the first to the second host of each cluster: round trips of small frames (median and p95) and
+`streams` parallel connections sending for `duration` seconds, over the relay's transport (wire
+frames on mutual TLS 1.3 with a throwaway per-run PKI, sockets tuned as the relay tunes them)
+and over plain TCP for comparison. Probes (`python -m nebula_cli.relay.probe`) run on the hosts
+through their transports: a server on each destination, the measurer on the source; pairs run
+one after another so that they do not share a link. Every probe is ended and every file removed
+afterwards, also when something failed.
+
+On each host the run lives in `<nebula home>/netbench/<run id>/<cluster>/<host>/`: the probe's
+few modules (lib/nebula_cli), ca.pem, cert.pem and key.pem (0600; the relay pair on a gateway, a
+worker pair elsewhere). The CA key never leaves this machine (a temporary directory).
+
+Report (`run_bench` returns it, `write_report` writes it as JSON, `load_report` reads it back;
+`nebula plan` reads this)::
+
+    {"version": 1,
+     "created": "2025-01-01T12:00:00+00:00",   # ISO 8601, UTC, when the run started
+     "run": "netbench-20250101-120000-ab12",    # run id (the job id of the throwaway PKI)
+     "job": "<spec name>", "duration_s": 5.0, "streams": 4,
+     "pairs": [PAIR, ...],                      # a -> b for every ordered pair of clusters
+     "clusters": {"<name>": {"intra": PAIR | null}},   # null: not asked, or one host only
+     "errors": ["east/e1: ...", ...]}           # empty when every measurement succeeded
+
+    PAIR = {"a": src cluster, "b": dst cluster, "src_host", "dst_host",
+            "src_addr", "dst_addr",             # the source's address; the address dialed
+            "measured": ISO 8601 time,
+            "rtt_ms", "rtt_p95_ms",             # TLS round trip of a 64-byte frame: median, p95
+            "throughput_mbit",                  # TLS, all streams, bytes as received, Mbit/s
+            "plain_rtt_ms", "plain_rtt_p95_ms", "plain_throughput_mbit",   # the same, plain TCP
+            "cipher",                           # the TLS 1.3 cipher suite negotiated
+            "error": str}                       # only when this pair failed (figures are null)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import posixpath
+import secrets
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from itertools import permutations
+from pathlib import Path
+from typing import Any
+
+from nebula_cli import jobplan, pki
+from nebula_cli.errors import NebulaError, TransportError, UsageError
+from nebula_cli.fanout import GroupError, fanout
+from nebula_cli.orchestrator import Orchestrator
+from nebula_cli.relay.probe import MODULE as PROBE_MODULE
+from nebula_cli.spec import ClusterSpec, JobSpec
+from nebula_cli.transport import Transport
+
+VERSION = 1
+PACKAGE_DIR = Path(__file__).resolve().parent
+PROBE_FILES = ("__init__.py", "errors.py", "pki.py", "relay/__init__.py", "relay/wire.py",
+               "relay/probe.py")  # what `python -m nebula_cli.relay.probe` imports
+PINGS = 200
+SETUP_TIMEOUT = 120.0
+START_TIMEOUT = 60.0
+STOP_TIMEOUT = 60.0
+MEASURE_SLACK = 60.0  # per pair: start-up, connections, round trips, the server's reports
+FIGURES = ("rtt_ms", "rtt_p95_ms", "throughput_mbit", "plain_rtt_ms", "plain_rtt_p95_ms",
+           "plain_throughput_mbit", "cipher")
+
+Note = Callable[[str], None]
+Step = Callable[[str, int, int], None]  # (what runs now, pairs done, pairs in all)
+
+
+class NetbenchError(NebulaError):
+    """The benchmark could not be set up on a host (the message names it)."""
+
+
+@dataclass(frozen=True)
+class Node:
+    """One host taking part: where its probe files live and how it is reached."""
+
+    cluster: str
+    host: str
+    conn: dict[str, Any] = field(hash=False, compare=False)
+    address: str = field(compare=False)  # what the hosts of its cluster reach it at
+    dial: str = field(compare=False)  # what other clusters' relays dial (its relay_address)
+    root: str = field(compare=False)  # <home>/netbench/<run id> on that host
+    relay: bool = field(compare=False)  # the cluster's gateway: probes with the relay's cert
+
+    @property
+    def dir(self) -> str:
+        return posixpath.join(self.root, self.cluster, self.host)
+
+    @property
+    def local(self) -> bool:
+        return self.conn["transport"] == "local"
+
+    def __str__(self) -> str:
+        return f"{self.cluster}/{self.host}"
+
+
+@dataclass(frozen=True)
+class Pair:
+    src: Node
+    dst: Node
+    intra: bool
+
+    @property
+    def target(self) -> str:
+        return self.dst.address if self.intra else self.dst.dial
+
+    def __str__(self) -> str:
+        return f"{self.src} -> {self.dst}"
+
+
+def _quiet(*_: object) -> None:
+    pass
+
+
+def run_id() -> str:
+    return f"netbench-{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(2)}"
+
+
+def plan_pairs(spec: JobSpec, intra: bool) -> tuple[list[tuple[str, str, str, str]], list[str]]:
+    """[(src cluster, src host, dst cluster, dst host)] to measure, and notes on what is not."""
+    gates = {c.name: c.gateway_host.host for c in spec.clusters}
+    pairs = [(a, gates[a], b, gates[b]) for a, b in permutations(gates, 2)]
+    notes = []
+    if intra:
+        for c in spec.clusters:
+            if len(c.hosts) < 2:
+                notes.append(f"{c.name}: one host, nothing to measure inside it")
+            else:
+                pairs.append((c.name, c.hosts[0].host, c.name, c.hosts[1].host))
+    if not pairs:
+        raise UsageError("nothing to measure: the spec has one cluster"
+                         + ("" if intra else " (add --intra to measure inside it)"))
+    return pairs, notes
+
+
+def _nodes(orch: Orchestrator, spec: JobSpec, wanted: set[tuple[str, str]],
+           run: str) -> dict[tuple[str, str], Node]:
+    """Connect to the hosts taking part (only those) and learn their directories and addresses."""
+    gateways = {c.name: c.gateway_host.host for c in spec.clusters}
+    clusters: list[ClusterSpec] = []
+    for c in spec.clusters:
+        hosts = [h for h in c.hosts if (c.name, h.host) in wanted]
+        if hosts:
+            clusters.append(c.model_copy(update={"hosts": hosts}))
+    sites = orch.sites(spec.model_copy(update={"clusters": clusters}))
+    home = str(orch.store.home)
+    nodes = {}
+    for c in clusters:
+        for h in c.hosts:
+            site = sites[f"{c.name}/{h.host}"]
+            nodes[(c.name, h.host)] = Node(
+                cluster=c.name, host=h.host, conn=jobplan.connection_of(c, h, home),
+                address=site.address, dial=c.relay_address or site.address,
+                root=posixpath.join(site.home, "netbench", run), relay=h.host == gateways[c.name])
+    return nodes
+
+
+class Bench:
+    """One run: set up, measure pair after pair, clean up. See the module docstring."""
+
+    def __init__(self, orch: Orchestrator, spec: JobSpec, *, duration: float, streams: int,
+                 intra: bool, port: int, note: Note, step: Step) -> None:
+        self.orch, self.spec = orch, spec
+        self.duration, self.streams, self.intra, self.port = duration, streams, intra, port
+        self.note, self.step = note, step
+        self.run = run_id()
+        self.errors: list[str] = []
+        self.servers: dict[Node, dict[str, int]] = {}
+
+    def transport(self, node: Node) -> Transport:
+        return self.orch.transport(node.conn)
+
+    def probe(self, node: Node, *args: str, timeout: float) -> dict[str, Any]:
+        """Run the probe on `node`; its one JSON line, or TransportError naming the host."""
+        t = self.transport(node)
+        argv = [node.conn["python"], "-m", PROBE_MODULE, args[0], "--run", self.run, *args[1:]]
+        result = t.run(argv, env={"PYTHONPATH": posixpath.join(node.dir, "lib")}, cwd=node.dir,
+                       timeout=timeout)
+        lines = result.stdout.strip().splitlines()
+        if result.ok and lines:
+            with contextlib.suppress(ValueError):
+                reply = json.loads(lines[-1])
+                if isinstance(reply, dict):
+                    return reply
+        raise TransportError(f"probe {args[0]} failed: {result}", host=str(node))
+
+    # -- steps ------------------------------------------------------------------------------
+    def install(self, node: Node, issued: pki.JobPKI) -> None:
+        t = self.transport(node)
+        pair = issued.relay(node.cluster) if node.relay else issued.worker(node.cluster,
+                                                                             node.host)
+        lib = posixpath.join(node.dir, "lib", "nebula_cli")
+        for rel in PROBE_FILES:
+            t.put_bytes((PACKAGE_DIR / rel).read_bytes(), posixpath.join(lib, rel))
+        t.put_bytes(issued.ca_cert.read_bytes(), posixpath.join(node.dir, "ca.pem"))
+        t.put_bytes(pair.cert.read_bytes(), posixpath.join(node.dir, "cert.pem"))
+        t.put_bytes(pair.key.read_bytes(), posixpath.join(node.dir, "key.pem"), mode=0o600)
+
+    def serve(self, node: Node, lifetime: float) -> dict[str, int]:
+        port = 0 if node.local else self.port  # clusters on this machine cannot share ports
+        reply = self.probe(node, "serve", "--certs", node.dir,
+                           "--bind", "127.0.0.1" if node.local else "0.0.0.0",
+                           "--port", str(port), "--lifetime", f"{lifetime:.0f}",
+                           "--log", posixpath.join(node.dir, "serve.log"), timeout=START_TIMEOUT)
+        self.note(f"{node}: probe server pid {reply['pid']}, ports {reply['tls_port']} (TLS) "
+                  f"and {reply['plain_port']} (plain)")
+        return reply
+
+    def measure(self, pair: Pair) -> dict[str, Any]:
+        server = self.servers[pair.dst]
+        budget = 2 * self.duration + MEASURE_SLACK
+        row: dict[str, Any] = {
+            "a": pair.src.cluster, "b": pair.dst.cluster, "src_host": pair.src.host,
+            "dst_host": pair.dst.host, "src_addr": pair.src.address, "dst_addr": pair.target,
+            "measured": _now(), **dict.fromkeys(FIGURES),
+        }
+        try:
+            figures = self.probe(
+                pair.src, "measure", "--certs", pair.src.dir, "--host", pair.target,
+                "--tls-port", str(server["tls_port"]), "--plain-port", str(server["plain_port"]),
+                "--peer-cluster", pair.dst.cluster, "--duration", str(self.duration),
+                "--streams", str(self.streams), "--pings", str(PINGS),
+                "--deadline", f"{budget:.0f}", timeout=budget + 15)
+            row.update({k: figures.get(k) for k in FIGURES})
+        except NebulaError as exc:
+            row["error"] = f"{pair}: {exc}"
+            self.errors.append(row["error"])
+        return row
+
+    def cleanup(self, nodes: list[Node], installed: bool) -> None:
+        """Stop every probe of the run, then remove its directories; problems go to errors.
+        Stops first on every host: hosts may share a file system (and so the probe's lib)."""
+        if installed:
+            try:
+                fanout(nodes, lambda n: self.probe(n, "stop", timeout=STOP_TIMEOUT),
+                       timeout=STOP_TIMEOUT + 10)
+            except GroupError as exc:
+                self.errors += [f"{n}: probes may be left running: {e}"
+                                for n, e in exc.failures.items()]
+
+        def remove(node: Node) -> None:
+            if f"/netbench/{self.run}" not in node.root:  # never anything but this run's dir
+                raise NetbenchError(f"refusing to remove {node.root}")
+            self.transport(node).run_checked(
+                ["/bin/sh", "-c", 'rm -rf -- "$1"; rmdir -- "$(dirname "$1")" 2>/dev/null; true',
+                 "sh", node.root], timeout=STOP_TIMEOUT)
+
+        try:
+            fanout(nodes, remove, timeout=STOP_TIMEOUT + 10)
+        except GroupError as exc:
+            self.errors += [f"{n}: {n.root} not removed: {e}"  # type: ignore[attr-defined]
+                            for n, e in exc.failures.items()]
+
+    # -- the run ----------------------------------------------------------------------------
+    def __call__(self) -> dict[str, Any]:
+        plan, notes = plan_pairs(self.spec, self.intra)
+        for text in notes:
+            self.note(text)
+        created = _now()
+        self.step("connecting", 0, len(plan))
+        nodes = _nodes(self.orch, self.spec, {(a, h) for a, h, *_ in plan}
+                       | {(b, h) for _, _, b, h in plan}, self.run)
+        pairs = [Pair(nodes[(a, ha)], nodes[(b, hb)], a == b) for a, ha, b, hb in plan]
+        rows: list[dict[str, Any]] = []
+        installed = False
+        try:
+            self.step("uploading the probe", 0, len(pairs))
+            with tempfile.TemporaryDirectory(prefix="nebula-netbench-") as tmp:
+                issued = pki.issue_job_pki(
+                    self.run, {c: [h for (cc, h) in nodes if cc == c]
+                               for c in dict.fromkeys(c for c, _ in nodes)}, Path(tmp))
+                fanout(list(nodes.values()), lambda n: self.install(n, issued),
+                       timeout=SETUP_TIMEOUT)
+            installed = True
+            lifetime = len(pairs) * (2 * self.duration + MEASURE_SLACK) + 2 * SETUP_TIMEOUT
+            dsts = list(dict.fromkeys(p.dst for p in pairs))
+            self.step("starting probe servers", 0, len(pairs))
+            self.servers = fanout(dsts, lambda n: self.serve(n, lifetime),
+                                  timeout=START_TIMEOUT + 10)
+            for i, pair in enumerate(pairs):
+                self.step(f"{pair.src.cluster} -> {pair.dst.cluster} "
+                          f"({pair.src.host} -> {pair.dst.host})", i, len(pairs))
+                rows.append(self.measure(pair))
+            self.step("done", len(pairs), len(pairs))
+        finally:
+            self.step("removing the probes", len(rows), len(pairs))
+            self.cleanup(list(nodes.values()), installed)
+        intra = {r["a"]: r for r, p in zip(rows, pairs, strict=True) if p.intra}
+        return {
+            "version": VERSION, "created": created, "run": self.run, "job": self.spec.name,
+            "duration_s": self.duration, "streams": self.streams,
+            "pairs": [r for r, p in zip(rows, pairs, strict=True) if not p.intra],
+            "clusters": {c.name: {"intra": intra.get(c.name)} for c in self.spec.clusters},
+            "errors": self.errors,
+        }
+
+
+def _now() -> str:
+    return datetime.now(timezone.utc).isoformat(timespec="seconds")
+
+
+def run_bench(orch: Orchestrator, spec: JobSpec, *, duration: float = 5.0, streams: int = 4,
+              intra: bool = False, port: int = 0, note: Note = _quiet,
+              step: Step = _quiet) -> dict[str, Any]:
+    """Measure the network of `spec`'s clusters; the report (see the module docstring).
+
+    Raises UsageError for bad options, NetbenchError / TransportError (naming the host) when
+    the run cannot be set up; a pair that fails is reported in the pair and in "errors"."""
+    if not 0.2 <= duration <= 600:
+        raise UsageError(f"--duration must be between 0.2 and 600 seconds, got {duration:g}")
+    if not 1 <= streams <= 64:
+        raise UsageError(f"--streams must be between 1 and 64, got {streams}")
+    if port and not 1024 <= port <= 65534:
+        raise UsageError(f"--port must be between 1024 and 65534 (it uses port and port+1), "
+                         f"got {port}")
+    bench = Bench(orch, spec, duration=duration, streams=streams, intra=intra, port=port,
+                  note=note, step=step)
+    try:
+        return bench()
+    except UsageError:
+        raise
+    except NebulaError as exc:  # what cleaning up found goes with it
+        failures = exc.failures.items() if isinstance(exc, GroupError) else [(None, exc)]
+        lines = [str(e) if k is None or str(e).startswith(f"{k}:") else f"{k}: {e}"
+                 for k, e in failures]
+        raise NetbenchError("\n".join(lines + bench.errors)) from exc
+
+
+def write_report(report: dict[str, Any], path: Path) -> None:
+    """Write the report as JSON (atomically: a reader never sees half a file)."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        tmp.write_text(json.dumps(report, indent=1) + "\n")
+        os.replace(tmp, path)
+    except OSError as exc:
+        tmp.unlink(missing_ok=True)
+        raise UsageError(f"cannot write {path}: {exc.strerror or exc}") from exc
+
+
+def load_report(path: Path) -> dict[str, Any]:
+    """A report written by `write_report`, checked for its version and main keys."""
+    try:
+        report = json.loads(Path(path).read_text())
+    except OSError as exc:
+        raise UsageError(f"cannot read {path}: {exc.strerror or exc}") from exc
+    except ValueError as exc:
+        raise UsageError(f"{path} is not JSON: {exc}") from exc
+    if not isinstance(report, dict) or report.get("version") != VERSION:
+        raise UsageError(f"{path} is not a bench-network report of version {VERSION}")
+    if not isinstance(report.get("pairs"), list) or not isinstance(report.get("clusters"), dict):
+        raise UsageError(f"{path} lacks 'pairs' or 'clusters'")
+    return report

@@ -202,3 +202,4 @@ def test_host_cut_off_during_provisioning_fails_cleanly(ssh_cli: CLI, bed_clean:
     # `stop` ends what is left of the job there
     ssh_cli("stop", job_id, "--grace", "1", check=True)
     assert job_processes(job_id) == []
+    bed_clean.end_stale_sessions("w2")  # sshd's side of the connections the cut killed

@@ -652,6 +652,16 @@ class TestBed:
 
     # --------------------------------------------------------------------- inspection
 
+    def end_stale_sessions(self, host: str) -> list[int]:
+        """Kill the sshd session processes of `host` (not its listener): after a cut, the
+        sessions of the dead connections linger until sshd notices, which is not a leak of the
+        code under test."""
+        listener = self._sshd_pid(self._host(host))
+        stale = [pid for pid in namespace_pids(self._host(host).ns)
+                 if pid != listener and _cmdline(pid).startswith("sshd: ")]
+        kill_pids(stale)
+        return stale
+
     def leaks(self) -> list[str]:
         """What a test left behind: processes in the bed's namespaces other than the sshd
         listeners and the bed's proxies, hosts cut, sshds stopped, rates changed."""

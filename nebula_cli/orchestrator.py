@@ -265,13 +265,13 @@ class Orchestrator:
             t.put_bytes(json.dumps(ds, indent=1).encode(),
                         posixpath.join(plan.job_root, "ds_config.json"))
         if spec.setup:
-            progress(f"{plan.cluster}/{plan.host}: running setup")
+            where = f"{plan.cluster}/{plan.host}"
+            progress(f"{where}: running setup")
             # marked like the agent's processes, so that stopping the agent sweeps it too
             env = {**plan.agent_config["processes"][0]["env"], "NEBULA_AGENT_DIR": plan.agent_dir}
             result = t.run(["/bin/sh", "-c", spec.setup], cwd=plan.agent_config["cwd"],
-                           env=env, timeout=SETUP_TIMEOUT)
-            for line in (result.stdout + result.stderr).splitlines()[-20:]:
-                progress(f"{plan.cluster}/{plan.host} setup | {line}")
+                           env=env, timeout=SETUP_TIMEOUT,
+                           on_output=lambda line: progress(f"{where} setup | {line}"))
             if not result.ok:
                 raise TransportError(f"setup failed: {result}", host=plan.host)
 

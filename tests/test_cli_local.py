@@ -126,3 +126,21 @@ def test_exit_codes(cli: CLI, tmp_path: Path) -> None:
     proc = cli("launch", str(failing), timeout=120)
     assert proc.returncode == 1 and "FAILED" in proc.stdout
     assert "Traceback" not in proc.stdout + proc.stderr
+
+
+def test_setup_output_streams_and_a_failed_setup_fails_the_launch(cli: CLI,
+                                                                  tmp_path: Path) -> None:
+    body = HELLO.format(ticks=600, every=0.5)
+    good = write_spec(tmp_path, body + 'setup: echo "preparing $NEBULA_HOST"; echo done\n',
+                      "good.yaml")
+    proc = cli("launch", str(good), "--detach", check=True)
+    assert "east/e1 setup | preparing e1" in proc.stderr
+    assert "west/w2 setup | done" in proc.stderr
+    bad = write_spec(tmp_path, body + 'setup: echo "no disk on $NEBULA_HOST" >&2; exit 4\n',
+                     "bad.yaml")
+    proc = cli("launch", str(bad), "--detach")
+    assert proc.returncode == 1 and "setup failed" in proc.stderr
+    assert "no disk on" in proc.stderr and "Traceback" not in proc.stderr
+    failed = next(j for j in cli.job_ids() if json.loads(
+        cli("status", j, "--json").stdout)["state"] == "FAILED")
+    assert job_processes(failed) == []

@@ -93,7 +93,12 @@ def test_launch_status_stop_over_ssh_through_a_bastion(ssh_cli: CLI, bed_clean: 
                                                        tmp_path: Path) -> None:
     spec = ssh_spec(tmp_path, bed_clean, clusters={"east": ["e1-jump"], "west": ["w1"]},
                     run='echo "on $(ip -4 -o addr show eth0 | awk \'{print $4}\')"; sleep 300')
-    job_id = ssh_cli("launch", str(spec), "--detach", check=True).stdout.strip()
+    data = yaml.safe_load(spec.read_text())
+    data["setup"] = 'echo "prepared $NEBULA_HOST"'
+    spec.write_text(yaml.safe_dump(data))
+    launched = ssh_cli("launch", str(spec), "--detach", check=True)
+    assert "east/e1-jump setup | prepared e1-jump" in launched.stderr  # streamed over SSH
+    job_id = launched.stdout.strip()
     logs = ""
     for _ in range(60):
         logs = ssh_cli("logs", job_id).stdout

@@ -8,8 +8,9 @@ the caller asks (`check=True`). Implementations translate their backend's errors
 from __future__ import annotations
 
 import shlex
+import threading
 from abc import ABC, abstractmethod
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from nebula_cli.errors import CommandFailed
@@ -37,6 +38,30 @@ class CommandResult:
     def __str__(self) -> str:
         tail = self.tail(5)
         return f"`{self.command}` exited {self.exit_code}" + (f":\n{tail}" if tail else "")
+
+
+OutputSink = Callable[[str], None]  # called with each line of output as it arrives
+
+
+class LineSplitter:
+    """Bytes in, complete lines out to `sink` (thread-safe; `close` flushes a last partial)."""
+
+    def __init__(self, sink: OutputSink) -> None:
+        self.sink = sink
+        self._buf = b""
+        self._lock = threading.Lock()
+
+    def feed(self, data: bytes) -> None:
+        with self._lock:
+            *lines, self._buf = (self._buf + data).split(b"\n")
+        for line in lines:
+            self.sink(line.decode(errors="replace").rstrip("\r"))
+
+    def close(self) -> None:
+        with self._lock:
+            rest, self._buf = self._buf, b""
+        if rest:
+            self.sink(rest.decode(errors="replace"))
 
 
 def shell_join(argv: Sequence[str] | str) -> str:
@@ -69,8 +94,10 @@ class Transport(ABC):
         cwd: str | None = None,
         timeout: float = DEFAULT_TIMEOUT,
         stdin: bytes | None = None,
+        on_output: OutputSink | None = None,
     ) -> CommandResult:
-        """Run a command to completion and capture its output (stdout and stderr drained)."""
+        """Run a command to completion and capture its output (stdout and stderr drained);
+        `on_output` also gets each line as it arrives (for streaming a long command)."""
 
     @abstractmethod
     def put_bytes(self, data: bytes, remote: str, *, mode: int = 0o644) -> None:

@@ -7,12 +7,21 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import IO
 
 from nebula_cli.errors import TransportError
 from nebula_cli.state import nebula_home
-from nebula_cli.transport.base import DEFAULT_TIMEOUT, CommandResult, Transport, shell_join
+from nebula_cli.transport.base import (
+    DEFAULT_TIMEOUT,
+    CommandResult,
+    LineSplitter,
+    OutputSink,
+    Transport,
+    shell_join,
+)
 
 
 class LocalTransport(Transport):
@@ -40,9 +49,12 @@ class LocalTransport(Transport):
         cwd: str | None = None,
         timeout: float = DEFAULT_TIMEOUT,
         stdin: bytes | None = None,
+        on_output: OutputSink | None = None,
     ) -> CommandResult:
         full_env = {**os.environ, **(env or {})}
         shell = isinstance(argv, str)
+        if on_output is not None:
+            return self._run_streamed(argv, full_env, cwd, timeout, on_output)
         try:
             proc = subprocess.run(
                 argv, shell=shell, env=full_env, cwd=cwd, input=stdin,
@@ -60,6 +72,45 @@ class LocalTransport(Transport):
             exit_code=proc.returncode,
             stdout=proc.stdout.decode(errors="replace"),
             stderr=proc.stderr.decode(errors="replace"),
+        )
+
+    def _run_streamed(self, argv: Sequence[str] | str, env: dict[str, str], cwd: str | None,
+                      timeout: float, on_output: OutputSink) -> CommandResult:
+        """`run`, with each line of output also handed to on_output as it arrives."""
+        try:
+            proc = subprocess.Popen(argv, shell=isinstance(argv, str), env=env, cwd=cwd,
+                                    stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                    stderr=subprocess.PIPE)
+        except OSError as exc:
+            raise TransportError(f"cannot run `{shell_join(argv)}`: {exc}", host=self.name) from exc
+        sinks: list[list[bytes]] = [[], []]
+        splitter = LineSplitter(on_output)
+
+        def drain(pipe: IO[bytes], sink: list[bytes]) -> None:
+            while data := pipe.read1(1 << 16):  # type: ignore[attr-defined]
+                sink.append(data)
+                splitter.feed(data)
+
+        readers = [threading.Thread(target=drain, args=(pipe, sink), daemon=True)
+                   for pipe, sink in zip((proc.stdout, proc.stderr), sinks, strict=True)]
+        for reader in readers:
+            reader.start()
+        try:
+            proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired as exc:
+            proc.kill()
+            proc.wait()
+            raise TransportError(
+                f"`{shell_join(argv)}` did not finish within {timeout:g} s", host=self.name
+            ) from exc
+        finally:
+            for reader in readers:
+                reader.join(5)
+            splitter.close()
+        return CommandResult(
+            command=shell_join(argv), exit_code=proc.returncode,
+            stdout=b"".join(sinks[0]).decode(errors="replace"),
+            stderr=b"".join(sinks[1]).decode(errors="replace"),
         )
 
     def put_bytes(self, data: bytes, remote: str, *, mode: int = 0o644) -> None:

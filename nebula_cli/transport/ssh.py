@@ -30,7 +30,14 @@ from typing import IO
 import paramiko
 
 from nebula_cli.errors import TransportError
-from nebula_cli.transport.base import DEFAULT_TIMEOUT, CommandResult, Transport, shell_join
+from nebula_cli.transport.base import (
+    DEFAULT_TIMEOUT,
+    CommandResult,
+    LineSplitter,
+    OutputSink,
+    Transport,
+    shell_join,
+)
 from nebula_cli.transport.hostkeys import (
     GLOBAL_KNOWN_HOSTS,
     SSH_PORT,
@@ -77,10 +84,13 @@ class SSHTimeout(TransportError):
     """Connecting, the SSH handshake or a command took longer than allowed."""
 
 
-def _drain(read: Callable[[int], bytes], sink: list[bytes]) -> None:
+def _drain(read: Callable[[int], bytes], sink: list[bytes],
+           lines: LineSplitter | None = None) -> None:
     with contextlib.suppress(OSError, EOFError, paramiko.SSHException):
         while data := read(_CHUNK):
             sink.append(data)
+            if lines is not None:
+                lines.feed(data)
 
 
 def _excluded(rel: str, patterns: Sequence[str]) -> bool:
@@ -403,6 +413,7 @@ class SSHTransport(Transport):
         cwd: str | None = None,
         timeout: float = DEFAULT_TIMEOUT,
         stdin: bytes | None = None,
+        on_output: OutputSink | None = None,
     ) -> CommandResult:
         command = shell_join(argv)
         deadline = time.monotonic() + timeout
@@ -418,18 +429,21 @@ class SSHTransport(Transport):
             except (paramiko.SSHException, EOFError, OSError) as exc:
                 raise TransportError(f"cannot start `{command}`: {exc}", host=self.name) from exc
             try:
-                return self._collect(conn, chan, command, stdin, deadline, timeout)
+                return self._collect(conn, chan, command, stdin, deadline, timeout, on_output)
             finally:
                 chan.close()
         finally:
             self._channels.release()
 
     def _collect(self, conn: paramiko.Transport, chan: paramiko.Channel, command: str,
-                 stdin: bytes | None, deadline: float, timeout: float) -> CommandResult:
+                 stdin: bytes | None, deadline: float, timeout: float,
+                 on_output: OutputSink | None = None) -> CommandResult:
         out: list[bytes] = []
         err: list[bytes] = []
-        readers = [threading.Thread(target=_drain, args=(chan.recv, out), daemon=True),
-                   threading.Thread(target=_drain, args=(chan.recv_stderr, err), daemon=True)]
+        lines = LineSplitter(on_output) if on_output is not None else None
+        readers = [threading.Thread(target=_drain, args=(chan.recv, out, lines), daemon=True),
+                   threading.Thread(target=_drain, args=(chan.recv_stderr, err, lines),
+                                    daemon=True)]
         for reader in readers:
             reader.start()
 
@@ -465,6 +479,8 @@ class SSHTransport(Transport):
         if any(r.is_alive() for r in readers) or not chan.status_event.wait(
                 max(deadline - time.monotonic(), 0)):
             raise timed_out()
+        if lines is not None:
+            lines.close()
         if chan.exit_status == -1 and not conn.is_active():
             raise TransportError(f"connection lost while running `{command}`", host=self.name)
         return CommandResult(

@@ -13,13 +13,25 @@ from typing import Annotated, Any, TypeVar
 
 import typer
 from rich.console import Console
+from typer.core import TyperGroup
 
 from nebula_cli import __version__
-from nebula_cli.errors import EXIT_FAILED, EXIT_OK, NebulaError, SpecError
+from nebula_cli.errors import EXIT_FAILED, EXIT_OK, NebulaError, SpecError, UsageError
 from nebula_cli.live import print_line, watch
 from nebula_cli.netbench import run_bench, write_report
 from nebula_cli.netbench_render import bench_matrix, bench_progress
 from nebula_cli.orchestrator import Orchestrator
+from nebula_cli.planner import (
+    CostModel,
+    Task,
+    advise,
+    devices_from_spec,
+    load_devices,
+    load_netbench,
+    plan_placement,
+    wan_link,
+)
+from nebula_cli.planner.render import advisor_table, placement_table
 from nebula_cli.spec import load_spec
 from nebula_cli.state import END_STATES, StateStore
 from nebula_cli.ui import (
@@ -270,6 +282,111 @@ def bench_network(
         err.print(f"[bold red]error:[/] {problem}", markup=True, highlight=False)
     if report["errors"]:
         raise typer.Exit(EXIT_FAILED)
+
+
+class _PlanGroup(TyperGroup):
+    """`nebula plan SPEC ...` means `nebula plan sync SPEC ...`; `nebula plan placement ...`
+    stays a subcommand."""
+
+    def parse_args(self, ctx: Any, args: list[str]) -> list[str]:
+        if args and args[0] not in self.commands and not args[0].startswith("-"):
+            args = ["sync", *args]
+        return super().parse_args(ctx, args)
+
+
+plan_app = typer.Typer(
+    cls=_PlanGroup, no_args_is_help=True,
+    help="Plan a job: how to sync across clusters (`nebula plan SPEC`), or which devices hold "
+         "which pipeline stage (`nebula plan placement`).")
+app.add_typer(plan_app, name="plan")
+
+
+@plan_app.command("sync")
+@handle_errors
+def plan_sync(
+    spec_path: Annotated[Path, typer.Argument(metavar="SPEC", help="The job spec (YAML).")],
+    params: Annotated[int, typer.Option(
+        "--params", help="Trainable parameters (what travels each outer round).")],
+    step_time: Annotated[float, typer.Option(
+        "--step-time", help="Seconds of one inner step on one host.")],
+    netbench: Annotated[Path | None, typer.Option(
+        "--netbench", help="bench-network's JSON; the slowest pair of clusters is used.")] = None,
+    bandwidth: Annotated[float | None, typer.Option(
+        "--bandwidth", help="WAN throughput in Mbit/s (overrides --netbench).")] = None,
+    rtt: Annotated[float | None, typer.Option(
+        "--rtt", help="WAN round-trip time in ms (overrides --netbench).")] = None,
+    overlap: Annotated[bool | None, typer.Option(
+        "--overlap/--no-overlap", help="Sync overlapped with compute. Default: the spec's "
+        "relay.sync.overlap.")] = None,
+    target: Annotated[float, typer.Option(help="Utilisation to reach.")] = 0.95,
+    as_json: Annotated[bool, typer.Option("--json", help="JSON for scripts.")] = False,
+) -> None:
+    """How many inner steps and which codec hide the WAN behind compute (DiLoCo mode)."""
+    spec = load_spec(spec_path)
+    clusters = [c.name for c in spec.clusters]
+    rtt_ms, mbit = rtt, bandwidth
+    if netbench is not None and (rtt_ms is None or mbit is None):
+        measured_rtt, measured_mbit = wan_link(load_netbench(netbench), clusters)
+        rtt_ms = measured_rtt if rtt_ms is None else rtt_ms
+        mbit = measured_mbit if mbit is None else mbit
+    if (rtt_ms is None or mbit is None) and len(clusters) > 1:
+        raise UsageError("give --netbench FILE (from `nebula bench-network`), or both "
+                         "--bandwidth MBIT and --rtt MS")
+    if overlap is None:
+        overlap = bool(spec.relay and spec.relay.sync.overlap)
+    if spec.relay is not None and spec.relay.sync.mode == "gradient":
+        err.print("[yellow]note:[/] the spec syncs every step (mode: gradient); this advice is "
+                  "for mode: diloco", markup=True)
+    advice = advise(params, step_time, mbit or 1.0, rtt_ms or 0.0, clusters=len(clusters),
+                    overlap=overlap, target=target)
+    if as_json:
+        out.print_json(json.dumps(advice.to_json()))
+    else:
+        out.print(advisor_table(advice))
+
+
+@plan_app.command("placement")
+@handle_errors
+def plan_placement_cmd(
+    stages: Annotated[int, typer.Option("--stages", help="Pipeline stages (D_PP).")],
+    dp: Annotated[int, typer.Option("--dp", help="Data-parallel replicas (D_DP).")],
+    activation_gb: Annotated[float, typer.Option(
+        "--activation-gb", help="GB of activations per macro-batch between two stages.")],
+    gradient_gb: Annotated[float, typer.Option(
+        "--gradient-gb", help="GB of one stage's gradients.")],
+    devices: Annotated[Path | None, typer.Option(
+        "--devices", help='JSON: {"devices": [ids], "delay_ms": [[..]], '
+        '"bandwidth_gbps": [[..]]}.')] = None,
+    spec_path: Annotated[Path | None, typer.Option(
+        "--spec", help="A job spec: every slot of every host is a device (needs --netbench).")]
+    = None,
+    netbench: Annotated[Path | None, typer.Option(
+        "--netbench", help="bench-network's JSON, for --spec.")] = None,
+    budget: Annotated[int, typer.Option(help="Candidate evaluations per search.")] = 5000,
+    seed: Annotated[int, typer.Option(help="Random seed (same seed, same answer).")] = 0,
+    baselines: Annotated[bool, typer.Option(
+        "--baselines/--no-baselines", help="Also run random search and local search alone at "
+        "the same budget.")] = True,
+    as_json: Annotated[bool, typer.Option("--json", help="JSON for scripts.")] = False,
+) -> None:
+    """Which device holds which pipeline stage of which replica (Yuan et al., NeurIPS 2022)."""
+    if devices is not None and (spec_path is not None or netbench is not None):
+        raise UsageError("give either --devices FILE, or --spec SPEC with --netbench FILE")
+    if devices is not None:
+        network = load_devices(devices)
+    elif spec_path is not None and netbench is not None:
+        network = devices_from_spec(load_spec(spec_path), load_netbench(netbench))
+    else:
+        raise UsageError("give --devices FILE, or --spec SPEC with --netbench FILE")
+    task = Task(stages, dp, activation_gb, gradient_gb)
+    CostModel(network, task)  # shape errors now, not after a long search
+    err.print(f"[dim]searching {network.size} devices, {stages} stages x {dp} replicas, "
+              f"{budget} evaluations{' (+ 2 baselines)' if baselines else ''}...[/]")
+    result = plan_placement(network, task, budget=budget, seed=seed, baselines=baselines)
+    if as_json:
+        out.print_json(json.dumps(result.to_json()))
+    else:
+        out.print(placement_table(result))
 
 
 def run() -> None:  # pragma: no cover - console entry point wrapper

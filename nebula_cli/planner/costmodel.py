@@ -21,20 +21,22 @@ placements. See tests/test_planner.py and bench/placement.py.
 
 from __future__ import annotations
 
-import itertools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from functools import lru_cache
 
 import numpy as np
 
 from nebula_cli.errors import UsageError
+from nebula_cli.planner.graphs import (
+    bottleneck_from_bound,
+    bottleneck_matching,
+    open_tour,
+    stacked_lower_bounds,
+)
 
 DeviceId = str | int
 Groups = Sequence[Sequence[int]]
-EXACT_TOUR_MAX = 16
-"""Stage counts up to this get an exact open tour (Held-Karp); above, a 2-opt tour."""
 
 
 class PlanError(UsageError):
@@ -129,6 +131,17 @@ class Cost:
     pipeline: float
 
 
+@dataclass(frozen=True)
+class Evaluation:
+    """A scored partition: its cost, the stage order of its groups (pipeline order), each
+    group's data cost and the group-pair link matrix."""
+
+    cost: Cost
+    order: list[int]
+    group_data: np.ndarray
+    links: np.ndarray
+
+
 class CostModel:
     """Scores partitions of one network's devices for one task; caches group-pair links.
 
@@ -155,61 +168,84 @@ class CostModel:
         g = np.asarray(groups)
         return self.data_pair[g[:, :, None], g[:, None, :]].sum(axis=2).max(axis=1)
 
-    def link(self, a: Sequence[int], b: Sequence[int]) -> tuple[float, list[int]]:
-        """Bottleneck matching of groups a and b: (largest pair cost, match) where a[i] sends to
-        b[match[i]]. Cached by the two groups' members."""
+    def _link(self, a: Sequence[int], b: Sequence[int]) -> tuple[float, list[int], bool]:
+        """(value, match, flipped) from the cache keyed by the two groups' sorted members; the
+        match is for the key's order (flipped: b's group comes first in the key)."""
         ka, kb = tuple(sorted(a)), tuple(sorted(b))
         flip = ka > kb
         key = (kb, ka) if flip else (ka, kb)
         hit = self._links.get(key)
         if hit is None:
-            if len(self._links) > 500_000:
+            if len(self._links) > 400_000:
                 self._links.clear()
             hit = bottleneck_matching(self.pipe_pair[np.ix_(key[0], key[1])])
             self._links[key] = hit
-        value, match = hit
-        left, right = (kb, ka) if flip else (ka, kb)
-        if flip:
-            inverse = [0] * len(match)
-            for i, j in enumerate(match):
-                inverse[j] = i
-            match = inverse
-        # re-express for the caller's member order
-        pos_b = {d: i for i, d in enumerate(b)}
-        out = [0] * len(a)
-        index_a = {d: i for i, d in enumerate(left)}
-        for d in a:
-            out[a.index(d) if isinstance(a, list) else list(a).index(d)] = \
-                pos_b[right[match[index_a[d]]]]
-        return value, out
+        return hit[0], hit[1], flip
 
     def link_value(self, a: Sequence[int], b: Sequence[int]) -> float:
         """The bottleneck matching value of groups a and b (cached)."""
-        ka, kb = tuple(sorted(a)), tuple(sorted(b))
-        key = (kb, ka) if ka > kb else (ka, kb)
-        hit = self._links.get(key)
-        if hit is None:
-            if len(self._links) > 500_000:
-                self._links.clear()
-            hit = bottleneck_matching(self.pipe_pair[np.ix_(key[0], key[1])])
-            self._links[key] = hit
-        return hit[0]
+        return self._link(a, b)[0]
+
+    def link(self, a: Sequence[int], b: Sequence[int]) -> tuple[float, list[int]]:
+        """Bottleneck matching of groups a and b: (largest pair cost, match), a[i] sending to
+        b[match[i]], for a and b in the caller's order."""
+        value, mate, flip = self._link(a, b)
+        sa, sb = sorted(a), sorted(b)
+        if flip:  # the key is (sb, sa): sb[j] -> sa[mate[j]]
+            to_b = {sa[mate[j]]: sb[j] for j in range(len(sb))}
+        else:
+            to_b = {sa[i]: sb[mate[i]] for i in range(len(sa))}
+        where_b = {d: i for i, d in enumerate(b)}
+        return value, [where_b[to_b[d]] for d in a]
 
     def link_matrix(self, groups: Groups) -> np.ndarray:
-        """Stages x stages matrix of group-pair links (0 on the diagonal)."""
-        d = len(groups)
+        """Stages x stages matrix of group-pair links (0 on the diagonal). Links not cached yet
+        are bounded all at once (one vectorised step), then matched one by one."""
+        g = np.sort(np.asarray(groups), axis=1)
+        d = g.shape[0]
+        keys = [tuple(row) for row in g.tolist()]
         e = np.zeros((d, d))
+        todo_i, todo_j, todo_keys = [], [], []
         for i in range(d):
             for j in range(i + 1, d):
-                e[i, j] = e[j, i] = self.link_value(groups[i], groups[j])
+                if keys[i] > keys[j]:
+                    i2, j2 = j, i
+                else:
+                    i2, j2 = i, j
+                key = (keys[i2], keys[j2])
+                hit = self._links.get(key)
+                if hit is None:
+                    todo_i.append(i2)
+                    todo_j.append(j2)
+                    todo_keys.append(key)
+                else:
+                    e[i, j] = e[j, i] = hit[0]
+        if todo_keys:
+            if len(self._links) > 400_000:
+                self._links.clear()
+            blocks = self.pipe_pair[g[todo_i][:, :, None], g[todo_j][:, None, :]]
+            lower, masks = stacked_lower_bounds(blocks)
+            for k, key in enumerate(todo_keys):
+                hit = bottleneck_from_bound(blocks[k], float(lower[k]), masks[k])
+                self._links[key] = hit
+                i, j = todo_i[k], todo_j[k]
+                e[i, j] = e[j, i] = hit[0]
         return e
 
     # -- the score -------------------------------------------------------------------------
+    def evaluate(self, groups: Groups) -> Evaluation:
+        """Score one partition and keep what explains it (no check that it is a partition;
+        see `check_partition`)."""
+        group_data = (self.group_data_costs(groups) if self.task.dp > 1
+                      else np.zeros(len(groups)))
+        links = self.link_matrix(groups)
+        pipeline, order = open_tour(links)
+        data = float(group_data.max())
+        return Evaluation(Cost(data + 2 * pipeline, data, pipeline), order, group_data, links)
+
     def cost(self, groups: Groups) -> Cost:
-        """Score one partition (no check that it is one; see `check_partition`)."""
-        data = float(self.group_data_costs(groups).max()) if self.task.dp > 1 else 0.0
-        pipeline = open_tour(self.link_matrix(groups))[0] if len(groups) > 1 else 0.0
-        return Cost(data + 2 * pipeline, data, pipeline)
+        """The score of one partition and its two parts."""
+        return self.evaluate(groups).cost
 
     def check_partition(self, groups: Groups) -> None:
         """Raise PlanError unless groups is `stages` groups of `dp` distinct device indices."""
@@ -219,143 +255,3 @@ class CostModel:
         flat = sorted(int(x) for g in groups for x in g)
         if flat != list(range(n)):
             raise PlanError("every device must appear in exactly one group")
-
-
-# -- the two combinatorial pieces, usable on their own ---------------------------------------
-def bottleneck_matching(cost: np.ndarray) -> tuple[float, list[int]]:
-    """Minimise the largest cost of a perfect matching of a square matrix's rows and columns.
-
-    Returns (value, match) with row i matched to column match[i]. Threshold search over the
-    matrix's distinct values, starting from the lower bound max(row minima, column minima);
-    feasibility by augmenting paths on bitmask rows.
-    """
-    n = cost.shape[0]
-    if n == 1:
-        return float(cost[0, 0]), [0]
-    lower = max(cost.min(axis=1).max(), cost.min(axis=0).max())
-    match = _perfect_matching(cost <= lower)
-    if match is not None:
-        return float(lower), match
-    values = np.unique(cost[cost > lower])
-    lo, hi = 0, len(values) - 1  # values[hi] = the maximum: always feasible
-    best = _perfect_matching(cost <= values[hi])
-    while lo < hi:
-        mid = (lo + hi) // 2
-        m = _perfect_matching(cost <= values[mid])
-        if m is None:
-            lo = mid + 1
-        else:
-            hi, best = mid, m
-    if best is None:  # pragma: no cover - a complete bipartite graph always matches
-        raise PlanError("no perfect matching")
-    return float(values[hi]), best
-
-
-def _perfect_matching(allowed: np.ndarray) -> list[int] | None:
-    """A perfect matching of a boolean bipartite adjacency (rows to columns), or None."""
-    n = allowed.shape[0]
-    weights = 1 << np.arange(n, dtype=object) if n > 62 else 1 << np.arange(n, dtype=np.int64)
-    rows = [int(x) for x in (allowed * weights).sum(axis=1)]
-    owner = [-1] * n  # column -> row
-
-    def augment(r: int, seen: list[int]) -> bool:
-        free = rows[r] & ~seen[0]
-        while free:
-            low = free & -free
-            c = low.bit_length() - 1
-            seen[0] |= low
-            if owner[c] < 0 or augment(owner[c], seen):
-                owner[c] = r
-                return True
-            free &= ~seen[0]
-        return False
-
-    for r in range(n):
-        if not rows[r]:
-            return None
-        # cheap greedy step first: any free column
-        taken = 0
-        for c, o in enumerate(owner):
-            if o >= 0:
-                taken |= 1 << c
-        free = rows[r] & ~taken
-        if free:
-            owner[(free & -free).bit_length() - 1] = r
-            continue
-        if not augment(r, [0]):
-            return None
-    match = [0] * n
-    for c, r in enumerate(owner):
-        match[r] = c
-    return match
-
-
-def open_tour(links: np.ndarray) -> tuple[float, list[int]]:
-    """Cheapest open path visiting every node once: (cost, order). Exact up to 16 nodes."""
-    d = links.shape[0]
-    if d == 1:
-        return 0.0, [0]
-    if d > EXACT_TOUR_MAX:
-        return _two_opt_tour(links)
-    full = (1 << d) - 1
-    dp = np.full((1 << d, d), np.inf)
-    dp[1 << np.arange(d), np.arange(d)] = 0.0
-    lt = links.T
-    for masks, prev in _layers(d):
-        # dp[m, j] = min_i dp[m ^ 1<<j, i] + links[i, j]; prev[m, j] = m ^ 1<<j (bit j in m)
-        cand = dp[prev] + lt[None, :, :]
-        best = cand.min(axis=2)
-        best[prev == masks[:, None]] = np.inf  # j not in m
-        dp[masks] = best
-    end = int(np.argmin(dp[full]))
-    cost = float(dp[full, end])
-    order = [end]
-    mask, j = full, end
-    while mask != (1 << j):
-        prev_mask = mask ^ (1 << j)
-        i = int(np.argmin(dp[prev_mask] + links[:, j]))
-        order.append(i)
-        mask, j = prev_mask, i
-    return cost, order[::-1]
-
-
-@lru_cache(maxsize=20)
-def _layers(d: int) -> list[tuple[np.ndarray, np.ndarray]]:
-    masks = np.arange(1 << d)
-    pop = np.array([bin(m).count("1") for m in masks])
-    bits = 1 << np.arange(d)
-    out = []
-    for size in range(2, d + 1):
-        m = masks[pop == size]
-        prev = m[:, None] ^ bits[None, :]
-        prev = np.where((m[:, None] & bits[None, :]) != 0, prev, m[:, None])
-        out.append((m, prev))
-    return out
-
-
-def _two_opt_tour(links: np.ndarray) -> tuple[float, list[int]]:
-    d = links.shape[0]
-    best_order: list[int] = []
-    best = math.inf
-    for start in range(d):
-        order, left = [start], set(range(d)) - {start}
-        while left:
-            nxt = min(left, key=lambda k, last=order[-1]: links[last, k])
-            order.append(nxt)
-            left.remove(nxt)
-        improved = True
-        while improved:
-            improved = False
-            for i, j in itertools.combinations(range(d), 2):
-                new = order[:i] + order[i:j + 1][::-1] + order[j + 1:]
-                if path_cost(links, new) < path_cost(links, order) - 1e-12:
-                    order, improved = new, True
-        cost = path_cost(links, order)
-        if cost < best:
-            best, best_order = cost, order
-    return best, best_order
-
-
-def path_cost(links: np.ndarray, order: Sequence[int]) -> float:
-    """Sum of links along an order of nodes."""
-    return float(sum(links[a, b] for a, b in itertools.pairwise(order)))

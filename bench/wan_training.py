@@ -1,0 +1,280 @@
+"""WAN training: flat DeepSpeed across a slow link against nebula's DiLoCo relay (test bed, root).
+
+    .venv/bin/python bench/wan_training.py [--quick] [--json] [--mbit 20] [--delay-ms 25]
+                                           [--steps 200] [--inner-steps 25] [--micro-batch 4]
+
+One run, one test bed: two clusters (east = e1, e2; west = w1, w2; one CPU worker per host), the
+east-west link shaped to --mbit by the bed's tc. The same GPT (examples/gpt), corpus, seed,
+DeepSpeed config, per-rank batch and number of steps in every job, so every job trains on the
+same number of tokens:
+
+  (a) flat       one nebula cluster of all four hosts, no relay: a single DeepSpeed world whose
+                 gloo all-reduce crosses the slow link every step. No added delay: gloo's full
+                 mesh cannot go through the bed's delay proxy (this only favours (a)).
+  (b) nebula     clusters east and west, relay DiLoCo (--inner-steps), int8 + error feedback,
+                 the relay's own shaping adding --delay-ms one way; overlap off, then on.
+  (c) unshaped   (b) with the link unshaped and no delay: the compute-only reference.
+
+tokens/s = tokens of one step over all four workers / s_per_step, where s_per_step is the
+slowest worker's training-loop time from the end of step 1 to the end of the last step divided
+by (steps - 1), as train.py reports in its final record (plus, in overlap mode, the wait for
+the round still in flight at the end, train.py's flush): it includes the outer rounds and the
+one evaluation at the last step, and leaves out start-up and step 1.
+WAN bytes = bytes routed between the clusters during the job, from the router's htb class
+counters (IP packets: TCP, TLS, SSH-free); for (c) the relays' own count (bytes_sent_total).
+Loss gap = final eval loss of (b) relative to (a) (same held-out batches, equal tokens).
+
+Compute: the bed's four "hosts" share this machine's cores, so a step computes about as slowly as
+four hosts' steps in a row, while the link is as slow as a real one. The default per-rank batch
+(4 x 128 tokens, the example's config otherwise) keeps a step at a few tenths of a second here;
+with --micro-batch 16 compute per step is ~4x longer and the speedup over flat correspondingly
+smaller (the link time of (a) does not depend on the batch).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _bed  # noqa: E402
+
+JSON_FIELDS = ("speedup_vs_flat", "utilization", "utilization_overlap", "loss_gap",
+               "wan_bytes_reduction", "link_mbit", "rtt_ms")
+"""Keys of the JSON object printed last with --json (plus "runs", "goals_met", "settings")."""
+GOALS = {"speedup_vs_flat": (">=", 10.0), "utilization": (">=", 0.9),
+         "utilization_overlap": (">=", 0.9), "loss_gap": ("<=", 0.03),
+         "wan_bytes_reduction": (">=", 100.0)}
+CLUSTERS = {"east": ["e1", "e2"], "west": ["w1", "w2"]}
+QUICK = {"steps": 36, "inner_steps": 18}
+
+
+@dataclass
+class Run:
+    """What one job measured."""
+
+    name: str
+    steps: int
+    tokens: int
+    s_per_step: float
+    tokens_per_s: float
+    eval_loss: float
+    wan_bytes: int | None
+    """Bytes routed between the clusters (router counters); None when the link was unshaped."""
+    relay_bytes: int | None
+    """Bytes the relays sent to each other (their own count); None without relays."""
+    identical: bool
+    """Every worker ended with the same parameters (sha256)."""
+    wall_s: float
+    load: float = 0.0
+    """1-minute load average of this machine when the job ended."""
+
+    @property
+    def bytes_per_token(self) -> float | None:
+        wan = self.wan_bytes if self.wan_bytes is not None else self.relay_bytes
+        return None if wan is None else wan / self.tokens
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter,
+                                epilog="\n".join(__doc__.splitlines()[2:]))
+    p.add_argument("--mbit", type=float, default=20.0, help="east-west link rate (Mbit/s)")
+    p.add_argument("--delay-ms", type=float, default=25.0,
+                   help="one-way delay added by the relays in (b) (round trip 2x)")
+    p.add_argument("--steps", type=int, default=None, help="steps of every job (default 200)")
+    p.add_argument("--inner-steps", type=int, default=None, help="DiLoCo H (default 25)")
+    p.add_argument("--micro-batch", type=int, default=4,
+                   help="per-rank micro batch of 128-token sequences (examples/gpt uses 16; "
+                        "see the note on compute below)")
+    p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--quick", action="store_true",
+                   help=f"CI-sized: {QUICK['steps']} steps, H={QUICK['inner_steps']} "
+                        "(about 5 minutes; the loss gap is not meaningful this early)")
+    p.add_argument("--json", action="store_true", help="print one JSON object as the last line")
+    p.add_argument("--keep", action="store_true", help="keep the temp dir (specs, launch logs)")
+    args = p.parse_args(argv)
+    args.steps = args.steps or (QUICK["steps"] if args.quick else 200)
+    args.inner_steps = args.inner_steps or (QUICK["inner_steps"] if args.quick else 25)
+    if args.steps < 2 or args.inner_steps < 1 or args.micro_batch < 1 or args.mbit <= 0:
+        p.error("--steps >= 2, --inner-steps >= 1, --micro-batch >= 1, --mbit > 0")
+    return args
+
+
+def ds_config(micro_batch: int) -> dict[str, Any]:
+    cfg = json.loads((_bed.GPT_DIR / "ds_config.json").read_text())
+    cfg["train_micro_batch_size_per_gpu"] = micro_batch
+    return cfg
+
+
+def relay(args: argparse.Namespace, *, overlap: bool, delay_ms: float) -> dict[str, Any]:
+    return {"sync": {"mode": "diloco", "inner_steps": args.inner_steps, "outer_lr": 0.7,
+                     "outer_momentum": 0.9, "overlap": overlap},
+            "compression": {"codec": "int8", "error_feedback": True},
+            "timeout": 300, "shaping": {"rate_mbit": None, "delay_ms": delay_ms}}
+
+
+def run_job(neb: _bed.Nebula, bed: Any, tmp: Path, args: argparse.Namespace, name: str,
+            clusters: dict[str, list[str]], relay_spec: dict[str, Any] | None) -> Run:
+    """Launch one job through the CLI, wait for its end, read what it measured."""
+    context = 128
+    run = (f"python -u train.py --steps {args.steps} --eval-every {args.steps} "
+           f"--log-every 10 --seed {args.seed} --context {context}")
+    cfg = ds_config(args.micro_batch)
+    spec = _bed.ssh_spec(tmp / f"{name}.yaml", bed, name=f"bench-{name}", clusters=clusters,
+                         run=run, relay=relay_spec, deepspeed=cfg)
+    workers = sum(len(h) for h in clusters.values())
+    per_step = workers * cfg["train_micro_batch_size_per_gpu"] * context * cfg.get(
+        "gradient_accumulation_steps", 1)
+    print(f"[{time.strftime('%H:%M:%S')}] {name}: launching ({args.steps} steps) ...",
+          file=sys.stderr, flush=True)
+    before = _bed.link_bytes(bed)
+    t0 = time.monotonic()
+    job_id = neb.run_job(spec, timeout=600 + 60 * args.steps, log=tmp / f"{name}.log")
+    wall = time.monotonic() - t0
+    shaped = bed.rate("east", "west") is not None
+    wan = _bed.link_bytes(bed) - before if shaped else None
+    records = _bed.worker_records(job_id)
+    finals = [r for r in records if r.get("final")]
+    relays = _bed.relay_records(job_id)
+    shutil.rmtree(_bed.REMOTE_JOBS / job_id, ignore_errors=True)
+    if len(finals) != workers:
+        raise RuntimeError(f"{name}: {len(finals)} final records of {workers} workers; "
+                           f"see {tmp / (name + '.log')}")
+    sent: dict[str, int] = {}
+    for rec in relays:
+        sent[rec["cluster"]] = max(sent.get(rec["cluster"], 0), int(rec["bytes_sent_total"]))
+    # overlap: the wait for the round still in flight after the last step (train.py's flush,
+    # logged with eval_loss and the round's keys but without a training loss) is added
+    flush_s = max([float(r["round_s"]) for r in records
+                   if "outer_round" in r and "eval_loss" in r and "loss" not in r
+                   and not r.get("final")] or [0.0])
+    s_step = max(float(r["s_per_step"]) for r in finals) + flush_s / (args.steps - 1)
+    out = Run(name=name, steps=args.steps, tokens=per_step * args.steps, s_per_step=s_step,
+              tokens_per_s=per_step / s_step,
+              eval_loss=sum(float(r["eval_loss"]) for r in finals) / len(finals),
+              wan_bytes=wan, relay_bytes=sum(sent.values()) if relay_spec else None,
+              identical=len({r["param_sha256"] for r in finals}) == 1, wall_s=wall,
+              load=os.getloadavg()[0])
+    print(f"[{time.strftime('%H:%M:%S')}] {name}: {s_step:.3f} s/step, eval loss "
+          f"{out.eval_loss:.4f}, {wall:.0f} s", file=sys.stderr, flush=True)
+    return out
+
+
+def summarize(runs: dict[str, Run], *, link_mbit: float, rtt_ms: float) -> dict[str, Any]:
+    """The JSON object (JSON_FIELDS first) from the four runs flat, nebula, overlap, unshaped."""
+    a, b, bo, c = (runs.get(k) for k in ("flat", "nebula", "overlap", "unshaped"))
+
+    def tps(r: Run | None) -> float | None:
+        return None if r is None else r.tokens_per_s
+
+    def rnd(v: float | None, n: int = 4) -> float | None:
+        return None if v is None else round(v, n)
+
+    out: dict[str, Any] = {
+        "speedup_vs_flat": rnd(_bed.ratio(tps(b), tps(a)), 3),
+        "utilization": rnd(_bed.ratio(tps(b), tps(c))),
+        "utilization_overlap": rnd(_bed.ratio(tps(bo), tps(c))),
+        "loss_gap": rnd(None if a is None or b is None
+                        else (b.eval_loss - a.eval_loss) / a.eval_loss),
+        "wan_bytes_reduction": rnd(_bed.ratio(a and a.bytes_per_token,
+                                              b and b.bytes_per_token), 1),
+        "link_mbit": link_mbit,
+        "rtt_ms": round(rtt_ms, 2),
+    }
+    out["goals_met"] = {k: (out[k] is not None and (out[k] >= v if op == ">=" else out[k] <= v))
+                        for k, (op, v) in GOALS.items()}
+    out["runs"] = {k: {**asdict(r), "bytes_per_token": rnd(r.bytes_per_token, 2)}
+                   for k, r in runs.items()}
+    return out
+
+
+def report(runs: dict[str, Run], summary: dict[str, Any], args: argparse.Namespace) -> str:
+    labels = {"flat": "(a) flat DeepSpeed, gloo over the link",
+              "nebula": "(b) nebula DiLoCo int8",
+              "overlap": "(b) nebula DiLoCo int8, overlap",
+              "unshaped": "(c) nebula, link unshaped (reference)"}
+    rows = [[labels[k], r.s_per_step, r.tokens_per_s, r.eval_loss, r.wan_bytes, r.relay_bytes,
+             r.bytes_per_token, "yes" if r.identical else "NO", r.wall_s, r.load]
+            for k, r in runs.items()]
+    lines = [_bed.table(["job", "s/step", "tokens/s", "eval loss", "WAN bytes", "relay bytes",
+                         "WAN B/token", "same params", "wall s", "load"], rows), ""]
+    flat_ovl = _bed.ratio(runs["overlap"].tokens_per_s, runs["flat"].tokens_per_s)
+    ratio_rows = [
+        ["speedup_vs_flat", "(b)/(a) tokens/s", summary["speedup_vs_flat"], ">= 10"],
+        ["  with overlap", "(b overlap)/(a) tokens/s", flat_ovl, ""],
+        ["utilization", "(b)/(c) tokens/s", summary["utilization"], ">= 0.9"],
+        ["utilization_overlap", "(b overlap)/(c) tokens/s", summary["utilization_overlap"],
+         ">= 0.9"],
+        ["loss_gap", "((b) - (a)) / (a) eval loss", summary["loss_gap"], "<= 0.03"],
+        ["wan_bytes_reduction", "(a)/(b) WAN bytes per token", summary["wan_bytes_reduction"],
+         ">= 100"],
+    ]
+    for row in ratio_rows:
+        met = summary["goals_met"].get(row[0])
+        row.append("" if met is None else ("met" if met else "NOT met"))
+    lines.append(_bed.table(["ratio", "what", "value", "goal", ""], ratio_rows))
+    lines.append("")
+    lines.append(
+        f"link {args.mbit:g} Mbit/s each way (tc htb); (b) adds {args.delay_ms:g} ms one way in "
+        f"the relays (round trip {summary['rtt_ms']:.1f} ms); (a) has NO added delay (gloo's "
+        f"mesh cannot go through a delay proxy), which only favours (a). {args.steps} steps, "
+        f"H={args.inner_steps}, micro batch {args.micro_batch} x 128 tokens x 4 workers = "
+        f"{runs['flat'].tokens:,} tokens per job, seed {args.seed}. tokens/s from the slowest "
+        f"worker's s_per_step (steps 2..N). {os.cpu_count()} cores shared by all 4 workers and "
+        "the relays; 'load' is the machine's 1-minute load average as each job ended.")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    _bed.require_bed()
+    tmp = Path(tempfile.mkdtemp(prefix="nebula-bench-wan-"))
+    runs: dict[str, Run] = {}
+    try:
+        with _bed.make_bed(CLUSTERS, args.mbit) as bed:
+            neb = _bed.Nebula(bed, tmp / "home")
+            try:
+                rtt = _bed.base_rtt_ms(bed, "e1", "w1") + 2 * args.delay_ms
+                both = {"east": CLUSTERS["east"], "west": CLUSTERS["west"]}
+                # (a) first: it is link-bound, so the first job's start-up costs on a fresh bed
+                # do not matter there; (c) between the two (b) runs, as this machine's load
+                # drifts (other tenants)
+                runs["flat"] = run_job(neb, bed, tmp, args, "flat",
+                                       {"flat": [*CLUSTERS["east"], *CLUSTERS["west"]]}, None)
+                runs["nebula"] = run_job(neb, bed, tmp, args, "nebula", both,
+                                         relay(args, overlap=False, delay_ms=args.delay_ms))
+                bed.set_rate("east", "west", None)
+                runs["unshaped"] = run_job(neb, bed, tmp, args, "unshaped", both,
+                                           relay(args, overlap=False, delay_ms=0.0))
+                bed.set_rate("east", "west", args.mbit)
+                runs["overlap"] = run_job(neb, bed, tmp, args, "overlap", both,
+                                          relay(args, overlap=True, delay_ms=args.delay_ms))
+            finally:
+                neb.cleanup()
+    finally:
+        if args.keep:
+            print(f"kept {tmp}", file=sys.stderr)
+        else:
+            shutil.rmtree(tmp, ignore_errors=True)
+    runs = {k: runs[k] for k in ("flat", "nebula", "overlap", "unshaped")}
+    summary = summarize(runs, link_mbit=args.mbit, rtt_ms=rtt)
+    summary["settings"] = {"steps": args.steps, "inner_steps": args.inner_steps,
+                           "micro_batch": args.micro_batch, "delay_ms": args.delay_ms,
+                           "quick": args.quick}
+    print(report(runs, summary, args))
+    if args.json:
+        _bed.emit_json(summary)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -12,12 +12,12 @@ is taken as rtt / 2 and bandwidth in Gbit/s as throughput_mbit / 1000.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from nebula_cli.planner.costmodel import Network, PlanError
+from nebula_cli.planner.scenarios import read_json
 
 if TYPE_CHECKING:
     from nebula_cli.spec import JobSpec
@@ -28,12 +28,7 @@ Figures = tuple[float, float]
 
 def load_netbench(path: str | Path) -> dict[str, Any]:
     """Read bench-network's JSON file (the shape is checked where it is used)."""
-    try:
-        data = json.loads(Path(path).read_text(encoding="utf-8"))
-    except OSError as exc:
-        raise PlanError(f"cannot read {path}: {exc.strerror or exc}") from exc
-    except ValueError as exc:
-        raise PlanError(f"{path} is not valid JSON: {exc}") from exc
+    data = read_json(path)
     if not isinstance(data, dict):
         raise PlanError(f"{path}: expected a JSON object with 'clusters' and 'pairs'")
     return data

@@ -7,6 +7,7 @@ import json
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -94,13 +95,17 @@ def random_sites(sites: int = 3, per_site: int = 8, stages: int = 4, seed: int =
 def load_devices(path: str | Path) -> Network:
     """A devices JSON file: ``{"devices": [ids], "delay_ms": [[...]], "bandwidth_gbps":
     [[...]]}``, ids strings or integers, matrices N x N in that order."""
+    return network_from_json(read_json(path), str(path))
+
+
+def read_json(path: str | Path) -> Any:
+    """A JSON file's contents; an unreadable or invalid file is a PlanError naming it."""
     try:
-        data = json.loads(Path(path).read_text(encoding="utf-8"))
+        return json.loads(Path(path).read_text(encoding="utf-8"))
     except OSError as exc:
         raise PlanError(f"cannot read {path}: {exc.strerror or exc}") from exc
     except ValueError as exc:
         raise PlanError(f"{path} is not valid JSON: {exc}") from exc
-    return network_from_json(data, str(path))
 
 
 def network_from_json(data: object, where: str = "devices") -> Network:

@@ -11,6 +11,7 @@ import sys
 from dataclasses import dataclass, field
 from typing import Any
 
+from nebula_cli.pipeline import device_id
 from nebula_cli.spec import ClusterSpec, HostSpec, JobSpec
 
 WORKER = "worker"
@@ -132,18 +133,45 @@ def base_env(cluster: ClusterSpec, job_root: str, python: str) -> dict[str, str]
     return env
 
 
+PIPELINE_WORLD = "*pipeline*"
+"""The key of the one DeepSpeed world of a pipelined job in `master_ports`."""
+
+
+def world_of(spec: JobSpec, cluster: ClusterSpec) -> str:
+    """The DeepSpeed world a cluster's ranks belong to: its own, or the job-wide pipeline."""
+    return PIPELINE_WORLD if spec.pipeline_layout() is not None else cluster.name
+
+
+def rendezvous_hosts(spec: JobSpec) -> dict[str, tuple[ClusterSpec, HostSpec]]:
+    """world -> the host running its rank 0 (DeepSpeed's master), where its port must be free."""
+    layout = spec.pipeline_layout()
+    if layout is None:
+        return {c.name: (c, c.hosts[0]) for c in spec.clusters}
+    first = layout.stages[0][0]  # rank 0: stage 0 of replica 0
+    for c in spec.clusters:
+        for h in c.hosts:
+            if first.startswith(f"{c.name}/{h.host}/"):
+                return {PIPELINE_WORLD: (c, h)}
+    raise AssertionError(f"device {first} of the layout is not in the spec")  # spec checked it
+
+
 def plan_workers(
     spec: JobSpec, job_id: str, *, sites: dict[str, Site], local_home: str,
     master_ports: dict[str, int],
 ) -> list[ProcessPlan]:
     """One worker agent per host: `slots` processes each running `spec.run` in the workdir.
 
-    `sites` maps "cluster/host" to the host's Site; `master_ports` maps a cluster to its
-    rendezvous port (on the cluster's first host)."""
+    `sites` maps "cluster/host" to the host's Site; `master_ports` maps a world (see
+    `rendezvous_hosts`) to its rendezvous port. Data parallel: one world per cluster, ranks in
+    host order. Pipeline: one world over every cluster, ranks from the pipeline layout."""
     plans = []
+    layout = spec.pipeline_layout()
+    masters = {world: sites[f"{c.name}/{h.host}"].address
+               for world, (c, h) in rendezvous_hosts(spec).items()}
+    host_index = 0  # across the clusters: CROSS_RANK of a pipelined world
     for ci, cluster in enumerate(spec.clusters):
         rank = 0
-        master = sites[f"{cluster.name}/{cluster.hosts[0].host}"].address
+        world = world_of(spec, cluster)
         for node_rank, host in enumerate(cluster.hosts):
             local = cluster.transport == "local"
             site = sites[f"{cluster.name}/{host.host}"]
@@ -155,23 +183,33 @@ def plan_workers(
             if not local:
                 plan.conn["pythonpath"] = lib_dir(plan.job_root)
             extra = base_env(cluster, plan.job_root, plan.conn["python"])
-            env = worker_env(spec, job_id, ci, node_rank, master_ports[cluster.name], extra,
-                             master)
+            env = worker_env(spec, job_id, ci, node_rank, master_ports[world], extra,
+                             masters[world])
+            if layout is not None:
+                env.update(pipeline_env(spec, layout.world_size, layout.num_stages),
+                           CROSS_RANK=str(host_index))
+            host_index += 1
             cwd = spec.workdir if local else posixpath.join(plan.job_root, "work")
             if spec.deepspeed is not None:
                 env["NEBULA_DS_CONFIG"] = posixpath.join(plan.job_root, "ds_config.json")
             processes = []
             for local_rank in range(host.slots):
+                device = device_id(cluster.name, host.host, local_rank)
+                proc_env = {**env, "RANK": str(rank), "LOCAL_RANK": str(local_rank),
+                            "NEBULA_DEVICE": device}
+                if layout is not None:
+                    stage, replica = layout.position(device)
+                    proc_env.update(RANK=str(layout.rank_of(device)), NEBULA_STAGE=str(stage),
+                                    NEBULA_REPLICA=str(replica))
+                name = proc_env["RANK"]
+                proc_env["NEBULA_METRICS_FILE"] = posixpath.join(
+                    plan.agent_dir, "metrics", f"rank{name}.jsonl")
                 processes.append({
-                    "rank": rank,
+                    "rank": int(name),
                     "argv": ["/bin/sh", "-c", spec.run],
-                    "env": {
-                        **env, "RANK": str(rank), "LOCAL_RANK": str(local_rank),
-                        "NEBULA_METRICS_FILE": posixpath.join(
-                            plan.agent_dir, "metrics", f"rank{rank}.jsonl"),
-                    },
-                    "log": f"logs/rank{rank}.log",
-                    "metrics": f"metrics/rank{rank}.jsonl",
+                    "env": proc_env,
+                    "log": f"logs/rank{name}.log",
+                    "metrics": f"metrics/rank{name}.jsonl",
                 })
                 rank += 1
             plan.agent_config = {
@@ -181,6 +219,14 @@ def plan_workers(
             }
             plans.append(plan)
     return plans
+
+
+def pipeline_env(spec: JobSpec, world_size: int, stages: int) -> dict[str, str]:
+    """What every rank of a pipelined job shares: the job-wide world and the stage count."""
+    hosts = [h for c in spec.clusters for h in c.hosts]
+    return {"WORLD_SIZE": str(world_size), "NEBULA_PIPELINE_STAGES": str(stages),
+            "NEBULA_PIPELINE_REPLICAS": str(world_size // stages),
+            "CROSS_SIZE": str(len(hosts))}
 
 
 def relay_worker_env(spec: JobSpec, cluster: ClusterSpec, worker_port: int,

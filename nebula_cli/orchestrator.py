@@ -24,7 +24,7 @@ from nebula_cli.fanout import GroupError, fanout
 from nebula_cli.follow import LogFollower, MetricsFollower
 from nebula_cli.hostcheck import HostCheck, check_host
 from nebula_cli.jobplan import ProcessPlan
-from nebula_cli.spec import ClusterSpec, JobSpec
+from nebula_cli.spec import ClusterSpec, HostSpec, JobSpec
 from nebula_cli.state import ACTIVE_STATES, END_STATES, HostRecord, JobRecord, StateStore
 from nebula_cli.transport import Transport, connect, machine_key
 
@@ -181,24 +181,24 @@ class Orchestrator:
 
         return fanout(list(entries), site, timeout=AGENT_TIMEOUT)
 
-    def _master_port(self, cluster: ClusterSpec, home: str) -> int:
-        """A free port on the cluster's first host for DeepSpeed's rendezvous."""
+    def _master_port(self, cluster: ClusterSpec, host: HostSpec, home: str) -> int:
+        """A free port on `host` (where a world's rank 0 runs) for DeepSpeed's rendezvous."""
         if cluster.transport == "local":
             return free_port()
-        t = self.transport(jobplan.connection_of(cluster, cluster.hosts[0], home))
+        t = self.transport(jobplan.connection_of(cluster, host, home))
         result = t.run([t.python, "-c", FREE_PORT_PY], timeout=AGENT_TIMEOUT)
         try:
             return int(result.stdout.strip())
         except ValueError as exc:
-            raise TransportError(f"cannot find a free port: {result}",
-                                 host=cluster.hosts[0].host) from exc
+            raise TransportError(f"cannot find a free port: {result}", host=host.host) from exc
 
 
     def plan(self, spec: JobSpec, job_id: str) -> list[ProcessPlan]:
         """Every agent to start, with its config and files (certificates, relay.json)."""
         home = str(self.store.home)
         sites = self.sites(spec)
-        master_ports = {c.name: self._master_port(c, home) for c in spec.clusters}
+        master_ports = {world: self._master_port(c, h, home)
+                        for world, (c, h) in jobplan.rendezvous_hosts(spec).items()}
         workers = jobplan.plan_workers(spec, job_id, sites=sites, local_home=home,
                                        master_ports=master_ports)
         relays = jobplan.plan_relays(spec, job_id, sites=sites, local_home=home)

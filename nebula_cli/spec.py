@@ -28,6 +28,7 @@ from pydantic import (
     model_validator,
 )
 
+from nebula_cli import pipeline
 from nebula_cli import yaml_positions as yp
 from nebula_cli.errors import SpecError
 from nebula_cli.yaml_positions import PathKey, describe, problems_error
@@ -268,6 +269,14 @@ class CheckpointSpec(_Model):
     """Checkpoints kept."""
 
 
+class ParallelismSpec(_Model):
+    """How one model is split over the clusters' devices."""
+
+    pipeline_stages: int = Field(1, ge=1)
+    """Pipeline stages (DeepSpeed PipelineModule) over every slot of every cluster, in one
+    DeepSpeed world spanning the clusters (no relay). 1: no pipeline (data parallel)."""
+
+
 def _read_ds_config(path: Path) -> dict[str, Any]:
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
@@ -302,6 +311,11 @@ class JobSpec(_Model):
     """Relay settings. Default: none (clusters train independently)."""
     checkpoint: CheckpointSpec | None = None
     """Checkpoint settings. Default: none."""
+    parallelism: ParallelismSpec | None = None
+    """Pipeline parallelism across the clusters. Default: none (data parallel, per cluster)."""
+    placement: str | None = None
+    """Which device holds which stage: the JSON of `nebula plan placement --json`, relative to
+    the spec file; stored as an absolute path. Default: ranks in the spec's host order."""
     max_restarts: int = Field(0, ge=0)
     """How often a host agent restarts its processes after a failure."""
     grace: float = Field(10.0, ge=0.0)
@@ -311,6 +325,7 @@ class JobSpec(_Model):
     """Patterns in workdir not uploaded."""
 
     _source: str | None = PrivateAttr(None)
+    _layout: pipeline.PipelineLayout | None = PrivateAttr(None)
 
     @field_validator("workdir")
     @classmethod
@@ -321,6 +336,14 @@ class JobSpec(_Model):
             raise ValueError(f"workdir {value!r} is not an existing directory "
                              f"(looked for {resolved})")
         return str(resolved)
+
+    @field_validator("placement")
+    @classmethod
+    def _resolve_placement(cls, value: str | None, info: ValidationInfo) -> str | None:
+        if value is None:
+            return None
+        base = Path((info.context or {}).get("base_dir") or Path.cwd())
+        return str((base / Path(value).expanduser()).resolve())
 
     @field_validator("deepspeed", mode="before")
     @classmethod
@@ -360,9 +383,51 @@ class JobSpec(_Model):
                 _read_ds_config(Path(self.workdir) / self.deepspeed)
             except ValueError as exc:
                 problems.append((("deepspeed",), str(exc)))
+        problems += self._check_pipeline()
         if problems:
             raise problems_error(problems)
         return self
+
+    def _check_pipeline(self) -> list[tuple[PathKey, str]]:
+        """Pipeline parallelism: no relay, stages that divide the devices, a placement that
+        names every device once. Sets the layout the launcher follows."""
+        stages = self.pipeline_stages
+        if stages == 1:
+            if self.placement is not None:
+                return [(("placement",), "a placement needs parallelism: {pipeline_stages: K} "
+                                         "with K >= 2")]
+            return []
+        if self.relay is not None:
+            return [(("relay",), "pipeline parallelism runs one DeepSpeed world across the "
+                                 "clusters and does not use the relay; remove 'relay:'")]
+        devices = self.device_ids()
+        try:
+            pipeline.check_shape(len(devices), stages)
+        except pipeline.PlacementError as exc:
+            return [(("parallelism", "pipeline_stages"), str(exc))]
+        if self.placement is None:
+            self._layout = pipeline.default_layout(devices, stages)
+            return []
+        try:
+            data = pipeline.read_placement(self.placement)
+            self._layout = pipeline.layout_from_placement(data, devices, stages)
+        except pipeline.PlacementError as exc:
+            return [(("placement",), str(exc))]
+        return []
+
+    @property
+    def pipeline_stages(self) -> int:
+        """K of ``parallelism.pipeline_stages`` (1 without pipeline parallelism)."""
+        return self.parallelism.pipeline_stages if self.parallelism else 1
+
+    def device_ids(self) -> list[str]:
+        """Every slot of every host, ``<cluster>/<host>/<slot>``, in the spec's order."""
+        return [pipeline.device_id(c.name, h.host, s)
+                for c in self.clusters for h in c.hosts for s in range(h.slots)]
+
+    def pipeline_layout(self) -> pipeline.PipelineLayout | None:
+        """Which device holds which stage of which replica; None without a pipeline."""
+        return self._layout
 
     @property
     def source(self) -> str | None:

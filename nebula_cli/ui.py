@@ -184,28 +184,46 @@ def spec_error_text(err: SpecError) -> Text:
 
 
 def final_summary(finals: list[dict[str, Any]], clusters: list[str]) -> Group | None:
-    """The workers' final records: losses, speed, and whether every worker ended identical."""
+    """The workers' final records: losses, speed, and whether the workers that should hold the
+    same parameters do (every worker; in a pipelined job, the replicas of each stage)."""
     if not finals:
         return None
     colors = cluster_colors(clusters)
+    staged = any("stage" in f for f in finals)
     table = Table(title="summary", title_justify="left", show_edge=False)
-    for col in ("cluster", "host", "rank", "step", "first loss", "last loss", "eval loss",
-                "s/step", "parameters sha256"):
+    columns = ["cluster", "host", "rank", *(["stage/replica"] if staged else []), "step",
+               "first loss", "last loss", "eval loss", "s/step", "parameters sha256"]
+    for col in columns:
         table.add_column(col, justify="left" if col in ("cluster", "host") else "right")
     ordered = sorted(finals, key=lambda f: (clusters.index(f["cluster"])
                                             if f["cluster"] in clusters else 99,
                                             str(f.get("rank"))))
     for f in ordered:
+        where = [f"{f.get('stage', '-')}/{f.get('replica', '-')}"] if staged else []
         table.add_row(Text(f["cluster"], style=colors.get(f["cluster"], "")), f["host"],
-                      str(f.get("rank", "-")), str(f.get("step", "-")), num(f.get("first_loss")),
-                      num(f.get("last_loss")), num(f.get("eval_loss")),
+                      str(f.get("rank", "-")), *where, str(f.get("step", "-")),
+                      num(f.get("first_loss")), num(f.get("last_loss")), num(f.get("eval_loss")),
                       num(f.get("s_per_step"), ".2f"), str(f.get("param_sha256", "-"))[:16])
-    sums = {f.get("param_sha256") for f in finals}
-    if len(sums) == 1 and None not in sums:
-        verdict = Text(f"all {len(finals)} workers hold identical parameters", style="green")
-    else:
-        verdict = Text(f"workers hold {len(sums)} different parameter sets", style="bold red")
-    return Group(table, verdict)
+    return Group(table, *parameter_verdict(finals, staged))
+
+
+def parameter_verdict(finals: list[dict[str, Any]], staged: bool) -> list[Text]:
+    """Whether the workers that should hold the same parameters do; nothing to say without
+    checksums."""
+    if all(f.get("param_sha256") is None for f in finals):
+        return []
+    groups: dict[Any, set[Any]] = {}
+    for f in finals:
+        groups.setdefault(f.get("stage") if staged else None, set()).add(f.get("param_sha256"))
+    split = {k: v for k, v in groups.items() if len(v) > 1 or None in v}
+    if not split:
+        what = "each stage's replicas hold" if staged else f"all {len(finals)} workers hold"
+        return [Text(f"{what} identical parameters", style="green")]
+    if staged:
+        stages = ", ".join(str(k) for k in sorted(split, key=str))
+        return [Text(f"the replicas of stage(s) {stages} hold different parameters",
+                     style="bold red")]
+    return [Text(f"workers hold {len(groups[None])} different parameter sets", style="bold red")]
 
 
 def host_checks_table(checks: list[HostCheck]) -> Table:

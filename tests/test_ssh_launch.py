@@ -33,7 +33,8 @@ def ssh_cli(cli: CLI, bed_clean: TestBed) -> Iterator[CLI]:
 
 def ssh_spec(tmp_path: Path, bed: TestBed, *, clusters: dict[str, list[str]], run: str,
              relay: dict[str, Any] | None = None, name: str = "sshjob",
-             workdir: Path | None = None, deepspeed: str | None = None) -> Path:
+             workdir: Path | None = None, deepspeed: str | None = None,
+             extra: dict[str, Any] | None = None) -> Path:
     spec: dict[str, Any] = {
         "name": name, "workdir": str(workdir or tmp_path), "run": run,
         "env": {"OMP_NUM_THREADS": "1"},
@@ -48,6 +49,7 @@ def ssh_spec(tmp_path: Path, bed: TestBed, *, clusters: dict[str, list[str]], ru
         spec["relay"] = relay
     if deepspeed:
         spec["deepspeed"] = deepspeed
+    spec.update(extra or {})
     path = tmp_path / f"{name}.yaml"
     path.write_text(yaml.safe_dump(spec))
     return path
@@ -208,3 +210,57 @@ def test_host_cut_off_during_provisioning_fails_cleanly(ssh_cli: CLI, bed_clean:
     ssh_cli("stop", job_id, "--grace", "1", check=True)
     assert job_processes(job_id) == []
     bed_clean.end_stale_sessions("w2")  # sshd's side of the connections the cut killed
+
+
+def test_pipeline_follows_the_placement_over_ssh(ssh_cli: CLI, bed_clean: TestBed,
+                                                 tmp_path: Path) -> None:
+    """2 stages x 2 replicas over 2 clusters in one DeepSpeed world: `nebula plan placement`
+    picks the devices, the launch puts every stage of every replica where the plan says."""
+    clusters = {"east": ["e1", "e2"], "west": ["w1", "w2"]}
+    run = "python -u train_pipe.py --steps 16 --eval-every 8 --log-every 4"
+    gpt = REPO / "examples" / "gpt"
+    pipe = {"parallelism": {"pipeline_stages": 2}}
+    bare = ssh_spec(tmp_path, bed_clean, clusters=clusters, run=run, name="pipe",
+                    workdir=gpt, deepspeed="ds_config.json", extra=pipe)
+    # a fast network inside each cluster, a slow one across; activations far heavier than
+    # gradients: the cheapest plan keeps each replica's stage-to-stage link inside a cluster
+    netbench = tmp_path / "netbench.json"
+    netbench.write_text(json.dumps({
+        "clusters": {c: {"intra": {"rtt_ms": 0.2, "throughput_mbit": 10000}} for c in clusters},
+        "pairs": [{"a": "east", "b": "west", "rtt_ms": 50.0, "throughput_mbit": 20}]}))
+    plan = ssh_cli("plan", "placement", "--spec", str(bare), "--netbench", str(netbench),
+                   "--stages", "2", "--dp", "2", "--activation-gb", "1", "--gradient-gb",
+                   "0.001", "--budget", "200", "--no-baselines", "--json", check=True)
+    stages = json.loads(plan.stdout)["stages"]
+    default = [["east/e1/0", "east/e2/0"], ["west/w1/0", "west/w2/0"]]
+    assert stages != default  # the launch must follow the plan, not the host order
+    for j in range(2):  # replica r's two stages share a cluster
+        assert stages[0][j].split("/")[0] == stages[1][j].split("/")[0], stages
+    placement = tmp_path / "placement.json"
+    placement.write_text(plan.stdout)
+    spec = ssh_spec(tmp_path, bed_clean, clusters=clusters, run=run, name="pipe",
+                    workdir=gpt, deepspeed="ds_config.json",
+                    extra={**pipe, "placement": str(placement)})
+
+    proc = ssh_cli("launch", str(spec), timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "each stage's replicas hold identical parameters" in proc.stdout
+    (job_id,) = ssh_cli.job_ids()
+    recs = records(job_id)
+    landed = {r["device"]: r for r in recs if r.get("placement")}
+    assert sorted(landed) == sorted(d for row in stages for d in row)
+    for device, r in landed.items():
+        stage, replica = next((j, row.index(device)) for j, row in enumerate(stages)
+                              if device in row)
+        cluster, host, _ = device.split("/")
+        assert (r["cluster"], r["host"]) == (cluster, host)  # logged by the process on it
+        assert (r["stage"], r["replica"]) == (stage, replica)
+        assert r["rank"] == stage * 2 + replica  # DeepSpeed's pipe/data topology
+        assert (r["stages"], r["replicas"]) == (2, 2)
+    finals = [r for r in recs if r.get("final")]
+    assert len(finals) == 4
+    for r in finals:
+        assert r["eval_loss"] < r["first_loss"] - 0.5, r  # the loss falls
+    for j in range(2):
+        assert len({r["param_sha256"] for r in finals if r["stage"] == j}) == 1
+    assert len({r["param_sha256"] for r in finals}) == 2  # the two stages differ

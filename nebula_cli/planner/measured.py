@@ -16,6 +16,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from nebula_cli.pipeline import device_id
 from nebula_cli.planner.costmodel import Network, PlanError
 from nebula_cli.planner.scenarios import read_json
 
@@ -92,7 +93,7 @@ def devices_from_spec(spec: JobSpec, netbench: Mapping[str, Any]) -> Network:
     for ci, cluster in enumerate(spec.clusters):
         for host in cluster.hosts:
             for slot in range(host.slots):
-                ids.append(f"{cluster.name}/{host.host}/{slot}")
+                ids.append(device_id(cluster.name, host.host, slot))
                 owner.append(ci)
     names = [c.name for c in spec.clusters]
     k = len(names)

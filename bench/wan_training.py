@@ -51,8 +51,8 @@ JSON_FIELDS = ("speedup_vs_flat", "utilization", "utilization_overlap", "loss_ga
                "wan_bytes_reduction", "link_mbit", "rtt_ms")
 """Keys of the JSON object printed last with --json (plus "runs", "goals_met", "settings")."""
 GOALS = {"speedup_vs_flat": (">=", 10.0), "utilization": (">=", 0.9),
-         "utilization_overlap": (">=", 0.9), "loss_gap": ("<=", 0.03),
-         "wan_bytes_reduction": (">=", 100.0)}
+         "utilization_overlap": (">=", 0.95), "loss_gap": ("<=", 0.03),
+         "wan_bytes_reduction": (">=", 100.0), "advisor_error": ("<=", 0.05)}
 CLUSTERS = {"east": ["e1", "e2"], "west": ["w1", "w2"]}
 QUICK = {"steps": 36, "inner_steps": 18}
 
@@ -169,8 +169,30 @@ def run_job(neb: _bed.Nebula, bed: Any, tmp: Path, args: argparse.Namespace, nam
     return out
 
 
-def summarize(runs: dict[str, Run], *, link_mbit: float, rtt_ms: float) -> dict[str, Any]:
-    """The JSON object (JSON_FIELDS first) from the four runs flat, nebula, overlap, unshaped."""
+def advisor_prediction(runs: dict[str, Run], args: argparse.Namespace, rtt_ms: float
+                       ) -> dict[str, float] | None:
+    """What `nebula plan` predicts for (b), from the model's size, (c)'s time per step (the
+    compute-only reference) and the link: utilisation without and with overlap."""
+    from nebula_cli.planner.advisor import predict
+
+    c = runs.get("unshaped")
+    if c is None:
+        return None
+    sys.path.insert(0, str(_bed.GPT_DIR))
+    from model import GPT, GPTConfig
+
+    params = GPT(GPTConfig(block_size=128)).num_params()
+    pred = predict("int8", args.inner_steps, params=params, step_time_s=c.s_per_step,
+                   bandwidth_mbit=args.mbit, rtt_ms=rtt_ms, clusters=len(CLUSTERS))
+    return {"params": params, "step_time_s": c.s_per_step, "wan_s": pred.wan_s,
+            "utilization": pred.utilisation_sequential,
+            "utilization_overlap": pred.utilisation_overlap}
+
+
+def summarize(runs: dict[str, Run], *, link_mbit: float, rtt_ms: float,
+              predicted: dict[str, float] | None = None) -> dict[str, Any]:
+    """The JSON object (JSON_FIELDS first) from the four runs flat, nebula, overlap, unshaped,
+    and the advisor's prediction beside the measured utilisation."""
     a, b, bo, c = (runs.get(k) for k in ("flat", "nebula", "overlap", "unshaped"))
 
     def tps(r: Run | None) -> float | None:
@@ -190,8 +212,15 @@ def summarize(runs: dict[str, Run], *, link_mbit: float, rtt_ms: float) -> dict[
         "link_mbit": link_mbit,
         "rtt_ms": round(rtt_ms, 2),
     }
+    if predicted is not None:
+        out["utilization_predicted"] = rnd(predicted["utilization"])
+        out["utilization_overlap_predicted"] = rnd(predicted["utilization_overlap"])
+        for key in ("utilization", "utilization_overlap"):
+            err = (None if out[key] is None else abs(out[key] - predicted[key]))
+            out["advisor_error" + key.removeprefix("utilization")] = rnd(err)
+        out["advisor"] = {k: rnd(v) for k, v in predicted.items()}
     out["goals_met"] = {k: (out[k] is not None and (out[k] >= v if op == ">=" else out[k] <= v))
-                        for k, (op, v) in GOALS.items()}
+                        for k, (op, v) in GOALS.items() if k in out}
     out["runs"] = {k: {**asdict(r), "bytes_per_token": rnd(r.bytes_per_token, 2)}
                    for k, r in runs.items()}
     return out
@@ -212,8 +241,13 @@ def report(runs: dict[str, Run], summary: dict[str, Any], args: argparse.Namespa
         ["speedup_vs_flat", "(b)/(a) tokens/s", summary["speedup_vs_flat"], ">= 10"],
         ["  with overlap", "(b overlap)/(a) tokens/s", flat_ovl, ""],
         ["utilization", "(b)/(c) tokens/s", summary["utilization"], ">= 0.9"],
+        ["  predicted", "nebula plan's utilisation for (b)",
+         summary.get("utilization_predicted"), ""],
+        ["advisor_error", "|measured - predicted| (b)", summary.get("advisor_error"), "<= 0.05"],
         ["utilization_overlap", "(b overlap)/(c) tokens/s", summary["utilization_overlap"],
-         ">= 0.9"],
+         ">= 0.95"],
+        ["  predicted", "nebula plan's utilisation, overlap",
+         summary.get("utilization_overlap_predicted"), ""],
         ["loss_gap", "((b) - (a)) / (a) eval loss", summary["loss_gap"], "<= 0.03"],
         ["wan_bytes_reduction", "(a)/(b) WAN bytes per token", summary["wan_bytes_reduction"],
          ">= 100"],
@@ -266,7 +300,8 @@ def main(argv: list[str] | None = None) -> int:
         else:
             shutil.rmtree(tmp, ignore_errors=True)
     runs = {k: runs[k] for k in ("flat", "nebula", "overlap", "unshaped")}
-    summary = summarize(runs, link_mbit=args.mbit, rtt_ms=rtt)
+    summary = summarize(runs, link_mbit=args.mbit, rtt_ms=rtt,
+                        predicted=advisor_prediction(runs, args, rtt))
     summary["settings"] = {"steps": args.steps, "inner_steps": args.inner_steps,
                            "micro_batch": args.micro_batch, "delay_ms": args.delay_ms,
                            "quick": args.quick}

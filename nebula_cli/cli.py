@@ -16,6 +16,7 @@ from rich.console import Console
 from typer.core import TyperGroup
 
 from nebula_cli import __version__
+from nebula_cli.dryrun import measure
 from nebula_cli.errors import EXIT_FAILED, EXIT_OK, NebulaError, SpecError, UsageError
 from nebula_cli.live import print_line, watch
 from nebula_cli.netbench import run_bench, write_report
@@ -32,7 +33,7 @@ from nebula_cli.planner import (
     wan_link,
 )
 from nebula_cli.planner.render import advisor_table, placement_table
-from nebula_cli.spec import load_spec
+from nebula_cli.spec import JobSpec, load_spec
 from nebula_cli.state import END_STATES, StateStore
 from nebula_cli.ui import (
     cluster_colors,
@@ -284,6 +285,19 @@ def bench_network(
         raise typer.Exit(EXIT_FAILED)
 
 
+def _dry_run(spec: JobSpec, params: int | None, step_time: float | None,
+             accept_new: bool) -> tuple[int, float]:
+    """Fill in what was not given by running the job's script briefly (nebula_cli.dryrun)."""
+    with _store() as store, Orchestrator(store, accept_new_host_keys=accept_new) as orch:
+        measured = measure(orch, spec, progress=lambda m: err.print(f"[dim]{m}[/]"))
+    if params is None and measured.params is None:
+        raise UsageError("the dry run timed the steps, but the script did not report its "
+                         "trainable parameters (it reports them when it wraps its engine in "
+                         "nebula_cli.runtime.OuterSync); give --params")
+    return (params if params is not None else measured.params or 0,
+            step_time if step_time is not None else measured.step_time_s)
+
+
 class _PlanGroup(TyperGroup):
     """`nebula plan SPEC ...` means `nebula plan sync SPEC ...`; `nebula plan placement ...`
     stays a subcommand."""
@@ -305,10 +319,12 @@ app.add_typer(plan_app, name="plan")
 @handle_errors
 def plan_sync(
     spec_path: Annotated[Path, typer.Argument(metavar="SPEC", help="The job spec (YAML).")],
-    params: Annotated[int, typer.Option(
-        "--params", help="Trainable parameters (what travels each outer round).")],
-    step_time: Annotated[float, typer.Option(
-        "--step-time", help="Seconds of one inner step on one host.")],
+    params: Annotated[int | None, typer.Option(
+        "--params", help="Trainable parameters (what travels each outer round). Default: "
+        "measured by a dry run.")] = None,
+    step_time: Annotated[float | None, typer.Option(
+        "--step-time", help="Seconds of one inner step of a cluster. Default: measured by a "
+        "dry run (the job's script on its first cluster, stopped after a few steps).")] = None,
     netbench: Annotated[Path | None, typer.Option(
         "--netbench", help="bench-network's JSON; the slowest pair of clusters is used.")] = None,
     bandwidth: Annotated[float | None, typer.Option(
@@ -320,6 +336,7 @@ def plan_sync(
         "relay.sync.overlap.")] = None,
     target: Annotated[float, typer.Option(help="Utilisation to reach.")] = 0.95,
     as_json: Annotated[bool, typer.Option("--json", help="JSON for scripts.")] = False,
+    accept_new: AcceptNew = False,
 ) -> None:
     """How many inner steps and which codec hide the WAN behind compute (DiLoCo mode)."""
     spec = load_spec(spec_path)
@@ -337,6 +354,8 @@ def plan_sync(
     if spec.relay is not None and spec.relay.sync.mode == "gradient":
         err.print("[yellow]note:[/] the spec syncs every step (mode: gradient); this advice is "
                   "for mode: diloco", markup=True)
+    if params is None or step_time is None:
+        params, step_time = _dry_run(spec, params, step_time, accept_new)
     advice = advise(params, step_time, mbit or 1.0, rtt_ms or 0.0, clusters=len(clusters),
                     overlap=overlap, target=target)
     if as_json:

@@ -65,6 +65,14 @@ def test_wan_training_summary_has_the_fields_and_ratios() -> None:
     assert out["goals_met"] == {"speedup_vs_flat": True, "utilization": True,
                                 "utilization_overlap": True, "loss_gap": True,
                                 "wan_bytes_reduction": True}
+    args = mod.parse_args(["--inner-steps", "25"])
+    predicted = mod.advisor_prediction(runs, args, rtt_ms=50.1)
+    # the advisor's own model: H t / (H t + bytes * 8 / rate + 3 rtt), t from (c)
+    wan = predicted["params"] * (1 + 4 / 256) * 8 / 20e6 + 3 * 0.0501
+    assert predicted["utilization"] == pytest.approx(25 * 0.36 / (25 * 0.36 + wan))
+    out = mod.summarize(runs, link_mbit=20.0, rtt_ms=50.1, predicted=predicted)
+    assert out["advisor_error"] == pytest.approx(abs(0.9 - predicted["utilization"]), abs=2e-4)
+    assert out["goals_met"]["advisor_error"] == (out["advisor_error"] <= 0.05)
 
 
 def test_relay_goodput_summary_has_the_fields_and_ratios() -> None:

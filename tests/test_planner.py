@@ -7,11 +7,13 @@ from __future__ import annotations
 import itertools
 import json
 import math
+import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 import yaml
+from conftest import CLI, REPO, job_processes
 from rich.console import Console
 
 from nebula_cli.errors import UsageError
@@ -373,3 +375,24 @@ def _render(renderable: object) -> str:
     console = Console(record=True, width=200)
     console.print(renderable)
     return console.export_text()
+
+
+@pytest.mark.slow
+def test_advisor_dry_run_measures_the_step_and_the_parameters(cli: CLI) -> None:
+    """`nebula plan SPEC` without --step-time/--params: the quickstart's script runs on one
+    cluster, is timed and stopped; nothing is left running."""
+    proc = cli("plan", str(REPO / "templates" / "quickstart.yaml"), "--bandwidth", "20",
+               "--rtt", "50", "--json", timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    advice = json.loads(proc.stdout)
+    sys.path.insert(0, str(REPO / "examples" / "gpt"))
+    from model import GPT
+
+    assert advice["params"] == GPT().num_params()  # reported by OuterSync in the dry run
+    assert 0 < advice["step_time_s"] < 30
+    assert "dry run" in proc.stderr and "s per step" in proc.stderr
+    (job_id,) = cli.job_ids()
+    assert "dryrun" in job_id
+    status = json.loads(cli("status", job_id, "--json", check=True).stdout)
+    assert status["state"] in ("STOPPED", "SUCCEEDED")
+    assert job_processes(job_id) == []

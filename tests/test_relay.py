@@ -4,6 +4,7 @@ finally; every wait is bounded."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -22,11 +23,12 @@ from typing import Any
 import pytest
 import torch
 
-from nebula_cli.pki import JobPKI, client_context, issue_job_pki
+from nebula_cli.pki import JobPKI, client_context, issue_job_pki, server_context
 from nebula_cli.relay.allreduce import BEHIND, Coordinator, RoundExchange, Schedule, ordered_mean
 from nebula_cli.relay.client import RelayClient, RelayError
 from nebula_cli.relay.codecs import Encoded, get_codec
 from nebula_cli.relay.config import RelayConfig, RelayConfigError
+from nebula_cli.relay.duplex import DuplexTLS
 from nebula_cli.relay.server import Relay
 from nebula_cli.relay.shaping import Shaper
 
@@ -496,3 +498,63 @@ def test_killed_relay_is_left_out_then_catches_up(
             if p.poll() is None:
                 p.kill()
                 p.wait(10)
+
+
+def test_duplex_tls_carries_both_directions_at_once(tmp_path: Path) -> None:
+    """A reader and a writer thread on each end of one TLS connection, both ends sending 24 MB
+    at once through 256 KiB socket buffers (the writers block): every byte arrives in order,
+    nothing deadlocks."""
+    job = Job(tmp_path, ["a", "b"])
+    listener = socket.create_server(("127.0.0.1", 0))
+    accepted: list[Any] = []
+    t = threading.Thread(target=lambda: accepted.append(server_context(
+        job.pki.relay("a"), job.pki.ca_cert).wrap_socket(listener.accept()[0],
+                                                         server_side=True)))
+    t.start()
+    raw = socket.create_connection(listener.getsockname())
+    client = client_context(job.pki.relay("b"), job.pki.ca_cert).wrap_socket(
+        raw, server_hostname="relay")
+    t.join(10)
+    listener.close()
+    ends = [DuplexTLS(accepted[0]), DuplexTLS(client)]
+    for end in ends:
+        end.sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 262144)
+        end.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 262144)
+    size = 24 * 2**20
+    payloads = [os.urandom(size), os.urandom(size)]
+    got: dict[int, str] = {}
+    errors: list[BaseException] = []
+
+    def write(i: int) -> None:
+        try:
+            for off in range(0, size, 3_000_001):  # pieces that do not align with records
+                ends[i].sendall(payloads[i][off:off + 3_000_001])
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    def read(i: int) -> None:
+        h, n, buf = hashlib.sha256(), 0, bytearray(65536)
+        try:
+            while n < size:
+                k = ends[i].recv_into(buf, min(len(buf), size - n))
+                if k == 0:
+                    raise ConnectionError("early end of stream")
+                h.update(memoryview(buf)[:k])
+                n += k
+            got[i] = h.hexdigest()
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=f, args=(i,)) for f in (write, read) for i in (0, 1)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(120)
+    try:
+        assert not errors, errors
+        assert not any(th.is_alive() for th in threads), "a direction stalled"
+        assert got == {0: hashlib.sha256(payloads[1]).hexdigest(),
+                       1: hashlib.sha256(payloads[0]).hexdigest()}
+    finally:
+        for end in ends:
+            end.sock.close()

@@ -156,10 +156,10 @@ def main(argv: list[str] | None = None) -> int:
     held_out = eval_batches(split.eval, args.eval_batches, micro, cfg.block_size, seed=args.seed)
 
     sync = None
-    if os.environ.get("NEBULA_RELAY_ADDR"):
-        from nebula_cli.runtime.sync import OuterSync
+    from nebula_cli.runtime import sync as outer
 
-        sync = OuterSync(engine)
+    if outer.wanted():  # in a job with a relay, or in `nebula plan`'s dry run
+        sync = outer.OuterSync(engine)
 
     if lead:
         print(

@@ -93,6 +93,7 @@ from nebula_cli.relay.codecs import (
     iter_chunks,
 )
 from nebula_cli.relay.config import RelayConfig, parse_addr
+from nebula_cli.relay.duplex import DuplexTLS
 from nebula_cli.relay.shaping import Shaper
 from nebula_cli.relay.wire import (
     DEFAULT_MAX_PAYLOAD,
@@ -134,7 +135,7 @@ class _Watched:
         self.link = link
 
     def recv_into(self, buf: Any, nbytes: int = 0) -> int:
-        n = self.link.sock.recv_into(buf, nbytes)
+        n = self.link.io.recv_into(buf, nbytes)
         self.link.last_rx = time.monotonic()
         return n
 
@@ -142,16 +143,16 @@ class _Watched:
 class PeerLink:
     """One live TLS connection to a peer relay: a sender thread and a receiver thread.
 
-    The socket is blocking (no timeout): OpenSSL keeps one want-read/want-write state per
-    connection, so a reader and a writer thread on a non-blocking TLS socket can misread each
-    other's retry state. Liveness is checked by the relay's ticker instead (:attr:`last_rx`).
+    Both use the socket through :class:`DuplexTLS`, which serialises their OpenSSL calls (two
+    threads may not be inside SSL_read and SSL_write at once) and waits outside its lock.
+    Liveness is checked by the relay's ticker (:attr:`last_rx`), which closes a silent link.
     """
 
     def __init__(self, relay: Relay, cluster: str, sock: ssl.SSLSocket, hello: dict[str, Any]):
         self.relay = relay
         self.cluster = cluster
-        sock.settimeout(None)
         self.sock = sock
+        self.io = DuplexTLS(sock)
         self.last_rx = time.monotonic()
         self.addr = _peer_addr(sock)
         self.shaper = Shaper.from_config(relay.cfg.shaping)
@@ -234,11 +235,11 @@ class PeerLink:
                 frame, stamp, bulk = item
                 parts = encode_frame(frame, max_payload=self.max_payload)
                 if self.shaper.enabled:
-                    n = self.shaper.send(self.sock.sendall, parts, stamp)
+                    n = self.shaper.send(self.io.sendall, parts, stamp)
                 else:
                     n = 0
                     for part in parts:
-                        self.sock.sendall(part)
+                        self.io.sendall(part)
                         n += memoryview(part).nbytes
                 self.bytes_sent += n
                 self._last_tx = time.monotonic()

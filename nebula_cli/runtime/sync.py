@@ -28,12 +28,21 @@ import torch
 import torch.distributed as dist
 
 from nebula_cli.errors import NebulaError
+from nebula_cli.runtime.metrics import log as log_metrics
 
 MODES = ("diloco", "gradient")
 DEFAULT_INNER_STEPS = 100
 DEFAULT_OUTER_LR = 0.7
 DEFAULT_OUTER_MOMENTUM = 0.9
 DEFAULT_ROUND_TIMEOUT = 600.0
+DRY_RUN_ENV = "NEBULA_DRY_RUN"
+"""Set by `nebula plan`'s dry run: OuterSync reports the trainable parameters and never syncs."""
+
+
+def wanted() -> bool:
+    """Whether this process should wrap its engine in an OuterSync: it runs in a job with a
+    relay ($NEBULA_RELAY_ADDR) or in `nebula plan`'s dry run ($NEBULA_DRY_RUN)."""
+    return bool(os.environ.get("NEBULA_RELAY_ADDR") or os.environ.get(DRY_RUN_ENV))
 
 
 log = logging.getLogger("nebula.runtime.sync")
@@ -433,6 +442,9 @@ class OuterSync:
         self._thread: threading.Thread | None = None
         self._pending: dict[str, Any] | None = None
         self._closed = False
+        self.dry_run = _env_bool(DRY_RUN_ENV, False)
+        if self.dry_run and self.rank == 0:  # what `nebula plan` needs; no round will run
+            log_metrics(step=0, dry_run=True, trainable_params=self.numel)
 
     # --- public hooks ---------------------------------------------------------------------
 
@@ -447,7 +459,7 @@ class OuterSync:
         """
         self._check_open()
         self._calls += 1
-        if self.mode != "diloco":
+        if self.mode != "diloco" or self.dry_run:
             return None
         steps = self._optimizer_steps()
         if steps - self._last_round_step < self.inner_steps:
@@ -459,7 +471,7 @@ class OuterSync:
         """Gradient mode: call between ``engine.backward`` and ``engine.step``; averages the
         gradients across clusters at each accumulation boundary. No-op in DiLoCo mode."""
         self._check_open()
-        if self.mode != "gradient":
+        if self.mode != "gradient" or self.dry_run:
             return None
         if hasattr(self.engine, "is_gradient_accumulation_boundary") and \
                 not self.engine.is_gradient_accumulation_boundary():

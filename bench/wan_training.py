@@ -11,8 +11,10 @@ same number of tokens:
   (a) flat       one nebula cluster of all four hosts, no relay: a single DeepSpeed world whose
                  gloo all-reduce crosses the slow link every step. No added delay: gloo's full
                  mesh cannot go through the bed's delay proxy (this only favours (a)).
-  (b) nebula     clusters east and west, relay DiLoCo (--inner-steps), int8 + error feedback,
-                 the relay's own shaping adding --delay-ms one way; overlap off, then on.
+  (b) nebula     clusters east and west, relay DiLoCo (--inner-steps, --outer-lr,
+                 --outer-momentum), int8 + error feedback, the relay's own shaping adding
+                 --delay-ms one way; overlap off, then on (each average applied as soon as it
+                 has arrived, on top of the steps taken meanwhile).
   (c) unshaped   (b) with the link unshaped and no delay: the compute-only reference.
 
 tokens/s = tokens of one step over all four workers / s_per_step, where s_per_step is the
@@ -95,6 +97,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--micro-batch", type=int, default=4,
                    help="per-rank micro batch of 128-token sequences (examples/gpt uses 16; "
                         "see the note on compute below)")
+    p.add_argument("--outer-lr", type=float, default=0.6,
+                   help="outer learning rate (0.6 with momentum 0.5 suits a schedule of a few "
+                        "outer rounds; DiLoCo's 0.7/0.9 is for long runs: docs/benchmarks.md)")
+    p.add_argument("--outer-momentum", type=float, default=0.5, help="outer Nesterov momentum")
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--quick", action="store_true",
                    help=f"CI-sized: {QUICK['steps']} steps, H={QUICK['inner_steps']} "
@@ -116,8 +122,9 @@ def ds_config(micro_batch: int) -> dict[str, Any]:
 
 
 def relay(args: argparse.Namespace, *, overlap: bool, delay_ms: float) -> dict[str, Any]:
-    return {"sync": {"mode": "diloco", "inner_steps": args.inner_steps, "outer_lr": 0.7,
-                     "outer_momentum": 0.9, "overlap": overlap},
+    return {"sync": {"mode": "diloco", "inner_steps": args.inner_steps,
+                     "outer_lr": args.outer_lr, "outer_momentum": args.outer_momentum,
+                     "overlap": overlap},
             "compression": {"codec": "int8", "error_feedback": True},
             "timeout": 300, "shaping": {"rate_mbit": None, "delay_ms": delay_ms}}
 
@@ -303,6 +310,7 @@ def main(argv: list[str] | None = None) -> int:
     summary = summarize(runs, link_mbit=args.mbit, rtt_ms=rtt,
                         predicted=advisor_prediction(runs, args, rtt))
     summary["settings"] = {"steps": args.steps, "inner_steps": args.inner_steps,
+                           "outer_lr": args.outer_lr, "outer_momentum": args.outer_momentum,
                            "micro_batch": args.micro_batch, "delay_ms": args.delay_ms,
                            "quick": args.quick}
     print(report(runs, summary, args))

@@ -196,7 +196,11 @@ class SyncSpec(_Model):
     nesterov: bool = True
     """Nesterov momentum for the outer step."""
     overlap: bool = False
-    """Overlap the outer sync with the next inner steps (applied one round late)."""
+    """Overlap the outer sync with the next inner steps (the average is applied once it has
+    arrived, on top of the progress made meanwhile)."""
+    overlap_steps: int | None = Field(None, ge=1)
+    """Overlap: apply the average exactly this many inner steps after the round starts (waiting
+    for it if needed; >= inner_steps: one round late). Default: as soon as it has arrived."""
 
 
 class CompressionSpec(_Model):

@@ -18,7 +18,7 @@ pytestmark = pytest.mark.slow
 
 
 def short_spec(tmp_path: Path, *, clusters: dict[str, list[str]], steps: int, inner: int,
-               name: str = "quick") -> Path:
+               name: str = "quick", overlap: bool = False) -> Path:
     spec = yaml.safe_load((REPO / "templates" / "quickstart.yaml").read_text())
     spec["name"] = name
     spec["workdir"] = str(REPO / "examples" / "gpt")
@@ -28,6 +28,7 @@ def short_spec(tmp_path: Path, *, clusters: dict[str, list[str]], steps: int, in
         for c, hosts in clusters.items()
     ]
     spec["relay"]["sync"]["inner_steps"] = inner
+    spec["relay"]["sync"]["overlap"] = overlap
     path = tmp_path / f"{name}.yaml"
     path.write_text(yaml.safe_dump(spec))
     return path
@@ -47,7 +48,8 @@ def check_finished_job(cli: CLI, job_id: str, workers: int, rounds: int) -> None
     assert len({r["param_sha256"] for r in finals}) == 1, "workers ended with different weights"
     first = [r["loss"] for r in records if "loss" in r]
     assert first and finals[0]["eval_loss"] < first[0] - 0.5, "the loss did not fall"
-    synced = [r for r in records if r.get("outer_round") is not None and "round_s" in r]
+    synced = [r for r in records if r.get("outer_round") is not None and "round_s" in r
+              and r.get("applied", True)]  # overlap: a round just started is applied later
     assert max(r["outer_round"] for r in synced) + 1 >= rounds
     assert all(r["clusters_present"] >= 2 for r in synced)
     assert all(r["wan_bytes_sent"] > 0 for r in synced)
@@ -60,9 +62,11 @@ def check_finished_job(cli: CLI, job_id: str, workers: int, rounds: int) -> None
     assert "already ended" in stop.stdout and job_processes(job_id) == []
 
 
-def test_quickstart_two_clusters(cli: CLI, tmp_path: Path) -> None:
+def test_quickstart_two_clusters_overlapped(cli: CLI, tmp_path: Path) -> None:
+    """Overlapped sync, each average applied once it arrived (every rank of a cluster agrees on
+    the step): the clusters still end identical."""
     spec = short_spec(tmp_path, clusters={"east": ["e1", "e2"], "west": ["w1", "w2"]},
-                      steps=40, inner=10)
+                      steps=40, inner=10, overlap=True)
     proc = cli("launch", str(spec), timeout=900)
     out = proc.stdout
     assert proc.returncode == 0, out + proc.stderr
@@ -71,6 +75,10 @@ def test_quickstart_two_clusters(cli: CLI, tmp_path: Path) -> None:
     assert "all 4 workers hold identical parameters" in out
     assert "SUCCEEDED" in out and "eval loss" in out
     check_finished_job(cli, job_id, workers=4, rounds=4)
+    merged = [r for r in metric_records(cli.home, job_id)
+              if r.get("applied") and "merged_after_steps" in r]
+    assert sorted(r["outer_round"] for r in merged if r["cluster"] == "east") == [0, 1, 2, 3]
+    assert all(0 <= r["merged_after_steps"] <= 10 for r in merged)  # 0: the final flush
 
 
 def test_three_clusters_end_identical(cli: CLI, tmp_path: Path) -> None:

@@ -226,7 +226,8 @@ def test_plain_overlap_applies_each_delayed_average_exactly_once() -> None:
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     averager = TwoClusterAverager()
     sync = OuterSync(model, averager=averager, inner_steps=2, outer_lr=LR, outer_momentum=MU,
-                     mode="diloco", overlap=True)
+                     mode="diloco", overlap=True,
+                     overlap_steps=2)
     theta0 = sync.theta_global.clone()
     locals_, stats, after = [], [], []
     for step in range(1, 7):
@@ -250,6 +251,72 @@ def test_plain_overlap_applies_each_delayed_average_exactly_once() -> None:
     state = sync.state_dict()
     assert state["round"] == 3 and torch.equal(state["theta_global"], sync.theta_global)
     sync.close()
+
+
+class SlowAverager(TwoClusterAverager):
+    """A round that takes `delay` seconds, like a transfer over a slow link."""
+
+    def __init__(self, delay: float) -> None:
+        super().__init__()
+        self.delay = delay
+
+    def allreduce(self, round_id: int, tensor: torch.Tensor) -> Result:
+        time.sleep(self.delay)
+        return super().allreduce(round_id, tensor)
+
+
+@pytest.mark.parametrize(("overlap_steps", "delay"), [(1, 0.0), (None, 0.0), (None, 0.15)])
+def test_plain_overlap_merges_each_average_once_on_top_of_later_progress(
+        overlap_steps: int | None, delay: float) -> None:
+    """Streaming merge: the average of round k is applied once, some steps after boundary k
+    (a fixed count, or as soon as it arrived), and the parameters keep the progress made since
+    the boundary; every delta sent is theta_global at its boundary minus the local params."""
+    model = small_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    averager = SlowAverager(delay)
+    sync = OuterSync(model, averager=averager, inner_steps=4, outer_lr=LR, outer_momentum=MU,
+                     mode="diloco", overlap=True, overlap_steps=overlap_steps)
+    theta, v = sync.theta_global.double().clone(), None
+    boundary_local, applied = None, []
+    for step in range(1, 13):
+        plain_step(model, opt, step)
+        before = flat(model).double().clone()
+        out = sync.after_step(step)
+        if step % 4 == 0:  # a boundary: a delta leaves (after a merge still due, if any)
+            if out is not None and out["applied"]:
+                theta, v = nesterov(theta, v, expected_avg(averager.sent[len(applied)],
+                                                           len(applied)))
+                applied.append(step)
+                before = theta - (boundary_local - before)
+            torch.testing.assert_close(_wait_sent(averager, step // 4).double(),
+                                       theta - before, rtol=0, atol=1e-6)
+            boundary_local = before
+        elif out is not None:  # a merge between boundaries
+            assert out["applied"] and out["merged_after_steps"] == step % 4
+            theta, v = nesterov(theta, v, expected_avg(averager.sent[len(applied)],
+                                                       len(applied)))
+            applied.append(step)
+            expected = theta - (boundary_local - before)
+            torch.testing.assert_close(flat(model).double(), expected, rtol=0, atol=1e-6)
+        torch.testing.assert_close(sync.theta_global.double(), theta, rtol=0, atol=1e-6)
+    last = sync.flush()
+    if last is not None:
+        theta, v = nesterov(theta, v, expected_avg(averager.sent[len(applied)], len(applied)))
+        applied.append("flush")
+    assert len(applied) == 3 and averager.rounds == [0, 1, 2]  # each round applied once
+    torch.testing.assert_close(sync.theta_global.double(), theta, rtol=0, atol=1e-6)
+    torch.testing.assert_close(flat(model).double(), theta, rtol=0, atol=1e-6)  # ends global
+    if overlap_steps == 1:
+        assert applied == [5, 9, "flush"]
+    sync.close()
+
+
+def _wait_sent(averager: TwoClusterAverager, n: int, timeout: float = 10.0) -> torch.Tensor:
+    """The n-th delta the averager received (its thread may still be starting)."""
+    deadline = time.monotonic() + timeout
+    while len(averager.sent) < n and time.monotonic() < deadline:
+        time.sleep(0.005)
+    return averager.sent[n - 1]
 
 
 def test_plain_gradient_mode_replaces_gradients_with_the_average() -> None:
@@ -471,7 +538,7 @@ def _diloco(name: str, scen: dict[str, Any], rank: int) -> dict[str, Any]:
     dtype = torch.bfloat16 if scen["bf16"] else torch.float32
     averager = TwoClusterAverager() if rank == 0 else None  # other ranks must never need one
     sync = OuterSync(engine, averager=averager, inner_steps=2, outer_lr=LR, outer_momentum=MU,
-                     mode="diloco", overlap=scen.get("overlap", False))
+                     mode="diloco", overlap=scen.get("overlap", False), overlap_steps=2)
     rec: dict[str, Any] = {"theta0": sync.theta_global.clone(), "params0": _params(engine),
                            "locals": [], "stats": [], "masters": [], "params": [], "thetas": []}
     boundaries = 3 if scen.get("overlap") else 2

@@ -357,10 +357,14 @@ class OuterSync:
     optimizer and writes theta_global into its parameters and fp32 master copy. The inner
     optimizer state (Adam moments) is kept.
 
-    ``overlap=True`` (one round late, as in Streaming/eager DiLoCo): at a boundary the round's
-    delta (local progress since the last boundary) is sent in a background thread and training
-    goes on; at the next boundary that average is awaited and the outer step applied once, and
-    the parameters become ``theta_global`` plus this cluster's own not-yet-averaged progress.
+    ``overlap=True`` (as in Streaming DiLoCo): at a boundary the round's delta (everything not
+    yet averaged) is sent in a background thread and training goes on; once the average has
+    arrived the outer step is applied once and the parameters become ``theta_global`` plus the
+    cluster's own progress since the boundary. When: ``overlap_steps=None`` (default) at the
+    first step after it arrived (rank 0 tells the cluster's ranks by a one-value broadcast per
+    step while a round is in flight), at the latest at the next boundary; ``overlap_steps=k``
+    exactly k steps after the boundary, waiting for it if needed (``k >= inner_steps``: at the
+    next boundary, one round late).
 
     A round in which no cluster was present (an empty ``present``) changes nothing: the local
     progress carries into the next round's delta. A result with ``global_state`` (this cluster
@@ -384,6 +388,7 @@ class OuterSync:
         nesterov: bool = True,
         mode: str | None = None,
         overlap: bool | None = None,
+        overlap_steps: int | None = None,
     ) -> None:
         self.engine = engine
         self.mode = (mode or _env(
@@ -400,6 +405,10 @@ class OuterSync:
                             _env_bool("NEBULA_SYNC_OVERLAP", False))
         if self.overlap and self.mode == "gradient":
             raise SyncError("overlap applies to DiLoCo rounds; gradient mode cannot overlap")
+        self.overlap_steps: int | None = overlap_steps if overlap_steps is not None else _env(
+            "NEBULA_OVERLAP_STEPS", None, int, lambda v: v > 0, "a positive integer")
+        if self.overlap_steps is not None and self.overlap_steps < 1:
+            raise SyncError(f"overlap_steps must be at least 1, got {self.overlap_steps}")
         number = (float, lambda v: math.isfinite(v), "a number")
         lr = outer_lr if outer_lr is not None else _env(
             "NEBULA_OUTER_LR", DEFAULT_OUTER_LR, *number)
@@ -455,14 +464,19 @@ class OuterSync:
         Returns None, or after a round a dict: outer_round, round_s, relay_s,
         wan_bytes_sent, wan_bytes_received, clusters_present (count; rank 0 also gets
         ``clusters``, the names), delta_norm (this cluster's), avg_delta_norm, applied (False
-        for the first overlapped round, whose average is applied one round later).
+        for a round just started in overlap mode, whose average is applied later; overlap mode
+        also returns the stats of a round whose average it applied after a step between
+        boundaries, with ``merged_after_steps``).
         """
         self._check_open()
         self._calls += 1
         if self.mode != "diloco" or self.dry_run:
             return None
         steps = self._optimizer_steps()
-        if steps - self._last_round_step < self.inner_steps:
+        since = steps - self._last_round_step
+        if since < self.inner_steps:
+            if self.overlap and self._pending is not None and self._merge_due(since):
+                return self._merge(since)
             return None
         self._last_round_step = steps
         return self._overlapped_round() if self.overlap else self._sync_round()
@@ -504,14 +518,7 @@ class OuterSync:
         self._check_open()
         if not (self.overlap and self._pending is not None):
             return None
-        t0 = time.perf_counter()
-        progress = self._anchor - self._io.read()  # steps taken since the last boundary
-        shared = self._finish_pending()
-        if self._apply(shared):
-            params = self.theta_global - progress
-            self._io.write(params)
-            self._anchor = params
-        return self._stats(shared, t0, progress)
+        return self._merge(self._optimizer_steps() - self._last_round_step)
 
     def close(self) -> None:
         """Close the averager and join a round still in flight (bounded). Safe to call twice."""
@@ -577,23 +584,41 @@ class OuterSync:
 
     def _overlapped_round(self) -> dict[str, Any]:
         t0 = time.perf_counter()
+        merged = self._merge(self.inner_steps) if self._pending is not None else None
         theta_local = self._io.read()
-        anchor = self._anchor if self._anchor is not None else self.theta_global
-        delta = anchor - theta_local  # this round's own progress
-        shared = self._finish_pending() if self._pending is not None else None
-        applied = shared is not None and self._apply(shared)
-        if applied:
-            params = self.theta_global - delta  # new global + this cluster's unsynced progress
-            self._io.write(params)
-            self._anchor = params
-        else:
-            self._anchor = theta_local
+        delta = self.theta_global - theta_local  # everything not yet averaged
+        self._anchor = theta_local
         round_id = self.round
         self.round += 1
         self._start_pending(round_id, delta)
-        if shared is None:
-            shared = _Shared(round_id=round_id, avg=None, state=None, present=0)
+        if merged is not None:  # the previous round's stats (its average applied just now)
+            return merged
+        shared = _Shared(round_id=round_id, avg=None, state=None, present=0)
         return self._stats(shared, t0, delta)
+
+    def _merge_due(self, since: int) -> bool:
+        """Whether the round in flight is applied after this step (the same answer on every
+        rank of the cluster)."""
+        if self.overlap_steps is not None:
+            return since >= self.overlap_steps
+        arrived = torch.zeros(1, dtype=torch.int32)
+        if self.rank == 0:
+            arrived[0] = int(self._thread is None or not self._thread.is_alive())
+        self._broadcast(arrived)
+        return bool(arrived.item())
+
+    def _merge(self, since: int) -> dict[str, Any]:
+        """Wait for the round in flight, apply its average once, keep the progress made since
+        its boundary on top of the new theta_global."""
+        t0 = time.perf_counter()
+        progress = self._anchor - self._io.read()  # steps taken since the boundary
+        shared = self._finish_pending()
+        if self._apply(shared):
+            self._io.write(self.theta_global - progress)
+        # else: nobody's average; the progress carries into the next delta
+        stats = self._stats(shared, t0, progress)
+        stats["merged_after_steps"] = since
+        return stats
 
     def _apply(self, shared: _Shared) -> bool:
         """Apply one round's outcome to theta_global; False when there was nothing to apply."""

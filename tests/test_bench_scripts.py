@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import importlib.util
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -83,3 +84,20 @@ def test_relay_goodput_summary_has_the_fields_and_ratios() -> None:
     assert out["goodput_vs_iperf3"] == pytest.approx(0.95)
     assert out["tls_vs_plain"] == pytest.approx(17.1 / 18.5, abs=1e-4)
     assert out["goals_met"] == {"goodput_vs_iperf3": True}
+
+
+def test_diloco_schedule_runs_every_mode(capsys: pytest.CaptureFixture[str]) -> None:
+    """bench/diloco_schedule.py end to end on a tiny schedule: every mode ends with the
+    clusters identical, the JSON carries each run's gap to flat."""
+    mod = load("diloco_schedule")
+    assert mod.main(["--steps", "4", "--inner-steps", "2", "--settings", "1.0,0", "0.6,0.5",
+                     "--modes", "sync", "overlap", "late", "--tau", "1", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert tuple(out)[:2] == mod.JSON_FIELDS
+    assert [(r["mode"], r["outer_lr"]) for r in out["runs"]] == [
+        ("sync", 1.0), ("sync", 0.6), ("overlap", 1.0), ("overlap", 0.6), ("late", 1.0),
+        ("late", 0.6)]
+    for r in out["runs"]:
+        assert r["identical"]
+        assert r["gap"] == pytest.approx((r["eval"] - out["flat_eval"]) / out["flat_eval"],
+                                         abs=2e-4)

@@ -1,0 +1,207 @@
+"""Outer-optimizer settings for a short schedule: flat data parallel against DiLoCo, in one process.
+
+    .venv/bin/python bench/diloco_schedule.py [--steps 200] [--inner-steps 25] [--seed 1234]
+        [--settings 0.7,0.9 0.6,0.5 1.0,0] [--modes sync overlap late] [--tau 3] [--json]
+
+The loss side of bench/wan_training.py without processes, relays or links, so that outer
+settings can be compared in minutes and over several seeds: the same GPT (examples/gpt), corpus,
+optimizer (AdamW 2e-3, betas 0.9/0.95, weight decay 0.01, DeepSpeed's linear WarmupLR over 30
+steps, clipping at 1.0), 4 workers of 4 x 128-token sequences. A world of workers is simulated
+by one model stepping on their concatenated micro-batches (the mean of equal-size means is the
+mean of the workers' averaged gradients).
+
+  flat      4 workers, one world: the baseline (a) of bench/wan_training.py
+  sync      2 clusters x 2 workers, DiLoCo every H steps: delta = theta_global - local, averaged
+            (int8 blockwise + error feedback, as the relay's codec), nebula's OuterOptimizer
+            (Nesterov), every cluster set to theta_global
+  overlap   the same, each average applied --tau steps after its boundary on top of the
+            progress made meanwhile (nebula's overlapped sync once the transfer has arrived)
+  late      the same, applied at the next boundary (one round late: overlap_steps >= H)
+
+Prints the final eval loss of each on the same held-out batches and the relative gap to flat.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "examples" / "gpt"))
+sys.path.insert(0, str(REPO))
+from data import BatchSampler, eval_batches, evaluate, load_corpus, split_corpus  # noqa: E402
+from model import GPT, GPTConfig  # noqa: E402
+
+from nebula_cli.runtime.sync import OuterOptimizer  # noqa: E402
+
+CONTEXT, MICRO, LR, WARMUP, CLIP, WORKERS, CLUSTERS = 128, 4, 2e-3, 30, 1.0, 4, 2
+JSON_FIELDS = ("flat_eval", "runs")
+
+
+def inner_lr(step: int) -> float:
+    """The lr of optimizer step `step` (1-based) under DeepSpeed's WarmupLR (linear from 0)."""
+    return LR * min(1.0, max(0, step - 2) / WARMUP)
+
+
+class World:
+    """One DeepSpeed world (a cluster): a model, its AdamW, one sampler per worker."""
+
+    def __init__(self, seed: int, split: Any, cluster: int, ranks: int) -> None:
+        torch.manual_seed(seed)
+        self.model = GPT(GPTConfig(block_size=CONTEXT))
+        self.params = [p for p in self.model.parameters() if p.requires_grad]
+        self.opt = torch.optim.AdamW(self.params, lr=LR, betas=(0.9, 0.95), eps=1e-8,
+                                     weight_decay=0.01)
+        self.samplers = [BatchSampler(split.train, MICRO, CONTEXT, seed=seed, rank=r,
+                                      cluster=cluster) for r in range(ranks)]
+        self.steps = 0
+
+    def step(self) -> None:
+        self.steps += 1
+        xs, ys = zip(*(s.next() for s in self.samplers), strict=True)
+        _, loss = self.model(torch.cat(xs), torch.cat(ys))
+        self.opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(self.params, CLIP)
+        for group in self.opt.param_groups:
+            group["lr"] = inner_lr(self.steps)
+        self.opt.step()
+
+    def read(self) -> torch.Tensor:
+        return torch.nn.utils.parameters_to_vector(self.params).detach().clone()
+
+    def write(self, flat: torch.Tensor) -> None:
+        torch.nn.utils.vector_to_parameters(flat.clone(), self.params)
+
+
+def int8_roundtrip(x: torch.Tensor, block: int = 256) -> torch.Tensor:
+    """Blockwise absmax int8: quantise and dequantise."""
+    n = x.numel()
+    xb = torch.cat([x, x.new_zeros((-n) % block)]).view(-1, block)
+    scale = xb.abs().amax(dim=1, keepdim=True) / 127.0
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+    return (torch.clamp(torch.round(xb / scale), -127, 127) * scale).view(-1)[:n]
+
+
+def run_flat(args: argparse.Namespace, split: Any, held: Any) -> float:
+    world = World(args.seed, split, cluster=0, ranks=WORKERS)
+    for _ in range(args.steps):
+        world.step()
+    return evaluate(world.model, held)
+
+
+def run_diloco(args: argparse.Namespace, split: Any, held: Any, lr: float, momentum: float,
+               mode: str) -> dict[str, Any]:
+    worlds = [World(args.seed, split, cluster=c, ranks=WORKERS // CLUSTERS)
+              for c in range(CLUSTERS)]
+    theta = worlds[0].read()  # theta_global, the same on every cluster
+    outer = OuterOptimizer(lr, momentum, nesterov=True)
+    errors = [torch.zeros_like(theta) for _ in worlds]
+    anchor: list[torch.Tensor] = [theta] * CLUSTERS
+    pending: torch.Tensor | None = None
+    due: int | None = None
+
+    def average(deltas: list[torch.Tensor]) -> torch.Tensor:
+        sent = []
+        for c, d in enumerate(deltas):
+            x = d + errors[c]
+            q = int8_roundtrip(x)
+            errors[c] = x - q
+            sent.append(q)
+        return torch.stack(sent).mean(0)
+
+    def merge() -> None:
+        nonlocal pending, due
+        assert pending is not None
+        outer.step(theta, pending)
+        for c, w in enumerate(worlds):
+            w.write(theta - (anchor[c] - w.read()))
+        pending = due = None
+
+    for step in range(1, args.steps + 1):
+        for w in worlds:
+            w.step()
+        if due == step:
+            merge()
+        if step % args.inner_steps:
+            continue
+        if pending is not None:  # still in flight at the boundary (late, or tau >= H)
+            merge()
+        deltas = [theta - w.read() for w in worlds]
+        if mode == "sync":
+            outer.step(theta, average(deltas))
+            for w in worlds:
+                w.write(theta)
+            continue
+        anchor = [w.read() for w in worlds]
+        pending = average(deltas)
+        due = step + args.tau if mode == "overlap" else None
+    if pending is not None:  # the flush at the end of training
+        merge()
+    finals = [w.read() for w in worlds]
+    losses = [evaluate(w.model, held) for w in worlds]
+    return {"eval": sum(losses) / len(losses),
+            "identical": all(torch.equal(finals[0], f) for f in finals[1:])}
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter,
+                                epilog="\n".join(__doc__.splitlines()[2:]))
+    p.add_argument("--steps", type=int, default=200)
+    p.add_argument("--inner-steps", type=int, default=25, help="DiLoCo H")
+    p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--settings", nargs="+", default=["0.7,0.9", "0.6,0.5", "1.0,0"],
+                   help="outer lr,momentum pairs (Nesterov)")
+    p.add_argument("--modes", nargs="+", default=["sync", "overlap"],
+                   choices=["sync", "overlap", "late"])
+    p.add_argument("--tau", type=int, default=3, help="overlap: steps until the average lands")
+    p.add_argument("--json", action="store_true", help="print one JSON object as the last line")
+    args = p.parse_args(argv)
+    try:
+        args.pairs = [tuple(float(x) for x in s.split(",")) for s in args.settings]
+    except ValueError:
+        p.error("--settings takes lr,momentum pairs such as 0.7,0.9")
+    if any(len(pair) != 2 for pair in args.pairs):
+        p.error("--settings takes lr,momentum pairs such as 0.7,0.9")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    torch.set_num_threads(1)
+    split = split_corpus(load_corpus())
+    held = eval_batches(split.eval, 8, MICRO, CONTEXT, seed=args.seed)
+    t0 = time.monotonic()
+    flat = run_flat(args, split, held)
+    runs = []
+    for mode in args.modes:
+        for lr, momentum in args.pairs:
+            out = run_diloco(args, split, held, lr, momentum, mode)
+            runs.append({"mode": mode, "outer_lr": lr, "outer_momentum": momentum,
+                         "eval": round(out["eval"], 4), "identical": out["identical"],
+                         "gap": round((out["eval"] - flat) / flat, 4)})
+            print(f"{mode:8s} lr {lr:<4g} momentum {momentum:<4g} eval {out['eval']:.4f} "
+                  f"gap {100 * runs[-1]['gap']:+.2f} %", file=sys.stderr, flush=True)
+    print(f"flat (4 workers, one world): eval loss {flat:.4f}; {args.steps} steps, "
+          f"H={args.inner_steps}, seed {args.seed}, tau {args.tau}, "
+          f"{time.monotonic() - t0:.0f} s")
+    print(f"{'mode':8s}  {'outer lr':>8s}  {'momentum':>8s}  {'eval loss':>9s}  {'gap':>7s}")
+    for r in runs:
+        print(f"{r['mode']:8s}  {r['outer_lr']:8g}  {r['outer_momentum']:8g}  {r['eval']:9.4f}  "
+              f"{100 * r['gap']:+6.2f}%")
+    if args.json:
+        print(json.dumps({"flat_eval": round(flat, 4), "runs": runs,
+                          "settings": {"steps": args.steps, "inner_steps": args.inner_steps,
+                                       "seed": args.seed, "tau": args.tau}}))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

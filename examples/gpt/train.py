@@ -47,12 +47,13 @@ from model import GPT, GPTConfig  # noqa: E402
 from nebula_cli.runtime import log  # noqa: E402
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+def common_parser(description: str, *, steps: int, eval_batches: int) -> argparse.ArgumentParser:
+    """The options train.py and train_pipe.py share (schedule, logging, seed, model shape)."""
     defaults = GPTConfig()
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--steps", type=int, default=int(os.environ.get("NEBULA_STEPS") or 300))
+    p = argparse.ArgumentParser(description=description)
+    p.add_argument("--steps", type=int, default=int(os.environ.get("NEBULA_STEPS") or steps))
     p.add_argument("--eval-every", type=int, default=50, help="steps between evaluations")
-    p.add_argument("--eval-batches", type=int, default=8, help="fixed eval batches")
+    p.add_argument("--eval-batches", type=int, default=eval_batches, help="fixed eval batches")
     p.add_argument("--log-every", type=int, default=10, help="steps between metric records")
     p.add_argument("--seed", type=int, default=int(os.environ.get("NEBULA_SEED") or 1234))
     p.add_argument("--ds-config", type=Path, default=None, help="DeepSpeed config JSON")
@@ -62,11 +63,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--context", type=int, default=defaults.block_size)
     # The deepspeed launcher passes --local_rank; LOCAL_RANK in the environment is what is used.
     p.add_argument("--local_rank", "--local-rank", type=int, default=-1, help=argparse.SUPPRESS)
+    return p
+
+
+def parse_checked(p: argparse.ArgumentParser, argv: list[str] | None,
+                  positive: tuple[str, ...] = ()) -> argparse.Namespace:
+    """Parse; the schedule options (and `positive`) must be at least 1."""
     args = p.parse_args(argv)
-    for name in ("steps", "eval_every", "eval_batches", "log_every"):
+    for name in ("steps", "eval_every", "eval_batches", "log_every", *positive):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be at least 1")
     return args
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = common_parser(__doc__.splitlines()[0], steps=300, eval_batches=8)
+    return parse_checked(p, argv)
 
 
 class StopFlag:
@@ -86,7 +98,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _single_process_env() -> None:
+def single_process_env() -> None:
     """Let ``python train.py`` run alone, without a launcher."""
     if "RANK" not in os.environ:
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_SIZE="1")
@@ -94,7 +106,7 @@ def _single_process_env() -> None:
         os.environ.setdefault("MASTER_PORT", str(_free_port()))
 
 
-def _set_threads() -> None:
+def set_threads() -> None:
     """Share the cores among the processes on this host unless OMP_NUM_THREADS says otherwise."""
     if "OMP_NUM_THREADS" in os.environ:
         return
@@ -129,8 +141,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     stop = StopFlag()
     signal.signal(signal.SIGTERM, stop)
-    _single_process_env()
-    _set_threads()
+    single_process_env()
+    set_threads()
 
     on_cpu = get_accelerator().device_name() == "cpu"
     deepspeed.init_distributed(dist_backend="gloo" if on_cpu else None)

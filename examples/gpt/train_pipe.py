@@ -44,7 +44,15 @@ except ImportError:  # run from a checkout without nebula installed
 
 from data import BatchSampler, eval_batches, load_corpus, split_corpus  # noqa: E402
 from model import Block, GPTConfig  # noqa: E402
-from train import StopFlag, load_ds_config, param_checksum  # noqa: E402
+from train import (  # noqa: E402
+    StopFlag,
+    common_parser,
+    load_ds_config,
+    param_checksum,
+    parse_checked,
+    set_threads,
+    single_process_env,
+)
 
 from nebula_cli.runtime import log  # noqa: E402
 
@@ -102,35 +110,13 @@ def build_pipeline(cfg: GPTConfig, stages: int) -> PipelineModule:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    defaults = GPTConfig()
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = common_parser(__doc__.splitlines()[0], steps=100, eval_batches=4)
     p.add_argument("--stages", type=int, default=int(os.environ.get("NEBULA_PIPELINE_STAGES")
                                                      or 2), help="pipeline stages (K)")
-    p.add_argument("--steps", type=int, default=int(os.environ.get("NEBULA_STEPS") or 100))
-    p.add_argument("--eval-every", type=int, default=50, help="steps between evaluations")
-    p.add_argument("--eval-batches", type=int, default=4, help="fixed eval batches")
-    p.add_argument("--log-every", type=int, default=10, help="steps between metric records")
-    p.add_argument("--seed", type=int, default=int(os.environ.get("NEBULA_SEED") or 1234))
-    p.add_argument("--ds-config", type=Path, default=None, help="DeepSpeed config JSON")
     p.add_argument("--micro-batches", type=int, default=None,
                    help="micro-batches per step (gradient_accumulation_steps; default: the "
                         "config's, at least 2 x stages)")
-    p.add_argument("--d-model", type=int, default=defaults.d_model)
-    p.add_argument("--n-layer", type=int, default=defaults.n_layer)
-    p.add_argument("--n-head", type=int, default=defaults.n_head)
-    p.add_argument("--context", type=int, default=defaults.block_size)
-    p.add_argument("--local_rank", "--local-rank", type=int, default=-1, help=argparse.SUPPRESS)
-    args = p.parse_args(argv)
-    for name in ("stages", "steps", "eval_every", "eval_batches", "log_every"):
-        if getattr(args, name) < 1:
-            p.error(f"--{name.replace('_', '-')} must be at least 1")
-    return args
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return parse_checked(p, argv, ("stages",))
 
 
 def pipe_config(args: argparse.Namespace, world: int) -> dict:
@@ -157,12 +143,9 @@ def main(argv: list[str] | None = None) -> int:
     stop = StopFlag()
     signal.signal(signal.SIGTERM, stop)
     if "RANK" not in os.environ:  # alone, without a launcher: one stage
-        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_SIZE="1",
-                          MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
         args.stages = 1
-    if "OMP_NUM_THREADS" not in os.environ:
-        local = int(os.environ.get("LOCAL_SIZE") or 1)
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, local)))
+    single_process_env()
+    set_threads()
 
     on_cpu = get_accelerator().device_name() == "cpu"
     deepspeed.init_distributed(dist_backend="gloo" if on_cpu else None)

@@ -63,9 +63,10 @@ def test_wan_training_summary_has_the_fields_and_ratios() -> None:
     assert out["utilization"] == pytest.approx(0.9, abs=1e-4)
     assert out["loss_gap"] == pytest.approx(0.02)
     assert out["wan_bytes_reduction"] == pytest.approx(200.0)
+    assert out["loss_gap_overlap"] == pytest.approx(0.025)
     assert out["goals_met"] == {"speedup_vs_flat": True, "utilization": True,
                                 "utilization_overlap": True, "loss_gap": True,
-                                "wan_bytes_reduction": True}
+                                "loss_gap_overlap": True, "wan_bytes_reduction": True}
     args = mod.parse_args(["--inner-steps", "25"])
     predicted = mod.advisor_prediction(runs, args, rtt_ms=50.1)
     # the advisor's own model: H t / (H t + bytes * 8 / rate + 3 rtt), t from (c)

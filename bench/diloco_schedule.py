@@ -12,7 +12,7 @@ mean of the workers' averaged gradients).
 
   flat      4 workers, one world: the baseline (a) of bench/wan_training.py
   sync      2 clusters x 2 workers, DiLoCo every H steps: delta = theta_global - local, averaged
-            (int8 blockwise + error feedback, as the relay's codec), nebula's OuterOptimizer
+            (the relay's int8 codec with error feedback), nebula's OuterOptimizer
             (Nesterov), every cluster set to theta_global
   overlap   the same, each average applied --tau steps after its boundary on top of the
             progress made meanwhile (nebula's overlapped sync once the transfer has arrived)
@@ -38,6 +38,7 @@ sys.path.insert(0, str(REPO))
 from data import BatchSampler, eval_batches, evaluate, load_corpus, split_corpus  # noqa: E402
 from model import GPT, GPTConfig  # noqa: E402
 
+from nebula_cli.relay.codecs import ErrorFeedback, get_codec  # noqa: E402
 from nebula_cli.runtime.sync import OuterOptimizer  # noqa: E402
 
 CONTEXT, MICRO, LR, WARMUP, CLIP, WORKERS, CLUSTERS = 128, 4, 2e-3, 30, 1.0, 4, 2
@@ -80,15 +81,6 @@ class World:
         torch.nn.utils.vector_to_parameters(flat.clone(), self.params)
 
 
-def int8_roundtrip(x: torch.Tensor, block: int = 256) -> torch.Tensor:
-    """Blockwise absmax int8: quantise and dequantise."""
-    n = x.numel()
-    xb = torch.cat([x, x.new_zeros((-n) % block)]).view(-1, block)
-    scale = xb.abs().amax(dim=1, keepdim=True) / 127.0
-    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
-    return (torch.clamp(torch.round(xb / scale), -127, 127) * scale).view(-1)[:n]
-
-
 def run_flat(args: argparse.Namespace, split: Any, held: Any) -> float:
     world = World(args.seed, split, cluster=0, ranks=WORKERS)
     for _ in range(args.steps):
@@ -102,18 +94,15 @@ def run_diloco(args: argparse.Namespace, split: Any, held: Any, lr: float, momen
               for c in range(CLUSTERS)]
     theta = worlds[0].read()  # theta_global, the same on every cluster
     outer = OuterOptimizer(lr, momentum, nesterov=True)
-    errors = [torch.zeros_like(theta) for _ in worlds]
+    int8 = get_codec("int8")
+    feedback = [ErrorFeedback(int8) for _ in worlds]  # the relay's codec, one residual each
     anchor: list[torch.Tensor] = [theta] * CLUSTERS
     pending: torch.Tensor | None = None
     due: int | None = None
 
     def average(deltas: list[torch.Tensor]) -> torch.Tensor:
-        sent = []
-        for c, d in enumerate(deltas):
-            x = d + errors[c]
-            q = int8_roundtrip(x)
-            errors[c] = x - q
-            sent.append(q)
+        sent = [int8.decode(fb.encode(d, key="delta")) for fb, d in zip(feedback, deltas,
+                                                                         strict=True)]
         return torch.stack(sent).mean(0)
 
     def merge() -> None:

@@ -21,9 +21,9 @@ from typing import Any
 from nebula_cli.errors import NebulaError
 from nebula_cli.follow import finite
 from nebula_cli.orchestrator import Orchestrator
+from nebula_cli.runtime.metrics import DRY_RUN_ENV
 from nebula_cli.spec import JobSpec
 
-DRY_RUN_ENV = "NEBULA_DRY_RUN"  # the same name as nebula_cli.runtime.sync's (no torch here)
 DEFAULT_MIN_STEPS = 10
 DEFAULT_TIMEOUT = 600.0
 

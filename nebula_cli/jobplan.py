@@ -150,7 +150,7 @@ def rendezvous_hosts(spec: JobSpec) -> dict[str, tuple[ClusterSpec, HostSpec]]:
     first = layout.stages[0][0]  # rank 0: stage 0 of replica 0
     for c in spec.clusters:
         for h in c.hosts:
-            if first.startswith(f"{c.name}/{h.host}/"):
+            if any(device_id(c.name, h.host, slot) == first for slot in range(h.slots)):
                 return {PIPELINE_WORLD: (c, h)}
     raise AssertionError(f"device {first} of the layout is not in the spec")  # spec checked it
 

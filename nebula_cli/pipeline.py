@@ -106,12 +106,12 @@ def layout_from_placement(placement: Mapping[str, Any], devices: Sequence[Device
     placed = [d for row in rows for d in row]
     if twice := sorted(d for d, n in Counter(placed).items() if n > 1):
         raise PlacementError(f"device(s) placed more than once: {', '.join(twice)}")
-    known = set(devices)
+    known, placed_set = set(devices), set(placed)
     if unknown := [d for d in placed if d not in known]:
         raise PlacementError(
             f"device(s) not in this job: {', '.join(unknown)} (devices are "
             f"<cluster>/<host>/<slot>, e.g. {devices[0]!r})")
-    if missing := [d for d in devices if d not in set(placed)]:
+    if missing := [d for d in devices if d not in placed_set]:
         raise PlacementError(f"device(s) of this job with no stage: {', '.join(missing)}")
     return PipelineLayout([list(r) for r in rows])
 

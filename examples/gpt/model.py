@@ -72,6 +72,21 @@ class Block(nn.Module):
         return x + self.mlp(self.ln2(x))
 
 
+def init_weights(module: nn.Module) -> None:
+    """GPT-2's init of one module (for ``Module.apply``): N(0, 0.02) weights, zero biases."""
+    if isinstance(module, (nn.Linear, nn.Embedding)):
+        nn.init.normal_(module.weight, mean=0.0, std=0.02)
+    if isinstance(module, nn.Linear) and module.bias is not None:
+        nn.init.zeros_(module.bias)
+
+
+def scale_residual_projections(module: nn.Module, n_layer: int) -> None:
+    """GPT-2: the residual output projections of every block in `module`, scaled by depth."""
+    for name, p in module.named_parameters():
+        if name.endswith(("attn.proj.weight", "mlp.2.weight")):
+            nn.init.normal_(p, mean=0.0, std=0.02 / (2 * n_layer) ** 0.5)
+
+
 class GPT(nn.Module):
     """The model. ``forward(idx, targets)`` gives ``(logits, loss)``; loss None without targets."""
 
@@ -85,18 +100,8 @@ class GPT(nn.Module):
         self.ln_f = nn.LayerNorm(cfg.d_model)
         self.head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         self.head.weight = self.tok_emb.weight  # weight tying
-        self.apply(self._init_weights)
-        # GPT-2: scale the residual output projections by depth.
-        for name, p in self.named_parameters():
-            if name.endswith(("attn.proj.weight", "mlp.2.weight")):
-                nn.init.normal_(p, mean=0.0, std=0.02 / (2 * cfg.n_layer) ** 0.5)
-
-    @staticmethod
-    def _init_weights(module: nn.Module) -> None:
-        if isinstance(module, (nn.Linear, nn.Embedding)):
-            nn.init.normal_(module.weight, mean=0.0, std=0.02)
-        if isinstance(module, nn.Linear) and module.bias is not None:
-            nn.init.zeros_(module.bias)
+        self.apply(init_weights)
+        scale_residual_projections(self, cfg.n_layer)
 
     def num_params(self) -> int:
         """Number of distinct parameters (the tied embedding counted once)."""

@@ -130,7 +130,7 @@ def param_checksum(engine: Any) -> str:
     return h.hexdigest()
 
 
-def _all_reduce(values: list[float], device: torch.device, op: Any = None) -> list[float]:
+def all_reduce_values(values: list[float], device: torch.device, op: Any = None) -> list[float]:
     t = torch.tensor(values, dtype=torch.float64, device=device)
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(t, op=op or dist.ReduceOp.SUM)
@@ -206,11 +206,11 @@ def main(argv: list[str] | None = None) -> int:
             if t_first_step is None:
                 t_first_step = time.perf_counter()
             # Every rank must agree on stopping, or the others would wait in a collective.
-            stopping = _all_reduce([float(stop.requested)], device, dist.ReduceOp.MAX)[0] > 0
+            stopping = all_reduce_values([float(stop.requested)], device, dist.ReduceOp.MAX)[0] > 0
             last = stopping or step == args.steps
             record: dict[str, Any] = {}
             if step == 1 or step % args.log_every == 0 or last:
-                total, steps_seen = _all_reduce([window_loss, float(window_steps)], device)
+                total, steps_seen = all_reduce_values([window_loss, float(window_steps)], device)
                 now = time.perf_counter()
                 last_loss = total / (steps_seen or 1)
                 if step == 1:

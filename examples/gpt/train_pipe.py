@@ -43,9 +43,10 @@ except ImportError:  # run from a checkout without nebula installed
     sys.path.append(str(HERE.parents[1]))
 
 from data import BatchSampler, eval_batches, load_corpus, split_corpus  # noqa: E402
-from model import Block, GPTConfig  # noqa: E402
+from model import Block, GPTConfig, init_weights, scale_residual_projections  # noqa: E402
 from train import (  # noqa: E402
     StopFlag,
+    all_reduce_values,
     common_parser,
     load_ds_config,
     param_checksum,
@@ -64,8 +65,7 @@ class Embedding(nn.Module):
         super().__init__()
         self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.d_model)
         self.pos_emb = nn.Embedding(cfg.block_size, cfg.d_model)
-        for emb in (self.tok_emb, self.pos_emb):
-            nn.init.normal_(emb.weight, mean=0.0, std=0.02)
+        self.apply(init_weights)
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         pos = torch.arange(idx.shape[1], device=idx.device)
@@ -79,7 +79,7 @@ class Head(nn.Module):
         super().__init__()
         self.ln_f = nn.LayerNorm(cfg.d_model)
         self.head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
-        nn.init.normal_(self.head.weight, mean=0.0, std=0.02)
+        self.apply(init_weights)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.head(self.ln_f(x))
@@ -90,12 +90,8 @@ class PipeBlock(Block):
 
     def __init__(self, cfg: GPTConfig) -> None:
         super().__init__(cfg)
-        for module in self.modules():
-            if isinstance(module, nn.Linear):
-                nn.init.normal_(module.weight, mean=0.0, std=0.02)
-                nn.init.zeros_(module.bias)
-        for p in (self.attn.proj.weight, self.mlp[2].weight):
-            nn.init.normal_(p, mean=0.0, std=0.02 / (2 * cfg.n_layer) ** 0.5)
+        self.apply(init_weights)
+        scale_residual_projections(self, cfg.n_layer)
 
 
 def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -186,9 +182,9 @@ def main(argv: list[str] | None = None) -> int:
         if step == 1:
             first_loss = loss
             t_first_step = time.perf_counter()
-        flag = torch.tensor([float(stop.requested)])
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        last = bool(flag.item()) or step == args.steps
+        stopping = all_reduce_values([float(stop.requested)], engine.device,
+                                     dist.ReduceOp.MAX)[0] > 0
+        last = stopping or step == args.steps
         record: dict = {}
         if step == 1 or step % args.log_every == 0 or last:
             now = time.perf_counter()

@@ -28,6 +28,9 @@ from nebula_cli.errors import NebulaError
 
 METRICS_TAG = "[nebula-metrics]"
 METRICS_FILE_ENV = "NEBULA_METRICS_FILE"
+DRY_RUN_ENV = "NEBULA_DRY_RUN"
+"""Set by `nebula plan`'s dry run: OuterSync logs ``trainable_params`` and never syncs; the CLI
+reads that record (here, beside the records' other names, so that it needs no torch)."""
 RESERVED_KEYS = frozenset({"ts", "step", "cluster", "host", "rank"})
 
 _lock = threading.Lock()

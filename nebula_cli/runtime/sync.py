@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 from nebula_cli.errors import NebulaError
+from nebula_cli.runtime.metrics import DRY_RUN_ENV
 from nebula_cli.runtime.metrics import log as log_metrics
 
 MODES = ("diloco", "gradient")
@@ -35,8 +36,6 @@ DEFAULT_INNER_STEPS = 100
 DEFAULT_OUTER_LR = 0.7
 DEFAULT_OUTER_MOMENTUM = 0.9
 DEFAULT_ROUND_TIMEOUT = 600.0
-DRY_RUN_ENV = "NEBULA_DRY_RUN"
-"""Set by `nebula plan`'s dry run: OuterSync reports the trainable parameters and never syncs."""
 
 
 def wanted() -> bool:

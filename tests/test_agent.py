@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 from conftest import wait_for
 
-from nebula_cli.agent import marked_pids, pid_alive
+from nebula_cli.agent.supervisor import marked_pids, pid_alive
 
 
 def agent(*args: str) -> Any:

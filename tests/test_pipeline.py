@@ -12,17 +12,17 @@ import yaml
 from conftest import CLI, REPO
 from rich.console import Console
 
-from nebula_cli import jobplan
-from nebula_cli.errors import SpecError
-from nebula_cli.pipeline import (
+from nebula_cli.cli.ui import final_summary
+from nebula_cli.config import jobplan
+from nebula_cli.config.pipeline import (
     PlacementError,
     default_layout,
     device_id,
     layout_from_placement,
     read_placement,
 )
-from nebula_cli.spec import parse_spec
-from nebula_cli.ui import final_summary
+from nebula_cli.config.spec import parse_spec
+from nebula_cli.errors import SpecError
 
 DEVICES = ["east/e1/0", "east/e1/1", "west/w1/0", "west/w1/1"]
 CROSSED = {"stages": [["east/e1/0", "west/w1/1"], ["west/w1/0", "east/e1/1"]]}

@@ -16,6 +16,8 @@ import yaml
 from conftest import CLI, REPO, job_processes
 from rich.console import Console
 
+from nebula_cli.cli.planner_render import advisor_table, placement_table
+from nebula_cli.config.spec import parse_spec
 from nebula_cli.errors import UsageError
 from nebula_cli.planner import (
     CostModel,
@@ -32,10 +34,8 @@ from nebula_cli.planner import (
 from nebula_cli.planner.evaluator import Evaluator, groups_of
 from nebula_cli.planner.graphs import bottleneck_matching, open_tour, path_cost
 from nebula_cli.planner.localsearch import swap_bounds
-from nebula_cli.planner.render import advisor_table, placement_table
 from nebula_cli.planner.scenarios import random_sites, regional_us, two_datacentres
 from nebula_cli.planner.search import hybrid_search, local_search, random_search
-from nebula_cli.spec import parse_spec
 
 
 def model_of(delay: list[list[float]], bw: list[list[float]], task: Task) -> CostModel:

@@ -10,8 +10,7 @@ from textwrap import dedent
 import pytest
 import yaml
 
-from nebula_cli.errors import SpecError, UsageError
-from nebula_cli.spec import (
+from nebula_cli.config.spec import (
     ClusterSpec,
     CompressionSpec,
     HostSpec,
@@ -22,6 +21,7 @@ from nebula_cli.spec import (
     parse_spec,
     redact_env,
 )
+from nebula_cli.errors import SpecError, UsageError
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from nebula_cli.control.state import SCHEMA_VERSION, HostRecord, StateStore, new_job_id
 from nebula_cli.errors import JobNotFound, NebulaError
-from nebula_cli.state import SCHEMA_VERSION, HostRecord, StateStore, new_job_id
 
 SPEC = {"name": "demo", "clusters": [{"name": "a", "hosts": [{"host": "h1"}]}]}
 

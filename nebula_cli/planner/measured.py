@@ -16,12 +16,12 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from nebula_cli.pipeline import device_id
+from nebula_cli.config.pipeline import device_id
 from nebula_cli.planner.costmodel import Network, PlanError
 from nebula_cli.planner.scenarios import read_json
 
 if TYPE_CHECKING:
-    from nebula_cli.spec import JobSpec
+    from nebula_cli.config.spec import JobSpec
 
 Figures = tuple[float, float]
 """(rtt in ms, throughput in Mbit/s)."""

@@ -12,8 +12,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import IO
 
+from nebula_cli.control.state import nebula_home
 from nebula_cli.errors import TransportError
-from nebula_cli.state import nebula_home
 from nebula_cli.transport.base import (
     DEFAULT_TIMEOUT,
     CommandResult,

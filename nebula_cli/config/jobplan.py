@@ -11,8 +11,8 @@ import sys
 from dataclasses import dataclass, field
 from typing import Any
 
-from nebula_cli.pipeline import device_id
-from nebula_cli.spec import ClusterSpec, HostSpec, JobSpec
+from nebula_cli.config.pipeline import device_id
+from nebula_cli.config.spec import ClusterSpec, HostSpec, JobSpec
 
 WORKER = "worker"
 RELAY = "relay"

@@ -21,11 +21,11 @@ from rich.progress import (
 from rich.table import Table
 from rich.text import Text
 
+from nebula_cli.control.follow import LogLine, finite
+from nebula_cli.control.hostcheck import HostCheck
+from nebula_cli.control.orchestrator import JobSnapshot
+from nebula_cli.control.state import HostRecord, JobRecord
 from nebula_cli.errors import SpecError
-from nebula_cli.follow import LogLine, finite
-from nebula_cli.hostcheck import HostCheck
-from nebula_cli.orchestrator import JobSnapshot
-from nebula_cli.state import HostRecord, JobRecord
 
 PALETTE = ["cyan", "magenta", "green", "yellow", "blue", "red", "bright_cyan", "bright_magenta"]
 STATE_STYLE = {

@@ -18,8 +18,8 @@ from rich.progress import (
 from rich.table import Table
 from rich.text import Text
 
-from nebula_cli.follow import finite
-from nebula_cli.ui import cluster_colors
+from nebula_cli.cli.ui import cluster_colors
+from nebula_cli.control.follow import finite
 
 
 def human_rate(mbit: Any) -> str:

@@ -9,8 +9,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from nebula_cli.control.state import HostRecord
 from nebula_cli.errors import TransportError
-from nebula_cli.state import HostRecord
 from nebula_cli.transport import Transport
 
 MAX_READ = 1 << 20

@@ -28,10 +28,10 @@ from pydantic import (
     model_validator,
 )
 
-from nebula_cli import pipeline
-from nebula_cli import yaml_positions as yp
+from nebula_cli.config import pipeline
+from nebula_cli.config import yaml_positions as yp
+from nebula_cli.config.yaml_positions import PathKey, describe, problems_error
 from nebula_cli.errors import SpecError
-from nebula_cli.yaml_positions import PathKey, describe, problems_error
 
 _NAME_RE = re.compile(r"[a-z0-9][a-z0-9_-]{0,31}")
 _ENV_NAME_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")

@@ -18,11 +18,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from nebula_cli.config.spec import JobSpec
+from nebula_cli.control.follow import finite
+from nebula_cli.control.orchestrator import Orchestrator
 from nebula_cli.errors import NebulaError
-from nebula_cli.follow import finite
-from nebula_cli.orchestrator import Orchestrator
 from nebula_cli.runtime.metrics import DRY_RUN_ENV
-from nebula_cli.spec import JobSpec
 
 DEFAULT_MIN_STEPS = 10
 DEFAULT_TIMEOUT = 600.0

@@ -16,12 +16,23 @@ from rich.console import Console
 from typer.core import TyperGroup
 
 from nebula_cli import __version__
-from nebula_cli.dryrun import measure
+from nebula_cli.cli.live import print_line, watch
+from nebula_cli.cli.netbench_render import bench_matrix, bench_progress
+from nebula_cli.cli.planner_render import advisor_table, placement_table
+from nebula_cli.cli.ui import (
+    cluster_colors,
+    host_checks_table,
+    job_detail,
+    jobs_table,
+    spec_error_text,
+    upload_bars,
+)
+from nebula_cli.config.spec import JobSpec, load_spec
+from nebula_cli.control.dryrun import measure
+from nebula_cli.control.netbench import run_bench, write_report
+from nebula_cli.control.orchestrator import Orchestrator
+from nebula_cli.control.state import END_STATES, StateStore
 from nebula_cli.errors import EXIT_FAILED, EXIT_OK, NebulaError, SpecError, UsageError
-from nebula_cli.live import print_line, watch
-from nebula_cli.netbench import run_bench, write_report
-from nebula_cli.netbench_render import bench_matrix, bench_progress
-from nebula_cli.orchestrator import Orchestrator
 from nebula_cli.planner import (
     CostModel,
     Task,
@@ -31,17 +42,6 @@ from nebula_cli.planner import (
     load_netbench,
     plan_placement,
     wan_link,
-)
-from nebula_cli.planner.render import advisor_table, placement_table
-from nebula_cli.spec import JobSpec, load_spec
-from nebula_cli.state import END_STATES, StateStore
-from nebula_cli.ui import (
-    cluster_colors,
-    host_checks_table,
-    job_detail,
-    jobs_table,
-    spec_error_text,
-    upload_bars,
 )
 
 app = typer.Typer(
@@ -287,7 +287,7 @@ def bench_network(
 
 def _dry_run(spec: JobSpec, params: int | None, step_time: float | None,
              accept_new: bool) -> tuple[int, float]:
-    """Fill in what was not given by running the job's script briefly (nebula_cli.dryrun)."""
+    """Fill in what was not given by running the job's script briefly (control.dryrun)."""
     with _store() as store, Orchestrator(store, accept_new_host_keys=accept_new) as orch:
         measured = measure(orch, spec, progress=lambda m: err.print(f"[dim]{m}[/]"))
     if params is None and measured.params is None:

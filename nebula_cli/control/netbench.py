@@ -50,16 +50,17 @@ from itertools import permutations
 from pathlib import Path
 from typing import Any
 
-from nebula_cli import jobplan, pki
+from nebula_cli import pki
+from nebula_cli.config import jobplan
+from nebula_cli.config.spec import ClusterSpec, JobSpec
+from nebula_cli.control.fanout import GroupError, fanout
+from nebula_cli.control.orchestrator import Orchestrator
 from nebula_cli.errors import NebulaError, TransportError, UsageError
-from nebula_cli.fanout import GroupError, fanout
-from nebula_cli.orchestrator import Orchestrator
 from nebula_cli.relay.probe import MODULE as PROBE_MODULE
-from nebula_cli.spec import ClusterSpec, JobSpec
 from nebula_cli.transport import Transport
 
 VERSION = 1
-PACKAGE_DIR = Path(__file__).resolve().parent
+PACKAGE_DIR = Path(__file__).resolve().parent.parent
 PROBE_FILES = ("__init__.py", "errors.py", "pki.py", "relay/__init__.py", "relay/wire.py",
                "relay/probe.py")  # what `python -m nebula_cli.relay.probe` imports
 PINGS = 200

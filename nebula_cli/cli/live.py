@@ -7,10 +7,10 @@ import time
 from rich.console import Console
 from rich.live import Live
 
-from nebula_cli.follow import LogLine
-from nebula_cli.orchestrator import JobSnapshot, Orchestrator
+from nebula_cli.cli.ui import cluster_colors, final_summary, job_detail, log_text, status_panel
+from nebula_cli.control.follow import LogLine
+from nebula_cli.control.orchestrator import JobSnapshot, Orchestrator
 from nebula_cli.runtime.metrics import METRICS_TAG
-from nebula_cli.ui import cluster_colors, final_summary, job_detail, log_text, status_panel
 
 POLL_S = 0.5
 REFRESH_S = 2.0

@@ -18,18 +18,19 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from nebula_cli import jobplan, pki
+from nebula_cli import pki
+from nebula_cli.config import jobplan
+from nebula_cli.config.jobplan import ProcessPlan
+from nebula_cli.config.spec import ClusterSpec, HostSpec, JobSpec
+from nebula_cli.control.fanout import GroupError, fanout
+from nebula_cli.control.follow import LogFollower, MetricsFollower
+from nebula_cli.control.hostcheck import HostCheck, check_host
+from nebula_cli.control.state import ACTIVE_STATES, END_STATES, HostRecord, JobRecord, StateStore
 from nebula_cli.errors import LaunchError, NebulaError, TransportError
-from nebula_cli.fanout import GroupError, fanout
-from nebula_cli.follow import LogFollower, MetricsFollower
-from nebula_cli.hostcheck import HostCheck, check_host
-from nebula_cli.jobplan import ProcessPlan
-from nebula_cli.spec import ClusterSpec, HostSpec, JobSpec
-from nebula_cli.state import ACTIVE_STATES, END_STATES, HostRecord, JobRecord, StateStore
 from nebula_cli.transport import Transport, connect, machine_key
 
 SETUP_TIMEOUT = 3600.0
-PACKAGE_DIR = Path(__file__).resolve().parent
+PACKAGE_DIR = Path(__file__).resolve().parent.parent
 FREE_PORT_PY = (
     "import socket; s = socket.socket(); s.bind(('', 0)); print(s.getsockname()[1]); s.close()"
 )

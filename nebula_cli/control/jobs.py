@@ -1,0 +1,204 @@
+"""What happens to a launched job: status (asking every agent), stop, and following its logs
+and metrics. `JobOps` is the part of the orchestrator that works on recorded jobs."""
+
+from __future__ import annotations
+
+import json
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Any
+
+from nebula_cli.config import jobplan
+from nebula_cli.control.fanout import GroupError, fanout
+from nebula_cli.control.follow import LogFollower, MetricsFollower
+from nebula_cli.control.session import Session
+from nebula_cli.control.state import ACTIVE_STATES, END_STATES, HostRecord, JobRecord
+from nebula_cli.errors import TransportError
+from nebula_cli.transport import machine_key
+
+
+@dataclass
+class JobSnapshot:
+    """A job as last seen: its record and every agent's record."""
+
+    job: JobRecord
+    hosts: list[HostRecord]
+
+    @property
+    def active(self) -> bool:
+        return any(h.state in ACTIVE_STATES for h in self.hosts)
+
+
+@dataclass
+class StopReport:
+    job: JobRecord
+    stopped: list[HostRecord] = field(default_factory=list)  # were active, now ended
+    already_ended: list[HostRecord] = field(default_factory=list)
+    swept: int = 0  # stray processes killed by the sweep
+
+
+def job_state(hosts: list[HostRecord], current: str) -> str:
+    """The job's state from its agents' states. Relays serve the workers: once the workers
+    are done, relays ended by nebula do not make the job STOPPED."""
+    states = {h.state for h in hosts}
+    if not hosts:
+        return current
+    if states & ACTIVE_STATES:
+        return "RUNNING"
+    if states & {"FAILED", "LOST"}:
+        return "FAILED"
+    workers = {h.state for h in hosts if h.role == jobplan.WORKER} or states
+    if "STOPPED" in workers:
+        return "STOPPED"
+    return "SUCCEEDED"
+
+
+class JobOps(Session):
+    """status / stop / logs of recorded jobs, through the hosts' agents."""
+
+    # -- status -----------------------------------------------------------------------------
+    def _by_machine(self, hosts: list[HostRecord]) -> dict[tuple[Any, ...], list[HostRecord]]:
+        groups: dict[tuple[Any, ...], list[HostRecord]] = defaultdict(list)
+        for rec in hosts:
+            groups[machine_key(rec.detail["conn"])].append(rec)
+        return groups
+
+    def _agent_call(self, recs: list[HostRecord], *args: str, timeout: float) -> list[dict]:
+        conn = recs[0].detail["conn"]
+        result = self.transport(conn).run(
+            self._agent(conn, *args, *[r.agent_dir for r in recs]), timeout=timeout
+        )
+        try:
+            replies = json.loads(result.stdout)
+        except json.JSONDecodeError as exc:
+            raise TransportError(f"agent did not answer: {result}", host=conn["name"]) from exc
+        if not isinstance(replies, list) or len(replies) != len(recs):
+            raise TransportError(f"agent gave an unexpected answer: {result}", host=conn["name"])
+        return replies
+
+    def refresh(self, ref: str) -> JobSnapshot:
+        """Ask every agent of an unfinished job for its state; record changes; derive the job's."""
+        job = self.store.get_job(ref)
+        hosts = self.store.hosts(job.id)
+        live = [h for h in hosts if h.state not in END_STATES]
+        if live:
+            groups = self._by_machine(live)
+            try:
+                answers = fanout(
+                    list(groups), lambda k: self._agent_call(groups[k], "status", timeout=30),
+                    timeout=60,
+                )
+            except GroupError as exc:
+                answers = {k: v for k, v in exc.results.items() if isinstance(v, list)}
+                for key, err in exc.failures.items():
+                    for rec in groups[key]:  # type: ignore[index]
+                        rec.detail["unreachable"] = str(err)
+                        self.store.upsert_host(rec)
+            for key, replies in answers.items():
+                for rec, status in zip(groups[key], replies, strict=True):
+                    self._apply_status(rec, status)
+            hosts = self.store.hosts(job.id)
+            if job.state != "PENDING" and self._end_idle_relays(hosts):
+                hosts = self.store.hosts(job.id)
+        if job.state == "RUNNING":  # launching (PENDING) and ended jobs keep their state
+            state = job_state(hosts, job.state)
+            if state != job.state:
+                failed = [h for h in hosts if h.state in ("FAILED", "LOST")]
+                reason = "; ".join(
+                    f"{h.cluster}/{h.host} {h.role}: {h.detail.get('reason') or h.state}"
+                    for h in failed
+                ) or None
+                ends = [h.detail.get("ended") for h in hosts if h.role == jobplan.WORKER]
+                at = max(ends) if ends and all(ends) and state in END_STATES else None
+                self.store.set_job_state(job.id, state, reason=reason, at=at)
+                self.store.add_event(job.id, "state", f"job {state.lower()}")
+                job = self.store.get_job(job.id)
+        return JobSnapshot(job=job, hosts=hosts)
+
+    def _end_idle_relays(self, hosts: list[HostRecord]) -> bool:
+        """Once every worker has ended, the relays have nothing left to do: end them."""
+        workers = [h for h in hosts if h.role == jobplan.WORKER]
+        relays = [h for h in hosts if h.role == jobplan.RELAY and h.state not in END_STATES]
+        if not relays or not workers or any(w.state not in END_STATES for w in workers):
+            return False
+        groups = self._by_machine(relays)
+        try:
+            answers = fanout(list(groups), lambda k: self._agent_call(
+                groups[k], "stop", "--grace", "5", timeout=60), timeout=90)
+        except GroupError as exc:
+            answers = {k: v for k, v in exc.results.items() if isinstance(v, list)}
+        for key, replies in answers.items():
+            for rec, reply in zip(groups[key], replies, strict=True):
+                reply["reason"] = "ended after the workers finished"
+                self._apply_status(rec, reply)
+        return True
+
+    def _apply_status(self, rec: HostRecord, status: dict[str, Any]) -> None:
+        state = status.get("state", rec.state)
+        if state == "PENDING" and rec.state != "PENDING":
+            state = "LOST"  # status.json vanished after the agent had started
+        changed = state != rec.state
+        rec.state = state
+        rec.pid = status.get("pid") or rec.pid
+        rec.pgid = status.get("pgid") or rec.pgid
+        rec.exit_code = status.get("exit_code", rec.exit_code)
+        rec.restarts = int(status.get("restarts") or 0)
+        rec.detail.update({
+            "reason": status.get("reason"), "exit_codes": status.get("exit_codes") or {},
+            "agent_pid": status.get("agent_pid"), "started": status.get("started"),
+            "ended": status.get("ended"), "group_alive": status.get("group_alive"),
+        })
+        rec.detail.pop("unreachable", None)
+        self.store.upsert_host(rec)
+        if changed:
+            why = f" ({rec.detail['reason']})" if rec.detail.get("reason") else ""
+            self.store.add_event(rec.job_id, "host-state", f"{rec.role} {state.lower()}{why}",
+                                 cluster=rec.cluster, host=rec.host)
+
+    # -- stop -------------------------------------------------------------------------------
+    def stop(self, ref: str, *, grace: float = 10.0, force: bool = False) -> StopReport:
+        """End every process group of the job on every host. Ending an ended job is fine."""
+        snap = self.refresh(ref)
+        report = StopReport(job=snap.job)
+        groups = self._by_machine(snap.hosts)
+        args = ["stop", "--grace", str(grace)] + (["--force"] if force else [])
+        self.store.add_event(snap.job.id, "stop", f"stop requested (grace {grace:g} s)")
+        failures: dict[object, object] = {}
+        try:
+            answers = fanout(
+                list(groups),
+                lambda k: self._agent_call(groups[k], *args, timeout=grace + 60),
+                timeout=grace + 90,
+            )
+        except GroupError as exc:
+            answers = {k: v for k, v in exc.results.items() if isinstance(v, list)}
+            failures = dict(exc.failures)
+        for key, replies in answers.items():
+            for rec, reply in zip(groups[key], replies, strict=True):
+                was_active = rec.state not in END_STATES
+                self._apply_status(rec, reply)
+                report.swept += len(reply.get("swept") or [])
+                (report.stopped if was_active else report.already_ended).append(rec)
+        hosts = self.store.hosts(snap.job.id)
+        if snap.job.state not in END_STATES or report.stopped:
+            final = "STOPPED" if not any(h.state in ("FAILED", "LOST") for h in report.stopped) \
+                else "FAILED"
+            self.store.set_job_state(snap.job.id, final if report.stopped else
+                                     job_state(hosts, snap.job.state))
+        report.job = self.store.get_job(snap.job.id)
+        if failures:
+            def label(key: object) -> str:
+                return ", ".join(sorted({f"{r.cluster}/{r.host}" for r in groups[key]}))  # type: ignore[index]
+
+            raise GroupError({**{label(k): "stopped" for k in answers},
+                              **{label(k): v for k, v in failures.items()}})
+        return report
+
+    # -- logs and metrics -------------------------------------------------------------------
+    def follow_logs(self, ref: str, **filters: Any) -> LogFollower:
+        job = self.store.get_job(ref)
+        return LogFollower(self.store.hosts(job.id), self.transport_of, **filters)
+
+    def follow_metrics(self, ref: str) -> MetricsFollower:
+        job = self.store.get_job(ref)
+        return MetricsFollower(self.store.hosts(job.id), self.transport_of)

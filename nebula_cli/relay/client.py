@@ -10,13 +10,11 @@ fast); the relay compresses for the WAN. Protocol (frames of :mod:`nebula_cli.re
     STATE_REQUEST {op: fetch}                       -> STATE {op: state, round|null, numel} + chunks
     BYE
 
-A tensor travels as a header frame (no payload) and then frames of the same type with meta
-``{"lo": offset}`` and up to ``CHUNK_NUMEL`` fp32 elements each, in order.
+Tensors travel as :mod:`nebula_cli.relay.framing` lays them out (a header frame, then chunks).
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import socket
@@ -32,24 +30,20 @@ import torch
 from nebula_cli.errors import NebulaError
 from nebula_cli.pki import CertPair, PeerRejected, client_context, wrap_client
 from nebula_cli.relay.config import parse_addr
-from nebula_cli.relay.wire import (
-    HEADER_SIZE,
-    ConnectionClosed,
-    Frame,
-    FrameType,
-    WireError,
-    decode_meta,
-    encode_frame,
-    parse_header,
-    recv_frame,
-    tune_socket,
+from nebula_cli.relay.framing import (
+    CHUNK_NUMEL,
+    SOCKET_BUFFER,
+    recv_tensor,
+    send_frames,
+    tensor_frames,
+    tune_buffers,
 )
+from nebula_cli.relay.wire import ConnectionClosed, Frame, FrameType, WireError, recv_frame
 
 log = logging.getLogger("nebula.relay.client")
 
-CHUNK_NUMEL = 4 << 20
-"""fp32 elements per frame on the local hop (16 MiB)."""
-SOCKET_BUFFER = 4 << 20
+__all__ = ["CHUNK_NUMEL", "SOCKET_BUFFER", "RelayClient", "RelayError", "RoundResult",
+           "recv_tensor", "send_frames", "tensor_frames", "tune_buffers"]
 
 
 class RelayError(NebulaError):
@@ -79,77 +73,6 @@ class RoundResult:
     """Clusters whose contribution was refused (non-finite, wrong size)."""
     missing: list[str] = field(default_factory=list)
     """Clusters not ready by the deadline."""
-
-
-# ---------------------------------------------------------------------- tensors on a socket
-
-
-def tensor_frames(ftype: FrameType, meta: dict[str, Any], tensor: torch.Tensor,
-                  chunk_numel: int = CHUNK_NUMEL) -> list[Frame]:
-    """A header frame carrying ``meta`` + ``numel``, then the tensor's bytes in chunk frames."""
-    flat = tensor.detach().to(device="cpu", dtype=torch.float32).reshape(-1).contiguous()
-    frames = [Frame(ftype, {**meta, "numel": flat.numel()})]
-    data = memoryview(flat.numpy()).cast("B")
-    for lo in range(0, flat.numel(), chunk_numel):
-        hi = min(lo + chunk_numel, flat.numel())
-        frames.append(Frame(ftype, {"lo": lo}, data[4 * lo : 4 * hi]))
-    return frames
-
-
-def send_frames(sock: socket.socket, frames: list[Frame]) -> int:
-    """sendall every frame (payloads not copied); returns the bytes written."""
-    total = 0
-    for frame in frames:
-        for part in encode_frame(frame):
-            sock.sendall(part)
-            total += memoryview(part).nbytes
-    return total
-
-
-def recv_tensor(sock: socket.socket, ftype: FrameType, numel: int,
-                max_numel: int = 1 << 34) -> torch.Tensor:
-    """Read the chunk frames of a tensor of ``numel`` elements announced by a header frame."""
-    if not isinstance(numel, int) or isinstance(numel, bool) or not 0 <= numel <= max_numel:
-        raise WireError(f"bad tensor size {numel!r}")
-    out = torch.empty(numel, dtype=torch.float32)
-    dest = memoryview(out.numpy()).cast("B") if numel else memoryview(b"")
-    head = bytearray(HEADER_SIZE)
-    got = 0
-    while got < numel:  # each payload lands in place: no per-frame buffer, no copy
-        _recv_exact(sock, memoryview(head))
-        t, meta_len, payload_len = parse_header(head, max_payload=4 * (numel - got))
-        meta = decode_meta(_recv_exact(sock, memoryview(bytearray(meta_len))))
-        if t != ftype or meta.get("lo") != got:
-            raise WireError(f"expected {ftype.name} chunk at element {got}, got {t.name} {meta}")
-        if payload_len == 0 or payload_len % 4:
-            raise WireError(f"bad chunk of {payload_len} bytes at element {got}")
-        _recv_exact(sock, dest[4 * got : 4 * got + payload_len])
-        got += payload_len // 4
-    return out
-
-
-def _recv_exact(sock: socket.socket, view: memoryview) -> memoryview:
-    """Fill ``view`` from ``sock`` (WireError if the connection ends first)."""
-    n = 0
-    while n < len(view):
-        try:
-            k = sock.recv_into(view[n:], len(view) - n)
-        except TimeoutError:
-            raise WireError(f"timed out after {n} of {len(view)} bytes") from None
-        except ssl.SSLEOFError:
-            k = 0
-        if not k:
-            raise WireError(f"connection closed after {n} of {len(view)} bytes of a frame")
-        n += k
-    return view
-
-
-def tune_buffers(sock: socket.socket, size: int = SOCKET_BUFFER) -> None:
-    """TCP_NODELAY and large kernel buffers (bulk transfers of many MB)."""
-    tune_socket(sock)
-    for opt in (socket.SO_SNDBUF, socket.SO_RCVBUF):
-        with contextlib.suppress(OSError):
-            sock.setsockopt(socket.SOL_SOCKET, opt, size)
 
 
 # ---------------------------------------------------------------------- the client

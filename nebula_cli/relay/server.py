@@ -33,7 +33,8 @@ Frames (:mod:`nebula_cli.relay.wire`) on a peer link; ``meta["op"]`` says what a
 
 - HELLO / WELCOME: cluster, job, protocol, codec, block_size, chunk_numel (must match), progress.
 - HEARTBEAT: progress {done, state_round, result_round}; op ping / pong (round-trip time).
-- PEER_CHUNK: op ready / start / behind / abort (round agreement, no payload); op contrib /
+- ROUND: op ready / start / behind / abort (round agreement, no payload).
+- PEER_CHUNK: op contrib /
   avg with one encoded chunk (keyed by round, attempt, coordinator and chunk index).
 - STATE_REQUEST: op result {round} or op state {min_round, wait}; answered with RESULT or
   STATE frames (a header, then fp32 chunks {req, lo}).
@@ -83,7 +84,6 @@ from nebula_cli.relay.allreduce import (
     RoundExchange,
     Schedule,
 )
-from nebula_cli.relay.client import recv_tensor, send_frames, tensor_frames, tune_buffers
 from nebula_cli.relay.codecs import (
     CodecError,
     Encoded,
@@ -94,6 +94,7 @@ from nebula_cli.relay.codecs import (
 )
 from nebula_cli.relay.config import RelayConfig, parse_addr
 from nebula_cli.relay.duplex import DuplexTLS
+from nebula_cli.relay.framing import recv_tensor, send_frames, tensor_frames, tune_buffers
 from nebula_cli.relay.shaping import Shaper
 from nebula_cli.relay.wire import (
     DEFAULT_MAX_PAYLOAD,
@@ -109,7 +110,7 @@ from nebula_cli.relay.wire import (
 
 log = logging.getLogger("nebula.relay")
 
-PROTOCOL = 1
+PROTOCOL = 2  # 2: round control in ROUND frames
 HANDSHAKE_TIMEOUT = 10.0
 BACKOFF_MAX = 5.0
 STARTUP_GRACE = BACKOFF_MAX + 1.0
@@ -694,7 +695,7 @@ class Relay:
             link.state_round = _opt_int(m.get("state_round"))
             link.result_round = _opt_int(m.get("result_round"))
             self._on_progress()
-        elif t == FrameType.PEER_CHUNK:
+        elif t == FrameType.ROUND:
             op = m.get("op")
             if op == "ready":
                 self._on_ready(link.cluster, m)
@@ -710,10 +711,12 @@ class Relay:
                     ex = self.exchanges.get(key)
                 if ex is not None:
                     ex.fail(f"{link.cluster} aborted: {m.get('reason')}")
-            elif op in ("contrib", "avg"):
-                self._on_chunk(link.cluster, frame)
             else:
-                raise WireError(f"unknown PEER_CHUNK op {op!r}")
+                raise WireError(f"unknown ROUND op {op!r}")
+        elif t == FrameType.PEER_CHUNK:
+            if m.get("op") not in ("contrib", "avg"):
+                raise WireError(f"unknown PEER_CHUNK op {m.get('op')!r}")
+            self._on_chunk(link.cluster, frame)
         elif t == FrameType.STATE_REQUEST:
             what = m.get("op")
             if what not in ("result", "state"):
@@ -742,7 +745,7 @@ class Relay:
                 self.behind_rounds.add(round_id)
                 self.cv.notify_all()
         else:
-            self._send_to(cluster, Frame(FrameType.PEER_CHUNK, {"op": "behind", "round": round_id}))
+            self._send_to(cluster, Frame(FrameType.ROUND, {"op": "behind", "round": round_id}))
 
     def _on_ready(self, cluster: str, m: dict[str, Any]) -> None:
         res = self.coordinator.ready(
@@ -755,7 +758,7 @@ class Relay:
 
     def _announce(self, d: Decision) -> None:
         """Send a decision to every connected peer and apply it here."""
-        frame = Frame(FrameType.PEER_CHUNK, {"op": "start", **d.to_meta()})
+        frame = Frame(FrameType.ROUND, {"op": "start", **d.to_meta()})
         for c in self.connected():
             self._send_to(c, frame)
         self._on_decision(d)
@@ -1007,7 +1010,7 @@ class Relay:
                     continue
             if coord == self.me:
                 self._on_ready(self.me, meta)
-            elif not self._send_to(coord, Frame(FrameType.PEER_CHUNK, meta)):
+            elif not self._send_to(coord, Frame(FrameType.ROUND, meta)):
                 sent_to = None
                 time.sleep(0.05)
 
@@ -1075,7 +1078,7 @@ class Relay:
             self.cv.notify_all()
         if not ex.done:
             for c in sched.others:
-                self._send_to(c, Frame(FrameType.PEER_CHUNK, {
+                self._send_to(c, Frame(FrameType.ROUND, {
                     "op": "abort", "round": d.round, "attempt": d.attempt,
                     "coord": d.coordinator, "reason": ex.error}))
         elif ex.dropped or ex.zeroed:

@@ -63,11 +63,12 @@ class FrameType(IntEnum):
     HEARTBEAT = 3  # liveness signal on an otherwise idle connection; no payload
     CONTRIB = 4  # one chunk of a cluster's encoded update for a round (worker -> relay)
     RESULT = 5  # one chunk of the averaged update for a round (relay -> worker)
-    PEER_CHUNK = 6  # one encoded chunk exchanged between relays during an all-reduce
+    PEER_CHUNK = 6  # one encoded chunk exchanged between relays during an all-reduce (data only)
     STATE_REQUEST = 7  # ask for the current global state (a cluster that is catching up)
     STATE = 8  # one chunk of a global state (answer to STATE_REQUEST, or published by a worker)
     ERROR = 9  # the sender refuses something; meta["reason"] says what; a close usually follows
     BYE = 10  # orderly goodbye: the sender sends nothing more and closes
+    ROUND = 11  # round control between relays (ready / start / behind / abort); no payload
 
 
 @dataclass

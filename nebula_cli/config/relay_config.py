@@ -1,0 +1,198 @@
+"""RelayConfig: the relay's part of the job plan (relay.json, written at launch, 0600)."""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+from nebula_cli.errors import NebulaError
+
+
+class RelayConfigError(NebulaError):
+    """A relay.json that cannot be used (unknown key, wrong type, inconsistent clusters)."""
+
+
+def parse_addr(addr: str) -> tuple[str, int]:
+    """"host:port" (or "[v6]:port") -> (host, port); RelayConfigError if malformed."""
+    host, sep, port = str(addr).rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 <= int(port) <= 65535:
+        raise RelayConfigError(f"address {addr!r} is not host:port")
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    return host, int(port)
+
+
+@dataclass
+class TlsFiles:
+    """This relay's PEM files: the job CA, its certificate and its private key."""
+
+    ca: str
+    cert: str
+    key: str
+
+
+@dataclass
+class ShapingConfig:
+    """WAN emulation on outgoing peer traffic (local runs, demos, benchmarks); off by default."""
+
+    rate_mbit: float | None = None
+    """Outgoing rate per peer link in Mbit/s (token bucket); None = unlimited."""
+    delay_ms: float = 0.0
+    """One-way delay added in user space to every frame sent to a peer."""
+
+
+@dataclass
+class RelayConfig:
+    """One relay's configuration; `load`/`dump` read and write relay.json (unknown keys refused)."""
+
+    job_id: str
+    cluster: str
+    """This relay's cluster."""
+    clusters: list[str]
+    """All clusters of the job, in spec order. A cluster dials every cluster listed before it."""
+    peer_listen: str
+    """host:port where relays of later clusters dial this relay (the WAN side)."""
+    worker_listen: str
+    """host:port where this cluster's workers (RelayClient) connect."""
+    peers: dict[str, str]
+    """cluster -> host:port of its peer_listen, for every other cluster."""
+    tls: TlsFiles
+    codec: str = "int8"
+    """Codec of the WAN hop (none, fp16, bf16, int8)."""
+    error_feedback: bool = False
+    """Keep the codec's rounding error and add it to the next round's contribution."""
+    block_size: int = 256
+    """Block of the int8 codec (one absmax scale per block)."""
+    round_timeout: float = 60.0
+    """Seconds from the arrival of the local contribution until the round goes ahead without
+    the clusters not ready by then."""
+    heartbeat: float = 5.0
+    """Seconds between heartbeats on an idle peer link; a link silent for 3x this is dead."""
+    shaping: ShapingConfig = field(default_factory=ShapingConfig)
+    status_file: str | None = None
+    """JSON status rewritten (atomic rename) after each round and on peer changes."""
+    metrics_file: str | None = None
+    """JSON lines, one per round."""
+    chunk_numel: int = 1 << 20
+    """Elements per chunk: the unit that is encoded, sent and decoded (pipelined); rounded down
+    to a multiple of block_size."""
+
+    def __post_init__(self) -> None:
+        if isinstance(self.tls, dict):
+            self.tls = _build(TlsFiles, self.tls, "tls")
+        if isinstance(self.shaping, dict):
+            self.shaping = _build(ShapingConfig, self.shaping, "shaping")
+        self.validate()
+
+    # ------------------------------------------------------------------ checks
+
+    def validate(self) -> None:
+        """Raise RelayConfigError on anything inconsistent."""
+        _type("job_id", self.job_id, str)
+        _type("cluster", self.cluster, str)
+        if not isinstance(self.clusters, list) or not all(isinstance(c, str)
+                                                          for c in self.clusters):
+            raise RelayConfigError("clusters: expected a list of cluster names")
+        if len(set(self.clusters)) != len(self.clusters):
+            raise RelayConfigError(f"clusters: a cluster is listed twice: {self.clusters}")
+        if self.cluster not in self.clusters:
+            raise RelayConfigError(f"cluster {self.cluster!r} is not in clusters {self.clusters}")
+        if not isinstance(self.peers, dict):
+            raise RelayConfigError("peers: expected a mapping cluster -> host:port")
+        expected = set(self.clusters) - {self.cluster}
+        if set(self.peers) != expected:
+            raise RelayConfigError(
+                f"peers: expected an address for each of {sorted(expected)}, "
+                f"got {sorted(self.peers)}"
+            )
+        for addr in [self.peer_listen, self.worker_listen, *self.peers.values()]:
+            parse_addr(addr)
+        for name in ("round_timeout", "heartbeat"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+                raise RelayConfigError(
+                    f"{name}: expected a positive number of seconds, got {value!r}")
+        for name in ("block_size", "chunk_numel"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise RelayConfigError(f"{name}: expected a positive integer, got {value!r}")
+        _type("codec", self.codec, str)
+        _type("error_feedback", self.error_feedback, bool)
+        rate = self.shaping.rate_mbit
+        if rate is not None and (isinstance(rate, bool) or not isinstance(rate, (int, float))
+                                 or rate <= 0):
+            raise RelayConfigError(
+                f"shaping.rate_mbit: expected a positive number or null, got {rate!r}")
+        delay = self.shaping.delay_ms
+        if isinstance(delay, bool) or not isinstance(delay, (int, float)) or delay < 0:
+            raise RelayConfigError(f"shaping.delay_ms: expected a number >= 0, got {delay!r}")
+
+    # ------------------------------------------------------------------ derived
+
+    @property
+    def dials(self) -> list[str]:
+        """Peers this relay dials: the clusters listed before it (one connection per pair)."""
+        return self.clusters[: self.clusters.index(self.cluster)]
+
+    @property
+    def accepts(self) -> list[str]:
+        """Peers that dial this relay: the clusters listed after it."""
+        return self.clusters[self.clusters.index(self.cluster) + 1 :]
+
+    # ------------------------------------------------------------------ files
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> RelayConfig:
+        return _build(cls, data, "relay config")
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def load(cls, path: str | Path) -> RelayConfig:
+        """Read relay.json; relative file paths in it are taken relative to its directory."""
+        path = Path(path)
+        try:
+            data = json.loads(path.read_text())
+        except OSError as exc:
+            raise RelayConfigError(f"cannot read {path}: {exc.strerror or exc}") from exc
+        except json.JSONDecodeError as exc:
+            raise RelayConfigError(f"{path}:{exc.lineno}:{exc.colno}: {exc.msg}") from exc
+        if not isinstance(data, dict):
+            raise RelayConfigError(f"{path}: expected a JSON object")
+        cfg = cls.from_dict(data)
+        base = path.resolve().parent
+        for holder, name in [(cfg.tls, "ca"), (cfg.tls, "cert"), (cfg.tls, "key"),
+                             (cfg, "status_file"), (cfg, "metrics_file")]:
+            value = getattr(holder, name)
+            if value and not os.path.isabs(value):
+                setattr(holder, name, str(base / value))
+        return cfg
+
+    def dump(self, path: str | Path) -> None:
+        """Write relay.json (atomically)."""
+        path = Path(path)
+        tmp = path.with_name(f".{path.name}.tmp")
+        tmp.write_text(json.dumps(self.to_dict(), indent=2) + "\n")
+        os.replace(tmp, path)
+
+
+def _type(name: str, value: Any, kind: type) -> None:
+    if not isinstance(value, kind):
+        raise RelayConfigError(f"{name}: expected {kind.__name__}, got {value!r}")
+
+
+def _build(cls: type, data: Any, what: str) -> Any:
+    if not isinstance(data, dict):
+        raise RelayConfigError(f"{what}: expected an object, got {data!r}")
+    known = {f.name for f in fields(cls)}
+    unknown = sorted(set(data) - known)
+    if unknown:
+        raise RelayConfigError(f"{what}: unknown key(s) {unknown}; known: {sorted(known)}")
+    try:
+        return cls(**data)
+    except TypeError as exc:  # missing required keys
+        raise RelayConfigError(f"{what}: {exc}") from exc

@@ -1,0 +1,110 @@
+"""Tensors on a connection: the framing both ends of the worker hop (and the relay's peer
+fetches) use, on top of :mod:`nebula_cli.relay.wire`.
+
+A tensor travels as a header frame (meta with ``numel``, no payload) and then frames of the
+same type with meta ``{"lo": offset}`` and up to ``CHUNK_NUMEL`` fp32 elements each, in order.
+The receiver states the largest tensor it accepts (``max_numel``) before anything is allocated.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import ssl
+from typing import Any
+
+import torch
+
+from nebula_cli.relay.wire import (
+    HEADER_SIZE,
+    Frame,
+    FrameType,
+    WireError,
+    decode_meta,
+    encode_frame,
+    parse_header,
+    tune_socket,
+)
+
+CHUNK_NUMEL = 4 << 20
+"""fp32 elements per frame on the local hop (16 MiB)."""
+SOCKET_BUFFER = 4 << 20
+"""Kernel send and receive buffers of relay sockets (bulk transfers of many MB)."""
+MAX_TENSOR_NUMEL = 1 << 34
+"""The largest tensor a receiver accepts when it knows nothing smaller (a client reading what
+its own relay sends); the relay always passes the size it syncs instead."""
+
+
+def tensor_frames(ftype: FrameType, meta: dict[str, Any], tensor: torch.Tensor,
+                  chunk_numel: int = CHUNK_NUMEL) -> list[Frame]:
+    """A header frame carrying ``meta`` + ``numel``, then the tensor's bytes in chunk frames."""
+    flat = tensor.detach().to(device="cpu", dtype=torch.float32).reshape(-1).contiguous()
+    frames = [Frame(ftype, {**meta, "numel": flat.numel()})]
+    data = memoryview(flat.numpy()).cast("B")
+    for lo in range(0, flat.numel(), chunk_numel):
+        hi = min(lo + chunk_numel, flat.numel())
+        frames.append(Frame(ftype, {"lo": lo}, data[4 * lo : 4 * hi]))
+    return frames
+
+
+def send_frames(sock: socket.socket, frames: list[Frame]) -> int:
+    """sendall every frame (payloads not copied); returns the bytes written."""
+    total = 0
+    for frame in frames:
+        for part in encode_frame(frame):
+            sock.sendall(part)
+            total += memoryview(part).nbytes
+    return total
+
+
+def check_numel(numel: Any, max_numel: int) -> int:
+    """``numel`` if it is an int in [0, max_numel], else WireError saying what was declared."""
+    if not isinstance(numel, int) or isinstance(numel, bool) or not 0 <= numel <= max_numel:
+        raise WireError(f"bad tensor size {numel!r} (at most {max_numel} elements accepted)")
+    return numel
+
+
+def recv_tensor(sock: socket.socket, ftype: FrameType, numel: int,
+                max_numel: int = MAX_TENSOR_NUMEL) -> torch.Tensor:
+    """Read the chunk frames of a tensor of ``numel`` elements announced by a header frame;
+    nothing is allocated unless ``numel <= max_numel``."""
+    numel = check_numel(numel, max_numel)
+    out = torch.empty(numel, dtype=torch.float32)
+    dest = memoryview(out.numpy()).cast("B") if numel else memoryview(b"")
+    head = bytearray(HEADER_SIZE)
+    got = 0
+    while got < numel:  # each payload lands in place: no per-frame buffer, no copy
+        recv_exact(sock, memoryview(head))
+        t, meta_len, payload_len = parse_header(head, max_payload=4 * (numel - got))
+        meta = decode_meta(recv_exact(sock, memoryview(bytearray(meta_len))))
+        if t != ftype or meta.get("lo") != got:
+            raise WireError(f"expected {ftype.name} chunk at element {got}, got {t.name} {meta}")
+        if payload_len == 0 or payload_len % 4:
+            raise WireError(f"bad chunk of {payload_len} bytes at element {got}")
+        recv_exact(sock, dest[4 * got : 4 * got + payload_len])
+        got += payload_len // 4
+    return out
+
+
+def recv_exact(sock: socket.socket, view: memoryview) -> memoryview:
+    """Fill ``view`` from ``sock`` (WireError if the connection ends first)."""
+    n = 0
+    while n < len(view):
+        try:
+            k = sock.recv_into(view[n:], len(view) - n)
+        except TimeoutError:
+            raise WireError(f"timed out after {n} of {len(view)} bytes") from None
+        except ssl.SSLEOFError:
+            k = 0
+        if not k:
+            raise WireError(f"connection closed after {n} of {len(view)} bytes of a frame")
+        n += k
+    return view
+
+
+def tune_buffers(sock: socket.socket, size: int = SOCKET_BUFFER) -> None:
+    """TCP_NODELAY and large kernel buffers (bulk transfers of many MB)."""
+    tune_socket(sock)
+    for opt in (socket.SO_SNDBUF, socket.SO_RCVBUF):
+        with contextlib.suppress(OSError):
+            sock.setsockopt(socket.SOL_SOCKET, opt, size)

@@ -1,0 +1,58 @@
+"""``python -m nebula_cli.relay --config relay.json``: run this cluster's relay until SIGTERM or
+SIGINT; exit 0 on a clean stop, 1 if it cannot start (a port taken), 2 on a bad config."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import threading
+from typing import Any
+
+from nebula_cli.errors import NebulaError
+from nebula_cli.relay.config import RelayConfig
+
+log = logging.getLogger("nebula.relay")
+
+
+def main(argv: list[str] | None = None, prog: str = "python -m nebula_cli.relay") -> int:
+    """Entry point: run a relay until SIGTERM/SIGINT; 0 on a clean stop, 2 on a bad config."""
+    from nebula_cli.relay.server import Relay
+
+    parser = argparse.ArgumentParser(prog=prog, description="nebula gradient relay of one cluster")
+    parser.add_argument("--config", required=True, help="path of relay.json")
+    parser.add_argument("--log-level", default=os.environ.get("NEBULA_RELAY_LOG", "INFO"))
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        cfg = RelayConfig.load(args.config)
+        relay = Relay(cfg)
+    except NebulaError as exc:
+        log.error("%s", exc)
+        return 2
+    stop = threading.Event()
+
+    def on_signal(signum: int, _frame: Any) -> None:
+        log.info("signal %d: stopping", signum)
+        stop.set()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    try:
+        relay.start()
+    except NebulaError as exc:
+        log.error("%s", exc)
+        return 1
+    try:
+        while not stop.wait(0.5):
+            pass
+    finally:
+        relay.stop()
+    log.info("relay %s stopped", cfg.cluster)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

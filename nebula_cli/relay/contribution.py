@@ -1,0 +1,82 @@
+"""This cluster's contribution to a round: checked before it is sent, encoded chunk by chunk
+in the background (:class:`OwnChunks`) while the exchange already runs, and decoded without a
+copy when the codec is "none"."""
+
+from __future__ import annotations
+
+import math
+import threading
+import warnings
+from typing import Any
+
+import torch
+
+from nebula_cli.relay.allreduce import ExchangeError
+from nebula_cli.relay.codecs import Codec, CodecError, Encoded, ErrorFeedback, iter_chunks
+
+
+def check_contribution(x: torch.Tensor, codec: Codec) -> str:
+    """Why ``x`` may not be sent ("" if it may): non-finite, or beyond the codec's range."""
+    if not x.numel():
+        return ""
+    lo, hi = float(x.amin()), float(x.amax())
+    if not (math.isfinite(lo) and math.isfinite(hi)):
+        return "non-finite values (NaN or inf)"
+    limit = getattr(codec, "limit", math.inf)
+    if max(-lo, hi) > limit:
+        return f"values beyond the {codec.name} range (|x| <= {limit:g})"
+    return ""
+
+
+def decode(codec: Codec, enc: Encoded) -> torch.Tensor:
+    """The codec's decode; for "none" a view of the received buffer (no copy)."""
+    if enc.codec == "none" and codec.name == "none" and not enc.meta:
+        view = memoryview(enc.payload).cast("B")
+        if view.nbytes != 4 * enc.numel:
+            raise CodecError(f"none: payload of {view.nbytes} bytes for {enc.numel} elements")
+        if enc.numel == 0:
+            return torch.empty(0)
+        with warnings.catch_warnings():  # read-only buffers (own chunks) are only read
+            warnings.simplefilter("ignore", UserWarning)
+            return torch.frombuffer(view, dtype=torch.float32)
+    return codec.decode(enc)
+
+
+class OwnChunks:
+    """This relay's encoded contribution, produced chunk by chunk by a background encoder."""
+
+    def __init__(self, x: torch.Tensor, chunk_numel: int, align: int, codec: Any,
+                 feedback: ErrorFeedback | None) -> None:
+        self.chunks: list[Encoded] = []
+        self.error: str | None = None
+        self._cv = threading.Condition()
+        self._thread = threading.Thread(
+            target=self._run, args=(x, chunk_numel, align, codec, feedback),
+            name="relay-encoder", daemon=True)
+        self._thread.start()
+
+    def _run(self, x: torch.Tensor, chunk_numel: int, align: int, codec: Any,
+             feedback: ErrorFeedback | None) -> None:
+        try:
+            for k, chunk in enumerate(iter_chunks(x, chunk_numel, align=align)):
+                if codec.name == "none":  # fp32 as is: the payload is a view, no copy
+                    enc = Encoded("none", chunk.numel(), {}, memoryview(chunk.numpy()).cast("B"))
+                elif feedback is not None:
+                    enc = feedback.encode(chunk, key=k)
+                else:
+                    enc = codec.encode(chunk)
+                with self._cv:
+                    self.chunks.append(enc)
+                    self._cv.notify_all()
+        except CodecError as exc:
+            with self._cv:
+                self.error = str(exc)
+                self._cv.notify_all()
+
+    def get(self, k: int, timeout: float) -> Encoded:
+        with self._cv:
+            if not self._cv.wait_for(lambda: len(self.chunks) > k or self.error, timeout):
+                raise ExchangeError(f"encoding chunk {k} took longer than {timeout:g}s")
+            if len(self.chunks) > k:
+                return self.chunks[k]
+            raise ExchangeError(f"encoding failed: {self.error}")

@@ -1,0 +1,354 @@
+"""Who this relay is connected to: listening, accepting and dialing peers, the hello, and the
+table of live links (one per peer cluster; a newer connection replaces an older one).
+
+The cluster listed *later* in ``clusters`` dials the earlier one (reconnecting with
+exponential backoff, capped at BACKOFF_MAX). Peers must present a relay certificate of this job
+for a cluster that dials this relay, and a HELLO whose protocol, job, codec, block size and
+chunk size match. A listener holds at most MAX_HANDSHAKES connections between accept and the
+end of their hello (MAX_HANDSHAKES_PER_ADDRESS from one address); further connections are
+closed at once and logged. A link silent for 3 heartbeats is closed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import logging
+import socket
+import ssl
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from nebula_cli.errors import NebulaError
+from nebula_cli.pki import PeerRejected, wrap_client, wrap_server
+from nebula_cli.relay.config import RelayConfig, parse_addr
+from nebula_cli.relay.framing import send_frames, tune_buffers
+from nebula_cli.relay.limits import (
+    HANDSHAKE_TIMEOUT,
+    MAX_HANDSHAKES,
+    MAX_HANDSHAKES_PER_ADDRESS,
+    Gate,
+    Refusals,
+)
+from nebula_cli.relay.link import LinkDown, PeerLink, peer_addr, refuse
+from nebula_cli.relay.wire import Frame, FrameType, WireError, recv_frame
+
+log = logging.getLogger("nebula.relay")
+
+PROTOCOL = 2  # 2: round control in ROUND frames, sync size in HELLO
+BACKOFF_MAX = 5.0
+COMPATIBLE = ("protocol", "job_id", "codec", "block_size", "chunk_numel")
+
+
+class Listener:
+    """A listening socket whose connections are handed to ``handshake(sock, addr)`` on a
+    thread each, at most MAX_HANDSHAKES at once; ``handshake`` returns what to run once the
+    slot is given back (a worker's session), or None."""
+
+    def __init__(self, addr: str, handshake: Callable[[socket.socket, str],
+                                                      Callable[[], None] | None],
+                 refusals: Refusals, stopping: threading.Event) -> None:
+        host, port = parse_addr(addr)
+        try:
+            self.sock = socket.create_server((host, port), backlog=64)
+        except OSError as exc:
+            raise NebulaError(f"relay cannot listen on {addr}: {exc.strerror or exc}") from exc
+        self.sock.settimeout(0.5)
+        self.addr = addr
+        self._handshake, self._refusals, self._stopping = handshake, refusals, stopping
+        self.gate = Gate(MAX_HANDSHAKES, MAX_HANDSHAKES_PER_ADDRESS)
+        self.thread = threading.Thread(target=self._loop, name=f"relay-accept-{port}",
+                                       daemon=True)
+
+    def start(self) -> None:
+        self.thread.start()
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):
+            self.sock.shutdown(socket.SHUT_RDWR)  # wakes a blocked accept()
+        self.sock.close()
+
+    def _loop(self) -> None:
+        while not self._stopping.is_set():
+            try:
+                sock, where = self.sock.accept()
+            except TimeoutError:
+                continue
+            except OSError:
+                if self._stopping.is_set():
+                    return
+                time.sleep(0.1)
+                continue
+            ip = str(where[0])
+            if not self.gate.enter(ip):
+                self._refusals.refuse("connection", peer_addr(sock),
+                                      f"{self.gate.held} handshakes in progress on "
+                                      f"{self.addr} (at most {MAX_HANDSHAKES}, "
+                                      f"{MAX_HANDSHAKES_PER_ADDRESS} per address)")
+                with contextlib.suppress(OSError):
+                    sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\1\0\0\0\0\0\0\0")
+                sock.close()
+                continue
+            sock.settimeout(None)
+            tune_buffers(sock)
+            threading.Thread(target=self._run, args=(sock, ip), name="relay-conn",
+                             daemon=True).start()
+
+    def _run(self, sock: socket.socket, ip: str) -> None:
+        try:
+            then = self._handshake(sock, peer_addr(sock))
+        finally:
+            self.gate.leave(ip)
+        if then is not None:
+            then()
+
+
+class Peers:
+    """The live peer links of one relay. ``make_link(cluster, sock, hello)`` builds a link
+    wired to the relay; ``on_up(link)`` / ``on_down(link, reason)`` run (outside any lock)
+    when the current link of a cluster changes."""
+
+    def __init__(self, cfg: RelayConfig, server_ctx: ssl.SSLContext,
+                 client_ctx: ssl.SSLContext, *, hello: Callable[[], dict[str, Any]],
+                 make_link: Callable[[str, ssl.SSLSocket, dict[str, Any]], PeerLink],
+                 on_up: Callable[[PeerLink], None], on_down: Callable[[PeerLink, str], None],
+                 refusals: Refusals, stopping: threading.Event) -> None:
+        self.cfg, self.me = cfg, cfg.cluster
+        self.server_ctx, self.client_ctx = server_ctx, client_ctx
+        self._hello, self._make_link = hello, make_link
+        self._on_up, self._on_down = on_up, on_down
+        self.refusals, self.stopping = refusals, stopping
+        self.order = {c: i for i, c in enumerate(cfg.clusters)}
+        self.lock = threading.Lock()
+        self.changed = threading.Condition(self.lock)
+        self.links: dict[str, PeerLink] = {}
+        self.ever_linked: set[str] = set()
+        self.closed_bytes = [0, 0]  # bytes of links that are gone
+        self.pings: dict[int, list[float]] = {}
+        self._ids = itertools.count(1)
+        self.threads: list[threading.Thread] = []
+
+    # ------------------------------------------------------------------ connecting
+
+    def hello_meta(self) -> dict[str, Any]:
+        return {"role": "relay", "cluster": self.me, "job_id": self.cfg.job_id,
+                "protocol": PROTOCOL, "codec": self.cfg.codec, "block_size": self.cfg.block_size,
+                "chunk_numel": self.cfg.chunk_numel, **self._hello()}
+
+    def incompatible(self, meta: dict[str, Any]) -> str | None:
+        mine = self.hello_meta()
+        for key in COMPATIBLE:
+            if meta.get(key) != mine[key]:
+                return f"{key} {meta.get(key)!r} differs from this relay's {mine[key]!r}"
+        return None
+
+    def start_dialing(self) -> None:
+        for peer in self.cfg.dials:
+            t = threading.Thread(target=self._dial_loop, args=(peer,),
+                                 name=f"relay-dial-{peer}", daemon=True)
+            t.start()
+            self.threads.append(t)
+
+    def accept(self, sock: socket.socket, addr: str) -> None:
+        """A connection on the peer port: TLS, certificate, HELLO, then a link."""
+        try:
+            tls, ident = wrap_server(sock, self.server_ctx, job_id=self.cfg.job_id,
+                                     roles={"relay"}, timeout=HANDSHAKE_TIMEOUT)
+        except PeerRejected:
+            return  # pki logged the reason and the address
+        try:
+            if ident.cluster not in self.cfg.accepts:
+                why = ("is not a cluster of this job" if ident.cluster not in self.order
+                       else "must be dialed by this relay, not dial it")
+                log.warning("refused peer %s: relay of cluster %s %s", addr, ident.cluster, why)
+                refuse(tls, f"cluster {ident.cluster} {why}")
+                return
+            tls.settimeout(HANDSHAKE_TIMEOUT)
+            hello = recv_frame(tls, max_payload=0)
+            reason = (f"expected HELLO, got {hello.type.name}" if hello.type != FrameType.HELLO
+                      else self.incompatible(hello.meta))
+            if reason or hello.meta.get("cluster") != ident.cluster:
+                reason = reason or "HELLO names another cluster than its certificate"
+                log.warning("refused peer %s (%s): %s", addr, ident.cluster, reason)
+                refuse(tls, reason)
+                return
+            send_frames(tls, [Frame(FrameType.WELCOME, self.hello_meta())])
+        except (OSError, WireError) as exc:
+            log.warning("peer %s (%s) lost during hello: %s", addr, ident.cluster, exc)
+            tls.close()
+            return
+        self._add(ident.cluster, tls, hello.meta)
+
+    def _dial_loop(self, peer: str) -> None:
+        host, port = parse_addr(self.cfg.peers[peer])
+        delay, failures = 0.1, 0
+        while not self.stopping.is_set():
+            with self.lock:
+                link = self.links.get(peer)
+                if link is not None and not link.closed:
+                    self.changed.wait(1.0)
+                    continue
+            try:
+                raw = socket.create_connection((host, port), timeout=HANDSHAKE_TIMEOUT)
+                tune_buffers(raw)
+                tls, _ = wrap_client(raw, self.client_ctx, job_id=self.cfg.job_id,
+                                     roles={"relay"}, cluster=peer, timeout=HANDSHAKE_TIMEOUT)
+                try:
+                    tls.settimeout(HANDSHAKE_TIMEOUT)
+                    send_frames(tls, [Frame(FrameType.HELLO, self.hello_meta())])
+                    welcome = recv_frame(tls, max_payload=0)
+                    if welcome.type == FrameType.ERROR:
+                        raise NebulaError(f"refused: {welcome.meta.get('reason')}")
+                    if welcome.type != FrameType.WELCOME:
+                        raise WireError(f"expected WELCOME, got {welcome.type.name}")
+                    reason = self.incompatible(welcome.meta)
+                    if reason:
+                        raise NebulaError(reason)
+                except BaseException:
+                    tls.close()
+                    raise
+                self._add(peer, tls, welcome.meta)
+                delay, failures = 0.1, 0
+            except (OSError, NebulaError) as exc:
+                failures += 1
+                loud = failures in (1, 10) or failures % 100 == 0
+                log.log(logging.WARNING if loud else logging.DEBUG,
+                        "cannot reach peer %s at %s (attempt %d): %s; retrying in %.1fs",
+                        peer, self.cfg.peers[peer], failures, exc, delay)
+                self.stopping.wait(delay)
+                delay = min(delay * 2, BACKOFF_MAX)
+
+    def _add(self, cluster: str, sock: ssl.SSLSocket, hello: dict[str, Any]) -> None:
+        link = self._make_link(cluster, sock, hello)
+        with self.lock:
+            if self.stopping.is_set():
+                sock.close()
+                return
+            old = self.links.get(cluster)
+            self.links[cluster] = link
+            self.ever_linked.add(cluster)
+            self.changed.notify_all()
+        if old is not None:
+            old.close("replaced by a new connection")
+        link.start()
+        log.info("peer %s connected (%s); its round %d", cluster, link.addr, link.done)
+        self._on_up(link)
+
+    def closed(self, link: PeerLink, reason: str) -> None:
+        """A link closed (called once per link)."""
+        with self.lock:
+            self.closed_bytes[0] += link.bytes_sent
+            self.closed_bytes[1] += link.bytes_received
+            link.bytes_sent = link.bytes_received = 0
+            current = self.links.get(link.cluster) is link
+            if current:
+                del self.links[link.cluster]
+            self.changed.notify_all()
+        if current:
+            self._on_down(link, reason)
+
+    # ------------------------------------------------------------------ who is there
+
+    def link(self, cluster: str) -> PeerLink | None:
+        with self.lock:
+            return self.links.get(cluster)
+
+    def connected(self) -> list[str]:
+        with self.lock:
+            return sorted(self.links, key=self.order.__getitem__)
+
+    def coordinator(self) -> str:
+        with self.lock:
+            return min([self.me, *self.links], key=self.order.__getitem__)
+
+    def peers_done(self) -> int:
+        with self.lock:
+            return max([-1, *(link.done for link in self.links.values())])
+
+    def all_linked_once(self) -> bool:
+        with self.lock:
+            return len(self.ever_linked) == len(self.cfg.peers)
+
+    def holders(self, round_id: int) -> list[str]:
+        with self.lock:
+            return [c for c, lk in self.links.items() if lk.result_round == round_id]
+
+    def state_sources(self) -> list[tuple[str, int | None]]:
+        with self.lock:
+            links = sorted(self.links.values(), key=lambda lk: -(lk.state_round or -1))
+            return [(lk.cluster, lk.state_round) for lk in links]
+
+    def send(self, cluster: str, frame: Frame, *, bulk: bool = False) -> bool:
+        link = self.link(cluster)
+        if link is None:
+            return False
+        try:
+            link.send(frame, bulk=bulk)
+            return True
+        except LinkDown:
+            return False
+
+    def flush(self, cluster: str, timeout: float) -> None:
+        link = self.link(cluster)
+        if link is not None:
+            link.flush(timeout)
+
+    def broadcast(self, frame: Frame) -> None:
+        for c in self.connected():
+            self.send(c, frame)
+
+    def wan_bytes(self) -> tuple[int, int]:
+        with self.lock:
+            links = list(self.links.values())
+            sent, recv = self.closed_bytes
+        return (sent + sum(lk.bytes_sent for lk in links),
+                recv + sum(lk.bytes_received for lk in links))
+
+    def close_silent(self, silent: float) -> None:
+        """Close every link that received nothing for ``silent`` seconds."""
+        with self.lock:
+            links = list(self.links.values())
+        for link in links:
+            if time.monotonic() - link.last_rx > silent:
+                link.close(f"no traffic for {silent:g}s")
+
+    # ------------------------------------------------------------------ round trips
+
+    def on_pong(self, ping_id: Any) -> None:
+        with self.lock:
+            slot = self.pings.get(ping_id)
+            if slot is not None:
+                slot.append(time.monotonic())
+                self.changed.notify_all()
+
+    def ping(self, cluster: str, timeout: float = 10.0) -> float:
+        """Round-trip time (seconds) of a small frame to a peer and back, through the link."""
+        req = next(self._ids)
+        with self.lock:
+            self.pings[req] = []
+        try:
+            t0 = time.monotonic()
+            if not self.send(cluster, Frame(FrameType.HEARTBEAT, {"op": "ping", "id": req})):
+                raise LinkDown(f"no link to {cluster}")
+            with self.lock:
+                if not self.changed.wait_for(lambda: bool(self.pings[req]), timeout):
+                    raise LinkDown(f"no pong from {cluster} within {timeout:g}s")
+                return self.pings[req][0] - t0
+        finally:
+            with self.lock:
+                self.pings.pop(req, None)
+
+    def stop(self) -> list[PeerLink]:
+        """Say goodbye on every link and close them; the links, to join."""
+        with self.lock:
+            links = list(self.links.values())
+            self.changed.notify_all()
+        for link in links:
+            with contextlib.suppress(LinkDown):
+                link.send(Frame(FrameType.BYE))
+        time.sleep(0.05 if links else 0)
+        for link in links:
+            link.close("relay stopping")
+        return links

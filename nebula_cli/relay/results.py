@@ -1,0 +1,43 @@
+"""What a round leaves behind, as named types: the :class:`Outcome` a worker gets, the
+:class:`Average` a relay keeps (and serves to a peer that missed it), and the
+:class:`GlobalState` a worker published (served to a cluster that catches up)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class Outcome:
+    """What the relay tells its worker at the end of a round."""
+
+    tensor: torch.Tensor
+    present: list[str]
+    round_id: int
+    rejected: list[str] = field(default_factory=list)
+    missing: list[str] = field(default_factory=list)
+    global_state: torch.Tensor | None = None
+    seconds: float = 0.0
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    mode: str = ""
+
+
+@dataclass(frozen=True)
+class Average:
+    """A completed round's average and who was in it."""
+
+    round_id: int
+    present: list[str]
+    rejected: list[str]
+    tensor: torch.Tensor
+
+
+@dataclass(frozen=True)
+class GlobalState:
+    """theta_global after ``round_id``, as a worker published it."""
+
+    round_id: int
+    tensor: torch.Tensor

@@ -1,0 +1,492 @@
+"""The round driver of one relay: agreement, exchange, recovery and catch-up, over a
+:class:`Net` it is handed (the relay's peer links, or an in-memory network in tests): this
+module opens no socket and starts no thread but the contribution's encoder.
+
+A round (see :mod:`nebula_cli.relay.allreduce` for the schedule):
+
+1. The worker's fp32 contribution for round ``r`` arrives (:meth:`Rounds.local_round`); the
+   deadline is ``round_timeout`` from now. A non-finite contribution is rejected (never sent).
+2. If a peer has already completed round ``r`` this cluster is *behind*: it gets round ``r``'s
+   average from a peer that has it, else a peer's published global state.
+3. Otherwise READY(r) goes to the coordinator (the first cluster in the job's order among this
+   relay and its connected peers), which answers START(r, present, rejected, missing) once
+   every cluster is ready or its deadline passed (or BEHIND).
+4. The present relays exchange encoded chunks while the contribution is still being encoded;
+   results are bit-identical on every relay.
+5. A cluster left out (late, or rejected) gets the round's average from a present peer; if
+   nobody is present it gets zeros. If a present peer disappears mid-exchange, the survivors
+   fetch the result from one that completed, else redo the round (at most MAX_ATTEMPTS, then
+   a zero delta). With no peer reachable at all a cluster averages alone.
+
+Round control (ROUND frames, op ready/start/behind/abort) and chunks (PEER_CHUNK) from peers
+come in through :meth:`Rounds.on_control` and :meth:`Rounds.on_chunk`; anything for a round
+too far ahead, a decision a peer did not make, or an early chunk beyond what the sync size
+allows is refused (logged, never held).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from typing import Any, Protocol
+
+import torch
+
+from nebula_cli.relay.allreduce import (
+    BEHIND,
+    Coordinator,
+    Decision,
+    ExchangeError,
+    RoundExchange,
+    Schedule,
+)
+from nebula_cli.relay.codecs import Codec, CodecError, Encoded, ErrorFeedback, chunk_spans
+from nebula_cli.relay.config import RelayConfig
+from nebula_cli.relay.contribution import OwnChunks, check_contribution, decode
+from nebula_cli.relay.limits import (
+    MAX_OPEN_ROUNDS,
+    MAX_ROUNDS_AHEAD,
+    EarlyChunks,
+    LimitExceeded,
+    Refusals,
+)
+from nebula_cli.relay.results import Average, GlobalState, Outcome
+from nebula_cli.relay.round_state import RoundState, after_decision
+from nebula_cli.relay.wire import Frame, FrameType
+
+log = logging.getLogger("nebula.relay")
+
+MAX_ATTEMPTS = 3
+STARTUP_GRACE = 6.0
+"""After a (re)start, a round waits up to this long (from the start) for peers that have not
+been connected yet, so that a restarted relay learns how far its peers are first."""
+
+
+class Net(Protocol):
+    """What the round driver needs of the network (implemented by the relay's peers)."""
+
+    def connected(self) -> list[str]: ...
+    def coordinator(self) -> str: ...
+    def peers_done(self) -> int: ...
+    def all_linked_once(self) -> bool: ...
+    def send(self, cluster: str, frame: Frame, *, bulk: bool = False) -> bool: ...
+    def flush(self, cluster: str, timeout: float) -> None: ...
+    def fetch(self, cluster: str, meta: dict[str, Any], timeout: float
+              ) -> Average | GlobalState | None: ...
+    def holders(self, round_id: int) -> list[str]: ...
+    def state_sources(self) -> list[tuple[str, int | None]]: ...
+    def wan_bytes(self) -> tuple[int, int]: ...
+
+
+class Rounds(RoundState):
+    """One relay's rounds. ``event(msg, *args)`` reports a warning-worthy event;
+    ``finished(request_round, outcome)`` runs after each round."""
+
+    def __init__(self, cfg: RelayConfig, codec: Codec, net: Net, *,
+                 event: Callable[..., None], finished: Callable[[int, Outcome], None],
+                 refusals: Refusals, clock: Callable[[], float] = time.monotonic) -> None:
+        super().__init__()
+        self.cfg, self.me, self.codec, self.net = cfg, cfg.cluster, codec, net
+        self.feedback = ErrorFeedback(codec) if cfg.error_feedback else None
+        self.order = {c: i for i, c in enumerate(cfg.clusters)}
+        self.coordinator = Coordinator(self.me, cfg.clusters, cfg.round_timeout)
+        self.grace = max(2.0, 2 * cfg.heartbeat)
+        self.fetch_timeout = max(120.0, 10 * cfg.round_timeout)
+        self.stall_timeout = max(30.0, 3 * cfg.round_timeout)
+        self.early = EarlyChunks()
+        self._event, self._finished, self._refusals = event, finished, refusals
+        self.clock = clock
+        self.started = clock()
+
+    # ------------------------------------------------------------------ the worker's round
+
+    def local_round(self, round_id: int, x: torch.Tensor) -> Outcome:
+        """Run (or, for a retried request, return again) round ``round_id`` for this cluster."""
+        with self.round_lock:
+            cached = self.outcomes.get(round_id)
+            if cached is not None:
+                return cached
+            t0 = self.clock()
+            sent0, recv0 = self.net.wan_bytes()
+            out = self._run_round(round_id, x)
+            sent1, recv1 = self.net.wan_bytes()
+            out.seconds = self.clock() - t0
+            out.bytes_sent, out.bytes_received = sent1 - sent0, recv1 - recv0
+            self._finish_round(round_id, out)
+            return out
+
+    def _run_round(self, r: int, x: torch.Tensor) -> Outcome:
+        numel = x.numel()
+        reason = check_contribution(x, self.codec)
+        if reason:
+            self._event("round %d: local contribution rejected (%s); it is not sent", r, reason)
+        with self.lock:
+            self.cv.wait_for(lambda: self.net.all_linked_once()
+                             or self.clock() > self.started + STARTUP_GRACE
+                             or self.stopping, max(0.0, self.started + STARTUP_GRACE
+                                                   - self.clock()))
+        deadline = self.clock() + self.cfg.round_timeout
+        if r <= self.newest_done():
+            return self._catch_up(r, numel, "a peer has already completed this round")
+        own = None if reason else OwnChunks(x, self.cfg.chunk_numel, self.cfg.block_size,
+                                            self.codec, self.feedback)
+        self.set_phase(r, "agreeing")
+        attempt = 0
+        while True:
+            d = self._agree(r, attempt, reason, numel, deadline)
+            if d == BEHIND:
+                return self._catch_up(r, numel, "the coordinator says this round is over")
+            if not isinstance(d, Decision):
+                self._event("round %d: no decision from coordinator %s by the deadline", r,
+                            self.net.coordinator())
+                got = self._recover(r, self.net.connected(), numel)
+                if got is not None:
+                    return got
+                return self._alone(r, x if own else None, numel)
+            step = after_decision(self.me, d, own_ok=own is not None)
+            if step != "exchange":
+                why = "late" if self.me in d.missing else "rejected"
+                if step == "empty":
+                    self._event("round %d: this cluster was left out (%s) and nobody is "
+                                "present; zero update", r, why)
+                    return Outcome(torch.zeros(numel), [], r, list(d.rejected),
+                                   list(d.missing), mode="empty")
+                self._event("round %d: this cluster was left out (%s); fetching the average", r,
+                            why)
+                got = self._recover(r, list(d.present), numel)
+                if got is not None:
+                    return got
+                return self._catch_up(r, numel, "no present peer could hand over the average")
+            assert own is not None
+            ex = self._exchange(d, own, numel)
+            if ex.done:
+                return Outcome(ex.result, list(d.present), r, sorted(set(d.rejected) |
+                               ex.dropped), list(d.missing), mode=ex.schedule.mode)
+            self._event("round %d attempt %d failed: %s", r, attempt, ex.error)
+            got = self._recover(r, [c for c in d.present if c != self.me], numel)
+            if got is not None:
+                return got
+            if own.error:
+                reason, own = f"cannot encode: {own.error}", None
+            attempt += 1
+            if attempt >= MAX_ATTEMPTS:
+                self._event("round %d: giving up after %d attempts; zero update", r, attempt)
+                return Outcome(torch.zeros(numel), [], r, mode="failed")
+            deadline = self.clock() + self.cfg.round_timeout
+
+    def _agree(self, r: int, attempt: int, reason: str, numel: int,
+               deadline: float) -> Decision | str | None:
+        """READY to the coordinator; wait for its decision (or BEHIND); None on time-out."""
+        give_up = deadline + self.grace
+        sent_to = None
+        meta = {"op": "ready", "round": r, "attempt": attempt, "ok": not reason, "numel": numel,
+                "reason": reason}
+        while True:
+            with self.lock:
+                d = self.decisions.get((r, sent_to)) if sent_to else None
+                if d is not None and d.attempt >= attempt:
+                    return d
+                if r in self.behind_rounds:
+                    return BEHIND
+                coord = self.net.coordinator()
+                if coord != sent_to:
+                    sent_to = coord
+                else:
+                    now = self.clock()
+                    if now >= give_up or self.stopping:
+                        return None
+                    self.cv.wait(min(give_up - now, 0.5))
+                    continue
+            if coord == self.me:
+                self._on_ready(self.me, meta)
+            elif not self.net.send(coord, Frame(FrameType.ROUND, meta)):
+                sent_to = None
+                time.sleep(0.05)
+
+    def _exchange(self, d: Decision, own: OwnChunks, numel: int) -> RoundExchange:
+        spans = chunk_spans(numel, self.cfg.chunk_numel, align=self.cfg.block_size)
+        sched = Schedule(self.me, d.present, len(spans))
+        key = d.key
+        ex_ref: list[RoundExchange] = []
+
+        def send(dest: str, kind: str, k: int, enc: Encoded | None) -> None:
+            meta = {"op": kind, "round": d.round, "attempt": d.attempt, "coord": d.coordinator,
+                    "k": k}
+            if enc is None:
+                frame = Frame(FrameType.PEER_CHUNK, {**meta, "zero": True})
+            else:
+                frame = Frame(FrameType.PEER_CHUNK, {**meta, **enc.wire_meta()}, enc.payload)
+            if not self.net.send(dest, frame, bulk=True):
+                ex_ref[0].fail(f"no link to {dest}")
+
+        ex = RoundExchange(sched, spans, encode=self.codec.encode,
+                           decode=lambda enc: decode(self.codec, enc), send=send)
+        ex_ref.append(ex)
+        with self.lock:
+            self.exchanges[key] = ex
+            self.phase[d.round] = "exchanging"
+            early = self.early.pop(key)
+        connected = set(self.net.connected())
+        gone = [c for c in sched.others if c not in connected]
+        if gone:
+            ex.fail(f"present peer(s) {gone} not connected")
+        for src, frame in early:
+            self._feed(ex, src, frame)
+        try:
+            for k in range(len(spans)):
+                if ex.error is not None:
+                    break
+                ex.add_own(k, own.get(k, self.stall_timeout))
+            while not ex.wait(0.5):
+                if ex.error is not None:
+                    break
+                if self.stopping:
+                    ex.fail("relay stopping")
+                elif self.clock() - ex.progress_at > self.stall_timeout:
+                    ex.fail(f"no progress for {self.stall_timeout:g}s")
+            if ex.done:  # our own chunks may still be on their way: the round ends when sent
+                for c in sched.others:
+                    self.net.flush(c, self.stall_timeout)
+        except ExchangeError as exc:
+            ex.fail(str(exc))
+        with self.lock:
+            del self.exchanges[key]
+            self.phase[d.round] = "done" if ex.done else "recovering"
+            if ex.done:
+                self.average = Average(d.round, list(d.present),
+                                       sorted(set(d.rejected) | ex.dropped), ex.result)
+            self.cv.notify_all()
+        if not ex.done:
+            for c in sched.others:
+                self.net.send(c, Frame(FrameType.ROUND, {
+                    "op": "abort", "round": d.round, "attempt": d.attempt,
+                    "coord": d.coordinator, "reason": ex.error}))
+        elif ex.dropped or ex.zeroed:
+            self._event("round %d: dropped non-finite chunks from %s, %d average chunk(s) zeroed",
+                        d.round, sorted(ex.dropped), ex.zeroed)
+        return ex
+
+    def _recover(self, r: int, candidates: list[str], numel: int) -> Outcome | None:
+        """Fetch round ``r``'s average from a peer that completed it."""
+        self.set_phase(r, "recovering")
+        for c in sorted(candidates, key=self.order.__getitem__):
+            if c == self.me:
+                continue
+            got = self.net.fetch(c, {"op": "result", "round": r}, self.fetch_timeout)
+            if not isinstance(got, Average) or got.tensor.numel() != numel:
+                continue
+            missing = sorted(set(self.cfg.clusters) - set(got.present) - set(got.rejected))
+            with self.lock:
+                self.average = Average(r, got.present, got.rejected, got.tensor)
+            return Outcome(got.tensor, got.present, r, got.rejected, missing, mode="fetched")
+        return None
+
+    def _catch_up(self, r: int, numel: int, why: str) -> Outcome:
+        """This cluster is behind: a peer's round-r average if one has it, else a global state."""
+        self._event("round %d: this cluster is behind (%s); catching up", r, why)
+        with self.lock:
+            avg = self.average
+        if avg is not None and avg.round_id == r:
+            return Outcome(avg.tensor, avg.present, r, avg.rejected, mode="cached")
+        got = self._recover(r, self.net.holders(r), numel)
+        if got is not None:
+            return got
+        newest = self.newest_done()
+        with self.lock:
+            best = self.state
+        for cluster, _ in self.net.state_sources():
+            if best is not None and best.round_id >= newest:
+                break
+            st = self.net.fetch(cluster, {"op": "state", "min_round": newest,
+                                          "wait": self.cfg.round_timeout}, self.fetch_timeout)
+            if isinstance(st, GlobalState) and (best is None or st.round_id > best.round_id):
+                best = st
+        if best is None:
+            self._event("round %d: no global state available to catch up from; zero update", r)
+            return Outcome(torch.zeros(numel), [], r, mode="failed")
+        log.info("round %d: caught up to round %d from a published global state", r,
+                 best.round_id)
+        return Outcome(torch.zeros(numel), [], best.round_id, global_state=best.tensor,
+                       mode="catch-up")
+
+    def _alone(self, r: int, x: torch.Tensor | None, numel: int) -> Outcome:
+        others = [c for c in self.cfg.clusters if c != self.me]
+        if x is None:
+            return Outcome(torch.zeros(numel), [], r, [self.me], others, mode="alone")
+        avg = decode(self.codec, self.codec.encode(x))
+        with self.lock:
+            self.average = Average(r, [self.me], [], avg)
+        return Outcome(avg, [self.me], r, [], others, mode="alone")
+
+    def _finish_round(self, r: int, out: Outcome) -> None:
+        with self.lock:
+            self.done_round = max(self.done_round, out.round_id)
+            self.outcomes = {k: v for k, v in self.outcomes.items() if k >= r - 1}
+            self.outcomes[r] = out
+            self.early.drop_through(r)
+            self.phase = {k: v for k, v in self.phase.items() if k > r - 8}
+            self.phase[r] = "done"
+            self.behind_rounds = {b for b in self.behind_rounds if b > r}
+            self.cv.notify_all()
+        if out.missing:
+            self._event("round %d: completed without %s (not ready by the deadline)", r,
+                        ", ".join(out.missing))
+        log.info("round %d done in %.2fs (%s): present %s", r, out.seconds, out.mode,
+                 out.present)
+        self._finished(r, out)
+
+    # ------------------------------------------------------------------ from peers
+
+    def on_control(self, src: str, m: dict[str, Any]) -> None:
+        """A ROUND frame from peer ``src`` (KeyError/ValueError on a malformed one)."""
+        op, r = m.get("op"), int(m["round"])
+        newest = self.newest_done()
+        if op in ("ready", "behind", "start") and r > newest + MAX_ROUNDS_AHEAD:
+            self._refusals.refuse("round control", src, f"{op} for round {r}, this relay and "
+                                  f"its peers are at round {newest}")
+            return
+        if op == "ready":
+            self._on_ready(src, m)
+        elif op == "start":
+            d = Decision.from_meta(m)
+            if d.coordinator != src:
+                self._refusals.refuse("round control", src,
+                                      f"a decision of {d.coordinator} relayed by {src}")
+                return
+            self._on_decision(d)
+        elif op == "behind":
+            with self.lock:
+                self.behind_rounds = {b for b in self.behind_rounds
+                                      if b > self.done_round - MAX_OPEN_ROUNDS} | {r}
+                self.cv.notify_all()
+        elif op == "abort":
+            with self.lock:
+                ex = self.exchanges.get((r, int(m["attempt"]), str(m["coord"])))
+            if ex is not None:
+                ex.fail(f"{src} aborted: {m.get('reason')}")
+        else:
+            raise ValueError(f"unknown ROUND op {op!r}")
+
+    def on_chunk(self, src: str, frame: Frame) -> None:
+        """A PEER_CHUNK frame from ``src``: fed to its round's exchange, held briefly if that
+        has not started yet (within limits), else refused."""
+        m = frame.meta
+        key = (int(m["round"]), int(m["attempt"]), str(m["coord"]))
+        with self.lock:
+            ex = self.exchanges.get(key)
+            if ex is None:
+                numel = self.sync.numel if self.sync else None
+                spans = 0 if numel is None else len(chunk_spans(
+                    numel, self.cfg.chunk_numel, align=self.cfg.block_size))
+                try:
+                    self.early.add(key, src, m.get("k"), frame, done=self.done_round,
+                                   sync_numel=numel, num_chunks=spans)
+                except LimitExceeded as exc:
+                    if key[0] > self.done_round:
+                        self._refusals.refuse("chunk", src, str(exc))
+                return
+        self._feed(ex, src, frame)
+
+    def on_progress(self) -> None:
+        """A peer's progress changed (or a link came up): close collections of rounds some
+        relay has already completed, wake waiting rounds."""
+        for round_id, clusters in self.coordinator.behind(self.newest_done()):
+            for c in clusters:
+                self._tell_behind(c, round_id)
+        self.poke()
+
+    def on_link_down(self, cluster: str, reason: str) -> None:
+        with self.lock:
+            for ex in self.exchanges.values():
+                if cluster in ex.schedule.present:
+                    ex.fail(f"lost the link to {cluster}: {reason}")
+            self.cv.notify_all()
+
+    def on_link_up(self) -> None:
+        if self.net.coordinator() != self.me:
+            self.coordinator.drop_open()  # the clusters waiting on it re-send READY
+        self.on_progress()
+
+    def tick(self) -> float | None:
+        """Decide the rounds whose deadline passed; the next deadline (monotonic) or None."""
+        for d in self.coordinator.due(self.clock()):
+            if d.missing or d.rejected:
+                log.info("round %d attempt %d decided: present %s, missing %s, rejected %s",
+                         d.round, d.attempt, list(d.present), list(d.missing), list(d.rejected))
+            self._announce(d)
+        return self.coordinator.next_deadline()
+
+    def _feed(self, ex: RoundExchange, src: str, frame: Frame) -> None:
+        m = frame.meta
+        try:
+            k = int(m["k"])
+            enc = None if m.get("zero") else Encoded.from_wire(m, frame.payload)
+            if enc is not None and enc.codec != self.codec.name:
+                raise ExchangeError(f"chunk encoded with {enc.codec}, expected "
+                                    f"{self.codec.name}")
+            if m["op"] == "contrib":
+                ex.add_contrib(src, k, enc)
+            else:
+                ex.add_avg(src, k, enc)
+        except (ExchangeError, CodecError, KeyError, ValueError) as exc:
+            log.warning("round %s: bad chunk from %s: %s", m.get("round"), src, exc)
+            ex.fail(f"bad chunk from {src}: {exc}")
+
+    def _tell_behind(self, cluster: str, round_id: int) -> None:
+        if cluster == self.me:
+            with self.lock:
+                self.behind_rounds.add(round_id)
+                self.cv.notify_all()
+        else:
+            self.net.send(cluster, Frame(FrameType.ROUND, {"op": "behind", "round": round_id}))
+
+    def _on_ready(self, cluster: str, m: dict[str, Any]) -> None:
+        attempt = int(m["attempt"])
+        if not 0 <= attempt < MAX_ATTEMPTS:
+            raise ValueError(f"READY for attempt {attempt}")
+        res = self.coordinator.ready(
+            int(m["round"]), attempt, cluster, ok=bool(m["ok"]), numel=int(m["numel"]),
+            reason=str(m.get("reason", "")), now=self.clock(), newest_done=self.newest_done())
+        if res == BEHIND:
+            self._tell_behind(cluster, int(m["round"]))
+        elif isinstance(res, Decision):
+            self._announce(res)
+
+    def _announce(self, d: Decision) -> None:
+        """Send a decision to every connected peer and apply it here."""
+        frame = Frame(FrameType.ROUND, {"op": "start", **d.to_meta()})
+        for c in self.net.connected():
+            self.net.send(c, frame)
+        self._on_decision(d)
+
+    def _on_decision(self, d: Decision) -> None:
+        with self.lock:
+            key = (d.round, d.coordinator)
+            old = self.decisions.get(key)
+            if old is None or d.attempt >= old.attempt:
+                self.decisions[key] = d
+            newest = max(k[0] for k in self.decisions)
+            for k in [k for k in self.decisions if k[0] <= newest - MAX_OPEN_ROUNDS]:
+                del self.decisions[k]
+            self.cv.notify_all()
+
+    # ------------------------------------------------------------------ for peers and workers
+
+    def newest_done(self) -> int:
+        with self.lock:
+            own = self.done_round
+        return max(own, self.net.peers_done())
+
+    def best_state(self) -> GlobalState | None:
+        """The newest global state held here or by a connected peer."""
+        with self.lock:
+            best = self.state
+        for cluster, state_round in self.net.state_sources():
+            if state_round is None or (best is not None and best.round_id >= state_round):
+                break
+            st = self.net.fetch(cluster, {"op": "state", "min_round": state_round, "wait": 0},
+                                self.fetch_timeout)
+            if isinstance(st, GlobalState):
+                best = st
+        return best

@@ -1,0 +1,184 @@
+"""The worker port: this cluster's rank 0 (a :class:`nebula_cli.relay.client.RelayClient`)
+connects with a worker certificate of this job and cluster and asks for rounds.
+
+    HELLO {role: worker, cluster[, layout]}         -> WELCOME {cluster, codec, clusters, ...}
+    CONTRIB {op: allreduce, round, numel} + chunks  -> RESULT {round_id, present, ...} + chunks
+                                                       [+ STATE chunks when catching up]
+    STATE {op: publish, round, numel} + chunks      -> STATE {op: stored, round}
+    STATE_REQUEST {op: fetch}                       -> STATE {op: state, round|null, numel} + chunks
+    BYE
+
+The first registration (a HELLO's ``layout`` {shapes, dtypes}, else the first tensor's size)
+fixes what this cluster syncs; a tensor of another size is refused, one larger than that is
+refused before it is read (and the connection closed). At most MAX_WORKER_CONNECTIONS at once.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import socket
+import ssl
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from nebula_cli.pki import PeerRejected, wrap_server
+from nebula_cli.relay.framing import check_numel, recv_tensor, send_frames, tensor_frames
+from nebula_cli.relay.limits import (
+    HANDSHAKE_TIMEOUT,
+    MAX_SYNC_NUMEL,
+    MAX_WORKER_CONNECTIONS,
+    Gate,
+    LimitExceeded,
+    Refusals,
+    SyncSize,
+)
+from nebula_cli.relay.results import GlobalState
+from nebula_cli.relay.rounds import Rounds
+from nebula_cli.relay.wire import ConnectionClosed, Frame, FrameType, WireError, recv_frame
+
+log = logging.getLogger("nebula.relay")
+
+
+class _Refused(Exception):
+    """A request refused with an ERROR frame; ``close``: the stream cannot go on."""
+
+    def __init__(self, reason: str, *, close: bool = False) -> None:
+        super().__init__(reason)
+        self.close = close
+
+
+class WorkerPort:
+    """Serves worker connections. ``welcome()`` is the WELCOME meta; ``published()`` runs
+    after a worker stored a global state."""
+
+    def __init__(self, cluster: str, job_id: str, server_ctx: ssl.SSLContext, rounds: Rounds,
+                 *, welcome: Callable[[], dict[str, Any]], published: Callable[[], None],
+                 refusals: Refusals, stopping: threading.Event) -> None:
+        self.me, self.job_id, self.server_ctx, self.rounds = cluster, job_id, server_ctx, rounds
+        self._welcome, self._published = welcome, published
+        self.refusals, self.stopping = refusals, stopping
+        self.sessions = Gate(MAX_WORKER_CONNECTIONS)
+        self.socks: set[ssl.SSLSocket] = set()
+        self._lock = threading.Lock()
+
+    def handshake(self, sock: socket.socket, addr: str) -> Callable[[], None] | None:
+        """TLS with a worker certificate of this cluster; the session to run, or None."""
+        try:
+            tls, ident = wrap_server(sock, self.server_ctx, job_id=self.job_id,
+                                     roles={"worker"}, cluster=self.me,
+                                     timeout=HANDSHAKE_TIMEOUT)
+        except PeerRejected:
+            return None
+        if not self.sessions.enter("workers"):
+            self.refusals.refuse("worker connection", f"{ident.name} ({addr})",
+                                 f"{MAX_WORKER_CONNECTIONS} workers are connected already")
+            tls.close()
+            return None
+        return lambda: self._session(tls, ident.name, addr)
+
+    def close_all(self) -> None:
+        with self._lock:
+            socks = list(self.socks)
+        for s in socks:
+            with contextlib.suppress(OSError):
+                socket.socket.shutdown(s, socket.SHUT_RDWR)
+
+    def _session(self, tls: ssl.SSLSocket, name: str, addr: str) -> None:
+        with self._lock:
+            self.socks.add(tls)
+        try:
+            tls.settimeout(None)
+            self._serve(tls, name, addr)
+        except ConnectionClosed:
+            pass
+        except (OSError, WireError) as exc:
+            if not self.stopping.is_set():
+                log.warning("worker %s (%s): %s", name, addr, exc)
+        finally:
+            with self._lock:
+                self.socks.discard(tls)
+            self.sessions.leave("workers")
+            tls.close()
+
+    def _serve(self, sock: ssl.SSLSocket, name: str, addr: str) -> None:
+        while not self.stopping.is_set():
+            frame = recv_frame(sock, max_payload=0)
+            try:
+                if not self._handle(sock, frame):
+                    return
+            except _Refused as exc:
+                self.refusals.refuse("worker request", f"{name} ({addr})", str(exc))
+                send_frames(sock, [Frame(FrameType.ERROR, {"reason": str(exc)})])
+                if exc.close:
+                    return
+
+    def _tensor(self, sock: ssl.SSLSocket, ftype: FrameType, numel: Any) -> torch.Tensor:
+        """Read a worker's tensor of this cluster's sync size (registering it the first
+        time); _Refused otherwise."""
+        sync = self.rounds.sync
+        cap = sync.numel if sync is not None else MAX_SYNC_NUMEL
+        try:
+            numel = check_numel(numel, cap)
+        except WireError as exc:
+            raise _Refused(f"{exc}: this relay syncs {cap} elements", close=True) from None
+        x = recv_tensor(sock, ftype, numel, max_numel=cap)
+        try:
+            self.rounds.register(SyncSize.flat(numel) if sync is None else sync)
+            if sync is not None and numel != sync.numel:
+                raise LimitExceeded(f"a tensor of {numel} elements; this relay syncs "
+                                    f"{sync.numel} (its workers' first registration)")
+        except LimitExceeded as exc:
+            raise _Refused(str(exc)) from None
+        return x
+
+    def _handle(self, sock: ssl.SSLSocket, frame: Frame) -> bool:
+        """Answer one request; False when the worker said goodbye."""
+        m, t = frame.meta, frame.type
+        if t == FrameType.HELLO:
+            if m.get("layout") is not None:
+                try:
+                    self.rounds.register(SyncSize.from_layout(m["layout"]))
+                except LimitExceeded as exc:
+                    raise _Refused(str(exc), close=True) from None
+            send_frames(sock, [Frame(FrameType.WELCOME, self._welcome())])
+        elif t == FrameType.CONTRIB and m.get("op") == "allreduce":
+            x = self._tensor(sock, FrameType.CONTRIB, m.get("numel"))
+            round_id = m.get("round")
+            if not isinstance(round_id, int) or isinstance(round_id, bool) or round_id < 0:
+                raise _Refused("bad round id")
+            out = self.rounds.local_round(round_id, x)
+            meta = {"round_id": out.round_id, "present": out.present,
+                    "rejected": out.rejected, "missing": out.missing,
+                    "seconds": out.seconds, "bytes_sent": out.bytes_sent,
+                    "bytes_received": out.bytes_received,
+                    "has_state": out.global_state is not None, "mode": out.mode}
+            frames = tensor_frames(FrameType.RESULT, meta, out.tensor)
+            if out.global_state is not None:
+                frames += tensor_frames(FrameType.STATE, {"round": out.round_id},
+                                        out.global_state)
+            send_frames(sock, frames)
+        elif t == FrameType.STATE and m.get("op") == "publish":
+            x = self._tensor(sock, FrameType.STATE, m.get("numel"))
+            round_id = m.get("round")
+            if not isinstance(round_id, int) or isinstance(round_id, bool):
+                raise _Refused("bad round id")
+            self.rounds.publish(GlobalState(round_id, x))
+            send_frames(sock, [Frame(FrameType.STATE, {"op": "stored", "round": round_id})])
+            self._published()
+        elif t == FrameType.STATE_REQUEST and m.get("op") == "fetch":
+            st = self.rounds.best_state()
+            if st is None:
+                send_frames(sock, [Frame(FrameType.STATE, {"op": "state", "round": None})])
+            else:
+                send_frames(sock, tensor_frames(FrameType.STATE,
+                                                {"op": "state", "round": st.round_id},
+                                                st.tensor))
+        elif t == FrameType.BYE:
+            return False
+        else:
+            raise _Refused(f"unexpected {t.name} frame {m.get('op', '')}", close=True)
+        return True

@@ -26,8 +26,8 @@ def agent(*args: str) -> Any:
 def make_dir(tmp_path: Path, script: str, slots: int = 1, **config: Any) -> Path:
     d = tmp_path / "agent"
     d.mkdir()
-    procs = [{"rank": r, "argv": ["/bin/sh", "-c", script], "env": {"MY_RANK": str(r)},
-              "log": f"logs/rank{r}.log"} for r in range(slots)]
+    procs = [{"name": str(r), "argv": ["/bin/sh", "-c", script], "env": {"MY_RANK": str(r)},
+              "log": f"logs/rank{r}.log", "metrics": None} for r in range(slots)]
     cfg = {"job_id": "t", "cluster": "c", "host": "h", "role": "worker", "cwd": str(tmp_path),
            "grace": 5, "max_restarts": 0, "restart_backoff": 0.2, "processes": procs, **config}
     (d / "agent.json").write_text(json.dumps(cfg))
@@ -125,3 +125,12 @@ def test_missing_config_is_refused(tmp_path: Path) -> None:
     out = subprocess.run([sys.executable, "-m", "nebula_cli.agent", "start", str(tmp_path)],
                          capture_output=True, text=True, timeout=30)
     assert out.returncode == 2 and "agent.json not found" in out.stdout
+
+
+def test_a_malformed_agent_json_is_refused_with_the_reason(tmp_path: Path) -> None:
+    d = make_dir(tmp_path, "true", retries=3)  # an unknown key
+    out = subprocess.run([sys.executable, "-m", "nebula_cli.agent", "start", str(d)],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2
+    assert "unknown key(s) retries" in json.loads(out.stdout)["error"]
+    assert not (d / "status.json").exists()  # nothing started

@@ -316,7 +316,7 @@ def test_files_with_home_relative_paths(bed: Bed, tmp_path: Path) -> None:
         assert t.read_file(log) == big
 
 
-def test_sync_dir_skips_unchanged_and_honours_excludes(bed: Bed, tmp_path: Path) -> None:
+def test_upload_tree_skips_unchanged_and_honours_excludes(bed: Bed, tmp_path: Path) -> None:
     src = tmp_path / "work"
     for rel, data in {
         "train.py": b"print('train')\n", "pkg/__init__.py": b"", "pkg/model.py": b"x = 1\n" * 500,
@@ -328,7 +328,7 @@ def test_sync_dir_skips_unchanged_and_honours_excludes(bed: Bed, tmp_path: Path)
     remote = f"{bed.remote_dir}/sync"
     calls: list[tuple[int, int]] = []
     with bed.transport() as t:
-        sent = t.sync_dir(str(src), remote, exclude=[".git", ".venv", "__pycache__", "*.pyc"],
+        sent = t.upload_tree(str(src), remote, exclude=[".git", ".venv", "__pycache__", "*.pyc"],
                           progress=lambda done, total: calls.append((done, total)))
         expected = len(b"print('train')\n") + len(b"x = 1\n" * 500)
         assert sent == (4, expected)
@@ -339,11 +339,11 @@ def test_sync_dir_skips_unchanged_and_honours_excludes(bed: Bed, tmp_path: Path)
         assert Path(root, "pkg/model.py").stat().st_mtime == int(
             Path(src, "pkg/model.py").stat().st_mtime)
 
-        assert t.sync_dir(str(src), remote, exclude=["*.pyc", ".git", ".venv",
+        assert t.upload_tree(str(src), remote, exclude=["*.pyc", ".git", ".venv",
                                                      "__pycache__"]) == (0, 0)
         Path(src, "train.py").write_bytes(b"print('changed')\n")
         os.utime(Path(src, "train.py"), (time.time() + 5, time.time() + 5))
-        assert t.sync_dir(str(src), remote, exclude=["*.pyc", ".git", ".venv",
+        assert t.upload_tree(str(src), remote, exclude=["*.pyc", ".git", ".venv",
                                                      "__pycache__"]) == (1, 17)
         assert Path(root, "train.py").read_bytes() == b"print('changed')\n"
 

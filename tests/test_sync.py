@@ -21,10 +21,13 @@ from typing import Any
 
 import pytest
 import torch
+from plan_defaults import default_sync_config
 
+from nebula_cli.config import strict
 from nebula_cli.runtime.sync import OuterOptimizer, OuterSync, SyncError
 
 LR, MU = 0.7, 0.9
+CFG = default_sync_config()  # the spec's defaults; each test names what it changes
 
 
 # --- in-test averagers --------------------------------------------------------------------
@@ -118,12 +121,12 @@ def test_outer_optimizer_matches_torch_sgd_and_hand_formula(nesterov_on: bool) -
 def test_outer_optimizer_first_step_and_state_round_trip() -> None:
     theta = torch.tensor([1.0, -2.0, 0.5])
     g = torch.tensor([0.1, 0.2, -0.4])
-    outer = OuterOptimizer(LR, MU)
+    outer = OuterOptimizer(LR, MU, CFG.nesterov)
     outer.step(theta, g)
     # v = g; theta -= lr * (g + mu * g)
     torch.testing.assert_close(theta, torch.tensor([1.0, -2.0, 0.5]) - LR * 1.9 * g)
     saved = outer.state_dict()
-    clone = OuterOptimizer(LR, MU)
+    clone = OuterOptimizer(LR, MU, CFG.nesterov)
     clone.load_state_dict(saved)
     a, b = theta.clone(), theta.clone()
     outer.step(a, g)
@@ -136,7 +139,7 @@ def test_outer_optimizer_first_step_and_state_round_trip() -> None:
                                     {"momentum": -0.1}])
 def test_outer_optimizer_rejects_bad_hyperparameters(kwargs: dict) -> None:
     with pytest.raises(SyncError):
-        OuterOptimizer(**kwargs)
+        OuterOptimizer(**{"lr": LR, "momentum": MU, "nesterov": True, **kwargs})
 
 
 # --- OuterSync on a plain module (no DeepSpeed, no torch.distributed) -------------------------
@@ -169,7 +172,8 @@ def test_plain_rounds_apply_nesterov_and_sync_only_trainable_params() -> None:
     frozen = flat(model[0], trainable_only=False).clone()
     opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1)
     averager = TwoClusterAverager()
-    sync = OuterSync(model, averager=averager, inner_steps=3, outer_lr=LR, outer_momentum=MU,
+    sync = OuterSync(model, config=CFG, averager=averager, inner_steps=3,
+                     outer_lr=LR, outer_momentum=MU,
                      mode="diloco", overlap=False)
     assert sync.param_names == ["2.weight", "2.bias"]
     theta, v = flat(model).double(), None
@@ -225,7 +229,8 @@ def test_plain_overlap_applies_each_delayed_average_exactly_once() -> None:
     model = small_model()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     averager = TwoClusterAverager()
-    sync = OuterSync(model, averager=averager, inner_steps=2, outer_lr=LR, outer_momentum=MU,
+    sync = OuterSync(model, config=CFG, averager=averager, inner_steps=2,
+                     outer_lr=LR, outer_momentum=MU,
                      mode="diloco", overlap=True,
                      overlap_steps=2)
     theta0 = sync.theta_global.clone()
@@ -274,7 +279,8 @@ def test_plain_overlap_merges_each_average_once_on_top_of_later_progress(
     model = small_model()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     averager = SlowAverager(delay)
-    sync = OuterSync(model, averager=averager, inner_steps=4, outer_lr=LR, outer_momentum=MU,
+    sync = OuterSync(model, config=CFG, averager=averager, inner_steps=4,
+                     outer_lr=LR, outer_momentum=MU,
                      mode="diloco", overlap=True, overlap_steps=overlap_steps)
     theta, v = sync.theta_global.double().clone(), None
     boundary_local, applied = None, []
@@ -322,7 +328,7 @@ def _wait_sent(averager: TwoClusterAverager, n: int, timeout: float = 10.0) -> t
 def test_plain_gradient_mode_replaces_gradients_with_the_average() -> None:
     model = small_model()
     averager = TwoClusterAverager()
-    sync = OuterSync(model, averager=averager, mode="gradient")
+    sync = OuterSync(model, config=CFG, averager=averager, mode="gradient")
     assert sync.after_step(1) is None
     gen = torch.Generator().manual_seed(3)
     (model(torch.randn(4, 6, generator=gen)).pow(2).mean()).backward()
@@ -350,7 +356,8 @@ class ShortAverager(TwoClusterAverager):
                                             (ShortAverager(), "expected 83")])
 def test_plain_failed_round_raises_sync_error_and_leaves_params(averager, match) -> None:
     model = small_model()
-    sync = OuterSync(model, averager=averager, inner_steps=1, mode="diloco", overlap=False)
+    sync = OuterSync(model, config=CFG, averager=averager, inner_steps=1, mode="diloco",
+                     overlap=False)
     before = flat(model).clone()
     with pytest.raises(SyncError, match=match):
         sync.after_step(1)
@@ -368,7 +375,8 @@ def test_plain_empty_round_keeps_local_progress_and_catch_up_takes_the_global_st
         # this cluster was behind: a peer's theta_global after round 6
         2: lambda t: Result(torch.zeros(n), [], 6, 0, 4 * n, 0.5, global_state=state.clone()),
     })
-    sync = OuterSync(model, averager=averager, inner_steps=1, outer_lr=LR, outer_momentum=MU,
+    sync = OuterSync(model, config=CFG, averager=averager, inner_steps=1,
+                     outer_lr=LR, outer_momentum=MU,
                      mode="diloco", overlap=False)
     theta, v = flat(model).double(), None
     plain_step(model, opt, 1)
@@ -403,44 +411,52 @@ def test_plain_empty_round_keeps_local_progress_and_catch_up_takes_the_global_st
     sync.close()
 
 
-def test_settings_come_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("NEBULA_INNER_STEPS", "7")
-    monkeypatch.setenv("NEBULA_OUTER_LR", "0.5")
-    monkeypatch.setenv("NEBULA_OUTER_MOMENTUM", "0.8")
-    monkeypatch.setenv("NEBULA_SYNC_MODE", "diloco")
-    monkeypatch.setenv("NEBULA_SYNC_OVERLAP", "1")
+def test_settings_come_from_the_plan_file(monkeypatch: pytest.MonkeyPatch,
+                                          tmp_path: Path) -> None:
+    path = tmp_path / "sync.json"
+    strict.write(default_sync_config(inner_steps=7, outer_lr=0.5, outer_momentum=0.8,
+                                     overlap=True), path)
+    assert path.stat().st_mode & 0o777 == 0o600
+    monkeypatch.setenv("NEBULA_SYNC_CONFIG", str(path))
     sync = OuterSync(small_model(), averager=TwoClusterAverager())
     assert (sync.inner_steps, sync.outer.lr, sync.outer.momentum, sync.overlap) == (7, 0.5, 0.8,
                                                                                     True)
     assert sync.mode == "diloco" and sync.outer.nesterov
-    monkeypatch.setenv("NEBULA_SYNC_MODE", "gradient")
-    monkeypatch.setenv("NEBULA_SYNC_OVERLAP", "0")
+    assert sync.round_timeout == CFG.round_timeout
+    strict.write(default_sync_config(mode="gradient"), path)
     assert OuterSync(small_model(), averager=TwoClusterAverager()).mode == "gradient"
-    for name, value, match in [("NEBULA_INNER_STEPS", "ten", "NEBULA_INNER_STEPS='ten'"),
-                               ("NEBULA_INNER_STEPS", "0", "positive integer"),
-                               ("NEBULA_SYNC_MODE", "ring", "diloco or gradient"),
-                               ("NEBULA_OUTER_LR", "fast", "NEBULA_OUTER_LR")]:
-        with monkeypatch.context() as m:
-            m.setenv(name, value)
-            with pytest.raises(SyncError, match=match):
-                OuterSync(small_model(), averager=TwoClusterAverager())
+    for change, match in [({"inner_steps": "ten"}, "inner_steps: expected an integer"),
+                          ({"inner_steps": 0}, "at least 1"),
+                          ({"mode": "ring"}, "diloco, gradient"),
+                          ({"retries": 3}, "unknown key"),
+                          ({"outer_lr": None}, "outer_lr")]:
+        data = {**strict.to_dict(CFG), **change}
+        path.write_text(__import__("json").dumps(data))
+        with pytest.raises(SyncError, match=match):
+            OuterSync(small_model(), averager=TwoClusterAverager())
+
+
+def test_without_a_plan_every_setting_must_be_given(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("NEBULA_SYNC_CONFIG", raising=False)
+    with pytest.raises(SyncError, match="no sync config"):
+        OuterSync(small_model(), averager=TwoClusterAverager(), inner_steps=3)
 
 
 def test_state_dict_round_trip_and_mismatch() -> None:
     model = small_model()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    sync = OuterSync(model, averager=TwoClusterAverager(), inner_steps=1, mode="diloco",
+    sync = OuterSync(model, config=CFG, averager=TwoClusterAverager(), inner_steps=1, mode="diloco",
                      overlap=False)
     plain_step(model, opt, 1)
     sync.after_step(1)
     state = sync.state_dict()
-    other = OuterSync(small_model(), averager=TwoClusterAverager(), inner_steps=1,
+    other = OuterSync(small_model(), config=CFG, averager=TwoClusterAverager(), inner_steps=1,
                       mode="diloco", overlap=False)
     other.load_state_dict(state)
     assert other.round == 1 and torch.equal(other.theta_global, sync.theta_global)
     assert torch.equal(other.outer.momentum_buffer, sync.outer.momentum_buffer)
     with pytest.raises(SyncError, match="different set"):
-        OuterSync(small_model(freeze_first=True), averager=TwoClusterAverager(),
+        OuterSync(small_model(freeze_first=True), config=CFG, averager=TwoClusterAverager(),
                   mode="diloco").load_state_dict(state)
 
 
@@ -537,7 +553,8 @@ def _diloco(name: str, scen: dict[str, Any], rank: int) -> dict[str, Any]:
     engine, _ = _engine(scen)
     dtype = torch.bfloat16 if scen["bf16"] else torch.float32
     averager = TwoClusterAverager() if rank == 0 else None  # other ranks must never need one
-    sync = OuterSync(engine, averager=averager, inner_steps=2, outer_lr=LR, outer_momentum=MU,
+    sync = OuterSync(engine, config=CFG, averager=averager, inner_steps=2,
+                     outer_lr=LR, outer_momentum=MU,
                      mode="diloco", overlap=scen.get("overlap", False), overlap_steps=2)
     rec: dict[str, Any] = {"theta0": sync.theta_global.clone(), "params0": _params(engine),
                            "locals": [], "stats": [], "masters": [], "params": [], "thetas": []}
@@ -580,7 +597,7 @@ def _gradient(name: str, scen: dict[str, Any], rank: int, world: int) -> dict[st
     engine, model = _engine(scen)
     averager = TwoClusterAverager() if rank == 0 else None
     try:
-        sync = OuterSync(engine, averager=averager, mode="gradient")
+        sync = OuterSync(engine, config=CFG, averager=averager, mode="gradient")
     except SyncError as exc:
         return {"refused": str(exc)}
     dtype = torch.bfloat16 if scen["bf16"] else torch.float32

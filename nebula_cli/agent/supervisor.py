@@ -8,8 +8,8 @@ status atomically in `<dir>/status.json`, restarts them within limits, and is wh
     python -m nebula_cli.agent status DIR [DIR..]  # JSON list of reconciled statuses
     python -m nebula_cli.agent stop   DIR [DIR..] [--grace S] [--force]
 
-`agent.json`: {"job_id", "cluster", "host", "role", "cwd", "grace", "max_restarts",
-"restart_backoff", "processes": [{"rank": int, "argv": [...], "env": {...}, "log": path}]}
+`agent.json` is the agent's part of the job plan: `nebula_cli.config.parts.AgentConfig`, loaded
+strictly (unknown or missing keys refused).
 """
 
 from __future__ import annotations
@@ -24,6 +24,9 @@ import sys
 import time
 from pathlib import Path
 from typing import Any
+
+from nebula_cli.config.parts import AgentConfig
+from nebula_cli.errors import NebulaError
 
 ACTIVE = ("STARTING", "RUNNING", "RESTARTING", "STOPPING")
 POLL_S = 0.2
@@ -154,16 +157,16 @@ class Supervisor:
 
     def __init__(self, agent_dir: Path) -> None:
         self.dir = agent_dir
-        self.config: dict[str, Any] = json.loads((agent_dir / "agent.json").read_text())
+        self.config = AgentConfig.load(agent_dir / "agent.json")
         self.status_path = agent_dir / "status.json"
         self.procs: list[subprocess.Popen[bytes]] = []
         self.pgid: int | None = None
         self.stop_requested = False
         self.status: dict[str, Any] = {
-            "job_id": self.config.get("job_id"),
-            "cluster": self.config.get("cluster"),
-            "host": self.config.get("host"),
-            "role": self.config.get("role"),
+            "job_id": self.config.job_id,
+            "cluster": self.config.cluster,
+            "host": self.config.host,
+            "role": self.config.role,
             "state": "STARTING",
             "agent_pid": os.getpid(),
             "pid": None,
@@ -193,11 +196,11 @@ class Supervisor:
     def spawn(self) -> None:
         self.procs = []
         self.pgid = None
-        cwd = self.config.get("cwd") or None
-        for spec in self.config["processes"]:
-            log_path = self.dir / spec["log"]
+        cwd = self.config.cwd or None
+        for spec in self.config.processes:
+            log_path = self.dir / spec.log
             log_path.parent.mkdir(parents=True, exist_ok=True)
-            env = {**os.environ, **spec.get("env", {}), ENV_MARK: str(self.dir)}
+            env = {**os.environ, **spec.env, ENV_MARK: str(self.dir)}
             prepend = env.pop("NEBULA_PATH_PREPEND", None)
             if prepend:  # the cluster's python first, whatever PATH the host gave us
                 env["PATH"] = prepend + os.pathsep + env.get("PATH", os.defpath)
@@ -205,7 +208,7 @@ class Supervisor:
                 # one new process group (in the agent's session) for all of them
                 kwargs: dict[str, Any] = {"process_group": self.pgid or 0}
                 proc = subprocess.Popen(
-                    spec["argv"], cwd=cwd, env=env, stdin=subprocess.DEVNULL,
+                    spec.argv, cwd=cwd, env=env, stdin=subprocess.DEVNULL,
                     stdout=log, stderr=subprocess.STDOUT, **kwargs,
                 )
             if self.pgid is None:
@@ -228,14 +231,14 @@ class Supervisor:
         sweep(self.dir)
 
     def codes(self) -> dict[str, int | None]:
-        ranks = [str(p.get("rank", i)) for i, p in enumerate(self.config["processes"])]
+        ranks = [p.name for p in self.config.processes]
         return {rank: proc.poll() for rank, proc in zip(ranks, self.procs, strict=False)}
 
     def run(self) -> int:
         signal.signal(signal.SIGTERM, self.on_term)
         signal.signal(signal.SIGINT, self.on_term)
-        max_restarts = int(self.config.get("max_restarts", 0))
-        backoff = float(self.config.get("restart_backoff", 5.0))
+        max_restarts = self.config.max_restarts
+        backoff = self.config.restart_backoff
         try:
             self.spawn()
         except OSError as exc:
@@ -251,7 +254,7 @@ class Supervisor:
                 rank, code = next(iter(failed.items()))
                 reason = f"rank {rank} {describe_exit(code)}"
                 self.event("failed", reason)
-                self.end_group(float(self.config.get("grace", 10.0)))
+                self.end_group(self.config.grace)
                 codes = self.codes()
                 if self.status["restarts"] < max_restarts and not self.stop_requested:
                     self.save(state="RESTARTING", reason=reason, exit_codes=codes,
@@ -282,7 +285,7 @@ class Supervisor:
     def stop(self) -> int:
         request = read_json(self.dir / "stop.json") or {}
         grace = 0.0 if request.get("force") else float(
-            request.get("grace", self.config.get("grace", 10.0)))
+            request.get("grace", self.config.grace))
         self.save(state="STOPPING")
         self.end_group(grace)
         self.save(state="STOPPED", exit_codes=self.codes(), ended=time.time(),
@@ -393,11 +396,19 @@ def main(argv: list[str] | None = None) -> int:
         if not (agent_dir / "agent.json").is_file():
             print(json.dumps({"error": f"{agent_dir}/agent.json not found"}))
             return 2
+        try:  # a bad agent.json is refused here, where the caller sees why
+            AgentConfig.load(agent_dir / "agent.json")
+        except NebulaError as exc:
+            print(json.dumps({"error": str(exc)}))
+            return 2
         if args.foreground:
             return Supervisor(agent_dir).run()
         return daemonize(agent_dir)
     if args.command == "status":
-        print(json.dumps([reconciled_status(d.resolve()) for d in args.dirs]))
+        from nebula_cli.agent.summary import attach  # newest metrics, bounded reads
+
+        print(json.dumps([attach(reconciled_status(d.resolve()), d.resolve())
+                          for d in args.dirs]))
         return 0
     print(json.dumps(stop_all([d.resolve() for d in args.dirs], args.grace, args.force)))
     return 0

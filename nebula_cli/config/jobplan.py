@@ -1,42 +1,99 @@
-"""From a JobSpec to the processes to start: which host runs what, with which ranks and env.
+"""From a JobSpec to a typed, frozen JobPlan: which host runs which agent, with which processes,
+ranks, environment and files (the relay's relay.json, the workers' sync.json, certificates).
 
-Pure data, no I/O: the orchestrator carries the plan out through transports.
+`build_plan(spec, job_id, sites, ports, certs)` is one pure function: the spec says what is
+wanted, `sites` what the transports report about each host (its nebula directory, the address
+its peers use, where its services bind, its python, whether it sees this machine's files),
+`ports` the ports found free, `certs` the job's PKI. Nothing patches the plan afterwards; the
+control plane only carries it out. Every value in it comes from the spec's model, where the
+defaults live.
 """
 
 from __future__ import annotations
 
-import os
 import posixpath
-import sys
 from dataclasses import dataclass, field
 from typing import Any
 
+from nebula_cli.config import strict
+from nebula_cli.config.parts import SYNC_CONFIG_ENV, AgentConfig, ProcessConfig, SyncConfig
 from nebula_cli.config.pipeline import device_id
+from nebula_cli.config.relay_config import RelayConfig, ShapingConfig, TlsFiles
 from nebula_cli.config.spec import ClusterSpec, HostSpec, JobSpec
 
 WORKER = "worker"
 RELAY = "relay"
-# A relay is restarted this often at least: a cluster whose relay died rejoins and catches up.
 RELAY_RESTARTS = 3
+"""A relay is restarted this often at least: a cluster whose relay died rejoins and catches up."""
+RELAY_GRACE = 5.0
+"""Seconds a relay gets between SIGTERM and SIGKILL (it has no state worth saving)."""
+RELAY_RESTART_BACKOFF = 1.0
+WORKER_RESTART_BACKOFF = 5.0
+PIPELINE_WORLD = "*pipeline*"
+"""The key of the one DeepSpeed world of a pipelined job in `Ports.masters`."""
 
 
-@dataclass(eq=False)
-class ProcessPlan:
-    """One agent to start: a role (worker or relay) on one host of one cluster."""
+@dataclass(frozen=True)
+class Site:
+    """What a host's transport reports about it (see `Transport`)."""
+
+    conn: dict[str, Any]
+    """How to reach the host (`transport.describe`); kept in the state store."""
+    home: str
+    """Absolute path of nebula's directory on the host (jobs live in home/jobs)."""
+    address: str
+    """The address other hosts use for this one."""
+    bind: str
+    """The address services on this host listen on."""
+    python: str
+    """The interpreter processes run under."""
+    shares_files: bool
+    """The host sees this machine's files at the same paths: the workdir is used in place."""
+
+
+@dataclass(frozen=True)
+class Ports:
+    """Ports found free on the hosts that listen."""
+
+    masters: dict[str, int]
+    """DeepSpeed world (a cluster's name, or PIPELINE_WORLD) -> rendezvous port of its rank 0."""
+    relays: dict[str, tuple[int, int]]
+    """cluster -> (peer port, worker port) of its relay."""
+
+
+@dataclass(frozen=True)
+class Certs:
+    """The job's PEM files, as bytes: the CA certificate and one pair per relay and host."""
+
+    ca: bytes
+    relays: dict[str, tuple[bytes, bytes]]
+    """cluster -> (certificate, key) of its relay."""
+    workers: dict[str, tuple[bytes, bytes]]
+    """"cluster/host" -> (certificate, key) of that host's workers."""
+
+
+@dataclass(frozen=True, eq=False)
+class AgentPlan:
+    """One agent to start: a role (worker or relay) on one host of one cluster (hashed by
+    identity: fan-outs key their results by it)."""
 
     cluster: str
     host: str
     role: str
     node_rank: int
     slots: int
-    conn: dict[str, Any]  # how to reach the host (see transport.connect)
-    job_root: str  # the job's directory on that host
-    agent_config: dict[str, Any] = field(default_factory=dict)
-    files: dict[str, bytes] = field(default_factory=dict)  # extra files, relative to agent_dir
+    conn: dict[str, Any]
+    job_root: str
+    """The job's directory on that host."""
+    config: AgentConfig
+    files: dict[str, bytes] = field(default_factory=dict)
+    """Files to write beside agent.json (mode 0600), relative to the agent's directory."""
+    uploads: dict[str, str] = field(default_factory=dict)
+    """Local directory -> where it goes on the host (empty when the host shares our files)."""
 
     @property
     def agent_dir(self) -> str:
-        return posixpath.join(self.job_root, self.cluster, self.host, self.role)
+        return agent_dir(self.job_root, self.cluster, self.host, self.role)
 
     @property
     def key(self) -> str:
@@ -48,93 +105,41 @@ class ProcessPlan:
     @property
     def logs(self) -> dict[str, str]:
         """rank (or role name) -> log path relative to the agent dir."""
-        return {str(p["rank"]): p["log"] for p in self.agent_config.get("processes", [])}
+        return {p.name: p.log for p in self.config.processes}
 
     @property
     def metrics(self) -> dict[str, str]:
         """rank (or role name) -> metrics path relative to the agent dir."""
-        return {str(p["rank"]): p["metrics"] for p in self.agent_config.get("processes", [])
-                if "metrics" in p}
-
-
-def connection_of(cluster: ClusterSpec, host: HostSpec, local_home: str) -> dict[str, Any]:
-    """What a transport needs to reach `host`: plain data, kept in the state store."""
-    if cluster.transport == "local":
-        python = sys.executable if cluster.python == "python3" else cluster.python
-        return {"transport": "local", "name": host.host, "home": local_home, "python": python}
-    return {
-        "transport": "ssh", "name": host.host, "host": host.host, "user": host.user,
-        "port": host.port, "key": host.key, "jump": cluster.jump, "python": cluster.python,
-    }
-
-
-def host_address(cluster: ClusterSpec, host: HostSpec) -> str:
-    """The address other hosts of the cluster use to reach `host`."""
-    if host.address:
-        return host.address
-    return "127.0.0.1" if cluster.transport == "local" else host.host
-
-
-def worker_env(
-    spec: JobSpec, job_id: str, cluster_index: int, node_rank: int, master_port: int,
-    extra: dict[str, str], master_addr: str,
-) -> dict[str, str]:
-    """The environment shared by every rank of one host (rank-specific variables excluded)."""
-    cluster = spec.clusters[cluster_index]
-    host = cluster.hosts[node_rank]
-    world = sum(h.slots for h in cluster.hosts)
-    env: dict[str, str] = {**spec.env, **cluster.env}
-    env.update({
-        "NEBULA_JOB_ID": job_id,
-        "NEBULA_CLUSTER": cluster.name,
-        "NEBULA_HOST": host.host,
-        "NEBULA_NODE_RANK": str(node_rank),
-        "NEBULA_NUM_NODES": str(len(cluster.hosts)),
-        "NEBULA_NUM_CLUSTERS": str(len(spec.clusters)),
-        "NEBULA_CLUSTER_INDEX": str(cluster_index),
-        "WORLD_SIZE": str(world),
-        "LOCAL_SIZE": str(host.slots),
-        "CROSS_RANK": str(node_rank),
-        "CROSS_SIZE": str(len(cluster.hosts)),
-        "MASTER_ADDR": master_addr,
-        "MASTER_PORT": str(master_port),
-        "PYTHONUNBUFFERED": "1",
-    })
-    interface = host.interface or cluster.interface
-    if interface:
-        env["GLOO_SOCKET_IFNAME"] = interface
-        env["NCCL_SOCKET_IFNAME"] = interface
-    env.update(extra)
-    return env
+        return {p.name: p.metrics for p in self.config.processes if p.metrics}
 
 
 @dataclass(frozen=True)
-class Site:
-    """Where a host keeps nebula's files and the address its cluster peers reach it at."""
+class JobPlan:
+    """Every agent of a job, relays first (workers find them running)."""
 
-    home: str  # absolute path of nebula's directory on the host
-    address: str
+    job_id: str
+    agents: tuple[AgentPlan, ...]
+
+    def role(self, role: str) -> list[AgentPlan]:
+        return [a for a in self.agents if a.role == role]
+
+    @property
+    def hosts(self) -> list[AgentPlan]:
+        """One agent per host that runs workers: where provisioning happens."""
+        return self.role(WORKER)
+
+
+def agent_dir(job_root: str, cluster: str, host: str, role: str) -> str:
+    return posixpath.join(job_root, cluster, host, role)
 
 
 def lib_dir(job_root: str) -> str:
-    """Where the nebula_cli package is uploaded on a remote host (put on PYTHONPATH)."""
+    """Where the nebula_cli package is uploaded on a host that does not share our files."""
     return posixpath.join(job_root, "lib")
 
 
-def base_env(cluster: ClusterSpec, job_root: str, python: str) -> dict[str, str]:
-    """PATH/PYTHONPATH so that `python` and `nebula_cli` are the right ones on that host."""
-    if cluster.transport == "local":
-        # `python` in the run command is the interpreter nebula runs under.
-        bindir = os.path.dirname(python)
-        return {"PATH": bindir + os.pathsep + os.environ.get("PATH", "/usr/bin:/bin")}
-    env = {"PYTHONPATH": lib_dir(job_root)}
-    if posixpath.isabs(python):  # `python` in the run command is the cluster's python
-        env["NEBULA_PATH_PREPEND"] = posixpath.dirname(python)
-    return env
-
-
-PIPELINE_WORLD = "*pipeline*"
-"""The key of the one DeepSpeed world of a pipelined job in `master_ports`."""
+def site_key(cluster: ClusterSpec, host: HostSpec) -> str:
+    return f"{cluster.name}/{host.host}"
 
 
 def world_of(spec: JobSpec, cluster: ClusterSpec) -> str:
@@ -155,43 +160,68 @@ def rendezvous_hosts(spec: JobSpec) -> dict[str, tuple[ClusterSpec, HostSpec]]:
     raise AssertionError(f"device {first} of the layout is not in the spec")  # spec checked it
 
 
-def plan_workers(
-    spec: JobSpec, job_id: str, *, sites: dict[str, Site], local_home: str,
-    master_ports: dict[str, int],
-) -> list[ProcessPlan]:
+def _conn(site: Site, job_root: str) -> dict[str, Any]:
+    """The site's connection, with where nebula_cli lives when it is uploaded."""
+    if site.shares_files:
+        return dict(site.conn)
+    return {**site.conn, "pythonpath": lib_dir(job_root)}
+
+
+def base_env(site: Site, job_root: str) -> dict[str, str]:
+    """So that `python` in a command is the site's, and nebula_cli is importable there."""
+    env: dict[str, str] = {"PYTHONUNBUFFERED": "1"}
+    if posixpath.isabs(site.python):  # the agent puts it first on PATH
+        env["NEBULA_PATH_PREPEND"] = posixpath.dirname(site.python)
+    if not site.shares_files:
+        env["PYTHONPATH"] = lib_dir(job_root)
+    return env
+
+
+def build_plan(spec: JobSpec, job_id: str, *, sites: dict[str, Site], ports: Ports,
+               certs: Certs | None) -> JobPlan:
+    """The whole plan of a job (pure). `certs` is required when the spec has a relay."""
+    relays = _relay_agents(spec, job_id, sites, ports, certs)
+    workers = _worker_agents(spec, job_id, sites, ports, certs)
+    return JobPlan(job_id=job_id, agents=tuple(relays + workers))
+
+
+def _worker_agents(spec: JobSpec, job_id: str, sites: dict[str, Site], ports: Ports,
+                   certs: Certs | None) -> list[AgentPlan]:
     """One worker agent per host: `slots` processes each running `spec.run` in the workdir.
 
-    `sites` maps "cluster/host" to the host's Site; `master_ports` maps a world (see
-    `rendezvous_hosts`) to its rendezvous port. Data parallel: one world per cluster, ranks in
-    host order. Pipeline: one world over every cluster, ranks from the pipeline layout."""
+    Data parallel: one world per cluster, ranks in host order. Pipeline: one world over every
+    cluster, ranks from the pipeline layout."""
     plans = []
     layout = spec.pipeline_layout()
-    masters = {world: sites[f"{c.name}/{h.host}"].address
+    masters = {world: sites[site_key(c, h)].address
                for world, (c, h) in rendezvous_hosts(spec).items()}
     host_index = 0  # across the clusters: CROSS_RANK of a pipelined world
     for ci, cluster in enumerate(spec.clusters):
         rank = 0
         world = world_of(spec, cluster)
         for node_rank, host in enumerate(cluster.hosts):
-            local = cluster.transport == "local"
-            site = sites[f"{cluster.name}/{host.host}"]
-            plan = ProcessPlan(
-                cluster=cluster.name, host=host.host, role=WORKER, node_rank=node_rank,
-                slots=host.slots, conn=connection_of(cluster, host, local_home),
-                job_root=posixpath.join(site.home, "jobs", job_id),
-            )
-            if not local:
-                plan.conn["pythonpath"] = lib_dir(plan.job_root)
-            extra = base_env(cluster, plan.job_root, plan.conn["python"])
-            env = worker_env(spec, job_id, ci, node_rank, master_ports[world], extra,
-                             masters[world])
+            site = sites[site_key(cluster, host)]
+            job_root = posixpath.join(site.home, "jobs", job_id)
+            adir = agent_dir(job_root, cluster.name, host.host, WORKER)
+            cwd = spec.workdir if site.shares_files else posixpath.join(job_root, "work")
+            env = {**spec.env, **cluster.env, **base_env(site, job_root)}
+            env.update(_world_env(spec, job_id, ci, node_rank, ports.masters[world],
+                                  masters[world]))
             if layout is not None:
                 env.update(pipeline_env(spec, layout.world_size, layout.num_stages),
                            CROSS_RANK=str(host_index))
             host_index += 1
-            cwd = spec.workdir if local else posixpath.join(plan.job_root, "work")
             if spec.deepspeed is not None:
-                env["NEBULA_DS_CONFIG"] = posixpath.join(plan.job_root, "ds_config.json")
+                env["NEBULA_DS_CONFIG"] = posixpath.join(job_root, "ds_config.json")
+            files: dict[str, bytes] = {}
+            if spec.relay is not None:
+                assert certs is not None  # build_plan's contract
+                sync = sync_config(spec, job_id, cluster, adir,
+                                   relay_addr=_relay_addr(spec, cluster, sites, ports))
+                env[SYNC_CONFIG_ENV] = posixpath.join(adir, "sync.json")
+                cert, key = certs.workers[site_key(cluster, host)]
+                files = {"sync.json": strict.dumps(sync), "certs/ca.pem": certs.ca,
+                         "certs/worker.pem": cert, "certs/worker.key": key}
             processes = []
             for local_rank in range(host.slots):
                 device = device_id(cluster.name, host.host, local_rank)
@@ -203,22 +233,48 @@ def plan_workers(
                                     NEBULA_REPLICA=str(replica))
                 name = proc_env["RANK"]
                 proc_env["NEBULA_METRICS_FILE"] = posixpath.join(
-                    plan.agent_dir, "metrics", f"rank{name}.jsonl")
-                processes.append({
-                    "rank": int(name),
-                    "argv": ["/bin/sh", "-c", spec.run],
-                    "env": proc_env,
-                    "log": f"logs/rank{name}.log",
-                    "metrics": f"metrics/rank{name}.jsonl",
-                })
+                    adir, "metrics", f"rank{name}.jsonl")
+                processes.append(ProcessConfig(
+                    name=name, argv=["/bin/sh", "-c", spec.run], env=proc_env,
+                    log=f"logs/rank{name}.log", metrics=f"metrics/rank{name}.jsonl"))
                 rank += 1
-            plan.agent_config = {
-                "job_id": job_id, "cluster": cluster.name, "host": host.host, "role": WORKER,
-                "cwd": cwd, "grace": spec.grace, "max_restarts": spec.max_restarts,
-                "restart_backoff": 5.0, "processes": processes,
-            }
-            plans.append(plan)
+            config = AgentConfig(
+                job_id=job_id, cluster=cluster.name, host=host.host, role=WORKER, cwd=cwd,
+                grace=spec.grace, max_restarts=spec.max_restarts,
+                restart_backoff=WORKER_RESTART_BACKOFF, processes=processes)
+            uploads = {} if site.shares_files else {spec.workdir: cwd}
+            plans.append(AgentPlan(
+                cluster=cluster.name, host=host.host, role=WORKER, node_rank=node_rank,
+                slots=host.slots, conn=_conn(site, job_root), job_root=job_root,
+                config=config, files=files, uploads=uploads))
     return plans
+
+
+def _world_env(spec: JobSpec, job_id: str, cluster_index: int, node_rank: int,
+               master_port: int, master_addr: str) -> dict[str, str]:
+    """The variables every rank of one host shares (rank-specific ones excluded)."""
+    cluster = spec.clusters[cluster_index]
+    host = cluster.hosts[node_rank]
+    env = {
+        "NEBULA_JOB_ID": job_id,
+        "NEBULA_CLUSTER": cluster.name,
+        "NEBULA_HOST": host.host,
+        "NEBULA_NODE_RANK": str(node_rank),
+        "NEBULA_NUM_NODES": str(len(cluster.hosts)),
+        "NEBULA_NUM_CLUSTERS": str(len(spec.clusters)),
+        "NEBULA_CLUSTER_INDEX": str(cluster_index),
+        "WORLD_SIZE": str(sum(h.slots for h in cluster.hosts)),
+        "LOCAL_SIZE": str(host.slots),
+        "CROSS_RANK": str(node_rank),
+        "CROSS_SIZE": str(len(cluster.hosts)),
+        "MASTER_ADDR": master_addr,
+        "MASTER_PORT": str(master_port),
+    }
+    interface = host.interface or cluster.interface
+    if interface:
+        env["GLOO_SOCKET_IFNAME"] = interface
+        env["NCCL_SOCKET_IFNAME"] = interface
+    return env
 
 
 def pipeline_env(spec: JobSpec, world_size: int, stages: int) -> dict[str, str]:
@@ -229,105 +285,97 @@ def pipeline_env(spec: JobSpec, world_size: int, stages: int) -> dict[str, str]:
             "CROSS_SIZE": str(len(hosts))}
 
 
-def relay_worker_env(spec: JobSpec, cluster: ClusterSpec, worker_port: int,
-                     cert_dir: str, relay_host: str) -> dict[str, str]:
-    """What the workers of `cluster` need to reach their relay and run the outer loop."""
+def _gateway_site(cluster: ClusterSpec, sites: dict[str, Site]) -> Site:
+    return sites[site_key(cluster, cluster.gateway_host)]
+
+
+def _relay_addr(spec: JobSpec, cluster: ClusterSpec, sites: dict[str, Site],
+                ports: Ports) -> str:
+    """host:port where the cluster's workers reach their relay."""
+    return f"{_gateway_site(cluster, sites).address}:{ports.relays[cluster.name][1]}"
+
+
+def sync_config(spec: JobSpec, job_id: str, cluster: ClusterSpec, adir: str, *,
+                relay_addr: str) -> SyncConfig:
+    """The runtime's part: how a worker of `cluster` reaches its relay and runs the outer loop."""
     relay = spec.relay
-    assert relay is not None  # only called for a spec with a relay
+    assert relay is not None  # only for a spec with a relay
     sync, comp = relay.sync, relay.compression
-    return {
-        "NEBULA_RELAY_ADDR": f"{relay_host}:{worker_port}",
-        "NEBULA_TLS_CA": posixpath.join(cert_dir, "ca.pem"),
-        "NEBULA_TLS_CERT": posixpath.join(cert_dir, "worker.pem"),
-        "NEBULA_TLS_KEY": posixpath.join(cert_dir, "worker.key"),
-        "NEBULA_SYNC_MODE": sync.mode,
-        "NEBULA_INNER_STEPS": str(sync.inner_steps),
-        "NEBULA_OUTER_LR": str(sync.outer_lr),
-        "NEBULA_OUTER_MOMENTUM": str(sync.outer_momentum),
-        "NEBULA_OUTER_NESTEROV": "1" if sync.nesterov else "0",
-        "NEBULA_SYNC_OVERLAP": "1" if sync.overlap else "0",
-        **({"NEBULA_OVERLAP_STEPS": str(sync.overlap_steps)} if sync.overlap_steps else {}),
-        "NEBULA_CODEC": comp.codec,
-        "NEBULA_ERROR_FEEDBACK": "1" if comp.error_feedback else "0",
-        "NEBULA_ROUND_TIMEOUT": str(relay.timeout),
-    }
+    certs = posixpath.join(adir, "certs")
+    return SyncConfig(
+        job_id=job_id, cluster=cluster.name, relay_addr=relay_addr,
+        tls=TlsFiles(ca=posixpath.join(certs, "ca.pem"), cert=posixpath.join(certs, "worker.pem"),
+                     key=posixpath.join(certs, "worker.key")),
+        mode=sync.mode, inner_steps=sync.inner_steps, outer_lr=sync.outer_lr,
+        outer_momentum=sync.outer_momentum, nesterov=sync.nesterov, overlap=sync.overlap,
+        overlap_steps=sync.overlap_steps, codec=comp.codec,
+        error_feedback=comp.error_feedback, round_timeout=relay.timeout)
 
 
-def plan_relays(
-    spec: JobSpec, job_id: str, *, sites: dict[str, Site], local_home: str,
-) -> list[ProcessPlan]:
-    """One relay agent per cluster, on its gateway. The relay's config (`relay_config`) and
-    certificates are added by the caller."""
+def _relay_agents(spec: JobSpec, job_id: str, sites: dict[str, Site], ports: Ports,
+                  certs: Certs | None) -> list[AgentPlan]:
+    """One relay agent per cluster, on its gateway, with relay.json and its certificates."""
     if spec.relay is None:
         return []
+    assert certs is not None  # build_plan's contract
     plans = []
     for cluster in spec.clusters:
         gateway = cluster.gateway_host
-        site = sites[f"{cluster.name}/{gateway.host}"]
+        site = _gateway_site(cluster, sites)
+        job_root = posixpath.join(site.home, "jobs", job_id)
+        adir = agent_dir(job_root, cluster.name, gateway.host, RELAY)
         node_rank = [h.host for h in cluster.hosts].index(gateway.host)
-        plan = ProcessPlan(
-            cluster=cluster.name, host=gateway.host, role=RELAY, node_rank=node_rank, slots=1,
-            conn=connection_of(cluster, gateway, local_home),
-            job_root=posixpath.join(site.home, "jobs", job_id),
-        )
-        if cluster.transport != "local":
-            plan.conn["pythonpath"] = lib_dir(plan.job_root)
         env = {"NEBULA_JOB_ID": job_id, "NEBULA_CLUSTER": cluster.name,
-               "NEBULA_HOST": gateway.host, "PYTHONUNBUFFERED": "1",
-               **base_env(cluster, plan.job_root, plan.conn["python"])}
-        plan.agent_config = {
-            "job_id": job_id, "cluster": cluster.name, "host": gateway.host, "role": RELAY,
-            "cwd": plan.agent_dir, "grace": 5.0,
-            "max_restarts": max(spec.max_restarts, RELAY_RESTARTS), "restart_backoff": 1.0,
-            "processes": [{
-                "rank": "relay",
-                "argv": [plan.conn["python"], "-m", "nebula_cli.relay.server",
-                         "--config", posixpath.join(plan.agent_dir, "relay.json")],
-                "env": env,
-                "log": "logs/relay.log",
-                "metrics": "metrics/relay.jsonl",
-            }],
-        }
-        plans.append(plan)
+               "NEBULA_HOST": gateway.host, **base_env(site, job_root)}
+        config = AgentConfig(
+            job_id=job_id, cluster=cluster.name, host=gateway.host, role=RELAY, cwd=adir,
+            grace=RELAY_GRACE, max_restarts=max(spec.max_restarts, RELAY_RESTARTS),
+            restart_backoff=RELAY_RESTART_BACKOFF,
+            processes=[ProcessConfig(
+                name="relay",
+                argv=[site.python, "-m", "nebula_cli.relay.server",
+                      "--config", posixpath.join(adir, "relay.json")],
+                env=env, log="logs/relay.log", metrics="metrics/relay.jsonl")])
+        cert, key = certs.relays[cluster.name]
+        relay_json = relay_config(spec, job_id, cluster, adir, ports, sites)
+        files = {"relay.json": strict.dumps(relay_json), "certs/ca.pem": certs.ca,
+                 "certs/relay.pem": cert, "certs/relay.key": key}
+        plans.append(AgentPlan(
+            cluster=cluster.name, host=gateway.host, role=RELAY, node_rank=node_rank, slots=1,
+            conn=_conn(site, job_root), job_root=job_root, config=config, files=files))
     return plans
 
 
-def relay_config(
-    spec: JobSpec, job_id: str, cluster: ClusterSpec, agent_dir: str,
-    ports: dict[str, tuple[int, int]], sites: dict[str, Site],
-) -> dict[str, Any]:
-    """relay.json for `cluster`'s relay (see nebula_cli.relay.config.RelayConfig)."""
+def relay_config(spec: JobSpec, job_id: str, cluster: ClusterSpec, adir: str, ports: Ports,
+                 sites: dict[str, Site]) -> RelayConfig:
+    """The relay's part of the plan (relay.json) for `cluster`."""
     relay = spec.relay
     assert relay is not None
-    by_name = {c.name: c for c in spec.clusters}
-    local = cluster.transport == "local"
 
     def dial_address(c: ClusterSpec) -> str:
-        return c.relay_address or sites[f"{c.name}/{c.gateway_host.host}"].address
+        return c.relay_address or _gateway_site(c, sites).address
 
-    bind = "127.0.0.1" if local else "0.0.0.0"
+    bind = _gateway_site(cluster, sites).bind
+    peer_port, worker_port = ports.relays[cluster.name]
     shaping = relay.shaping
-    cert_dir = posixpath.join(agent_dir, "certs")
-    return {
-        "job_id": job_id,
-        "cluster": cluster.name,
-        "clusters": [c.name for c in spec.clusters],
-        "peer_listen": f"{bind}:{ports[cluster.name][0]}",
-        "worker_listen": f"{bind}:{ports[cluster.name][1]}",
-        "peers": {
-            name: f"{dial_address(c)}:{ports[name][0]}"
-            for name, c in by_name.items() if name != cluster.name
-        },
-        "tls": {"ca": posixpath.join(cert_dir, "ca.pem"),
-                "cert": posixpath.join(cert_dir, "relay.pem"),
-                "key": posixpath.join(cert_dir, "relay.key")},
-        "codec": relay.compression.codec,
-        "error_feedback": relay.compression.error_feedback,
-        "block_size": relay.compression.block_size,
-        "round_timeout": relay.timeout,
-        "heartbeat": relay.heartbeat,
-        "shaping": {"rate_mbit": shaping.rate_mbit if shaping else None,
-                    "delay_ms": shaping.delay_ms if shaping else 0.0},
-        "status_file": posixpath.join(agent_dir, "relay-status.json"),
-        "metrics_file": posixpath.join(agent_dir, "metrics", "relay.jsonl"),
-    }
+    certs = posixpath.join(adir, "certs")
+    return RelayConfig(
+        job_id=job_id,
+        cluster=cluster.name,
+        clusters=[c.name for c in spec.clusters],
+        peer_listen=f"{bind}:{peer_port}",
+        worker_listen=f"{bind}:{worker_port}",
+        peers={c.name: f"{dial_address(c)}:{ports.relays[c.name][0]}"
+               for c in spec.clusters if c.name != cluster.name},
+        tls=TlsFiles(ca=posixpath.join(certs, "ca.pem"), cert=posixpath.join(certs, "relay.pem"),
+                     key=posixpath.join(certs, "relay.key")),
+        codec=relay.compression.codec,
+        error_feedback=relay.compression.error_feedback,
+        block_size=relay.compression.block_size,
+        round_timeout=relay.timeout,
+        heartbeat=relay.heartbeat,
+        shaping=ShapingConfig(rate_mbit=shaping.rate_mbit if shaping else None,
+                              delay_ms=shaping.delay_ms if shaping else 0.0),
+        status_file=posixpath.join(adir, "relay-status.json"),
+        metrics_file=posixpath.join(adir, "metrics", "relay.jsonl"),
+    )

@@ -1,4 +1,4 @@
-"""The relay's part of the plan; the model lives with the plan (`nebula_cli.config.relay_config`)."""
+"""The relay's part of the plan; the model lives with the plan (config.relay_config)."""
 
 from nebula_cli.config.relay_config import (
     RelayConfig,

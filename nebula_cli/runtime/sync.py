@@ -27,21 +27,29 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 
+from nebula_cli.config.parts import SYNC_CONFIG_ENV, SyncConfig
 from nebula_cli.errors import NebulaError
 from nebula_cli.runtime.metrics import DRY_RUN_ENV
 from nebula_cli.runtime.metrics import log as log_metrics
 
 MODES = ("diloco", "gradient")
-DEFAULT_INNER_STEPS = 100
-DEFAULT_OUTER_LR = 0.7
-DEFAULT_OUTER_MOMENTUM = 0.9
-DEFAULT_ROUND_TIMEOUT = 600.0
 
 
 def wanted() -> bool:
-    """Whether this process should wrap its engine in an OuterSync: it runs in a job with a
-    relay ($NEBULA_RELAY_ADDR) or in `nebula plan`'s dry run ($NEBULA_DRY_RUN)."""
-    return bool(os.environ.get("NEBULA_RELAY_ADDR") or os.environ.get(DRY_RUN_ENV))
+    """Whether this process should wrap its engine in an OuterSync: the job's plan gave it a
+    sync config ($NEBULA_SYNC_CONFIG), or it runs in `nebula plan`'s dry run ($NEBULA_DRY_RUN)."""
+    return bool(os.environ.get(SYNC_CONFIG_ENV) or os.environ.get(DRY_RUN_ENV))
+
+
+def plan_config() -> SyncConfig | None:
+    """This worker's part of the job plan (sync.json named by $NEBULA_SYNC_CONFIG), if any."""
+    path = os.environ.get(SYNC_CONFIG_ENV)
+    if not path:
+        return None
+    try:
+        return SyncConfig.load(path)
+    except NebulaError as exc:
+        raise SyncError(f"cannot use the sync config: {exc}") from exc
 
 
 log = logging.getLogger("nebula.runtime.sync")
@@ -84,8 +92,7 @@ class OuterOptimizer:
     ``v = mu * v + g``; ``theta -= lr * (g + mu * v)`` with Nesterov, else ``theta -= lr * v``.
     """
 
-    def __init__(self, lr: float = DEFAULT_OUTER_LR, momentum: float = DEFAULT_OUTER_MOMENTUM,
-                 nesterov: bool = True) -> None:
+    def __init__(self, lr: float, momentum: float, nesterov: bool) -> None:
         if not (math.isfinite(lr) and lr > 0):
             raise SyncError(f"outer learning rate must be a positive number, got {lr!r}")
         if not (math.isfinite(momentum) and 0 <= momentum < 1):
@@ -381,41 +388,42 @@ class OuterSync:
         engine: Any,
         *,
         averager: Averager | None = None,
+        config: SyncConfig | None = None,
         inner_steps: int | None = None,
         outer_lr: float | None = None,
         outer_momentum: float | None = None,
-        nesterov: bool = True,
+        nesterov: bool | None = None,
         mode: str | None = None,
         overlap: bool | None = None,
         overlap_steps: int | None = None,
+        round_timeout: float | None = None,
     ) -> None:
         self.engine = engine
-        self.mode = (mode or _env(
-            "NEBULA_SYNC_MODE", "diloco", str.lower, lambda v: v in MODES, " or ".join(MODES)
-        )).lower()
-        if self.mode not in MODES:
+        self.dry_run = _env_bool(DRY_RUN_ENV, False)
+        self.config = config if config is not None else plan_config()
+        given = {"inner_steps": inner_steps, "outer_lr": outer_lr,
+                 "outer_momentum": outer_momentum, "nesterov": nesterov, "mode": mode,
+                 "overlap": overlap, "round_timeout": round_timeout}
+        if self.config is None and self.dry_run:
+            # `nebula plan`'s dry run: no relay and no round; only the parameter count matters
+            given = {k: v for k, v in given.items() if v is not None}
+            given["mode"] = "dry-run"
+        settings = self._settings(given, overlap_steps)
+        self.mode = str(settings["mode"]).lower()
+        if self.mode not in (*MODES, "dry-run"):
             raise SyncError(f"sync mode {self.mode!r}: expected one of {', '.join(MODES)}")
-        self.inner_steps = int(inner_steps if inner_steps is not None else _env(
-            "NEBULA_INNER_STEPS", DEFAULT_INNER_STEPS, int, lambda v: v > 0, "a positive integer"
-        ))
-        if self.inner_steps < 1:
+        self.inner_steps = int(settings.get("inner_steps") or 0)
+        if self.mode != "dry-run" and self.inner_steps < 1:
             raise SyncError(f"inner_steps must be at least 1, got {self.inner_steps}")
-        self.overlap = bool(overlap if overlap is not None else
-                            _env_bool("NEBULA_SYNC_OVERLAP", False))
+        self.overlap = bool(settings.get("overlap"))
         if self.overlap and self.mode == "gradient":
             raise SyncError("overlap applies to DiLoCo rounds; gradient mode cannot overlap")
-        self.overlap_steps: int | None = overlap_steps if overlap_steps is not None else _env(
-            "NEBULA_OVERLAP_STEPS", None, int, lambda v: v > 0, "a positive integer")
+        self.overlap_steps: int | None = settings.get("overlap_steps")
         if self.overlap_steps is not None and self.overlap_steps < 1:
             raise SyncError(f"overlap_steps must be at least 1, got {self.overlap_steps}")
-        number = (float, lambda v: math.isfinite(v), "a number")
-        lr = outer_lr if outer_lr is not None else _env(
-            "NEBULA_OUTER_LR", DEFAULT_OUTER_LR, *number)
-        mu = outer_momentum if outer_momentum is not None else _env(
-            "NEBULA_OUTER_MOMENTUM", DEFAULT_OUTER_MOMENTUM, *number)
-        self.outer = OuterOptimizer(lr, mu, nesterov)
-        self.round_timeout = _env("NEBULA_ROUND_TIMEOUT", DEFAULT_ROUND_TIMEOUT, float,
-                                  lambda v: v > 0, "a positive number of seconds")
+        self.outer = OuterOptimizer(settings["outer_lr"], settings["outer_momentum"],
+                                    settings["nesterov"]) if self.mode != "dry-run" else None
+        self.round_timeout = float(settings.get("round_timeout") or 0.0)
 
         self._distributed = dist.is_available() and dist.is_initialized()
         self.rank = dist.get_rank() if self._distributed else 0
@@ -450,9 +458,24 @@ class OuterSync:
         self._thread: threading.Thread | None = None
         self._pending: dict[str, Any] | None = None
         self._closed = False
-        self.dry_run = _env_bool(DRY_RUN_ENV, False)
         if self.dry_run and self.rank == 0:  # what `nebula plan` needs; no round will run
             log_metrics(step=0, dry_run=True, trainable_params=self.numel)
+
+    def _settings(self, given: dict[str, Any], overlap_steps: int | None) -> dict[str, Any]:
+        """Each setting from the arguments, else from the plan's sync config (the spec's)."""
+        out = {}
+        for name, value in given.items():
+            if value is None:
+                if self.config is None:
+                    raise SyncError(
+                        f"{name} was not given and there is no sync config "
+                        f"(${SYNC_CONFIG_ENV}): OuterSync takes its settings from the job's "
+                        f"plan under `nebula launch`, or from config=SyncConfig(...)")
+                value = getattr(self.config, name)
+            out[name] = value
+        out["overlap_steps"] = overlap_steps if overlap_steps is not None else (
+            self.config.overlap_steps if self.config else None)
+        return out
 
     # --- public hooks ---------------------------------------------------------------------
 
@@ -736,7 +759,13 @@ class OuterSync:
         if self._averager is None:
             from nebula_cli.relay.client import RelayClient
 
-            self._averager = RelayClient.from_env()
+            cfg = self.config
+            if cfg is None:
+                raise SyncError(f"no relay to average with: ${SYNC_CONFIG_ENV} is not set "
+                                f"(run under `nebula launch` with a relay, or pass averager=)")
+            self._averager = RelayClient(
+                cfg.relay_addr, ca=cfg.tls.ca, cert=cfg.tls.cert, key=cfg.tls.key,
+                job_id=cfg.job_id, cluster=cfg.cluster, round_timeout=cfg.round_timeout)
         return self._averager
 
     def _optimizer_steps(self) -> int:

@@ -6,9 +6,11 @@ from typing import Any
 
 from nebula_cli.errors import UsageError
 from nebula_cli.transport.base import CommandResult, Transport
-from nebula_cli.transport.local import LocalTransport
+from nebula_cli.transport.local import LocalTransport, local_python
 
-__all__ = ["CommandResult", "LocalTransport", "Transport", "connect", "machine_key"]
+__all__ = [
+    "CommandResult", "LocalTransport", "Transport", "connect", "describe", "machine_key",
+]
 
 
 def machine_key(conn: dict[str, Any]) -> tuple[Any, ...]:
@@ -18,11 +20,24 @@ def machine_key(conn: dict[str, Any]) -> tuple[Any, ...]:
     return ("ssh", conn.get("user"), conn.get("host"), conn.get("port"), conn.get("jump"))
 
 
+def describe(kind: str, *, name: str, home: str, host: str | None = None,
+             user: str | None = None, port: int | None = None, key: str | None = None,
+             jump: str | None = None, python: str) -> dict[str, Any]:
+    """How to reach a host, as plain data (kept in the state store; `connect` opens it).
+    `home` is used by transports whose hosts share this machine; remote hosts find their own."""
+    if kind == "local":
+        return {"transport": "local", "name": name, "home": home, "python": local_python(python)}
+    if kind == "ssh":
+        return {"transport": "ssh", "name": name, "host": host or name, "user": user,
+                "port": port, "key": key, "jump": jump, "python": python}
+    raise UsageError(f"transport '{kind}' is not available in this version of nebula")
+
+
 def connect(conn: dict[str, Any], *, accept_new_host_keys: bool = False) -> Transport:
-    """A transport for a connection description made by `jobplan.connection_of`."""
+    """A transport for a connection description made by `describe`."""
     kind = conn.get("transport")
     if kind == "local":
-        return LocalTransport(conn["name"], home=conn.get("home"), python=conn.get("python"))
+        return LocalTransport(conn["name"], home=conn["home"], python=conn.get("python"))
     if kind == "ssh":
         from nebula_cli.transport.ssh import CONNECT_TIMEOUT, SSHTransport  # paramiko on demand
 

@@ -85,6 +85,34 @@ class Transport(ABC):
     def python(self) -> str:
         """The Python interpreter on the host that has nebula_cli importable."""
 
+    @property
+    @abstractmethod
+    def address(self) -> str:
+        """The address other hosts use to reach this one."""
+
+    @property
+    @abstractmethod
+    def bind_address(self) -> str:
+        """The address a service on this host listens on, so that its peers reach it."""
+
+    @property
+    @abstractmethod
+    def shares_files(self) -> bool:
+        """Whether the host sees this machine's files at the same paths (nothing to upload)."""
+
+    @abstractmethod
+    def listen_port(self, preferred: int | None = None) -> int:
+        """A port for a service on this host: `preferred` where hosts are machines of their
+        own (a fixed port that firewalls can allow), else one found free there."""
+
+    @abstractmethod
+    def upload_tree(self, local_dir: str, remote_dir: str, exclude: Sequence[str] = (),
+                    progress: Callable[[int, int], None] | None = None) -> tuple[int, int]:
+        """Copy a directory tree to the host, skipping files whose copy there has the same size
+        and mtime. `exclude`: fnmatch patterns (see `tree.walk`). Files there that are not
+        here are left alone. `progress(bytes_done, bytes_to_copy)` as data goes.
+        Returns (files copied, bytes copied)."""
+
     @abstractmethod
     def run(
         self,

@@ -4,16 +4,17 @@ from __future__ import annotations
 
 import os
 import shutil
+import socket
 import subprocess
 import sys
 import tempfile
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import IO
 
-from nebula_cli.control.state import nebula_home
 from nebula_cli.errors import TransportError
+from nebula_cli.transport import tree
 from nebula_cli.transport.base import (
     DEFAULT_TIMEOUT,
     CommandResult,
@@ -22,16 +23,24 @@ from nebula_cli.transport.base import (
     Transport,
     shell_join,
 )
+from nebula_cli.transport.tree import DEFAULT_EXCLUDES
+
+DEFAULT_PYTHON = "python3"
+"""The spec's default `python`; on this machine it means the interpreter nebula runs under."""
+
+
+def local_python(python: str | None) -> str:
+    """The interpreter local processes run under: sys.executable unless one is named."""
+    return sys.executable if python in (None, DEFAULT_PYTHON) else python
 
 
 class LocalTransport(Transport):
     """Runs commands as subprocesses of this machine; files are plain file operations."""
 
-    def __init__(self, name: str = "localhost", *, home: str | None = None,
-                 python: str | None = None) -> None:
+    def __init__(self, name: str, *, home: str, python: str | None = None) -> None:
         self.name = name
-        self._home = str(Path(home).expanduser() if home else nebula_home())
-        self._python = python or sys.executable
+        self._home = str(Path(home).expanduser())
+        self._python = local_python(python)
 
     @property
     def home(self) -> str:
@@ -40,6 +49,64 @@ class LocalTransport(Transport):
     @property
     def python(self) -> str:
         return self._python
+
+    @property
+    def address(self) -> str:
+        return "127.0.0.1"
+
+    @property
+    def bind_address(self) -> str:
+        return "127.0.0.1"
+
+    @property
+    def shares_files(self) -> bool:
+        return True
+
+    def listen_port(self, preferred: int | None = None) -> int:
+        """Always a free port: the "hosts" of local clusters share this machine's ports."""
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            return int(s.getsockname()[1])
+
+    def upload_tree(self, local_dir: str, remote_dir: str,
+                    exclude: Sequence[str] = DEFAULT_EXCLUDES,
+                    progress: Callable[[int, int], None] | None = None) -> tuple[int, int]:
+        src, dst = Path(local_dir).resolve(), Path(remote_dir).expanduser().resolve()
+        if not src.is_dir():
+            raise TransportError(f"cannot upload {local_dir}: not a directory", host=self.name)
+        if src == dst:
+            return 0, 0  # already there
+        dirs, files = tree.walk(src, exclude)
+        for rel_dir in dirs:
+            (dst / rel_dir).mkdir(parents=True, exist_ok=True)
+        todo = []
+        for item in files:
+            try:
+                st = os.stat(dst / item.rel)
+                if tree.unchanged(item, st.st_size, st.st_mtime):
+                    continue
+            except FileNotFoundError:
+                pass
+            todo.append(item)
+        total, done = sum(item.size for item in todo), 0
+        for item in todo:
+            target = dst / item.rel
+            tmp = target.with_name(f".{target.name}.nebula-tmp")
+            try:
+                shutil.copyfile(item.path, tmp)
+                os.chmod(tmp, item.mode)
+                os.utime(tmp, (item.mtime, item.mtime))
+                os.replace(tmp, target)
+            except OSError as exc:
+                tmp.unlink(missing_ok=True)
+                raise TransportError(f"cannot copy {item.path} to {target}: {exc}",
+                                     host=self.name) from exc
+            done += item.size
+            if progress is not None:
+                progress(done, total)
+        if progress is not None:
+            progress(done, total)
+        return len(todo), done
 
     def run(
         self,

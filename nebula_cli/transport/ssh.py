@@ -11,25 +11,17 @@ TransportError subclasses whose messages name the host.
 from __future__ import annotations
 
 import contextlib
-import fnmatch
-import io
 import os
 import posixpath
-import re
-import shlex
 import socket
-import stat
-import tempfile
 import threading
 import time
-import uuid
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from pathlib import Path
-from typing import IO
 
 import paramiko
 
 from nebula_cli.errors import TransportError
+from nebula_cli.transport import shellenv
 from nebula_cli.transport.base import (
     DEFAULT_TIMEOUT,
     CommandResult,
@@ -55,6 +47,9 @@ from nebula_cli.transport.sshconfig import (
     parse_destination,
     resolve,
 )
+from nebula_cli.transport.sshfiles import CHUNK as _CHUNK
+from nebula_cli.transport.sshfiles import SFTPFiles
+from nebula_cli.transport.tree import DEFAULT_EXCLUDES
 
 __all__ = [
     "AuthError", "ChangedHostKey", "DEFAULT_EXCLUDES", "HostKeyError", "SSHTimeout",
@@ -62,14 +57,13 @@ __all__ = [
 ]
 
 CONNECT_TIMEOUT = 15.0
+FREE_PORT_PY = (
+    "import socket; s = socket.socket(); s.bind(('', 0)); print(s.getsockname()[1]); s.close()"
+)
 KEEPALIVE = 15
 MAX_CHANNELS = 8  # concurrent exec channels; + 1 SFTP session stays under sshd's MaxSessions 10
-SFTP_TIMEOUT = DEFAULT_TIMEOUT
 MAX_JUMP_DEPTH = 8
 DEFAULT_IDENTITIES = ("~/.ssh/id_ed25519", "~/.ssh/id_ecdsa", "~/.ssh/id_rsa")
-DEFAULT_EXCLUDES = (".git", ".venv", "__pycache__", "*.pyc")
-_CHUNK = 1 << 16
-_ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 
 
 class AuthError(TransportError):
@@ -93,14 +87,7 @@ def _drain(read: Callable[[int], bytes], sink: list[bytes],
                 lines.feed(data)
 
 
-def _excluded(rel: str, patterns: Sequence[str]) -> bool:
-    """Whether a relative posix path is excluded: any part, or the whole path, matches."""
-    parts = rel.split("/")
-    return any(fnmatch.fnmatchcase(part, pat) for pat in patterns for part in parts) or any(
-        "/" in pat and fnmatch.fnmatchcase(rel, pat) for pat in patterns)
-
-
-class SSHTransport(Transport):
+class SSHTransport(SFTPFiles, Transport):
     """A host reached over SSH. No network I/O until the first command or file operation."""
 
     def __init__(
@@ -183,6 +170,28 @@ class SSHTransport(Transport):
     @property
     def python(self) -> str:
         return self._python
+
+    @property
+    def address(self) -> str:
+        """The HostName ssh_config resolved the host to."""
+        return self.target.hostname
+
+    @property
+    def bind_address(self) -> str:
+        return "0.0.0.0"
+
+    @property
+    def shares_files(self) -> bool:
+        return False
+
+    def listen_port(self, preferred: int | None = None) -> int:
+        if preferred is not None:
+            return preferred
+        result = self.run([self.python, "-c", FREE_PORT_PY], timeout=self.connect_timeout * 4)
+        try:
+            return int(result.stdout.strip())
+        except ValueError as exc:
+            raise TransportError(f"cannot find a free port: {result}", host=self.name) from exc
 
     @property
     def connection(self) -> paramiko.Transport | None:
@@ -386,24 +395,13 @@ class SSHTransport(Transport):
     # --- commands ---------------------------------------------------------------------------
 
     def _wire_command(self, argv: Sequence[str] | str, env: Mapping[str, str] | None,
-                      cwd: str | None) -> str:
-        """The command line sent to the server: `cd DIR && env K=V ... COMMAND`.
-
-        A string command given with env or cwd runs as `/bin/sh -c COMMAND`, so that every
-        part of it sees them; otherwise the login shell reads it as it is."""
-        wrap = bool(env or cwd)
-        body = (f"/bin/sh -c {shlex.quote(argv)}" if wrap else argv) if isinstance(
-            argv, str) else shlex.join(argv)
-        if env:
-            for key in env:
-                if not _ENV_NAME.fullmatch(key):
-                    raise TransportError(f"invalid environment variable name {key!r}",
-                                         host=self.name)
-            assigns = " ".join(f"{k}={shlex.quote(str(v))}" for k, v in env.items())
-            body = f"env {assigns} {body}"
-        if cwd:
-            body = f"cd {shlex.quote(self.remote_path(cwd))} && {body}"
-        return body
+                      cwd: str | None) -> tuple[str, bytes]:
+        """The command line for the server and what goes first on its standard input (see
+        `shellenv.wrap`: environment values never appear on a command line)."""
+        try:
+            return shellenv.wrap(argv, env, self.remote_path(cwd) if cwd else None)
+        except ValueError as exc:
+            raise TransportError(str(exc), host=self.name) from exc
 
     def run(
         self,
@@ -417,7 +415,8 @@ class SSHTransport(Transport):
     ) -> CommandResult:
         command = shell_join(argv)
         deadline = time.monotonic() + timeout
-        wire = self._wire_command(argv, env, cwd)
+        wire, prefix = self._wire_command(argv, env, cwd)
+        stdin = prefix + stdin if stdin else prefix or None
         conn = self._connection()
         if not self._channels.acquire(timeout=max(deadline - time.monotonic(), 0)):
             raise SSHTimeout(f"no free channel for `{command}` within {timeout:g} s",
@@ -490,202 +489,3 @@ class SSHTransport(Transport):
             stderr=b"".join(err).decode(errors="replace"),
         )
 
-    # --- files ------------------------------------------------------------------------------
-
-    @contextlib.contextmanager
-    def _sftp_session(self, what: str) -> Iterator[paramiko.SFTPClient]:
-        """The one SFTP session (opened on demand), held exclusively; errors translated."""
-        conn = self._connection()
-        with self._sftp_lock:
-            try:
-                if self._sftp is None or self._sftp_conn is not conn:
-                    self._sftp = paramiko.SFTPClient.from_transport(conn)
-                    if self._sftp is None:
-                        raise paramiko.SSHException("the server refused the sftp subsystem")
-                    self._sftp.get_channel().settimeout(SFTP_TIMEOUT)
-                    self._sftp_conn = conn
-                yield self._sftp
-            except (OSError, EOFError, paramiko.SSHException) as exc:
-                detail = exc.strerror if isinstance(exc, OSError) and exc.strerror else exc
-                raise TransportError(f"cannot {what}: {detail or type(exc).__name__}",
-                                     host=self.name) from exc
-
-    def _home_dir(self) -> str:
-        if self._remote_home is None:
-            with self._sftp_session("find the remote home directory") as sftp:
-                self._remote_home = sftp.normalize(".")
-        return self._remote_home
-
-    def _upload(self, sftp: paramiko.SFTPClient, src: IO[bytes], path: str, mode: int,
-                mtime: float | None = None, sent: Callable[[int], None] | None = None) -> int:
-        """Write `src` to a temporary name next to `path`, set mode (before any data) and mtime,
-        then rename it over `path`. Returns the bytes written."""
-        parent, base = posixpath.split(path)
-        tmp = posixpath.join(parent, f".{base}.{uuid.uuid4().hex[:12]}.tmp")
-        total = 0
-        try:
-            with sftp.open(tmp, "wb") as fh:
-                fh.set_pipelined(True)
-                fh.chmod(mode)
-                while chunk := src.read(1 << 18):
-                    fh.write(chunk)
-                    total += len(chunk)
-                    if sent is not None:
-                        sent(len(chunk))
-            if mtime is not None:
-                sftp.utime(tmp, (int(mtime), int(mtime)))
-            sftp.posix_rename(tmp, path)
-        except BaseException:
-            with contextlib.suppress(Exception):
-                sftp.remove(tmp)
-            raise
-        return total
-
-    def put_bytes(self, data: bytes, remote: str, *, mode: int = 0o644) -> None:
-        path = self.remote_path(remote)
-        with self._sftp_session(f"write {path}") as sftp:
-            self._mkdirs(sftp, posixpath.dirname(path), 0o755)
-            self._upload(sftp, io.BytesIO(data), path, mode)
-
-    def put(self, local: str, remote: str, *, mode: int | None = None) -> None:
-        path = self.remote_path(remote)
-        try:
-            src = open(local, "rb")  # noqa: SIM115 - closed below
-        except OSError as exc:
-            raise TransportError(f"cannot copy {local} to {path}: {exc}", host=self.name) from exc
-        with src, self._sftp_session(f"copy {local} to {path}") as sftp:
-            self._mkdirs(sftp, posixpath.dirname(path), 0o755)
-            file_mode = mode if mode is not None else os.fstat(src.fileno()).st_mode & 0o7777
-            self._upload(sftp, src, path, file_mode)
-
-    def get(self, remote: str, local: str) -> None:
-        path = self.remote_path(remote)
-        target = Path(local)
-        try:
-            fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.")
-        except OSError as exc:
-            raise TransportError(f"cannot copy {path} to {local}: {exc}", host=self.name) from exc
-        try:
-            with os.fdopen(fd, "wb") as fh, self._sftp_session(f"copy {path} to {local}") as sftp:
-                sftp.getfo(path, fh)
-            os.replace(tmp, target)
-        except OSError as exc:
-            raise TransportError(f"cannot copy {path} to {local}: {exc}", host=self.name) from exc
-        finally:
-            Path(tmp).unlink(missing_ok=True)
-
-    def read_tail(self, remote: str, offset: int, max_bytes: int = 1 << 20) -> tuple[bytes, int]:
-        path = self.remote_path(remote)
-        with self._sftp_session(f"read {path}") as sftp:
-            try:
-                fh = sftp.open(path, "rb")
-            except FileNotFoundError:
-                return b"", offset
-            with fh:
-                size = fh.stat().st_size or 0
-                if size < offset:
-                    offset = 0
-                want = min(max_bytes, size - offset)
-                fh.seek(offset)
-                if want > _CHUNK:
-                    fh.prefetch(offset + want)
-                data = fh.read(want) if want > 0 else b""
-        return data, offset + len(data)
-
-    def _mkdirs(self, sftp: paramiko.SFTPClient, path: str, mode: int) -> None:
-        try:
-            if stat.S_ISDIR(sftp.stat(path).st_mode or 0):
-                return
-            raise TransportError(f"cannot make directory {path}: a file is in the way",
-                                 host=self.name)
-        except FileNotFoundError:
-            pass
-        parent = posixpath.dirname(path)
-        if parent and parent != path:
-            self._mkdirs(sftp, parent, mode)
-        try:
-            sftp.mkdir(path, mode)
-        except OSError:
-            if not stat.S_ISDIR(sftp.stat(path).st_mode or 0):  # lost a race: fine if a dir
-                raise
-
-    def makedirs(self, remote: str, *, mode: int = 0o755) -> None:
-        path = self.remote_path(remote)
-        with self._sftp_session(f"make directory {path}") as sftp:
-            self._mkdirs(sftp, path, mode)
-
-    def exists(self, remote: str) -> bool:
-        path = self.remote_path(remote)
-        with self._sftp_session(f"check {path}") as sftp:
-            try:
-                sftp.stat(path)
-            except (FileNotFoundError, PermissionError):
-                return False
-        return True
-
-    def sync_dir(
-        self,
-        local_dir: str,
-        remote_dir: str,
-        exclude: Sequence[str] = DEFAULT_EXCLUDES,
-        progress: Callable[[int, int], None] | None = None,
-    ) -> tuple[int, int]:
-        """Upload a directory tree, skipping files whose remote copy has the same size and
-        mtime (uploads get the local mtime). `exclude`: fnmatch patterns matched against every
-        path part (or the whole relative path when a pattern has a '/'). Remote files not
-        present locally are left alone. `progress(bytes_sent, bytes_to_send)` is called as
-        data goes out. Returns (files_sent, bytes_sent)."""
-        root = Path(local_dir)
-        if not root.is_dir():
-            raise TransportError(f"cannot sync {local_dir}: not a directory", host=self.name)
-        dirs: list[str] = []
-        files: list[tuple[str, Path, os.stat_result]] = []
-        for dirpath, dirnames, filenames in os.walk(root):
-            rel_dir = Path(dirpath).relative_to(root).as_posix()
-            rel_dir = "" if rel_dir == "." else rel_dir
-            dirnames[:] = sorted(d for d in dirnames
-                                 if not _excluded(posixpath.join(rel_dir, d), exclude))
-            dirs.append(rel_dir)
-            for fname in sorted(filenames):
-                rel = posixpath.join(rel_dir, fname)
-                if _excluded(rel, exclude):
-                    continue
-                try:
-                    st = os.stat(os.path.join(dirpath, fname))
-                except OSError:
-                    continue  # a dangling symlink
-                if stat.S_ISREG(st.st_mode):
-                    files.append((rel, Path(dirpath, fname), st))
-        base = self.remote_path(remote_dir)
-        by_dir: dict[str, list[tuple[str, Path, os.stat_result]]] = {}
-        for item in files:
-            by_dir.setdefault(posixpath.dirname(item[0]), []).append(item)
-        with self._sftp_session(f"sync {local_dir} to {base}") as sftp:
-            todo = []
-            for rel_dir in dirs:
-                rdir = posixpath.join(base, rel_dir) if rel_dir else base
-                self._mkdirs(sftp, rdir, 0o755)
-                remote = {a.filename: a for a in sftp.listdir_attr(rdir)}
-                for rel, lpath, st in by_dir.get(rel_dir, []):
-                    attr = remote.get(posixpath.basename(rel))
-                    if (attr is not None and stat.S_ISREG(attr.st_mode or 0)
-                            and attr.st_size == st.st_size
-                            and attr.st_mtime == int(st.st_mtime)):
-                        continue
-                    todo.append((rel, lpath, st))
-            total = sum(st.st_size for _, _, st in todo)
-            done = 0
-
-            def sent(n: int) -> None:
-                nonlocal done
-                done += n
-                if progress is not None:
-                    progress(done, total)
-
-            for rel, lpath, st in todo:
-                with open(lpath, "rb") as src:
-                    self._upload(sftp, src, posixpath.join(base, rel), st.st_mode & 0o7777,
-                                 mtime=st.st_mtime, sent=sent)
-        if progress is not None:
-            progress(done, total)
-        return len(todo), done

@@ -1,0 +1,83 @@
+"""The parts of the job plan that host-side processes load: the agent's (`agent.json`) and the
+training runtime's (`sync.json`). The relay's part is `relay_config.RelayConfig`.
+
+Standard library only (the agent runs on hosts before anything else is known to work). No
+field has a default: the plan fills every value from the spec, where the defaults live.
+Each part is written next to its process with mode 0600; the environment only says where.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from nebula_cli.config import strict
+from nebula_cli.config.relay_config import TlsFiles
+
+SYNC_CONFIG_ENV = "NEBULA_SYNC_CONFIG"
+"""The environment variable that names a worker's sync.json."""
+
+
+@dataclass(frozen=True)
+class ProcessConfig:
+    """One process an agent runs: a worker rank, or the relay."""
+
+    name: str
+    """The rank ("0", "1", ...) or the role ("relay"); names its log and exit code."""
+    argv: list[str]
+    env: dict[str, str]
+    log: str
+    """Log file, relative to the agent's directory."""
+    metrics: str | None
+    """Metrics file (JSON lines), relative to the agent's directory."""
+
+
+@dataclass(frozen=True)
+class AgentConfig:
+    """`agent.json`: what one host agent supervises."""
+
+    job_id: str
+    cluster: str
+    host: str
+    role: str
+    """"worker" or "relay"."""
+    cwd: str
+    grace: float
+    """Seconds between SIGTERM and SIGKILL when the group is ended."""
+    max_restarts: int
+    restart_backoff: float
+    """Seconds between a failure and the restart."""
+    processes: list[ProcessConfig]
+
+    @classmethod
+    def load(cls, path: str | Path) -> AgentConfig:
+        return strict.load(cls, path)
+
+
+@dataclass(frozen=True)
+class SyncConfig:
+    """`sync.json`: how a worker reaches its relay and runs the outer loop (spec: relay.sync,
+    relay.compression, relay.timeout)."""
+
+    job_id: str
+    cluster: str
+    relay_addr: str
+    """host:port of the cluster's relay (its worker port)."""
+    tls: TlsFiles
+    mode: str
+    """"diloco" or "gradient"."""
+    inner_steps: int
+    outer_lr: float
+    outer_momentum: float
+    nesterov: bool
+    overlap: bool
+    overlap_steps: int | None
+    codec: str
+    """The WAN codec (the relay's business; the worker's hop to the relay is fp32)."""
+    error_feedback: bool
+    round_timeout: float
+    """Seconds a round may take before the relay goes on with the clusters present."""
+
+    @classmethod
+    def load(cls, path: str | Path) -> SyncConfig:
+        return strict.load(cls, path)

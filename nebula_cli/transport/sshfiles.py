@@ -1,0 +1,213 @@
+"""The file half of SSHTransport: one SFTP session per connection, held exclusively; uploads
+written to a temporary name and renamed over; paramiko's errors translated here."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import os
+import posixpath
+import stat
+import tempfile
+import threading
+import uuid
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+from typing import IO
+
+import paramiko
+
+from nebula_cli.errors import TransportError
+from nebula_cli.transport import tree
+from nebula_cli.transport.base import DEFAULT_TIMEOUT
+from nebula_cli.transport.tree import DEFAULT_EXCLUDES
+
+SFTP_TIMEOUT = DEFAULT_TIMEOUT
+CHUNK = 1 << 16
+
+
+class SFTPFiles:
+    """File operations over the connection's SFTP session (mixed into SSHTransport)."""
+
+    name: str
+    _sftp_lock: threading.RLock
+    _sftp: paramiko.SFTPClient | None
+    _sftp_conn: paramiko.Transport | None
+    _remote_home: str | None
+
+    def _connection(self) -> paramiko.Transport:
+        raise NotImplementedError
+
+    def remote_path(self, path: str) -> str:
+        raise NotImplementedError
+
+    @contextlib.contextmanager
+    def _sftp_session(self, what: str) -> Iterator[paramiko.SFTPClient]:
+        """The one SFTP session (opened on demand), held exclusively; errors translated."""
+        conn = self._connection()
+        with self._sftp_lock:
+            try:
+                if self._sftp is None or self._sftp_conn is not conn:
+                    self._sftp = paramiko.SFTPClient.from_transport(conn)
+                    if self._sftp is None:
+                        raise paramiko.SSHException("the server refused the sftp subsystem")
+                    self._sftp.get_channel().settimeout(SFTP_TIMEOUT)
+                    self._sftp_conn = conn
+                yield self._sftp
+            except (OSError, EOFError, paramiko.SSHException) as exc:
+                detail = exc.strerror if isinstance(exc, OSError) and exc.strerror else exc
+                raise TransportError(f"cannot {what}: {detail or type(exc).__name__}",
+                                     host=self.name) from exc
+
+    def _home_dir(self) -> str:
+        if self._remote_home is None:
+            with self._sftp_session("find the remote home directory") as sftp:
+                self._remote_home = sftp.normalize(".")
+        return self._remote_home
+
+    def _upload(self, sftp: paramiko.SFTPClient, src: IO[bytes], path: str, mode: int,
+                mtime: float | None = None, sent: Callable[[int], None] | None = None) -> int:
+        """Write `src` to a temporary name next to `path`, set mode (before any data) and mtime,
+        then rename it over `path`. Returns the bytes written."""
+        parent, base = posixpath.split(path)
+        tmp = posixpath.join(parent, f".{base}.{uuid.uuid4().hex[:12]}.tmp")
+        total = 0
+        try:
+            with sftp.open(tmp, "wb") as fh:
+                fh.set_pipelined(True)
+                fh.chmod(mode)
+                while chunk := src.read(1 << 18):
+                    fh.write(chunk)
+                    total += len(chunk)
+                    if sent is not None:
+                        sent(len(chunk))
+            if mtime is not None:
+                sftp.utime(tmp, (int(mtime), int(mtime)))
+            sftp.posix_rename(tmp, path)
+        except BaseException:
+            with contextlib.suppress(Exception):
+                sftp.remove(tmp)
+            raise
+        return total
+
+    def put_bytes(self, data: bytes, remote: str, *, mode: int = 0o644) -> None:
+        path = self.remote_path(remote)
+        with self._sftp_session(f"write {path}") as sftp:
+            self._mkdirs(sftp, posixpath.dirname(path), 0o755)
+            self._upload(sftp, io.BytesIO(data), path, mode)
+
+    def put(self, local: str, remote: str, *, mode: int | None = None) -> None:
+        path = self.remote_path(remote)
+        try:
+            src = open(local, "rb")  # noqa: SIM115 - closed below
+        except OSError as exc:
+            raise TransportError(f"cannot copy {local} to {path}: {exc}", host=self.name) from exc
+        with src, self._sftp_session(f"copy {local} to {path}") as sftp:
+            self._mkdirs(sftp, posixpath.dirname(path), 0o755)
+            file_mode = mode if mode is not None else os.fstat(src.fileno()).st_mode & 0o7777
+            self._upload(sftp, src, path, file_mode)
+
+    def get(self, remote: str, local: str) -> None:
+        path = self.remote_path(remote)
+        target = Path(local)
+        try:
+            fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.")
+        except OSError as exc:
+            raise TransportError(f"cannot copy {path} to {local}: {exc}", host=self.name) from exc
+        try:
+            with os.fdopen(fd, "wb") as fh, self._sftp_session(f"copy {path} to {local}") as sftp:
+                sftp.getfo(path, fh)
+            os.replace(tmp, target)
+        except OSError as exc:
+            raise TransportError(f"cannot copy {path} to {local}: {exc}", host=self.name) from exc
+        finally:
+            Path(tmp).unlink(missing_ok=True)
+
+    def read_tail(self, remote: str, offset: int, max_bytes: int = 1 << 20) -> tuple[bytes, int]:
+        path = self.remote_path(remote)
+        with self._sftp_session(f"read {path}") as sftp:
+            try:
+                fh = sftp.open(path, "rb")
+            except FileNotFoundError:
+                return b"", offset
+            with fh:
+                size = fh.stat().st_size or 0
+                if size < offset:
+                    offset = 0
+                want = min(max_bytes, size - offset)
+                fh.seek(offset)
+                if want > CHUNK:
+                    fh.prefetch(offset + want)
+                data = fh.read(want) if want > 0 else b""
+        return data, offset + len(data)
+
+    def _mkdirs(self, sftp: paramiko.SFTPClient, path: str, mode: int) -> None:
+        try:
+            if stat.S_ISDIR(sftp.stat(path).st_mode or 0):
+                return
+            raise TransportError(f"cannot make directory {path}: a file is in the way",
+                                 host=self.name)
+        except FileNotFoundError:
+            pass
+        parent = posixpath.dirname(path)
+        if parent and parent != path:
+            self._mkdirs(sftp, parent, mode)
+        try:
+            sftp.mkdir(path, mode)
+        except OSError:
+            if not stat.S_ISDIR(sftp.stat(path).st_mode or 0):  # lost a race: fine if a dir
+                raise
+
+    def makedirs(self, remote: str, *, mode: int = 0o755) -> None:
+        path = self.remote_path(remote)
+        with self._sftp_session(f"make directory {path}") as sftp:
+            self._mkdirs(sftp, path, mode)
+
+    def exists(self, remote: str) -> bool:
+        path = self.remote_path(remote)
+        with self._sftp_session(f"check {path}") as sftp:
+            try:
+                sftp.stat(path)
+            except (FileNotFoundError, PermissionError):
+                return False
+        return True
+
+    def upload_tree(self, local_dir: str, remote_dir: str,
+                    exclude: Sequence[str] = DEFAULT_EXCLUDES,
+                    progress: Callable[[int, int], None] | None = None) -> tuple[int, int]:
+        """See `Transport.upload_tree`; copies get the local mtime (SFTP)."""
+        if not Path(local_dir).is_dir():
+            raise TransportError(f"cannot upload {local_dir}: not a directory", host=self.name)
+        dirs, files = tree.walk(local_dir, exclude)
+        base = self.remote_path(remote_dir)
+        by_dir: dict[str, list[tree.TreeFile]] = {}
+        for item in files:
+            by_dir.setdefault(posixpath.dirname(item.rel), []).append(item)
+        with self._sftp_session(f"upload {local_dir} to {base}") as sftp:
+            todo = []
+            for rel_dir in dirs:
+                rdir = posixpath.join(base, rel_dir) if rel_dir else base
+                self._mkdirs(sftp, rdir, 0o755)
+                remote = {a.filename: a for a in sftp.listdir_attr(rdir)}
+                for item in by_dir.get(rel_dir, []):
+                    attr = remote.get(posixpath.basename(item.rel))
+                    if (attr is not None and stat.S_ISREG(attr.st_mode or 0)
+                            and tree.unchanged(item, attr.st_size, attr.st_mtime)):
+                        continue
+                    todo.append(item)
+            total = sum(item.size for item in todo)
+            done = 0
+
+            def sent(n: int) -> None:
+                nonlocal done
+                done += n
+                if progress is not None:
+                    progress(done, total)
+
+            for item in todo:
+                with open(item.path, "rb") as src:
+                    self._upload(sftp, src, posixpath.join(base, item.rel), item.mode,
+                                 mtime=item.mtime, sent=sent)
+        if progress is not None:
+            progress(done, total)
+        return len(todo), done

@@ -1,0 +1,32 @@
+"""Plan parts built from a minimal spec, so that tests use the spec's defaults (defined once)."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+from nebula_cli.config import jobplan
+from nebula_cli.config.parts import SyncConfig
+from nebula_cli.config.spec import JobSpec, parse_spec
+
+MINIMAL = """
+name: minimal
+run: python train.py
+relay: {}
+clusters:
+  - {name: east, transport: local, hosts: [e1]}
+  - {name: west, transport: local, hosts: [w1]}
+"""
+
+
+def minimal_spec() -> JobSpec:
+    return parse_spec(MINIMAL, base_dir=Path(__file__).parent)
+
+
+def default_sync_config(**overrides: Any) -> SyncConfig:
+    """The sync.json a worker of the minimal spec gets, with `overrides` replaced."""
+    spec = minimal_spec()
+    cfg = jobplan.sync_config(spec, "job-test", spec.clusters[0], "/nowhere",
+                              relay_addr="127.0.0.1:1")
+    return dataclasses.replace(cfg, **overrides)

@@ -1,0 +1,166 @@
+"""The typed plan: one pure function from the spec, consumers load their parts with the same
+models, every default defined once (in the spec's model), and no transport branch in the
+control plane."""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import json
+from pathlib import Path
+
+import pytest
+from plan_defaults import minimal_spec
+
+from nebula_cli.config import jobplan, strict
+from nebula_cli.config.parts import SYNC_CONFIG_ENV, AgentConfig, SyncConfig
+from nebula_cli.config.relay_config import RelayConfig
+from nebula_cli.config.spec import CompressionSpec, JobSpec, RelaySpec, SyncSpec
+
+PACKAGE = Path(__file__).resolve().parent.parent / "nebula_cli"
+
+
+def _plan(spec: JobSpec) -> jobplan.JobPlan:
+    sites = {jobplan.site_key(c, h): jobplan.Site(
+        conn={"transport": "ssh", "name": h.host}, home=f"/home/u/.nebula-{c.name}",
+        address=f"{h.host}.example", bind="0.0.0.0", python="/opt/py/bin/python3",
+        shares_files=False) for c in spec.clusters for h in c.hosts}
+    ports = jobplan.Ports(masters={c.name: 29500 + i for i, c in enumerate(spec.clusters)},
+                          relays={c.name: (29400, 29401) for c in spec.clusters})
+    certs = jobplan.Certs(
+        ca=b"CA", relays={c.name: (b"cert", b"key") for c in spec.clusters},
+        workers={jobplan.site_key(c, h): (b"cert", b"key")
+                 for c in spec.clusters for h in c.hosts})
+    return jobplan.build_plan(spec, "job-1", sites=sites, ports=ports, certs=certs)
+
+
+def _written(agent: jobplan.AgentPlan, tmp_path: Path) -> Path:
+    """The agent's files as the launch writes them on its host, under tmp_path."""
+    root = tmp_path / agent.key
+    for rel, data in agent.files.items():
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        (root / rel).write_bytes(data)
+    strict.write(agent.config, root / "agent.json")
+    return root
+
+
+def test_every_consumer_loads_the_spec_defaults(tmp_path: Path) -> None:
+    spec = minimal_spec()
+    plan = _plan(spec)
+    relay_d, sync_d, comp_d = RelaySpec(), SyncSpec(), CompressionSpec()
+    relays, workers = plan.role(jobplan.RELAY), plan.role(jobplan.WORKER)
+    assert [a.cluster for a in relays] == ["east", "west"] and len(workers) == 2
+    for agent in plan.agents:
+        root = _written(agent, tmp_path)
+        config = AgentConfig.load(root / "agent.json")  # what the agent loads
+        assert config == agent.config
+        assert (root / "agent.json").stat().st_mode & 0o777 == 0o600
+        if agent.role == jobplan.WORKER:
+            assert config.grace == JobSpec.model_fields["grace"].default
+            assert config.max_restarts == JobSpec.model_fields["max_restarts"].default
+            (proc,) = config.processes
+            assert proc.env[SYNC_CONFIG_ENV].endswith("/worker/sync.json")
+            assert SYNC_CONFIG_ENV in proc.env and "NEBULA_ROUND_TIMEOUT" not in proc.env
+            sync = SyncConfig.load(root / "sync.json")  # what the runtime loads
+            assert (sync.inner_steps, sync.outer_lr, sync.outer_momentum, sync.nesterov,
+                    sync.overlap, sync.overlap_steps, sync.mode) == (
+                sync_d.inner_steps, sync_d.outer_lr, sync_d.outer_momentum, sync_d.nesterov,
+                sync_d.overlap, sync_d.overlap_steps, sync_d.mode)
+            assert (sync.codec, sync.error_feedback) == (comp_d.codec, comp_d.error_feedback)
+            assert sync.round_timeout == relay_d.timeout
+            assert sync.relay_addr == f"{agent.cluster[0]}1.example:29401"
+        else:
+            relay = RelayConfig.load(root / "relay.json")  # what the relay loads
+            assert (relay.codec, relay.error_feedback, relay.block_size) == (
+                comp_d.codec, comp_d.error_feedback, comp_d.block_size)
+            assert (relay.round_timeout, relay.heartbeat) == (relay_d.timeout,
+                                                              relay_d.heartbeat)
+            assert relay.worker_listen == "0.0.0.0:29401"
+            assert config.max_restarts == jobplan.RELAY_RESTARTS
+
+
+def test_the_plan_is_frozen_and_built_purely() -> None:
+    spec = minimal_spec()
+    first, second = _plan(spec), _plan(spec)
+    assert [a.config for a in first.agents] == [a.config for a in second.agents]
+    assert [a.files for a in first.agents] == [a.files for a in second.agents]
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        first.agents[0].config.grace = 0.0  # type: ignore[misc]
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        first.agents[0].host = "elsewhere"  # type: ignore[misc]
+
+
+def test_remote_hosts_get_uploads_and_lib_path_local_ones_use_files_in_place() -> None:
+    spec = minimal_spec()
+    remote = _plan(spec).role(jobplan.WORKER)[0]
+    assert remote.uploads == {spec.workdir: f"{remote.job_root}/work"}
+    assert remote.config.cwd == f"{remote.job_root}/work"
+    assert remote.config.processes[0].env["PYTHONPATH"] == f"{remote.job_root}/lib"
+    assert remote.conn["pythonpath"] == f"{remote.job_root}/lib"
+
+
+@pytest.mark.parametrize("change, match", [
+    ({"grace": "10"}, "grace: expected a number"),
+    ({"max_restarts": True}, "max_restarts: expected an integer"),
+    ({"surprise": 1}, "unknown key"),
+    ({"processes": [{"name": "0"}]}, "missing key"),
+])
+def test_plan_parts_are_loaded_strictly(tmp_path: Path, change: dict, match: str) -> None:
+    agent = _plan(minimal_spec()).agents[0]
+    data = {**strict.to_dict(agent.config), **change}
+    (tmp_path / "agent.json").write_text(json.dumps(data))
+    with pytest.raises(strict.PlanFileError, match=match):
+        AgentConfig.load(tmp_path / "agent.json")
+
+
+def _compares_to_transport_names(tree: ast.AST) -> list[int]:
+    lines = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Compare):
+            consts = [c for c in [node.left, *node.comparators] if isinstance(c, ast.Constant)]
+            if any(c.value in ("local", "ssh") for c in consts):
+                lines.append(node.lineno)
+    return lines
+
+
+def test_no_transport_branch_in_the_plan_or_the_control_plane() -> None:
+    files = [PACKAGE / "config" / "jobplan.py", *sorted((PACKAGE / "control").glob("*.py"))]
+    found = {f.name: lines for f in files
+             if (lines := _compares_to_transport_names(ast.parse(f.read_text())))}
+    assert not found, f"`== 'local'`-style branches: {found}"
+
+
+def _imports(path: Path) -> set[str]:
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module:
+            names.add(node.module)
+        elif isinstance(node, ast.Import):
+            names.update(a.name for a in node.names)
+    return {n for n in names if n.startswith("nebula_cli")}
+
+
+@pytest.mark.parametrize("folder, forbidden", [
+    ("transport", ("nebula_cli.control", "nebula_cli.cli", "nebula_cli.config")),
+    ("agent", ("nebula_cli.control", "nebula_cli.cli", "nebula_cli.config.spec",
+               "nebula_cli.config.jobplan", "nebula_cli.transport", "nebula_cli.relay")),
+    ("relay", ("nebula_cli.control", "nebula_cli.cli", "nebula_cli.config.spec",
+               "nebula_cli.config.jobplan", "nebula_cli.transport", "nebula_cli.runtime")),
+    ("runtime", ("nebula_cli.control", "nebula_cli.cli", "nebula_cli.config.spec",
+                 "nebula_cli.config.jobplan", "nebula_cli.transport")),
+    ("config", ("nebula_cli.control", "nebula_cli.cli", "nebula_cli.transport",
+                "nebula_cli.relay", "nebula_cli.runtime", "nebula_cli.agent")),
+    ("control", ("nebula_cli.cli",)),
+    ("planner", ("nebula_cli.control", "nebula_cli.cli")),
+])
+def test_no_import_runs_up_a_layer(folder: str, forbidden: tuple[str, ...]) -> None:
+    bad = {f"{f.relative_to(PACKAGE)}: {name}"
+           for f in (PACKAGE / folder).rglob("*.py") for name in _imports(f)
+           if name.startswith(forbidden)}
+    assert not bad, sorted(bad)
+
+
+def test_no_module_is_over_500_lines() -> None:
+    long = {str(f.relative_to(PACKAGE)): n for f in PACKAGE.rglob("*.py")
+            if (n := len(f.read_text().splitlines())) > 500}
+    assert not long, long

@@ -76,7 +76,10 @@ def test_read_placement_errors(tmp_path: Path) -> None:
         read_placement(tmp_path / "list.json")
 
 
-def spec_text(extra: str = "", slots: int = 2) -> str:
+def spec_text(extra: str = "", slots: int = 2, cleartext: bool = True) -> str:
+    """Two clusters; a pipeline across them accepts the clear-text WAN unless told not to."""
+    if cleartext:
+        extra = extra.replace("parallelism: {", "parallelism: {cleartext_wan: true, ")
     return f"""
 name: pipe
 run: python train_pipe.py
@@ -107,7 +110,7 @@ def test_spec_reads_the_placement_relative_to_the_spec_file(tmp_path: Path) -> N
     ("parallelism: {pipeline_stages: 4}\nplacement: place.json", "placement",
      "has 2 stages, the spec asks for pipeline_stages: 4"),
     ("parallelism: {pipeline_stages: 2}\nplacement: nowhere.json", "placement",
-     "cannot read placement"),
+     "cannot read the placement"),
     ("parallelism: {pipeline_stages: 0}", "parallelism.pipeline_stages",
      "expected an integer >= 1, found 0"),
 ])
@@ -118,6 +121,24 @@ def test_spec_errors_name_the_field(tmp_path: Path, extra: str, field: str,
         parse_spec(spec_text(extra), file=str(tmp_path / "job.yaml"))
     problems = info.value.problems
     assert any(p.field == field and message in p.message for p in problems), problems
+
+
+def test_a_pipeline_across_clusters_needs_cleartext_wan(tmp_path: Path) -> None:
+    with pytest.raises(SpecError) as info:
+        parse_spec(spec_text("parallelism: {pipeline_stages: 2}", cleartext=False),
+                   file=str(tmp_path / "j.yaml"))
+    (p,) = info.value.problems
+    assert p.field == "parallelism" and "east, west" in p.message
+    assert "unencrypted" in p.message and "cleartext_wan: true" in p.message
+    allowed = parse_spec(spec_text("parallelism: {pipeline_stages: 2}"),
+                         file=str(tmp_path / "j.yaml"))
+    warning = allowed.cleartext_warning()
+    assert warning is not None and "east, west" in warning and "unencrypted" in warning
+    one_cluster = spec_text("parallelism: {pipeline_stages: 2}", cleartext=False).replace(
+        "  - {name: west, hosts: [{host: w1, slots: 2}]}\n", "")
+    inside = parse_spec(one_cluster, file=str(tmp_path / "j.yaml"))
+    assert inside.pipeline_stages == 2 and inside.cleartext_warning() is None
+    assert parse_spec(spec_text(), file=str(tmp_path / "j.yaml")).cleartext_warning() is None
 
 
 def test_plan_workers_gives_every_rank_its_placed_position(tmp_path: Path) -> None:

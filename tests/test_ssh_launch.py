@@ -219,7 +219,7 @@ def test_pipeline_follows_the_placement_over_ssh(ssh_cli: CLI, bed_clean: TestBe
     clusters = {"east": ["e1", "e2"], "west": ["w1", "w2"]}
     run = "python -u train_pipe.py --steps 16 --eval-every 8 --log-every 4"
     gpt = REPO / "examples" / "gpt"
-    pipe = {"parallelism": {"pipeline_stages": 2}}
+    pipe = {"parallelism": {"pipeline_stages": 2, "cleartext_wan": True}}
     bare = ssh_spec(tmp_path, bed_clean, clusters=clusters, run=run, name="pipe",
                     workdir=gpt, deepspeed="ds_config.json", extra=pipe)
     # a fast network inside each cluster, a slow one across; activations far heavier than

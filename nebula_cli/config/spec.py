@@ -8,18 +8,13 @@ that says what was expected and what was found.
 from __future__ import annotations
 
 import copy
-import json
 import os
 import re
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Any, Literal
 
 import yaml
 from pydantic import (
-    AfterValidator,
-    BaseModel,
-    BeforeValidator,
-    ConfigDict,
     Field,
     PrivateAttr,
     ValidationError,
@@ -28,73 +23,61 @@ from pydantic import (
     model_validator,
 )
 
-from nebula_cli.config import pipeline
+from nebula_cli.config import pipeline, specfile
 from nebula_cli.config import yaml_positions as yp
+from nebula_cli.config.fields import (
+    EnvDict,
+    HostName,
+    Interface,
+    Jump,
+    Name,
+    Port,
+    Program,
+    UserName,
+    redact_env,
+)
+from nebula_cli.config.sections import (
+    CheckpointSpec,
+    CompressionSpec,
+    ParallelismSpec,
+    RelaySpec,
+    ShapingSpec,
+    SpecModel,
+    SyncSpec,
+)
 from nebula_cli.config.yaml_positions import PathKey, describe, problems_error
 from nebula_cli.errors import SpecError
 
-_NAME_RE = re.compile(r"[a-z0-9][a-z0-9_-]{0,31}")
-_ENV_NAME_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+__all__ = [
+    "MAX_PROCESSES", "MAX_SLOTS", "CheckpointSpec", "ClusterSpec", "CompressionSpec", "HostSpec",
+    "JobSpec", "ParallelismSpec", "RelaySpec", "ShapingSpec", "SpecModel", "SyncSpec",
+    "load_spec", "parse_spec", "redact_env",
+]
+
 _HOST_RE = re.compile(
     r"(?:(?P<user>[^@\s:]+)@)?(?P<host>\[[^\]\s]+\]|[^@\s:\[\]]+)(?::(?P<port>\d+))?")
-_SECRET_RE = re.compile(r"TOKEN|SECRET|PASSWORD|PASSWD|KEY|CREDENTIAL", re.IGNORECASE)
+MAX_SLOTS = 1024
+"""Most processes one host may start."""
+MAX_PROCESSES = 65536
+"""Most processes (slots) of one job."""
 
 
-def _matching(regex: re.Pattern[str], expected: str) -> AfterValidator:
-    """A validator that accepts strings matching `regex` and otherwise says what was expected."""
-
-    def check(value: str) -> str:
-        if not regex.fullmatch(value):
-            raise ValueError(f"expected {expected}, found {describe(value)}")
-        return value
-
-    return AfterValidator(check)
-
-
-def _coerce_env(value: Any) -> Any:
-    """YAML scalars (1, 0.5, true) become the strings a process environment holds."""
-    def text(v: Any) -> Any:
-        if isinstance(v, bool):
-            return "true" if v else "false"
-        return str(v) if isinstance(v, (int, float)) else v
-
-    return {k: text(v) for k, v in value.items()} if isinstance(value, dict) else value
-
-
-def redact_env(env: dict[str, str]) -> dict[str, str]:
-    """A copy of `env` with the values of secret-looking keys replaced by ``***``."""
-    return {k: "***" if _SECRET_RE.search(k) else v for k, v in env.items()}
-
-
-Name = Annotated[str, _matching(_NAME_RE, "a name of 1-32 characters: lowercase letters, "
-                                 "digits, '-' or '_', starting with a letter or digit")]
-Port = Annotated[int, Field(ge=1, le=65535)]
-EnvName = Annotated[str, _matching(_ENV_NAME_RE, "an environment variable name (letters, digits "
-                                                 "and '_', not starting with a digit)")]
-EnvDict = Annotated[dict[EnvName, str], BeforeValidator(_coerce_env)]
-Jump = Annotated[str, _matching(_HOST_RE, "[user@]host[:port] or an ssh_config alias")]
-
-
-class _Model(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True, use_attribute_docstrings=True)
-
-
-class HostSpec(_Model):
+class HostSpec(SpecModel):
     """One machine of a cluster; may be written as ``host``, ``user@host`` or ``user@host:port``."""
 
-    host: str = Field(min_length=1)
+    host: HostName = Field(min_length=1)
     """Hostname, address or ~/.ssh/config alias; for transport local just a label."""
-    user: str | None = None
+    user: UserName | None = None
     """SSH user. Default: ssh_config's, else the local user."""
     port: Port | None = None
     """SSH port (1..65535). Default: ssh_config's, else 22."""
-    slots: int = Field(1, ge=1)
+    slots: int = Field(1, ge=1, le=MAX_SLOTS)
     """Processes started on this host (typically one per GPU)."""
     key: str | None = None
     """Private key file for SSH; ~ is expanded. Default: the agent / ssh_config keys."""
-    address: str | None = None
+    address: HostName | None = None
     """Address the cluster's other hosts reach this one at (DeepSpeed master). Default: host."""
-    interface: str | None = None
+    interface: Interface | None = None
     """Network interface for GLOO_SOCKET_IFNAME/NCCL_SOCKET_IFNAME; overrides the cluster's."""
 
     @model_validator(mode="before")
@@ -123,7 +106,7 @@ class HostSpec(_Model):
         return self.address or self.host
 
 
-class ClusterSpec(_Model):
+class ClusterSpec(SpecModel):
     """A group of hosts with a fast network between them: one DeepSpeed world, one relay."""
 
     name: Name
@@ -132,17 +115,17 @@ class ClusterSpec(_Model):
     """How commands reach the hosts: 'ssh', or 'local' (processes on this machine)."""
     hosts: list[HostSpec]
     """The cluster's hosts; at least one."""
-    gateway: str | None = None
+    gateway: HostName | None = None
     """The `host` of the host that runs the cluster's relay. Default: the first host."""
     jump: Jump | None = None
     """Bastion for SSH: [user@]host[:port] or an ssh_config alias. Default: none."""
-    python: str = "python3"
+    python: Program = "python3"
     """Interpreter on the hosts (local transport: sys.executable unless set explicitly)."""
-    interface: str | None = None
+    interface: Interface | None = None
     """Network interface for GLOO_SOCKET_IFNAME/NCCL_SOCKET_IFNAME on every host."""
     env: EnvDict = Field(default_factory=dict, repr=False)
     """Environment merged over the job's `env` for this cluster."""
-    relay_address: str | None = None
+    relay_address: HostName | None = None
     """Address other clusters' relays dial. Default: the gateway's address, else its host."""
 
     @field_validator("hosts")
@@ -182,119 +165,15 @@ class ClusterSpec(_Model):
         return self.relay_address or self.gateway_host.reach_address
 
 
-class SyncSpec(_Model):
-    """How clusters combine their work over the WAN."""
-
-    mode: Literal["diloco", "gradient"] = "diloco"
-    """'diloco': average parameter deltas every inner_steps; 'gradient': every step."""
-    inner_steps: int = Field(100, ge=1)
-    """Local steps between outer syncs (diloco)."""
-    outer_lr: float = Field(0.7, gt=0.0)
-    """Outer optimizer learning rate (diloco)."""
-    outer_momentum: float = Field(0.9, ge=0.0, lt=1.0)
-    """Outer SGD momentum in [0, 1) (diloco)."""
-    nesterov: bool = True
-    """Nesterov momentum for the outer step."""
-    overlap: bool = False
-    """Overlap the outer sync with the next inner steps (the average is applied once it has
-    arrived, on top of the progress made meanwhile)."""
-    overlap_steps: int | None = Field(None, ge=1)
-    """Overlap: apply the average exactly this many inner steps after the round starts (waiting
-    for it if needed; >= inner_steps: one round late). Default: as soon as it has arrived."""
-
-
-class CompressionSpec(_Model):
-    """How tensors are encoded on the WAN; also written as a codec name (``compression: int8``)."""
-
-    codec: Literal["none", "fp16", "bf16", "int8"] = "int8"
-    """Wire codec."""
-    error_feedback: bool = True
-    """Carry the quantisation error into the next round."""
-    block_size: int = Field(256, ge=16)
-    """Values per scale for int8."""
-
-    @model_validator(mode="before")
-    @classmethod
-    def _shorthand(cls, value: Any) -> Any:
-        return {"codec": value} if isinstance(value, str) else value
-
-
-class ShapingSpec(_Model):
-    """WAN emulation on the relay's peer links, for local runs and demos."""
-
-    rate_mbit: float | None = Field(None, gt=0.0)
-    """Bandwidth cap in Mbit/s. Default: none."""
-    delay_ms: float = Field(0.0, ge=0.0)
-    """One-way delay added to every peer message, in ms."""
-
-
-class RelaySpec(_Model):
-    """The per-cluster relay that joins clusters over the WAN (TLS, one per gateway)."""
-
-    port: Port = 29400
-    """Port relays listen on for peer relays."""
-    worker_port: Port | None = None
-    """Port the cluster's workers use to reach their relay. Default: port + 1."""
-    sync: SyncSpec = Field(default_factory=SyncSpec)
-    """Synchronisation scheme."""
-    compression: CompressionSpec = Field(default_factory=CompressionSpec)
-    """Wire codec."""
-    timeout: float = Field(120.0, gt=0.0)
-    """Seconds a round may take before the relay goes on with the clusters present."""
-    heartbeat: float = Field(5.0, gt=0.0)
-    """Seconds between liveness messages on peer links."""
-    shaping: ShapingSpec | None = None
-    """WAN emulation. Default: none."""
-
-    @model_validator(mode="after")
-    def _check_ports(self) -> RelaySpec:
-        if self.worker_port == self.port:
-            message = f"worker_port must differ from port (both are {self.port})"
-            raise problems_error([(("worker_port",), message)])
-        if self.worker_port is None and self.port == 65535:
-            message = "port 65535 leaves no room for the default worker_port (port + 1)"
-            raise problems_error([(("port",), message)])
-        return self
-
-    @property
-    def effective_worker_port(self) -> int:
-        """The port workers dial to reach their relay."""
-        return self.worker_port or self.port + 1
-
-
-class CheckpointSpec(_Model):
-    """Where and how often workers checkpoint."""
-
-    dir: str = "checkpoints"
-    """Directory relative to the job dir on each host."""
-    every: int | None = Field(None, ge=1)
-    """Steps between checkpoints. Default: only at stop."""
-    keep: int = Field(2, ge=1)
-    """Checkpoints kept."""
-
-
-class ParallelismSpec(_Model):
-    """How one model is split over the clusters' devices."""
-
-    pipeline_stages: int = Field(1, ge=1)
-    """Pipeline stages (DeepSpeed PipelineModule) over every slot of every cluster, in one
-    DeepSpeed world spanning the clusters (no relay). 1: no pipeline (data parallel)."""
-
-
 def _read_ds_config(path: Path) -> dict[str, Any]:
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except OSError as exc:
-        raise ValueError(f"cannot read DeepSpeed config {path}: {exc.strerror or exc}") from exc
-    except ValueError as exc:
-        raise ValueError(f"DeepSpeed config {path} is not valid JSON: {exc}") from exc
+    data = specfile.read_json(path, f"DeepSpeed config {path}")
     if not isinstance(data, dict):
         raise ValueError(f"DeepSpeed config {path}: expected a JSON object, "
                          f"found {describe(data)}")
     return data
 
 
-class JobSpec(_Model):
+class JobSpec(SpecModel):
     """One training job: what to run, where, and how the clusters are joined."""
 
     name: Name
@@ -320,6 +199,8 @@ class JobSpec(_Model):
     placement: str | None = None
     """Which device holds which stage: the JSON of `nebula plan placement --json`, relative to
     the spec file; stored as an absolute path. Default: ranks in the spec's host order."""
+    lifetime_days: int = Field(90, ge=1, le=3650)
+    """How long the job's certificates are valid, in days (renewed on resume)."""
     max_restarts: int = Field(0, ge=0)
     """How often a host agent restarts its processes after a failure."""
     grace: float = Field(10.0, ge=0.0)
@@ -334,8 +215,7 @@ class JobSpec(_Model):
     @field_validator("workdir")
     @classmethod
     def _resolve_workdir(cls, value: str, info: ValidationInfo) -> str:
-        base = Path((info.context or {}).get("base_dir") or Path.cwd())
-        resolved = (base / Path(value).expanduser()).resolve()
+        resolved = _resolve(value, info)
         if not resolved.is_dir():
             raise ValueError(f"workdir {value!r} is not an existing directory "
                              f"(looked for {resolved})")
@@ -344,10 +224,7 @@ class JobSpec(_Model):
     @field_validator("placement")
     @classmethod
     def _resolve_placement(cls, value: str | None, info: ValidationInfo) -> str | None:
-        if value is None:
-            return None
-        base = Path((info.context or {}).get("base_dir") or Path.cwd())
-        return str((base / Path(value).expanduser()).resolve())
+        return None if value is None else str(_resolve(value, info))
 
     @field_validator("deepspeed", mode="before")
     @classmethod
@@ -387,7 +264,11 @@ class JobSpec(_Model):
                 _read_ds_config(Path(self.workdir) / self.deepspeed)
             except ValueError as exc:
                 problems.append((("deepspeed",), str(exc)))
-        problems += self._check_pipeline()
+        if (slots := sum(h.slots for c in self.clusters for h in c.hosts)) > MAX_PROCESSES:
+            problems.append((("clusters",), f"{slots} processes in all; a job may have at most "
+                                            f"{MAX_PROCESSES}"))
+        else:
+            problems += self._check_pipeline()
         if problems:
             raise problems_error(problems)
         return self
@@ -404,6 +285,11 @@ class JobSpec(_Model):
         if self.relay is not None:
             return [(("relay",), "pipeline parallelism runs one DeepSpeed world across the "
                                  "clusters and does not use the relay; remove 'relay:'")]
+        if len(self.clusters) > 1 and not (self.parallelism and self.parallelism.cleartext_wan):
+            return [(("parallelism",), f"a pipeline across clusters ({self._cluster_list()}) "
+                     "sends activations and gradients between them over the WAN unencrypted "
+                     "and unauthenticated (the relay's TLS does not carry them); to accept "
+                     "that, e.g. on a VPN, set parallelism: {cleartext_wan: true}")]
         devices = self.device_ids()
         try:
             pipeline.check_shape(len(devices), stages)
@@ -413,11 +299,27 @@ class JobSpec(_Model):
             self._layout = pipeline.default_layout(devices, stages)
             return []
         try:
-            data = pipeline.read_placement(self.placement)
+            data = specfile.read_json(Path(self.placement), f"placement {self.placement}")
+            if not isinstance(data, dict):
+                raise pipeline.PlacementError(
+                    f"placement {self.placement}: expected a JSON object with 'stages'")
             self._layout = pipeline.layout_from_placement(data, devices, stages)
-        except pipeline.PlacementError as exc:
+        except ValueError as exc:  # PlacementError, specfile.FileProblem
             return [(("placement",), str(exc))]
         return []
+
+    def _cluster_list(self) -> str:
+        return ", ".join(c.name for c in self.clusters)
+
+    def cleartext_warning(self) -> str | None:
+        """What `launch` prints before a pipeline that crosses the WAN in clear text (allowed
+        by ``parallelism.cleartext_wan``); None when the job sends nothing unencrypted."""
+        if self.pipeline_stages == 1 or len(self.clusters) == 1:
+            return None
+        return (f"warning: this pipeline spans clusters {self._cluster_list()}: activations, "
+                "gradients and the DeepSpeed rendezvous cross the WAN unencrypted and "
+                "unauthenticated (parallelism.cleartext_wan: true). Anyone on the path can read "
+                "or alter them; run it only over a private network or VPN.")
 
     @property
     def pipeline_stages(self) -> int:
@@ -452,14 +354,30 @@ class JobSpec(_Model):
         return redact_env(self.env if env is None else env)
 
 
+def _resolve(value: str, info: ValidationInfo) -> Path:
+    """A path written in the spec, anchored at the spec's directory (context 'base_dir')."""
+    base = Path((info.context or {}).get("base_dir") or Path.cwd())
+    try:
+        return (base / Path(value).expanduser()).resolve()
+    except (OSError, RuntimeError) as exc:  # ~unknown-user, a symlink loop, a name too long
+        raise ValueError(f"cannot use the path {describe(value)}: {exc}") from exc
+
+
 def parse_spec(text: str, file: str = "<spec>", base_dir: Path | None = None) -> JobSpec:
-    """Validate spec text; `base_dir` anchors a relative workdir (default: the file's dir)."""
+    """Validate spec text; `base_dir` anchors a relative workdir (default: the file's dir).
+
+    Any text gives a JobSpec or one SpecError, within the bounds of `specfile.MAX_SPEC_BYTES`,
+    `yaml_positions.MAX_DEPTH` and `yaml_positions.MAX_VALUES`."""
     if base_dir is None:
         base_dir = Path(file).parent if file != "<spec>" else Path.cwd()
+    if len(text) > specfile.MAX_SPEC_BYTES:
+        message = (f"the spec has {len(text)} characters; nebula reads no spec larger than "
+                   f"{specfile.MAX_SPEC_BYTES // 1024} KiB")
+        raise yp.collect([yp.problem(file, (1, 1), (), message)], file)
     try:
         located = yp.load_located(text)
     except yaml.YAMLError as exc:
-        raise yp.collect([yp.yaml_problem(exc, file)], file) from exc
+        raise yp.collect([yp.yaml_problem(exc, file, text)], file) from exc
     data = located.data
     if not isinstance(data, dict):
         message = (
@@ -467,9 +385,16 @@ def parse_spec(text: str, file: str = "<spec>", base_dir: Path | None = None) ->
             if data is None else f"expected a mapping (name:, run:, clusters:, ...) at the top "
             f"level, found {describe(data)}")
         raise yp.collect([yp.problem(file, located.position(()), (), message)], file)
-    problems = [yp.problem(file, d.at, d.path, f"duplicate key {d.path[-1]!r} "
+    problems = [yp.problem(file, d.at, d.path, f"duplicate key {describe(d.path[-1])} "
                                                f"(first at line {d.first[0]})")
                 for d in located.duplicates]
+    problems += [yp.problem(file, located.position(path, key=on_key), path,
+                            f"control character U+{ord(ch):04X} in a "
+                            f"{'key' if on_key else 'value'}; a spec may hold tabs and "
+                            "newlines, no other control characters")
+                 for path, on_key, ch in yp.control_characters(located)]
+    if problems:  # nothing with a control character goes further, not even into a path
+        raise yp.collect(problems, file)
     try:
         spec = JobSpec.model_validate(data, context={"base_dir": Path(base_dir)})
     except ValidationError as exc:
@@ -481,18 +406,16 @@ def parse_spec(text: str, file: str = "<spec>", base_dir: Path | None = None) ->
 
 
 def load_spec(path: str | Path) -> JobSpec:
-    """Read and validate a job spec file."""
-    file, resolved = str(path), Path(path).expanduser()
+    """Read and validate a job spec file (at most `specfile.MAX_SPEC_BYTES`, UTF-8)."""
+    file = str(path)
     try:
-        text = resolved.read_text(encoding="utf-8")
-    except FileNotFoundError as exc:
-        raise yp.collect([SpecError("cannot read the spec: no such file", file=file)],
+        resolved = Path(path).expanduser()
+        text = specfile.decode_utf8(specfile.read_bounded(resolved, specfile.MAX_SPEC_BYTES,
+                                                          "spec"), "spec")
+        base_dir = resolved.resolve().parent
+    except specfile.FileProblem as exc:
+        raise yp.collect([SpecError(str(exc), file=file, line=exc.line, col=exc.col)],
                          file) from exc
-    except IsADirectoryError as exc:
-        raise yp.collect([SpecError("cannot read the spec: it is a directory, expected a YAML "
-                                    "file", file=file)], file) from exc
-    except (OSError, UnicodeDecodeError) as exc:
-        reason = getattr(exc, "strerror", None) or str(exc)
-        raise yp.collect([SpecError(f"cannot read the spec: {reason}", file=file)],
-                         file) from exc
-    return parse_spec(text, file=file, base_dir=resolved.resolve().parent)
+    except (OSError, RuntimeError, ValueError) as exc:
+        raise yp.collect([SpecError(f"cannot read the spec: {exc}", file=file)], file) from exc
+    return parse_spec(text, file=file, base_dir=base_dir)

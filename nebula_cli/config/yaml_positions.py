@@ -6,6 +6,11 @@ scalars (SafeLoader semantics, merge keys included) and records, for every path 
 its key starts. Duplicate keys in one mapping are collected rather than silently overwritten.
 Malformed YAML raises `yaml.YAMLError` (with a `problem_mark` where PyYAML knows one).
 
+The input may be hostile: nesting deeper than `MAX_DEPTH` is refused before anything recurses,
+and aliases (``*name``) and merge keys are expanded against a budget of `MAX_VALUES` values, so
+an alias bomb ("billion laughs") is refused while it is expanded, in milliseconds. libyaml
+parses when it is installed (ten times faster); errors are worded by PyYAML's own parser.
+
 `validation_problems(exc, located, file, root)` turns a pydantic `ValidationError` into one
 `SpecError` per problem, at the line/column of the offending node, in plain English.
 """
@@ -21,7 +26,10 @@ import yaml
 from pydantic import BaseModel, ValidationError
 from pydantic_core import PydanticCustomError
 from yaml.constructor import ConstructorError, SafeConstructor
+from yaml.error import MarkedYAMLError
+from yaml.events import CollectionEndEvent, CollectionStartEvent, NodeEvent
 from yaml.nodes import MappingNode, Node, ScalarNode, SequenceNode
+from yaml.reader import ReaderError
 
 from nebula_cli.errors import SpecError
 
@@ -29,6 +37,18 @@ PathKey = tuple[Any, ...]
 Position = tuple[int, int]  # (line, column), both 1-based
 
 _MERGE_TAG = "tag:yaml.org,2002:merge"
+_VALUE_TAG = "tag:yaml.org,2002:value"
+_FAST_LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)  # libyaml when present: fast
+
+MAX_DEPTH = 32
+"""Deepest nesting of mappings and lists in a spec (a real one needs fewer than 10)."""
+MAX_VALUES = 50_000
+"""Most values a spec may hold, counting what aliases and merge keys expand to."""
+_CONTROL_RE = re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f-\x9f]")
+
+
+class LimitExceeded(MarkedYAMLError):
+    """A document nested deeper than MAX_DEPTH or larger than MAX_VALUES: refused."""
 
 
 @dataclass
@@ -69,11 +89,25 @@ class _Builder:
         self.constructor = SafeConstructor()
         self.out = Located(data=None)
         self._stack: set[int] = set()
+        self._merged: dict[int, list[tuple[Node, Node]]] = {}
+        self._budget = MAX_VALUES
+
+    def _spend(self, node: Node) -> None:
+        self._budget -= 1
+        if self._budget < 0:
+            raise LimitExceeded(
+                None, None, f"the document expands to more than {MAX_VALUES} values (aliases "
+                "'*name' and merge keys '<<' repeat what their anchor holds); a spec is far "
+                "smaller", node.start_mark)
 
     def build(self, node: Node, path: PathKey) -> Any:
+        self._spend(node)
+        if len(path) > MAX_DEPTH:
+            raise LimitExceeded(None, None, f"nested more than {MAX_DEPTH} levels deep",
+                                node.start_mark)
         self.out.values[path] = _pos(node)
         if isinstance(node, ScalarNode):
-            return self.constructor.construct_object(node, deep=True)
+            return self._scalar(node)
         if id(node) in self._stack:
             raise ConstructorError(None, None, "found a recursive alias", node.start_mark)
         self._stack.add(id(node))
@@ -86,6 +120,17 @@ class _Builder:
         finally:
             self._stack.discard(id(node))
 
+    def _scalar(self, node: ScalarNode) -> Any:
+        try:
+            return self.constructor.construct_object(node, deep=True)
+        except yaml.YAMLError:
+            raise
+        except Exception as exc:  # !!int abc, a 5000-digit integer, !!timestamp junk
+            reason = str(exc).split(";")[0]
+            raise ConstructorError(None, None, f"cannot read {describe(node.value)} as "
+                                   f"{node.tag.rsplit(':', 1)[-1]}: {reason}",
+                                   node.start_mark) from exc
+
     def _mapping(self, node: MappingNode, path: PathKey) -> dict[Any, Any]:
         first: dict[Any, Position] = {}
         for key_node, _ in node.value:
@@ -96,30 +141,110 @@ class _Builder:
                 self.out.duplicates.append(Duplicate((*path, key), _pos(key_node), first[key]))
             else:
                 first[key] = _pos(key_node)
-        if any(k.tag == _MERGE_TAG for k, _ in node.value):
-            self.constructor.flatten_mapping(node)  # merged entries first, explicit ones win
         result: dict[Any, Any] = {}
-        for key_node, value_node in node.value:
+        for key_node, value_node in self._entries(node, frozenset()):
             key = self._key(key_node)
             self.out.keys[(*path, key)] = _pos(key_node)
             result[key] = self.build(value_node, (*path, key))
         return result
+
+    def _entries(self, node: MappingNode, outer: frozenset[int]) -> list[tuple[Node, Node]]:
+        """The mapping's entries with merge keys resolved as SafeLoader does (explicit entries
+        win, then earlier merge sources over later ones), each key once, nothing mutated."""
+        if id(node) in self._merged:
+            return self._merged[id(node)]
+        if id(node) in outer:
+            raise ConstructorError(None, None, "found a recursive merge", node.start_mark)
+        sources: list[MappingNode] = []
+        for key_node, value_node in node.value:
+            if key_node.tag != _MERGE_TAG:
+                continue
+            subs = value_node.value if isinstance(value_node, SequenceNode) else [value_node]
+            if bad := [n for n in subs if not isinstance(n, MappingNode)]:
+                raise ConstructorError("while constructing a mapping", node.start_mark,
+                                       f"expected a mapping for merging, found {bad[0].id}",
+                                       bad[0].start_mark)
+            sources += reversed(subs) if isinstance(value_node, SequenceNode) else subs
+        if not sources:
+            return node.value
+        entries: dict[Any, tuple[Node, Node]] = {}
+        own = [(k, v) for k, v in node.value if k.tag != _MERGE_TAG]
+        for source in sources:
+            for key_node, value_node in [*self._entries(source, outer | {id(node)})]:
+                self._spend(key_node)
+                entries[self._key(key_node)] = (key_node, value_node)
+        for key_node, value_node in own:
+            entries[self._key(key_node)] = (key_node, value_node)
+        self._merged[id(node)] = list(entries.values())
+        return self._merged[id(node)]
 
     def _key(self, node: Node) -> Any:
         if not isinstance(node, ScalarNode):
             raise ConstructorError(
                 None, None, "mapping keys must be plain scalars", node.start_mark
             )
-        return self.constructor.construct_object(node, deep=True)
+        return node.value if node.tag == _VALUE_TAG else self._scalar(node)
+
+
+def _scan(text: str) -> None:
+    """Refuse a document nested deeper than MAX_DEPTH or with more than MAX_VALUES nodes before
+    anything recursive reads it. Syntax errors are left to the composer, which words them."""
+    depth = count = 0
+    try:
+        for event in yaml.parse(text, Loader=_FAST_LOADER):
+            if isinstance(event, NodeEvent):
+                count += 1
+                if count > MAX_VALUES:
+                    raise LimitExceeded(None, None, f"the document holds more than {MAX_VALUES} "
+                                        "values; a spec is far smaller", event.start_mark)
+            if isinstance(event, CollectionStartEvent):
+                depth += 1
+                if depth > MAX_DEPTH:
+                    raise LimitExceeded(None, None, f"nested more than {MAX_DEPTH} levels deep",
+                                        event.start_mark)
+            elif isinstance(event, CollectionEndEvent):
+                depth -= 1
+    except LimitExceeded:
+        raise
+    except yaml.YAMLError:
+        return
 
 
 def load_located(text: str) -> Located:
     """Parse one YAML document; an empty document gives ``data=None``."""
-    root = yaml.compose(text, Loader=yaml.SafeLoader)
+    _scan(text)
+    try:
+        root = yaml.compose(text, Loader=_FAST_LOADER)
+    except yaml.YAMLError:
+        if _FAST_LOADER is yaml.SafeLoader:
+            raise
+        try:  # the pure-Python loader again, for its (clearer) wording of the error
+            root = yaml.compose(text, Loader=yaml.SafeLoader)
+        except RecursionError as exc:  # only if libyaml and PyYAML disagree
+            raise LimitExceeded(None, None, "nested too deeply", None) from exc
     builder = _Builder()
     if root is not None:
         builder.out.data = builder.build(root, ())
     return builder.out
+
+
+def control_characters(located: Located) -> list[tuple[PathKey, bool, str]]:
+    """(path, on the key, character) of each string, key or value, holding a control character
+    other than tab and newline (escapes such as "\\0" or "\\e" in double quotes)."""
+    found: list[tuple[PathKey, bool, str]] = []
+    todo: list[tuple[PathKey, Any]] = [((), located.data)]
+    while todo:
+        path, value = todo.pop()
+        if isinstance(value, dict):
+            for key, item in value.items():
+                if isinstance(key, str) and (m := _CONTROL_RE.search(key)):
+                    found.append(((*path, key), True, m.group()))
+                todo.append(((*path, key), item))
+        elif isinstance(value, list):
+            todo.extend(((*path, i), item) for i, item in enumerate(value))
+        elif isinstance(value, str) and (m := _CONTROL_RE.search(value)):
+            found.append((path, False, m.group()))
+    return found
 
 
 # ---- validation errors, placed and in plain English -----------------------------------------
@@ -175,20 +300,41 @@ def problem(file: str, at: Position, path: PathKey, message: str) -> SpecError:
     return SpecError(message, file=file, line=at[0], col=at[1], field=format_path(path) or None)
 
 
+MAX_PROBLEMS = 50
+"""Problems listed for one spec; the rest are counted."""
+
+
 def collect(problems: list[SpecError], file: str) -> SpecError:
-    """The one error raised for a spec: carries every problem, sorted by position."""
+    """The one error raised for a spec: carries every problem (at most MAX_PROBLEMS, then a
+    count of the others), sorted by position."""
     problems.sort(key=lambda p: (p.line or 0, p.col or 0))
+    total = len(problems)
+    if total > MAX_PROBLEMS:
+        rest = problems[MAX_PROBLEMS]
+        problems = problems[:MAX_PROBLEMS] + [SpecError(
+            f"... and {total - MAX_PROBLEMS} more problems", file=file, line=rest.line,
+            col=rest.col)]
     first = problems[0]
-    noun = "problem" if len(problems) == 1 else "problems"
-    return SpecError(f"{len(problems)} {noun} in {file}", file=file, line=first.line,
+    noun = "problem" if total == 1 else "problems"
+    return SpecError(f"{total} {noun} in {file}", file=file, line=first.line,
                      col=first.col, field=first.field, problems=problems)
 
 
-def yaml_problem(exc: yaml.YAMLError, file: str) -> SpecError:
-    """A YAML syntax error at the line/column PyYAML reports."""
+def _line_col(text: str, index: int) -> Position:
+    line_start = text.rfind("\n", 0, index) + 1
+    return text.count("\n", 0, index) + 1, index - line_start + 1
+
+
+def yaml_problem(exc: yaml.YAMLError, file: str, text: str = "") -> SpecError:
+    """A YAML syntax error (or a refused document) at the line/column PyYAML reports."""
+    if isinstance(exc, ReaderError) and isinstance(exc.character, int):
+        message = (f"invalid YAML: character U+{exc.character:04X} is not allowed "
+                   "(control characters have no place in a spec)")
+        return problem(file, _line_col(text, exc.position), (), message)
     mark = getattr(exc, "problem_mark", None) or getattr(exc, "context_mark", None)
     parts = [getattr(exc, "context", None), getattr(exc, "problem", None) or str(exc)]
-    message = "invalid YAML: " + ", ".join(p for p in parts if p)
+    prefix = "" if isinstance(exc, LimitExceeded) else "invalid YAML: "
+    message = prefix + ", ".join(p for p in parts if p)
     return problem(file, (mark.line + 1, mark.column + 1) if mark else (1, 1), (), message)
 
 
@@ -265,9 +411,9 @@ def validation_problems(
         elif err["type"] == "extra_forbidden":
             model, key = _model_at(root, path[:-1]), str(path[-1])
             known = list(model.model_fields) if model else []
-            close = difflib.get_close_matches(key, known, n=1)
+            close = difflib.get_close_matches(key[:64], known, n=1)
             hint = f"did you mean {close[0]!r}?" if close else f"known keys: {', '.join(known)}"
-            message = f"unknown key {key!r}; {hint}"
+            message = f"unknown key {describe(key)}; {hint}"
             out.append(problem(file, located.position(path, key=True), path, message))
         else:
             on_key = on_key or err["type"] == "invalid_key"

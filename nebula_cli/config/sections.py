@@ -1,0 +1,123 @@
+"""The spec's sections other than clusters and hosts: relay (sync, compression, shaping),
+checkpoint and parallelism, and `SpecModel`, the strict base of every spec model.
+
+Re-exported by `nebula_cli.config.spec`; each field's default is defined here, once.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from nebula_cli.config.fields import Port
+from nebula_cli.config.yaml_positions import problems_error
+
+
+class SpecModel(BaseModel):
+    """Base of every spec model: unknown keys refused, no type coercion, finite numbers."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, use_attribute_docstrings=True,
+                              allow_inf_nan=False)
+
+
+class SyncSpec(SpecModel):
+    """How clusters combine their work over the WAN."""
+
+    mode: Literal["diloco", "gradient"] = "diloco"
+    """'diloco': average parameter deltas every inner_steps; 'gradient': every step."""
+    inner_steps: int = Field(100, ge=1)
+    """Local steps between outer syncs (diloco)."""
+    outer_lr: float = Field(0.7, gt=0.0)
+    """Outer optimizer learning rate (diloco)."""
+    outer_momentum: float = Field(0.9, ge=0.0, lt=1.0)
+    """Outer SGD momentum in [0, 1) (diloco)."""
+    nesterov: bool = True
+    """Nesterov momentum for the outer step."""
+    overlap: bool = False
+    """Overlap the outer sync with the next inner steps (the average is applied once it has
+    arrived, on top of the progress made meanwhile)."""
+    overlap_steps: int | None = Field(None, ge=1)
+    """Overlap: apply the average exactly this many inner steps after the round starts (waiting
+    for it if needed; >= inner_steps: one round late). Default: as soon as it has arrived."""
+
+
+class CompressionSpec(SpecModel):
+    """How tensors are encoded on the WAN; also written as a codec name (``compression: int8``)."""
+
+    codec: Literal["none", "fp16", "bf16", "int8"] = "int8"
+    """Wire codec."""
+    error_feedback: bool = True
+    """Carry the quantisation error into the next round."""
+    block_size: int = Field(256, ge=16)
+    """Values per scale for int8."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _shorthand(cls, value: Any) -> Any:
+        return {"codec": value} if isinstance(value, str) else value
+
+
+class ShapingSpec(SpecModel):
+    """WAN emulation on the relay's peer links, for local runs and demos."""
+
+    rate_mbit: float | None = Field(None, gt=0.0)
+    """Bandwidth cap in Mbit/s. Default: none."""
+    delay_ms: float = Field(0.0, ge=0.0)
+    """One-way delay added to every peer message, in ms."""
+
+
+class RelaySpec(SpecModel):
+    """The per-cluster relay that joins clusters over the WAN (TLS, one per gateway)."""
+
+    port: Port = 29400
+    """Port relays listen on for peer relays."""
+    worker_port: Port | None = None
+    """Port the cluster's workers use to reach their relay. Default: port + 1."""
+    sync: SyncSpec = Field(default_factory=SyncSpec)
+    """Synchronisation scheme."""
+    compression: CompressionSpec = Field(default_factory=CompressionSpec)
+    """Wire codec."""
+    timeout: float = Field(120.0, gt=0.0)
+    """Seconds a round may take before the relay goes on with the clusters present."""
+    heartbeat: float = Field(5.0, gt=0.0)
+    """Seconds between liveness messages on peer links."""
+    shaping: ShapingSpec | None = None
+    """WAN emulation. Default: none."""
+
+    @model_validator(mode="after")
+    def _check_ports(self) -> RelaySpec:
+        if self.worker_port == self.port:
+            message = f"worker_port must differ from port (both are {self.port})"
+            raise problems_error([(("worker_port",), message)])
+        if self.worker_port is None and self.port == 65535:
+            message = "port 65535 leaves no room for the default worker_port (port + 1)"
+            raise problems_error([(("port",), message)])
+        return self
+
+    @property
+    def effective_worker_port(self) -> int:
+        """The port workers dial to reach their relay."""
+        return self.worker_port or self.port + 1
+
+
+class CheckpointSpec(SpecModel):
+    """Where and how often workers checkpoint."""
+
+    dir: str = "checkpoints"
+    """Directory relative to the job dir on each host."""
+    every: int | None = Field(None, ge=1)
+    """Steps between checkpoints. Default: only at stop."""
+    keep: int = Field(2, ge=1)
+    """Checkpoints kept."""
+
+
+class ParallelismSpec(SpecModel):
+    """How one model is split over the clusters' devices."""
+
+    pipeline_stages: int = Field(1, ge=1)
+    """Pipeline stages (DeepSpeed PipelineModule) over every slot of every cluster, in one
+    DeepSpeed world spanning the clusters (no relay). 1: no pipeline (data parallel)."""
+    cleartext_wan: bool = False
+    """Accept that a pipeline across clusters sends activations and gradients over the WAN
+    unencrypted (the relay's TLS does not carry them). Required for such a pipeline."""

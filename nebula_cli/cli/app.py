@@ -13,6 +13,7 @@ from typing import Annotated, Any, TypeVar
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from typer.core import TyperGroup
 
 from nebula_cli import __version__
@@ -179,16 +180,13 @@ def status(
                 out.print("no jobs yet: start one with `nebula launch SPEC`")
             return
         snap = orch.refresh(job_ref)
+        view = orch.metrics_view(snap)  # the agents' summaries: no metrics file is re-read
         if as_json:
             hosts = [dataclasses.asdict(h) for h in snap.hosts]
-            metrics = orch.follow_metrics(snap.job.id)
-            metrics.poll()
             out.print_json(json.dumps({**_job_json(snap.job), "hosts": hosts,
-                                       "metrics": metrics.latest, "relays": metrics.relay}))
+                                       "metrics": view.latest, "relays": view.relay}))
             return
-        metrics = orch.follow_metrics(snap.job.id)
-        metrics.poll()
-        out.print(job_detail(snap, metrics.latest))
+        out.print(job_detail(snap, view.latest, view.relay))
 
 
 def _job_json(job: Any) -> dict[str, Any]:
@@ -211,7 +209,8 @@ def logs(
     tail: Annotated[int | None, typer.Option("--tail", "-n", help="Last N lines per process.")]
     = None,
 ) -> None:
-    """The job's logs, each line prefixed cluster/host/rank."""
+    """The job's logs, each line prefixed cluster/host/rank. A host that cannot be reached is
+    named on stderr and skipped (while following, retried until it answers)."""
     with _store() as store, Orchestrator(store) as orch:
         job = store.get_job(job_ref)
         colors = cluster_colors(job.clusters)
@@ -224,11 +223,16 @@ def logs(
                 final = snap is None or not snap.active
                 for line in follower.poll(final=final):
                     print_line(out, line, colors)
+                for problem in follower.reach.take():
+                    err.print(f"[yellow]warning:[/] {escape(problem)}", markup=True,
+                              highlight=False)
                 if final:
                     break
                 time.sleep(1.0)
         except KeyboardInterrupt:
             return
+        if not follower.read_any:
+            raise typer.Exit(EXIT_FAILED)
 
 
 @app.command()

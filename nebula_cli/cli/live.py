@@ -1,4 +1,6 @@
-"""The live view of a running job: log lines above, a status panel below, until the job ends."""
+"""The live view of a running job: log lines above, a status panel below, until the job ends.
+
+Its memory does not grow with the run: the metrics follower keeps a bounded history."""
 
 from __future__ import annotations
 
@@ -6,6 +8,7 @@ import time
 
 from rich.console import Console
 from rich.live import Live
+from rich.text import Text
 
 from nebula_cli.cli.ui import cluster_colors, final_summary, job_detail, log_text, status_panel
 from nebula_cli.control.follow import LogLine
@@ -31,6 +34,8 @@ def watch(orch: Orchestrator, job_id: str, console: Console) -> JobSnapshot:
             for line in shown(logs.poll()):
                 print_line(live.console, line, colors)
             metrics.poll()
+            for problem in logs.reach.take() + metrics.reach.take():
+                live.console.print(Text(f"warning: {problem}", style="yellow"))
             if time.monotonic() - last >= REFRESH_S:
                 snap = orch.refresh(job_id)
                 last = time.monotonic()

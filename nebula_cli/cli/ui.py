@@ -96,7 +96,9 @@ def jobs_table(jobs: list[JobRecord]) -> Table:
     return table
 
 
-def job_detail(snap: JobSnapshot, metrics: dict[str, dict[str, Any]] | None = None) -> Group:
+def job_detail(snap: JobSnapshot, metrics: dict[str, dict[str, Any]] | None = None,
+               relay: dict[str, dict[str, Any]] | None = None) -> Group:
+    """A job's hosts, and its newest metrics per cluster (workers' and relays')."""
     job = snap.job
     colors = cluster_colors(job.clusters)
     head = Text.assemble(
@@ -109,7 +111,7 @@ def job_detail(snap: JobSnapshot, metrics: dict[str, dict[str, Any]] | None = No
     for col in ("cluster", "host", "role", "state", "agent", "pid", "restarts", "exit", "note"):
         table.add_column(col)
     for h in snap.hosts:
-        note = h.detail.get("unreachable") or (
+        note = h.detail.get("unreachable") or h.detail.get("metrics_unreachable") or (
             h.detail.get("reason") if h.state in ("FAILED", "LOST", "RESTARTING") else "")
         table.add_row(
             Text(h.cluster, style=colors.get(h.cluster, "")), h.host, h.role, state_text(h.state),
@@ -117,8 +119,8 @@ def job_detail(snap: JobSnapshot, metrics: dict[str, dict[str, Any]] | None = No
             exit_text(h), note or "",
         )
     parts: list[Any] = [head, table]
-    if metrics:
-        parts.append(metrics_table(job.clusters, metrics, {}))
+    if metrics or relay:
+        parts.append(metrics_table(job.clusters, metrics or {}, relay or {}))
     return Group(*parts)
 
 

@@ -1,19 +1,43 @@
-"""Following files on hosts: log lines (prefixed by cluster/host/rank) and metric records."""
+"""Following files on hosts: log lines (prefixed by cluster/host/rank) and metric records.
+
+Reads are bounded: `--tail N` reads a log backwards from its end in chunks until it has N
+lines (never the whole file), the metrics follower starts at a file's last records, and a
+host that cannot be reached is reported once, skipped, and retried with a growing pause.
+"""
 
 from __future__ import annotations
 
 import json
 import math
 import posixpath
+import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from nebula_cli.agent.summary import SCAN_BYTES
 from nebula_cli.control.state import HostRecord
-from nebula_cli.errors import TransportError
+from nebula_cli.errors import NebulaError, TransportError
 from nebula_cli.transport import Transport
 
-MAX_READ = 1 << 20
+MAX_READ = 1 << 20  # one read of new bytes
+TAIL_CHUNK = 64 << 10  # a backwards read of a log's end
+TAIL_MAX_BYTES = 16 << 20  # the most `--tail` reads of one log, however long its lines
+HISTORY = 2000  # worker records the metrics follower keeps per cluster
+RETRY_S = 5.0  # first pause before retrying an unreachable host; doubles up to RETRY_MAX_S
+RETRY_MAX_S = 60.0
+PROBE_LIMIT = 1 << 50  # sizes are probed up to this when a host cannot run a command
+
+_SIZES = (
+    "import json, os, sys\n"
+    "def size(p):\n"
+    "    try:\n"
+    "        return os.stat(os.path.expanduser(p)).st_size\n"
+    "    except OSError:\n"
+    "        return None\n"
+    "print(json.dumps([size(p) for p in sys.argv[1:]]))\n"
+)
 
 
 @dataclass(frozen=True)
@@ -24,21 +48,73 @@ class LogLine:
     text: str
 
 
-class LineTail:
-    """Complete lines appended to one file since the last read (a partial line waits)."""
+def file_sizes(transport: Transport, paths: list[str]) -> dict[str, int | None]:
+    """path -> size in bytes (None: no such file), with one command on the host; by probing
+    with zero-byte reads when the host cannot run it."""
+    if not paths:
+        return {}
+    result = transport.run([transport.python, "-c", _SIZES, *paths], timeout=60)
+    try:
+        sizes = json.loads(result.stdout) if result.ok else None
+    except json.JSONDecodeError:
+        sizes = None
+    if isinstance(sizes, list) and len(sizes) == len(paths):
+        return {p: s if isinstance(s, int) else None for p, s in zip(paths, sizes, strict=True)}
+    return {p: probe_size(transport, p) for p in paths}
 
-    def __init__(self, transport: Transport, path: str, offset: int = 0) -> None:
+
+def probe_size(transport: Transport, path: str) -> int | None:
+    """A file's size from `read_tail` alone: a zero-byte read at an offset past the end
+    restarts at 0, so the size is the largest offset that reads back as itself."""
+    if not transport.exists(path):
+        return None
+
+    def within(offset: int) -> bool:
+        return transport.read_tail(path, offset, 0)[1] == offset
+
+    high = 1
+    while within(high) and high < PROBE_LIMIT:
+        high *= 2
+    low = high // 2 if high > 1 else 0  # within(low), not within(high)
+    while high - low > 1:
+        mid = (low + high) // 2
+        low, high = (mid, high) if within(mid) else (low, mid)
+    return low
+
+
+class LineTail:
+    """Complete lines appended to one file since the last read (a partial line waits).
+
+    With `last` set, the first read shows only the file's last `last` lines (reading at most
+    `max_back` bytes of it, from its end) and later reads follow from there."""
+
+    def __init__(self, transport: Transport, path: str, offset: int = 0, *,
+                 last: int | None = None, max_back: int = TAIL_MAX_BYTES) -> None:
         self.transport = transport
         self.path = path
         self.offset = offset
+        self.last = last
+        self.max_back = max_back
         self._partial = b""
 
-    def read_lines(self, final: bool = False) -> list[str]:
-        """New complete lines; with final=True also a last line that has no newline yet."""
+    def read_lines(self, final: bool = False, size: int | None = None) -> list[str]:
+        """New complete lines; with final=True also a last line that has no newline yet.
+        `size`: the file's size when known (saves asking for it on a first `last` read)."""
+        if self.last is not None:
+            lines = self._read_last(self.last, size)
+            self.last = None
+        else:
+            lines = self._read_new()
+        if final and self._partial:
+            lines.append(self._partial.decode(errors="replace").rstrip("\r"))
+            self._partial = b""
+        return lines
+
+    def _read_new(self) -> list[str]:
         chunks = []
         while True:
             data, new_offset = self.transport.read_tail(self.path, self.offset, MAX_READ)
-            if new_offset < self.offset:  # the file was replaced: start over
+            if new_offset - len(data) < self.offset:  # the file was replaced: start over
                 self._partial = b""
             self.offset = new_offset
             if not data:
@@ -46,13 +122,64 @@ class LineTail:
             chunks.append(data)
             if len(data) < MAX_READ:
                 break
-        buf = self._partial + b"".join(chunks)
+        lines = (self._partial + b"".join(chunks)).split(b"\n")
+        self._partial = lines.pop()
+        return [ln.decode(errors="replace").rstrip("\r") for ln in lines]
+
+    def _read_last(self, n: int, size: int | None) -> list[str]:
+        if size is None:
+            size = file_sizes(self.transport, [self.path]).get(self.path)
+        if size is None:  # no such file yet: follow it from its start
+            self.offset = 0
+            return []
+        pos, buf = size, b""
+        while pos > 0 and buf.count(b"\n") <= n and size - pos < self.max_back:
+            step = min(TAIL_CHUNK, pos, self.max_back - (size - pos))
+            data, end = self.transport.read_tail(self.path, pos - step, step)
+            if end != pos or len(data) != step:  # replaced meanwhile: keep what we have
+                break
+            pos -= step
+            buf = data + buf
         lines = buf.split(b"\n")
         self._partial = lines.pop()
-        if final and self._partial:
-            lines.append(self._partial)
-            self._partial = b""
-        return [ln.decode(errors="replace").rstrip("\r") for ln in lines]
+        if pos > 0 and lines:
+            lines.pop(0)  # the first line may have started before what was read
+        self.offset = size
+        return [ln.decode(errors="replace").rstrip("\r") for ln in lines[-n:]] if n else []
+
+
+class Reachability:
+    """Which hosts could not be reached: reported once per outage, retried after a pause."""
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self.clock = clock
+        self.problems: list[str] = []  # messages not yet shown; see `take`
+        self._down: dict[str, tuple[float, float]] = {}  # label -> (retry at, pause)
+
+    def due(self, label: str) -> bool:
+        down = self._down.get(label)
+        return down is None or self.clock() >= down[0]
+
+    def failed(self, label: str, exc: Exception) -> None:
+        down = self._down.get(label)
+        if down is None:
+            self.problems.append(f"{label}: {exc} (skipped; retrying)")
+            pause = RETRY_S
+        else:
+            pause = min(down[1] * 2, RETRY_MAX_S)
+        self._down[label] = (self.clock() + pause, pause)
+
+    def reached(self, label: str) -> None:
+        if self._down.pop(label, None) is not None:
+            self.problems.append(f"{label}: reachable again")
+
+    @property
+    def down(self) -> list[str]:
+        return list(self._down)
+
+    def take(self) -> list[str]:
+        out, self.problems = self.problems, []
+        return out
 
 
 def log_sources(rec: HostRecord) -> dict[str, str]:
@@ -71,8 +198,14 @@ def metric_sources(rec: HostRecord) -> dict[str, str]:
     }
 
 
+def host_label(rec: HostRecord) -> str:
+    return f"{rec.cluster}/{rec.host}"
+
+
 class LogFollower:
-    """New log lines of a job's agents, filtered by cluster, host and rank."""
+    """New log lines of a job's agents, filtered by cluster, host and rank. With `tail`, the
+    first poll shows each log's last `tail` lines. A host that cannot be reached is named in
+    `reach.problems` once and skipped until it answers again."""
 
     def __init__(
         self,
@@ -85,28 +218,41 @@ class LogFollower:
         tail: int | None = None,
     ) -> None:
         self.tails: list[tuple[HostRecord, str, LineTail]] = []
-        self.backlog: list[LogLine] = []
+        self.reach = Reachability()
+        self.read_any = False  # whether any log could be read yet
         for rec in hosts:
             if (cluster and rec.cluster != cluster) or (host and rec.host != host):
                 continue
             for r, path in log_sources(rec).items():
                 if rank is not None and r != rank:
                     continue
-                lt = LineTail(transport_of(rec), path)
-                if tail is not None:
-                    lines = lt.read_lines(final=False)
-                    self.backlog += [
-                        LogLine(rec.cluster, rec.host, r, t) for t in lines[-tail:] if tail
-                    ]
-                self.tails.append((rec, r, lt))
+                self.tails.append((rec, r, LineTail(transport_of(rec), path, last=tail)))
 
     def poll(self, final: bool = False) -> list[LogLine]:
-        out, self.backlog = self.backlog, []
-        for rec, r, lt in self.tails:
+        """New lines of every reachable log (a final poll also tries hosts that are down)."""
+        out: list[LogLine] = []
+        groups: dict[str, list[tuple[HostRecord, str, LineTail]]] = {}
+        for entry in self.tails:
+            groups.setdefault(host_label(entry[0]), []).append(entry)
+        for label, group in groups.items():
+            if not (final or self.reach.due(label)):
+                continue
             try:
-                lines = lt.read_lines(final=final)
-            except TransportError:
-                continue  # a host briefly unreachable: try again on the next poll
+                out += self._read_host(group, final)
+            except NebulaError as exc:
+                self.reach.failed(label, exc)
+                continue
+            self.reach.reached(label)
+            self.read_any = True
+        return out
+
+    @staticmethod
+    def _read_host(group: list[tuple[HostRecord, str, LineTail]], final: bool) -> list[LogLine]:
+        first = [lt for _, _, lt in group if lt.last is not None]
+        sizes = file_sizes(first[0].transport, [lt.path for lt in first]) if first else {}
+        out = []
+        for rec, r, lt in group:
+            lines = lt.read_lines(final=final, size=sizes.get(lt.path))
             out += [LogLine(rec.cluster, rec.host, r, t) for t in lines]
         return out
 
@@ -121,40 +267,61 @@ def parse_metric(line: str) -> dict[str, Any] | None:
 
 
 class MetricsFollower:
-    """The newest metrics of every cluster (workers) and every relay, updated by `poll`."""
+    """The newest metrics of every cluster (workers) and every relay, updated by `poll`.
+
+    Starts at each file's last records (at most SCAN_BYTES of it); keeps at most `history`
+    worker records per cluster and one final record per rank: its memory does not grow with
+    the run."""
 
     def __init__(
-        self, hosts: list[HostRecord], transport_of: Callable[[HostRecord], Transport]
+        self, hosts: list[HostRecord], transport_of: Callable[[HostRecord], Transport],
+        *, history: int = HISTORY,
     ) -> None:
         self.tails = [
-            (rec, LineTail(transport_of(rec), path))
+            (rec, LineTail(transport_of(rec), path, last=history, max_back=SCAN_BYTES))
             for rec in hosts
             for path in metric_sources(rec).values()
         ]
+        self.reach = Reachability()
         self.latest: dict[str, dict[str, Any]] = {}  # cluster -> merged newest worker values
         self.relay: dict[str, dict[str, Any]] = {}  # cluster -> newest relay record
-        self.history: dict[str, list[dict[str, Any]]] = {}  # cluster -> worker records
-        self.finals: list[dict[str, Any]] = []  # every rank's `final` record
+        self.history: dict[str, deque[dict[str, Any]]] = {}  # cluster -> newest worker records
+        self.finals: list[dict[str, Any]] = []  # every rank's newest `final` record
+        self._history_len = history
 
     def poll(self) -> None:
         for rec, lt in self.tails:
+            label = host_label(rec)
+            if not self.reach.due(label):
+                continue
             try:
                 lines = lt.read_lines()
-            except TransportError:
+            except TransportError as exc:
+                self.reach.failed(label, exc)
                 continue
+            self.reach.reached(label)
             for line in lines:
                 m = parse_metric(line)
-                if m is None:
-                    continue
-                if rec.role == "relay":
-                    self.relay.setdefault(rec.cluster, {}).update(m)
-                elif m.get("final"):
-                    self.finals.append({"cluster": rec.cluster, "host": rec.host, **m})
-                    self.latest.setdefault(rec.cluster, {}).update(
-                        {k: v for k, v in m.items() if k in ("step", "eval_loss")})
-                else:
-                    self.latest.setdefault(rec.cluster, {}).update(m)
-                    self.history.setdefault(rec.cluster, []).append(m)
+                if m is not None:
+                    self._fold(rec, m)
+
+    def _fold(self, rec: HostRecord, m: dict[str, Any]) -> None:
+        if rec.role == "relay":
+            self.relay.setdefault(rec.cluster, {}).update(m)
+        elif m.get("final"):
+            final = {"cluster": rec.cluster, "host": rec.host, **m}
+            same = [i for i, f in enumerate(self.finals)
+                    if (f["cluster"], f["host"], f.get("rank")) == (rec.cluster, rec.host,
+                                                                   m.get("rank"))]
+            if same:
+                self.finals[same[0]] = final
+            else:
+                self.finals.append(final)
+            self.latest.setdefault(rec.cluster, {}).update(
+                {k: v for k, v in m.items() if k in ("step", "eval_loss")})
+        else:
+            self.latest.setdefault(rec.cluster, {}).update(m)
+            self.history.setdefault(rec.cluster, deque(maxlen=self._history_len)).append(m)
 
 
 def finite(value: Any) -> bool:

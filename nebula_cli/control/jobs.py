@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from nebula_cli.config import jobplan
+from nebula_cli.control import summaries
 from nebula_cli.control.fanout import GroupError, fanout
 from nebula_cli.control.follow import LogFollower, MetricsFollower
 from nebula_cli.control.session import Session
@@ -149,6 +150,8 @@ class JobOps(Session):
             "ended": status.get("ended"), "group_alive": status.get("group_alive"),
         })
         rec.detail.pop("unreachable", None)
+        if isinstance(status.get("metrics"), dict):
+            summaries.store(rec, status["metrics"], source=summaries.AGENT)
         self.store.upsert_host(rec)
         if changed:
             why = f" ({rec.detail['reason']})" if rec.detail.get("reason") else ""
@@ -195,6 +198,40 @@ class JobOps(Session):
         return report
 
     # -- logs and metrics -------------------------------------------------------------------
+    def metrics_view(self, snap: JobSnapshot) -> summaries.MetricsView:
+        """The job's newest metrics from its agents' summaries (kept by `refresh`); hosts
+        that ended since, or whose agent gives no summary, are asked once more, in parallel.
+        A host that cannot be reached keeps the figures last seen."""
+        need = [h for h in snap.hosts if summaries.needs_summary(h)]
+        if need:
+            groups = self._by_machine(need)
+            try:
+                answers = fanout(list(groups), lambda k: self._summaries_of(groups[k]),
+                                 timeout=60)
+            except GroupError as exc:
+                answers = {k: v for k, v in exc.results.items() if isinstance(v, list)}
+                for key, err in exc.failures.items():
+                    for rec in groups[key]:  # type: ignore[index]
+                        rec.detail["metrics_unreachable"] = str(err)
+            for key, found in answers.items():
+                for rec, (ranks, source) in zip(groups[key], found, strict=True):
+                    summaries.store(rec, ranks, source=source)
+                    rec.detail.pop("metrics_unreachable", None)
+                    self.store.upsert_host(rec)
+        return summaries.view(snap.hosts)
+
+    def _summaries_of(self, recs: list[HostRecord]) -> list[tuple[dict[str, Any], str]]:
+        """(summaries, source) of each of one machine's agents."""
+        replies = self._agent_call(recs, "status", timeout=30)
+        transport = self.transport(recs[0].detail["conn"])
+        out = []
+        for rec, reply in zip(recs, replies, strict=True):
+            if isinstance(reply.get("metrics"), dict):
+                out.append((reply["metrics"], summaries.AGENT))
+            else:  # an agent from before summaries: read the files' tails ourselves
+                out.append((summaries.read_summaries(transport, rec), summaries.TAIL))
+        return out
+
     def follow_logs(self, ref: str, **filters: Any) -> LogFollower:
         job = self.store.get_job(ref)
         return LogFollower(self.store.hosts(job.id), self.transport_of, **filters)

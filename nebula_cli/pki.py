@@ -119,7 +119,7 @@ def _check_name(kind: str, value: str) -> str:
 
 
 def _now() -> dt.datetime:
-    return dt.datetime.now(dt.timezone.utc).replace(microsecond=0)
+    return dt.datetime.now(dt.UTC).replace(microsecond=0)
 
 
 def _new_key() -> ec.EllipticCurvePrivateKey:

@@ -50,7 +50,7 @@ def _craft(job: JobPKI, ident: Identity, out: Path, **validity: dt.datetime) -> 
     """A pair for ``ident`` signed by ``job``'s CA (identities issue_job_pki never makes)."""
     ca_cert = x509.load_pem_x509_certificate(job.ca_cert.read_bytes())
     ca_key = serialization.load_pem_private_key(job.ca_key.read_bytes(), password=None)
-    now = dt.datetime.now(dt.timezone.utc)
+    now = dt.datetime.now(dt.UTC)
     cert, key = pki._issue_leaf(
         ca_cert,
         ca_key,
@@ -190,9 +190,9 @@ def test_load_pki_round_trip(job: JobPKI) -> None:
 
 def test_certificate_contents_and_validity(tmp_path: Path) -> None:
     valid_for = dt.timedelta(hours=6)
-    before = dt.datetime.now(dt.timezone.utc)
+    before = dt.datetime.now(dt.UTC)
     job = issue_job_pki(JOB, {"alpha": ["a1"]}, tmp_path / "job", valid_for=valid_for)
-    after = dt.datetime.now(dt.timezone.utc)
+    after = dt.datetime.now(dt.UTC)
     ca = x509.load_pem_x509_certificate(job.ca_cert.read_bytes())
     bc = ca.extensions.get_extension_for_class(x509.BasicConstraints)
     assert bc.critical and bc.value.ca and bc.value.path_length == 0
@@ -345,7 +345,7 @@ def test_no_client_certificate(job: JobPKI) -> None:
 
 
 def test_expired_certificate(job: JobPKI, tmp_path: Path) -> None:
-    now = dt.datetime.now(dt.timezone.utc)
+    now = dt.datetime.now(dt.UTC)
     expired = _craft(
         job,
         Identity(JOB, "relay", "beta", "relay"),

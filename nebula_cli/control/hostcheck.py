@@ -1,16 +1,29 @@
-"""What `nebula validate --hosts` learns of each host: reachable, python, torch, deepspeed, disk."""
+"""What `nebula validate --hosts` learns of each host: reachable, python, torch, deepspeed, disk;
+and `require_python`, the interpreter check provisioning makes on every host before it uploads.
+
+nebula needs Python >= `MIN_PYTHON` on every host (the agent starts process groups with
+`Popen(process_group=...)`, new in 3.11); an older interpreter is refused by name, with the fix.
+"""
 
 from __future__ import annotations
 
 import json
 from dataclasses import dataclass
 
-from nebula_cli.errors import NebulaError
+from nebula_cli.errors import NebulaError, TransportError
 from nebula_cli.transport import Transport
 
-# Runs on the host under the cluster's python; standard library only; prints one JSON object.
+MIN_PYTHON = (3, 11)
+"""Oldest Python nebula runs on, on the launching machine and on every host."""
+
+# Runs on the host under the cluster's python; standard library only, and valid on old Pythons
+# (no f-strings) so that an old interpreter still says what it is; prints one JSON object.
 PROBE = r"""
-import importlib.metadata as md, json, os, platform, shutil, sys
+import json, os, platform, shutil, sys
+try:
+    import importlib.metadata as md
+except ImportError:
+    md = None
 def version(name):
     try:
         return md.version(name)
@@ -39,6 +52,8 @@ class HostCheck:
     deepspeed: str | None = None
     free_bytes: int | None = None
     error: str | None = None
+    interpreter: str = "python"
+    """The interpreter that was asked (the cluster's `python:`)."""
 
     @property
     def problems(self) -> list[str]:
@@ -48,6 +63,8 @@ class HostCheck:
         found = []
         if self.python is None:
             found.append("python not found")
+        elif (old := too_old(self.python, f"'{self.interpreter}'")) is not None:
+            found.append(old)
         if self.torch is None:
             found.append("torch is not installed")
         if self.deepspeed is None:
@@ -63,7 +80,7 @@ class HostCheck:
 
 def check_host(t: Transport, cluster: str, host: str, slots: int) -> HostCheck:
     """Connect, run the probe under the host's python, and report what was found."""
-    check = HostCheck(cluster=cluster, host=host, slots=slots)
+    check = HostCheck(cluster=cluster, host=host, slots=slots, interpreter=t.python)
     try:
         result = t.run([t.python, "-c", PROBE, t.home], timeout=60)
     except NebulaError as exc:
@@ -83,3 +100,49 @@ def check_host(t: Transport, cluster: str, host: str, slots: int) -> HostCheck:
     check.deepspeed = found.get("deepspeed")
     check.free_bytes = found.get("free_bytes")
     return check
+
+
+VERSION_PY = "import sys; print('.'.join(str(n) for n in sys.version_info[:3]))"
+
+
+def _parse_version(text: str) -> tuple[int, ...] | None:
+    try:
+        return tuple(int(part) for part in text.strip().split(".")[:2])
+    except ValueError:
+        return None
+
+
+def too_old(version: str, python: str = "python") -> str | None:
+    """The problem with a host whose interpreter reports `version`, or None if it is recent
+    enough (an unreadable version counts as too old)."""
+    found = _parse_version(version)
+    if found is not None and len(found) == 2 and found >= MIN_PYTHON:
+        return None
+    need = ".".join(map(str, MIN_PYTHON))
+    return (f"{python} is Python {version or 'of an unknown version'}; nebula needs Python >= "
+            f"{need}: install python{need} (or newer) on the host, e.g. `apt install "
+            f"python{need}` or a conda/uv environment, and set the cluster's `python:` to it")
+
+
+def require_python(t: Transport, cluster: str, host: str) -> None:
+    """Refuse a host whose interpreter (`t.python`) is older than MIN_PYTHON.
+
+    Raises TransportError naming the cluster/host, the version found and what to install."""
+    where = f"{cluster}/{host}"
+    missing = (f"python '{t.python}' not found; install Python >= "
+               f"{'.'.join(map(str, MIN_PYTHON))} and set the cluster's `python:` to it")
+    try:
+        result = t.run([t.python, "-c", VERSION_PY], timeout=60)
+    except TransportError as exc:
+        if isinstance(exc.__cause__, FileNotFoundError):  # local: no such program
+            raise TransportError(missing, host=where) from exc
+        raise TransportError(f"cannot run python '{t.python}': {exc.message}",
+                             host=where) from exc
+    if result.exit_code == 127:
+        raise TransportError(missing, host=where)
+    version = result.stdout.strip().splitlines()[-1] if result.stdout.strip() else ""
+    if not result.ok or _parse_version(version) is None:
+        raise TransportError(f"cannot tell the version of python '{t.python}': {result}",
+                             host=where)
+    if (problem := too_old(version, f"'{t.python}'")) is not None:
+        raise TransportError(problem, host=where)

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
+import socket
 import subprocess
 import sys
 import time
@@ -15,6 +17,7 @@ from conftest import CLI, write_spec
 from testbed import TestBed
 
 from nebula_cli import pki
+from nebula_cli.errors import NebulaError
 
 PROBE = b"nebula_cli.relay.probe"
 FIGURES = ("rtt_ms", "rtt_p95_ms", "throughput_mbit", "plain_rtt_ms", "plain_rtt_p95_ms",
@@ -148,7 +151,7 @@ def test_probe_refuses_a_certificate_of_another_run(tmp_path: Path) -> None:
         def measure(run: str, peer: str) -> subprocess.CompletedProcess[str]:
             return probe("measure", "--run", run, "--certs", str(dirs[(run, "east")]),
                          "--host", "127.0.0.1", "--tls-port", str(ports["tls_port"]),
-                         "--plain-port", str(ports["plain_port"]), "--peer-cluster", peer,
+                         "--peer-cluster", peer,
                          "--duration", "0.3", "--streams", "1", "--pings", "20")
 
         foreign = measure("netbench-b", "west")
@@ -229,3 +232,87 @@ def test_bench_network_matches_iperf3_on_the_bed(cli: CLI, bed_clean: TestBed,
           f"{intra['plain_throughput_mbit']:.0f} Mbit/s; bench-network took {bench_s:.1f} s")
     assert intra["throughput_mbit"] > 2 * rate  # inside a cluster the link is not shaped
     assert report["clusters"]["west"]["intra"] is None
+
+
+def rss_kib(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1])
+    raise AssertionError(f"no VmRSS for {pid}")
+
+
+def refused(port: int) -> bool:
+    try:
+        socket.create_connection(("127.0.0.1", port), timeout=2).close()
+    except ConnectionRefusedError:
+        return True
+    return False
+
+
+def test_plain_probe_opens_only_with_a_ticket_from_tls(tmp_path: Path) -> None:
+    """The plain port is bound only while a TLS-authenticated measurement holds it open; a
+    plain connection needs a one-time ticket, and before it nothing large is read."""
+    from nebula_cli.relay import probe as probe_mod
+    from nebula_cli.relay.wire import HEADER, MAGIC, WIRE_VERSION, Frame, FrameType, send_frame
+
+    issued = pki.issue_job_pki("netbench-t", {"east": [], "west": []}, tmp_path / "pki")
+    d = tmp_path / "west"
+    d.mkdir()
+    for name, src in (("ca.pem", issued.ca_cert), ("cert.pem", issued.relay("west").cert),
+                      ("key.pem", issued.relay("west").key)):
+        (d / name).write_bytes(src.read_bytes())
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    log = tmp_path / "serve.log"
+    served = subprocess.run([sys.executable, "-m", "nebula_cli.relay.probe", "serve", "--run",
+                             "netbench-t", "--certs", str(d), "--bind", "127.0.0.1", "--port",
+                             str(port), "--lifetime", "60", "--log", str(log)],
+                            capture_output=True, text=True, timeout=60, stdin=subprocess.DEVNULL)
+    try:
+        assert served.returncode == 0, served.stderr
+        info = json.loads(served.stdout)
+        assert set(info) == {"pid", "tls_port"} and info["tls_port"] == port
+        assert refused(port + 1)  # no plain port before a measurement asks for it
+        ctx = pki.client_context(issued.relay("east"), issued.ca_cert)
+        opened: dict[str, Any] = {}
+        control = probe_mod._dial("127.0.0.1", port, ctx, "netbench-t", "west", opened,
+                                  op="plain", count=1)
+        try:
+            assert opened["port"] == port + 1 and len(opened["tickets"]) == 1
+            before = rss_kib(info["pid"])
+            for _ in range(30):  # 256 MB frames declared by strangers: closed, not read
+                with socket.create_connection(("127.0.0.1", port + 1), timeout=5) as raw:
+                    raw.sendall(HEADER.pack(MAGIC, WIRE_VERSION, int(FrameType.HELLO), 0, 60000,
+                                            256 << 20) + b"x" * 60000)
+                    raw.settimeout(5)
+                    with contextlib.suppress(ConnectionResetError):  # unread bytes: a reset
+                        assert raw.recv(1) == b""
+            for bad in ("", "0" * 32):  # no ticket, a wrong ticket
+                with pytest.raises(NebulaError):  # closed without an answer
+                    probe_mod._dial("127.0.0.1", port + 1, None, "netbench-t", None,
+                                    ticket=bad, op="echo")
+            assert rss_kib(info["pid"]) - before < 8 * 1024
+            ticket = opened["tickets"][0]
+            with probe_mod._dial("127.0.0.1", port + 1, None, "netbench-t", None,
+                                 ticket=ticket, op="echo") as sock:
+                assert probe_mod.ping(sock, 3)["median"] > 0
+            with pytest.raises(NebulaError):  # one time only
+                probe_mod._dial("127.0.0.1", port + 1, None, "netbench-t", None,
+                                ticket=ticket, op="echo")
+        finally:
+            send_frame(control, Frame(FrameType.BYE))
+            control.close()
+        deadline = time.monotonic() + 5
+        while not refused(port + 1) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert refused(port + 1)  # the measurement is over: the plain port is closed
+        text = log.read_text()
+        assert "payload of 268435456 bytes exceeds the cap of 0" in text
+        assert "without a valid ticket" in text and "from 127.0.0.1:" in text
+    finally:
+        stopped = subprocess.run([sys.executable, "-m", "nebula_cli.relay.probe", "stop",
+                                  "--run", "netbench-t"], capture_output=True, text=True,
+                                 timeout=60)
+    assert stopped.returncode == 0
+    assert no_probe_left() == []

@@ -211,8 +211,8 @@ class Bench:
                            "--bind", "127.0.0.1" if node.local else "0.0.0.0",
                            "--port", str(port), "--lifetime", f"{lifetime:.0f}",
                            "--log", posixpath.join(node.dir, "serve.log"), timeout=START_TIMEOUT)
-        self.note(f"{node}: probe server pid {reply['pid']}, ports {reply['tls_port']} (TLS) "
-                  f"and {reply['plain_port']} (plain)")
+        self.note(f"{node}: probe server pid {reply['pid']}, TLS port {reply['tls_port']} "
+                  "(plain TCP opens per measurement, with one-time tickets)")
         return reply
 
     def measure(self, pair: Pair) -> dict[str, Any]:
@@ -226,7 +226,7 @@ class Bench:
         try:
             figures = self.probe(
                 pair.src, "measure", "--certs", pair.src.dir, "--host", pair.target,
-                "--tls-port", str(server["tls_port"]), "--plain-port", str(server["plain_port"]),
+                "--tls-port", str(server["tls_port"]),
                 "--peer-cluster", pair.dst.cluster, "--duration", str(self.duration),
                 "--streams", str(self.streams), "--pings", str(PINGS),
                 "--deadline", f"{budget:.0f}", timeout=budget + 15)

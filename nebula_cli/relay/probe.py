@@ -4,13 +4,20 @@
     python -m nebula_cli.relay.probe measure --run RUN --certs DIR --host A --tls-port P ...
     python -m nebula_cli.relay.probe stop    --run RUN
 
-`serve` listens on a TLS port (mutual TLS with the run's certificates, as the relay does) and a
-plain TCP port, detaches (own session, stdio closed) and prints one JSON line
-``{"pid", "tls_port", "plain_port"}``; it exits by itself after ``--lifetime`` seconds.
-`measure` dials a server: round trips of small frames (latency), then ``--streams`` connections
-sending frames for ``--duration`` seconds (throughput, counted by the server as it receives),
-over plain TCP and over TLS; prints one JSON line of figures. `stop` ends this run's probes on
-the host (SIGTERM, then SIGKILL) and prints ``{"stopped", "left"}``.
+`serve` listens on a TLS port (mutual TLS with the run's certificates, as the relay does),
+detaches (own session, stdio closed) and prints one JSON line ``{"pid", "tls_port"}``; it exits
+by itself after ``--lifetime`` seconds. `measure` dials a server: round trips of small frames
+(latency), then ``--streams`` connections sending frames for ``--duration`` seconds
+(throughput, counted by the server as it receives), over plain TCP and over TLS; prints one
+JSON line of figures. `stop` ends this run's probes on the host (SIGTERM, then SIGKILL) and
+prints ``{"stopped", "left"}``.
+
+Plain TCP is not authenticated, so it is open only while a measurement needs it: over TLS,
+HELLO {op: plain, count} makes the server bind the plain port (``--port`` + 1, or any) and
+answer WELCOME {port, tickets}: one-time tokens, one per plain connection. A plain connection
+must start with a HELLO of at most PLAIN_HELLO_BYTES that carries an unused ticket, else it is
+closed; nothing larger is read or allocated before that. The plain port closes when that TLS
+connection ends.
 
 On a connection: HELLO {op: echo|sink|report} -> WELCOME, then
 - echo: HEARTBEAT frames are sent back as they are, until BYE.
@@ -33,6 +40,7 @@ import json
 import logging
 import math
 import os
+import secrets
 import signal
 import socket
 import ssl
@@ -48,10 +56,13 @@ from typing import Any
 from nebula_cli import pki
 from nebula_cli.errors import NebulaError
 from nebula_cli.relay.wire import (
+    HEADER_SIZE,
     ConnectionClosed,
     Frame,
     FrameType,
     WireError,
+    decode_meta,
+    parse_header,
     recv_frame,
     send_frame,
     tune_socket,
@@ -67,6 +78,9 @@ IO_TIMEOUT = 30.0  # any single socket operation
 REPORT_WAIT = 10.0  # how long the server waits for the sinks of a report to end
 MAX_DURATION = 600.0
 MAX_PAYLOAD = 16 << 20
+PLAIN_HELLO_BYTES = 1024  # the most read from a plain connection before its ticket is checked
+MAX_TICKETS = 256  # plain connections one measurement may ask for
+MAX_UNAUTHENTICATED = 16  # plain connections before their ticket, and TLS ones before HELLO
 
 log = logging.getLogger("nebula.probe")
 
@@ -138,14 +152,98 @@ def _echo(sock: socket.socket) -> None:
         send_frame(sock, frame)
 
 
-def _handle(sock: socket.socket, tls: ssl.SSLContext | None, run: str) -> None:
+def _small_hello(sock: socket.socket) -> Frame:
+    """Read a HELLO of at most PLAIN_HELLO_BYTES (no payload): all a plain connection may send
+    before its ticket is checked."""
+    head = _read(sock, HEADER_SIZE)
+    ftype, meta_len, _ = parse_header(head, max_payload=0)
+    if ftype != FrameType.HELLO or meta_len > PLAIN_HELLO_BYTES - HEADER_SIZE:
+        raise WireError(f"a plain connection must start with a HELLO of at most "
+                        f"{PLAIN_HELLO_BYTES} bytes (got {ftype.name}, {meta_len} bytes of meta)")
+    return Frame(ftype, decode_meta(_read(sock, meta_len)))
+
+
+def _read(sock: socket.socket, n: int) -> bytearray:
+    buf = bytearray(n)
+    view, got = memoryview(buf), 0
+    while got < n:
+        k = sock.recv_into(view[got:], n - got)
+        if not k:
+            raise ConnectionClosed("connection closed during the hello")
+        got += k
+    return buf
+
+
+class Plain:
+    """The plain TCP port of one measurement: bound on request, closed when it is over; a
+    connection is served only with one of the one-time tickets handed out over TLS."""
+
+    def __init__(self, bind: str, port: int, count: int, run: str) -> None:
+        self.listener = _listen(bind, port)
+        self.port = self.listener.getsockname()[1]
+        self.tickets = {secrets.token_hex(16) for _ in range(count)}
+        self.run = run
+        self.lock = threading.Lock()
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def admit(self, ticket: Any) -> bool:
+        with self.lock:
+            if isinstance(ticket, str) and ticket in self.tickets:
+                self.tickets.discard(ticket)
+                return True
+            return False
+
+    def close(self) -> None:
+        with self.lock:
+            self.tickets.clear()
+        with contextlib.suppress(OSError):
+            self.listener.shutdown(socket.SHUT_RDWR)
+        self.listener.close()
+
+    def _accept(self) -> None:
+        with contextlib.suppress(OSError):  # closed: the measurement is over
+            _accept_loop(self.listener, None, self.run, self)
+
+
+def _plain_session(sock: ssl.SSLSocket, hello: Frame, bind: str, port: int, run: str) -> None:
+    """Open the plain port for one measurement; close it when this TLS connection ends."""
+    count = hello.meta.get("count")
+    if not isinstance(count, int) or not 1 <= count <= MAX_TICKETS:
+        send_frame(sock, Frame(FrameType.ERROR, {"reason": f"count must be 1..{MAX_TICKETS}"}))
+        return
+    plain = Plain(bind, port, count, run)
+    try:
+        send_frame(sock, Frame(FrameType.WELCOME, {"op": "plain", "port": plain.port,
+                                                   "tickets": sorted(plain.tickets)}))
+        sock.settimeout(MAX_DURATION + IO_TIMEOUT)
+        with contextlib.suppress(OSError, NebulaError):
+            recv_frame(sock, max_payload=0)  # BYE, or the connection ends
+    finally:
+        plain.close()
+
+
+_unauthenticated = threading.BoundedSemaphore(MAX_UNAUTHENTICATED)
+
+
+def _handle(sock: socket.socket, tls: ssl.SSLContext | None, run: str,
+            plain: Plain | None = None, serve_args: Any = None) -> None:
+    held = True
     try:
         sock.settimeout(IO_TIMEOUT)
         _tune(sock)
         if tls is not None:
             sock, _ = pki.wrap_server(sock, tls, job_id=run, roles=ROLES, timeout=IO_TIMEOUT)
-        hello = recv_frame(sock)
+            hello = recv_frame(sock, max_payload=0)
+        else:
+            hello = _small_hello(sock)
+            if plain is None or not plain.admit(hello.meta.get("ticket")):
+                raise WireError("a plain connection without a valid ticket")
+        _unauthenticated.release()
+        held = False
         op, token = hello.meta.get("op"), hello.meta.get("token")
+        if tls is not None and op == "plain" and serve_args is not None:
+            _plain_session(sock, hello, serve_args.bind, serve_args.plain_port, run)
+            return
         if hello.type != FrameType.HELLO or op not in ("echo", "sink", "report") or (
                 op == "sink" and not isinstance(token, str)):
             send_frame(sock, Frame(FrameType.ERROR, {"reason": "expected HELLO echo|sink|report"}))
@@ -158,15 +256,33 @@ def _handle(sock: socket.socket, tls: ssl.SSLContext | None, run: str) -> None:
     except ConnectionClosed:
         pass
     except (OSError, NebulaError) as exc:
-        log.warning("connection %s: %s", "tls" if tls else "plain", exc)
+        log.warning("connection %s from %s: %s", "tls" if tls else "plain", _addr(sock), exc)
     finally:
+        if held:
+            _unauthenticated.release()
         sock.close()
 
 
-def _accept_loop(listener: socket.socket, tls: ssl.SSLContext | None, run: str) -> None:
+def _addr(sock: socket.socket) -> str:
+    try:
+        host, port = sock.getpeername()[:2]
+        return f"{host}:{port}"
+    except OSError:
+        return "<gone>"
+
+
+def _accept_loop(listener: socket.socket, tls: ssl.SSLContext | None, run: str,
+                 plain: Plain | None = None, serve_args: Any = None) -> None:
     while True:
-        sock, _ = listener.accept()
-        threading.Thread(target=_handle, args=(sock, tls, run), daemon=True).start()
+        sock, where = listener.accept()
+        if not _unauthenticated.acquire(blocking=False):
+            log.warning("refused a %s connection from %s:%s: %d connections are not "
+                        "authenticated yet", "tls" if tls else "plain", where[0], where[1],
+                        MAX_UNAUTHENTICATED)
+            sock.close()
+            continue
+        threading.Thread(target=_handle, args=(sock, tls, run, plain, serve_args),
+                         daemon=True).start()
 
 
 def _listen(bind: str, port: int) -> socket.socket:
@@ -178,11 +294,11 @@ def _listen(bind: str, port: int) -> socket.socket:
 
 def serve(args: argparse.Namespace) -> int:
     server_ctx, _ = _contexts(Path(args.certs))
-    listeners = [_listen(args.bind, args.port), _listen(args.bind, args.port and args.port + 1)]
-    ports = [s.getsockname()[1] for s in listeners]
+    listener = _listen(args.bind, args.port)
+    args.plain_port = args.port and args.port + 1
     pid = os.fork()
     if pid:  # the parent reports and leaves; the child serves on, detached
-        print(json.dumps({"pid": pid, "tls_port": ports[0], "plain_port": ports[1]}), flush=True)
+        print(json.dumps({"pid": pid, "tls_port": listener.getsockname()[1]}), flush=True)
         os._exit(0)
     os.setsid()
     null = os.open(os.devnull, os.O_RDWR)
@@ -191,8 +307,8 @@ def serve(args: argparse.Namespace) -> int:
     os.dup2(out, 1)
     os.dup2(out, 2)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
-    for listener, ctx in zip(listeners, (server_ctx, None), strict=True):
-        threading.Thread(target=_accept_loop, args=(listener, ctx, args.run), daemon=True).start()
+    threading.Thread(target=_accept_loop, args=(listener, server_ctx, args.run, None, args),
+                     daemon=True).start()
     time.sleep(args.lifetime)
     os._exit(0)
 
@@ -201,7 +317,8 @@ def serve(args: argparse.Namespace) -> int:
 
 
 def _dial(host: str, port: int, tls: ssl.SSLContext | None, run: str, cluster: str | None,
-          **hello: Any) -> socket.socket:
+          welcome: dict[str, Any] | None = None, **hello: Any) -> socket.socket:
+    """Connect, send HELLO ``hello``, expect WELCOME (its meta into ``welcome``)."""
     try:
         sock = socket.create_connection((host, port), timeout=IO_TIMEOUT)
     except OSError as exc:
@@ -215,6 +332,8 @@ def _dial(host: str, port: int, tls: ssl.SSLContext | None, run: str, cluster: s
     if answer.type != FrameType.WELCOME:
         sock.close()
         raise ProbeError(f"{host}:{port} answered {answer.type.name} {answer.meta}")
+    if welcome is not None:
+        welcome.update(answer.meta)
     return sock
 
 
@@ -298,20 +417,31 @@ def throughput(dial: Callable[..., socket.socket], streams: int,
 def measure(args: argparse.Namespace) -> int:
     signal.alarm(max(math.ceil(args.deadline), 1))  # never outlive the caller's wait
     _, client_ctx = _contexts(Path(args.certs))
-    ways = {"plain": (args.plain_port, None), "tls": (args.tls_port, client_ctx)}
 
-    def dialer(way: str) -> Callable[..., socket.socket]:
-        port, ctx = ways[way]
-        return lambda **hello: _dial(args.host, port, ctx, args.run, args.peer_cluster, **hello)
+    def tls(**hello: Any) -> socket.socket:
+        return _dial(args.host, args.tls_port, client_ctx, args.run, args.peer_cluster, **hello)
 
-    rtt, tput, cipher = {}, {}, None
-    for way in ways:  # round trips first, on an idle link
-        with dialer(way)(op="echo") as sock:
-            if isinstance(sock, ssl.SSLSocket):
-                cipher = (sock.cipher() or ("?",))[0]
-            rtt[way] = ping(sock, args.pings)
-    for way in ways:
-        tput[way] = throughput(dialer(way), args.streams, args.duration)
+    # the plain port opens for this measurement only: one ticket per plain connection
+    opened: dict[str, Any] = {}
+    with _dial(args.host, args.tls_port, client_ctx, args.run, args.peer_cluster, opened,
+               op="plain", count=2 + args.streams) as control:
+        tickets = iter(opened.get("tickets", []))
+
+        def plain(**hello: Any) -> socket.socket:
+            return _dial(args.host, int(opened["port"]), None, args.run, None,
+                         ticket=next(tickets, ""), **hello)
+
+        ways: dict[str, Callable[..., socket.socket]] = {"plain": plain, "tls": tls}
+        rtt, tput, cipher = {}, {}, None
+        for way, dial in ways.items():  # round trips first, on an idle link
+            with dial(op="echo") as sock:
+                if isinstance(sock, ssl.SSLSocket):
+                    cipher = (sock.cipher() or ("?",))[0]
+                rtt[way] = ping(sock, args.pings)
+        tput["plain"] = throughput(plain, args.streams, args.duration)
+        with contextlib.suppress(OSError, NebulaError):
+            send_frame(control, Frame(FrameType.BYE))
+    tput["tls"] = throughput(tls, args.streams, args.duration)
     print(json.dumps({
         "rtt_ms": rtt["tls"]["median"], "rtt_p95_ms": rtt["tls"]["p95"],
         "plain_rtt_ms": rtt["plain"]["median"], "plain_rtt_p95_ms": rtt["plain"]["p95"],
@@ -369,12 +499,12 @@ def parser() -> argparse.ArgumentParser:
     for q in (s, m):
         q.add_argument("--certs", required=True, help="directory of ca.pem, cert.pem, key.pem")
     s.add_argument("--bind", default="0.0.0.0")
-    s.add_argument("--port", type=int, default=0, help="TLS port; plain is port+1 (0: any)")
+    s.add_argument("--port", type=int, default=0,
+                   help="TLS port; plain, while a measurement needs it, is port+1 (0: any)")
     s.add_argument("--lifetime", type=float, default=600.0, help="exit after this many s")
     s.add_argument("--log", default=None, help="append the server's log here")
     m.add_argument("--host", required=True)
     m.add_argument("--tls-port", type=int, required=True)
-    m.add_argument("--plain-port", type=int, required=True)
     m.add_argument("--peer-cluster", default=None, help="the cluster the server's cert names")
     m.add_argument("--duration", type=float, default=5.0)
     m.add_argument("--streams", type=int, default=4)

@@ -117,8 +117,8 @@ def recorded_job(home: Path, records: int, *, running: bool = True) -> Iterator[
                 write_lines(agent_dir / "metrics" / f"{name}.jsonl", records, make)
                 write_lines(agent_dir / "logs" / f"{name}.log", records, log_line)
                 (agent_dir / "agent.json").write_text(json.dumps({"processes": [
-                    {"rank": rank, "metrics": f"metrics/{name}.jsonl", "log": f"logs/{name}.log",
-                     "argv": ["true"]}]}))
+                    {"name": rank, "metrics": f"metrics/{name}.jsonl", "log": f"logs/{name}.log",
+                     "argv": ["true"], "env": {}}]}))
                 state, pid = "SUCCEEDED", None
                 if running:
                     agent = stand_in_agent(agent_dir)

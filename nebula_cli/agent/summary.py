@@ -109,13 +109,14 @@ def public(state: dict[str, Any], rel: str) -> dict[str, Any]:
 
 def metric_files(agent_dir: Path) -> dict[str, str]:
     """rank -> metrics path relative to the agent dir: the processes of agent.json that name
-    one, then any other ``metrics/*.jsonl`` (keyed by its stem)."""
+    one (keyed by the process's name: its rank, or "relay"), then any other
+    ``metrics/*.jsonl`` (keyed by its stem)."""
     files: dict[str, str] = {}
     try:
         config = json.loads((agent_dir / "agent.json").read_text())
         for i, proc in enumerate(config.get("processes") or []):
             if isinstance(proc, dict) and isinstance(proc.get("metrics"), str):
-                files[str(proc.get("rank", i))] = proc["metrics"]
+                files[str(proc.get("name", proc.get("rank", i)))] = proc["metrics"]
     except (OSError, ValueError, AttributeError):
         pass
     known = set(files.values())

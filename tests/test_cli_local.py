@@ -144,3 +144,29 @@ def test_setup_output_streams_and_a_failed_setup_fails_the_launch(cli: CLI,
     failed = next(j for j in cli.job_ids() if json.loads(
         cli("status", j, "--json").stdout)["state"] == "FAILED")
     assert job_processes(failed) == []
+
+
+METRICS = """
+name: metered
+workdir: .
+run: >-
+  python -c "from nebula_cli.runtime import log;
+  [log(step=i, loss=8.0 / i, tokens_per_s=100.0 + i) for i in range(1, 3001)];
+  log(step=3000, final=True, eval_loss=0.25, last_loss=8.0 / 3000)"
+clusters:
+  - name: east
+    transport: local
+    hosts: [{host: e1}]
+"""
+
+
+def test_status_shows_the_agents_metric_summaries(cli: CLI, tmp_path: Path) -> None:
+    job_id = cli("launch", str(write_spec(tmp_path, METRICS)), "--detach", check=True
+                 ).stdout.strip()
+    st = wait_for(lambda: (s := status_json(cli, job_id))["state"] == "SUCCEEDED" and s, 60)
+    east = st["metrics"]["east"]
+    assert (east["step"], east["tokens_per_s"], east["eval_loss"]) == (3000, 3100.0, 0.25)
+    assert east["loss"] == 8.0 / 3000
+    kept = st["hosts"][0]["detail"]["metrics_summary"]
+    assert kept["complete"] and kept["ranks"]["0"]["final"]["last_loss"] == 8.0 / 3000
+    assert "3000" in cli("status", job_id, check=True).stdout

@@ -33,7 +33,14 @@ from nebula_cli.control.dryrun import measure
 from nebula_cli.control.netbench import run_bench, write_report
 from nebula_cli.control.orchestrator import Orchestrator
 from nebula_cli.control.state import END_STATES, StateStore
-from nebula_cli.errors import EXIT_FAILED, EXIT_OK, NebulaError, SpecError, UsageError
+from nebula_cli.errors import (
+    EXIT_FAILED,
+    EXIT_INTERRUPTED,
+    EXIT_OK,
+    NebulaError,
+    SpecError,
+    UsageError,
+)
 from nebula_cli.planner import (
     CostModel,
     Task,
@@ -140,8 +147,12 @@ def launch(
     """Provision every host, start the job, then show it live (Ctrl-C detaches)."""
     spec = load_spec(spec_path)
     with _store() as store, Orchestrator(store, accept_new_host_keys=accept_new) as orch:
-        with upload_bars(err) as (note, transfer):
-            job = orch.launch(spec, progress=note, transfer=transfer)
+        try:
+            with upload_bars(err) as (note, transfer):
+                job = orch.launch(spec, progress=note, transfer=transfer)
+        except KeyboardInterrupt:
+            err.print("\nlaunch cancelled; everything it had started was ended")
+            raise typer.Exit(EXIT_INTERRUPTED) from None
         if detach:
             out.print(job.id)
             return

@@ -9,10 +9,11 @@ from __future__ import annotations
 import contextlib
 import json
 import posixpath
+import signal
 import threading
 import time
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +33,8 @@ __all__ = ["JobSnapshot", "Orchestrator", "StopReport", "job_state"]
 SETUP_TIMEOUT = 3600.0
 PACKAGE_DIR = Path(__file__).resolve().parent.parent
 AGENT_TIMEOUT = 60.0
+CANCEL_STOP_TIMEOUT = 6.0
+"""Seconds a cancelled launch gives its hosts' agents to stop (the command ends within 10 s)."""
 
 Progress = Callable[[str], None]
 Transfer = Callable[[str, int, int], None]  # (what, bytes done, bytes in all)
@@ -61,11 +64,13 @@ class Orchestrator(JobOps):
             for agent in plan.agents:  # recorded first: `stop` reaches hosts a launch touched
                 self._record(job.id, agent, "PENDING")
             fanout(plan.hosts, lambda a: self._provision_host(spec, a, progress, transfer),
-                   timeout=SETUP_TIMEOUT)
-            fanout(plan.agents, self._write_agent_files, timeout=AGENT_TIMEOUT)
+                   timeout=SETUP_TIMEOUT, cancel=self.close)
+            fanout(plan.agents, self._write_agent_files, timeout=AGENT_TIMEOUT,
+                   cancel=self.close)
             # relays first, so that workers find them; then workers
             for role in (jobplan.RELAY, jobplan.WORKER):
-                results = fanout(plan.role(role), self._start, timeout=AGENT_TIMEOUT)
+                results = fanout(plan.role(role), self._start, timeout=AGENT_TIMEOUT,
+                                 cancel=self.close)
                 for agent, pid in results.items():
                     started.append(agent)
                     self._record(job.id, agent, "STARTING", pid=pid)
@@ -85,18 +90,21 @@ class Orchestrator(JobOps):
 
     def _abandon(self, job_id: str, plan: JobPlan | None, reason: str, state: str,
                  progress: Progress) -> None:
-        """End what a launch that did not finish started; record why (bounded in time)."""
-        with contextlib.suppress(Exception):
-            progress(f"launch {state.lower()}: {reason}; ending what started")
-        self.store.add_event(job_id, "launch-" + state.lower(), reason)
-        if plan is not None:
-            self._stop_agents(list(plan.agents), grace=0.0, force=True)
-        self.store.set_job_state(job_id, state, reason=reason)
-        for rec in self.store.hosts(job_id):
-            if rec.state not in END_STATES:  # its agent never started, or was just ended
-                rec.state = "STOPPED"
-                rec.detail["reason"] = f"not running: the launch was {state.lower()}"
-                self.store.upsert_host(rec)
+        """End what a launch that did not finish started; record why. Bounded in time, and
+        not cut short by another Ctrl-C."""
+        with _sigint_deferred():
+            with contextlib.suppress(Exception):
+                progress(f"launch {state.lower()}: {reason}; ending what started")
+            self.store.add_event(job_id, "launch-" + state.lower(), reason)
+            if plan is not None:
+                self._stop_agents(list(plan.agents), grace=0.0, force=True,
+                                  timeout=CANCEL_STOP_TIMEOUT)
+            self.store.set_job_state(job_id, state, reason=reason)
+            for rec in self.store.hosts(job_id):
+                if rec.state not in END_STATES:  # its agent never started, or was just ended
+                    rec.state = "STOPPED"
+                    rec.detail["reason"] = f"not running: the launch was {state.lower()}"
+                    self.store.upsert_host(rec)
 
     def sites(self, spec: JobSpec) -> dict[str, jobplan.Site]:
         """What every host's transport reports (connecting to remote hosts to learn it)."""
@@ -111,7 +119,7 @@ class Orchestrator(JobOps):
                                 bind=t.bind_address, python=t.python,
                                 shares_files=t.shares_files)
 
-        return fanout(list(entries), site, timeout=AGENT_TIMEOUT)
+        return fanout(list(entries), site, timeout=AGENT_TIMEOUT, cancel=self.close)
 
     def ports(self, spec: JobSpec, sites: dict[str, jobplan.Site]) -> jobplan.Ports:
         """Rendezvous ports of every DeepSpeed world and the relays' ports, from the hosts."""
@@ -219,7 +227,8 @@ class Orchestrator(JobOps):
 
         return list(fanout(list(entries), check, timeout=120).values())
 
-    def _stop_agents(self, agents: list[AgentPlan], grace: float, force: bool) -> None:
+    def _stop_agents(self, agents: list[AgentPlan], grace: float, force: bool,
+                     timeout: float) -> None:
         """End the agents of a launch that did not finish (best effort, every host tried,
         bounded in time)."""
         groups: dict[tuple[Any, ...], list[AgentPlan]] = defaultdict(list)
@@ -230,11 +239,11 @@ class Orchestrator(JobOps):
             conn = groups[key][0].conn
             dirs = [a.agent_dir for a in groups[key]]
             args = ["stop", "--grace", str(grace)] + (["--force"] if force else [])
-            self.transport(conn).run(self._agent(conn, *args, *dirs), timeout=grace + 30)
+            self.transport(conn).run(self._agent(conn, *args, *dirs), timeout=grace + timeout)
 
         # best effort: the launch error is what the user needs; every host is tried
         with contextlib.suppress(GroupError):
-            fanout(list(groups), stop_group, timeout=grace + 40)
+            fanout(list(groups), stop_group, timeout=grace + timeout, cancel=self.close)
 
 
 def _describe(cluster: ClusterSpec, host: HostSpec, home: str) -> dict[str, Any]:
@@ -242,6 +251,20 @@ def _describe(cluster: ClusterSpec, host: HostSpec, home: str) -> dict[str, Any]
     return describe(cluster.transport, name=host.host, home=home, host=host.host,
                     user=host.user, port=host.port, key=host.key, jump=cluster.jump,
                     python=cluster.python)
+
+
+@contextlib.contextmanager
+def _sigint_deferred() -> Iterator[None]:
+    """Ctrl-C ignored meanwhile (main thread only): a cleanup cut short leaves processes
+    behind."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 def _pair(pair: pki.CertPair) -> tuple[bytes, bytes]:

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -29,6 +31,14 @@ DEFAULT_PYTHON = "python3"
 """The spec's default `python`; on this machine it means the interpreter nebula runs under."""
 
 
+def _kill(proc: subprocess.Popen[bytes]) -> None:
+    """SIGKILL a command's session (it and what it started), then reap it."""
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        proc.wait(timeout=10)
+
+
 def local_python(python: str | None) -> str:
     """The interpreter local processes run under: sys.executable unless one is named."""
     return sys.executable if python in (None, DEFAULT_PYTHON) else python
@@ -41,6 +51,8 @@ class LocalTransport(Transport):
         self.name = name
         self._home = str(Path(home).expanduser())
         self._python = local_python(python)
+        self._lock = threading.Lock()
+        self._live: set[subprocess.Popen[bytes]] = set()
 
     @property
     def home(self) -> str:
@@ -118,67 +130,61 @@ class LocalTransport(Transport):
         stdin: bytes | None = None,
         on_output: OutputSink | None = None,
     ) -> CommandResult:
-        full_env = {**os.environ, **(env or {})}
-        shell = isinstance(argv, str)
-        if on_output is not None:
-            return self._run_streamed(argv, full_env, cwd, timeout, on_output)
+        """Each command runs in a session of its own, so that `close()` (or a timeout) ends it
+        with everything it started."""
+        command = shell_join(argv)
         try:
-            proc = subprocess.run(
-                argv, shell=shell, env=full_env, cwd=cwd, input=stdin,
-                capture_output=True, timeout=timeout, check=False,
-                stdin=None if stdin is not None else subprocess.DEVNULL,
-            )
-        except subprocess.TimeoutExpired as exc:
-            raise TransportError(
-                f"`{shell_join(argv)}` did not finish within {timeout:g} s", host=self.name
-            ) from exc
+            proc = subprocess.Popen(
+                argv, shell=isinstance(argv, str), env={**os.environ, **(env or {})}, cwd=cwd,
+                stdin=subprocess.PIPE if stdin is not None else subprocess.DEVNULL,
+                stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
         except OSError as exc:
-            raise TransportError(f"cannot run `{shell_join(argv)}`: {exc}", host=self.name) from exc
-        return CommandResult(
-            command=shell_join(argv),
-            exit_code=proc.returncode,
-            stdout=proc.stdout.decode(errors="replace"),
-            stderr=proc.stderr.decode(errors="replace"),
-        )
-
-    def _run_streamed(self, argv: Sequence[str] | str, env: dict[str, str], cwd: str | None,
-                      timeout: float, on_output: OutputSink) -> CommandResult:
-        """`run`, with each line of output also handed to on_output as it arrives."""
-        try:
-            proc = subprocess.Popen(argv, shell=isinstance(argv, str), env=env, cwd=cwd,
-                                    stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                    stderr=subprocess.PIPE)
-        except OSError as exc:
-            raise TransportError(f"cannot run `{shell_join(argv)}`: {exc}", host=self.name) from exc
+            raise TransportError(f"cannot run `{command}`: {exc}", host=self.name) from exc
+        with self._lock:
+            self._live.add(proc)
         sinks: list[list[bytes]] = [[], []]
-        splitter = LineSplitter(on_output)
+        splitter = LineSplitter(on_output) if on_output is not None else None
 
         def drain(pipe: IO[bytes], sink: list[bytes]) -> None:
             while data := pipe.read1(1 << 16):  # type: ignore[attr-defined]
                 sink.append(data)
-                splitter.feed(data)
+                if splitter is not None:
+                    splitter.feed(data)
 
         readers = [threading.Thread(target=drain, args=(pipe, sink), daemon=True)
                    for pipe, sink in zip((proc.stdout, proc.stderr), sinks, strict=True)]
         for reader in readers:
             reader.start()
         try:
+            if stdin is not None and proc.stdin is not None:
+                with contextlib.suppress(BrokenPipeError):
+                    proc.stdin.write(stdin)
+                with contextlib.suppress(BrokenPipeError):
+                    proc.stdin.close()
             proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired as exc:
-            proc.kill()
-            proc.wait()
-            raise TransportError(
-                f"`{shell_join(argv)}` did not finish within {timeout:g} s", host=self.name
-            ) from exc
+            _kill(proc)
+            raise TransportError(f"`{command}` did not finish within {timeout:g} s",
+                                 host=self.name) from exc
         finally:
+            with self._lock:
+                self._live.discard(proc)
             for reader in readers:
                 reader.join(5)
-            splitter.close()
+            if splitter is not None:
+                splitter.close()
         return CommandResult(
-            command=shell_join(argv), exit_code=proc.returncode,
+            command=command, exit_code=proc.returncode,
             stdout=b"".join(sinks[0]).decode(errors="replace"),
             stderr=b"".join(sinks[1]).decode(errors="replace"),
         )
+
+    def close(self) -> None:
+        """End every command still running (and what it started)."""
+        with self._lock:
+            live, self._live = list(self._live), set()
+        for proc in live:
+            _kill(proc)
 
     def put_bytes(self, data: bytes, remote: str, *, mode: int = 0o644) -> None:
         target = Path(remote)

@@ -170,3 +170,12 @@ def test_status_shows_the_agents_metric_summaries(cli: CLI, tmp_path: Path) -> N
     kept = st["hosts"][0]["detail"]["metrics_summary"]
     assert kept["complete"] and kept["ranks"]["0"]["final"]["last_loss"] == 8.0 / 3000
     assert "3000" in cli("status", job_id, check=True).stdout
+
+
+def test_logs_follow_until_the_job_ends(cli: CLI, tmp_path: Path) -> None:
+    job_id = cli("launch", str(spec(tmp_path, ticks=4, every=0.5)), "--detach", check=True
+                 ).stdout.strip()
+    followed = cli("logs", job_id, "-f", "--tail", "1", "--host", "w2", timeout=60)
+    assert followed.returncode == 0, followed.stderr
+    assert "west/w2/2 | tick 4" in followed.stdout and "east/" not in followed.stdout
+    assert "warning" not in followed.stderr

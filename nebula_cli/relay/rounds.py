@@ -50,6 +50,7 @@ from nebula_cli.relay.limits import (
     EarlyChunks,
     LimitExceeded,
     Refusals,
+    SyncSize,
 )
 from nebula_cli.relay.results import Average, GlobalState, Outcome
 from nebula_cli.relay.round_state import RoundState, after_decision
@@ -102,7 +103,10 @@ class Rounds(RoundState):
     # ------------------------------------------------------------------ the worker's round
 
     def local_round(self, round_id: int, x: torch.Tensor) -> Outcome:
-        """Run (or, for a retried request, return again) round ``round_id`` for this cluster."""
+        """Run (or, for a retried request, return again) round ``round_id`` for this cluster.
+        The first contribution registers the sync size if the worker did not."""
+        if self.sync is None:
+            self.register(SyncSize.flat(x.numel()))
         with self.round_lock:
             cached = self.outcomes.get(round_id)
             if cached is not None:

@@ -1,0 +1,270 @@
+"""The relay's round driver without sockets: several `Rounds` joined by an in-memory network
+(a delivery thread per relay), and the pure decisions and limits it takes. The socket module is
+made unusable for these tests, so nothing here can open one."""
+
+from __future__ import annotations
+
+import queue
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import pytest
+import torch
+
+from nebula_cli.relay.allreduce import Decision
+from nebula_cli.relay.codecs import get_codec
+from nebula_cli.relay.config import RelayConfig
+from nebula_cli.relay.limits import (
+    EARLY_COPIES,
+    MAX_ROUNDS_AHEAD,
+    EarlyChunks,
+    LimitExceeded,
+    Refusals,
+    SyncSize,
+)
+from nebula_cli.relay.results import Average, GlobalState, Outcome
+from nebula_cli.relay.round_state import EMPTY, EXCHANGE, LEFT_OUT, after_decision
+from nebula_cli.relay.rounds import Rounds
+from nebula_cli.relay.wire import Frame, FrameType
+
+
+@pytest.fixture(autouse=True)
+def no_sockets(monkeypatch: pytest.MonkeyPatch) -> None:
+    def forbidden(*_a: Any, **_k: Any) -> None:
+        raise AssertionError("the round driver opened a socket")
+
+    monkeypatch.setattr(socket, "socket", forbidden)
+    monkeypatch.setattr(socket, "create_connection", forbidden)
+
+
+def config(me: str, clusters: list[str], **kw: Any) -> RelayConfig:
+    return RelayConfig(job_id="j", cluster=me, clusters=clusters, peer_listen="127.0.0.1:1",
+                       worker_listen="127.0.0.1:2",
+                       peers={c: "127.0.0.1:3" for c in clusters if c != me},
+                       tls={"ca": "ca", "cert": "cert", "key": "key"},
+                       **{"codec": "none", "round_timeout": 1.0, "heartbeat": 1.0,
+                          "chunk_numel": 256, "block_size": 64, **kw})
+
+
+class Hub:
+    """In-memory network: frames to a relay are queued and handed to it by its own thread."""
+
+    def __init__(self, clusters: list[str], **kw: Any) -> None:
+        self.order = clusters
+        self.up = set(clusters)
+        self.events: dict[str, list[str]] = {c: [] for c in clusters}
+        self.outcomes: dict[str, list[Outcome]] = {c: [] for c in clusters}
+        self.rounds = {
+            c: Rounds(config(c, clusters, **kw), get_codec("none"), FakeNet(self, c),
+                      event=lambda msg, *a, c=c: self.events[c].append(msg % a),
+                      finished=lambda r, out, c=c: self.outcomes[c].append(out),
+                      refusals=Refusals())
+            for c in clusters}
+        self.inbox: dict[str, queue.Queue[Any]] = {c: queue.Queue() for c in clusters}
+        self.stop = threading.Event()
+        self.threads = [threading.Thread(target=self._deliver, args=(c,), daemon=True)
+                        for c in clusters] + [threading.Thread(target=self._tick, daemon=True)]
+        for t in self.threads:
+            t.start()
+
+    def close(self) -> None:
+        self.stop.set()
+        for r in self.rounds.values():
+            r.stop()
+        for c in self.inbox:
+            self.inbox[c].put(None)
+        for t in self.threads:
+            t.join(5)
+
+    def _deliver(self, c: str) -> None:
+        while (item := self.inbox[c].get()) is not None:
+            src, frame = item
+            if frame.type == FrameType.ROUND:
+                self.rounds[c].on_control(src, frame.meta)
+            else:
+                self.rounds[c].on_chunk(src, frame)
+
+    def _tick(self) -> None:
+        while not self.stop.wait(0.02):
+            for r in self.rounds.values():
+                r.tick()
+
+
+class FakeNet:
+    def __init__(self, hub: Hub, me: str) -> None:
+        self.hub, self.me = hub, me
+
+    def connected(self) -> list[str]:
+        if self.me not in self.hub.up:
+            return []
+        return [c for c in self.hub.order if c != self.me and c in self.hub.up]
+
+    def coordinator(self) -> str:
+        return min([self.me, *self.connected()], key=self.hub.order.index)
+
+    def peers_done(self) -> int:
+        return max([-1, *(self.hub.rounds[c].done_round for c in self.connected())])
+
+    def all_linked_once(self) -> bool:
+        return True
+
+    def send(self, cluster: str, frame: Frame, *, bulk: bool = False) -> bool:
+        if cluster not in self.connected():
+            return False
+        payload = bytes(frame.payload)  # what a socket would carry: a copy
+        self.hub.inbox[cluster].put((self.me, Frame(frame.type, dict(frame.meta), payload)))
+        return True
+
+    def flush(self, cluster: str, timeout: float) -> None:
+        pass
+
+    def fetch(self, cluster: str, meta: dict[str, Any], timeout: float
+              ) -> Average | GlobalState | None:
+        if cluster not in self.connected():
+            return None
+        other = self.hub.rounds[cluster]
+        if meta["op"] == "result":
+            return other.answer_result(meta["round"], min(timeout, 5.0), lambda: False)
+        return other.answer_state(meta["min_round"], min(meta["wait"], 5.0))
+
+    def holders(self, round_id: int) -> list[str]:
+        return [c for c in self.connected() if (avg := self.hub.rounds[c].average) is not None
+                and avg.round_id == round_id]
+
+    def state_sources(self) -> list[tuple[str, int | None]]:
+        def rnd(c: str) -> int | None:
+            st = self.hub.rounds[c].state
+            return None if st is None else st.round_id
+
+        return sorted(((c, rnd(c)) for c in self.connected()), key=lambda x: -(x[1] or -1))
+
+    def wan_bytes(self) -> tuple[int, int]:
+        return (0, 0)
+
+
+@pytest.fixture
+def hub3() -> Iterator[Hub]:
+    hub = Hub(["a", "b", "c"])
+    try:
+        yield hub
+    finally:
+        hub.close()
+
+
+def run_round(hub: Hub, r: int, xs: dict[str, torch.Tensor],
+              delays: dict[str, float] | None = None) -> dict[str, Outcome]:
+    def call(c: str) -> Outcome:
+        time.sleep((delays or {}).get(c, 0.0))
+        return hub.rounds[c].local_round(r, xs[c])
+
+    with ThreadPoolExecutor(len(xs)) as pool:
+        futs = {c: pool.submit(call, c) for c in xs}
+        return {c: f.result(timeout=30) for c, f in futs.items()}
+
+
+def test_three_relays_average_exactly_without_sockets(hub3: Hub) -> None:
+    gen = torch.Generator().manual_seed(4)
+    for r in range(2):
+        xs = {c: torch.randn(1000, generator=gen) for c in hub3.order}
+        out = run_round(hub3, r, xs)
+        want = (xs["a"] + xs["b"] + xs["c"]) / 3
+        for c in hub3.order:
+            assert out[c].present == ["a", "b", "c"] and out[c].mode == "shard"
+            assert torch.equal(out[c].tensor, out["a"].tensor)
+            assert torch.allclose(out[c].tensor, want, atol=1e-6)
+    assert [o.round_id for o in hub3.outcomes["b"]] == [0, 1]
+    assert all(r.done_round == 1 for r in hub3.rounds.values())
+
+
+def test_a_late_relay_is_left_out_and_fetches_the_average(hub3: Hub) -> None:
+    xs = {c: torch.full((300,), float(i)) for i, c in enumerate(hub3.order)}
+    out = run_round(hub3, 0, xs, delays={"c": 1.6})
+    assert out["a"].present == ["a", "b"] and out["a"].missing == ["c"]
+    assert torch.equal(out["a"].tensor, torch.full((300,), 0.5))
+    assert out["c"].mode in ("fetched", "cached") and torch.equal(out["c"].tensor,
+                                                                 out["a"].tensor)
+    assert any("left out" in e or "behind" in e for e in hub3.events["c"]), hub3.events["c"]
+
+
+def test_a_relay_cut_off_averages_alone_then_catches_up_from_a_state() -> None:
+    hub = Hub(["a", "b"])
+    try:
+        hub.up = {"a", "b"}
+        run_round(hub, 0, {c: torch.ones(100) for c in hub.order})
+        hub.up = {"a"}  # b's links are gone
+        lone = run_round(hub, 1, {"b": torch.full((100,), 3.0)})["b"]
+        assert lone.mode == "alone" and lone.present == ["b"]
+        assert torch.equal(lone.tensor, torch.full((100,), 3.0))
+        hub.rounds["a"].publish(GlobalState(5, torch.full((100,), 7.0)))
+        hub.rounds["a"].done_round = 5
+        hub.up = {"a", "b"}
+        back = run_round(hub, 2, {"b": torch.ones(100)})["b"]
+        assert back.mode == "catch-up" and back.round_id == 5
+        assert back.global_state is not None and torch.equal(back.global_state,
+                                                             torch.full((100,), 7.0))
+    finally:
+        hub.close()
+
+
+def test_after_decision_is_a_pure_choice() -> None:
+    d = Decision(3, 0, "a", ("a", "b"), ("c",), (), 10)
+    assert after_decision("a", d, own_ok=True) == EXCHANGE
+    assert after_decision("a", d, own_ok=False) == LEFT_OUT
+    assert after_decision("c", d, own_ok=True) == LEFT_OUT
+    nobody = Decision(3, 0, "a", (), ("a",), ("b",), 10)
+    assert after_decision("a", nobody, own_ok=True) == EMPTY
+
+
+def test_control_for_far_rounds_and_forged_decisions_is_refused(
+        hub3: Hub, caplog: pytest.LogCaptureFixture) -> None:
+    a = hub3.rounds["a"]
+    far = Decision(10**6, 0, "b", ("b",), (), (), 4)
+    a.on_control("b", {"op": "start", **far.to_meta()})
+    forged = Decision(0, 0, "c", ("c",), (), (), 4)
+    a.on_control("b", {"op": "start", **forged.to_meta()})  # c's decision, sent by b
+    a.on_control("b", {"op": "behind", "round": 10**6})
+    a.on_control("b", {"op": "ready", "round": 10**6, "attempt": 0, "ok": True, "numel": 4})
+    assert a.decisions == {} and a.behind_rounds == set()
+    assert a.coordinator.next_deadline() is None  # no collection opened
+    assert "refused round control from b" in caplog.text
+    with pytest.raises(ValueError):
+        a.on_control("b", {"op": "ready", "round": 0, "attempt": 99, "ok": True, "numel": 4})
+
+
+def test_early_chunks_are_held_within_the_sync_size_only(hub3: Hub) -> None:
+    a = hub3.rounds["a"]
+
+    def chunk(r: int, k: int, n: int = 64) -> Frame:
+        return Frame(FrameType.PEER_CHUNK, {"op": "contrib", "round": r, "attempt": 0,
+                                            "coord": "a", "k": k, "codec": "none", "numel": n,
+                                            "codec_meta": {}}, bytes(4 * n))
+
+    a.on_chunk("b", chunk(0, 0))  # before the workers registered: nothing is held
+    assert a.early.bytes == 0
+    a.register(SyncSize.flat(512))  # 2 chunks of 256
+    a.on_chunk("b", chunk(0, 0))
+    assert a.early.bytes == 256
+    a.on_chunk("b", chunk(0, 0))  # twice
+    a.on_chunk("b", chunk(0, 7))  # no such chunk
+    a.on_chunk("b", chunk(MAX_ROUNDS_AHEAD + 5, 0))  # far in the future
+    assert a.early.bytes == 256 and a.early.keys() == [(0, 0, "a")]
+    with pytest.raises(LimitExceeded):
+        a.register(SyncSize.flat(513))
+
+
+def test_early_chunk_budget_is_a_few_copies_of_the_sync_size() -> None:
+    early = EarlyChunks()
+    numel = 100_000  # (CHUNK_SLACK is small beside it)
+    frame = Frame(FrameType.PEER_CHUNK, {}, bytes(4 * numel))
+    held = 0
+    with pytest.raises(LimitExceeded, match="beyond"):
+        for k in range(100):
+            early.add((1, 0, "a"), f"peer{k}", 0, frame, done=0, sync_numel=numel,
+                      num_chunks=1)
+            held += 1
+    assert held == EARLY_COPIES and early.bytes == EARLY_COPIES * 4 * numel
+    assert len(early.pop((1, 0, "a"))) == EARLY_COPIES and early.bytes == 0

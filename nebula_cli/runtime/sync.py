@@ -16,23 +16,27 @@ one fp32 vector (parameter-efficient training syncs only its adapters).
 from __future__ import annotations
 
 import logging
-import math
 import os
 import threading
 import time
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from nebula_cli.config.parts import SYNC_CONFIG_ENV, SyncConfig
 from nebula_cli.errors import NebulaError
+from nebula_cli.runtime.cluster_share import AveragedRound, Averager, ClusterShare, Shared
 from nebula_cli.runtime.metrics import DRY_RUN_ENV
 from nebula_cli.runtime.metrics import log as log_metrics
+from nebula_cli.runtime.outer import OuterOptimizer, SyncError
+from nebula_cli.runtime.params import ParamIO, full_shape, make_io, zero_stage
 
 MODES = ("diloco", "gradient")
+__all__ = [
+    "MODES", "Averager", "AveragedRound", "OuterOptimizer", "OuterSync", "SyncError",
+    "plan_config", "wanted",
+]
 
 
 def wanted() -> bool:
@@ -53,289 +57,6 @@ def plan_config() -> SyncConfig | None:
 
 
 log = logging.getLogger("nebula.runtime.sync")
-
-
-class SyncError(NebulaError):
-    """The outer synchronisation cannot be set up for this engine, or a round failed."""
-
-
-class AveragedRound(Protocol):
-    """What an averager returns for one round (``relay.client.RoundResult`` has this shape).
-
-    Optional attribute ``global_state`` (a tensor or None): set when this cluster was behind;
-    it is then theta_global after round ``round_id`` and replaces ours (no outer step).
-    """
-
-    tensor: torch.Tensor  # the average over the clusters present, flat fp32 CPU
-    present: list[str]  # names of the clusters whose contribution is in the average
-    round_id: int
-    bytes_sent: int
-    bytes_received: int
-    seconds: float
-
-
-class Averager(Protocol):
-    """Averages one flat fp32 CPU tensor per round across the clusters (the relay client).
-
-    Optional method ``publish_state(round_id, tensor)``: when present, rank 0 hands it
-    theta_global after every applied round, for clusters that fall behind to catch up from.
-    """
-
-    def allreduce(self, round_id: int, tensor: torch.Tensor) -> AveragedRound: ...
-
-    def close(self) -> None: ...
-
-
-class OuterOptimizer:
-    """SGD with (Nesterov) momentum on ``theta_global``; the averaged delta is its gradient.
-
-    ``v = mu * v + g``; ``theta -= lr * (g + mu * v)`` with Nesterov, else ``theta -= lr * v``.
-    """
-
-    def __init__(self, lr: float, momentum: float, nesterov: bool) -> None:
-        if not (math.isfinite(lr) and lr > 0):
-            raise SyncError(f"outer learning rate must be a positive number, got {lr!r}")
-        if not (math.isfinite(momentum) and 0 <= momentum < 1):
-            raise SyncError(f"outer momentum must be in [0, 1), got {momentum!r}")
-        self.lr = float(lr)
-        self.momentum = float(momentum)
-        self.nesterov = bool(nesterov)
-        self.momentum_buffer: torch.Tensor | None = None
-
-    def step(self, theta: torch.Tensor, grad: torch.Tensor) -> None:
-        """Update ``theta`` in place with ``grad`` (both flat fp32 of the same size)."""
-        if grad.shape != theta.shape:
-            raise SyncError(f"outer gradient has {grad.numel()} elements, expected {theta.numel()}")
-        grad = grad.to(dtype=theta.dtype, device=theta.device)
-        if self.momentum_buffer is None:
-            self.momentum_buffer = torch.zeros_like(theta)
-        v = self.momentum_buffer
-        v.mul_(self.momentum).add_(grad)
-        update = grad.add(v, alpha=self.momentum) if self.nesterov else v
-        theta.add_(update, alpha=-self.lr)
-
-    def state_dict(self) -> dict[str, Any]:
-        buf = None if self.momentum_buffer is None else self.momentum_buffer.clone()
-        return {"lr": self.lr, "momentum": self.momentum, "nesterov": self.nesterov,
-                "momentum_buffer": buf}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        buf = state.get("momentum_buffer")
-        self.momentum_buffer = None if buf is None else buf.detach().to(torch.float32).clone()
-
-
-@dataclass
-class _Shared:
-    """A round's outcome as every rank of the cluster sees it after the broadcast."""
-
-    round_id: int  # the round applied (a caught-up cluster: the round of the global state)
-    avg: torch.Tensor | None  # the average over the clusters present
-    state: torch.Tensor | None  # set when this cluster was behind: a peer's theta_global
-    present: int
-    bytes_sent: int = 0
-    bytes_received: int = 0
-    seconds: float = 0.0
-    clusters: list[str] | None = None  # names, known on rank 0 only
-
-
-# --- reading and writing the fp32 master values of the synced parameters -------------------
-
-
-class _ParamIO:
-    """Reads/writes the synced parameters as one flat fp32 CPU vector (all ranks call both)."""
-
-    def __init__(self, params: list[torch.nn.Parameter]) -> None:
-        self.params = params
-        self.shapes = [_full_shape(p) for p in params]
-        self.numels = [math.prod(s) for s in self.shapes]
-        self.numel = sum(self.numels)
-
-    def read(self) -> torch.Tensor:
-        parts = [self._read_one(i, p) for i, p in enumerate(self.params)]
-        if not parts:
-            return torch.zeros(0, dtype=torch.float32)
-        return torch.cat([t.detach().to("cpu", torch.float32).reshape(-1) for t in parts])
-
-    def write(self, flat: torch.Tensor) -> None:
-        for i, value in enumerate(self._split(flat)):
-            self._write_one(i, self.params[i], value)
-
-    def _split(self, flat: torch.Tensor) -> Iterator[torch.Tensor]:
-        offset = 0
-        for shape, n in zip(self.shapes, self.numels, strict=True):
-            yield flat.narrow(0, offset, n).view(shape)
-            offset += n
-
-    def _read_one(self, i: int, p: torch.nn.Parameter) -> torch.Tensor:
-        raise NotImplementedError
-
-    def _write_one(self, i: int, p: torch.nn.Parameter, value: torch.Tensor) -> None:
-        raise NotImplementedError
-
-
-class _DirectIO(_ParamIO):
-    """fp32 parameters and no master copy (ZeRO 0, fp32): ``p.data`` is the master."""
-
-    def _read_one(self, i: int, p: torch.nn.Parameter) -> torch.Tensor:
-        return p.data
-
-    def _write_one(self, i: int, p: torch.nn.Parameter, value: torch.Tensor) -> None:
-        p.data.copy_(value)
-
-
-class _MasterCopyIO(_ParamIO):
-    """ZeRO 0 with bf16/fp16: the fp32 master lives in DeepSpeed's FP16_(Unfused)Optimizer."""
-
-    def __init__(self, params: list[torch.nn.Parameter], masters: list[torch.Tensor]) -> None:
-        super().__init__(params)
-        self.masters = masters
-
-    def _read_one(self, i: int, p: torch.nn.Parameter) -> torch.Tensor:
-        return self.masters[i]
-
-    def _write_one(self, i: int, p: torch.nn.Parameter, value: torch.Tensor) -> None:
-        self.masters[i].copy_(value)
-        p.data.copy_(value)
-
-
-class _ZeroIO(_ParamIO):
-    """ZeRO 1/2 (and DeepSpeed's BF16_Optimizer): fp32 master partitions behind ``_hp_mapping``.
-
-    ``safe_get_full_fp32_param`` is a collective over the data-parallel group.
-    """
-
-    def _read_one(self, i: int, p: torch.nn.Parameter) -> torch.Tensor:
-        from deepspeed.utils import safe_get_full_fp32_param
-
-        return safe_get_full_fp32_param(p)
-
-    def _write_one(self, i: int, p: torch.nn.Parameter, value: torch.Tensor) -> None:
-        from deepspeed.utils import safe_set_full_fp32_param
-
-        safe_set_full_fp32_param(p, value.to(p.device))
-        p.data.copy_(value)  # the low-precision copy the next forward uses
-
-
-class _Zero3IO(_ZeroIO):
-    """ZeRO 3: fp32 master partitions, and partitioned parameters rewritten while gathered."""
-
-    def __init__(self, params: list[torch.nn.Parameter], rank: int) -> None:
-        super().__init__(params)
-        self.rank = rank
-
-    def write(self, flat: torch.Tensor) -> None:
-        from deepspeed.runtime.zero import GatheredParameters
-
-        values = list(self._split(flat))
-        for p, value in zip(self.params, values, strict=True):
-            _set_zero3_fp32(p, value.to(p.ds_tensor.device))
-        # Every rank holds the same values; rank 0's are broadcast and re-partitioned on exit.
-        with GatheredParameters(self.params, modifier_rank=0):
-            if self.rank == 0:
-                for p, value in zip(self.params, values, strict=True):
-                    p.data.copy_(value)
-
-
-def _set_zero3_fp32(p: torch.nn.Parameter, value: torch.Tensor) -> None:
-    """``safe_set_full_fp32_param`` for ZeRO 3, also when the last partition is padded.
-
-    DeepSpeed 0.19's own version narrows past the end of ``value`` on the rank holding the
-    padded tail (a parameter whose size is not a multiple of the world size).
-    """
-    opt = p._z3_optimizer
-    try:
-        part, _ = opt._get_fp32_opt_state_partition(p, release_swap_buffers=False)
-        part_rank = opt._get_param_partition_rank(p)
-    except AttributeError:  # another DeepSpeed version: use the public helper
-        from deepspeed.utils import safe_set_full_fp32_param
-
-        safe_set_full_fp32_param(p, value)
-        return
-    start = part.numel() * part_rank
-    n = max(0, min(part.numel(), value.numel() - start))
-    if n:
-        part.data.narrow(0, 0, n).copy_(value.reshape(-1).narrow(0, start, n))
-
-
-def _full_shape(p: torch.nn.Parameter) -> torch.Size:
-    return p.ds_shape if hasattr(p, "ds_shape") else p.shape
-
-
-def _wrapper_masters(optimizer: Any, params: list[torch.nn.Parameter]) -> list[torch.Tensor] | None:
-    """The fp32 master tensor of each param inside FP16_Optimizer / FP16_UnfusedOptimizer."""
-    lp_groups = getattr(optimizer, "fp16_groups", None)
-    if lp_groups is None:
-        return None
-    by_id: dict[int, torch.Tensor] = {}
-    if hasattr(optimizer, "fp32_groups_flat"):  # FP16_Optimizer: one flat fp32 buffer per group
-        for group, flat in zip(lp_groups, optimizer.fp32_groups_flat, strict=True):
-            offset = 0
-            for p in group:
-                by_id[id(p)] = flat.detach().narrow(0, offset, p.numel()).view(p.shape)
-                offset += p.numel()
-    elif hasattr(optimizer, "fp32_groups"):  # FP16_UnfusedOptimizer: one fp32 clone per param
-        for group, masters in zip(lp_groups, optimizer.fp32_groups, strict=True):
-            for p, m in zip(group, masters, strict=True):
-                by_id[id(p)] = m.detach()
-    else:
-        return None
-    missing = [i for i, p in enumerate(params) if id(p) not in by_id]
-    if missing:
-        raise SyncError(
-            f"{len(missing)} trainable parameter(s) are not in DeepSpeed's optimizer; "
-            "pass all parameters that require gradients to deepspeed.initialize"
-        )
-    return [by_id[id(p)] for p in params]
-
-
-def _zero_stage(engine: Any) -> int:
-    stage = getattr(engine, "zero_optimization_stage", None)
-    return int(stage()) if callable(stage) else 0
-
-
-def _make_io(engine: Any, params: list[torch.nn.Parameter], rank: int) -> _ParamIO:
-    stage = _zero_stage(engine)
-    if any(hasattr(p, "ds_id") for p in params):
-        return _Zero3IO(params, rank)
-    if stage >= 1 or any(hasattr(p, "_hp_mapping") for p in params):
-        if not all(hasattr(p, "_hp_mapping") for p in params):
-            raise SyncError(
-                f"ZeRO stage {stage}: some trainable parameters have no fp32 master partition; "
-                "pass all parameters that require gradients to deepspeed.initialize"
-            )
-        return _ZeroIO(params)
-    masters = _wrapper_masters(getattr(engine, "optimizer", None), params)
-    if masters is not None:
-        return _MasterCopyIO(params, masters)
-    if all(p.dtype == torch.float32 for p in params):
-        return _DirectIO(params)
-    optimizer = type(getattr(engine, "optimizer", None)).__name__
-    raise SyncError(
-        f"cannot find the fp32 master copy of the {params[0].dtype} parameters "
-        f"(ZeRO stage {stage}, optimizer {optimizer}); use ZeRO stage 1 or higher with bf16/fp16"
-    )
-
-
-# --- environment -----------------------------------------------------------------------------
-
-
-def _env(name: str, default: Any, parse: Callable[[str], Any], check: Callable[[Any], bool],
-         expected: str) -> Any:
-    raw = os.environ.get(name, "").strip()
-    if not raw:
-        return default
-    try:
-        value = parse(raw)
-    except ValueError:
-        value = None
-    if value is None or not check(value):
-        raise SyncError(f"{name}={raw!r}: expected {expected}")
-    return value
-
-
-def _env_bool(name: str, default: bool) -> bool:
-    table = {"1": True, "true": True, "yes": True, "0": False, "false": False, "no": False}
-    return _env(name, default, lambda s: table.get(s.lower()), lambda v: v is not None, "0 or 1")
 
 
 class OuterSync:
@@ -399,7 +120,8 @@ class OuterSync:
         round_timeout: float | None = None,
     ) -> None:
         self.engine = engine
-        self.dry_run = _env_bool(DRY_RUN_ENV, False)
+        self.dry_run = os.environ.get(DRY_RUN_ENV, "").strip().lower() not in (
+            "", "0", "false", "no")
         self.config = config if config is not None else plan_config()
         given = {"inner_steps": inner_steps, "outer_lr": outer_lr,
                  "outer_momentum": outer_momentum, "nesterov": nesterov, "mode": mode,
@@ -434,21 +156,22 @@ class OuterSync:
 
         module = getattr(engine, "module", engine)
         self.param_names = [n for n, p in module.named_parameters()
-                            if p.requires_grad and _full_shape(p).numel() > 0]
+                            if p.requires_grad and full_shape(p).numel() > 0]
         params = [p for _, p in module.named_parameters()
-                  if p.requires_grad and _full_shape(p).numel() > 0]
+                  if p.requires_grad and full_shape(p).numel() > 0]
         if not params:
             raise SyncError("the model has no parameters that require gradients: nothing to sync")
         self._params = params
         if self.mode == "gradient":
             self._check_gradient_mode()
-            self._io: _ParamIO | None = None
-            self.numel = sum(_full_shape(p).numel() for p in params)
+            self._io: ParamIO | None = None
+            self.numel = sum(full_shape(p).numel() for p in params)
             self.theta_global = torch.zeros(0)
         else:
-            self._io = _make_io(engine, params, self.rank)
+            self._io = make_io(engine, params, self.rank)
             self.numel = self._io.numel
             self.theta_global = self._io.read().clone()
+        self._cluster = ClusterShare(self.rank, self.world_size, self._group, self.numel)
         self._anchor: torch.Tensor | None = None  # overlap: params as of the last boundary
         self.round = 0  # outer rounds started so far (= the next round id)
         self.grad_round = 0  # gradient-mode exchanges so far
@@ -615,7 +338,7 @@ class OuterSync:
         self._start_pending(round_id, delta)
         if merged is not None:  # the previous round's stats (its average applied just now)
             return merged
-        shared = _Shared(round_id=round_id, avg=None, state=None, present=0)
+        shared = Shared(round_id=round_id, avg=None, state=None, present=0)
         return self._stats(shared, t0, delta)
 
     def _merge_due(self, since: int) -> bool:
@@ -626,7 +349,7 @@ class OuterSync:
         arrived = torch.zeros(1, dtype=torch.int32)
         if self.rank == 0:
             arrived[0] = int(self._thread is None or not self._thread.is_alive())
-        self._broadcast(arrived)
+        self._cluster.broadcast(arrived)
         return bool(arrived.item())
 
     def _merge(self, since: int) -> dict[str, Any]:
@@ -642,7 +365,7 @@ class OuterSync:
         stats["merged_after_steps"] = since
         return stats
 
-    def _apply(self, shared: _Shared) -> bool:
+    def _apply(self, shared: Shared) -> bool:
         """Apply one round's outcome to theta_global; False when there was nothing to apply."""
         if shared.state is not None:  # this cluster was behind: take a peer's global state
             self.theta_global = shared.state.clone()
@@ -666,14 +389,14 @@ class OuterSync:
 
     # --- exchange: rank 0 talks to the averager, the cluster gets the result by broadcast ----
 
-    def _exchange(self, round_id: int, tensor: torch.Tensor) -> _Shared:
+    def _exchange(self, round_id: int, tensor: torch.Tensor) -> Shared:
         result = error = None
         if self.rank == 0:
             try:
                 result = self._get_averager().allreduce(round_id, tensor.contiguous())
             except Exception as exc:  # every rank must leave the broadcast, then raise
                 error = exc
-        return self._share(round_id, result, error)
+        return self._cluster.share(round_id, result, error)
 
     def _start_pending(self, round_id: int, tensor: torch.Tensor) -> None:
         pending: dict[str, Any] = {"round_id": round_id, "result": None, "error": None}
@@ -691,7 +414,7 @@ class OuterSync:
         self._thread = threading.Thread(target=run, name=f"nebula-outer-{round_id}", daemon=True)
         self._thread.start()
 
-    def _finish_pending(self) -> _Shared:
+    def _finish_pending(self) -> Shared:
         pending, self._pending = self._pending, None
         if pending is None:  # pragma: no cover - callers check
             raise SyncError("no outer round in flight")
@@ -702,56 +425,7 @@ class OuterSync:
                 pending["error"] = SyncError(
                     f"outer round {pending['round_id']}: no result after {wait:.0f} s")
             self._thread = None
-        return self._share(pending["round_id"], pending["result"], pending["error"])
-
-    def _share(self, round_id: int, result: Any, error: BaseException | None) -> _Shared:
-        """Rank 0's round outcome (or failure), broadcast to every rank of the cluster."""
-        header = torch.zeros(7, dtype=torch.float64)
-        payload = None
-        if self.rank == 0:
-            if error is None:
-                payload, state, error = self._check_result(round_id, result)
-            if error is None:
-                header = torch.tensor(
-                    [1.0, len(result.present), result.bytes_sent, result.bytes_received,
-                     result.seconds, int(getattr(result, "round_id", round_id)),
-                     float(state)], dtype=torch.float64)
-        self._broadcast(header)
-        if header[0].item() != 1.0:
-            if self.rank == 0:
-                if isinstance(error, NebulaError):
-                    raise error
-                raise SyncError(f"outer round {round_id} failed: {error}") from error
-            raise SyncError(f"outer round {round_id} failed on this cluster's rank 0 (see its log)")
-        if payload is None:
-            payload = torch.empty(self.numel, dtype=torch.float32)
-        self._broadcast(payload)
-        has_state = header[6].item() == 1.0
-        return _Shared(
-            round_id=int(header[5].item()) if has_state else round_id,
-            avg=None if has_state else payload, state=payload if has_state else None,
-            present=int(header[1].item()), bytes_sent=int(header[2].item()),
-            bytes_received=int(header[3].item()), seconds=header[4].item(),
-            clusters=list(result.present) if self.rank == 0 else None)
-
-    def _check_result(self, round_id: int, result: Any
-                      ) -> tuple[torch.Tensor | None, bool, BaseException | None]:
-        """(the tensor to broadcast, whether it is a global state, an error)."""
-        state = getattr(result, "global_state", None)
-        tensor = state if state is not None else getattr(result, "tensor", None)
-        what = "global state" if state is not None else "average"
-        if not isinstance(tensor, torch.Tensor) or tensor.numel() != self.numel:
-            got = tensor.numel() if isinstance(tensor, torch.Tensor) else type(tensor).__name__
-            return None, False, SyncError(f"outer round {round_id}: the averager returned a "
-                                          f"{what} of {got} values, expected {self.numel}")
-        flat = tensor.detach().to("cpu", torch.float32).reshape(-1).contiguous()
-        if not bool(torch.isfinite(flat).all()):
-            return None, False, SyncError(f"outer round {round_id}: the {what} is not finite")
-        return flat, state is not None, None
-
-    def _broadcast(self, tensor: torch.Tensor) -> None:
-        if self.world_size > 1:
-            dist.broadcast(tensor, src=0, group=self._group)
+        return self._cluster.share(pending["round_id"], pending["result"], pending["error"])
 
     # --- helpers --------------------------------------------------------------------------
 
@@ -778,7 +452,7 @@ class OuterSync:
 
     def _check_gradient_mode(self) -> None:
         engine = self.engine
-        stage = _zero_stage(engine)
+        stage = zero_stage(engine)
         if stage != 0:
             raise SyncError(f"gradient mode supports ZeRO stage 0 only (this engine: stage "
                             f"{stage}); use DiLoCo mode with ZeRO")
@@ -789,7 +463,7 @@ class OuterSync:
         if callable(managed) and not managed():
             raise SyncError("gradient mode needs DeepSpeed's managed gradient accumulation")
 
-    def _stats(self, shared: _Shared, t0: float, delta: torch.Tensor) -> dict[str, Any]:
+    def _stats(self, shared: Shared, t0: float, delta: torch.Tensor) -> dict[str, Any]:
         stats: dict[str, Any] = {
             "outer_round": shared.round_id,
             "round_s": time.perf_counter() - t0,

@@ -1,0 +1,117 @@
+"""One outer round's outcome shared inside a cluster: rank 0 talks to the averager (the relay),
+checks what came back, and broadcasts it (gloo, CPU) to every rank, so that every rank applies
+the same step or raises the same error."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+import torch.distributed as dist
+
+from nebula_cli.errors import NebulaError
+from nebula_cli.runtime.outer import SyncError
+
+
+class AveragedRound(Protocol):
+    """What an averager returns for one round (``relay.client.RoundResult`` has this shape).
+
+    Optional attribute ``global_state`` (a tensor or None): set when this cluster was behind;
+    it is then theta_global after round ``round_id`` and replaces ours (no outer step).
+    """
+
+    tensor: torch.Tensor  # the average over the clusters present, flat fp32 CPU
+    present: list[str]  # names of the clusters whose contribution is in the average
+    round_id: int
+    bytes_sent: int
+    bytes_received: int
+    seconds: float
+
+
+class Averager(Protocol):
+    """Averages one flat fp32 CPU tensor per round across the clusters (the relay client).
+
+    Optional method ``publish_state(round_id, tensor)``: when present, rank 0 hands it
+    theta_global after every applied round, for clusters that fall behind to catch up from.
+    """
+
+    def allreduce(self, round_id: int, tensor: torch.Tensor) -> AveragedRound: ...
+
+    def close(self) -> None: ...
+
+
+@dataclass
+class Shared:
+    """A round's outcome as every rank of the cluster sees it after the broadcast."""
+
+    round_id: int  # the round applied (a caught-up cluster: the round of the global state)
+    avg: torch.Tensor | None  # the average over the clusters present
+    state: torch.Tensor | None  # set when this cluster was behind: a peer's theta_global
+    present: int
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    seconds: float = 0.0
+    clusters: list[str] | None = None  # names, known on rank 0 only
+
+
+
+class ClusterShare:
+    """Rank 0's round outcome, broadcast to the cluster's ranks (``group``: a gloo group, or
+    None for the default one)."""
+
+    def __init__(self, rank: int, world_size: int, group: Any, numel: int) -> None:
+        self.rank = rank
+        self.world_size = world_size
+        self.group = group
+        self.numel = numel
+
+    def share(self, round_id: int, result: Any, error: BaseException | None) -> Shared:
+        """Rank 0's round outcome (or failure), broadcast to every rank of the cluster."""
+        header = torch.zeros(7, dtype=torch.float64)
+        payload = None
+        if self.rank == 0:
+            if error is None:
+                payload, state, error = self.check_result(round_id, result)
+            if error is None:
+                header = torch.tensor(
+                    [1.0, len(result.present), result.bytes_sent, result.bytes_received,
+                     result.seconds, int(getattr(result, "round_id", round_id)),
+                     float(state)], dtype=torch.float64)
+        self.broadcast(header)
+        if header[0].item() != 1.0:
+            if self.rank == 0:
+                if isinstance(error, NebulaError):
+                    raise error
+                raise SyncError(f"outer round {round_id} failed: {error}") from error
+            raise SyncError(f"outer round {round_id} failed on this cluster's rank 0 (see its log)")
+        if payload is None:
+            payload = torch.empty(self.numel, dtype=torch.float32)
+        self.broadcast(payload)
+        has_state = header[6].item() == 1.0
+        return Shared(
+            round_id=int(header[5].item()) if has_state else round_id,
+            avg=None if has_state else payload, state=payload if has_state else None,
+            present=int(header[1].item()), bytes_sent=int(header[2].item()),
+            bytes_received=int(header[3].item()), seconds=header[4].item(),
+            clusters=list(result.present) if self.rank == 0 else None)
+
+    def check_result(self, round_id: int, result: Any
+                      ) -> tuple[torch.Tensor | None, bool, BaseException | None]:
+        """(the tensor to broadcast, whether it is a global state, an error)."""
+        state = getattr(result, "global_state", None)
+        tensor = state if state is not None else getattr(result, "tensor", None)
+        what = "global state" if state is not None else "average"
+        if not isinstance(tensor, torch.Tensor) or tensor.numel() != self.numel:
+            got = tensor.numel() if isinstance(tensor, torch.Tensor) else type(tensor).__name__
+            return None, False, SyncError(f"outer round {round_id}: the averager returned a "
+                                          f"{what} of {got} values, expected {self.numel}")
+        flat = tensor.detach().to("cpu", torch.float32).reshape(-1).contiguous()
+        if not bool(torch.isfinite(flat).all()):
+            return None, False, SyncError(f"outer round {round_id}: the {what} is not finite")
+        return flat, state is not None, None
+
+    def broadcast(self, tensor: torch.Tensor) -> None:
+        if self.world_size > 1:
+            dist.broadcast(tensor, src=0, group=self.group)
+

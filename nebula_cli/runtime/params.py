@@ -1,0 +1,189 @@
+"""Reading and writing the synced parameters as one flat fp32 vector, through whichever fp32
+master copy the DeepSpeed engine keeps (ZeRO 0 fp32 directly; FP16_Optimizer's master copy;
+ZeRO 1/2 partitions; ZeRO 3 through safe_get/set_full_fp32_param). See TESTBED.md: writing
+`param.data` alone is silently overwritten on the next step under ZeRO 1-3."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from nebula_cli.runtime.outer import SyncError
+
+
+class ParamIO:
+    """Reads/writes the synced parameters as one flat fp32 CPU vector (all ranks call both)."""
+
+    def __init__(self, params: list[torch.nn.Parameter]) -> None:
+        self.params = params
+        self.shapes = [full_shape(p) for p in params]
+        self.numels = [math.prod(s) for s in self.shapes]
+        self.numel = sum(self.numels)
+
+    def read(self) -> torch.Tensor:
+        parts = [self._read_one(i, p) for i, p in enumerate(self.params)]
+        if not parts:
+            return torch.zeros(0, dtype=torch.float32)
+        return torch.cat([t.detach().to("cpu", torch.float32).reshape(-1) for t in parts])
+
+    def write(self, flat: torch.Tensor) -> None:
+        for i, value in enumerate(self._split(flat)):
+            self._write_one(i, self.params[i], value)
+
+    def _split(self, flat: torch.Tensor) -> Iterator[torch.Tensor]:
+        offset = 0
+        for shape, n in zip(self.shapes, self.numels, strict=True):
+            yield flat.narrow(0, offset, n).view(shape)
+            offset += n
+
+    def _read_one(self, i: int, p: torch.nn.Parameter) -> torch.Tensor:
+        raise NotImplementedError
+
+    def _write_one(self, i: int, p: torch.nn.Parameter, value: torch.Tensor) -> None:
+        raise NotImplementedError
+
+
+class _DirectIO(ParamIO):
+    """fp32 parameters and no master copy (ZeRO 0, fp32): ``p.data`` is the master."""
+
+    def _read_one(self, i: int, p: torch.nn.Parameter) -> torch.Tensor:
+        return p.data
+
+    def _write_one(self, i: int, p: torch.nn.Parameter, value: torch.Tensor) -> None:
+        p.data.copy_(value)
+
+
+class _MasterCopyIO(ParamIO):
+    """ZeRO 0 with bf16/fp16: the fp32 master lives in DeepSpeed's FP16_(Unfused)Optimizer."""
+
+    def __init__(self, params: list[torch.nn.Parameter], masters: list[torch.Tensor]) -> None:
+        super().__init__(params)
+        self.masters = masters
+
+    def _read_one(self, i: int, p: torch.nn.Parameter) -> torch.Tensor:
+        return self.masters[i]
+
+    def _write_one(self, i: int, p: torch.nn.Parameter, value: torch.Tensor) -> None:
+        self.masters[i].copy_(value)
+        p.data.copy_(value)
+
+
+class _ZeroIO(ParamIO):
+    """ZeRO 1/2 (and DeepSpeed's BF16_Optimizer): fp32 master partitions behind ``_hp_mapping``.
+
+    ``safe_get_full_fp32_param`` is a collective over the data-parallel group.
+    """
+
+    def _read_one(self, i: int, p: torch.nn.Parameter) -> torch.Tensor:
+        from deepspeed.utils import safe_get_full_fp32_param
+
+        return safe_get_full_fp32_param(p)
+
+    def _write_one(self, i: int, p: torch.nn.Parameter, value: torch.Tensor) -> None:
+        from deepspeed.utils import safe_set_full_fp32_param
+
+        safe_set_full_fp32_param(p, value.to(p.device))
+        p.data.copy_(value)  # the low-precision copy the next forward uses
+
+
+class _Zero3IO(_ZeroIO):
+    """ZeRO 3: fp32 master partitions, and partitioned parameters rewritten while gathered."""
+
+    def __init__(self, params: list[torch.nn.Parameter], rank: int) -> None:
+        super().__init__(params)
+        self.rank = rank
+
+    def write(self, flat: torch.Tensor) -> None:
+        from deepspeed.runtime.zero import GatheredParameters
+
+        values = list(self._split(flat))
+        for p, value in zip(self.params, values, strict=True):
+            _set_zero3_fp32(p, value.to(p.ds_tensor.device))
+        # Every rank holds the same values; rank 0's are broadcast and re-partitioned on exit.
+        with GatheredParameters(self.params, modifier_rank=0):
+            if self.rank == 0:
+                for p, value in zip(self.params, values, strict=True):
+                    p.data.copy_(value)
+
+
+def _set_zero3_fp32(p: torch.nn.Parameter, value: torch.Tensor) -> None:
+    """``safe_set_full_fp32_param`` for ZeRO 3, also when the last partition is padded.
+
+    DeepSpeed 0.19's own version narrows past the end of ``value`` on the rank holding the
+    padded tail (a parameter whose size is not a multiple of the world size).
+    """
+    opt = p._z3_optimizer
+    try:
+        part, _ = opt._get_fp32_opt_state_partition(p, release_swap_buffers=False)
+        part_rank = opt._get_param_partition_rank(p)
+    except AttributeError:  # another DeepSpeed version: use the public helper
+        from deepspeed.utils import safe_set_full_fp32_param
+
+        safe_set_full_fp32_param(p, value)
+        return
+    start = part.numel() * part_rank
+    n = max(0, min(part.numel(), value.numel() - start))
+    if n:
+        part.data.narrow(0, 0, n).copy_(value.reshape(-1).narrow(0, start, n))
+
+
+def full_shape(p: torch.nn.Parameter) -> torch.Size:
+    return p.ds_shape if hasattr(p, "ds_shape") else p.shape
+
+
+def _wrapper_masters(optimizer: Any, params: list[torch.nn.Parameter]) -> list[torch.Tensor] | None:
+    """The fp32 master tensor of each param inside FP16_Optimizer / FP16_UnfusedOptimizer."""
+    lp_groups = getattr(optimizer, "fp16_groups", None)
+    if lp_groups is None:
+        return None
+    by_id: dict[int, torch.Tensor] = {}
+    if hasattr(optimizer, "fp32_groups_flat"):  # FP16_Optimizer: one flat fp32 buffer per group
+        for group, flat in zip(lp_groups, optimizer.fp32_groups_flat, strict=True):
+            offset = 0
+            for p in group:
+                by_id[id(p)] = flat.detach().narrow(0, offset, p.numel()).view(p.shape)
+                offset += p.numel()
+    elif hasattr(optimizer, "fp32_groups"):  # FP16_UnfusedOptimizer: one fp32 clone per param
+        for group, masters in zip(lp_groups, optimizer.fp32_groups, strict=True):
+            for p, m in zip(group, masters, strict=True):
+                by_id[id(p)] = m.detach()
+    else:
+        return None
+    missing = [i for i, p in enumerate(params) if id(p) not in by_id]
+    if missing:
+        raise SyncError(
+            f"{len(missing)} trainable parameter(s) are not in DeepSpeed's optimizer; "
+            "pass all parameters that require gradients to deepspeed.initialize"
+        )
+    return [by_id[id(p)] for p in params]
+
+
+def zero_stage(engine: Any) -> int:
+    stage = getattr(engine, "zero_optimization_stage", None)
+    return int(stage()) if callable(stage) else 0
+
+
+def make_io(engine: Any, params: list[torch.nn.Parameter], rank: int) -> ParamIO:
+    stage = zero_stage(engine)
+    if any(hasattr(p, "ds_id") for p in params):
+        return _Zero3IO(params, rank)
+    if stage >= 1 or any(hasattr(p, "_hp_mapping") for p in params):
+        if not all(hasattr(p, "_hp_mapping") for p in params):
+            raise SyncError(
+                f"ZeRO stage {stage}: some trainable parameters have no fp32 master partition; "
+                "pass all parameters that require gradients to deepspeed.initialize"
+            )
+        return _ZeroIO(params)
+    masters = _wrapper_masters(getattr(engine, "optimizer", None), params)
+    if masters is not None:
+        return _MasterCopyIO(params, masters)
+    if all(p.dtype == torch.float32 for p in params):
+        return _DirectIO(params)
+    optimizer = type(getattr(engine, "optimizer", None)).__name__
+    raise SyncError(
+        f"cannot find the fp32 master copy of the {params[0].dtype} parameters "
+        f"(ZeRO stage {stage}, optimizer {optimizer}); use ZeRO stage 1 or higher with bf16/fp16"
+    )

@@ -7,8 +7,8 @@ Also runs by hand: ``python train.py`` (one process) or ``deepspeed --num_gpus 2
 - DeepSpeed config: ``--ds-config``, else $NEBULA_DS_CONFIG, else ``ds_config.json`` here.
 - Every rank of every cluster builds the model from the same seed (identical initial
   weights); each (cluster, rank) draws its own batches.
-- With $NEBULA_SYNC_CONFIG set (a job with a relay), ``nebula_cli.runtime.sync.OuterSync`` syncs with the
-  other clusters (its round metrics are merged into the logged records).
+- With $NEBULA_SYNC_CONFIG set (a job with a relay), ``nebula_cli.runtime.sync.OuterSync``
+  syncs with the other clusters (its round metrics are merged into the logged records).
 - Rank 0 of the cluster logs loss, tokens/s and lr every ``--log-every`` steps and
   ``eval_loss`` every ``--eval-every`` steps (``nebula_cli.runtime.log``), and at the end a
   ``final`` record with the eval loss and a sha256 of the fp32 parameters.

@@ -396,3 +396,93 @@ def test_check_peer_rejects_bad_roles_argument(job: JobPKI) -> None:
         server_roles={"admin"},
     )
     assert isinstance(out["server"], ValueError)
+
+
+# --------------------------------------------------------------------------- lifetime, renewal
+
+
+def _days_left(when: dt.datetime) -> float:
+    return (when - dt.datetime.now(dt.UTC)).total_seconds() / 86400
+
+
+def test_default_lifetime_is_the_specs(tmp_path: Path) -> None:
+    from nebula_cli.config.spec import JobSpec
+
+    assert JobSpec.model_fields["lifetime_days"].default == pki.DEFAULT_LIFETIME_DAYS
+    job = issue_job_pki(JOB, {"alpha": ["a1"]}, tmp_path / "job")
+    assert abs(_days_left(pki.expiry(job.root)) - pki.DEFAULT_LIFETIME_DAYS) < 0.01
+    assert stat.S_IMODE(job.root.stat().st_mode) == 0o700
+    assert stat.S_IMODE((job.root / "alpha").stat().st_mode) == 0o700
+
+
+def test_renewal_reissues_every_certificate_from_the_same_ca(tmp_path: Path) -> None:
+    job = issue_job_pki(JOB, CLUSTERS, tmp_path / "job", valid_for=dt.timedelta(days=2))
+    assert 1.99 < _days_left(pki.expiry(job.root)) < 2.01
+    old = tmp_path / "old"
+    old.mkdir()
+    old_relay = CertPair(old / "relay.pem", old / "relay.key")
+    old_relay.cert.write_bytes(job.relay("alpha").cert.read_bytes())
+    old_relay.key.write_bytes(job.relay("alpha").key.read_bytes())
+    (old / "ca.pem").write_bytes(job.ca_cert.read_bytes())
+    ca_key = job.ca_key.read_bytes()
+    worker_key = job.worker("beta", "b1").key.read_bytes()
+
+    renewed = pki.renew_job_pki(job.root, valid_for=dt.timedelta(days=400))
+    assert renewed.clusters == job.clusters and renewed.job_id == JOB
+    assert 399.99 < _days_left(pki.expiry(job.root)) < 400.01
+    assert job.ca_key.read_bytes() == ca_key  # the CA key is kept
+    assert job.worker("beta", "b1").key.read_bytes() != worker_key  # leaf keys are new
+    for cluster, hosts in CLUSTERS.items():
+        for pair in [job.relay(cluster), *(job.worker(cluster, h) for h in hosts)]:
+            assert stat.S_IMODE(pair.key.stat().st_mode) == 0o600
+            assert _days_left(x509.load_pem_x509_certificate(
+                pair.cert.read_bytes()).not_valid_after_utc) > 399
+    assert not list(job.root.rglob(".*.new"))
+    # a relay still holding its old certificate and the old CA reaches a renewed one, both ways
+    for server, client in [(old_relay, job.relay("beta")), (job.relay("beta"), old_relay)]:
+        out = _handshake(server_context(server, old / "ca.pem" if server is old_relay
+                                        else job.ca_cert),
+                         client_context(client, job.ca_cert if server is old_relay
+                                        else old / "ca.pem"),
+                         server_roles={"relay"})
+        assert out["server"][2] == b"ping" and out["client"][2] == b"pong", out
+
+
+def test_renewal_refuses_a_foreign_ca_key(job: JobPKI, other_job: JobPKI, tmp_path: Path
+                                          ) -> None:
+    copy = tmp_path / "job"
+    copy.mkdir()
+    for path in job.root.rglob("*"):
+        target = copy / path.relative_to(job.root)
+        if path.is_dir():
+            target.mkdir(exist_ok=True)
+        else:
+            target.write_bytes(path.read_bytes())
+    (copy / "ca.key").write_bytes(other_job.ca_key.read_bytes())
+    with pytest.raises(NebulaError, match="is not the key of"):
+        pki.renew_job_pki(copy)
+    with pytest.raises(NebulaError, match="must be positive"):
+        pki.renew_job_pki(copy, valid_for=dt.timedelta(0))
+
+
+@pytest.mark.parametrize(("left", "warn"), [(dt.timedelta(days=30), False),
+                                            (dt.timedelta(days=7, seconds=1), False),
+                                            (dt.timedelta(days=7), True),
+                                            (dt.timedelta(hours=1), True),
+                                            (-dt.timedelta(days=1), True)])
+def test_needs_renewal_warning(left: dt.timedelta, warn: bool) -> None:
+    now = dt.datetime(2026, 11, 23, 12, 0, tzinfo=dt.UTC)
+    assert pki.needs_renewal_warning(now, now + left, dt.timedelta(days=7)) is warn
+    assert pki.needs_renewal_warning(now, now + left) is warn  # WARN_BEFORE is a week
+
+
+def test_expiry_warning_texts(tmp_path: Path) -> None:
+    assert pki.expiry_warning(tmp_path / "no-pki") is None
+    soon = issue_job_pki(JOB, {"alpha": ["a1"]}, tmp_path / "soon", valid_for=dt.timedelta(days=3))
+    text = pki.expiry_warning(soon.root)
+    assert text is not None and "expire on" in text and "in 3.0 days" in text
+    assert "lifetime_days" in text
+    later = pki.expiry(soon.root) + dt.timedelta(hours=1)
+    assert "expired on" in (pki.expiry_warning(soon.root, now=later) or "")
+    far = issue_job_pki(JOB, {"alpha": ["a1"]}, tmp_path / "far", valid_for=dt.timedelta(days=60))
+    assert pki.expiry_warning(far.root) is None

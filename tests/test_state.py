@@ -118,3 +118,41 @@ def test_concurrent_writers_and_readers_never_see_locks(tmp_path: Path) -> None:
     assert results == ["ok"] * len(procs)
     with StateStore(tmp_path) as store:
         assert len(store.list_jobs()) == 75
+
+
+def _mode(path: Path) -> int:
+    return path.stat().st_mode & 0o777
+
+
+def test_home_database_and_job_dirs_are_private(tmp_path: Path) -> None:
+    home = tmp_path / "fresh" / "home"
+    with StateStore(home) as store:
+        job = store.create_job("demo", {**SPEC, "env": {"API_TOKEN": "s3cret"}}, None)
+        store.add_event(job.id, "x", "a write, so that the WAL exists")
+        wal, shm = home / "state.db-wal", home / "state.db-shm"
+        assert wal.exists() and shm.exists()
+        assert _mode(home) == _mode(home / "jobs") == _mode(store.job_dir(job.id)) == 0o700
+        assert _mode(home / "state.db") == _mode(wal) == _mode(shm) == 0o600
+
+
+def test_a_loose_home_is_tightened_with_one_warning(tmp_path: Path,
+                                                    caplog: pytest.LogCaptureFixture) -> None:
+    home = tmp_path / "home"
+    with StateStore(home) as store:
+        job = store.create_job("demo", SPEC, None)
+        store.add_event(job.id, "x", "y")
+    old_job = home / "jobs" / job.id
+    for path, mode in [(home, 0o755), (home / "jobs", 0o775), (old_job, 0o777),
+                       (home / "state.db", 0o644)]:
+        path.chmod(mode)
+    with caplog.at_level("WARNING", logger="nebula.state"), StateStore(home) as store:
+        assert store.get_job(job.id).id == job.id
+    warnings = [r.getMessage() for r in caplog.records if r.name == "nebula.state"]
+    assert len(warnings) == 1 and str(home) in warnings[0] and "0755->0700" in warnings[0]
+    assert "state.db 0644->0600" in warnings[0]
+    assert _mode(home) == _mode(home / "jobs") == _mode(old_job) == 0o700
+    assert _mode(home / "state.db") == 0o600
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="nebula.state"), StateStore(home):
+        pass
+    assert not [r for r in caplog.records if r.name == "nebula.state"]  # said once

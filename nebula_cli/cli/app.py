@@ -16,7 +16,7 @@ from rich.console import Console
 from rich.markup import escape
 from typer.core import TyperGroup
 
-from nebula_cli import __version__
+from nebula_cli import __version__, pki
 from nebula_cli.cli.live import print_line, watch
 from nebula_cli.cli.netbench_render import bench_matrix, bench_progress
 from nebula_cli.cli.planner_render import advisor_table, placement_table
@@ -191,6 +191,9 @@ def status(
                 out.print("no jobs yet: start one with `nebula launch SPEC`")
             return
         snap = orch.refresh(job_ref)
+        expiring = pki.expiry_warning(store.job_dir(snap.job.id) / "pki")  # a week before
+        if expiring and snap.job.state not in END_STATES:
+            err.print(f"[bold yellow]warning:[/] {expiring}", markup=True, highlight=False)
         view = orch.metrics_view(snap)  # the agents' summaries: no metrics file is re-read
         if as_json:
             hosts = [dataclasses.asdict(h) for h in snap.hosts]

@@ -47,6 +47,7 @@ from nebula_cli.config.sections import (
 )
 from nebula_cli.config.yaml_positions import PathKey, describe, problems_error
 from nebula_cli.errors import SpecError
+from nebula_cli.pki.certs import DEFAULT_LIFETIME_DAYS
 
 __all__ = [
     "MAX_PROCESSES", "MAX_SLOTS", "CheckpointSpec", "ClusterSpec", "CompressionSpec", "HostSpec",
@@ -199,7 +200,7 @@ class JobSpec(SpecModel):
     placement: str | None = None
     """Which device holds which stage: the JSON of `nebula plan placement --json`, relative to
     the spec file; stored as an absolute path. Default: ranks in the spec's host order."""
-    lifetime_days: int = Field(90, ge=1, le=3650)
+    lifetime_days: int = Field(DEFAULT_LIFETIME_DAYS, ge=1, le=3650)
     """How long the job's certificates are valid, in days (renewed on resume)."""
     max_restarts: int = Field(0, ge=0)
     """How often a host agent restarts its processes after a failure."""

@@ -1,5 +1,10 @@
 """StateStore: jobs, clusters, hosts and events in sqlite (WAL) under $NEBULA_HOME.
 
+$NEBULA_HOME holds job specs with their `env` (often secrets) and each job's CA key, so it is
+private: the home and every job directory 0700, `state.db` and its -wal/-shm 0600. A home made
+with looser modes (by an older nebula, or by hand) is tightened when a store opens it, once, with
+a warning that says what was changed.
+
 Several nebula commands may run at once (a `launch` writing while two `status` read). WAL mode
 lets readers proceed while one writer writes; a generous busy timeout plus BEGIN IMMEDIATE for
 writes means a second writer waits instead of failing with "database is locked".
@@ -8,6 +13,7 @@ writes means a second writer waits instead of failing with "database is locked".
 from __future__ import annotations
 
 import json
+import logging
 import os
 import secrets
 import sqlite3
@@ -20,6 +26,10 @@ from pathlib import Path
 from typing import Any
 
 from nebula_cli.errors import JobNotFound, NebulaError
+
+log = logging.getLogger("nebula.state")
+PRIVATE_DIR = 0o700
+PRIVATE_FILE = 0o600
 
 BUSY_TIMEOUT_MS = 30_000
 
@@ -149,9 +159,13 @@ class StateStore:
 
     def __init__(self, home: Path | None = None) -> None:
         self.home = (home or nebula_home()).expanduser()
-        self.home.mkdir(parents=True, exist_ok=True)
-        (self.home / "jobs").mkdir(exist_ok=True)
         self.path = self.home / "state.db"
+        try:
+            self.home.mkdir(mode=PRIVATE_DIR, parents=True, exist_ok=True)
+            (self.home / "jobs").mkdir(mode=PRIVATE_DIR, exist_ok=True)
+            os.close(os.open(self.path, os.O_WRONLY | os.O_CREAT, PRIVATE_FILE))
+        except OSError as exc:
+            raise NebulaError(f"cannot create nebula's home {self.home}: {exc}") from exc
         try:
             self._db = sqlite3.connect(
                 self.path, timeout=BUSY_TIMEOUT_MS / 1000, isolation_level=None
@@ -163,6 +177,31 @@ class StateStore:
             self._migrate()
         except sqlite3.Error as exc:
             raise NebulaError(f"cannot open the state database {self.path}: {exc}") from exc
+        self._tighten()
+
+    def _tighten(self) -> None:
+        """Make the home, the job directories and the database private; warn once if they were
+        not (sqlite makes -wal/-shm with the database's mode, so they follow)."""
+        jobs = self.home / "jobs"
+        wanted = [(self.home, PRIVATE_DIR), (jobs, PRIVATE_DIR)]
+        wanted += [(d, PRIVATE_DIR) for d in jobs.iterdir() if d.is_dir() and not d.is_symlink()]
+        wanted += [(self.home / f"state.db{suffix}", PRIVATE_FILE)
+                   for suffix in ("", "-wal", "-shm", "-journal")]
+        changed = []
+        for path, mode in wanted:
+            try:
+                found = path.lstat().st_mode & 0o777
+                if found & ~mode:
+                    path.chmod(mode)
+                    changed.append(f"{path.name} {found:04o}->{mode:04o}")
+            except FileNotFoundError:
+                continue
+            except OSError as exc:
+                raise NebulaError(f"cannot make {path} private ({exc}); it holds job specs and "
+                                  f"keys: fix its owner or mode by hand") from exc
+        if changed:
+            log.warning("nebula's home %s was readable by others; made it private: %s",
+                        self.home, ", ".join(changed))
 
     # -- plumbing -------------------------------------------------------------------------
     def close(self) -> None:
@@ -226,7 +265,8 @@ class StateStore:
                     (job_id, cluster["name"], cluster.get("transport", "ssh"),
                      cluster.get("gateway")),
                 )
-        self.job_dir(job_id).mkdir(parents=True, exist_ok=True)
+        self.job_dir(job_id).mkdir(mode=PRIVATE_DIR, parents=True, exist_ok=True)
+        self.job_dir(job_id).chmod(PRIVATE_DIR)  # mkdir's mode is cut by the umask
         return self.get_job(job_id)
 
     def set_job_state(

@@ -1,17 +1,14 @@
-"""Per-job certificate authority and the mutual-TLS contexts built on it.
-
-Every job gets its own CA. Each cluster relay and each worker host gets a certificate
-signed by it whose SAN URI ``nebula://<job_id>/<role>/<cluster>/<name>`` says who it is
-(``name`` is ``relay`` for relays, the host name for workers). TLS 1.3 only, certificates
-required both ways; ``ssl`` checks the chain to the job's CA, :func:`check_peer` checks the
-job id, role and cluster from the SAN after the handshake (no hostname checks: relays are
-reached by address, identity lives in the certificate).
+"""The job's certificates: a per-job CA, one certificate and key per relay and per worker host,
+issued, reopened, renewed and dated. (The TLS contexts and peer checks built on them: `tls`.)
 
 Layout written by :func:`issue_job_pki`::
 
     out_dir/ca.pem, out_dir/ca.key              (ca.key never leaves the launching machine)
     out_dir/<cluster>/relay.pem, relay.key
-    out_dir/<cluster>/worker-<host>.pem, .key   (keys are created 0600)
+    out_dir/<cluster>/worker-<host>.pem, .key   (keys are created 0600, directories 0700)
+
+:func:`renew_job_pki` re-issues every certificate from the CA key for a new period (a resume);
+:func:`expiry` says when the first of them expires, :func:`needs_renewal_warning` whether to warn.
 """
 
 from __future__ import annotations
@@ -20,9 +17,6 @@ import datetime as dt
 import logging
 import os
 import re
-import socket
-import ssl
-from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -39,15 +33,12 @@ SCHEME = "nebula"
 ROLES = frozenset({"relay", "worker"})
 CLOCK_SKEW = dt.timedelta(minutes=5)
 """How far in the past ``not_before`` is set, so that hosts with slow clocks accept a cert."""
-HANDSHAKE_TIMEOUT = 30.0
-"""Default bound (seconds) on a TLS handshake in :func:`wrap_server` / :func:`wrap_client`."""
+DEFAULT_LIFETIME_DAYS = 90
+"""How long a job's certificates are valid unless the spec says (`lifetime_days`)."""
+WARN_BEFORE = dt.timedelta(days=7)
+"""How long before the certificates expire `nebula status` starts to warn."""
 
 _NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
-
-# OpenSSL X509_V_ERR_* codes that mean "not signed by the CA we trust".
-_FOREIGN_CHAIN_CODES = {2, 18, 19, 20, 21}
-_EXPIRED = 10
-_NOT_YET_VALID = 9
 
 
 class PeerRejected(NebulaError):
@@ -147,9 +138,12 @@ def _write_pair(cert: x509.Certificate, key: ec.EllipticCurvePrivateKey, pair: C
 
 
 def _issue_ca(
-    job_id: str, not_before: dt.datetime, not_after: dt.datetime
+    job_id: str, not_before: dt.datetime, not_after: dt.datetime,
+    key: ec.EllipticCurvePrivateKey | None = None,
 ) -> tuple[x509.Certificate, ec.EllipticCurvePrivateKey]:
-    key = _new_key()
+    """A self-signed job CA; with ``key``, a new certificate for an existing CA (renewal: the
+    same key and name, so chains of certificates it signed before still verify)."""
+    key = key or _new_key()
     name = x509.Name(
         [
             x509.NameAttribute(NameOID.ORGANIZATION_NAME, "nebula"),
@@ -259,7 +253,7 @@ def issue_job_pki(
     clusters: dict[str, list[str]],
     out_dir: Path,
     *,
-    valid_for: dt.timedelta = dt.timedelta(days=30),
+    valid_for: dt.timedelta = dt.timedelta(days=DEFAULT_LIFETIME_DAYS),
 ) -> JobPKI:
     """Create the job's CA, one relay pair per cluster and one worker pair per host in ``out_dir``.
 
@@ -279,7 +273,7 @@ def issue_job_pki(
             raise NebulaError(f"cluster {cluster} lists a host twice: {hosts}")
 
     out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
+    out_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
     now = _now()
     not_before, not_after = now - CLOCK_SKEW, now + valid_for
     ca_cert, ca_key = _issue_ca(job_id, not_before, not_after)
@@ -292,7 +286,7 @@ def issue_job_pki(
     )
     _write_pair(ca_cert, ca_key, CertPair(pki.ca_cert, pki.ca_key))
     for cluster, hosts in clusters.items():
-        (out_dir / cluster).mkdir(exist_ok=True)
+        (out_dir / cluster).mkdir(mode=0o700, exist_ok=True)
         todo = [(Identity(job_id, "relay", cluster, "relay"), pki.relay(cluster))]
         todo += [(Identity(job_id, "worker", cluster, h), pki.worker(cluster, h)) for h in hosts]
         for ident, pair in todo:
@@ -344,37 +338,6 @@ def load_pki(out_dir: Path) -> JobPKI:
     return JobPKI(ca_cert_path, ca_key_path, root, job_id, clusters)
 
 
-# --------------------------------------------------------------------------- TLS contexts
-
-
-def _context(protocol: int, pair: CertPair, ca: Path) -> ssl.SSLContext:
-    ctx = ssl.SSLContext(protocol)
-    ctx.minimum_version = ssl.TLSVersion.TLSv1_3
-    ctx.check_hostname = False  # identity is the SAN URI, checked by check_peer
-    ctx.verify_mode = ssl.CERT_REQUIRED
-    try:
-        ctx.load_cert_chain(certfile=str(pair.cert), keyfile=str(pair.key))
-        ctx.load_verify_locations(cafile=str(ca))
-    except FileNotFoundError as exc:
-        raise NebulaError(f"TLS file missing: {exc.filename}") from exc
-    except (ssl.SSLError, OSError) as exc:
-        raise NebulaError(f"cannot load TLS files {pair.cert}, {pair.key}, {ca}: {exc}") from exc
-    return ctx
-
-
-def server_context(pair: CertPair, ca: Path) -> ssl.SSLContext:
-    """Server side: TLS 1.3 only, a client certificate chained to ``ca`` is required."""
-    return _context(ssl.PROTOCOL_TLS_SERVER, pair, ca)
-
-
-def client_context(pair: CertPair, ca: Path) -> ssl.SSLContext:
-    """Client side: TLS 1.3 only, presents ``pair``, requires a server cert chained to ``ca``."""
-    return _context(ssl.PROTOCOL_TLS_CLIENT, pair, ca)
-
-
-# --------------------------------------------------------------------------- peer checks
-
-
 def _san_uris(cert: x509.Certificate) -> list[str]:
     try:
         san = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
@@ -398,179 +361,85 @@ def identity_of(cert: x509.Certificate) -> Identity:
     return ident
 
 
-def _peer_addr(sock: socket.socket) -> str:
+# --------------------------------------------------------------------------- renewal, expiry
+
+
+def _replace(path: Path, data: bytes, mode: int) -> None:
+    """Atomically replace ``path`` with ``data``, the new file created with ``mode``."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.new")
+    tmp.unlink(missing_ok=True)
+    _write_new(tmp, data, mode)
+    os.replace(tmp, path)
+
+
+def renew_job_pki(
+    out_dir: Path, *, valid_for: dt.timedelta = dt.timedelta(days=DEFAULT_LIFETIME_DAYS)
+) -> JobPKI:
+    """Re-issue the certificates of an existing job PKI from its CA key, valid from now until
+    now + ``valid_for``: a new CA certificate (same key and name: certificates signed before still
+    chain to it) and a new key and certificate for every relay and worker. Each file is replaced
+    atomically; ``ca.key`` stays as it is. Used when a job resumes."""
+    if valid_for <= dt.timedelta(0):
+        raise NebulaError(f"certificate lifetime must be positive, got {valid_for}")
+    pki = load_pki(out_dir)
     try:
-        addr = sock.getpeername()
-    except OSError:
-        return "<unknown>"
-    if isinstance(addr, tuple) and len(addr) >= 2:
-        host = f"[{addr[0]}]" if ":" in str(addr[0]) else str(addr[0])
-        return f"{host}:{addr[1]}"
-    return str(addr) or "<local>"
+        ca_key = serialization.load_pem_private_key(pki.ca_key.read_bytes(), password=None)
+    except (OSError, ValueError, TypeError) as exc:
+        raise NebulaError(f"cannot read the job's CA key {pki.ca_key}: {exc}") from exc
+    old_ca = _load_cert(pki.ca_cert)
+    if not isinstance(ca_key, ec.EllipticCurvePrivateKey) or (
+            ca_key.public_key().public_numbers() != old_ca.public_key().public_numbers()):
+        raise NebulaError(f"{pki.ca_key} is not the key of {pki.ca_cert}; cannot renew")
+    now = _now()
+    not_before, not_after = now - CLOCK_SKEW, now + valid_for
+    ca_cert, _ = _issue_ca(pki.job_id, not_before, not_after, key=ca_key)
+    _replace(pki.ca_cert, ca_cert.public_bytes(serialization.Encoding.PEM), 0o644)
+    for cluster, hosts in pki.clusters.items():
+        todo = [(Identity(pki.job_id, "relay", cluster, "relay"), pki.relay(cluster))]
+        todo += [(Identity(pki.job_id, "worker", cluster, h), pki.worker(cluster, h))
+                 for h in hosts]
+        for ident, pair in todo:
+            cert, key = _issue_leaf(ca_cert, ca_key, ident, not_before=not_before,
+                                    not_after=not_after)
+            _replace(pair.key, key.private_bytes(serialization.Encoding.PEM,
+                                                 serialization.PrivateFormat.PKCS8,
+                                                 serialization.NoEncryption()), 0o600)
+            _replace(pair.cert, cert.public_bytes(serialization.Encoding.PEM), 0o644)
+    log.info("renewed the certificates of job %s until %s", pki.job_id, not_after.isoformat())
+    return pki
 
 
-def _reject(reason: str, peer: str) -> PeerRejected:
-    log.warning("rejected TLS peer %s: %s", peer, reason)
-    return PeerRejected(reason, peer=peer)
+def expiry(out_dir: Path) -> dt.datetime:
+    """When the first certificate of the job PKI in ``out_dir`` (CA, relays, workers) expires."""
+    pki = load_pki(out_dir)
+    pems = [pki.ca_cert]
+    for cluster, hosts in pki.clusters.items():
+        pems += [pki.relay(cluster).cert, *(pki.worker(cluster, h).cert for h in hosts)]
+    return min(_load_cert(p).not_valid_after_utc for p in pems)
 
 
-def peer_identity(sslsock: ssl.SSLSocket) -> Identity:
-    """The identity of the peer of a handshaken socket (from its certificate's SAN URI)."""
-    der = sslsock.getpeercert(binary_form=True)
-    if not der:
-        raise PeerRejected("peer presented no certificate", peer=_peer_addr(sslsock))
-    try:
-        return identity_of(x509.load_der_x509_certificate(der))
-    except PeerRejected as exc:
-        raise PeerRejected(exc.reason, peer=_peer_addr(sslsock)) from None
+def needs_renewal_warning(now: dt.datetime, expiry: dt.datetime,
+                          week: dt.timedelta = WARN_BEFORE) -> bool:
+    """Whether to warn at ``now`` about certificates expiring at ``expiry`` (within ``week``,
+    or already expired)."""
+    return now >= expiry - week
 
 
-def _a(role: str) -> str:
-    return f"a {role}"
+def expiry_warning(out_dir: Path, now: dt.datetime | None = None) -> str | None:
+    """The warning `nebula status` prints for the job PKI in ``out_dir``; None when there is
+    nothing to say (no PKI: a job without relays; or far from expiry)."""
+    if not (Path(out_dir) / "ca.pem").is_file():
+        return None
+    now = now or dt.datetime.now(dt.UTC)
+    ends = expiry(out_dir)
+    if not needs_renewal_warning(now, ends):
+        return None
+    when = ends.strftime("%Y-%m-%d %H:%M UTC")
+    if now >= ends:
+        return (f"the job's certificates expired on {when}: relays cannot reconnect; stop the "
+                "job and resume it to renew them")
+    days = (ends - now).total_seconds() / 86400
+    return (f"the job's certificates expire on {when} (in {days:.1f} days): after that relays "
+            "cannot reconnect; resume the job before then to renew them, and give long jobs a "
+            "larger lifetime_days")
 
-
-def check_peer(
-    sslsock: ssl.SSLSocket,
-    *,
-    job_id: str,
-    roles: Iterable[str],
-    cluster: str | None = None,
-) -> Identity:
-    """Check that the peer belongs to ``job_id``, has one of ``roles`` (and ``cluster``, if given).
-
-    The chain to the job's CA is already checked by ``ssl``. Raises :class:`PeerRejected` (and logs
-    a warning naming the reason and the peer address) on any mismatch.
-    """
-    wanted = set(roles)
-    if not wanted or not wanted <= ROLES:
-        raise ValueError(f"roles must be a non-empty subset of {sorted(ROLES)}, got {roles!r}")
-    peer = _peer_addr(sslsock)
-    try:
-        ident = peer_identity(sslsock)
-    except PeerRejected as exc:
-        raise _reject(exc.reason, peer) from None
-    if ident.job_id != job_id:
-        raise _reject(f"certificate of job {ident.job_id}, expected {job_id}", peer)
-    if ident.role not in wanted:
-        need = " or ".join(_a(r) for r in sorted(wanted))
-        raise _reject(f"{ident.role} certificate presented where {need} is required", peer)
-    if cluster is not None and ident.cluster != cluster:
-        raise _reject(f"certificate of cluster {ident.cluster}, expected {cluster}", peer)
-    return ident
-
-
-def _handshake_reason(exc: BaseException) -> str:
-    if isinstance(exc, ssl.SSLCertVerificationError):
-        code = exc.verify_code
-        detail = exc.verify_message or str(exc)
-        if code == _EXPIRED:
-            return f"certificate has expired ({detail})"
-        if code == _NOT_YET_VALID:
-            return f"certificate is not yet valid ({detail})"
-        if code in _FOREIGN_CHAIN_CODES:
-            return f"certificate not issued by this job's CA ({detail})"
-        return f"certificate verification failed ({detail})"
-    if isinstance(exc, ssl.SSLError):
-        why = exc.reason or str(exc)
-        if why == "PEER_DID_NOT_RETURN_A_CERTIFICATE":
-            return "peer presented no certificate"
-        if why == "NO_PROTOCOLS_AVAILABLE" or "VERSION" in str(why):
-            return f"TLS version refused, TLS 1.3 is required ({why})"
-        if "ALERT_UNKNOWN_CA" in str(why):
-            return f"peer does not trust our certificate: not issued by its job's CA ({why})"
-        if "ALERT_CERTIFICATE_EXPIRED" in str(why):
-            return f"peer says our certificate has expired ({why})"
-        if "ALERT" in str(why):
-            return f"peer aborted the handshake ({why})"
-        return f"TLS handshake failed ({why})"
-    if isinstance(exc, TimeoutError):
-        return "TLS handshake timed out"
-    return f"connection lost during TLS handshake ({exc})"
-
-
-def _wrap(
-    sock: socket.socket,
-    ctx: ssl.SSLContext,
-    *,
-    server_side: bool,
-    job_id: str,
-    roles: Iterable[str],
-    cluster: str | None,
-    timeout: float | None,
-) -> tuple[ssl.SSLSocket, Identity]:
-    peer = _peer_addr(sock)
-    previous = sock.gettimeout()
-    sslsock: ssl.SSLSocket | None = None
-    try:
-        sock.settimeout(timeout)
-        sslsock = ctx.wrap_socket(sock, server_side=server_side, do_handshake_on_connect=False)
-        sslsock.do_handshake()
-        ident = check_peer(sslsock, job_id=job_id, roles=roles, cluster=cluster)
-        sslsock.settimeout(previous)
-        return sslsock, ident
-    except PeerRejected:
-        (sslsock or sock).close()
-        raise
-    except OSError as exc:  # ssl.SSLError, TimeoutError, resets
-        (sslsock or sock).close()
-        raise _reject(_handshake_reason(exc), peer) from exc
-    except BaseException:
-        (sslsock or sock).close()
-        raise
-
-
-def wrap_server(
-    sock: socket.socket,
-    ctx: ssl.SSLContext,
-    *,
-    job_id: str,
-    roles: Iterable[str],
-    cluster: str | None = None,
-    timeout: float | None = HANDSHAKE_TIMEOUT,
-) -> tuple[ssl.SSLSocket, Identity]:
-    """Server side of an accepted connection: TLS handshake, then :func:`check_peer`.
-
-    On refusal the socket is closed and :class:`PeerRejected` is raised (reason + peer address).
-    ``timeout`` bounds the handshake; the socket's own timeout is restored afterwards.
-    """
-    return _wrap(
-        sock, ctx, server_side=True, job_id=job_id, roles=roles, cluster=cluster, timeout=timeout
-    )
-
-
-def wrap_client(
-    sock: socket.socket,
-    ctx: ssl.SSLContext,
-    *,
-    job_id: str,
-    roles: Iterable[str],
-    cluster: str | None = None,
-    timeout: float | None = HANDSHAKE_TIMEOUT,
-) -> tuple[ssl.SSLSocket, Identity]:
-    """Client side of a connected socket: TLS handshake, then :func:`check_peer` on the server.
-
-    With TLS 1.3 a server that refuses *our* certificate may only be noticed on the first read.
-    """
-    return _wrap(
-        sock, ctx, server_side=False, job_id=job_id, roles=roles, cluster=cluster, timeout=timeout
-    )
-
-
-__all__ = [
-    "CLOCK_SKEW",
-    "HANDSHAKE_TIMEOUT",
-    "ROLES",
-    "CertPair",
-    "Identity",
-    "JobPKI",
-    "PeerRejected",
-    "check_peer",
-    "client_context",
-    "identity_of",
-    "issue_job_pki",
-    "load_pki",
-    "peer_identity",
-    "server_context",
-    "wrap_client",
-    "wrap_server",
-]

@@ -66,8 +66,12 @@ def test_placements_that_do_not_fit_are_refused(placement: dict, stages: int,
 
 
 def test_read_placement_errors(tmp_path: Path) -> None:
-    with pytest.raises(PlacementError, match="cannot read placement"):
+    with pytest.raises(PlacementError, match="cannot read the placement: no such file"):
         read_placement(tmp_path / "missing.json")
+    with (tmp_path / "huge.json").open("wb") as fh:  # bounded: never read whole
+        fh.truncate(64 << 20)
+    with pytest.raises(PlacementError, match="placement"):
+        read_placement(tmp_path / "huge.json")
     (tmp_path / "bad.json").write_text("{not json")
     with pytest.raises(PlacementError, match="not valid JSON"):
         read_placement(tmp_path / "bad.json")
@@ -145,14 +149,13 @@ def test_plan_workers_gives_every_rank_its_placed_position(tmp_path: Path) -> No
     (tmp_path / "place.json").write_text(json.dumps(CROSSED))
     spec = parse_spec(spec_text("parallelism: {pipeline_stages: 2}\nplacement: place.json"),
                       file=str(tmp_path / "job.yaml"))
-    sites = {"east/e1": jobplan.Site("/h/east", "198.18.1.1"),
-             "west/w1": jobplan.Site("/h/west", "198.18.2.1")}
+    sites = {"east/e1": _site("/h/east", "198.18.1.1"),
+             "west/w1": _site("/h/west", "198.18.2.1")}
     assert jobplan.rendezvous_hosts(spec) == {
         jobplan.PIPELINE_WORLD: (spec.clusters[0], spec.clusters[0].hosts[0])}
-    plans = jobplan.plan_workers(spec, "job1", sites=sites, local_home="/h",
-                                 master_ports={jobplan.PIPELINE_WORLD: 29555})
-    envs = {p["env"]["NEBULA_DEVICE"]: p["env"] for plan in plans
-            for p in plan.agent_config["processes"]}
+    plans = jobplan.build_plan(spec, "job1", sites=sites, certs=None, ports=jobplan.Ports(
+        masters={jobplan.PIPELINE_WORLD: 29555}, relays={})).agents
+    envs = {p.env["NEBULA_DEVICE"]: p.env for plan in plans for p in plan.config.processes}
     assert set(envs) == set(DEVICES)
     for device, env in envs.items():
         stage, replica = (int(env["NEBULA_STAGE"]), int(env["NEBULA_REPLICA"]))
@@ -161,20 +164,26 @@ def test_plan_workers_gives_every_rank_its_placed_position(tmp_path: Path) -> No
         assert env["WORLD_SIZE"] == "4" and env["NEBULA_PIPELINE_STAGES"] == "2"
         assert env["MASTER_ADDR"] == "198.18.1.1" and env["MASTER_PORT"] == "29555"
         assert env["LOCAL_RANK"] == device.rsplit("/", 1)[1]
-    assert [p["rank"] for p in plans[1].agent_config["processes"]] == [2, 1]
+    assert [p.name for p in plans[1].config.processes] == ["2", "1"]
     assert plans[1].logs == {"2": "logs/rank2.log", "1": "logs/rank1.log"}
 
 
 def test_data_parallel_jobs_keep_one_world_per_cluster(tmp_path: Path) -> None:
     spec = parse_spec(spec_text(), file=str(tmp_path / "job.yaml"))
-    sites = {"east/e1": jobplan.Site("/h", "a"), "west/w1": jobplan.Site("/h", "b")}
-    plans = jobplan.plan_workers(spec, "job1", sites=sites, local_home="/h",
-                                 master_ports={"east": 1, "west": 2})
+    sites = {"east/e1": _site("/h", "a"), "west/w1": _site("/h", "b")}
+    plans = jobplan.build_plan(spec, "job1", sites=sites, certs=None, ports=jobplan.Ports(
+        masters={"east": 1, "west": 2}, relays={})).agents
     for plan, (addr, port) in zip(plans, [("a", "1"), ("b", "2")], strict=True):
-        for p in plan.agent_config["processes"]:
-            assert (p["env"]["MASTER_ADDR"], p["env"]["MASTER_PORT"]) == (addr, port)
-            assert p["env"]["WORLD_SIZE"] == "2" and "NEBULA_STAGE" not in p["env"]
-        assert [p["rank"] for p in plan.agent_config["processes"]] == [0, 1]
+        for p in plan.config.processes:
+            assert (p.env["MASTER_ADDR"], p.env["MASTER_PORT"]) == (addr, port)
+            assert p.env["WORLD_SIZE"] == "2" and "NEBULA_STAGE" not in p.env
+        assert [p.name for p in plan.config.processes] == ["0", "1"]
+
+
+def _site(home: str, address: str) -> jobplan.Site:
+    """A remote host as its transport would report it."""
+    return jobplan.Site(conn={"transport": "ssh", "name": address}, home=home, address=address,
+                        bind="0.0.0.0", python="python3", shares_files=False)
 
 
 def test_summary_checks_each_stage_replicas() -> None:

@@ -245,6 +245,7 @@ def test_pipeline_follows_the_placement_over_ssh(ssh_cli: CLI, bed_clean: TestBe
     proc = ssh_cli("launch", str(spec), timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "each stage's replicas hold identical parameters" in proc.stdout
+    assert "cross the WAN unencrypted" in proc.stderr + proc.stdout  # said at launch
     (job_id,) = ssh_cli.job_ids()
     recs = records(job_id)
     landed = {r["device"]: r for r in recs if r.get("placement")}

@@ -15,12 +15,13 @@ Pure data, no I/O except :func:`read_placement`.
 
 from __future__ import annotations
 
-import json
 from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from nebula_cli.config import specfile
 
 DeviceId = str
 
@@ -117,13 +118,11 @@ def layout_from_placement(placement: Mapping[str, Any], devices: Sequence[Device
 
 
 def read_placement(path: str | Path) -> dict[str, Any]:
-    """Read a placement JSON file (``nebula plan placement --json`` output)."""
+    """Read a placement JSON file (``nebula plan placement --json`` output), bounded in size."""
     try:
-        data = json.loads(Path(path).read_text(encoding="utf-8"))
-    except OSError as exc:
-        raise PlacementError(f"cannot read placement {path}: {exc.strerror or exc}") from exc
-    except ValueError as exc:
-        raise PlacementError(f"placement {path} is not valid JSON: {exc}") from exc
+        data = specfile.read_json(Path(path), "placement")
+    except specfile.FileProblem as exc:
+        raise PlacementError(f"{path}: {exc}") from exc
     if not isinstance(data, dict):
         raise PlacementError(f"placement {path}: expected a JSON object with 'stages'")
     return data

@@ -107,6 +107,10 @@ class HostSpec(SpecModel):
         return self.address or self.host
 
 
+RESERVED_CLUSTER_NAMES = frozenset({"lib", "work", "pki"})
+"""Names of what a job's directory holds beside its clusters' directories."""
+
+
 class ClusterSpec(SpecModel):
     """A group of hosts with a fast network between them: one DeepSpeed world, one relay."""
 
@@ -128,6 +132,15 @@ class ClusterSpec(SpecModel):
     """Environment merged over the job's `env` for this cluster."""
     relay_address: HostName | None = None
     """Address other clusters' relays dial. Default: the gateway's address, else its host."""
+
+    @field_validator("name")
+    @classmethod
+    def _not_reserved(cls, name: str) -> str:
+        if name in RESERVED_CLUSTER_NAMES:
+            raise ValueError(f"cluster name {name!r} is reserved (a job directory on each host "
+                             f"holds {', '.join(sorted(RESERVED_CLUSTER_NAMES))} beside the "
+                             "clusters' directories); choose another")
+        return name
 
     @field_validator("hosts")
     @classmethod

@@ -7,6 +7,7 @@ transport); it never signals a worker itself. Status, stop and logs live in `job
 from __future__ import annotations
 
 import contextlib
+import datetime as dt
 import json
 import posixpath
 import signal
@@ -22,7 +23,7 @@ from nebula_cli.config import jobplan, strict
 from nebula_cli.config.jobplan import AgentPlan, JobPlan
 from nebula_cli.config.spec import ClusterSpec, HostSpec, JobSpec
 from nebula_cli.control.fanout import GroupError, fanout
-from nebula_cli.control.hostcheck import HostCheck, check_host
+from nebula_cli.control.hostcheck import HostCheck, check_host, require_python
 from nebula_cli.control.jobs import JobOps, JobSnapshot, StopReport, job_state
 from nebula_cli.control.state import END_STATES, HostRecord, JobRecord
 from nebula_cli.errors import LaunchError, NebulaError, TransportError
@@ -57,6 +58,9 @@ class Orchestrator(JobOps):
         self.store.add_event(job.id, "launch", f"launching {spec.name}")
         progress = _logged(progress, self.store.job_dir(job.id) / "launch.log")
         progress(f"job {job.id}")
+        if (warning := spec.cleartext_warning()) is not None:
+            progress(warning)
+            self.store.add_event(job.id, "warning", warning)
         plan: JobPlan | None = None
         started: list[AgentPlan] = []
         try:
@@ -115,6 +119,7 @@ class Orchestrator(JobOps):
             cluster, host = entries[key]
             conn = _describe(cluster, host, home)
             t = self.transport(conn)
+            require_python(t, cluster.name, host.host)
             return jobplan.Site(conn=conn, home=t.home, address=host.address or t.address,
                                 bind=t.bind_address, python=t.python,
                                 shares_files=t.shares_files)
@@ -143,7 +148,8 @@ class Orchestrator(JobOps):
         if spec.relay is not None:
             issued = pki.issue_job_pki(
                 job_id, {c.name: [h.host for h in c.hosts] for c in spec.clusters},
-                self.store.job_dir(job_id) / "pki")
+                self.store.job_dir(job_id) / "pki",
+                valid_for=dt.timedelta(days=spec.lifetime_days))
             certs = jobplan.Certs(
                 ca=issued.ca_cert.read_bytes(),
                 relays={c.name: _pair(issued.relay(c.name)) for c in spec.clusters},

@@ -529,3 +529,9 @@ def test_cluster_model_used_directly_reports_problems() -> None:
         ClusterSpec.model_validate({"name": "c", "hosts": ["a"], "gateway": "b"})
     with pytest.raises(ValueError, match="at least one cluster"):
         JobSpec.model_validate({"name": "j", "run": "x", "clusters": []})
+
+
+@pytest.mark.parametrize("name", ["lib", "work", "pki"])
+def test_cluster_names_a_job_directory_uses_are_reserved(tmp_path: Path, name: str) -> None:
+    p = one(tmp_path, BASE.replace("name: east", f"name: {name}"))
+    assert p.field == "clusters[0].name" and "reserved" in p.message

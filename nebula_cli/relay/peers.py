@@ -83,7 +83,7 @@ class Listener:
                 continue
             ip = str(where[0])
             if not self.gate.enter(ip):
-                self._refusals.refuse("connection", peer_addr(sock),
+                self._refusals.refuse("connection", ip,  # one line per address, not port
                                       f"{self.gate.held} handshakes in progress on "
                                       f"{self.addr} (at most {MAX_HANDSHAKES}, "
                                       f"{MAX_HANDSHAKES_PER_ADDRESS} per address)")

@@ -423,6 +423,9 @@ class Rounds(RoundState):
 
     def _feed(self, ex: RoundExchange, src: str, frame: Frame) -> None:
         m = frame.meta
+        if src not in ex.schedule.present:  # not in this round: refused, the round goes on
+            self._refusals.refuse("chunk", src, f"round {m.get('round')} is not its round")
+            return
         try:
             k = int(m["k"])
             enc = None if m.get("zero") else Encoded.from_wire(m, frame.payload)

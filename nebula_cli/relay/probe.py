@@ -12,12 +12,10 @@ by itself after ``--lifetime`` seconds. `measure` dials a server: round trips of
 JSON line of figures. `stop` ends this run's probes on the host (SIGTERM, then SIGKILL) and
 prints ``{"stopped", "left"}``.
 
-Plain TCP is not authenticated, so it is open only while a measurement needs it: over TLS,
-HELLO {op: plain, count} makes the server bind the plain port (``--port`` + 1, or any) and
-answer WELCOME {port, tickets}: one-time tokens, one per plain connection. A plain connection
-must start with a HELLO of at most PLAIN_HELLO_BYTES that carries an unused ticket, else it is
-closed; nothing larger is read or allocated before that. The plain port closes when that TLS
-connection ends.
+Plain TCP is open only while a measurement needs it: over TLS, HELLO {op: plain, count} binds
+the plain port (``--port`` + 1, or any) -> WELCOME {port, tickets} (one-time tokens, one per
+plain connection); a plain connection's first frame, at most PLAIN_HELLO_BYTES, must carry an
+unused ticket, else it is closed. The plain port closes when that TLS connection ends.
 
 On a connection: HELLO {op: echo|sink|report} -> WELCOME, then
 - echo: HEARTBEAT frames are sent back as they are, until BYE.
@@ -56,14 +54,12 @@ from typing import Any
 from nebula_cli import pki
 from nebula_cli.errors import NebulaError
 from nebula_cli.relay.wire import (
-    HEADER_SIZE,
     ConnectionClosed,
     Frame,
     FrameType,
     WireError,
-    decode_meta,
-    parse_header,
     recv_frame,
+    recv_small_frame,
     send_frame,
     tune_socket,
 )
@@ -152,28 +148,6 @@ def _echo(sock: socket.socket) -> None:
         send_frame(sock, frame)
 
 
-def _small_hello(sock: socket.socket) -> Frame:
-    """Read a HELLO of at most PLAIN_HELLO_BYTES (no payload): all a plain connection may send
-    before its ticket is checked."""
-    head = _read(sock, HEADER_SIZE)
-    ftype, meta_len, _ = parse_header(head, max_payload=0)
-    if ftype != FrameType.HELLO or meta_len > PLAIN_HELLO_BYTES - HEADER_SIZE:
-        raise WireError(f"a plain connection must start with a HELLO of at most "
-                        f"{PLAIN_HELLO_BYTES} bytes (got {ftype.name}, {meta_len} bytes of meta)")
-    return Frame(ftype, decode_meta(_read(sock, meta_len)))
-
-
-def _read(sock: socket.socket, n: int) -> bytearray:
-    buf = bytearray(n)
-    view, got = memoryview(buf), 0
-    while got < n:
-        k = sock.recv_into(view[got:], n - got)
-        if not k:
-            raise ConnectionClosed("connection closed during the hello")
-        got += k
-    return buf
-
-
 class Plain:
     """The plain TCP port of one measurement: bound on request, closed when it is over; a
     connection is served only with one of the one-time tickets handed out over TLS."""
@@ -235,7 +209,7 @@ def _handle(sock: socket.socket, tls: ssl.SSLContext | None, run: str,
             sock, _ = pki.wrap_server(sock, tls, job_id=run, roles=ROLES, timeout=IO_TIMEOUT)
             hello = recv_frame(sock, max_payload=0)
         else:
-            hello = _small_hello(sock)
+            hello = recv_small_frame(sock, PLAIN_HELLO_BYTES)  # no more before the ticket
             if plain is None or not plain.admit(hello.meta.get("ticket")):
                 raise WireError("a plain connection without a valid ticket")
         _unauthenticated.release()

@@ -248,6 +248,20 @@ def recv_frame(sock: socket.socket, *, max_payload: int = DEFAULT_MAX_PAYLOAD) -
     return Frame(ftype, meta, payload)
 
 
+def recv_small_frame(sock: socket.socket, max_bytes: int) -> Frame:
+    """Read one frame without payload of at most ``max_bytes`` in all (header and meta), for
+    a connection that is not authenticated yet: nothing larger is read or allocated."""
+    header = bytearray(HEADER_SIZE)
+    _recv_exact(sock, header, "header", frame_start=True)
+    ftype, meta_len, _ = parse_header(header, max_payload=0)
+    if HEADER_SIZE + meta_len > max_bytes:
+        raise WireError(f"a first frame of {HEADER_SIZE + meta_len} bytes; at most {max_bytes} "
+                        "are read before the peer is authenticated")
+    meta_raw = bytearray(meta_len)
+    _recv_exact(sock, meta_raw, "meta", frame_start=False)
+    return Frame(ftype, decode_meta(meta_raw))
+
+
 class FrameDecoder:
     """Incremental parser for bytes that arrive in arbitrary pieces: ``feed(data)`` returns the
     frames completed by data; ``eof()`` says the stream ended (WireError if mid-frame). Memory

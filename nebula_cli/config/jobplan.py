@@ -333,7 +333,7 @@ def _relay_agents(spec: JobSpec, job_id: str, sites: dict[str, Site], ports: Por
             restart_backoff=RELAY_RESTART_BACKOFF,
             processes=[ProcessConfig(
                 name="relay",
-                argv=[site.python, "-m", "nebula_cli.relay.server",
+                argv=[site.python, "-m", "nebula_cli.relay",
                       "--config", posixpath.join(adir, "relay.json")],
                 env=env, log="logs/relay.log", metrics="metrics/relay.jsonl")])
         cert, key = certs.relays[cluster.name]

@@ -45,13 +45,12 @@ import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from itertools import permutations
 from pathlib import Path
 from typing import Any
 
 from nebula_cli import pki
-from nebula_cli.config import jobplan
 from nebula_cli.config.spec import ClusterSpec, JobSpec
 from nebula_cli.control.fanout import GroupError, fanout
 from nebula_cli.control.orchestrator import Orchestrator
@@ -61,7 +60,8 @@ from nebula_cli.transport import Transport
 
 VERSION = 1
 PACKAGE_DIR = Path(__file__).resolve().parent.parent
-PROBE_FILES = ("__init__.py", "errors.py", "pki.py", "relay/__init__.py", "relay/wire.py",
+PROBE_FILES = ("__init__.py", "errors.py", "pki/__init__.py", "pki/certs.py", "pki/tls.py",
+               "relay/__init__.py", "relay/wire.py",
                "relay/probe.py")  # what `python -m nebula_cli.relay.probe` imports
 PINGS = 200
 SETUP_TIMEOUT = 120.0
@@ -90,14 +90,11 @@ class Node:
     dial: str = field(compare=False)  # what other clusters' relays dial (its relay_address)
     root: str = field(compare=False)  # <home>/netbench/<run id> on that host
     relay: bool = field(compare=False)  # the cluster's gateway: probes with the relay's cert
+    bind: str = field(compare=False)  # where a service on that host listens
 
     @property
     def dir(self) -> str:
         return posixpath.join(self.root, self.cluster, self.host)
-
-    @property
-    def local(self) -> bool:
-        return self.conn["transport"] == "local"
 
     def __str__(self) -> str:
         return f"{self.cluster}/{self.host}"
@@ -152,14 +149,13 @@ def _nodes(orch: Orchestrator, spec: JobSpec, wanted: set[tuple[str, str]],
         if hosts:
             clusters.append(c.model_copy(update={"hosts": hosts}))
     sites = orch.sites(spec.model_copy(update={"clusters": clusters}))
-    home = str(orch.store.home)
     nodes = {}
     for c in clusters:
         for h in c.hosts:
             site = sites[f"{c.name}/{h.host}"]
             nodes[(c.name, h.host)] = Node(
-                cluster=c.name, host=h.host, conn=jobplan.connection_of(c, h, home),
-                address=site.address, dial=c.relay_address or site.address,
+                cluster=c.name, host=h.host, conn=site.conn, address=site.address,
+                dial=c.relay_address or site.address, bind=site.bind,
                 root=posixpath.join(site.home, "netbench", run), relay=h.host == gateways[c.name])
     return nodes
 
@@ -206,9 +202,9 @@ class Bench:
         t.put_bytes(pair.key.read_bytes(), posixpath.join(node.dir, "key.pem"), mode=0o600)
 
     def serve(self, node: Node, lifetime: float) -> dict[str, int]:
-        port = 0 if node.local else self.port  # clusters on this machine cannot share ports
-        reply = self.probe(node, "serve", "--certs", node.dir,
-                           "--bind", "127.0.0.1" if node.local else "0.0.0.0",
+        # the transport knows whether hosts share this machine's ports (then: a free one)
+        port = self.orch.transport(node.conn).listen_port(self.port)
+        reply = self.probe(node, "serve", "--certs", node.dir, "--bind", node.bind,
                            "--port", str(port), "--lifetime", f"{lifetime:.0f}",
                            "--log", posixpath.join(node.dir, "serve.log"), timeout=START_TIMEOUT)
         self.note(f"{node}: probe server pid {reply['pid']}, TLS port {reply['tls_port']} "
@@ -305,7 +301,7 @@ class Bench:
 
 
 def _now() -> str:
-    return datetime.now(timezone.utc).isoformat(timespec="seconds")
+    return datetime.now(UTC).isoformat(timespec="seconds")
 
 
 def run_bench(orch: Orchestrator, spec: JobSpec, *, duration: float = 5.0, streams: int = 4,

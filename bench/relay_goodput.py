@@ -221,7 +221,8 @@ def stream(bed: Any, tmp: Path, nbytes: int, tls: bool, pki: Path) -> float:
 
 def relay(bed: Any, tmp: Path, nbytes: int, rounds: int, pki_dir: Path) -> dict[str, Any]:
     """Two relays (e1, w1) and a RelayClient beside each: Mbit/s of model per direction."""
-    from nebula_cli.relay.config import RelayConfig
+    from nebula_cli.config.spec import CompressionSpec
+    from nebula_cli.relay.config import RelayConfig, ShapingConfig
 
     gateway = {"east": "e1", "west": "w1"}
     peer = {c: f"{bed.hosts[h].address}:{PEER_PORT}" for c, h in gateway.items()}
@@ -235,7 +236,9 @@ def relay(bed: Any, tmp: Path, nbytes: int, rounds: int, pki_dir: Path) -> dict[
                 tls={"ca": str(pki_dir / "ca.pem"),
                      "cert": str(pki_dir / cluster / "relay.pem"),
                      "key": str(pki_dir / cluster / "relay.key")},
-                codec="none", round_timeout=600.0, heartbeat=5.0,
+                codec="none", error_feedback=False, block_size=CompressionSpec().block_size,
+                round_timeout=600.0,
+                heartbeat=5.0, shaping=ShapingConfig(rate_mbit=None, delay_ms=0.0),
                 status_file=str(tmp / f"relay-{cluster}.status.json"),
                 metrics_file=str(tmp / f"relay-{cluster}.jsonl"))
             cfg.dump(tmp / f"relay-{cluster}.json")

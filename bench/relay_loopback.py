@@ -37,9 +37,10 @@ import torch
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from nebula_cli.config.spec import CompressionSpec  # noqa: E402
 from nebula_cli.pki import JobPKI, client_context, issue_job_pki, server_context  # noqa: E402
 from nebula_cli.relay.client import RelayClient, tune_buffers  # noqa: E402
-from nebula_cli.relay.config import RelayConfig  # noqa: E402
+from nebula_cli.relay.config import RelayConfig, ShapingConfig  # noqa: E402
 
 PIECE = 16 << 20
 
@@ -200,7 +201,9 @@ def relay_rounds(mb: int, repeat: int, tmp: Path, pki: JobPKI) -> tuple[list[flo
                 job_id="bench", cluster=c, clusters=clusters, peer_listen=peer[c],
                 worker_listen=work[c], peers={o: peer[o] for o in clusters if o != c},
                 tls={"ca": str(pki.ca_cert), "cert": str(pair.cert), "key": str(pair.key)},
-                codec="none", round_timeout=120.0, heartbeat=5.0,
+                codec="none", error_feedback=False, block_size=CompressionSpec().block_size,
+                round_timeout=120.0,
+                heartbeat=5.0, shaping=ShapingConfig(rate_mbit=None, delay_ms=0.0),
                 metrics_file=str(tmp / f"metrics-{c}.jsonl"))
             cfg.dump(tmp / f"relay-{c}.json")
             log = open(tmp / f"relay-{c}.log", "wb")  # noqa: SIM115 (closed with the process)

@@ -30,3 +30,13 @@ def default_sync_config(**overrides: Any) -> SyncConfig:
     cfg = jobplan.sync_config(spec, "job-test", spec.clusters[0], "/nowhere",
                               relay_addr="127.0.0.1:1")
     return dataclasses.replace(cfg, **overrides)
+
+
+def relay_defaults() -> dict[str, Any]:
+    """The settings of relay.json that come from the spec, at the spec's defaults."""
+    relay = minimal_spec().relay
+    assert relay is not None
+    return {"codec": relay.compression.codec,
+            "error_feedback": relay.compression.error_feedback,
+            "block_size": relay.compression.block_size, "round_timeout": relay.timeout,
+            "heartbeat": relay.heartbeat, "shaping": {"rate_mbit": None, "delay_ms": 0.0}}

@@ -164,3 +164,15 @@ def test_no_module_is_over_500_lines() -> None:
     long = {str(f.relative_to(PACKAGE)): n for f in PACKAGE.rglob("*.py")
             if (n := len(f.read_text().splitlines())) > 500}
     assert not long, long
+
+
+def test_plan_parts_have_no_defaults_of_their_own() -> None:
+    spec_backed = {"codec", "error_feedback", "block_size", "round_timeout", "heartbeat",
+                   "shaping"}
+    for part in (AgentConfig, SyncConfig, RelayConfig):
+        defaulted = {f.name for f in dataclasses.fields(part)
+                     if f.default is not dataclasses.MISSING
+                     or f.default_factory is not dataclasses.MISSING}
+        assert not defaulted & (spec_backed | {f.name for f in dataclasses.fields(SyncConfig)}
+                                | {f.name for f in dataclasses.fields(AgentConfig)}), (
+            part.__name__, defaulted)

@@ -22,6 +22,7 @@ from typing import Any
 
 import pytest
 import torch
+from plan_defaults import relay_defaults
 
 from nebula_cli.pki import JobPKI, client_context, issue_job_pki, server_context
 from nebula_cli.relay.allreduce import BEHIND, Coordinator, RoundExchange, Schedule, ordered_mean
@@ -64,8 +65,9 @@ class Job:
         self.cfg = {}
         for c in clusters:
             pair = self.pki.relay(c)
-            opts = {"codec": "none", "round_timeout": 5.0, "heartbeat": 1.0,
-                    "chunk_numel": 1024, **overrides}
+            # exact expectations: no error feedback unless a test asks for it
+            opts = {**relay_defaults(), "codec": "none", "error_feedback": False,
+                    "round_timeout": 5.0, "heartbeat": 1.0, "chunk_numel": 1024, **overrides}
             self.cfg[c] = RelayConfig(
                 job_id=job_id, cluster=c, clusters=clusters, peer_listen=self.peer[c],
                 worker_listen=self.work[c], peers={o: self.peer[o] for o in clusters if o != c},

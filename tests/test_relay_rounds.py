@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 import torch
+from plan_defaults import relay_defaults
 
 from nebula_cli.relay.allreduce import Decision
 from nebula_cli.relay.codecs import get_codec
@@ -46,8 +47,8 @@ def config(me: str, clusters: list[str], **kw: Any) -> RelayConfig:
                        worker_listen="127.0.0.1:2",
                        peers={c: "127.0.0.1:3" for c in clusters if c != me},
                        tls={"ca": "ca", "cert": "cert", "key": "key"},
-                       **{"codec": "none", "round_timeout": 1.0, "heartbeat": 1.0,
-                          "chunk_numel": 256, "block_size": 64, **kw})
+                       **{**relay_defaults(), "codec": "none", "round_timeout": 1.0,
+                          "heartbeat": 1.0, "chunk_numel": 256, "block_size": 64, **kw})
 
 
 class Hub:

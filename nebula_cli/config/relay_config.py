@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
 
@@ -38,15 +38,16 @@ class TlsFiles:
 class ShapingConfig:
     """WAN emulation on outgoing peer traffic (local runs, demos, benchmarks); off by default."""
 
-    rate_mbit: float | None = None
+    rate_mbit: float | None
     """Outgoing rate per peer link in Mbit/s (token bucket); None = unlimited."""
-    delay_ms: float = 0.0
+    delay_ms: float
     """One-way delay added in user space to every frame sent to a peer."""
 
 
 @dataclass
 class RelayConfig:
-    """One relay's configuration; `load`/`dump` read and write relay.json (unknown keys refused)."""
+    """One relay's configuration; `load`/`dump` read and write relay.json (unknown keys refused).
+    Every setting the spec has comes from the spec (its defaults are defined there only)."""
 
     job_id: str
     cluster: str
@@ -60,18 +61,18 @@ class RelayConfig:
     peers: dict[str, str]
     """cluster -> host:port of its peer_listen, for every other cluster."""
     tls: TlsFiles
-    codec: str = "int8"
+    codec: str
     """Codec of the WAN hop (none, fp16, bf16, int8)."""
-    error_feedback: bool = False
+    error_feedback: bool
     """Keep the codec's rounding error and add it to the next round's contribution."""
-    block_size: int = 256
+    block_size: int
     """Block of the int8 codec (one absmax scale per block)."""
-    round_timeout: float = 60.0
+    round_timeout: float
     """Seconds from the arrival of the local contribution until the round goes ahead without
     the clusters not ready by then."""
-    heartbeat: float = 5.0
+    heartbeat: float
     """Seconds between heartbeats on an idle peer link; a link silent for 3x this is dead."""
-    shaping: ShapingConfig = field(default_factory=ShapingConfig)
+    shaping: ShapingConfig
     status_file: str | None = None
     """JSON status rewritten (atomic rename) after each round and on peer changes."""
     metrics_file: str | None = None

@@ -16,11 +16,9 @@ Tensors travel as :mod:`nebula_cli.relay.framing` lays them out (a header frame,
 from __future__ import annotations
 
 import logging
-import os
 import socket
 import ssl
 import time
-from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -91,7 +89,7 @@ class RelayClient:
         key: str | Path,
         job_id: str,
         cluster: str,
-        round_timeout: float = 600.0,
+        round_timeout: float,
         connect_timeout: float = 10.0,
         retry_for: float = 120.0,
         result_timeout: float | None = None,
@@ -108,25 +106,6 @@ class RelayClient:
         self._ctx = client_context(CertPair(Path(cert), Path(key)), Path(ca))
         self._sock: ssl.SSLSocket | None = None
         self.relay_info: dict[str, Any] = {}
-
-    @classmethod
-    def from_env(cls, env: Mapping[str, str] | None = None) -> RelayClient:
-        """Build from NEBULA_RELAY_ADDR, NEBULA_TLS_CA/CERT/KEY, NEBULA_JOB_ID, NEBULA_CLUSTER
-        and NEBULA_ROUND_TIMEOUT (NEBULA_CODEC is the relay's business: the local hop is fp32)."""
-        env = os.environ if env is None else env
-        names = ["NEBULA_RELAY_ADDR", "NEBULA_TLS_CA", "NEBULA_TLS_CERT", "NEBULA_TLS_KEY",
-                 "NEBULA_JOB_ID", "NEBULA_CLUSTER"]
-        missing = [n for n in names if not env.get(n)]
-        if missing:
-            raise RelayError(f"relay client: environment variable(s) not set: {', '.join(missing)}")
-        timeout = env.get("NEBULA_ROUND_TIMEOUT") or "600"
-        try:
-            round_timeout = float(timeout)
-        except ValueError:
-            raise RelayError(f"NEBULA_ROUND_TIMEOUT={timeout!r} is not a number") from None
-        return cls(env["NEBULA_RELAY_ADDR"], ca=env["NEBULA_TLS_CA"], cert=env["NEBULA_TLS_CERT"],
-                   key=env["NEBULA_TLS_KEY"], job_id=env["NEBULA_JOB_ID"],
-                   cluster=env["NEBULA_CLUSTER"], round_timeout=round_timeout)
 
     # ------------------------------------------------------------------ API
 

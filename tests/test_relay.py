@@ -560,3 +560,19 @@ def test_duplex_tls_carries_both_directions_at_once(tmp_path: Path) -> None:
     finally:
         for end in ends:
             end.sock.close()
+
+
+def test_a_worker_states_what_it_syncs_at_hello(tmp_path: Path) -> None:
+    from nebula_cli.runtime.sync import sync_layout
+
+    job = Job(tmp_path, ["east", "west"])
+    layout = sync_layout([torch.Size([2, 3]), torch.Size([4])])
+    assert layout == {"shapes": [[2, 3], [4]], "dtypes": ["float32", "float32"]}
+    with running(job) as relays, job.client("east", layout=layout, retry_for=2.0) as client:
+        client._connect()  # the HELLO registers the size before any round
+        sync = relays["east"].rounds.sync
+        assert sync is not None and sync.numel == 10 and sync.tensors == 2
+        with pytest.raises(RelayError, match="10"):
+            client.allreduce(0, torch.zeros(11))
+    many = sync_layout([torch.Size([3])] * 10_000)  # too long for a HELLO: one flat vector
+    assert many == {"shapes": [[30_000]], "dtypes": ["float32"]}

@@ -3,7 +3,7 @@
 Only the cluster's rank 0 talks to the relay. The local hop carries raw fp32 (it is local and
 fast); the relay compresses for the WAN. Protocol (frames of :mod:`nebula_cli.relay.wire`)::
 
-    HELLO {role: worker, cluster}                   -> WELCOME {cluster, codec, clusters}
+    HELLO {role: worker, cluster[, layout]}         -> WELCOME {cluster, codec, clusters}
     CONTRIB {op: allreduce, round, numel} + chunks  -> RESULT {round_id, present, ...} + chunks
                                                        [+ STATE chunks when catching up]
     STATE {op: publish, round, numel} + chunks      -> STATE {op: stored, round}
@@ -93,6 +93,7 @@ class RelayClient:
         connect_timeout: float = 10.0,
         retry_for: float = 120.0,
         result_timeout: float | None = None,
+        layout: dict[str, list[Any]] | None = None,
     ) -> None:
         self.host, self.port = parse_addr(addr)
         self.addr = addr
@@ -106,6 +107,9 @@ class RelayClient:
         self._ctx = client_context(CertPair(Path(cert), Path(key)), Path(ca))
         self._sock: ssl.SSLSocket | None = None
         self.relay_info: dict[str, Any] = {}
+        self.layout = layout
+        """What this cluster syncs ({shapes, dtypes}), told to the relay at HELLO: it fixes the
+        size that caps what peers can make the relay hold."""
 
     # ------------------------------------------------------------------ API
 
@@ -211,8 +215,10 @@ class RelayClient:
                               cluster=self.cluster, timeout=self.connect_timeout)
         try:
             sock.settimeout(self.connect_timeout)
-            send_frames(sock, [Frame(FrameType.HELLO, {"role": "worker", "cluster": self.cluster,
-                                                       "job_id": self.job_id})])
+            hello = {"role": "worker", "cluster": self.cluster, "job_id": self.job_id}
+            if self.layout is not None:
+                hello["layout"] = self.layout
+            send_frames(sock, [Frame(FrameType.HELLO, hello)])
             self.relay_info = self._expect(sock, FrameType.WELCOME).meta
         except BaseException:
             sock.close()

@@ -15,6 +15,7 @@ one fp32 vector (parameter-efficient training syncs only its adapters).
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import threading
@@ -43,6 +44,21 @@ def wanted() -> bool:
     """Whether this process should wrap its engine in an OuterSync: the job's plan gave it a
     sync config ($NEBULA_SYNC_CONFIG), or it runs in `nebula plan`'s dry run ($NEBULA_DRY_RUN)."""
     return bool(os.environ.get(SYNC_CONFIG_ENV) or os.environ.get(DRY_RUN_ENV))
+
+
+LAYOUT_BYTES = 16 * 1024
+"""Largest per-tensor layout told to the relay; a bigger one is told as one flat vector."""
+
+
+def sync_layout(shapes: list[torch.Size]) -> dict[str, list[Any]]:
+    """What the relay is told this cluster syncs: the tensors' shapes (one flat fp32 vector
+    when the list would not fit in a small HELLO)."""
+    layout: dict[str, list[Any]] = {"shapes": [list(s) for s in shapes],
+                                     "dtypes": ["float32"] * len(shapes)}
+    if len(json.dumps(layout)) > LAYOUT_BYTES:
+        numel = sum(int(torch.Size(s).numel()) for s in shapes)
+        layout = {"shapes": [[numel]], "dtypes": ["float32"]}
+    return layout
 
 
 def plan_config() -> SyncConfig | None:
@@ -439,7 +455,8 @@ class OuterSync:
                                 f"(run under `nebula launch` with a relay, or pass averager=)")
             self._averager = RelayClient(
                 cfg.relay_addr, ca=cfg.tls.ca, cert=cfg.tls.cert, key=cfg.tls.key,
-                job_id=cfg.job_id, cluster=cfg.cluster, round_timeout=cfg.round_timeout)
+                job_id=cfg.job_id, cluster=cfg.cluster, round_timeout=cfg.round_timeout,
+                layout=sync_layout([full_shape(p) for p in self._params]))
         return self._averager
 
     def _optimizer_steps(self) -> int:

@@ -19,7 +19,7 @@ from typer.core import TyperGroup
 from nebula_cli import __version__, pki
 from nebula_cli.cli.live import print_line, watch
 from nebula_cli.cli.netbench_render import bench_matrix, bench_progress
-from nebula_cli.cli.planner_render import advisor_table, placement_table
+from nebula_cli.cli.planner_render import advisor_table, placement_progress, placement_table
 from nebula_cli.cli.ui import (
     cluster_colors,
     host_checks_table,
@@ -400,10 +400,13 @@ def plan_placement_cmd(
     netbench: Annotated[Path | None, typer.Option(
         "--netbench", help="bench-network's JSON, for --spec.")] = None,
     budget: Annotated[int, typer.Option(help="Candidate evaluations per search.")] = 5000,
+    time_limit: Annotated[float | None, typer.Option(
+        "--time-limit", help="Seconds the search may take (each baseline too); it stops with "
+        "the best plan so far. Default: no limit, the budget decides.")] = None,
     seed: Annotated[int, typer.Option(help="Random seed (same seed, same answer).")] = 0,
     baselines: Annotated[bool, typer.Option(
-        "--baselines/--no-baselines", help="Also run random search and local search alone at "
-        "the same budget.")] = True,
+        "--baselines/--no-baselines", help="Also run the best of 100 random placements and "
+        "local search alone at the same budget.")] = True,
     as_json: Annotated[bool, typer.Option("--json", help="JSON for scripts.")] = False,
 ) -> None:
     """Which device holds which pipeline stage of which replica (Yuan et al., NeurIPS 2022)."""
@@ -417,9 +420,12 @@ def plan_placement_cmd(
         raise UsageError("give --devices FILE, or --spec SPEC with --netbench FILE")
     task = Task(stages, dp, activation_gb, gradient_gb)
     CostModel(network, task)  # shape errors now, not after a long search
+    limit = f" or {time_limit:g} s" if time_limit is not None else ""
     err.print(f"[dim]searching {network.size} devices, {stages} stages x {dp} replicas, "
-              f"{budget} evaluations{' (+ 2 baselines)' if baselines else ''}...[/]")
-    result = plan_placement(network, task, budget=budget, seed=seed, baselines=baselines)
+              f"{budget} evaluations{limit}{' (+ 2 baselines)' if baselines else ''}...[/]")
+    with placement_progress(err, time_limit) as on_progress:
+        result = plan_placement(network, task, budget=budget, seed=seed, baselines=baselines,
+                                time_limit=time_limit, on_progress=on_progress)
     if as_json:
         out.print_json(json.dumps(result.to_json()))
     else:

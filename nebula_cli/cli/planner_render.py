@@ -1,13 +1,45 @@
-"""rich renderables for the planner: a placement result, and the sync advisor's predictions."""
+"""rich renderables for the planner: a placement result, its search's progress bar, and the sync
+advisor's predictions."""
 
 from __future__ import annotations
 
-from rich.console import Group
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+from rich.console import Console, Group
+from rich.progress import BarColumn, Progress, TaskID, TextColumn, TimeElapsedColumn
 from rich.table import Table
 from rich.text import Text
 
 from nebula_cli.planner.advisor import Advice, spec_lines
-from nebula_cli.planner.placement import PlacementResult
+from nebula_cli.planner.placement import PhaseProgress, PlacementResult
+
+PHASES = {"nebula": "nebula", "random": "random placements", "local_search": "local search"}
+
+
+@contextmanager
+def placement_progress(console: Console, time_limit: float | None) -> Iterator[PhaseProgress]:
+    """A bar per search phase: evaluations of the budget, the best score so far, the time left
+    (by the time limit, or by the evaluation rate). Hidden when the console is not a terminal."""
+    progress = Progress(TextColumn("{task.description:<18}"), BarColumn(),
+                        TextColumn("{task.completed:>6.0f}/{task.total:.0f} evaluations"),
+                        TextColumn("best {task.fields[best]}"), TextColumn("{task.fields[left]}"),
+                        TimeElapsedColumn(), console=console, transient=True,
+                        disable=not console.is_terminal)
+    tasks: dict[str, TaskID] = {}
+
+    def update(phase: str, count: int, total: int, best: float, secs: float) -> None:
+        if phase not in tasks:
+            tasks[phase] = progress.add_task(PHASES.get(phase, phase), total=total,
+                                             best="-", left="")
+        by_rate = secs * (total - count) / count if count else None
+        left = by_rate if time_limit is None else min(by_rate or time_limit,
+                                                       max(0.0, time_limit - secs))
+        progress.update(tasks[phase], completed=count, best=f"{best:.3f} s",
+                        left="" if left is None else f"~{left:.0f} s left")
+
+    with progress:
+        yield update
 
 
 def _s(value: float | None) -> str:
@@ -29,19 +61,24 @@ def placement_table(result: PlacementResult) -> Group:
         link = p.links_s[j] if j < len(p.links_s) else None
         stages.add_row(str(j), *[str(d) for d in devices], _s(p.data_s[j]), _s(link))
 
-    summary = Table(show_header=True, title="score (s) = data + 2 x pipeline",
-                    title_justify="left")
+    stop = (f", stopped at the {result.time_limit:g} s time limit" if result.timed_out
+            else "")
+    summary = Table(show_header=True, title=(
+        f"score (s) = data + 2 x pipeline; lower bound {result.lower_bound:.3f} s, gap "
+        f"{100 * result.gap:.1f} % (at most this share of the score is left to gain){stop}"),
+        title_justify="left")
     for col in ("", "score", "data", "pipeline", "evaluations", "seconds"):
         summary.add_column(col, justify="right" if col else "left")
     summary.add_row(Text("nebula", style="bold"), Text(_s(p.cost.score), style="bold green"),
                     _s(p.cost.data), _s(p.cost.pipeline), str(result.evaluations),
                     f"{result.seconds:.1f}")
-    names = {"random": "random partitions", "local_search": "local search alone"}
+    names = {"random": "best of random placements", "local_search": "local search alone"}
     for key, label in names.items():
         score = result.baselines.get(key)
         if score is not None:
             secs = result.baseline_seconds.get(key)
-            summary.add_row(label, _s(score), "", "", str(result.budget),
+            evals = result.baseline_evaluations.get(key)
+            summary.add_row(label, _s(score), "", "", "-" if evals is None else str(evals),
                             "-" if secs is None else f"{secs:.1f}")
     return Group(stages, summary)
 

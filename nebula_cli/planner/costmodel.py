@@ -36,11 +36,40 @@ from nebula_cli.planner.graphs import (
 )
 
 DeviceId = str | int
+Hint = tuple[bytes, int, int]
+"""(cache key of a neighbouring group pair, device it holds, device that replaces it)."""
+LINK_CACHE_BYTES = 200_000_000
+"""Memory the cache of group-pair links may take (about; it is emptied when full)."""
 Groups = Sequence[Sequence[int]]
 
 
 class PlanError(UsageError):
     """Planner input that cannot be used: says which figure, where, and what was expected."""
+
+
+PAIR_MATRICES = 10
+"""N x N float64 matrices the planner holds at its peak (figures, pair costs, temporaries)."""
+
+
+def available_memory() -> int | None:
+    """Bytes of memory available to a new allocation (MemAvailable), None when unknown."""
+    try:
+        with open("/proc/meminfo", encoding="ascii") as fh:
+            for line in fh:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def check_memory(need: int, what: str) -> None:
+    """PlanError when `need` bytes exceed the memory available now."""
+    have = available_memory()
+    if have is not None and need > have:
+        raise PlanError(f"{what} needs about {need / 2**30:.1f} GiB of memory, "
+                        f"{have / 2**30:.1f} GiB is available: plan on a machine with more "
+                        "memory, or split the network (e.g. plan each region, then the regions)")
 
 
 @dataclass(frozen=True)
@@ -59,6 +88,7 @@ class Network:
         n = len(ids)
         if n == 0:
             raise PlanError("no devices")
+        check_memory(PAIR_MATRICES * 8 * n * n, f"a network of {n} devices")
         if len(set(ids)) != n:
             dup = next(d for d in ids if ids.count(d) > 1)
             raise PlanError(f"device id {dup!r} appears more than once")
@@ -160,7 +190,8 @@ class CostModel:
         self.pipe_pair = delay_s + task.activation_gb * 8 / bw
         np.fill_diagonal(self.data_pair, 0.0)
         np.fill_diagonal(self.pipe_pair, 0.0)
-        self._links: dict[tuple[tuple[int, ...], tuple[int, ...]], tuple[float, list[int]]] = {}
+        self._links: dict[bytes, tuple[float, list[int]]] = {}
+        self._cache_size = max(1000, LINK_CACHE_BYTES // (16 * task.dp + 200))
 
     # -- parts -----------------------------------------------------------------------------
     def group_data_costs(self, groups: Groups) -> np.ndarray:
@@ -168,18 +199,29 @@ class CostModel:
         g = np.asarray(groups)
         return self.data_pair[g[:, :, None], g[:, None, :]].sum(axis=2).max(axis=1)
 
+    def _key(self, a: Sequence[int], b: Sequence[int]) -> tuple[bytes, bool, np.ndarray,
+                                                             np.ndarray]:
+        """The cache key of a group pair (the two sorted member lists, the group with the
+        smaller first member first), whether b's group comes first, and both sorted groups."""
+        sa, sb = np.sort(np.asarray(a, dtype=np.int64)), np.sort(np.asarray(b, dtype=np.int64))
+        flip = bool(sa[0] > sb[0])
+        key = (sb.tobytes() + sa.tobytes()) if flip else (sa.tobytes() + sb.tobytes())
+        return key, flip, sa, sb
+
+    def _store(self, key: bytes, hit: tuple[float, list[int]]) -> None:
+        if len(self._links) >= self._cache_size:
+            self._links.clear()
+        self._links[key] = hit
+
     def _link(self, a: Sequence[int], b: Sequence[int]) -> tuple[float, list[int], bool]:
         """(value, match, flipped) from the cache keyed by the two groups' sorted members; the
         match is for the key's order (flipped: b's group comes first in the key)."""
-        ka, kb = tuple(sorted(a)), tuple(sorted(b))
-        flip = ka > kb
-        key = (kb, ka) if flip else (ka, kb)
+        key, flip, sa, sb = self._key(a, b)
         hit = self._links.get(key)
         if hit is None:
-            if len(self._links) > 400_000:
-                self._links.clear()
-            hit = bottleneck_matching(self.pipe_pair[np.ix_(key[0], key[1])])
-            self._links[key] = hit
+            rows, cols = (sb, sa) if flip else (sa, sb)
+            hit = bottleneck_matching(self.pipe_pair[np.ix_(rows, cols)])
+            self._store(key, hit)
         return hit[0], hit[1], flip
 
     def link_value(self, a: Sequence[int], b: Sequence[int]) -> float:
@@ -198,38 +240,65 @@ class CostModel:
         where_b = {d: i for i, d in enumerate(b)}
         return value, [where_b[to_b[d]] for d in a]
 
-    def link_matrix(self, groups: Groups) -> np.ndarray:
-        """Stages x stages matrix of group-pair links (0 on the diagonal). Links not cached yet
-        are bounded all at once (one vectorised step), then matched one by one."""
-        g = np.sort(np.asarray(groups), axis=1)
-        d = g.shape[0]
-        keys = [tuple(row) for row in g.tolist()]
-        e = np.zeros((d, d))
-        todo_i, todo_j, todo_keys = [], [], []
-        for i in range(d):
-            for j in range(i + 1, d):
-                if keys[i] > keys[j]:
-                    i2, j2 = j, i
-                else:
-                    i2, j2 = i, j
-                key = (keys[i2], keys[j2])
-                hit = self._links.get(key)
-                if hit is None:
-                    todo_i.append(i2)
-                    todo_j.append(j2)
-                    todo_keys.append(key)
-                else:
-                    e[i, j] = e[j, i] = hit[0]
+    def link_values(self, groups: np.ndarray, pairs_i: Sequence[int], pairs_j: Sequence[int],
+                    hints: Sequence[Hint | None] | None = None) -> np.ndarray:
+        """Links of the group pairs (groups[pairs_i[k]], groups[pairs_j[k]]); `groups` has
+        sorted rows. Pairs not cached yet are bounded all at once (one vectorised step), then
+        matched one by one, each starting from its hint's matching when it has one (see
+        `Hint`)."""
+        g = groups
+        out = np.empty(len(pairs_i))
+        todo_i, todo_j, todo_k, todo_keys = [], [], [], []
+        for k, (i, j) in enumerate(zip(pairs_i, pairs_j, strict=True)):
+            if g[i, 0] > g[j, 0]:
+                i, j = j, i
+            key = g[i].tobytes() + g[j].tobytes()
+            hit = self._links.get(key)
+            if hit is None:
+                todo_i.append(i)
+                todo_j.append(j)
+                todo_k.append(k)
+                todo_keys.append(key)
+            else:
+                out[k] = hit[0]
         if todo_keys:
-            if len(self._links) > 400_000:
-                self._links.clear()
             blocks = self.pipe_pair[g[todo_i][:, :, None], g[todo_j][:, None, :]]
             lower, masks = stacked_lower_bounds(blocks)
-            for k, key in enumerate(todo_keys):
-                hit = bottleneck_from_bound(blocks[k], float(lower[k]), masks[k])
-                self._links[key] = hit
-                i, j = todo_i[k], todo_j[k]
-                e[i, j] = e[j, i] = hit[0]
+            for t, key in enumerate(todo_keys):
+                hint = hints[todo_k[t]] if hints is not None else None
+                start = None if hint is None else self._start(hint, g[todo_i[t]], g[todo_j[t]])
+                hit = bottleneck_from_bound(blocks[t], float(lower[t]), masks[t], start)
+                self._store(key, hit)
+                out[todo_k[t]] = hit[0]
+        return out
+
+    def _start(self, hint: Hint, rows: np.ndarray, cols: np.ndarray) -> list[int] | None:
+        """The hint's cached matching, device `old` replaced by `new`, as a start for the
+        matching of the group pair (rows, cols); None when it is not cached."""
+        key, old, new = hint
+        hit = self._links.get(key)
+        if hit is None:
+            return None
+        half = len(key) // 2
+        src = np.frombuffer(key[:half], dtype=np.int64)
+        dst = np.frombuffer(key[half:], dtype=np.int64)[np.asarray(hit[1])]
+        src = np.where(src == old, new, src)
+        dst = np.where(dst == old, new, dst)
+        if src[0] not in rows:  # the new key has the pair the other way round
+            src, dst = dst, src
+        start = np.full(rows.size, -1)
+        start[np.searchsorted(rows, src)] = np.searchsorted(cols, dst)
+        return start.tolist()
+
+    def link_matrix(self, groups: Groups) -> np.ndarray:
+        """Stages x stages matrix of group-pair links (0 on the diagonal)."""
+        g = np.sort(np.asarray(groups, dtype=np.int64), axis=1)
+        d = g.shape[0]
+        iu, ju = np.triu_indices(d, 1)
+        e = np.zeros((d, d))
+        if iu.size:
+            e[iu, ju] = self.link_values(g, iu.tolist(), ju.tolist())
+            e[ju, iu] = e[iu, ju]
         return e
 
     # -- the score -------------------------------------------------------------------------

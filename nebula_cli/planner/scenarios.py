@@ -11,7 +11,10 @@ from typing import Any
 
 import numpy as np
 
-from nebula_cli.planner.costmodel import Network, PlanError, Task
+from nebula_cli.planner.costmodel import Network, PlanError, Task, check_memory
+
+JSON_EXPANSION = 8
+"""Bytes of parsed Python objects per byte of a devices JSON file (floats in lists), about."""
 
 Link = tuple[float, float]
 """(delay in ms, bandwidth in Gbit/s)."""
@@ -95,6 +98,11 @@ def random_sites(sites: int = 3, per_site: int = 8, stages: int = 4, seed: int =
 def load_devices(path: str | Path) -> Network:
     """A devices JSON file: ``{"devices": [ids], "delay_ms": [[...]], "bandwidth_gbps":
     [[...]]}``, ids strings or integers, matrices N x N in that order."""
+    try:
+        size = Path(path).stat().st_size
+    except OSError as exc:
+        raise PlanError(f"cannot read {path}: {exc.strerror or exc}") from exc
+    check_memory(JSON_EXPANSION * size, f"{path} ({size / 2**20:.0f} MiB)")
     return network_from_json(read_json(path), str(path))
 
 

@@ -28,8 +28,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from nebula_cli.planner.costmodel import CostModel, PlanError
-from nebula_cli.planner.evaluator import Evaluator, Exhausted, Scored, groups_of, key_of
+from nebula_cli.planner.evaluator import Evaluator, Exhausted, Progress, Scored, groups_of, key_of
 from nebula_cli.planner.localsearch import better, descend
+from nebula_cli.planner.scale import at_scale, scale_hybrid, scale_local
 
 POPULATION = 16
 """Members of the hybrid search's population."""
@@ -48,12 +49,13 @@ class SearchOutcome:
     best: Scored
     evaluations: int
     trace: list[float]
+    timed_out: bool = False
 
 
 def _outcome(evaluator: Evaluator) -> SearchOutcome:
     if evaluator.best is None:
         raise PlanError(f"budget must be >= 1 evaluation, found {evaluator.budget}")
-    return SearchOutcome(evaluator.best, evaluator.count, evaluator.trace)
+    return SearchOutcome(evaluator.best, evaluator.count, evaluator.trace, evaluator.timed_out)
 
 
 def _random_labels(rng: np.random.Generator, stages: int, dp: int) -> np.ndarray:
@@ -64,9 +66,12 @@ def _trivial(model: CostModel) -> bool:
     return model.task.stages == 1 or model.task.dp == 1
 
 
-def random_search(model: CostModel, budget: int, seed: int = 0) -> SearchOutcome:
+def random_search(model: CostModel, budget: int, seed: int = 0, *,
+                  time_limit: float | None = None,
+                  on_progress: Progress | None = None) -> SearchOutcome:
     """Baseline: the best of `budget` random balanced partitions."""
-    ev, rng = Evaluator(model, budget), np.random.default_rng(seed)
+    ev = Evaluator(model, budget, time_limit=time_limit, on_progress=on_progress)
+    rng = np.random.default_rng(seed)
     t = model.task
     try:
         ev.score(_random_labels(rng, t.stages, t.dp))
@@ -77,12 +82,17 @@ def random_search(model: CostModel, budget: int, seed: int = 0) -> SearchOutcome
     return _outcome(ev)
 
 
-def local_search(model: CostModel, budget: int, seed: int = 0) -> SearchOutcome:
+def local_search(model: CostModel, budget: int, seed: int = 0, *,
+                 time_limit: float | None = None,
+                 on_progress: Progress | None = None) -> SearchOutcome:
     """Baseline: the swap local search from random partitions, restarted at each local optimum
-    until the budget is spent."""
-    ev, rng = Evaluator(model, budget), np.random.default_rng(seed)
+    until the budget is spent (at scale: scale.scale_local)."""
+    ev = Evaluator(model, budget, time_limit=time_limit, on_progress=on_progress)
+    rng = np.random.default_rng(seed)
     t = model.task
     try:
+        if at_scale(model):
+            scale_local(ev, rng)
         start = ev.score(_random_labels(rng, t.stages, t.dp))
         while not _trivial(model):
             descend(ev, start, rng)
@@ -93,13 +103,22 @@ def local_search(model: CostModel, budget: int, seed: int = 0) -> SearchOutcome:
 
 
 def hybrid_search(model: CostModel, budget: int, seed: int = 0, *,
-                  population: int = POPULATION, seeded: bool = True) -> SearchOutcome:
-    """nebula's search: seeded population, aligned crossover, local search on every offspring.
-    `seeded=False` starts from random partitions only (for comparison)."""
-    ev, rng = Evaluator(model, budget), np.random.default_rng(seed)
+                  population: int = POPULATION, seeded: bool = True,
+                  time_limit: float | None = None,
+                  on_progress: Progress | None = None) -> SearchOutcome:
+    """nebula's search: seeded population, aligned crossover, local search on every offspring
+    (at scale: scale.scale_hybrid). `seeded=False` starts from random partitions only (for
+    comparison). Stops at the budget or after `time_limit` seconds, with the best so far."""
+    ev = Evaluator(model, budget, time_limit=time_limit, on_progress=on_progress)
+    rng = np.random.default_rng(seed)
     t = model.task
     pop: list[Scored] = []
     try:
+        if at_scale(model):
+            starts = seed_labels(model) if seeded else []
+            while len(starts) < population:
+                starts.append(_random_labels(rng, t.stages, t.dp))
+            scale_hybrid(ev, starts, rng, SEED_LS, OFFSPRING_LS)
         if _trivial(model):
             ev.score(seed_labels(model)[0])
             return _outcome(ev)
@@ -158,7 +177,7 @@ def seed_labels(model: CostModel) -> list[np.ndarray]:
         model.pipe_pair / max(model.pipe_pair.mean(), 1e-12)
     spread = mix.sum(axis=1)
     out: list[np.ndarray] = []
-    seen: set[tuple[tuple[int, ...], ...]] = set()
+    seen: set[bytes] = set()
     for start in (int(np.argmax(spread)), int(np.argmin(spread))):
         chain = _chain(mix, start)
         for m in [m for m in range(1, t.stages + 1) if t.stages % m == 0]:

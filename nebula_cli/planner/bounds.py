@@ -6,8 +6,8 @@ score = data + 2 x pipeline, and each part is bounded on its own:
 - data: device u's group holds u and dp - 1 other devices, so its cost is at least u's sum over
   its dp - 1 cheapest partners (data_pair); the largest of these over all devices is a bound.
 - pipeline: every device of a group takes part in each link of its group (a perfect matching),
-  and its partner there is in another group, so not among its own dp - 1 group mates: each link
-  of group G costs at least m_u = u's dp-th cheapest pipe_pair, for every u in G. With M_G the
+  so each link of group G costs at least m_u = u's cheapest pipe_pair to another device, for
+  every u in G. With M_G the
   largest m_u in G, a link costs at least max(M_G, M_H). Over a path, charge each link to its
   endpoint further from the path's cheapest group (a tree rooted there): the path costs at least
   the sum of all M_G but the smallest. Groups are not known, but the k-th largest M_G is at least
@@ -47,8 +47,7 @@ def lower_bound(model: CostModel) -> float:
         if t.stages > 1:
             cp = model.pipe_pair[rows].copy()
             cp[np.arange(rows.size), rows] = np.inf
-            kth = min(t.dp, n - 1) - 1
-            m[rows] = np.partition(cp, kth, axis=1)[:, kth]
+            m[rows] = cp.min(axis=1)
     pipeline = 0.0
     if t.stages > 1:
         ranked = np.sort(m)[::-1]

@@ -20,12 +20,15 @@ from nebula_cli.relay.allreduce import Decision
 from nebula_cli.relay.codecs import get_codec
 from nebula_cli.relay.config import RelayConfig
 from nebula_cli.relay.limits import (
+    CHUNK_SLACK,
     EARLY_COPIES,
+    EARLY_FRAME_COST,
     MAX_ROUNDS_AHEAD,
     EarlyChunks,
     LimitExceeded,
     Refusals,
     SyncSize,
+    held_size,
 )
 from nebula_cli.relay.results import Average, GlobalState, Outcome
 from nebula_cli.relay.round_state import EMPTY, EXCHANGE, LEFT_OUT, after_decision
@@ -248,17 +251,18 @@ def test_early_chunks_are_held_within_the_sync_size_only(hub3: Hub) -> None:
     assert a.early.bytes == 0
     a.register(SyncSize.flat(512))  # 2 chunks of 256
     a.on_chunk("b", chunk(0, 0))
-    assert a.early.bytes == 256
+    one = held_size(chunk(0, 0))
+    assert a.early.bytes == one
     a.on_chunk("b", chunk(0, 0))  # twice
     a.on_chunk("b", chunk(0, 7))  # no such chunk
     a.on_chunk("b", chunk(MAX_ROUNDS_AHEAD + 5, 0))  # far in the future
-    assert a.early.bytes == 256 and a.early.keys() == [(0, 0, "a")]
+    assert a.early.bytes == one and a.early.keys() == [(0, 0, "a")]
     with pytest.raises(LimitExceeded):
         a.register(SyncSize.flat(513))
 
 
 def test_early_chunk_budget_is_a_few_copies_of_the_sync_size() -> None:
-    early = EarlyChunks()
+    early = EarlyChunks(["a"], max_attempts=3)
     numel = 100_000  # (CHUNK_SLACK is small beside it)
     frame = Frame(FrameType.PEER_CHUNK, {}, bytes(4 * numel))
     held = 0
@@ -267,5 +271,27 @@ def test_early_chunk_budget_is_a_few_copies_of_the_sync_size() -> None:
             early.add((1, 0, "a"), f"peer{k}", 0, frame, done=0, sync_numel=numel,
                       num_chunks=1)
             held += 1
-    assert held == EARLY_COPIES and early.bytes == EARLY_COPIES * 4 * numel
+    assert held == EARLY_COPIES and early.bytes == EARLY_COPIES * held_size(frame)
     assert len(early.pop((1, 0, "a"))) == EARLY_COPIES and early.bytes == 0
+
+
+def test_zero_length_chunks_under_made_up_attempts_and_coordinators_are_bounded() -> None:
+    """An attacker's chunks: attempts and coordinators of its choosing, empty payloads, a
+    large meta. Nothing outside the job's rounds is held, and what is held is counted."""
+    clusters, numel, chunks = ["a", "b", "c"], 1024, 4
+    early = EarlyChunks(clusters, max_attempts=3)
+    refused = 0
+    for i in range(20_000):
+        meta = {"pad": "x" * 4000, "i": i}
+        key = (1 + i % 3, i % 7, ["a", "b", "c", "zz", ""][i % 5])
+        try:
+            early.add(key, "b", i % chunks, Frame(FrameType.PEER_CHUNK, meta, b""), done=0,
+                      sync_numel=numel, num_chunks=chunks)
+        except LimitExceeded:
+            refused += 1
+    keys = list(early.keys())
+    assert keys and all(k[1] < 3 and k[2] in clusters for k in keys)
+    held = [f for key in keys for _, f in early.pop(key)]
+    assert refused == 20_000 - len(held) and len(held) <= 2 * 3 * 3 * chunks
+    budget = EARLY_COPIES * (4 * numel + chunks * EARLY_FRAME_COST) + CHUNK_SLACK
+    assert sum(held_size(f) for f in held) <= budget

@@ -39,6 +39,8 @@ MAX_ROUNDS_AHEAD = 2
 """Round-control messages and early chunks for rounds further beyond this relay's newest are
 refused (a real peer is never more than one round ahead of a cluster it exchanges with)."""
 EARLY_COPIES = 2
+EARLY_FRAME_COST = 512
+"""What a held early frame counts beyond its payload and its meta (the objects holding it)."""
 """Early chunks held (all peers, all rounds): at most this many fp32 copies of the sync size."""
 MAX_OPEN_ROUNDS = 32
 """Round-control state (decisions, behind notices) kept for this many rounds at most."""
@@ -173,37 +175,52 @@ class Refusals:
             return sum(self.counts.values())
 
 
+def held_size(frame: Any) -> int:
+    """Bytes a held frame stands for: payload, meta, and the objects around them."""
+    meta = json.dumps(frame.meta, separators=(",", ":"), default=str)
+    return len(frame.payload) + len(meta) + EARLY_FRAME_COST
+
+
 class EarlyChunks:
     """Chunks that arrived before this relay started their round's exchange, held for it.
 
-    Held only for rounds in (done, done + MAX_ROUNDS_AHEAD], one per (round key, sender,
-    chunk index) with an index the sync size allows, and EARLY_COPIES x the sync size in all;
-    anything else is refused (LimitExceeded says why)."""
+    Held only for rounds in (done, done + MAX_ROUNDS_AHEAD], attempts below `max_attempts`,
+    coordinators that are clusters of the job, one per (round key, sender, chunk index) with an
+    index the sync size allows; EARLY_COPIES x the sync size in all, every frame counted with
+    its meta and EARLY_FRAME_COST on top of its payload (a zero-length chunk is not free).
+    Every check comes before anything is stored; anything else is refused (LimitExceeded says
+    why)."""
 
-    def __init__(self) -> None:
+    def __init__(self, clusters: Sequence[str], max_attempts: int) -> None:
         self._held: dict[tuple[int, int, str], dict[tuple[str, int], Any]] = {}
+        self._clusters = frozenset(clusters)
+        self._max_attempts = max_attempts
         self.bytes = 0
 
     def add(self, key: tuple[int, int, str], src: str, k: Any, frame: Any, *, done: int,
             sync_numel: int | None, num_chunks: int) -> None:
+        round_id, attempt, coord = key
         if sync_numel is None:
             raise LimitExceeded("a chunk before this cluster's workers registered")
-        if not done < key[0] <= done + MAX_ROUNDS_AHEAD:
-            raise LimitExceeded(f"a chunk for round {key[0]} (this relay is at round {done})")
+        if not done < round_id <= done + MAX_ROUNDS_AHEAD:
+            raise LimitExceeded(f"a chunk for round {round_id} (this relay is at round {done})")
+        if not 0 <= attempt < self._max_attempts or coord not in self._clusters:
+            raise LimitExceeded(f"a chunk for attempt {attempt} coordinated by {coord!r}")
         if not isinstance(k, int) or not 0 <= k < num_chunks:
             raise LimitExceeded(f"chunk index {k!r} (the sync size has {num_chunks} chunks)")
-        size = len(frame.payload)
-        slot = self._held.setdefault(key, {})
-        if (src, k) in slot:
-            raise LimitExceeded(f"chunk {k} of round {key[0]} twice")
-        if self.bytes + size > EARLY_COPIES * 4 * sync_numel + CHUNK_SLACK:
+        size = held_size(frame)
+        slot = self._held.get(key)
+        if slot is not None and (src, k) in slot:
+            raise LimitExceeded(f"chunk {k} of round {round_id} twice")
+        if self.bytes + size > EARLY_COPIES * (4 * sync_numel + num_chunks * EARLY_FRAME_COST) \
+                + CHUNK_SLACK:
             raise LimitExceeded(f"early chunks beyond {EARLY_COPIES}x the sync size")
-        slot[(src, k)] = frame
+        self._held.setdefault(key, {})[(src, k)] = frame
         self.bytes += size
 
     def pop(self, key: tuple[int, int, str]) -> list[tuple[str, Any]]:
         slot = self._held.pop(key, {})
-        self.bytes -= sum(len(f.payload) for f in slot.values())
+        self.bytes -= sum(held_size(f) for f in slot.values())
         return [(src, f) for (src, _), f in slot.items()]
 
     def drop_through(self, round_id: int) -> None:

@@ -95,7 +95,7 @@ class Rounds(RoundState):
         self.grace = max(2.0, 2 * cfg.heartbeat)
         self.fetch_timeout = max(120.0, 10 * cfg.round_timeout)
         self.stall_timeout = max(30.0, 3 * cfg.round_timeout)
-        self.early = EarlyChunks()
+        self.early = EarlyChunks(cfg.clusters, MAX_ATTEMPTS)
         self._event, self._finished, self._refusals = event, finished, refusals
         self.clock = clock
         self.started = clock()

@@ -265,3 +265,18 @@ def test_pipeline_follows_the_placement_over_ssh(ssh_cli: CLI, bed_clean: TestBe
     for j in range(2):
         assert len({r["param_sha256"] for r in finals if r["stage"] == j}) == 1
     assert len({r["param_sha256"] for r in finals}) == 2  # the two stages differ
+
+
+def test_ctrl_c_during_setup_over_ssh_cancels_the_launch(ssh_cli: CLI, bed_clean: TestBed,
+                                                         tmp_path: Path) -> None:
+    from conftest import wait_for
+    from test_launch_cancel import launch_and_interrupt, mentions
+
+    spec = ssh_spec(tmp_path, bed_clean, clusters={"east": ["e1"], "west": ["w1"]},
+                    run="sleep 300", relay={},
+                    extra={"setup": "echo setting up; sleep 120"})
+    job_id, code, seconds = launch_and_interrupt(ssh_cli, spec, "setup | setting up")
+    assert code == 130 and seconds < 10, (code, seconds)
+    status = json.loads(ssh_cli("status", job_id, "--json", check=True).stdout)
+    assert status["state"] == "CANCELLED"
+    assert wait_for(lambda: not mentions(job_id), timeout=5)  # the remote setups too

@@ -1,13 +1,15 @@
 """Run one function for many hosts at once; collect every outcome, raise once after all finish.
 
-`fanout` never leaves work running behind it: on a timeout, or when the waiting thread is
-interrupted (Ctrl-C), it calls `cancel` (which should make the calls in flight return, e.g. by
-closing their connections) and waits for them. Its threads are daemon threads, so none can keep
-the process alive after the command is done.
+`fanout` never returns while one of its calls still runs: on a timeout, or when the waiting
+thread is interrupted (Ctrl-C), it calls `cancel` (which must make the calls in flight return,
+e.g. by aborting their connections), stops starting new calls, and waits for those in flight.
+At most `max_workers` threads, all daemon threads: none can keep the process alive after the
+command is done.
 """
 
 from __future__ import annotations
 
+import queue
 import threading
 import time
 from collections.abc import Callable, Hashable, Iterable
@@ -18,8 +20,8 @@ from nebula_cli.errors import NebulaError
 K = TypeVar("K", bound=Hashable)
 R = TypeVar("R")
 
-CANCEL_WAIT = 5.0
-"""Seconds fanout waits for the calls in flight after it cancelled them."""
+CANCEL_EVERY = 5.0
+"""Seconds between calls of `cancel` while calls in flight have not returned yet."""
 
 
 class GroupError(NebulaError):
@@ -33,67 +35,66 @@ class GroupError(NebulaError):
 
 
 class _Calls:
-    """The calls of one fanout: at most `limit` at once, each in a daemon thread."""
+    """The calls of one fanout, run by `workers` daemon threads taking keys from a queue."""
 
-    def __init__(self, keys: list[K], fn: Callable[[K], R], limit: int) -> None:
+    def __init__(self, keys: list[K], fn: Callable[[K], R], workers: int) -> None:
         self.results: dict[object, object] = {}
-        self._lock = threading.Lock()
-        self._slots = threading.BoundedSemaphore(limit)
-        self._done = threading.Event()
-        self._left = len(keys)
-        self._stopped = False
-        self._threads = [threading.Thread(target=self._call, args=(k, fn), daemon=True,
-                                          name=f"fanout-{k}") for k in keys]
+        self.lock = threading.Lock()
+        self._todo: queue.SimpleQueue[K] = queue.SimpleQueue()
+        for k in keys:
+            self._todo.put(k)
+        self._stopped = threading.Event()
+        self._threads = [threading.Thread(target=self._work, args=(fn,), daemon=True,
+                                          name="fanout") for _ in range(workers)]
         for t in self._threads:
             t.start()
 
-    def _call(self, key: K, fn: Callable[[K], R]) -> None:
-        outcome: object
-        with self._slots:
-            if self._stopped:
-                outcome = TimeoutError("not started: the fan-out was cancelled")
-            else:
-                try:
-                    outcome = fn(key)
-                except BaseException as exc:  # noqa: BLE001 - every outcome is reported
-                    outcome = exc
-        with self._lock:
-            self.results[key] = outcome
-            self._left -= 1
-            if self._left == 0:
-                self._done.set()
+    def _work(self, fn: Callable[[K], R]) -> None:
+        while not self._stopped.is_set():
+            try:
+                key = self._todo.get_nowait()
+            except queue.Empty:
+                return
+            outcome: object
+            try:
+                outcome = fn(key)
+            except BaseException as exc:  # noqa: BLE001 - every outcome is reported
+                outcome = exc
+            with self.lock:
+                self.results[key] = outcome
 
     def wait(self, timeout: float) -> bool:
-        return self._done.wait(max(timeout, 0.0))
+        """Whether every thread has ended within `timeout` seconds."""
+        end = time.monotonic() + timeout
+        for t in self._threads:
+            t.join(max(end - time.monotonic(), 0.0))
+        return not any(t.is_alive() for t in self._threads)
 
     def stop(self) -> None:
         """Calls not yet started will not start."""
-        self._stopped = True
-
-    def running(self) -> list[str]:
-        return [t.name.removeprefix("fanout-") for t in self._threads if t.is_alive()]
+        self._stopped.set()
 
 
 def fanout(
-    keys: Iterable[K], fn: Callable[[K], R], *, timeout: float, max_workers: int = 32,
-    cancel: Callable[[], None] | None = None,
+    keys: Iterable[K], fn: Callable[[K], R], *, timeout: float,
+    cancel: Callable[[], None], max_workers: int = 32,
 ) -> dict[K, R]:
     """fn(key) for every key in parallel threads. Returns {key: result} when all succeeded;
     raises GroupError (with every key's outcome) when any failed or did not finish in time.
-    On a timeout or an interrupt, `cancel()` is called and the calls in flight are waited for
-    (at most CANCEL_WAIT seconds more); an interrupt is then raised again."""
+    On a timeout or an interrupt, `cancel()` is called (again every CANCEL_EVERY seconds) until
+    the calls in flight have returned; an interrupt is then raised again."""
     keys = list(keys)
     if not keys:
         return {}
     calls = _Calls(keys, fn, min(max_workers, len(keys)))
     try:
-        finished = calls.wait(timeout)
+        finished = _wait_all(calls, timeout)
     except BaseException:
         _cancel(calls, cancel)
         raise
     if not finished:
         _cancel(calls, cancel)
-    with calls._lock:  # noqa: SLF001 - the results as of now
+    with calls.lock:
         results = dict(calls.results)
     for k in keys:
         results.setdefault(k, TimeoutError(f"did not finish within {timeout:g} s"))
@@ -102,11 +103,19 @@ def fanout(
     return {k: results[k] for k in keys}  # type: ignore[misc]
 
 
-def _cancel(calls: _Calls, cancel: Callable[[], None] | None) -> None:
-    """Stop what has not started, cancel what runs, and wait (bounded) for it to return."""
+def _wait_all(calls: _Calls, timeout: float) -> bool:
+    """Wait for the calls at most `timeout` seconds, in short joins (so Ctrl-C gets through)."""
+    end = time.monotonic() + timeout
+    while (left := end - time.monotonic()) > 0:
+        if calls.wait(min(left, 0.2)):
+            return True
+    return calls.wait(0)
+
+
+def _cancel(calls: _Calls, cancel: Callable[[], None]) -> None:
+    """Stop what has not started, cancel what runs, and wait until it has returned."""
     calls.stop()
-    if cancel is not None:
+    while True:
         cancel()
-    deadline = time.monotonic() + CANCEL_WAIT
-    while calls.running() and time.monotonic() < deadline:
-        calls.wait(0.05)
+        if calls.wait(CANCEL_EVERY):
+            return

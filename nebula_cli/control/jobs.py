@@ -87,7 +87,7 @@ class JobOps(Session):
             try:
                 answers = fanout(
                     list(groups), lambda k: self._agent_call(groups[k], "status", timeout=30),
-                    timeout=60,
+                    timeout=60, cancel=self.abort,
                 )
             except GroupError as exc:
                 answers = {k: v for k, v in exc.results.items() if isinstance(v, list)}
@@ -125,7 +125,7 @@ class JobOps(Session):
         groups = self._by_machine(relays)
         try:
             answers = fanout(list(groups), lambda k: self._agent_call(
-                groups[k], "stop", "--grace", "5", timeout=60), timeout=90)
+                groups[k], "stop", "--grace", "5", timeout=60), timeout=90, cancel=self.abort)
         except GroupError as exc:
             answers = {k: v for k, v in exc.results.items() if isinstance(v, list)}
         for key, replies in answers.items():
@@ -171,7 +171,7 @@ class JobOps(Session):
             answers = fanout(
                 list(groups),
                 lambda k: self._agent_call(groups[k], *args, timeout=grace + 60),
-                timeout=grace + 90,
+                timeout=grace + 90, cancel=self.abort,
             )
         except GroupError as exc:
             answers = {k: v for k, v in exc.results.items() if isinstance(v, list)}
@@ -207,7 +207,7 @@ class JobOps(Session):
             groups = self._by_machine(need)
             try:
                 answers = fanout(list(groups), lambda k: self._summaries_of(groups[k]),
-                                 timeout=60)
+                                 timeout=60, cancel=self.abort)
             except GroupError as exc:
                 answers = {k: v for k, v in exc.results.items() if isinstance(v, list)}
                 for key, err in exc.failures.items():

@@ -238,7 +238,7 @@ class Bench:
         if installed:
             try:
                 fanout(nodes, lambda n: self.probe(n, "stop", timeout=STOP_TIMEOUT),
-                       timeout=STOP_TIMEOUT + 10)
+                       timeout=STOP_TIMEOUT + 10, cancel=self.orch.abort)
             except GroupError as exc:
                 self.errors += [f"{n}: probes may be left running: {e}"
                                 for n, e in exc.failures.items()]
@@ -251,7 +251,7 @@ class Bench:
                  "sh", node.root], timeout=STOP_TIMEOUT)
 
         try:
-            fanout(nodes, remove, timeout=STOP_TIMEOUT + 10)
+            fanout(nodes, remove, timeout=STOP_TIMEOUT + 10, cancel=self.orch.abort)
         except GroupError as exc:
             self.errors += [f"{n}: {n.root} not removed: {e}"  # type: ignore[attr-defined]
                             for n, e in exc.failures.items()]
@@ -275,13 +275,13 @@ class Bench:
                     self.run, {c: [h for (cc, h) in nodes if cc == c]
                                for c in dict.fromkeys(c for c, _ in nodes)}, Path(tmp))
                 fanout(list(nodes.values()), lambda n: self.install(n, issued),
-                       timeout=SETUP_TIMEOUT)
+                       timeout=SETUP_TIMEOUT, cancel=self.orch.abort)
             installed = True
             lifetime = len(pairs) * (2 * self.duration + MEASURE_SLACK) + 2 * SETUP_TIMEOUT
             dsts = list(dict.fromkeys(p.dst for p in pairs))
             self.step("starting probe servers", 0, len(pairs))
             self.servers = fanout(dsts, lambda n: self.serve(n, lifetime),
-                                  timeout=START_TIMEOUT + 10)
+                                  timeout=START_TIMEOUT + 10, cancel=self.orch.abort)
             for i, pair in enumerate(pairs):
                 self.step(f"{pair.src.cluster} -> {pair.dst.cluster} "
                           f"({pair.src.host} -> {pair.dst.host})", i, len(pairs))

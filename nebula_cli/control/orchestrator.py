@@ -68,13 +68,13 @@ class Orchestrator(JobOps):
             for agent in plan.agents:  # recorded first: `stop` reaches hosts a launch touched
                 self._record(job.id, agent, "PENDING")
             fanout(plan.hosts, lambda a: self._provision_host(spec, a, progress, transfer),
-                   timeout=SETUP_TIMEOUT, cancel=self.close)
+                   timeout=SETUP_TIMEOUT, cancel=self.abort)
             fanout(plan.agents, self._write_agent_files, timeout=AGENT_TIMEOUT,
-                   cancel=self.close)
+                   cancel=self.abort)
             # relays first, so that workers find them; then workers
             for role in (jobplan.RELAY, jobplan.WORKER):
                 results = fanout(plan.role(role), self._start, timeout=AGENT_TIMEOUT,
-                                 cancel=self.close)
+                                 cancel=self.abort)
                 for agent, pid in results.items():
                     started.append(agent)
                     self._record(job.id, agent, "STARTING", pid=pid)
@@ -124,7 +124,7 @@ class Orchestrator(JobOps):
                                 bind=t.bind_address, python=t.python,
                                 shares_files=t.shares_files)
 
-        return fanout(list(entries), site, timeout=AGENT_TIMEOUT, cancel=self.close)
+        return fanout(list(entries), site, timeout=AGENT_TIMEOUT, cancel=self.abort)
 
     def ports(self, spec: JobSpec, sites: dict[str, jobplan.Site]) -> jobplan.Ports:
         """Rendezvous ports of every DeepSpeed world and the relays' ports, from the hosts."""
@@ -231,7 +231,7 @@ class Orchestrator(JobOps):
                 return HostCheck(cluster.name, host.host, host.slots, error=str(exc))
             return check_host(t, cluster.name, host.host, host.slots)
 
-        return list(fanout(list(entries), check, timeout=120).values())
+        return list(fanout(list(entries), check, timeout=120, cancel=self.abort).values())
 
     def _stop_agents(self, agents: list[AgentPlan], grace: float, force: bool,
                      timeout: float) -> None:
@@ -249,7 +249,7 @@ class Orchestrator(JobOps):
 
         # best effort: the launch error is what the user needs; every host is tried
         with contextlib.suppress(GroupError):
-            fanout(list(groups), stop_group, timeout=grace + timeout, cancel=self.close)
+            fanout(list(groups), stop_group, timeout=grace + timeout, cancel=self.abort)
 
 
 def _describe(cluster: ClusterSpec, host: HostSpec, home: str) -> dict[str, Any]:

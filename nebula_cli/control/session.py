@@ -39,6 +39,16 @@ class Session:
         for t in transports:
             t.close()
 
+    def abort(self) -> None:
+        """Cancel what other threads are doing through this session's transports: each is
+        closed for good (what runs returns with an error, nothing more starts over it); later
+        calls of `transport` open new ones."""
+        with self._lock:
+            transports = list(self._transports.values())
+            self._transports.clear()
+        for t in transports:
+            t.abort()
+
     def __enter__(self) -> Session:
         return self
 

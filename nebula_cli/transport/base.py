@@ -13,7 +13,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
-from nebula_cli.errors import CommandFailed
+from nebula_cli.errors import CommandFailed, TransportError
 
 DEFAULT_TIMEOUT = 120.0
 
@@ -167,7 +167,21 @@ class Transport(ABC):
         return result
 
     def close(self) -> None:  # noqa: B027 - optional hook
-        """Release connections. Safe to call twice."""
+        """Release connections. Safe to call twice; a later operation opens them again."""
+
+    aborted = False
+    """Set by `abort`: every later operation raises TransportError."""
+
+    def abort(self) -> None:
+        """Close for good: what runs returns (with an error), nothing more starts. For
+        cancelling work that other threads are doing through this transport."""
+        self.aborted = True
+        self.close()
+
+    def check_open(self) -> None:
+        """TransportError if this transport was aborted."""
+        if self.aborted:
+            raise TransportError("cancelled: the connection was closed", host=self.name)
 
     def __enter__(self) -> Transport:
         return self

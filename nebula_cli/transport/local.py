@@ -86,6 +86,7 @@ class LocalTransport(Transport):
         src, dst = Path(local_dir).resolve(), Path(remote_dir).expanduser().resolve()
         if not src.is_dir():
             raise TransportError(f"cannot upload {local_dir}: not a directory", host=self.name)
+        self.check_open()
         if src == dst:
             return 0, 0  # already there
         dirs, files = tree.walk(src, exclude)
@@ -102,6 +103,7 @@ class LocalTransport(Transport):
             todo.append(item)
         total, done = sum(item.size for item in todo), 0
         for item in todo:
+            self.check_open()
             target = dst / item.rel
             tmp = target.with_name(f".{target.name}.nebula-tmp")
             try:
@@ -133,6 +135,7 @@ class LocalTransport(Transport):
         """Each command runs in a session of its own, so that `close()` (or a timeout) ends it
         with everything it started."""
         command = shell_join(argv)
+        self.check_open()
         try:
             proc = subprocess.Popen(
                 argv, shell=isinstance(argv, str), env={**os.environ, **(env or {})}, cwd=cwd,
@@ -142,6 +145,8 @@ class LocalTransport(Transport):
             raise TransportError(f"cannot run `{command}`: {exc}", host=self.name) from exc
         with self._lock:
             self._live.add(proc)
+        if self.aborted:  # aborted while it started: end it with the others
+            _kill(proc)
         sinks: list[list[bytes]] = [[], []]
         splitter = LineSplitter(on_output) if on_output is not None else None
 

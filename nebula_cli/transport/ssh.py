@@ -217,6 +217,7 @@ class SSHTransport(SFTPFiles, Transport):
     # --- connection -------------------------------------------------------------------------
 
     def _connection(self) -> paramiko.Transport:
+        self.check_open()
         conn = self._conn
         if conn is not None and conn.is_active():
             return conn
@@ -390,6 +391,8 @@ class SSHTransport(SFTPFiles, Transport):
         with self._lock:
             self._drop()
         if self._owns_jump and self.jump is not None:
+            if self.aborted:
+                self.jump.abort()
             self.jump.close()
 
     # --- commands ---------------------------------------------------------------------------

@@ -29,6 +29,7 @@ import numpy as np
 
 from nebula_cli.errors import UsageError
 from nebula_cli.planner.graphs import (
+    EXACT_TOUR_MAX,
     bottleneck_from_bound,
     bottleneck_matching,
     open_tour,
@@ -38,6 +39,8 @@ from nebula_cli.planner.graphs import (
 DeviceId = str | int
 Hint = tuple[bytes, int, int]
 """(cache key of a neighbouring group pair, device it holds, device that replaces it)."""
+BOUND_BLOCK = 1 << 22
+"""Elements of pair blocks bounded at a time (memory cap)."""
 LINK_CACHE_BYTES = 200_000_000
 """Memory the cache of group-pair links may take (about; it is emptied when full)."""
 Groups = Sequence[Sequence[int]]
@@ -307,10 +310,41 @@ class CostModel:
         see `check_partition`)."""
         group_data = (self.group_data_costs(groups) if self.task.dp > 1
                       else np.zeros(len(groups)))
-        links = self.link_matrix(groups)
-        pipeline, order = open_tour(links)
+        if len(groups) > EXACT_TOUR_MAX:
+            g = np.sort(np.asarray(groups, dtype=np.int64), axis=1)
+            iu, ju = np.triu_indices(g.shape[0], 1)
+            links = np.zeros((g.shape[0], g.shape[0]))
+            links[iu, ju] = self.link_bounds(g, iu, ju)
+            links[ju, iu] = links[iu, ju]
+            pipeline, order = self.pipeline_on_bounds(g, links)
+        else:
+            links = self.link_matrix(groups)
+            pipeline, order = open_tour(links)
         data = float(group_data.max())
         return Evaluation(Cost(data + 2 * pipeline, data, pipeline), order, group_data, links)
+
+    def link_bounds(self, groups: np.ndarray, pairs_i: np.ndarray,
+                    pairs_j: np.ndarray) -> np.ndarray:
+        """Lower bounds of the links of group pairs (max of the block's row and column minima),
+        vectorised, in blocks of at most BOUND_BLOCK elements."""
+        dp = groups.shape[1]
+        out = np.empty(len(pairs_i))
+        step = max(1, BOUND_BLOCK // (dp * dp))
+        for lo in range(0, len(pairs_i), step):
+            gi, gj = groups[pairs_i[lo:lo + step]], groups[pairs_j[lo:lo + step]]
+            blocks = self.pipe_pair[gi[:, :, None], gj[:, None, :]]
+            out[lo:lo + step] = np.maximum(blocks.min(axis=2).max(axis=1),
+                                           blocks.min(axis=1).max(axis=1))
+        return out
+
+    def pipeline_on_bounds(self, groups: np.ndarray,
+                           bounds: np.ndarray) -> tuple[float, list[int]]:
+        """Above EXACT_TOUR_MAX stages: the stage order is the heuristic tour on the links' lower
+        bounds (no matching needed), and the pipeline cost is the exact links along it (stages -
+        1 matchings instead of stages^2 / 2)."""
+        _, order = open_tour(bounds)
+        exact = self.link_values(groups, order[:-1], order[1:])
+        return float(sum(exact.tolist())), order
 
     def cost(self, groups: Groups) -> Cost:
         """The score of one partition and its two parts."""

@@ -16,6 +16,8 @@ EXACT_TOUR_MAX = 12
 above, a heuristic tour (see `_heuristic_tour`; its gap on exactly solved instances is pinned in
 tests/test_planner_scale.py)."""
 TOUR_STARTS = 3
+OR_OPT_MAX = 2
+"""Longest run of nodes an Or-opt move relocates."""
 """Nearest-neighbour paths the heuristic tour improves (the cheapest ones)."""
 
 
@@ -248,7 +250,7 @@ def _improve_path(links: np.ndarray, path: np.ndarray) -> list[int]:
         two[lower] = np.inf
         flat = int(np.argmin(two))
         gain, move = float(two.flat[flat]), ("2opt", *divmod(flat, d))
-        for s in range(1, min(3, d - 1) + 1):
+        for s in range(1, min(OR_OPT_MAX, d - 1) + 1):
             delta, how = _or_opt(q, e, s)
             k = int(np.argmin(delta))
             if delta.flat[k] < gain:

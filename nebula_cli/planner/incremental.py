@@ -4,12 +4,12 @@ only what the swap touches.
 Swapping device u (group a) with v (group b) changes two groups. Their data-parallel costs are
 recomputed from their members' sums (2 x dp^2 additions, the same arithmetic in the same order as
 a full evaluation, so the result is bit for bit the same); only the 2 x (stages - 1) links
-between a or b and another group are matched again (through the model's cache, bounded in one
-vectorised step); every other group's cost and every other link is kept. The pipeline order is
-then recomputed from the link matrix: it is a function of the links only (exact up to
-EXACT_TOUR_MAX stages, a deterministic heuristic above), so a partition's score never depends on
-the path that reached it, and incremental and full evaluation agree exactly
-(tests/test_planner_scale.py).
+between a or b and another group are computed again (up to EXACT_TOUR_MAX stages matched,
+through the model's cache, each starting from the parent's matching; above, only bounded, in one
+vectorised step, see CostModel.pipeline_on_bounds); every other group's cost and link is kept.
+The pipeline order is then recomputed from the link matrix: it is a function of the links only,
+so a partition's score never depends on the path that reached it, and incremental and full
+evaluation agree exactly (tests/test_planner_scale.py).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from __future__ import annotations
 import numpy as np
 
 from nebula_cli.planner.costmodel import Cost, CostModel, Evaluation, Hint
-from nebula_cli.planner.graphs import open_tour
+from nebula_cli.planner.graphs import EXACT_TOUR_MAX, open_tour
 
 
 def swapped(labels: np.ndarray, groups: np.ndarray, u: int,
@@ -49,16 +49,22 @@ def swap_evaluation(model: CostModel, parent: Evaluation, parent_groups: np.ndar
     others = [c for c in range(d) if c != a and c != b]
     pi = [a] * (d - 1) + [b] * (d - 2)
     pj = [b, *others, *others]
-    hints: list[Hint | None] = [None]
-    for grp, old, new in ((a, u, v), (b, v, u)):
-        for c in others:
-            first, second = parent_groups[grp], parent_groups[c]
-            if first[0] > second[0]:
-                first, second = second, first
-            hints.append((first.tobytes() + second.tobytes(), old, new))
-    values = model.link_values(groups, pi, pj, hints)
-    links[pi, pj] = values
-    links[pj, pi] = values
-    pipeline, order = open_tour(links)
+    if d > EXACT_TOUR_MAX:
+        values = model.link_bounds(groups, np.array(pi), np.array(pj))
+        links[pi, pj] = values
+        links[pj, pi] = values
+        pipeline, order = model.pipeline_on_bounds(groups, links)
+    else:
+        hints: list[Hint | None] = [None]
+        for grp, old, new in ((a, u, v), (b, v, u)):
+            for c in others:
+                first, second = parent_groups[grp], parent_groups[c]
+                if first[0] > second[0]:
+                    first, second = second, first
+                hints.append((first.tobytes() + second.tobytes(), old, new))
+        values = model.link_values(groups, pi, pj, hints)
+        links[pi, pj] = values
+        links[pj, pi] = values
+        pipeline, order = open_tour(links)
     data = float(group_data.max())
     return Evaluation(Cost(data + 2 * pipeline, data, pipeline), order, group_data, links)

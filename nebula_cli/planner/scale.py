@@ -31,7 +31,12 @@ POPULATION_AT_SCALE = 4
 """Members kept by the iterated local search."""
 ROW_ELEMENTS = 1_000_000
 """Work of one step's bounds: rows x devices x dp at most this (at least 8 rows)."""
-TRIES = 4
+TRIES = 8
+PICK = 64
+"""Best-bounded swaps one step goes through (those whose groups a taken move changed are
+skipped: the next step bounds them again)."""
+MAX_ROWS = 12
+"""At most this many devices are chosen to move per step."""
 """Best-bounded swaps scored per step before giving up at a local optimum."""
 KICK_SWAPS = 3
 """At most this many random swaps kick a member out of its local optimum."""
@@ -43,7 +48,7 @@ def scale_descend(ev: Evaluator, start: Scored, rng: np.random.Generator, *,
     `max_evals` are spent). Raises Exhausted with the budget or the time."""
     model, cur, spent = ev.model, start, 0
     n, dp = start.labels.size, model.task.dp
-    count = max(8, min(64, ROW_ELEMENTS // (n * dp)))
+    count = max(8, min(MAX_ROWS, ROW_ELEMENTS // (n * dp)))
     while True:
         parts = partners(model, cur)
         rows = chosen_rows(model, cur, rng, count, (parts[3], parts[4]))
@@ -52,21 +57,25 @@ def scale_descend(ev: Evaluator, start: Scored, rng: np.random.Generator, *,
         finite = int(np.isfinite(flat).sum())
         if finite == 0:
             return cur
-        pick = min(4 * TRIES, finite)
+        pick = min(PICK, finite)
         best = np.argpartition(flat, pick - 1)[:pick]
-        tried, moved = 0, False
+        failed, moved = 0, False
+        touched: set[int] = set()  # groups changed by moves taken in this step
         for i in best[np.argsort(flat[best])].tolist():
             r, v = divmod(i, n)
             u = int(rows[r])
+            if not np.isfinite(flat[i]) or {int(cur.labels[u]), int(cur.labels[v])} & touched:
+                continue  # its bound is stale: the next step ranks it again
             if ev.seen.get(key_of(swapped(cur.labels, cur.groups, u, v)[1])) is not None:
                 continue
             cand = ev.score_swap(cur, u, v)
             spent += 1
-            tried += 1
             if better(cand, cur):
-                cur, moved = cand, True
-                break
-            if (max_evals is not None and spent >= max_evals) or tried >= TRIES:
+                touched |= {int(cur.labels[u]), int(cur.labels[v])}
+                cur, moved, failed = cand, True, 0
+            else:
+                failed += 1
+            if (max_evals is not None and spent >= max_evals) or failed >= TRIES:
                 break
         if not moved or (max_evals is not None and spent >= max_evals):
             return cur

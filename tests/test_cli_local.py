@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import time
 from pathlib import Path
 from typing import Any
 
@@ -179,3 +180,27 @@ def test_logs_follow_until_the_job_ends(cli: CLI, tmp_path: Path) -> None:
     assert followed.returncode == 0, followed.stderr
     assert "west/w2/2 | tick 4" in followed.stdout and "east/" not in followed.stdout
     assert "warning" not in followed.stderr
+
+
+def test_stop_without_grace_uses_the_specs_grace(cli: CLI, tmp_path: Path) -> None:
+    """`grace: 0.5` in the spec: a worker that needs 3 s to wind down is killed after 0.5 s
+    (the CLI's own default used to override the spec's)."""
+    marker = tmp_path / "wound-down"
+    body = f"""
+    name: graceful
+    workdir: .
+    grace: 0.5
+    run: >-
+      trap 'sleep 3; echo done > {marker}; exit 0' TERM; echo up;
+      while true; do sleep 0.2; done
+    clusters:
+      - {{name: east, transport: local, hosts: [e1]}}
+    """
+    job_id = cli("launch", str(write_spec(tmp_path, body)), "--detach", check=True
+                 ).stdout.strip()
+    wait_for(lambda: "up" in cli("logs", job_id).stdout, timeout=30)
+    stopped = cli("stop", job_id, check=True)
+    assert "stopped east/e1 worker" in stopped.stdout
+    time.sleep(3.5)
+    assert not marker.exists()  # SIGKILLed after the spec's 0.5 s, not 10 s
+    assert not job_processes(job_id)

@@ -345,16 +345,29 @@ def reconciled_status(agent_dir: Path) -> dict[str, Any]:
     return status
 
 
-def stop_all(agent_dirs: list[Path], grace: float, force: bool) -> list[dict[str, Any]]:
-    """Ask every agent to stop its group at once; make sure nothing of them is left either way."""
+def _configured_grace(agent_dir: Path) -> float:
+    try:
+        return AgentConfig.load(agent_dir / "agent.json").grace
+    except NebulaError:
+        return 0.0  # no usable config: nothing the agent would wait for either
+
+
+def stop_all(agent_dirs: list[Path], grace: float | None, force: bool) -> list[dict[str, Any]]:
+    """Ask every agent to stop its group at once; make sure nothing of them is left either way.
+    `grace` None: each agent's own (its agent.json's, from the spec)."""
     before = {d: read_json(d / "status.json") or {} for d in agent_dirs}
+    graces = [0.0]
     for d, status in before.items():
         if not d.is_dir():
             continue  # never provisioned: only the sweep below can find anything of it
-        write_json(d / "stop.json", {"grace": grace, "force": force, "ts": time.time()})
+        request: dict[str, Any] = {"force": force, "ts": time.time()}
+        if grace is not None:
+            request["grace"] = grace
+        graces.append(grace if grace is not None else _configured_grace(d))
+        write_json(d / "stop.json", request)
         if is_agent_of(status.get("agent_pid"), d):
             os.kill(status["agent_pid"], signal.SIGTERM)
-    deadline = time.monotonic() + (0 if force else grace) + 15
+    deadline = time.monotonic() + (0 if force else max(graces)) + 15
     while time.monotonic() < deadline and any(
         is_agent_of(s.get("agent_pid"), d) for d, s in before.items()
     ):
@@ -387,7 +400,8 @@ def main(argv: list[str] | None = None) -> int:
     status.add_argument("dirs", type=Path, nargs="+")
     stop = sub.add_parser("stop", help="stop each DIR's processes; print what was stopped")
     stop.add_argument("dirs", type=Path, nargs="+")
-    stop.add_argument("--grace", type=float, default=10.0)
+    stop.add_argument("--grace", type=float, default=None,
+                      help="seconds between SIGTERM and SIGKILL (default: each agent's own)")
     stop.add_argument("--force", action="store_true")
     args = parser.parse_args(argv)
 

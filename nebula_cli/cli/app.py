@@ -253,7 +253,8 @@ def logs(
 @handle_errors
 def stop(
     job_ref: Annotated[str, typer.Argument(metavar="JOB", help="Job id, prefix or name.")],
-    grace: Annotated[float, typer.Option(help="Seconds between SIGTERM and SIGKILL.")] = 10.0,
+    grace: Annotated[float | None, typer.Option(
+        help="Seconds between SIGTERM and SIGKILL. Default: the spec's `grace`.")] = None,
     force: Annotated[bool, typer.Option("--force", help="Skip the grace period.")] = False,
 ) -> None:
     """Stop a job: SIGTERM every process group, wait the grace, SIGKILL. Nothing left running."""

@@ -125,7 +125,7 @@ class JobOps(Session):
         groups = self._by_machine(relays)
         try:
             answers = fanout(list(groups), lambda k: self._agent_call(
-                groups[k], "stop", "--grace", "5", timeout=60), timeout=90, cancel=self.abort)
+                groups[k], "stop", timeout=60), timeout=90, cancel=self.abort)
         except GroupError as exc:
             answers = {k: v for k, v in exc.results.items() if isinstance(v, list)}
         for key, replies in answers.items():
@@ -159,13 +159,18 @@ class JobOps(Session):
                                  cluster=rec.cluster, host=rec.host)
 
     # -- stop -------------------------------------------------------------------------------
-    def stop(self, ref: str, *, grace: float = 10.0, force: bool = False) -> StopReport:
-        """End every process group of the job on every host. Ending an ended job is fine."""
+    def stop(self, ref: str, *, grace: float | None = None, force: bool = False) -> StopReport:
+        """End every process group of the job on every host. Ending an ended job is fine.
+        `grace` None: each agent's own (the spec's `grace` for workers)."""
         snap = self.refresh(ref)
         report = StopReport(job=snap.job)
         groups = self._by_machine(snap.hosts)
-        args = ["stop", "--grace", str(grace)] + (["--force"] if force else [])
-        self.store.add_event(snap.job.id, "stop", f"stop requested (grace {grace:g} s)")
+        args = ["stop", *(["--grace", str(grace)] if grace is not None else []),
+                *(["--force"] if force else [])]
+        spec_grace = float(snap.job.spec.get("grace") or 0.0)
+        said = f"grace {grace:g} s" if grace is not None else f"the spec's grace, {spec_grace:g} s"
+        self.store.add_event(snap.job.id, "stop", f"stop requested ({said})")
+        grace = spec_grace if grace is None else grace
         failures: dict[object, object] = {}
         try:
             answers = fanout(

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import posixpath
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from nebula_cli.config import strict
@@ -29,6 +30,9 @@ RELAY_GRACE = 5.0
 """Seconds a relay gets between SIGTERM and SIGKILL (it has no state worth saving)."""
 RELAY_RESTART_BACKOFF = 1.0
 WORKER_RESTART_BACKOFF = 5.0
+RUNTIME_HOOK_DIR = ("runtime", "autohook")
+"""Inside the nebula_cli package: the directory (only a sitecustomize) that a worker's
+PYTHONPATH starts with when the spec's runtime.auto is on (the automatic runtime hook)."""
 PIPELINE_WORLD = "*pipeline*"
 """The key of the one DeepSpeed world of a pipelined job in `Ports.masters`."""
 
@@ -177,6 +181,22 @@ def base_env(site: Site, job_root: str) -> dict[str, str]:
     return env
 
 
+def runtime_hook_dir(site: Site, job_root: str) -> str:
+    """Where the automatic hook's sitecustomize is on the host: in the package this machine
+    runs (a host that shares our files), else in the uploaded copy under the job's lib."""
+    if site.shares_files:
+        return str(Path(__file__).resolve().parent.parent.joinpath(*RUNTIME_HOOK_DIR))
+    return posixpath.join(lib_dir(job_root), "nebula_cli", *RUNTIME_HOOK_DIR)
+
+
+def with_runtime_hook(env: dict[str, str], site: Site, job_root: str) -> dict[str, str]:
+    """`env` with the automatic hook's directory first on PYTHONPATH (what was there kept)."""
+    parts = [runtime_hook_dir(site, job_root)]
+    if env.get("PYTHONPATH"):
+        parts.append(env["PYTHONPATH"])
+    return {**env, "PYTHONPATH": ":".join(parts)}
+
+
 def build_plan(spec: JobSpec, job_id: str, *, sites: dict[str, Site], ports: Ports,
                certs: Certs | None) -> JobPlan:
     """The whole plan of a job (pure). `certs` is required when the spec has a relay."""
@@ -211,6 +231,8 @@ def _worker_agents(spec: JobSpec, job_id: str, sites: dict[str, Site], ports: Po
                 env.update(pipeline_env(spec, layout.world_size, layout.num_stages),
                            CROSS_RANK=str(host_index))
             host_index += 1
+            if spec.runtime.auto:
+                env = with_runtime_hook(env, site, job_root)
             if spec.deepspeed is not None:
                 env["NEBULA_DS_CONFIG"] = posixpath.join(job_root, "ds_config.json")
             files: dict[str, bytes] = {}

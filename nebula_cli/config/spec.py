@@ -47,12 +47,11 @@ from nebula_cli.config.sections import (
 )
 from nebula_cli.config.yaml_positions import PathKey, describe, problems_error
 from nebula_cli.errors import SpecError
-from nebula_cli.pki.certs import DEFAULT_LIFETIME_DAYS
 
 __all__ = [
     "MAX_PROCESSES", "MAX_SLOTS", "CheckpointSpec", "ClusterSpec", "CompressionSpec", "HostSpec",
-    "JobSpec", "ParallelismSpec", "RelaySpec", "ShapingSpec", "SpecModel", "SyncSpec",
-    "load_spec", "parse_spec", "redact_env",
+    "JobSpec", "ParallelismSpec", "RelaySpec", "RuntimeSpec", "ShapingSpec", "SpecModel",
+    "SyncSpec", "load_spec", "parse_spec", "redact_env",
 ]
 
 _HOST_RE = re.compile(
@@ -179,6 +178,15 @@ class ClusterSpec(SpecModel):
         return self.relay_address or self.gateway_host.reach_address
 
 
+class RuntimeSpec(SpecModel):
+    """How the training script meets nebula's runtime on the workers."""
+
+    auto: bool = True
+    """Start every worker process with the automatic hook (wraps ``deepspeed.initialize``: an
+    unmodified DeepSpeed script syncs and records metrics). A script that builds its own
+    ``OuterSync`` keeps it (the hook stands aside); false leaves the script entirely alone."""
+
+
 def _read_ds_config(path: Path) -> dict[str, Any]:
     data = specfile.read_json(path, f"DeepSpeed config {path}")
     if not isinstance(data, dict):
@@ -210,10 +218,12 @@ class JobSpec(SpecModel):
     """Checkpoint settings. Default: none."""
     parallelism: ParallelismSpec | None = None
     """Pipeline parallelism across the clusters. Default: none (data parallel, per cluster)."""
+    runtime: RuntimeSpec = Field(default_factory=RuntimeSpec)
+    """The worker runtime: the automatic hook for unmodified scripts (on by default)."""
     placement: str | None = None
     """Which device holds which stage: the JSON of `nebula plan placement --json`, relative to
     the spec file; stored as an absolute path. Default: ranks in the spec's host order."""
-    lifetime_days: int = Field(DEFAULT_LIFETIME_DAYS, ge=1, le=3650)
+    lifetime_days: int = Field(90, ge=1, le=3650)
     """How long the job's certificates are valid, in days (renewed on resume)."""
     max_restarts: int = Field(0, ge=0)
     """How often a host agent restarts its processes after a failure."""

@@ -6,6 +6,10 @@
 carries ``ts`` (unix time), ``step``, ``cluster``, ``host`` and ``rank`` from the worker's
 environment. Floats that are not finite become ``null``.
 
+``log`` is the training script's call and also notes that the script records metrics itself
+(``script_logged``: the automatic hook then writes none of its own); nebula's own records go
+through ``emit``, which writes the same way without that note.
+
 ``read_metrics(path, offset)`` reads complete records from a byte offset and returns the
 offset to continue from, for tailing a file that is still being written.
 
@@ -34,6 +38,7 @@ reads that record (here, beside the records' other names, so that it needs no to
 RESERVED_KEYS = frozenset({"ts", "step", "cluster", "host", "rank"})
 
 _lock = threading.Lock()
+_script = {"calls": 0, "step": 0}  # the script's own `log` calls, and the last step it gave
 
 
 def _clean(value: Any) -> Any:
@@ -90,6 +95,19 @@ def log(step: int, **values: Any) -> dict[str, Any]:
     Returns the record written. Values may be numbers, strings, bools, None, lists or dicts
     of those, or scalar objects with ``.item()`` (a 0-d tensor); anything else is ``str()``-ed.
     """
+    rec = emit(step, **values)
+    _script["calls"] += 1
+    _script["step"] = rec["step"]
+    return rec
+
+
+def script_logged() -> tuple[int, int]:
+    """How often this process's training script called ``log``, and the last step it gave."""
+    return _script["calls"], _script["step"]
+
+
+def emit(step: int, **values: Any) -> dict[str, Any]:
+    """Write a record as ``log`` does, for nebula's own records (not counted as the script's)."""
     rec = record(step, **values)
     line = format_record(rec)
     with _lock:

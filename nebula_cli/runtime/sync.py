@@ -15,7 +15,6 @@ one fp32 vector (parameter-efficient training syncs only its adapters).
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import threading
@@ -26,50 +25,19 @@ import torch
 import torch.distributed as dist
 
 from nebula_cli.config.parts import SYNC_CONFIG_ENV, SyncConfig
-from nebula_cli.errors import NebulaError
 from nebula_cli.runtime.cluster_share import AveragedRound, Averager, ClusterShare, Shared
+from nebula_cli.runtime.explicit import note_outer_sync
 from nebula_cli.runtime.metrics import DRY_RUN_ENV
-from nebula_cli.runtime.metrics import log as log_metrics
+from nebula_cli.runtime.metrics import emit as log_metrics
 from nebula_cli.runtime.outer import OuterOptimizer, SyncError
 from nebula_cli.runtime.params import ParamIO, full_shape, make_io, zero_stage
+from nebula_cli.runtime.settings import LAYOUT_BYTES, plan_config, sync_layout, wanted
 
 MODES = ("diloco", "gradient")
 __all__ = [
-    "MODES", "Averager", "AveragedRound", "OuterOptimizer", "OuterSync", "SyncError",
-    "plan_config", "wanted",
+    "LAYOUT_BYTES", "MODES", "Averager", "AveragedRound", "OuterOptimizer", "OuterSync",
+    "SyncError", "plan_config", "sync_layout", "wanted",
 ]
-
-
-def wanted() -> bool:
-    """Whether this process should wrap its engine in an OuterSync: the job's plan gave it a
-    sync config ($NEBULA_SYNC_CONFIG), or it runs in `nebula plan`'s dry run ($NEBULA_DRY_RUN)."""
-    return bool(os.environ.get(SYNC_CONFIG_ENV) or os.environ.get(DRY_RUN_ENV))
-
-
-LAYOUT_BYTES = 16 * 1024
-"""Largest per-tensor layout told to the relay; a bigger one is told as one flat vector."""
-
-
-def sync_layout(shapes: list[torch.Size]) -> dict[str, list[Any]]:
-    """What the relay is told this cluster syncs: the tensors' shapes (one flat fp32 vector
-    when the list would not fit in a small HELLO)."""
-    layout: dict[str, list[Any]] = {"shapes": [list(s) for s in shapes],
-                                     "dtypes": ["float32"] * len(shapes)}
-    if len(json.dumps(layout)) > LAYOUT_BYTES:
-        numel = sum(int(torch.Size(s).numel()) for s in shapes)
-        layout = {"shapes": [[numel]], "dtypes": ["float32"]}
-    return layout
-
-
-def plan_config() -> SyncConfig | None:
-    """This worker's part of the job plan (sync.json named by $NEBULA_SYNC_CONFIG), if any."""
-    path = os.environ.get(SYNC_CONFIG_ENV)
-    if not path:
-        return None
-    try:
-        return SyncConfig.load(path)
-    except NebulaError as exc:
-        raise SyncError(f"cannot use the sync config: {exc}") from exc
 
 
 log = logging.getLogger("nebula.runtime.sync")
@@ -88,10 +56,12 @@ class OuterSync:
             sync.after_backward()        # gradient mode: averages grads across clusters
             engine.step()
             stats = sync.after_step(step)  # DiLoCo mode: a dict after each outer round
-        sync.flush()                     # overlap mode: apply the round still in flight
+        sync.finish()                    # one last round: every cluster ends identical
         sync.close()
 
     Both hooks may always be called; the one that does not belong to the mode is a no-op.
+    Building an OuterSync on an engine tells the automatic hook (``runtime.engine``) to leave
+    that engine to this object.
 
     DiLoCo: a round happens after every ``inner_steps`` optimizer steps (``engine.global_steps``,
     so gradient-accumulation micro-steps do not count). All ranks read theta_local from the fp32
@@ -136,6 +106,7 @@ class OuterSync:
         round_timeout: float | None = None,
     ) -> None:
         self.engine = engine
+        note_outer_sync(engine, self)  # the automatic hook stands aside for this engine
         self.dry_run = os.environ.get(DRY_RUN_ENV, "").strip().lower() not in (
             "", "0", "false", "no")
         self.config = config if config is not None else plan_config()
@@ -280,6 +251,21 @@ class OuterSync:
         if not (self.overlap and self._pending is not None):
             return None
         return self._merge(self._optimizer_steps() - self._last_round_step)
+
+    def finish(self) -> dict[str, Any] | None:
+        """End of training, on every rank: apply the round in flight (overlap), then make one
+        last round over the optimizer steps since the last boundary, so that every cluster
+        ends with the same theta_global. Returns that round's stats (``final_round``: True),
+        the flushed round's, or None when nothing was pending (DiLoCo only)."""
+        self._check_open()
+        if self.mode != "diloco" or self.dry_run:
+            return None
+        stats = self.flush()
+        steps = self._optimizer_steps()
+        if steps > self._last_round_step:
+            self._last_round_step = steps
+            stats = {**self._sync_round(), "final_round": True}
+        return stats
 
     def close(self) -> None:
         """Close the averager and join a round still in flight (bounded). Safe to call twice."""

@@ -1,0 +1,47 @@
+"""Where the worker runtime's settings come from: whether this process should sync at all
+(``wanted``), its part of the job plan (``plan_config``: the sync.json named by
+$NEBULA_SYNC_CONFIG), and what the relay is told this cluster syncs (``sync_layout``)."""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+import torch
+
+from nebula_cli.config.parts import SYNC_CONFIG_ENV, SyncConfig
+from nebula_cli.errors import NebulaError
+from nebula_cli.runtime.metrics import DRY_RUN_ENV
+from nebula_cli.runtime.outer import SyncError
+
+LAYOUT_BYTES = 16 * 1024
+"""Largest per-tensor layout told to the relay; a bigger one is told as one flat vector."""
+
+
+def wanted() -> bool:
+    """Whether this process should wrap its engine in an OuterSync: the job's plan gave it a
+    sync config ($NEBULA_SYNC_CONFIG), or it runs in `nebula plan`'s dry run ($NEBULA_DRY_RUN)."""
+    return bool(os.environ.get(SYNC_CONFIG_ENV) or os.environ.get(DRY_RUN_ENV))
+
+
+def sync_layout(shapes: list[torch.Size]) -> dict[str, list[Any]]:
+    """What the relay is told this cluster syncs: the tensors' shapes (one flat fp32 vector
+    when the list would not fit in a small HELLO)."""
+    layout: dict[str, list[Any]] = {"shapes": [list(s) for s in shapes],
+                                     "dtypes": ["float32"] * len(shapes)}
+    if len(json.dumps(layout)) > LAYOUT_BYTES:
+        numel = sum(int(torch.Size(s).numel()) for s in shapes)
+        layout = {"shapes": [[numel]], "dtypes": ["float32"]}
+    return layout
+
+
+def plan_config() -> SyncConfig | None:
+    """This worker's part of the job plan (sync.json named by $NEBULA_SYNC_CONFIG), if any."""
+    path = os.environ.get(SYNC_CONFIG_ENV)
+    if not path:
+        return None
+    try:
+        return SyncConfig.load(path)
+    except NebulaError as exc:
+        raise SyncError(f"cannot use the sync config: {exc}") from exc

@@ -4,7 +4,7 @@ Both keep their small-scale counterparts' plan (search.py) and change how a step
 devices worth moving are chosen (the data bottleneck's members, the ends of each link's costliest
 pair, some at random; moves.py), their swaps with every other device are bounded in one
 vectorised pass, and the best-bounded swaps are scored incrementally (incremental.py), the first
-that improves is taken.
+that improves is taken, and the step goes on down the ranking.
 
 - `scale_hybrid`: the structured seeds (search.seed_labels: group-by-location, striped and the
   mixing levels between) are scored, the best POPULATION_AT_SCALE improved by local search, then
@@ -33,8 +33,9 @@ ROW_ELEMENTS = 1_000_000
 """Work of one step's bounds: rows x devices x dp at most this (at least 8 rows)."""
 TRIES = 8
 PICK = 64
-"""Best-bounded swaps one step goes through (those whose groups a taken move changed are
-skipped: the next step bounds them again)."""
+"""Best-bounded swaps one step goes through, in the order of its bounds, moving on from every
+improvement (bounds of later swaps may be stale by then; the score is always exact) until TRIES
+in a row fail."""
 MAX_ROWS = 12
 """At most this many devices are chosen to move per step."""
 """Best-bounded swaps scored per step before giving up at a local optimum."""
@@ -60,18 +61,16 @@ def scale_descend(ev: Evaluator, start: Scored, rng: np.random.Generator, *,
         pick = min(PICK, finite)
         best = np.argpartition(flat, pick - 1)[:pick]
         failed, moved = 0, False
-        touched: set[int] = set()  # groups changed by moves taken in this step
         for i in best[np.argsort(flat[best])].tolist():
             r, v = divmod(i, n)
             u = int(rows[r])
-            if not np.isfinite(flat[i]) or {int(cur.labels[u]), int(cur.labels[v])} & touched:
-                continue  # its bound is stale: the next step ranks it again
+            if not np.isfinite(flat[i]) or cur.labels[u] == cur.labels[v]:
+                continue  # (a move taken in this step may have joined them)
             if ev.seen.get(key_of(swapped(cur.labels, cur.groups, u, v)[1])) is not None:
                 continue
             cand = ev.score_swap(cur, u, v)
             spent += 1
             if better(cand, cur):
-                touched |= {int(cur.labels[u]), int(cur.labels[v])}
                 cur, moved, failed = cand, True, 0
             else:
                 failed += 1

@@ -24,6 +24,7 @@ relay has no plain mode).
 from __future__ import annotations
 
 import argparse
+import datetime
 import hashlib
 import json
 import os
@@ -342,7 +343,7 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         pki = tmp / "pki"
-        issue_job_pki(JOB, CLUSTERS, pki)
+        issue_job_pki(JOB, CLUSTERS, pki, valid_for=datetime.timedelta(days=1))
         with _bed.make_bed(CLUSTERS, args.mbit) as bed:
             step("iperf3 one way")
             mbit["iperf3"], _ = iperf3(bed, args.iperf_s, bidir=False)

@@ -17,6 +17,7 @@ Rows (best of --repeat; GB/s of fp32 model bytes; ratio = row / raw TCP):
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import logging
 import multiprocessing as mp
@@ -254,7 +255,8 @@ def main(argv: list[str] | None = None) -> int:
     total = args.mb << 20
     with tempfile.TemporaryDirectory(prefix="nebula-bench-") as d:
         tmp = Path(d)
-        pki = issue_job_pki("bench", {"a": ["h0"], "b": ["h0"]}, tmp / "pki")
+        pki = issue_job_pki("bench", {"a": ["h0"], "b": ["h0"]}, tmp / "pki",
+                            valid_for=datetime.timedelta(days=1))
         rows: list[tuple[str, float, str]] = []
         best_raw = max(stream(total, None)[0] for _ in range(args.repeat))
         rows.append(("raw TCP, 1 stream", best_raw, "plain"))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import datetime
 import json
 import socket
 import subprocess
@@ -25,6 +26,8 @@ FIGURES = ("rtt_ms", "rtt_p95_ms", "throughput_mbit", "plain_rtt_ms", "plain_rtt
 PAIR_KEYS = {"a", "b", "src_host", "dst_host", "src_addr", "dst_addr", "measured", "cipher",
              *FIGURES}
 REMOTE_NETBENCH = Path.home() / ".nebula" / "netbench"  # the bed's hosts share this filesystem
+
+DAY = datetime.timedelta(days=1)  # certificates for a test's lifetime
 
 
 def probe_processes() -> list[str]:
@@ -128,7 +131,8 @@ def test_one_cluster_without_intra_and_a_bad_spec_exit_2(cli: CLI, tmp_path: Pat
 def test_probe_refuses_a_certificate_of_another_run(tmp_path: Path) -> None:
     dirs = {}
     for run in ("netbench-a", "netbench-b"):
-        issued = pki.issue_job_pki(run, {"east": [], "west": []}, tmp_path / run)
+        issued = pki.issue_job_pki(run, {"east": [], "west": []}, tmp_path / run,
+                                    valid_for=DAY)
         for cluster in ("east", "west"):
             d = dirs[(run, cluster)] = tmp_path / f"{run}-{cluster}"
             d.mkdir()
@@ -255,7 +259,8 @@ def test_plain_probe_opens_only_with_a_ticket_from_tls(tmp_path: Path) -> None:
     from nebula_cli.relay import probe as probe_mod
     from nebula_cli.relay.wire import HEADER, MAGIC, WIRE_VERSION, Frame, FrameType, send_frame
 
-    issued = pki.issue_job_pki("netbench-t", {"east": [], "west": []}, tmp_path / "pki")
+    issued = pki.issue_job_pki("netbench-t", {"east": [], "west": []}, tmp_path / "pki",
+                                valid_for=DAY)
     d = tmp_path / "west"
     d.mkdir()
     for name, src in (("ca.pem", issued.ca_cert), ("cert.pem", issued.relay("west").cert),

@@ -31,6 +31,7 @@ from nebula_cli.pki import (
     wrap_server,
 )
 
+DAY = dt.timedelta(days=1)
 JOB = "train-20250101-000000-ab12"
 CLUSTERS = {"alpha": ["a1", "a2.example.org"], "beta": ["b1"]}
 TIMEOUT = 5.0
@@ -38,12 +39,13 @@ TIMEOUT = 5.0
 
 @pytest.fixture(scope="module")
 def job(tmp_path_factory: pytest.TempPathFactory) -> JobPKI:
-    return issue_job_pki(JOB, CLUSTERS, tmp_path_factory.mktemp("pki") / "job")
+    return issue_job_pki(JOB, CLUSTERS, tmp_path_factory.mktemp("pki") / "job", valid_for=DAY)
 
 
 @pytest.fixture(scope="module")
 def other_job(tmp_path_factory: pytest.TempPathFactory) -> JobPKI:
-    return issue_job_pki("other-job", {"alpha": ["a1"]}, tmp_path_factory.mktemp("pki2") / "job")
+    return issue_job_pki("other-job", {"alpha": ["a1"]}, tmp_path_factory.mktemp("pki2") / "job",
+                         valid_for=DAY)
 
 
 def _craft(job: JobPKI, ident: Identity, out: Path, **validity: dt.datetime) -> CertPair:
@@ -148,7 +150,7 @@ def _rejected(result: object, *needles: str) -> PeerRejected:
 def test_layout_and_key_modes(tmp_path: Path) -> None:
     old = os.umask(0)  # keys must be 0600 whatever the umask
     try:
-        job = issue_job_pki(JOB, CLUSTERS, tmp_path / "job")
+        job = issue_job_pki(JOB, CLUSTERS, tmp_path / "job", valid_for=DAY)
     finally:
         os.umask(old)
     expected = {"ca.pem", "ca.key"}
@@ -171,11 +173,11 @@ def test_layout_and_key_modes(tmp_path: Path) -> None:
 
 def test_refuses_overwrite_and_bad_names(job: JobPKI, tmp_path: Path) -> None:
     with pytest.raises(NebulaError, match="already exists"):
-        issue_job_pki(JOB, CLUSTERS, job.root)
+        issue_job_pki(JOB, CLUSTERS, job.root, valid_for=DAY)
     with pytest.raises(NebulaError, match="cluster name"):
-        issue_job_pki(JOB, {"a/b": ["h"]}, tmp_path / "x")
+        issue_job_pki(JOB, {"a/b": ["h"]}, tmp_path / "x", valid_for=DAY)
     with pytest.raises(NebulaError, match="host name"):
-        issue_job_pki(JOB, {"a": ["../h"]}, tmp_path / "y")
+        issue_job_pki(JOB, {"a": ["../h"]}, tmp_path / "y", valid_for=DAY)
     with pytest.raises(NebulaError, match="positive"):
         issue_job_pki(JOB, {"a": ["h"]}, tmp_path / "z", valid_for=dt.timedelta(0))
 
@@ -405,12 +407,17 @@ def _days_left(when: dt.datetime) -> float:
     return (when - dt.datetime.now(dt.UTC)).total_seconds() / 86400
 
 
-def test_default_lifetime_is_the_specs(tmp_path: Path) -> None:
+def test_the_lifetime_comes_from_the_spec_only(tmp_path: Path) -> None:
+    import inspect
+
     from nebula_cli.config.spec import JobSpec
 
-    assert JobSpec.model_fields["lifetime_days"].default == pki.DEFAULT_LIFETIME_DAYS
-    job = issue_job_pki(JOB, {"alpha": ["a1"]}, tmp_path / "job")
-    assert abs(_days_left(pki.expiry(job.root)) - pki.DEFAULT_LIFETIME_DAYS) < 0.01
+    for fn in (issue_job_pki, pki.renew_job_pki):  # no default of their own
+        assert inspect.signature(fn).parameters["valid_for"].default is inspect.Parameter.empty
+    days = JobSpec.model_fields["lifetime_days"].default
+    job = issue_job_pki(JOB, {"alpha": ["a1"]}, tmp_path / "job",
+                        valid_for=dt.timedelta(days=days))
+    assert abs(_days_left(pki.expiry(job.root)) - days) < 0.01
     assert stat.S_IMODE(job.root.stat().st_mode) == 0o700
     assert stat.S_IMODE((job.root / "alpha").stat().st_mode) == 0o700
 
@@ -460,7 +467,7 @@ def test_renewal_refuses_a_foreign_ca_key(job: JobPKI, other_job: JobPKI, tmp_pa
             target.write_bytes(path.read_bytes())
     (copy / "ca.key").write_bytes(other_job.ca_key.read_bytes())
     with pytest.raises(NebulaError, match="is not the key of"):
-        pki.renew_job_pki(copy)
+        pki.renew_job_pki(copy, valid_for=DAY)
     with pytest.raises(NebulaError, match="must be positive"):
         pki.renew_job_pki(copy, valid_for=dt.timedelta(0))
 

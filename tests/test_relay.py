@@ -4,6 +4,7 @@ finally; every wait is bounded."""
 
 from __future__ import annotations
 
+import datetime
 import hashlib
 import json
 import logging
@@ -36,6 +37,8 @@ from nebula_cli.relay.shaping import Shaper
 REPO = Path(__file__).resolve().parent.parent
 JOB = "job-relay"
 
+DAY = datetime.timedelta(days=1)  # certificates for a test's lifetime
+
 
 # ---------------------------------------------------------------------- helpers
 
@@ -58,7 +61,7 @@ class Job:
         self.tmp = tmp
         self.clusters = clusters
         self.pki: JobPKI = issue_job_pki(job_id, {c: ["h0", "h1"] for c in clusters},
-                                         tmp / f"pki-{job_id}")
+                                         tmp / f"pki-{job_id}", valid_for=DAY)
         ports = free_ports(2 * len(clusters))
         self.peer = {c: f"127.0.0.1:{ports[2 * i]}" for i, c in enumerate(clusters)}
         self.work = {c: f"127.0.0.1:{ports[2 * i + 1]}" for i, c in enumerate(clusters)}
@@ -344,7 +347,7 @@ def tls_attempt(addr: str, ctx: Any) -> str:
 def test_wrong_certificates_are_refused(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.WARNING, logger="nebula")
     job = Job(tmp_path, ["a", "b"])
-    other = issue_job_pki("other-job", {"b": ["h0"]}, tmp_path / "other")
+    other = issue_job_pki("other-job", {"b": ["h0"]}, tmp_path / "other", valid_for=DAY)
     with running(job) as relays, clients(job) as cls:
         foreign = client_context(other.relay("b"), other.ca_cert)  # trusts the other CA
         foreign.load_verify_locations(cafile=str(job.pki.ca_cert))

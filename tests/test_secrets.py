@@ -12,6 +12,7 @@ from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 
 from nebula_cli import pki
+from nebula_cli.config.spec import JobSpec
 
 SPEC = """
 name: secret
@@ -58,10 +59,11 @@ def test_the_ca_key_never_reaches_a_host_and_status_warns_before_expiry(
     status = cli("status", job_id, timeout=60)
     assert status.returncode == 0 and "expire" not in status.stderr  # 90 days ahead
     ends = pki.expiry(pki_dir)
-    assert ends - dt.datetime.now(dt.UTC) > dt.timedelta(days=pki.DEFAULT_LIFETIME_DAYS - 1)
+    days = JobSpec.model_fields["lifetime_days"].default
+    assert ends - dt.datetime.now(dt.UTC) > dt.timedelta(days=days - 1)
 
     pki.renew_job_pki(pki_dir, valid_for=dt.timedelta(days=3))  # as if 87 days had passed
     status = cli("status", job_id, timeout=60)
     assert status.returncode == 0, status.stderr
     assert "warning:" in status.stderr and "expire on" in status.stderr, status.stderr
-    assert "resume" in status.stderr
+    assert "lifetime_days" in status.stderr

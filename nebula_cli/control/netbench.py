@@ -37,6 +37,7 @@ Report (`run_bench` returns it, `write_report` writes it as JSON, `load_report` 
 from __future__ import annotations
 
 import contextlib
+import datetime as dt
 import json
 import os
 import posixpath
@@ -64,6 +65,8 @@ PROBE_FILES = ("__init__.py", "errors.py", "pki/__init__.py", "pki/certs.py", "p
                "relay/__init__.py", "relay/wire.py",
                "relay/probe.py")  # what `python -m nebula_cli.relay.probe` imports
 PINGS = 200
+PROBE_CERT_LIFETIME = dt.timedelta(days=1)
+"""The probes' certificates: a measurement lasts minutes."""
 SETUP_TIMEOUT = 120.0
 START_TIMEOUT = 60.0
 STOP_TIMEOUT = 60.0
@@ -273,7 +276,8 @@ class Bench:
             with tempfile.TemporaryDirectory(prefix="nebula-netbench-") as tmp:
                 issued = pki.issue_job_pki(
                     self.run, {c: [h for (cc, h) in nodes if cc == c]
-                               for c in dict.fromkeys(c for c, _ in nodes)}, Path(tmp))
+                               for c in dict.fromkeys(c for c, _ in nodes)}, Path(tmp),
+                    valid_for=PROBE_CERT_LIFETIME)
                 fanout(list(nodes.values()), lambda n: self.install(n, issued),
                        timeout=SETUP_TIMEOUT, cancel=self.orch.abort)
             installed = True

@@ -11,7 +11,6 @@ signed by it whose SAN URI ``nebula://<job_id>/<role>/<cluster>/<name>`` says wh
 
 from nebula_cli.pki.certs import (
     CLOCK_SKEW,
-    DEFAULT_LIFETIME_DAYS,
     ROLES,
     WARN_BEFORE,
     CertPair,
@@ -40,7 +39,6 @@ from nebula_cli.pki.tls import (
 
 __all__ = [
     "CLOCK_SKEW",
-    "DEFAULT_LIFETIME_DAYS",
     "HANDSHAKE_TIMEOUT",
     "ROLES",
     "WARN_BEFORE",

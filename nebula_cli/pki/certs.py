@@ -33,8 +33,6 @@ SCHEME = "nebula"
 ROLES = frozenset({"relay", "worker"})
 CLOCK_SKEW = dt.timedelta(minutes=5)
 """How far in the past ``not_before`` is set, so that hosts with slow clocks accept a cert."""
-DEFAULT_LIFETIME_DAYS = 90
-"""How long a job's certificates are valid unless the spec says (`lifetime_days`)."""
 WARN_BEFORE = dt.timedelta(days=7)
 """How long before the certificates expire `nebula status` starts to warn."""
 
@@ -253,7 +251,7 @@ def issue_job_pki(
     clusters: dict[str, list[str]],
     out_dir: Path,
     *,
-    valid_for: dt.timedelta = dt.timedelta(days=DEFAULT_LIFETIME_DAYS),
+    valid_for: dt.timedelta,
 ) -> JobPKI:
     """Create the job's CA, one relay pair per cluster and one worker pair per host in ``out_dir``.
 
@@ -373,7 +371,7 @@ def _replace(path: Path, data: bytes, mode: int) -> None:
 
 
 def renew_job_pki(
-    out_dir: Path, *, valid_for: dt.timedelta = dt.timedelta(days=DEFAULT_LIFETIME_DAYS)
+    out_dir: Path, *, valid_for: dt.timedelta
 ) -> JobPKI:
     """Re-issue the certificates of an existing job PKI from its CA key, valid from now until
     now + ``valid_for``: a new CA certificate (same key and name: certificates signed before still
@@ -437,9 +435,9 @@ def expiry_warning(out_dir: Path, now: dt.datetime | None = None) -> str | None:
     when = ends.strftime("%Y-%m-%d %H:%M UTC")
     if now >= ends:
         return (f"the job's certificates expired on {when}: relays cannot reconnect; stop the "
-                "job and resume it to renew them")
+                "job and launch it again (a launch issues new certificates)")
     days = (ends - now).total_seconds() / 86400
     return (f"the job's certificates expire on {when} (in {days:.1f} days): after that relays "
-            "cannot reconnect; resume the job before then to renew them, and give long jobs a "
-            "larger lifetime_days")
+            "cannot reconnect; give long jobs a larger lifetime_days (a new launch issues new "
+            "certificates)")
 

@@ -1,11 +1,12 @@
 """The planner: the 2022 scheduling paper's cost model and placement search
 (`plan_placement`), and the sync advisor (`advise`: how many inner steps, which codec).
 
-Modules: costmodel (the score), graphs (bottleneck matching, open tour), evaluator (budget
-counting), localsearch (swap moves), search (hybrid genetic search and the baselines),
-placement (the library call behind `nebula plan placement`), scenarios (paper and synthetic
-networks, devices JSON), measured (bench-network's JSON), advisor (the sync advisor), render
-(rich tables).
+Modules: costmodel (the score), graphs (bottleneck matching, open tour), evaluator (budget,
+time limit and progress), incremental (re-scoring a swap), bounds (the lower bound), localsearch
+(swap moves), moves and scale (the searches from SCALE_FROM devices), search (hybrid genetic
+search and the baselines), placement (the library call behind `nebula plan placement`),
+scenarios (paper and synthetic networks, devices JSON), measured (bench-network's JSON), advisor
+(the sync advisor).
 """
 
 from nebula_cli.planner.advisor import Advice, Prediction, advise, spec_lines

@@ -10,7 +10,10 @@ bandwidth b (Gbit/s) symmetrised by averaging both directions, sizes in GB:
 - link between two groups: the bottleneck perfect matching of their members minimising the
   largest ``d/1000 + activation_gb * 8 / b`` (which replica sends to which).
 - pipeline cost: the cheapest open path through all groups over those links (an open-loop
-  travelling salesman; exact dynamic programme up to 16 stages, 2-opt above).
+  travelling salesman): exact (dynamic programme) up to EXACT_TOUR_MAX = 12 stages. Above, the
+  order is a deterministic heuristic tour (nearest neighbour, 2-opt, Or-opt) on the links' lower
+  bounds, and the pipeline cost is the exact links along that order (stages - 1 matchings, not
+  stages^2 / 2); the score stays a function of the partition alone.
 - score = data cost + 2 * pipeline cost (forward activations and backward gradients), seconds.
 
 The pipeline link is the paper's published code (one direction, no factor 2 inside): with a

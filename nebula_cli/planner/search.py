@@ -18,7 +18,9 @@ its published code does not do:
   rebalancing moves surplus devices to the groups their other parent put them in first;
 - local search on the real objective (see localsearch.py) rather than on pairwise gains only.
 
-Every searcher is reproducible for a given seed and stops exactly at the budget.
+Every searcher is reproducible for a given seed and stops exactly at the budget (or at its time
+limit, with the best so far). From scale.SCALE_FROM devices the hybrid search and the local-search
+baseline take their steps as scale.py does (bounded moves of chosen devices, incremental scores).
 """
 
 from __future__ import annotations

@@ -8,6 +8,7 @@ from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
 
+from nebula_cli.config import strict
 from nebula_cli.errors import NebulaError
 
 
@@ -147,7 +148,11 @@ class RelayConfig:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> RelayConfig:
-        return _build(cls, data, "relay config")
+        """Strictly, as every part of the plan (`config.strict`): every key, of its type."""
+        try:
+            return strict.from_dict(cls, data, "relay config")
+        except strict.PlanFileError as exc:
+            raise RelayConfigError(str(exc)) from exc
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

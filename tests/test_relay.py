@@ -579,3 +579,13 @@ def test_a_worker_states_what_it_syncs_at_hello(tmp_path: Path) -> None:
             client.allreduce(0, torch.zeros(11))
     many = sync_layout([torch.Size([3])] * 10_000)  # too long for a HELLO: one flat vector
     assert many == {"shapes": [[30_000]], "dtypes": ["float32"]}
+
+
+def test_worker_connections_are_kept_alive_by_tcp() -> None:
+    from nebula_cli.relay.limits import WORKER_KEEPALIVE_IDLE
+    from nebula_cli.relay.workers import keep_alive
+
+    with socket.socket() as s:
+        keep_alive(s)
+        assert s.getsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE) == 1
+        assert s.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE) == WORKER_KEEPALIVE_IDLE

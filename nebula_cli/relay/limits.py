@@ -28,6 +28,8 @@ MAX_HANDSHAKES = 16
 MAX_HANDSHAKES_PER_ADDRESS = 8
 """Of those, from one address (one flooding host leaves room for the others)."""
 MAX_WORKER_CONNECTIONS = 8
+WORKER_KEEPALIVE_IDLE = 30
+"""Seconds of silence on a worker's connection before TCP keepalive probes start."""
 """Worker connections served at once (only a cluster's rank 0 talks to its relay)."""
 MAX_REQUESTS_PER_LINK = 4
 """Result or state requests of one peer served at once; more are answered "busy"."""

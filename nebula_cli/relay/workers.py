@@ -31,6 +31,7 @@ from nebula_cli.relay.limits import (
     HANDSHAKE_TIMEOUT,
     MAX_SYNC_NUMEL,
     MAX_WORKER_CONNECTIONS,
+    WORKER_KEEPALIVE_IDLE,
     Gate,
     LimitExceeded,
     Refusals,
@@ -49,6 +50,19 @@ class _Refused(Exception):
     def __init__(self, reason: str, *, close: bool = False) -> None:
         super().__init__(reason)
         self.close = close
+
+
+def keep_alive(sock: socket.socket) -> None:
+    """TCP keepalive probes after WORKER_KEEPALIVE_IDLE s of silence, dead after a few misses
+    (Linux options; elsewhere only SO_KEEPALIVE)."""
+    with contextlib.suppress(OSError):
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+    for name, value in (("TCP_KEEPIDLE", WORKER_KEEPALIVE_IDLE), ("TCP_KEEPINTVL", 10),
+                        ("TCP_KEEPCNT", 3)):
+        opt = getattr(socket, name, None)
+        if opt is not None:
+            with contextlib.suppress(OSError):
+                sock.setsockopt(socket.IPPROTO_TCP, opt, value)
 
 
 class WorkerPort:
@@ -91,7 +105,8 @@ class WorkerPort:
         with self._lock:
             self.socks.add(tls)
         try:
-            tls.settimeout(None)
+            tls.settimeout(None)  # a worker may be quiet for many inner steps: no timeout,
+            keep_alive(tls)  # but a worker gone without a word frees its slot in ~a minute
             self._serve(tls, name, addr)
         except ConnectionClosed:
             pass

@@ -286,3 +286,24 @@ def test_driver_writes_no_records_when_the_script_logs_itself(metrics_file: Path
     train(engine, micro_steps=LOG_EVERY)
     driver.finish("exit")
     assert [r.get("note") for r in records(metrics_file)] == ["the script's own"]
+
+
+def test_a_stop_request_finishes_and_leaves_with_status_0(metrics_file: Path) -> None:
+    """SIGTERM (the hook's handler sets stop_requested): at the next optimizer step the ranks
+    agree, the driver finishes (last round, final record) and the step raises SystemExit(0)."""
+    engine = StandInEngine(accum=2)
+    driver = EngineDriver(engine, watch_stop=True)
+    averager = Averager()
+    driver.sync = OuterSync(engine, config=CFG, averager=averager, inner_steps=3)
+    driver.started = True
+    train(engine, micro_steps=2 * 4)  # 4 optimizer steps: round 0 after step 3
+    driver.stop_requested = True
+    engine.backward(engine.module(torch.randn(8, 3)).pow(2).mean())
+    engine.step()  # a micro-step, not a boundary: nothing happens yet
+    engine.backward(engine.module(torch.randn(8, 3)).pow(2).mean())
+    with pytest.raises(SystemExit) as leave:
+        engine.step()
+    assert leave.value.code == 0 and driver.finished and averager.rounds == [0, 1]
+    (final,) = [r for r in records(metrics_file) if r.get("final")]
+    assert final["ended_by"] == "SIGTERM" and final["step"] == 5 and final["final_round"]
+    assert final["final_round_present"] == 2 and final["outer_rounds"] == 2

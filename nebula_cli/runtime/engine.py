@@ -264,7 +264,8 @@ class EngineDriver:
             step=self.steps, final=True, ended_by=reason, param_sha256=checksum,
             first_loss=self.first_loss, last_loss=self.last_loss, s_per_step=per_step,
             cross_cluster_sync=synced, outer_rounds=self.sync.round if synced else 0,
-            final_round=bool(stats and stats.get("final_round")), final_round_error=error)
+            final_round=bool(stats and stats.get("final_round")), final_round_error=error,
+            final_round_present=stats.get("clusters_present") if stats else None)
         if self.rank == 0:
             rounds = f", {self.sync.round} outer round(s)" if synced else ""
             say(f"training ended ({reason}) after {self.steps} optimizer steps{rounds}; "

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from nebula_cli.agent.summary import SCAN_BYTES
+from nebula_cli.control.fanout import GroupError, fanout
 from nebula_cli.control.state import HostRecord
 from nebula_cli.errors import NebulaError, TransportError
 from nebula_cli.transport import Transport
@@ -27,6 +28,7 @@ TAIL_MAX_BYTES = 16 << 20  # the most `--tail` reads of one log, however long it
 HISTORY = 2000  # worker records the metrics follower keeps per cluster
 RETRY_S = 5.0  # first pause before retrying an unreachable host; doubles up to RETRY_MAX_S
 RETRY_MAX_S = 60.0
+POLL_TIMEOUT = 120.0  # one poll of every host (each read has its transport's timeouts)
 PROBE_LIMIT = 1 << 50  # sizes are probed up to this when a host cannot run a command
 
 _SIZES = (
@@ -234,14 +236,22 @@ class LogFollower:
         groups: dict[str, list[tuple[HostRecord, str, LineTail]]] = {}
         for entry in self.tails:
             groups.setdefault(host_label(entry[0]), []).append(entry)
-        for label, group in groups.items():
-            if not (final or self.reach.due(label)):
+        due = {label: group for label, group in groups.items()
+               if final or self.reach.due(label)}
+        try:  # hosts in parallel: one that is down does not hold up the others
+            results: dict[object, object] = dict(fanout(
+                list(due), lambda label: self._read_host(due[label], final),
+                timeout=POLL_TIMEOUT, cancel=_reads_end_by_themselves))
+        except GroupError as exc:
+            results = exc.results
+        for label in due:
+            result = results[label]
+            if isinstance(result, BaseException):
+                if not isinstance(result, (NebulaError, TimeoutError)):
+                    raise result
+                self.reach.failed(label, result)  # type: ignore[arg-type]
                 continue
-            try:
-                out += self._read_host(group, final)
-            except NebulaError as exc:
-                self.reach.failed(label, exc)
-                continue
+            out += result  # type: ignore[arg-type]
             self.reach.reached(label)
             self.read_any = True
         return out
@@ -255,6 +265,10 @@ class LogFollower:
             lines = lt.read_lines(final=final, size=sizes.get(lt.path))
             out += [LogLine(rec.cluster, rec.host, r, t) for t in lines]
         return out
+
+
+def _reads_end_by_themselves() -> None:
+    """A poll's reads need no cancelling: each is bounded by its transport's timeouts."""
 
 
 def parse_metric(line: str) -> dict[str, Any] | None:

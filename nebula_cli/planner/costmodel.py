@@ -25,7 +25,7 @@ placements. See tests/test_planner.py and bench/placement.py.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -340,13 +340,16 @@ class CostModel:
                                            blocks.min(axis=1).max(axis=1))
         return out
 
-    def pipeline_on_bounds(self, groups: np.ndarray,
-                           bounds: np.ndarray) -> tuple[float, list[int]]:
+    def pipeline_on_bounds(self, groups: np.ndarray, bounds: np.ndarray,
+                           hint_of: Callable[[int, int], Hint | None] | None = None
+                           ) -> tuple[float, list[int]]:
         """Above EXACT_TOUR_MAX stages: the stage order is the heuristic tour on the links' lower
         bounds (no matching needed), and the pipeline cost is the exact links along it (stages -
-        1 matchings instead of stages^2 / 2)."""
+        1 matchings instead of stages^2 / 2). `hint_of(i, j)`: a matching to start from."""
         _, order = open_tour(bounds)
-        exact = self.link_values(groups, order[:-1], order[1:])
+        hints = None if hint_of is None else [hint_of(i, j) for i, j in
+                                              zip(order[:-1], order[1:], strict=True)]
+        exact = self.link_values(groups, order[:-1], order[1:], hints)
         return float(sum(exact.tolist())), order
 
     def cost(self, groups: Groups) -> Cost:

@@ -49,19 +49,26 @@ def swap_evaluation(model: CostModel, parent: Evaluation, parent_groups: np.ndar
     others = [c for c in range(d) if c != a and c != b]
     pi = [a] * (d - 1) + [b] * (d - 2)
     pj = [b, *others, *others]
+    def hint(grp: int, c: int) -> Hint:
+        """The parent's pair (grp, c), grp the changed group a or b."""
+        first, second = parent_groups[grp], parent_groups[c]
+        if first[0] > second[0]:
+            first, second = second, first
+        return first.tobytes() + second.tobytes(), *((u, v) if grp == a else (v, u))
+
+    def hint_of(i: int, j: int) -> Hint | None:
+        if (i in (a, b)) == (j in (a, b)):
+            return None  # both changed (no parent pair to start from), or neither (cached)
+        return hint(i, j) if i in (a, b) else hint(j, i)
+
     if d > EXACT_TOUR_MAX:
         values = model.link_bounds(groups, np.array(pi), np.array(pj))
         links[pi, pj] = values
         links[pj, pi] = values
-        pipeline, order = model.pipeline_on_bounds(groups, links)
+        pipeline, order = model.pipeline_on_bounds(groups, links, hint_of)
     else:
-        hints: list[Hint | None] = [None]
-        for grp, old, new in ((a, u, v), (b, v, u)):
-            for c in others:
-                first, second = parent_groups[grp], parent_groups[c]
-                if first[0] > second[0]:
-                    first, second = second, first
-                hints.append((first.tobytes() + second.tobytes(), old, new))
+        hints: list[Hint | None] = [None, *(hint(a, c) for c in others),
+                                    *(hint(b, c) for c in others)]
         values = model.link_values(groups, pi, pj, hints)
         links[pi, pj] = values
         links[pj, pi] = values

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import math
 import time
 from pathlib import Path
 
@@ -19,6 +20,7 @@ from nebula_cli.planner.bounds import gap, lower_bound
 from nebula_cli.planner.costmodel import check_memory
 from nebula_cli.planner.evaluator import Evaluator
 from nebula_cli.planner.graphs import _heuristic_tour, open_tour, path_cost
+from nebula_cli.planner.placement import plan_placement
 from nebula_cli.planner.scale import SCALE_FROM
 from nebula_cli.planner.scenarios import random_sites, regional_us, two_datacentres
 from nebula_cli.planner.search import hybrid_search, local_search, random_search
@@ -211,3 +213,17 @@ def test_cli_prints_lower_bound_gap_and_honours_the_time_limit(cli: CLI, tmp_pat
     assert data["baseline_evaluations"] == {"random": 60, "local_search": 60}
     text = cli(*args, check=True).stdout
     assert "lower bound" in text and "gap" in text
+
+
+def test_progress_reports_every_phase_and_the_best_so_far() -> None:
+    sc = random_sites(3, 8, 4, seed=4)
+    seen: list[tuple[str, int, int, float, float]] = []
+    res = plan_placement(sc.network, sc.task, budget=120, seed=0,
+                         on_progress=lambda *args: seen.append(args))
+    assert [p for p in dict.fromkeys(s[0] for s in seen)] == ["nebula", "random", "local_search"]
+    for phase, count, total, best, secs in seen:
+        assert 1 <= count <= total and secs >= 0 and math.isfinite(best)
+        assert total == (100 if phase == "random" else 120)
+    nebula = [s[3] for s in seen if s[0] == "nebula"]
+    assert nebula == sorted(nebula, reverse=True)  # the best so far never gets worse
+    assert nebula[-1] >= res.placement.cost.score

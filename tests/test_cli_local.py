@@ -204,3 +204,26 @@ def test_stop_without_grace_uses_the_specs_grace(cli: CLI, tmp_path: Path) -> No
     time.sleep(3.5)
     assert not marker.exists()  # SIGKILLed after the spec's 0.5 s, not 10 s
     assert not job_processes(job_id)
+
+
+def test_stop_ends_the_workers_before_their_relays(cli: CLI, tmp_path: Path) -> None:
+    body = """
+    name: ordered
+    workdir: .
+    run: sleep 300
+    relay: {}
+    clusters:
+      - {name: east, transport: local, hosts: [e1]}
+      - {name: west, transport: local, hosts: [w1]}
+    """
+    job_id = cli("launch", str(write_spec(tmp_path, body)), "--detach", check=True
+                 ).stdout.strip()
+    wait_for(lambda: all(h["state"] == "RUNNING" for h in status_json(cli, job_id)["hosts"]),
+             timeout=60)
+    cli("stop", job_id, check=True)
+    ended = {(h["role"], h["cluster"]): json.loads(
+        (Path(h["agent_dir"]) / "status.json").read_text())["ended"]
+        for h in status_json(cli, job_id)["hosts"]}
+    workers = [t for (role, _), t in ended.items() if role == "worker"]
+    relays = [t for (role, _), t in ended.items() if role == "relay"]
+    assert len(workers) == len(relays) == 2 and max(workers) <= min(relays)

@@ -235,9 +235,9 @@ def main(argv: list[str] | None = None) -> int:
                     print(f"gpt: SIGTERM, stopped after step {step}", flush=True)
                 break
         t_loop = time.perf_counter()
-        if sync is not None:  # overlap mode: apply the round still in flight
-            flushed = sync.flush()
-            if getattr(sync, "overlap", False):  # the same on every rank
+        if sync is not None:  # the round in flight, and a last one over the steps since the
+            flushed = sync.finish()  # last boundary: every cluster ends with the same model
+            if flushed is not None:  # the same on every rank
                 eval_loss = evaluate(engine, held_out, device)
             if lead and flushed:
                 log(step=step, eval_loss=eval_loss, **flushed)

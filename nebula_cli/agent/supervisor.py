@@ -219,10 +219,13 @@ class Supervisor:
         self.event("started", f"{len(self.procs)} process(es), pgid {self.pgid}")
 
     def end_group(self, grace: float) -> None:
-        """SIGTERM the group, wait up to `grace`, then SIGKILL it and sweep stragglers."""
+        """SIGTERM the group, wait up to `grace` for all of it to end (not only the shells the
+        agent started: `sh -c` dies at once while the python under it still winds down), then
+        SIGKILL it and sweep stragglers."""
         signal_group(self.pgid, signal.SIGTERM)
         deadline = time.monotonic() + grace
-        while time.monotonic() < deadline and any(p.poll() is None for p in self.procs):
+        while time.monotonic() < deadline and (
+                any(p.poll() is None for p in self.procs) or group_alive(self.pgid)):
             time.sleep(POLL_S)
         signal_group(self.pgid, signal.SIGKILL)
         for proc in self.procs:

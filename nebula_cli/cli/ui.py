@@ -124,13 +124,23 @@ def job_detail(snap: JobSnapshot, metrics: dict[str, dict[str, Any]] | None = No
     return Group(*parts)
 
 
+def _rate(m: dict[str, Any]) -> str:
+    """tokens/s, or samples/s from a script nebula cannot count tokens of (the runtime hook)."""
+    if finite(m.get("tokens_per_s")):
+        return num(m["tokens_per_s"], ".0f")
+    if finite(m.get("samples_per_s")):
+        return num(m["samples_per_s"], ".1f") + " smp"
+    return "-"
+
+
 def metrics_table(
     clusters: list[str], latest: dict[str, dict[str, Any]], relay: dict[str, dict[str, Any]]
 ) -> Table:
     """Per cluster: step, losses, tokens/s, outer round, round time, WAN bytes, present."""
     colors = cluster_colors(clusters)
     table = Table(show_edge=False, title_justify="left")
-    for col in ("cluster", "step", "loss", "eval loss", "tokens/s", "round", "round time",
+    for col in ("cluster", "step", "loss", "eval loss", "tokens/s (or samples/s)", "round",
+                "round time",
                 "WAN sent", "WAN recv", "present"):
         table.add_column(col, justify="right" if col != "cluster" else "left")
     for name in clusters:
@@ -141,7 +151,7 @@ def metrics_table(
             present = len(present)
         table.add_row(
             Text(name, style=colors[name]), str(m.get("step", "-")), num(m.get("loss")),
-            num(m.get("eval_loss")), num(m.get("tokens_per_s"), ".0f"),
+            num(m.get("eval_loss")), _rate(m),
             str(m.get("outer_round", r.get("round", "-"))),
             num(m.get("round_s", r.get("round_s")), ".2f") + ("s" if finite(
                 m.get("round_s", r.get("round_s"))) else ""),

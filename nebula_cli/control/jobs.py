@@ -164,7 +164,9 @@ class JobOps(Session):
         `grace` None: each agent's own (the spec's `grace` for workers)."""
         snap = self.refresh(ref)
         report = StopReport(job=snap.job)
-        groups = self._by_machine(snap.hosts)
+        groups: dict[tuple[Any, ...], list[HostRecord]] = defaultdict(list)
+        for rec in snap.hosts:  # one agent call per machine and role
+            groups[(rec.role, *machine_key(rec.detail["conn"]))].append(rec)
         args = ["stop", *(["--grace", str(grace)] if grace is not None else []),
                 *(["--force"] if force else [])]
         spec_grace = float(snap.job.spec.get("grace") or 0.0)
@@ -172,15 +174,17 @@ class JobOps(Session):
         self.store.add_event(snap.job.id, "stop", f"stop requested ({said})")
         grace = spec_grace if grace is None else grace
         failures: dict[object, object] = {}
-        try:
-            answers = fanout(
-                list(groups),
-                lambda k: self._agent_call(groups[k], *args, timeout=grace + 60),
-                timeout=grace + 90, cancel=self.abort,
-            )
-        except GroupError as exc:
-            answers = {k: v for k, v in exc.results.items() if isinstance(v, list)}
-            failures = dict(exc.failures)
+        answers: dict[object, list[dict[str, Any]]] = {}
+        # workers first, relays after: a last outer round as workers wind down reaches them
+        for role in (jobplan.WORKER, jobplan.RELAY):
+            keys = [k for k in groups if k[0] == role]
+            try:
+                answers.update(fanout(
+                    keys, lambda k: self._agent_call(groups[k], *args, timeout=grace + 60),
+                    timeout=grace + 90, cancel=self.abort))
+            except GroupError as exc:
+                answers.update({k: v for k, v in exc.results.items() if isinstance(v, list)})
+                failures.update(exc.failures)
         for key, replies in answers.items():
             for rec, reply in zip(groups[key], replies, strict=True):
                 was_active = rec.state not in END_STATES

@@ -177,3 +177,13 @@ def test_plan_parts_have_no_defaults_of_their_own() -> None:
         assert not defaulted & (spec_backed | {f.name for f in dataclasses.fields(SyncConfig)}
                                 | {f.name for f in dataclasses.fields(AgentConfig)}), (
             part.__name__, defaulted)
+
+
+def test_the_setup_command_runs_without_the_runtime_hook() -> None:
+    spec = minimal_spec()
+    worker = _plan(spec).role(jobplan.WORKER)[0]
+    env = worker.config.processes[0].env
+    assert "autohook" in env["PYTHONPATH"]  # training processes get the hook
+    setup = jobplan.without_runtime_hook(env)
+    assert "autohook" not in setup["PYTHONPATH"]
+    assert setup["PYTHONPATH"] == f"{worker.job_root}/lib"  # nebula_cli still importable

@@ -511,3 +511,25 @@ def test_server_closes_the_bad_connection_and_serves_the_good_one(
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warnings) == 1 and "closing connection from 127.0.0.1:" in warnings[0]
     assert reason in warnings[0]
+
+
+def test_the_payload_cap_is_the_one_in_force_when_the_frame_arrives() -> None:
+    """A peer link waits in recv_frame with the cap of the moment; the relay's workers may
+    register the sync size (raising the cap) while it waits. A chunk that arrives afterwards
+    is measured against the new cap (it used to kill the link: a round then diverged)."""
+    import threading
+
+    a, b = socket.socketpair()
+    cap = [64]
+    got: list[object] = []
+    reader = threading.Thread(target=lambda: got.append(recv_frame(a, max_payload=lambda: cap[0])))
+    try:
+        reader.start()
+        time.sleep(0.2)  # the reader is waiting, with the small cap
+        cap[0] = 1 << 20
+        b.sendall(b"".join(encode_frame(Frame(FrameType.PEER_CHUNK, {"k": 0}, bytes(75_272)))))
+        reader.join(10)
+        assert isinstance(got[0], Frame) and len(got[0].payload) == 75_272
+    finally:
+        a.close()
+        b.close()

@@ -197,6 +197,17 @@ def with_runtime_hook(env: dict[str, str], site: Site, job_root: str) -> dict[st
     return {**env, "PYTHONPATH": ":".join(parts)}
 
 
+def without_runtime_hook(env: dict[str, str]) -> dict[str, str]:
+    """`env` for a process that is not a training process (the setup command): the hook's
+    directory left off PYTHONPATH."""
+    hook = posixpath.join(*RUNTIME_HOOK_DIR)
+    parts = [p for p in env.get("PYTHONPATH", "").split(":") if p and not p.endswith(hook)]
+    out = {k: v for k, v in env.items() if k != "PYTHONPATH"}
+    if parts:
+        out["PYTHONPATH"] = ":".join(parts)
+    return out
+
+
 def build_plan(spec: JobSpec, job_id: str, *, sites: dict[str, Site], ports: Ports,
                certs: Certs | None) -> JobPlan:
     """The whole plan of a job (pure). `certs` is required when the spec has a relay."""

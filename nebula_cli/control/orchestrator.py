@@ -185,7 +185,8 @@ class Orchestrator(JobOps):
         if spec.setup:
             progress(f"{where}: running setup")
             # marked like the agent's processes, so that stopping the agent sweeps it too
-            env = {**agent.config.processes[0].env, "NEBULA_AGENT_DIR": agent.agent_dir}
+            env = {**jobplan.without_runtime_hook(agent.config.processes[0].env),
+                   "NEBULA_AGENT_DIR": agent.agent_dir}
             result = t.run(["/bin/sh", "-c", spec.setup], cwd=agent.config.cwd,
                            env=env, timeout=SETUP_TIMEOUT,
                            on_output=lambda line: progress(f"{where} setup | {line}"))

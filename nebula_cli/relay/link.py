@@ -180,7 +180,7 @@ class PeerLink:
         watched: Any = _Watched(self)
         try:
             while not self.closed:
-                frame = recv_frame(watched, max_payload=self._payload_cap())
+                frame = recv_frame(watched, max_payload=self._payload_cap)
                 self.bytes_received += (HEADER_SIZE + len(encode_meta(frame.meta))
                                         + len(frame.payload))
                 if frame.type == FrameType.BYE:

@@ -23,6 +23,7 @@ import json
 import socket
 import ssl
 import struct
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import IntEnum
 from typing import Any
@@ -234,11 +235,14 @@ def _recv_exact(sock: socket.socket, buf: bytearray, what: str, *, frame_start: 
         got += n
 
 
-def recv_frame(sock: socket.socket, *, max_payload: int = DEFAULT_MAX_PAYLOAD) -> Frame:
+def recv_frame(sock: socket.socket, *,
+               max_payload: int | Callable[[], int] = DEFAULT_MAX_PAYLOAD) -> Frame:
     """Read exactly one frame. Header checked first, then the meta read and parsed, then the
     payload read into a bytearray of exactly the declared size (recv_into, no extra copies)."""
     header = bytearray(HEADER_SIZE)
     _recv_exact(sock, header, "header", frame_start=True)
+    if callable(max_payload):  # the cap as of this frame's arrival, not of the wait's start
+        max_payload = max_payload()
     ftype, meta_len, payload_len = parse_header(header, max_payload=max_payload)
     meta_raw = bytearray(meta_len)
     _recv_exact(sock, meta_raw, "meta", frame_start=False)

@@ -20,6 +20,7 @@ import numpy as np
 
 from nebula_cli.planner.costmodel import CostModel
 from nebula_cli.planner.evaluator import Evaluator, Scored, groups_of
+from nebula_cli.planner.moves import partners
 
 EPS = 1e-9
 _CHUNK = 1 << 22  # elements per block of the data bound (memory cap)
@@ -94,22 +95,8 @@ def _pipeline_bounds(model: CostModel, cur: Scored) -> tuple[np.ndarray, np.ndar
     pos = np.empty(stages, dtype=int)
     pos[order] = np.arange(stages)
     at = pos[labels]
-    prev_p = np.full(n, -1)
-    next_p = np.full(n, -1)
     edges = stages - 1
-    top_v = np.full((edges, 3), -np.inf)
-    top_i = np.full((edges, 3), -2)
-    link_v = np.empty(edges)
-    for k in range(edges):
-        left, right = groups[order[k]], groups[order[k + 1]]
-        link_v[k], match = model.link(left.tolist(), right.tolist())
-        right_m = right[match]
-        next_p[left] = right_m
-        prev_p[right_m] = left
-        costs = cp[left, right_m]
-        best = np.argsort(-costs)[:3]
-        top_v[k, :best.size] = costs[best]
-        top_i[k, :best.size] = left[best]
+    prev_p, next_p, link_v, _, _, top_v, top_i = partners(model, cur)
     has_prev, has_next = at >= 1, at <= edges - 1
     k_prev, k_next = np.clip(at - 1, 0, edges - 1), np.clip(at, 0, edges - 1)
     # each link's largest pair without x's own pair (pairs are named by their left device)

@@ -137,6 +137,17 @@ def agent_dir(job_root: str, cluster: str, host: str, role: str) -> str:
     return posixpath.join(job_root, cluster, host, role)
 
 
+def cert_names(role: str) -> tuple[str, str, str]:
+    """Where a role's PEM files go, relative to its agent dir: the job's CA certificate, the
+    role's certificate and key (the plan writes them there; its TLS paths point there)."""
+    return "certs/ca.pem", f"certs/{role}.pem", f"certs/{role}.key"
+
+
+def _tls(adir: str, role: str) -> TlsFiles:
+    ca, cert, key = (posixpath.join(adir, name) for name in cert_names(role))
+    return TlsFiles(ca=ca, cert=cert, key=key)
+
+
 def lib_dir(job_root: str) -> str:
     """Where the nebula_cli package is uploaded on a host that does not share our files."""
     return posixpath.join(job_root, "lib")
@@ -253,8 +264,8 @@ def _worker_agents(spec: JobSpec, job_id: str, sites: dict[str, Site], ports: Po
                                    relay_addr=_relay_addr(spec, cluster, sites, ports))
                 env[SYNC_CONFIG_ENV] = posixpath.join(adir, "sync.json")
                 cert, key = certs.workers[site_key(cluster, host)]
-                files = {"sync.json": strict.dumps(sync), "certs/ca.pem": certs.ca,
-                         "certs/worker.pem": cert, "certs/worker.key": key}
+                files = {"sync.json": strict.dumps(sync),
+                         **dict(zip(cert_names(WORKER), (certs.ca, cert, key), strict=True))}
             processes = []
             for local_rank in range(host.slots):
                 device = device_id(cluster.name, host.host, local_rank)
@@ -334,11 +345,8 @@ def sync_config(spec: JobSpec, job_id: str, cluster: ClusterSpec, adir: str, *,
     relay = spec.relay
     assert relay is not None  # only for a spec with a relay
     sync, comp = relay.sync, relay.compression
-    certs = posixpath.join(adir, "certs")
     return SyncConfig(
-        job_id=job_id, cluster=cluster.name, relay_addr=relay_addr,
-        tls=TlsFiles(ca=posixpath.join(certs, "ca.pem"), cert=posixpath.join(certs, "worker.pem"),
-                     key=posixpath.join(certs, "worker.key")),
+        job_id=job_id, cluster=cluster.name, relay_addr=relay_addr, tls=_tls(adir, WORKER),
         mode=sync.mode, inner_steps=sync.inner_steps, outer_lr=sync.outer_lr,
         outer_momentum=sync.outer_momentum, nesterov=sync.nesterov, overlap=sync.overlap,
         overlap_steps=sync.overlap_steps, codec=comp.codec,
@@ -371,8 +379,8 @@ def _relay_agents(spec: JobSpec, job_id: str, sites: dict[str, Site], ports: Por
                 env=env, log="logs/relay.log", metrics="metrics/relay.jsonl")])
         cert, key = certs.relays[cluster.name]
         relay_json = relay_config(spec, job_id, cluster, adir, ports, sites)
-        files = {"relay.json": strict.dumps(relay_json), "certs/ca.pem": certs.ca,
-                 "certs/relay.pem": cert, "certs/relay.key": key}
+        files = {"relay.json": strict.dumps(relay_json),
+                 **dict(zip(cert_names(RELAY), (certs.ca, cert, key), strict=True))}
         plans.append(AgentPlan(
             cluster=cluster.name, host=gateway.host, role=RELAY, node_rank=node_rank, slots=1,
             conn=_conn(site, job_root), job_root=job_root, config=config, files=files))
@@ -391,7 +399,6 @@ def relay_config(spec: JobSpec, job_id: str, cluster: ClusterSpec, adir: str, po
     bind = _gateway_site(cluster, sites).bind
     peer_port, worker_port = ports.relays[cluster.name]
     shaping = relay.shaping
-    certs = posixpath.join(adir, "certs")
     return RelayConfig(
         job_id=job_id,
         cluster=cluster.name,
@@ -400,8 +407,7 @@ def relay_config(spec: JobSpec, job_id: str, cluster: ClusterSpec, adir: str, po
         worker_listen=f"{bind}:{worker_port}",
         peers={c.name: f"{dial_address(c)}:{ports.relays[c.name][0]}"
                for c in spec.clusters if c.name != cluster.name},
-        tls=TlsFiles(ca=posixpath.join(certs, "ca.pem"), cert=posixpath.join(certs, "relay.pem"),
-                     key=posixpath.join(certs, "relay.key")),
+        tls=_tls(adir, RELAY),
         codec=relay.compression.codec,
         error_feedback=relay.compression.error_feedback,
         block_size=relay.compression.block_size,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import asdict, dataclass, fields
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -84,9 +84,9 @@ class RelayConfig:
 
     def __post_init__(self) -> None:
         if isinstance(self.tls, dict):
-            self.tls = _build(TlsFiles, self.tls, "tls")
+            self.tls = _part(TlsFiles, self.tls, "tls")
         if isinstance(self.shaping, dict):
-            self.shaping = _build(ShapingConfig, self.shaping, "shaping")
+            self.shaping = _part(ShapingConfig, self.shaping, "shaping")
         self.validate()
 
     # ------------------------------------------------------------------ checks
@@ -149,13 +149,10 @@ class RelayConfig:
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> RelayConfig:
         """Strictly, as every part of the plan (`config.strict`): every key, of its type."""
-        try:
-            return strict.from_dict(cls, data, "relay config")
-        except strict.PlanFileError as exc:
-            raise RelayConfigError(str(exc)) from exc
+        return _part(cls, data, "relay config")
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        return strict.to_dict(self)
 
     @classmethod
     def load(cls, path: str | Path) -> RelayConfig:
@@ -179,11 +176,8 @@ class RelayConfig:
         return cfg
 
     def dump(self, path: str | Path) -> None:
-        """Write relay.json (atomically)."""
-        path = Path(path)
-        tmp = path.with_name(f".{path.name}.tmp")
-        tmp.write_text(json.dumps(self.to_dict(), indent=2) + "\n")
-        os.replace(tmp, path)
+        """Write relay.json (atomically, readable by its owner only)."""
+        strict.write(self, path)
 
 
 def _type(name: str, value: Any, kind: type) -> None:
@@ -191,14 +185,9 @@ def _type(name: str, value: Any, kind: type) -> None:
         raise RelayConfigError(f"{name}: expected {kind.__name__}, got {value!r}")
 
 
-def _build(cls: type, data: Any, what: str) -> Any:
-    if not isinstance(data, dict):
-        raise RelayConfigError(f"{what}: expected an object, got {data!r}")
-    known = {f.name for f in fields(cls)}
-    unknown = sorted(set(data) - known)
-    if unknown:
-        raise RelayConfigError(f"{what}: unknown key(s) {unknown}; known: {sorted(known)}")
+def _part(cls: type, data: Any, what: str) -> Any:
+    """`strict.from_dict`, its refusal as a RelayConfigError."""
     try:
-        return cls(**data)
-    except TypeError as exc:  # missing required keys
-        raise RelayConfigError(f"{what}: {exc}") from exc
+        return strict.from_dict(cls, data, what)
+    except strict.PlanFileError as exc:
+        raise RelayConfigError(str(exc)) from exc

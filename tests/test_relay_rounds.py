@@ -295,3 +295,84 @@ def test_zero_length_chunks_under_made_up_attempts_and_coordinators_are_bounded(
     assert refused == 20_000 - len(held) and len(held) <= 2 * 3 * 3 * chunks
     budget = EARLY_COPIES * (4 * numel + chunks * EARLY_FRAME_COST) + CHUNK_SLACK
     assert sum(held_size(f) for f in held) <= budget
+
+
+def publish_after(hub: Hub, cluster: str, round_id: int, theta: torch.Tensor) -> threading.Thread:
+    """What a cluster's rank 0 does after a round: publish theta_global (here, once the
+    relay's outcome for ``round_id`` is out)."""
+    def run() -> None:
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:
+            if any(o.round_id == round_id for o in hub.outcomes[cluster]):
+                hub.rounds[cluster].publish(GlobalState(round_id, theta))
+                return
+            time.sleep(0.01)
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    return t
+
+
+def test_lineage_winner_is_the_majority_then_the_earliest_known() -> None:
+    from nebula_cli.relay.lineage import UNKNOWN, diverged, winner
+
+    order = ["a", "b", "c"]
+    assert winner({"a": "x", "b": "y", "c": "y"}, order) == "y"
+    assert diverged({"a": "x", "b": "y", "c": "y"}, order) == ["a"]
+    assert winner({"a": "x", "b": "y"}, order) == "x"  # a tie: the earliest cluster's
+    assert diverged({"a": UNKNOWN, "b": "y"}, order) == ["a"]  # unknown never wins
+    assert diverged({"a": UNKNOWN, "b": UNKNOWN}, order) == []  # nobody knows: nobody loses
+    assert diverged({"a": "x", "c": "x"}, order) == []
+
+
+def test_relays_that_ended_a_round_differently_converge_on_the_next_one() -> None:
+    """a and b are cut apart for round 1 (each averages alone: their global states differ).
+    When they meet again the lineage in their READY tells them apart; b (later in the job's
+    order, a tie) takes a's published state, and round 3 is joint again."""
+    hub = Hub(["a", "b"])
+    try:
+        run_round(hub, 0, {c: torch.ones(100) for c in hub.order})
+        assert hub.rounds["a"].lineage == hub.rounds["b"].lineage != "genesis"
+        hub.up = {"a"}
+        alone = run_round(hub, 1, {"a": torch.full((100,), 2.0), "b": torch.full((100,), 3.0)})
+        assert alone["a"].mode == alone["b"].mode == "alone"
+        assert hub.rounds["a"].lineage != hub.rounds["b"].lineage
+        hub.up = {"a", "b"}
+        theta_a = torch.full((100,), 9.0)
+        publisher = publish_after(hub, "a", 2, theta_a)
+        healed = run_round(hub, 2, {c: torch.ones(100) for c in hub.order})
+        publisher.join(5)
+        assert healed["a"].present == ["a"] and healed["a"].mode == "alone"
+        assert healed["b"].mode == "resync" and healed["b"].round_id == 2
+        assert healed["b"].global_state is not None
+        assert torch.equal(healed["b"].global_state, theta_a)
+        assert any("differs from that of a" in e for e in hub.events["b"]), hub.events["b"]
+        assert hub.rounds["a"].lineage == hub.rounds["b"].lineage
+        joint = run_round(hub, 3, {c: torch.full((100,), float(i)) for i, c in
+                                   enumerate(hub.order)})
+        assert joint["a"].present == joint["b"].present == ["a", "b"]
+        assert torch.equal(joint["a"].tensor, joint["b"].tensor)
+    finally:
+        hub.close()
+
+
+def test_the_odd_one_out_resyncs_even_when_it_coordinates(hub3: Hub) -> None:
+    """a (the coordinator) diverged while b and c stayed in step: the majority's lineage wins,
+    a takes b's state; a relay restarted mid-job (unknown lineage) resyncs too."""
+    run_round(hub3, 0, {c: torch.ones(64) for c in hub3.order})
+    hub3.rounds["a"].lineage = "a-alone"  # as if a had averaged alone in some round
+    theta_b = torch.full((64,), 5.0)
+    publisher = publish_after(hub3, "b", 1, theta_b)
+    out = run_round(hub3, 1, {c: torch.ones(64) for c in hub3.order})
+    publisher.join(5)
+    assert out["b"].present == out["c"].present == ["b", "c"]
+    assert out["a"].mode == "resync" and torch.equal(out["a"].global_state, theta_b)
+    assert len({r.lineage for r in hub3.rounds.values()}) == 1
+
+    hub3.rounds["c"].lineage = None  # a relay that restarted: its first round is round 2
+    theta_a = torch.full((64,), 6.0)
+    publisher = publish_after(hub3, "a", 2, theta_a)
+    out = run_round(hub3, 2, {c: torch.ones(64) for c in hub3.order})
+    publisher.join(5)
+    assert out["a"].present == ["a", "b"] and out["c"].mode == "resync"
+    assert torch.equal(out["c"].global_state, theta_a)

@@ -2,8 +2,10 @@
 
 A round is decided by a coordinator (:class:`Coordinator`, run by the first cluster in the job's
 order that a relay can reach): the clusters whose contribution is ready (and finite) by the
-deadline are *present*, the others are *missing* (not ready) or *rejected* (non-finite update,
-wrong size). Every relay then runs a :class:`RoundExchange` over a :class:`Schedule`:
+deadline are *present*, the others are *missing* (not ready), *rejected* (non-finite update,
+wrong size) or *diverged* (ready, but their global state is not the round's winning lineage:
+see :mod:`nebula_cli.relay.lineage`). Every relay then runs a :class:`RoundExchange` over a
+:class:`Schedule`:
 
 - 1 present cluster ("alone"): the result is its own contribution as decoded from its encoding.
 - 2 present ("direct"): each relay sends its encoded contribution to the other; both decode both
@@ -32,6 +34,7 @@ from typing import Any
 import torch
 
 from nebula_cli.errors import NebulaError
+from nebula_cli.relay.lineage import GENESIS, diverged
 
 ALONE, DIRECT, SHARD = "alone", "direct", "shard"
 BEHIND = "behind"
@@ -307,6 +310,9 @@ class Decision:
     rejected: tuple[str, ...]
     missing: tuple[str, ...]
     numel: int
+    diverged: tuple[str, ...] = ()
+    """Clusters ready but not on the round's winning lineage (see relay.lineage): they take a
+    present peer's global state instead of contributing."""
 
     @property
     def key(self) -> tuple[int, int, str]:
@@ -315,14 +321,16 @@ class Decision:
     def to_meta(self) -> dict[str, Any]:
         return {"round": self.round, "attempt": self.attempt, "coord": self.coordinator,
                 "present": list(self.present), "rejected": list(self.rejected),
-                "missing": list(self.missing), "numel": self.numel}
+                "missing": list(self.missing), "numel": self.numel,
+                "diverged": list(self.diverged)}
 
     @classmethod
     def from_meta(cls, meta: Mapping[str, Any]) -> Decision:
         try:
             d = cls(int(meta["round"]), int(meta["attempt"]), str(meta["coord"]),
                     tuple(map(str, meta["present"])), tuple(map(str, meta["rejected"])),
-                    tuple(map(str, meta["missing"])), int(meta["numel"]))
+                    tuple(map(str, meta["missing"])), int(meta["numel"]),
+                    tuple(map(str, meta.get("diverged", ()))))
         except (KeyError, TypeError, ValueError) as exc:
             raise ExchangeError(f"malformed round decision {dict(meta)!r}") from exc
         return d
@@ -332,6 +340,7 @@ class Decision:
 class _Collection:
     deadline: float
     ready: dict[str, tuple[bool, int, str]] = field(default_factory=dict)  # ok, numel, reason
+    lineage: dict[str, str] = field(default_factory=dict)
 
 
 class Coordinator:
@@ -356,7 +365,7 @@ class Coordinator:
 
     def ready(
         self, round_id: int, attempt: int, cluster: str, *, ok: bool, numel: int, reason: str = "",
-        now: float, newest_done: int,
+        now: float, newest_done: int, lineage: str = GENESIS,
     ) -> Decision | str | None:
         """Record a READY; returns a Decision (new or remembered), BEHIND, or None (wait)."""
         with self._lock:
@@ -369,6 +378,7 @@ class Coordinator:
             if col is None:
                 col = self._open[(round_id, attempt)] = _Collection(now + self.round_timeout)
             col.ready[cluster] = (ok, numel, reason)
+            col.lineage[cluster] = lineage
             if set(col.ready) >= set(self.clusters):
                 return self._decide(round_id, attempt)
             return None
@@ -407,11 +417,13 @@ class Coordinator:
         order = [c for c in self.clusters if c in col.ready]
         ok = [c for c in order if col.ready[c][0]]
         numel = col.ready[ok[0]][1] if ok else 0
-        present = [c for c in ok if col.ready[c][1] == numel]
-        rejected = [c for c in order if c not in present]
+        fitting = [c for c in ok if col.ready[c][1] == numel]
+        lost = diverged({c: col.lineage[c] for c in fitting}, self.clusters)
+        present = [c for c in fitting if c not in lost]
+        rejected = [c for c in order if c not in fitting]
         missing = [c for c in self.clusters if c not in col.ready]
         d = Decision(round_id, attempt, self.me, tuple(sorted(present)), tuple(sorted(rejected)),
-                     tuple(sorted(missing)), numel)
+                     tuple(sorted(missing)), numel, tuple(sorted(lost)))
         self._decided[round_id] = d
         for old in sorted(self._decided)[: -self.KEEP]:
             del self._decided[old]

@@ -3,9 +3,10 @@ assembling its answer, and serving such requests from peers.
 
 On a link: STATE_REQUEST {op: result, round, req} or {op: state, min_round, wait, req},
 answered by RESULT / STATE frames {req, status: ok|none|busy, round, ...numel} and then fp32
-chunk frames {req, lo}. The size an answer declares is checked against the size this relay
-syncs before anything is allocated; a peer has at most MAX_REQUESTS_PER_LINK requests served
-at once.
+chunk frames {req, lo}. A state answer also says its lineage and whether it is theta_global
+alone (parts 1) or theta_global then the outer momentum (parts 2). The size an answer
+declares is checked against the size this relay syncs (times the parts of a state) before
+anything is allocated; a peer has at most MAX_REQUESTS_PER_LINK requests served at once.
 """
 
 from __future__ import annotations
@@ -20,8 +21,9 @@ import torch
 
 from nebula_cli.relay.framing import tensor_frames
 from nebula_cli.relay.limits import MAX_REQUESTS_PER_LINK, Gate, Refusals
+from nebula_cli.relay.lineage import UNKNOWN
 from nebula_cli.relay.link import LinkDown, PeerLink
-from nebula_cli.relay.results import Average, GlobalState
+from nebula_cli.relay.results import STATE_PARTS, Average, GlobalState
 from nebula_cli.relay.wire import Frame, FrameType, WireError
 
 log = logging.getLogger("nebula.relay")
@@ -112,19 +114,23 @@ class Fetcher:
         if cap is None:
             return None  # nothing to hold it against: this cluster's workers never registered
         with self._lock:
-            fetch = Fetch(next(self._ids), link, cap)
+            limit = cap if meta["op"] == "result" else cap * max(STATE_PARTS)
+            fetch = Fetch(next(self._ids), link, limit)
             self._pending[fetch.req] = fetch
         try:
             link.send(Frame(FrameType.STATE_REQUEST, {**meta, "req": fetch.req}))
             if not fetch.wait(timeout) or fetch.tensor is None or fetch.meta is None:
                 return None
             m = fetch.meta
-            if m.get("status") != "ok" or fetch.tensor.numel() != cap:
+            parts = 1 if meta["op"] == "result" else m.get("parts", 1)
+            if (m.get("status") != "ok" or parts not in STATE_PARTS
+                    or fetch.tensor.numel() != cap * parts):
                 return None
             if meta["op"] == "result":
                 return Average(int(m["round"]), [str(c) for c in m.get("present", [])],
                                [str(c) for c in m.get("rejected", [])], fetch.tensor)
-            return GlobalState(int(m["round"]), fetch.tensor)
+            return GlobalState(int(m["round"]), fetch.tensor, str(m.get("lineage", UNKNOWN)),
+                               parts)
         except (LinkDown, KeyError, TypeError, ValueError):
             return None
         finally:
@@ -181,9 +187,9 @@ class Fetcher:
                 wait = min(float(m.get("wait", 0)), self.max_wait)
                 st = self._answer_state(int(m.get("min_round", -1)), wait)
                 frames = [Frame(FrameType.STATE, {"req": req, "status": "none"})] if st is None \
-                    else tensor_frames(FrameType.STATE, {"req": req, "status": "ok",
-                                                         "round": st.round_id}, st.tensor,
-                                       self._chunk)
+                    else tensor_frames(FrameType.STATE, {
+                        "req": req, "status": "ok", "round": st.round_id,
+                        "lineage": st.lineage, "parts": st.parts}, st.tensor, self._chunk)
             for i, f in enumerate(frames):
                 if i:
                     f.meta["req"] = req

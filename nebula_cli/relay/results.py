@@ -23,6 +23,8 @@ class Outcome:
     bytes_sent: int = 0
     bytes_received: int = 0
     mode: str = ""
+    lineage: str | None = None
+    """Set when the outcome hands over a peer's global state: that state's lineage."""
 
 
 @dataclass(frozen=True)
@@ -35,9 +37,16 @@ class Average:
     tensor: torch.Tensor
 
 
+STATE_PARTS = (1, 2)
+"""A published state is theta_global (1 part) or theta_global then the outer momentum (2)."""
+
+
 @dataclass(frozen=True)
 class GlobalState:
-    """theta_global after ``round_id``, as a worker published it."""
+    """theta_global after ``round_id`` as a worker published it (followed by the outer
+    momentum when ``parts`` is 2), and the lineage it belongs to (see relay.lineage)."""
 
     round_id: int
     tensor: torch.Tensor
+    lineage: str = ""
+    parts: int = 1

@@ -16,16 +16,21 @@ from typing import Any
 
 from nebula_cli.relay.allreduce import Decision, RoundExchange
 from nebula_cli.relay.limits import LimitExceeded, SyncSize
+from nebula_cli.relay.lineage import UNKNOWN, advance, initial
 from nebula_cli.relay.results import Average, GlobalState, Outcome
 
 log = logging.getLogger("nebula.relay")
 
-EXCHANGE, LEFT_OUT, EMPTY = "exchange", "left-out", "empty"
+EXCHANGE, LEFT_OUT, EMPTY, RESYNC = "exchange", "left-out", "empty", "resync"
+LINEAGES_KEPT = 16
 
 
 def after_decision(me: str, d: Decision, *, own_ok: bool) -> str:
     """What a relay does once its round is decided: EXCHANGE (it is present and can send),
-    LEFT_OUT (fetch the average of those present), or EMPTY (nobody present: zeros)."""
+    RESYNC (its global state diverged: take a present peer's), LEFT_OUT (fetch the average of
+    those present), or EMPTY (nobody present: zeros)."""
+    if me in d.diverged and d.present:
+        return RESYNC
     if me in d.present and own_ok:
         return EXCHANGE
     return LEFT_OUT if d.present else EMPTY
@@ -47,6 +52,8 @@ class RoundState:
         self.done_round = -1
         self.average: Average | None = None
         self.state: GlobalState | None = None
+        self.lineage: str | None = None  # set by the first round (see relay.lineage)
+        self.lineages: dict[int, str] = {}  # round -> lineage after it
         self.stopping = False
 
     def register(self, size: SyncSize) -> None:
@@ -86,11 +93,36 @@ class RoundState:
                     "result_round": self.average.round_id if self.average else None,
                     "sync": self.sync.to_meta() if self.sync else None}
 
-    def publish(self, st: GlobalState) -> None:
-        """A worker's theta_global after a round (kept if it is the newest)."""
+    def lineage_before(self, round_id: int) -> str:
+        """This relay's lineage as its round ``round_id`` starts."""
         with self.lock:
+            if self.lineage is None:
+                self.lineage = initial(round_id)
+            return self.lineage
+
+    def record_lineage(self, out: Outcome) -> str:
+        """Advance the lineage by what round ``out.round_id`` applied (nothing: unchanged)."""
+        with self.lock:
+            prev = self.lineage or initial(out.round_id)
+            if out.global_state is not None:
+                new = out.lineage or UNKNOWN
+            elif out.present:
+                new = advance(prev, out.round_id, out.present, out.tensor)
+            else:
+                new = prev
+            self.lineage = new
+            self.lineages[out.round_id] = new
+            for k in sorted(self.lineages)[:-LINEAGES_KEPT]:
+                del self.lineages[k]
+            return new
+
+    def publish(self, st: GlobalState) -> None:
+        """A worker's theta_global after a round (kept if it is the newest), tagged with this
+        relay's lineage after that round."""
+        with self.lock:
+            lineage = self.lineages.get(st.round_id, st.lineage or UNKNOWN)
             if self.state is None or st.round_id >= self.state.round_id:
-                self.state = st
+                self.state = GlobalState(st.round_id, st.tensor, lineage, st.parts)
             self.cv.notify_all()
 
     def answer_result(self, round_id: int, wait: float, gone: Callable[[], bool]

@@ -14,9 +14,12 @@ A round (see :mod:`nebula_cli.relay.allreduce` for the schedule):
 4. The present relays exchange encoded chunks while the contribution is still being encoded;
    results are bit-identical on every relay.
 5. A cluster left out (late, or rejected) gets the round's average from a present peer; if
-   nobody is present it gets zeros. If a present peer disappears mid-exchange, the survivors
-   fetch the result from one that completed, else redo the round (at most MAX_ATTEMPTS, then
-   a zero delta). With no peer reachable at all a cluster averages alone.
+   nobody is present it gets zeros. A cluster whose global state diverged from the others'
+   (its READY carries its lineage, see :mod:`nebula_cli.relay.lineage`) takes a present
+   peer's published global state instead (:mod:`nebula_cli.relay.recovery`). If a present
+   peer disappears mid-exchange, the survivors fetch the result from one that completed, else
+   redo the round (at most MAX_ATTEMPTS, then a zero delta). With no peer reachable at all a
+   cluster averages alone.
 
 Round control (ROUND frames, op ready/start/behind/abort) and chunks (PEER_CHUNK) from peers
 come in through :meth:`Rounds.on_control` and :meth:`Rounds.on_chunk`; anything for a round
@@ -52,8 +55,10 @@ from nebula_cli.relay.limits import (
     Refusals,
     SyncSize,
 )
+from nebula_cli.relay.lineage import UNKNOWN
+from nebula_cli.relay.recovery import Recovery
 from nebula_cli.relay.results import Average, GlobalState, Outcome
-from nebula_cli.relay.round_state import RoundState, after_decision
+from nebula_cli.relay.round_state import EMPTY, EXCHANGE, RESYNC, after_decision
 from nebula_cli.relay.wire import Frame, FrameType
 
 log = logging.getLogger("nebula.relay")
@@ -80,7 +85,7 @@ class Net(Protocol):
     def wan_bytes(self) -> tuple[int, int]: ...
 
 
-class Rounds(RoundState):
+class Rounds(Recovery):
     """One relay's rounds. ``event(msg, *args)`` reports a warning-worthy event;
     ``finished(request_round, outcome)`` runs after each round."""
 
@@ -149,9 +154,11 @@ class Rounds(RoundState):
                     return got
                 return self._alone(r, x if own else None, numel)
             step = after_decision(self.me, d, own_ok=own is not None)
-            if step != "exchange":
+            if step == RESYNC:
+                return self._resync(r, list(d.present), numel)
+            if step != EXCHANGE:
                 why = "late" if self.me in d.missing else "rejected"
-                if step == "empty":
+                if step == EMPTY:
                     self._event("round %d: this cluster was left out (%s) and nobody is "
                                 "present; zero update", r, why)
                     return Outcome(torch.zeros(numel), [], r, list(d.rejected),
@@ -185,7 +192,7 @@ class Rounds(RoundState):
         give_up = deadline + self.grace
         sent_to = None
         meta = {"op": "ready", "round": r, "attempt": attempt, "ok": not reason, "numel": numel,
-                "reason": reason}
+                "reason": reason, "lineage": self.lineage_before(r)}
         while True:
             with self.lock:
                 d = self.decisions.get((r, sent_to)) if sent_to else None
@@ -271,59 +278,8 @@ class Rounds(RoundState):
                         d.round, sorted(ex.dropped), ex.zeroed)
         return ex
 
-    def _recover(self, r: int, candidates: list[str], numel: int) -> Outcome | None:
-        """Fetch round ``r``'s average from a peer that completed it."""
-        self.set_phase(r, "recovering")
-        for c in sorted(candidates, key=self.order.__getitem__):
-            if c == self.me:
-                continue
-            got = self.net.fetch(c, {"op": "result", "round": r}, self.fetch_timeout)
-            if not isinstance(got, Average) or got.tensor.numel() != numel:
-                continue
-            missing = sorted(set(self.cfg.clusters) - set(got.present) - set(got.rejected))
-            with self.lock:
-                self.average = Average(r, got.present, got.rejected, got.tensor)
-            return Outcome(got.tensor, got.present, r, got.rejected, missing, mode="fetched")
-        return None
-
-    def _catch_up(self, r: int, numel: int, why: str) -> Outcome:
-        """This cluster is behind: a peer's round-r average if one has it, else a global state."""
-        self._event("round %d: this cluster is behind (%s); catching up", r, why)
-        with self.lock:
-            avg = self.average
-        if avg is not None and avg.round_id == r:
-            return Outcome(avg.tensor, avg.present, r, avg.rejected, mode="cached")
-        got = self._recover(r, self.net.holders(r), numel)
-        if got is not None:
-            return got
-        newest = self.newest_done()
-        with self.lock:
-            best = self.state
-        for cluster, _ in self.net.state_sources():
-            if best is not None and best.round_id >= newest:
-                break
-            st = self.net.fetch(cluster, {"op": "state", "min_round": newest,
-                                          "wait": self.cfg.round_timeout}, self.fetch_timeout)
-            if isinstance(st, GlobalState) and (best is None or st.round_id > best.round_id):
-                best = st
-        if best is None:
-            self._event("round %d: no global state available to catch up from; zero update", r)
-            return Outcome(torch.zeros(numel), [], r, mode="failed")
-        log.info("round %d: caught up to round %d from a published global state", r,
-                 best.round_id)
-        return Outcome(torch.zeros(numel), [], best.round_id, global_state=best.tensor,
-                       mode="catch-up")
-
-    def _alone(self, r: int, x: torch.Tensor | None, numel: int) -> Outcome:
-        others = [c for c in self.cfg.clusters if c != self.me]
-        if x is None:
-            return Outcome(torch.zeros(numel), [], r, [self.me], others, mode="alone")
-        avg = decode(self.codec, self.codec.encode(x))
-        with self.lock:
-            self.average = Average(r, [self.me], [], avg)
-        return Outcome(avg, [self.me], r, [], others, mode="alone")
-
     def _finish_round(self, r: int, out: Outcome) -> None:
+        self.record_lineage(out)
         with self.lock:
             self.done_round = max(self.done_round, out.round_id)
             self.outcomes = {k: v for k, v in self.outcomes.items() if k >= r - 1}
@@ -454,7 +410,8 @@ class Rounds(RoundState):
             raise ValueError(f"READY for attempt {attempt}")
         res = self.coordinator.ready(
             int(m["round"]), attempt, cluster, ok=bool(m["ok"]), numel=int(m["numel"]),
-            reason=str(m.get("reason", "")), now=self.clock(), newest_done=self.newest_done())
+            reason=str(m.get("reason", "")), now=self.clock(), newest_done=self.newest_done(),
+            lineage=str(m.get("lineage", UNKNOWN)))
         if res == BEHIND:
             self._tell_behind(cluster, int(m["round"]))
         elif isinstance(res, Decision):

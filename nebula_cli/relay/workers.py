@@ -4,8 +4,12 @@ connects with a worker certificate of this job and cluster and asks for rounds.
     HELLO {role: worker, cluster[, layout]}         -> WELCOME {cluster, codec, clusters, ...}
     CONTRIB {op: allreduce, round, numel} + chunks  -> RESULT {round_id, present, ...} + chunks
                                                        [+ STATE chunks when catching up]
-    STATE {op: publish, round, numel} + chunks      -> STATE {op: stored, round}
-    STATE_REQUEST {op: fetch}                       -> STATE {op: state, round|null, numel} + chunks
+    STATE {op: publish, round, numel, parts} + chunks -> STATE {op: stored, round}
+    STATE_REQUEST {op: fetch}                       -> STATE {op: state, round|null, numel,
+                                                              parts} + chunks
+
+A published state is theta_global (parts 1) or theta_global followed by the outer momentum
+(parts 2); a STATE handed to a worker says which.
     BYE
 
 The first registration (a HELLO's ``layout`` {shapes, dtypes}, else the first tensor's size)
@@ -37,7 +41,7 @@ from nebula_cli.relay.limits import (
     Refusals,
     SyncSize,
 )
-from nebula_cli.relay.results import GlobalState
+from nebula_cli.relay.results import STATE_PARTS, GlobalState
 from nebula_cli.relay.rounds import Rounds
 from nebula_cli.relay.wire import ConnectionClosed, Frame, FrameType, WireError, recv_frame
 
@@ -131,20 +135,26 @@ class WorkerPort:
                 if exc.close:
                     return
 
-    def _tensor(self, sock: ssl.SSLSocket, ftype: FrameType, numel: Any) -> torch.Tensor:
-        """Read a worker's tensor of this cluster's sync size (registering it the first
-        time); _Refused otherwise."""
+    def _tensor(self, sock: ssl.SSLSocket, ftype: FrameType, numel: Any,
+                parts: Any = 1) -> torch.Tensor:
+        """Read a worker's tensor of this cluster's sync size times ``parts`` (registering the
+        size the first time); _Refused otherwise."""
+        if parts not in STATE_PARTS:
+            raise _Refused(f"a tensor in {parts!r} parts", close=True)
         sync = self.rounds.sync
-        cap = sync.numel if sync is not None else MAX_SYNC_NUMEL
+        cap = (sync.numel if sync is not None else MAX_SYNC_NUMEL) * parts
         try:
             numel = check_numel(numel, cap)
         except WireError as exc:
-            raise _Refused(f"{exc}: this relay syncs {cap} elements", close=True) from None
+            raise _Refused(f"{exc}: this relay syncs {cap // parts} elements", close=True) from None
         x = recv_tensor(sock, ftype, numel, max_numel=cap)
+        size = numel // parts
         try:
-            self.rounds.register(SyncSize.flat(numel) if sync is None else sync)
-            if sync is not None and numel != sync.numel:
-                raise LimitExceeded(f"a tensor of {numel} elements; this relay syncs "
+            if numel % parts:
+                raise LimitExceeded(f"{numel} elements do not split into {parts} parts")
+            self.rounds.register(SyncSize.flat(size) if sync is None else sync)
+            if sync is not None and size != sync.numel:
+                raise LimitExceeded(f"a tensor of {size} elements; this relay syncs "
                                     f"{sync.numel} (its workers' first registration)")
         except LimitExceeded as exc:
             raise _Refused(str(exc)) from None
@@ -173,15 +183,17 @@ class WorkerPort:
                     "has_state": out.global_state is not None, "mode": out.mode}
             frames = tensor_frames(FrameType.RESULT, meta, out.tensor)
             if out.global_state is not None:
-                frames += tensor_frames(FrameType.STATE, {"round": out.round_id},
-                                        out.global_state)
+                frames += tensor_frames(FrameType.STATE, {
+                    "round": out.round_id, "parts": out.global_state.numel() // out.tensor.numel()},
+                    out.global_state)
             send_frames(sock, frames)
         elif t == FrameType.STATE and m.get("op") == "publish":
-            x = self._tensor(sock, FrameType.STATE, m.get("numel"))
+            parts = m.get("parts", 1)
+            x = self._tensor(sock, FrameType.STATE, m.get("numel"), parts)
             round_id = m.get("round")
             if not isinstance(round_id, int) or isinstance(round_id, bool):
                 raise _Refused("bad round id")
-            self.rounds.publish(GlobalState(round_id, x))
+            self.rounds.publish(GlobalState(round_id, x, parts=parts))
             send_frames(sock, [Frame(FrameType.STATE, {"op": "stored", "round": round_id})])
             self._published()
         elif t == FrameType.STATE_REQUEST and m.get("op") == "fetch":
@@ -189,9 +201,8 @@ class WorkerPort:
             if st is None:
                 send_frames(sock, [Frame(FrameType.STATE, {"op": "state", "round": None})])
             else:
-                send_frames(sock, tensor_frames(FrameType.STATE,
-                                                {"op": "state", "round": st.round_id},
-                                                st.tensor))
+                send_frames(sock, tensor_frames(FrameType.STATE, {
+                    "op": "state", "round": st.round_id, "parts": st.parts}, st.tensor))
         elif t == FrameType.BYE:
             return False
         else:

@@ -1,0 +1,115 @@
+"""How a relay gets a round's result when it could not compute it with its peers: fetch the
+average from a peer that completed the round, catch up from a peer's published global state
+when it is behind or its state diverged (see :mod:`nebula_cli.relay.lineage`), or average alone
+when nobody can be reached. Part of :class:`nebula_cli.relay.rounds.Rounds`; it talks to peers
+only through the round driver's :class:`~nebula_cli.relay.rounds.Net`."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+import torch
+
+from nebula_cli.relay.codecs import Codec
+from nebula_cli.relay.config import RelayConfig
+from nebula_cli.relay.contribution import decode
+from nebula_cli.relay.results import Average, GlobalState, Outcome
+from nebula_cli.relay.round_state import RoundState
+
+if TYPE_CHECKING:
+    from nebula_cli.relay.rounds import Net
+
+log = logging.getLogger("nebula.relay")
+
+
+class Recovery(RoundState):
+    """The recovery paths of a relay's rounds (the attributes are set by ``Rounds``)."""
+
+    cfg: RelayConfig
+    me: str
+    codec: Codec
+    net: Net
+    order: dict[str, int]
+    fetch_timeout: float
+    _event: Callable[..., None]
+
+    def newest_done(self) -> int:  # implemented by Rounds
+        raise NotImplementedError
+
+    def _recover(self, r: int, candidates: list[str], numel: int) -> Outcome | None:
+        """Fetch round ``r``'s average from a peer that completed it."""
+        self.set_phase(r, "recovering")
+        for c in sorted(candidates, key=self.order.__getitem__):
+            if c == self.me:
+                continue
+            got = self.net.fetch(c, {"op": "result", "round": r}, self.fetch_timeout)
+            if not isinstance(got, Average) or got.tensor.numel() != numel:
+                continue
+            missing = sorted(set(self.cfg.clusters) - set(got.present) - set(got.rejected))
+            with self.lock:
+                self.average = Average(r, got.present, got.rejected, got.tensor)
+            return Outcome(got.tensor, got.present, r, got.rejected, missing, mode="fetched")
+        return None
+
+    def _catch_up(self, r: int, numel: int, why: str) -> Outcome:
+        """This cluster is behind: a peer's round-r average if one has it, else a global state."""
+        self._event("round %d: this cluster is behind (%s); catching up", r, why)
+        with self.lock:
+            avg = self.average
+        if avg is not None and avg.round_id == r:
+            return Outcome(avg.tensor, avg.present, r, avg.rejected, mode="cached")
+        got = self._recover(r, self.net.holders(r), numel)
+        if got is not None:
+            return got
+        newest = self.newest_done()
+        with self.lock:
+            best = self.state
+        for cluster, _ in self.net.state_sources():
+            if best is not None and best.round_id >= newest:
+                break
+            st = self._fetch_state(cluster, newest)
+            if st is not None and (best is None or st.round_id > best.round_id):
+                best = st
+        if best is None:
+            self._event("round %d: no global state available to catch up from; zero update", r)
+            return Outcome(torch.zeros(numel), [], r, mode="failed")
+        log.info("round %d: caught up to round %d from a published global state", r,
+                 best.round_id)
+        return self._taken(best, numel, "catch-up")
+
+    def _resync(self, r: int, present: list[str], numel: int) -> Outcome:
+        """This cluster's global state diverged from the round's winning lineage: take the
+        state a present peer publishes after round ``r``."""
+        self._event("round %d: this cluster's global state differs from that of %s; taking "
+                    "theirs", r, ", ".join(present))
+        self.set_phase(r, "recovering")
+        for c in sorted(present, key=self.order.__getitem__):
+            st = self._fetch_state(c, r)
+            if st is not None and st.round_id >= r:
+                return self._taken(st, numel, "resync")
+        self._event("round %d: no present peer handed over its global state; zero update", r)
+        return Outcome(torch.zeros(numel), [], r, mode="failed")
+
+    def _fetch_state(self, cluster: str, min_round: int) -> GlobalState | None:
+        st = self.net.fetch(cluster, {"op": "state", "min_round": min_round,
+                                      "wait": self.cfg.round_timeout}, self.fetch_timeout)
+        return st if isinstance(st, GlobalState) else None
+
+    @staticmethod
+    def _taken(st: GlobalState, numel: int, mode: str) -> Outcome:
+        return Outcome(torch.zeros(numel), [], st.round_id, global_state=st.tensor, mode=mode,
+                       lineage=st.lineage)
+
+    def _alone(self, r: int, x: torch.Tensor | None, numel: int) -> Outcome:
+        others = [c for c in self.cfg.clusters if c != self.me]
+        if x is None:
+            return Outcome(torch.zeros(numel), [], r, [self.me], others, mode="alone")
+        avg = decode(self.codec, self.codec.encode(x))
+        with self.lock:
+            self.average = Average(r, [self.me], [], avg)
+        return Outcome(avg, [self.me], r, [], others, mode="alone")
+
+
+__all__ = ["Recovery"]

@@ -147,24 +147,47 @@ def launch(
     """Provision every host, start the job, then show it live (Ctrl-C detaches)."""
     spec = load_spec(spec_path)
     with _store() as store, Orchestrator(store, accept_new_host_keys=accept_new) as orch:
-        try:
-            with upload_bars(err) as (note, transfer):
-                job = orch.launch(spec, progress=note, transfer=transfer)
-        except KeyboardInterrupt:
-            err.print("\nlaunch cancelled; everything it had started was ended")
-            raise typer.Exit(EXIT_INTERRUPTED) from None
-        if detach:
-            out.print(job.id)
-            return
-        out.print(f"[bold]{job.id}[/] running; Ctrl-C detaches (the job keeps running)")
-        try:
-            snap = watch(orch, job.id, out)
-        except KeyboardInterrupt:
-            out.print(f"\ndetached from [bold]{job.id}[/]; it keeps running.\n"
-                      f"  follow:  nebula logs -f {job.id}\n"
-                      f"  status:  nebula status {job.id}\n"
-                      f"  stop:    nebula stop {job.id}")
-            return
+        _bring_up(orch, lambda note, transfer: orch.launch(spec, progress=note,
+                                                           transfer=transfer), detach, "launch")
+
+
+@app.command()
+@handle_errors
+def resume(
+    job_ref: Annotated[str, typer.Argument(metavar="JOB", help="Job id, prefix or name.")],
+    detach: Annotated[bool, typer.Option("--detach", "-d",
+                                         help="Return once started; print the job id.")] = False,
+    accept_new: AcceptNew = False,
+) -> None:
+    """Continue a stopped, failed or cancelled job (same id, same CA, renewed certificates):
+    every worker starts from its newest complete checkpoint."""
+    with _store() as store, Orchestrator(store, accept_new_host_keys=accept_new) as orch:
+        _bring_up(orch, lambda note, transfer: orch.resume(job_ref, progress=note,
+                                                           transfer=transfer), detach, "resume")
+
+
+def _bring_up(orch: Orchestrator, start: Callable[[Any, Any], Any], detach: bool,
+              action: str) -> None:
+    """Run a launch or resume with upload bars, then print the job id (--detach) or show it
+    live until it ends (Ctrl-C detaches)."""
+    try:
+        with upload_bars(err) as (note, transfer):
+            job = start(note, transfer)
+    except KeyboardInterrupt:
+        err.print(f"\n{action} cancelled; everything it had started was ended")
+        raise typer.Exit(EXIT_INTERRUPTED) from None
+    if detach:
+        out.print(job.id)
+        return
+    out.print(f"[bold]{job.id}[/] running; Ctrl-C detaches (the job keeps running)")
+    try:
+        snap = watch(orch, job.id, out)
+    except KeyboardInterrupt:
+        out.print(f"\ndetached from [bold]{job.id}[/]; it keeps running.\n"
+                  f"  follow:  nebula logs -f {job.id}\n"
+                  f"  status:  nebula status {job.id}\n"
+                  f"  stop:    nebula stop {job.id}")
+        return
     raise typer.Exit(EXIT_OK if snap.job.state == "SUCCEEDED" else EXIT_FAILED)
 
 
@@ -184,7 +207,7 @@ def status(
                     job = orch.refresh(job.id).job
                 jobs.append(job)
             if as_json:
-                out.print_json(json.dumps([_job_json(j) for j in jobs]))
+                out.print_json(json.dumps([_job_json(j, orch.attempt(j.id)) for j in jobs]))
             elif jobs:
                 out.print(jobs_table(jobs))
             else:
@@ -197,17 +220,19 @@ def status(
         view = orch.metrics_view(snap)  # the agents' summaries: no metrics file is re-read
         if as_json:
             hosts = [dataclasses.asdict(h) for h in snap.hosts]
-            out.print_json(json.dumps({**_job_json(snap.job), "hosts": hosts,
+            out.print_json(json.dumps({**_job_json(snap.job, orch.attempt(snap.job.id)),
+                                       "hosts": hosts,
                                        "metrics": view.latest, "relays": view.relay}))
             return
-        out.print(job_detail(snap, view.latest, view.relay))
+        out.print(job_detail(snap, view.latest, view.relay, orch.attempt(snap.job.id)))
 
 
-def _job_json(job: Any) -> dict[str, Any]:
+def _job_json(job: Any, attempt: int) -> dict[str, Any]:
     d = dataclasses.asdict(job)
     d.pop("spec", None)
     d["clusters"] = job.clusters
     d["hosts"] = job.num_hosts
+    d["attempt"] = attempt
     return d
 
 

@@ -97,13 +97,14 @@ def jobs_table(jobs: list[JobRecord]) -> Table:
 
 
 def job_detail(snap: JobSnapshot, metrics: dict[str, dict[str, Any]] | None = None,
-               relay: dict[str, dict[str, Any]] | None = None) -> Group:
+               relay: dict[str, dict[str, Any]] | None = None, attempt: int = 1) -> Group:
     """A job's hosts, and its newest metrics per cluster (workers' and relays')."""
     job = snap.job
     colors = cluster_colors(job.clusters)
     head = Text.assemble(
         (job.id, "bold"), "  ", state_text(job.state),
         f"  started {human_time(job.started)}  ran {human_duration(job_duration(job))}",
+        f"  attempt {attempt}" if attempt > 1 else "",
     )
     if job.reason and job.state in ("FAILED",):
         head.append(f"\nreason: {job.reason}", style="red")

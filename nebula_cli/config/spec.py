@@ -443,3 +443,16 @@ def load_spec(path: str | Path) -> JobSpec:
     except (OSError, RuntimeError, ValueError) as exc:
         raise yp.collect([SpecError(f"cannot read the spec: {exc}", file=file)], file) from exc
     return parse_spec(text, file=file, base_dir=base_dir)
+
+
+def spec_of_record(data: dict[str, Any], source: str | None) -> JobSpec:
+    """A job's spec as the state store recorded it at launch (validated again: a nebula
+    upgrade in between may have tightened a rule)."""
+    base_dir = Path(source).expanduser().resolve().parent if source else Path.cwd()
+    try:
+        spec = JobSpec.model_validate(data, context={"base_dir": base_dir})
+    except ValidationError as exc:
+        raise SpecError(f"the spec recorded for this job no longer validates: {exc}",
+                        file=source) from exc
+    spec._source = source
+    return spec

@@ -21,12 +21,12 @@ from typing import Any
 from nebula_cli import pki
 from nebula_cli.config import jobplan, strict
 from nebula_cli.config.jobplan import AgentPlan, JobPlan
-from nebula_cli.config.spec import ClusterSpec, HostSpec, JobSpec
+from nebula_cli.config.spec import ClusterSpec, HostSpec, JobSpec, spec_of_record
 from nebula_cli.control.fanout import GroupError, fanout
 from nebula_cli.control.hostcheck import HostCheck, check_host, require_python
 from nebula_cli.control.jobs import JobOps, JobSnapshot, StopReport, job_state
 from nebula_cli.control.state import END_STATES, HostRecord, JobRecord
-from nebula_cli.errors import LaunchError, NebulaError, TransportError
+from nebula_cli.errors import LaunchError, NebulaError, TransportError, UsageError
 from nebula_cli.transport import describe, machine_key
 
 __all__ = ["JobSnapshot", "Orchestrator", "StopReport", "job_state"]
@@ -36,6 +36,9 @@ PACKAGE_DIR = Path(__file__).resolve().parent.parent
 AGENT_TIMEOUT = 60.0
 CANCEL_STOP_TIMEOUT = 6.0
 """Seconds a cancelled launch gives its hosts' agents to stop (the command ends within 10 s)."""
+
+RESUME_EVENT = "resume"
+"""The event kind a resume records; a job's attempt is 1 + their number."""
 
 Progress = Callable[[str], None]
 Transfer = Callable[[str, int, int], None]  # (what, bytes done, bytes in all)
@@ -56,17 +59,49 @@ class Orchestrator(JobOps):
         every host and the job is recorded as FAILED (or CANCELLED)."""
         job = self.store.create_job(spec.name, spec.model_dump(mode="json"), spec.source)
         self.store.add_event(job.id, "launch", f"launching {spec.name}")
-        progress = _logged(progress, self.store.job_dir(job.id) / "launch.log")
-        progress(f"job {job.id}")
+        return self._bring_up(job.id, spec, "launch", progress, transfer)
+
+    def resume(self, ref: str, progress: Progress = _quiet,
+               transfer: Transfer | None = None) -> JobRecord:
+        """Start a STOPPED, FAILED, CANCELLED or LOST job again under the same id and CA:
+        whatever of an earlier attempt still runs is ended first, certificates are renewed,
+        every host is provisioned again (what is there is kept: checkpoints, logs) and every
+        worker starts from its newest complete checkpoint. All or nothing, as `launch`."""
+        job = self.store.get_job(ref)
+        if job.state not in END_STATES:
+            job = self.refresh(job.id).job
+        if job.state == "SUCCEEDED":
+            raise UsageError(f"job {job.id} SUCCEEDED: there is nothing to resume (launch its "
+                             "spec again for a new run)")
+        if job.state not in END_STATES:
+            raise UsageError(f"job {job.id} is {job.state}: only a stopped, failed or cancelled "
+                             f"job resumes (follow it: nebula logs -f {job.id}; end it: "
+                             f"nebula stop {job.id})")
+        spec = spec_of_record(job.spec, job.spec_path)
+        self.stop(job.id, grace=0.0, force=True)  # nothing of an earlier attempt may linger
+        attempt = self.attempt(job.id) + 1
+        self.store.reopen_job(job.id)
+        self.store.add_event(job.id, RESUME_EVENT, f"resuming (attempt {attempt})")
+        return self._bring_up(job.id, spec, "resume", progress, transfer)
+
+    def attempt(self, job_id: str) -> int:
+        """Which attempt of the job this is (1 + the resumes so far)."""
+        return 1 + self.store.count_events(job_id, RESUME_EVENT)
+
+    def _bring_up(self, job_id: str, spec: JobSpec, action: str, progress: Progress,
+                  transfer: Transfer | None) -> JobRecord:
+        progress = _logged(progress, self.store.job_dir(job_id) / "launch.log")
+        progress(f"job {job_id}" + (f" (attempt {self.attempt(job_id)})"
+                                    if action == "resume" else ""))
         if (warning := spec.cleartext_warning()) is not None:
             progress(warning)
-            self.store.add_event(job.id, "warning", warning)
+            self.store.add_event(job_id, "warning", warning)
         plan: JobPlan | None = None
         started: list[AgentPlan] = []
         try:
-            plan = self.plan(spec, job.id)
+            plan = self.plan(spec, job_id, renew=action == "resume")
             for agent in plan.agents:  # recorded first: `stop` reaches hosts a launch touched
-                self._record(job.id, agent, "PENDING")
+                self._record(job_id, agent, "PENDING")
             fanout(plan.hosts, lambda a: self._provision_host(spec, a, progress, transfer),
                    timeout=SETUP_TIMEOUT, cancel=self.abort)
             fanout(plan.agents, self._write_agent_files, timeout=AGENT_TIMEOUT,
@@ -77,20 +112,20 @@ class Orchestrator(JobOps):
                                  cancel=self.abort)
                 for agent, pid in results.items():
                     started.append(agent)
-                    self._record(job.id, agent, "STARTING", pid=pid)
+                    self._record(job_id, agent, "STARTING", pid=pid)
                     progress(f"started {agent.key} (agent pid {pid})")
         except BaseException as exc:
             cancelled = not isinstance(exc, Exception)  # Ctrl-C, SystemExit
             reason = "cancelled (interrupted)" if cancelled else _failure_reason(exc)
-            self._abandon(job.id, plan, reason, "CANCELLED" if cancelled else "FAILED",
+            self._abandon(job_id, plan, reason, "CANCELLED" if cancelled else "FAILED",
                           progress)
             if cancelled:
                 raise
-            raise LaunchError(f"launch of {job.id} failed; everything started was ended.\n"
+            raise LaunchError(f"{action} of {job_id} failed; everything started was ended.\n"
                               f"{reason}") from exc
-        self.store.set_job_state(job.id, "RUNNING")
-        self.store.add_event(job.id, "running", f"{len(started)} agents started")
-        return self.store.get_job(job.id)
+        self.store.set_job_state(job_id, "RUNNING")
+        self.store.add_event(job_id, "running", f"{len(started)} agents started")
+        return self.store.get_job(job_id)
 
     def _abandon(self, job_id: str, plan: JobPlan | None, reason: str, state: str,
                  progress: Progress) -> None:
@@ -140,16 +175,19 @@ class Orchestrator(JobOps):
                                   port(c, c.gateway_host, spec.relay.effective_worker_port))
         return jobplan.Ports(masters=masters, relays=relays)
 
-    def plan(self, spec: JobSpec, job_id: str) -> JobPlan:
-        """The job's plan: what the hosts report, the job's certificates, then `build_plan`."""
+    def plan(self, spec: JobSpec, job_id: str, *, renew: bool = False) -> JobPlan:
+        """The job's plan: what the hosts report, the job's certificates (issued, or with
+        ``renew`` re-issued from the job's CA key when it has one), then `build_plan`."""
         sites = self.sites(spec)
         ports = self.ports(spec, sites)
         certs = None
         if spec.relay is not None:
-            issued = pki.issue_job_pki(
-                job_id, {c.name: [h.host for h in c.hosts] for c in spec.clusters},
-                self.store.job_dir(job_id) / "pki",
-                valid_for=dt.timedelta(days=spec.lifetime_days))
+            pki_dir = self.store.job_dir(job_id) / "pki"
+            valid_for = dt.timedelta(days=spec.lifetime_days)
+            issued = pki.renew_job_pki(pki_dir, valid_for=valid_for) \
+                if renew and (pki_dir / "ca.key").is_file() else pki.issue_job_pki(
+                    job_id, {c.name: [h.host for h in c.hosts] for c in spec.clusters},
+                    pki_dir, valid_for=valid_for)
             certs = jobplan.Certs(
                 ca=issued.ca_cert.read_bytes(),
                 relays={c.name: _pair(issued.relay(c.name)) for c in spec.clusters},

@@ -284,6 +284,17 @@ class StateStore:
                 (state, state, now, state, now, reason, job_id),
             )
 
+    def reopen_job(self, job_id: str) -> None:
+        """An ended job starts again (resume): PENDING, no end time, no reason."""
+        with self._write() as db:
+            db.execute("UPDATE jobs SET state = 'PENDING', ended = NULL, reason = NULL"
+                       " WHERE id = ?", (job_id,))
+
+    def count_events(self, job_id: str, kind: str) -> int:
+        row = self._db.execute("SELECT COUNT(*) FROM events WHERE job_id = ? AND kind = ?",
+                               (job_id, kind)).fetchone()
+        return int(row[0])
+
     def get_job(self, ref: str) -> JobRecord:
         """A job by id, or by a unique prefix of its id, or the newest job of that name."""
         row = self._db.execute("SELECT * FROM jobs WHERE id = ?", (ref,)).fetchone()

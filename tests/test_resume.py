@@ -1,0 +1,72 @@
+"""`nebula resume` through the real CLI (local transport, real agents and relays): a stopped
+job continues under the same id and CA with renewed certificates, `status` shows the attempt,
+and what cannot be resumed is refused with the reason (exit 2), nothing started."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from conftest import CLI, job_processes, wait_for, write_spec
+
+# The first attempt marks the workdir and waits to be stopped; the second one sees the mark
+# and ends at once (a stand-in for a worker that finds its checkpoint).
+SPEC = """
+name: again
+workdir: .
+run: >-
+  if [ -e "done-$NEBULA_CLUSTER-$RANK" ]; then echo "resumed $NEBULA_CLUSTER/$RANK";
+  else touch "done-$NEBULA_CLUSTER-$RANK"; echo "first $NEBULA_CLUSTER/$RANK"; sleep 600; fi
+relay: {{port: {port}}}
+clusters:
+  - name: east
+    transport: local
+    hosts: [{{host: e1}}]
+  - name: west
+    transport: local
+    hosts: [{{host: w1}}]
+"""
+
+
+def status_json(cli: CLI, job_id: str) -> dict[str, Any]:
+    return json.loads(cli("status", job_id, "--json", check=True).stdout)
+
+
+def test_a_stopped_job_resumes_under_its_id_with_renewed_certificates(
+        cli: CLI, tmp_path: Path) -> None:
+    spec = write_spec(tmp_path, SPEC.format(port=29700))
+    job_id = cli("launch", str(spec), "--detach", check=True).stdout.strip()
+    wait_for(lambda: "first west/0" in cli("logs", job_id).stdout, timeout=60)
+    running = cli("resume", job_id)
+    assert running.returncode == 2 and "is RUNNING" in running.stderr, running
+    assert status_json(cli, job_id)["attempt"] == 1
+
+    pki = cli.home / "jobs" / job_id / "pki"
+    ca_key, certs = (pki / "ca.key").read_bytes(), sorted(pki.rglob("*.pem"))
+    before = {p: p.read_bytes() for p in certs}
+    assert len(before) >= 5  # the CA's, two relays', two workers' certificates
+    cli("stop", job_id, "--grace", "1", check=True)
+    assert status_json(cli, job_id)["state"] == "STOPPED" and job_processes(job_id) == []
+
+    proc = cli("resume", job_id, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "attempt 2" in proc.stdout + proc.stderr
+    st = status_json(cli, job_id)
+    assert st["id"] == job_id and st["state"] == "SUCCEEDED" and st["attempt"] == 2
+    assert st["reason"] is None and st["ended"] is not None
+    logs = cli("logs", job_id, check=True).stdout
+    assert "resumed east/0" in logs and "resumed west/0" in logs
+    assert (pki / "ca.key").read_bytes() == ca_key  # the same CA ...
+    assert all(p.read_bytes() != data for p, data in before.items())  # ... new certificates
+    assert job_processes(job_id) == []
+    assert "attempt 2" in cli("status", job_id, check=True).stdout
+
+    done = cli("resume", job_id)
+    assert done.returncode == 2 and "SUCCEEDED" in done.stderr
+    assert "nothing to resume" in done.stderr and job_processes(job_id) == []
+
+
+def test_resume_of_an_unknown_job_is_refused(cli: CLI) -> None:
+    proc = cli("resume", "no-such-job")
+    assert proc.returncode == 2 and "no job 'no-such-job'" in proc.stderr

@@ -476,13 +476,16 @@ def test_killed_relay_is_left_out_then_catches_up(
             res3 = cls["b"].allreduce(3, torch.randn(1500))
             assert res3.present == ["b"]
             theta -= res3.tensor
-            cls["b"].publish_state(3, theta)
+            momentum = torch.randn(1500)
+            cls["b"].publish_state(3, theta, momentum)  # with its outer momentum
 
             # a comes back; its worker (still at round 2) catches up from b's state
             procs.append(start_relay_process(cfg_path, log_path))
             back = cls["a"].allreduce(2, torch.randn(1500))
             assert back.global_state is not None and back.round_id == 3
             assert torch.equal(back.global_state, theta)
+            assert back.global_momentum is not None
+            assert torch.equal(back.global_momentum, momentum)
             assert torch.equal(back.tensor, torch.zeros(1500))
             xs = {c: torch.randn(1500) for c in job.clusters}
             res4 = together(cls, 4, xs)

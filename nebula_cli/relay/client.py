@@ -66,7 +66,10 @@ class RoundResult:
     seconds: float
     """Wall time of the round at the relay."""
     global_state: torch.Tensor | None = None
-    """Set when this cluster was behind: theta_global as published by a peer after round_id."""
+    """Set when this cluster was behind or its state diverged: theta_global as published by a
+    peer after round_id."""
+    global_momentum: torch.Tensor | None = None
+    """With ``global_state``, the peer's outer momentum when it published one."""
     rejected: list[str] = field(default_factory=list)
     """Clusters whose contribution was refused (non-finite, wrong size)."""
     missing: list[str] = field(default_factory=list)
@@ -127,23 +130,32 @@ class RelayClient:
             head = self._expect(sock, FrameType.RESULT)
             m = head.meta
             avg = recv_tensor(sock, FrameType.RESULT, m.get("numel"))
-            state = None
+            state = momentum = None
             if m.get("has_state"):
                 shead = self._expect(sock, FrameType.STATE)
                 state = recv_tensor(sock, FrameType.STATE, shead.meta.get("numel"))
+                if shead.meta.get("parts") == 2 and state.numel() == 2 * avg.numel():
+                    state, momentum = state[:avg.numel()], state[avg.numel():]
             return RoundResult(
                 tensor=avg, present=list(m.get("present", [])), round_id=int(m["round_id"]),
                 bytes_sent=int(m.get("bytes_sent", 0)),
                 bytes_received=int(m.get("bytes_received", 0)),
                 seconds=float(m.get("seconds", 0.0)), global_state=state,
+                global_momentum=momentum,
                 rejected=list(m.get("rejected", [])), missing=list(m.get("missing", [])),
             )
 
         return self._call(call, f"round {round_id}")
 
-    def publish_state(self, round_id: int, tensor: torch.Tensor) -> None:
-        """Hand theta_global after ``round_id`` to the relay (served to clusters catching up)."""
-        frames = tensor_frames(FrameType.STATE, {"op": "publish", "round": round_id}, tensor)
+    def publish_state(self, round_id: int, tensor: torch.Tensor,
+                      momentum: torch.Tensor | None = None) -> None:
+        """Hand theta_global after ``round_id`` (and the outer momentum, when there is one) to
+        the relay: served to clusters that catch up or whose state diverged."""
+        parts = 1 if momentum is None else 2
+        if momentum is not None:
+            tensor = torch.cat([tensor.reshape(-1), momentum.reshape(-1).to(tensor.dtype)])
+        frames = tensor_frames(FrameType.STATE, {"op": "publish", "round": round_id,
+                                                 "parts": parts}, tensor)
 
         def call(sock: ssl.SSLSocket) -> None:
             send_frames(sock, frames)
@@ -165,7 +177,10 @@ class RelayClient:
             head = self._expect(sock, FrameType.STATE)
             if head.meta.get("round") is None:
                 return None, None
-            return int(head.meta["round"]), recv_tensor(sock, FrameType.STATE, head.meta["numel"])
+            x = recv_tensor(sock, FrameType.STATE, head.meta["numel"])
+            if head.meta.get("parts") == 2:  # theta_global, then the outer momentum
+                x = x[: x.numel() // 2]
+            return int(head.meta["round"]), x
 
         return self._call(call, "fetch_state")
 

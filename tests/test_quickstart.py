@@ -98,6 +98,19 @@ def rounds_of(cli: CLI, job_id: str, cluster: str) -> list[dict[str, Any]]:
             if r.get("cluster") == cluster and r.get("outer_round") is not None]
 
 
+def _is_rank_of(pid: int, agent_child: int) -> bool:
+    """Whether ``pid`` is ``agent_child`` or one of its descendants (a worker's ranks)."""
+    while pid > 1:
+        if pid == agent_child:
+            return True
+        try:
+            stat = Path(f"/proc/{pid}/stat").read_text()
+        except OSError:
+            return False
+        pid = int(stat.rsplit(")", 1)[1].split()[1])
+    return False
+
+
 def test_relay_killed_mid_run_is_left_out_then_catches_up(cli: CLI, tmp_path: Path) -> None:
     spec_path = short_spec(tmp_path, clusters={"east": ["e1"], "west": ["w1"]},
                            steps=80, inner=5, name="relaykill")
@@ -113,7 +126,23 @@ def test_relay_killed_mid_run_is_left_out_then_catches_up(cli: CLI, tmp_path: Pa
         alone = wait_for(lambda: [r for r in rounds_of(cli, job_id, "west")
                                   if r["clusters_present"] == 1], timeout=120)
         assert alone
-        os.kill(relay["pid"], signal.SIGKILL)  # then dies; its agent restarts it
+        # then dies; its agent restarts it. Meanwhile west's worker is held (SIGSTOP), so that
+        # west cannot finish its rounds before east is back however loaded the machine is
+        (worker,) = [h for h in st["hosts"] if h["role"] == "worker" and h["cluster"] == "west"]
+        held = [p for p in job_processes(job_id) if _is_rank_of(p, worker["pid"])]
+        assert held
+        for pid in held:
+            os.kill(pid, signal.SIGSTOP)
+        try:
+            os.kill(relay["pid"], signal.SIGKILL)
+            wait_for(lambda: any(h["role"] == "relay" and h["cluster"] == "east"
+                                 and h["restarts"] >= 1 and h["state"] == "RUNNING"
+                                 for h in json.loads(cli("status", job_id, "--json").stdout
+                                                     or "{}").get("hosts", [])), timeout=120)
+        finally:
+            for pid in held:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGCONT)
     finally:
         with contextlib.suppress(ProcessLookupError, UnboundLocalError):
             os.kill(relay["pid"], signal.SIGKILL)

@@ -227,3 +227,39 @@ def test_stop_ends_the_workers_before_their_relays(cli: CLI, tmp_path: Path) -> 
     workers = [t for (role, _), t in ended.items() if role == "worker"]
     relays = [t for (role, _), t in ended.items() if role == "relay"]
     assert len(workers) == len(relays) == 2 and max(workers) <= min(relays)
+
+
+HUNG = """
+name: hung
+workdir: .
+run: >-
+  if [ "$NEBULA_HOST" = e2 ]; then echo "e2 gives up"; exit 3; fi;
+  echo "$NEBULA_HOST waits for its peer"; sleep 600
+clusters:
+  - name: east
+    transport: local
+    hosts: [{host: e1}, {host: e2}]
+  - name: west
+    transport: local
+    hosts: [{host: w1}]
+"""
+
+
+def test_a_worker_that_fails_for_good_ends_the_job_within_seconds(
+        cli: CLI, tmp_path: Path) -> None:
+    """e2's rank fails with no restarts left while e1's waits for it forever (as in a
+    collective): the next look at the job ends every process and the job is FAILED with
+    e2's exit, not RUNNING for as long as e1 would wait."""
+    job_id = cli("launch", str(write_spec(tmp_path, HUNG)), "--detach", check=True
+                 ).stdout.strip()
+    t0 = time.monotonic()
+    st = wait_for(lambda: (s := status_json(cli, job_id))["state"] == "FAILED" and s, 60)
+    assert time.monotonic() - t0 < 30
+    assert "east/e2 worker" in st["reason"] and "exit 3" in st["reason"]
+    states = {h["host"]: (h["state"], h["detail"].get("reason")) for h in st["hosts"]}
+    assert states["e2"][0] == "FAILED"
+    assert states["e1"][0] == "STOPPED" and "stopped: east/e2 worker" in states["e1"][1]
+    assert states["w1"][0] == "STOPPED"
+    assert job_processes(job_id) == []
+    logs = cli("logs", job_id, check=True).stdout
+    assert "e1 waits for its peer" in logs and "e2 gives up" in logs

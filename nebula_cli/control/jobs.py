@@ -38,6 +38,11 @@ class StopReport:
     swept: int = 0  # stray processes killed by the sweep
 
 
+FAILURE_STOP_GRACE = 5.0
+"""Seconds the other processes of a job get to end once a worker failed for good (they are
+most likely blocked in a collective with it; longer would only keep GPUs idle)."""
+
+
 def job_state(hosts: list[HostRecord], current: str) -> str:
     """The job's state from its agents' states. Relays serve the workers: once the workers
     are done, relays ended by nebula do not make the job STOPPED."""
@@ -99,6 +104,8 @@ class JobOps(Session):
                 for rec, status in zip(groups[key], replies, strict=True):
                     self._apply_status(rec, status)
             hosts = self.store.hosts(job.id)
+            if job.state == "RUNNING" and self._end_after_failure(hosts):
+                hosts = self.store.hosts(job.id)
             if job.state != "PENDING" and self._end_idle_relays(hosts):
                 hosts = self.store.hosts(job.id)
         if job.state == "RUNNING":  # launching (PENDING) and ended jobs keep their state
@@ -122,17 +129,43 @@ class JobOps(Session):
         relays = [h for h in hosts if h.role == jobplan.RELAY and h.state not in END_STATES]
         if not relays or not workers or any(w.state not in END_STATES for w in workers):
             return False
-        groups = self._by_machine(relays)
+        self._stop_recs(relays, "ended after the workers finished", grace=None)
+        return True
+
+    def _end_after_failure(self, hosts: list[HostRecord]) -> bool:
+        """A worker that failed for good (its restarts used up) leaves the other ranks of its
+        DeepSpeed world waiting in a collective: end every process of the job at once (the job
+        is FAILED with that worker's reason)."""
+        failed = [h for h in hosts if h.role == jobplan.WORKER and h.state in ("FAILED", "LOST")]
+        active = [h for h in hosts if h.state not in END_STATES]
+        if not failed or not active:
+            return False
+        first = failed[0]
+        why = (f"stopped: {first.cluster}/{first.host} {first.role} "
+               f"{first.detail.get('reason') or first.state.lower()}")
+        self.store.add_event(first.job_id, "failure", why)
+        self._stop_recs([h for h in active if h.role == jobplan.WORKER], why,
+                        grace=FAILURE_STOP_GRACE)
+        self._stop_recs([h for h in active if h.role == jobplan.RELAY], why,
+                        grace=FAILURE_STOP_GRACE)
+        return True
+
+    def _stop_recs(self, recs: list[HostRecord], reason: str, grace: float | None) -> None:
+        """Stop these agents (best effort: an unreachable host keeps its last state)."""
+        if not recs:
+            return
+        groups = self._by_machine(recs)
+        args = ["stop", *(["--grace", str(grace)] if grace is not None else [])]
         try:
             answers = fanout(list(groups), lambda k: self._agent_call(
-                groups[k], "stop", timeout=60), timeout=90, cancel=self.abort)
+                groups[k], *args, timeout=60 + (grace or 0)), timeout=90 + (grace or 0),
+                cancel=self.abort)
         except GroupError as exc:
             answers = {k: v for k, v in exc.results.items() if isinstance(v, list)}
         for key, replies in answers.items():
             for rec, reply in zip(groups[key], replies, strict=True):
-                reply["reason"] = "ended after the workers finished"
+                reply["reason"] = reason
                 self._apply_status(rec, reply)
-        return True
 
     def _apply_status(self, rec: HostRecord, status: dict[str, Any]) -> None:
         state = status.get("state", rec.state)

@@ -470,7 +470,7 @@ def test_killed_relay_is_left_out_then_catches_up(
                 procs[0].wait(10)
                 res2 = fut.result(timeout=20)
             assert res2.present == ["b"] and res2.missing == ["a"]
-            assert res2.seconds >= 1.5  # completed after the deadline, without a
+            assert res2.seconds < 2.0  # as soon as a was gone, before the round's deadline
             theta -= res2.tensor
             cls["b"].publish_state(2, theta)
             res3 = cls["b"].allreduce(3, torch.randn(1500))

@@ -75,6 +75,13 @@ class Hub:
         for t in self.threads:
             t.start()
 
+    def cut(self, cluster: str) -> None:
+        """``cluster`` is gone: its peers (and it) see their links to each other go down."""
+        self.up.discard(cluster)
+        for c, r in self.rounds.items():
+            for other in ([x for x in self.order if x != c] if c == cluster else [cluster]):
+                r.on_link_down(other, "cut")
+
     def close(self) -> None:
         self.stop.set()
         for r in self.rounds.values():
@@ -132,7 +139,8 @@ class FakeNet:
             return None
         other = self.hub.rounds[cluster]
         if meta["op"] == "result":
-            return other.answer_result(meta["round"], min(timeout, 5.0), lambda: False)
+            return other.answer_result(meta["round"], min(meta.get("wait", 5.0), timeout, 5.0),
+                                       lambda: False)
         return other.answer_state(meta["min_round"], min(meta["wait"], 5.0))
 
     def holders(self, round_id: int) -> list[str]:
@@ -376,3 +384,35 @@ def test_the_odd_one_out_resyncs_even_when_it_coordinates(hub3: Hub) -> None:
     publisher.join(5)
     assert out["a"].present == ["a", "b"] and out["c"].mode == "resync"
     assert torch.equal(out["c"].global_state, theta_a)
+
+
+def test_a_coordinator_dying_while_it_sends_start_stalls_the_round_briefly() -> None:
+    """a (the coordinator) sends its decision to b, then dies before c hears it. b's exchange
+    fails (a is gone), c still waits for a decision: the next coordinator (b) takes c's READY
+    for the old attempt and b's for the retry into one decision, without waiting for the
+    round's deadline (30 s here) or for a."""
+    hub = Hub(["a", "b", "c"], round_timeout=30.0)
+    try:
+        run_round(hub, 0, {c: torch.ones(64) for c in hub.order})
+        net_a = hub.rounds["a"].net
+        real_send = net_a.send
+
+        def send(cluster: str, frame: Frame, *, bulk: bool = False) -> bool:
+            if frame.type == FrameType.ROUND and frame.meta.get("op") == "start" \
+                    and cluster == "c":
+                hub.cut("a")  # a dies with its START to c unsent
+                return False
+            return real_send(cluster, frame, bulk=bulk)
+
+        net_a.send = send  # type: ignore[method-assign]
+        xs = {c: torch.full((64,), float(i)) for i, c in enumerate(hub.order)}
+        t0 = time.monotonic()
+        out = run_round(hub, 1, xs)
+        took = time.monotonic() - t0
+        assert out["b"].present == out["c"].present == ["b", "c"]
+        assert torch.equal(out["b"].tensor, out["c"].tensor)
+        assert torch.equal(out["b"].tensor, torch.full((64,), 1.5))
+        assert took < 15, f"the round waited {took:.1f} s"
+        assert any("attempt 0 failed" in e for e in hub.events["b"]), hub.events["b"]
+    finally:
+        hub.close()

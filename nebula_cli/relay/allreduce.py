@@ -346,10 +346,10 @@ class _Collection:
 class Coordinator:
     """Collects READY(round, attempt) messages and decides who is present.
 
-    A round is decided as soon as every cluster of the job is ready, or ``round_timeout`` after
-    the first READY of that round arrived. Readiness of a round that some relay has already
-    completed (``newest_done``) but which this coordinator has no decision for is answered
-    with :data:`BEHIND`: that cluster catches up instead.
+    A round is decided as soon as every cluster of the job that is still reachable is ready, or
+    ``round_timeout`` after the first READY of that round arrived. Readiness of a round that
+    some relay has already completed (``newest_done``) but which this coordinator has no
+    decision for is answered with :data:`BEHIND`: that cluster catches up instead.
     """
 
     KEEP = 16
@@ -366,22 +366,42 @@ class Coordinator:
     def ready(
         self, round_id: int, attempt: int, cluster: str, *, ok: bool, numel: int, reason: str = "",
         now: float, newest_done: int, lineage: str = GENESIS,
+        expected: Sequence[str] | None = None,
     ) -> Decision | str | None:
-        """Record a READY; returns a Decision (new or remembered), BEHIND, or None (wait)."""
+        """Record a READY; returns a Decision (new or remembered), BEHIND, or None (wait).
+
+        ``expected``: the clusters that can still be ready (this relay and its connected peers;
+        default every cluster of the job): once they all are, the round is decided without
+        waiting for the others. A READY for a later attempt of an open round carries the
+        collection over to that attempt (a cluster that never saw the failed attempt's decision
+        and one that retries it end up in the same decision)."""
         with self._lock:
             old = self._decided.get(round_id)
             if old is not None and attempt <= old.attempt:
                 return old
             if old is None and round_id <= newest_done:
                 return BEHIND
-            col = self._open.get((round_id, attempt))
-            if col is None:
-                col = self._open[(round_id, attempt)] = _Collection(now + self.round_timeout)
+            key = next((k for k in self._open if k[0] == round_id), None)
+            if key is None:
+                key = (round_id, attempt)
+                self._open[key] = _Collection(now + self.round_timeout)
+            elif attempt > key[1]:
+                self._open[(round_id, attempt)] = self._open.pop(key)
+                key = (round_id, attempt)
+            col = self._open[key]
             col.ready[cluster] = (ok, numel, reason)
             col.lineage[cluster] = lineage
-            if set(col.ready) >= set(self.clusters):
-                return self._decide(round_id, attempt)
+            if set(col.ready) >= set(self.clusters if expected is None else expected):
+                return self._decide(*key)
             return None
+
+    def complete(self, expected: Sequence[str]) -> list[Decision]:
+        """Decide the open rounds in which every cluster of ``expected`` is ready (called when
+        a peer is gone: nobody waits for it until the deadline)."""
+        with self._lock:
+            keys = [k for k, col in self._open.items() if col.ready
+                    and set(col.ready) >= set(expected)]
+            return [self._decide(*key) for key in sorted(keys)]
 
     def due(self, now: float) -> list[Decision]:
         """Decide every collection whose deadline has passed."""

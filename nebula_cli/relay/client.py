@@ -73,7 +73,7 @@ class RoundResult:
     rejected: list[str] = field(default_factory=list)
     """Clusters whose contribution was refused (non-finite, wrong size)."""
     missing: list[str] = field(default_factory=list)
-    """Clusters not ready by the deadline."""
+    """Clusters not ready by the deadline, or unreachable when the round was decided."""
 
 
 # ---------------------------------------------------------------------- the client

@@ -1,7 +1,7 @@
 """Catch-up transfers between relays: asking a peer for a round's average or a global state,
 assembling its answer, and serving such requests from peers.
 
-On a link: STATE_REQUEST {op: result, round, req} or {op: state, min_round, wait, req},
+On a link: STATE_REQUEST {op: result, round, req[, wait]} or {op: state, min_round, wait, req},
 answered by RESULT / STATE frames {req, status: ok|none|busy, round, ...numel} and then fp32
 chunk frames {req, lo}. A state answer also says its lineage and whether it is theta_global
 alone (parts 1) or theta_global then the outer momentum (parts 2). The size an answer
@@ -177,7 +177,8 @@ class Fetcher:
         try:
             frames: list[Frame]
             if m["op"] == "result":
-                avg = self._answer_result(int(m["round"]), self.max_wait, lambda: link.closed)
+                wait = min(float(m.get("wait", self.max_wait)), self.max_wait)
+                avg = self._answer_result(int(m["round"]), wait, lambda: link.closed)
                 frames = [Frame(FrameType.RESULT, {"req": req, "status": "none"})] if avg is None \
                     else tensor_frames(FrameType.RESULT, {
                         "req": req, "status": "ok", "round": avg.round_id,

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -33,18 +33,26 @@ class Recovery(RoundState):
     net: Net
     order: dict[str, int]
     fetch_timeout: float
+    grace: float
     _event: Callable[..., None]
 
     def newest_done(self) -> int:  # implemented by Rounds
         raise NotImplementedError
 
-    def _recover(self, r: int, candidates: list[str], numel: int) -> Outcome | None:
-        """Fetch round ``r``'s average from a peer that completed it."""
+    def _recover(self, r: int, candidates: list[str], numel: int,
+                 wait: float | None = None) -> Outcome | None:
+        """Fetch round ``r``'s average from a peer that completed it. ``wait``: how long a
+        peer still agreeing or exchanging that round may take to answer (default: as long as
+        the peer allows; short after a failed exchange, when a peer that never saw the
+        decision would otherwise hold this relay until its deadline)."""
         self.set_phase(r, "recovering")
+        meta: dict[str, Any] = {"op": "result", "round": r}
+        if wait is not None:
+            meta["wait"] = wait
         for c in sorted(candidates, key=self.order.__getitem__):
             if c == self.me:
                 continue
-            got = self.net.fetch(c, {"op": "result", "round": r}, self.fetch_timeout)
+            got = self.net.fetch(c, meta, self.fetch_timeout)
             if not isinstance(got, Average) or got.tensor.numel() != numel:
                 continue
             missing = sorted(set(self.cfg.clusters) - set(got.present) - set(got.rejected))

@@ -175,7 +175,8 @@ class Rounds(Recovery):
                 return Outcome(ex.result, list(d.present), r, sorted(set(d.rejected) |
                                ex.dropped), list(d.missing), mode=ex.schedule.mode)
             self._event("round %d attempt %d failed: %s", r, attempt, ex.error)
-            got = self._recover(r, [c for c in d.present if c != self.me], numel)
+            got = self._recover(r, [c for c in d.present if c != self.me], numel,
+                                wait=self.grace)
             if got is not None:
                 return got
             if own.error:
@@ -290,7 +291,7 @@ class Rounds(Recovery):
             self.behind_rounds = {b for b in self.behind_rounds if b > r}
             self.cv.notify_all()
         if out.missing:
-            self._event("round %d: completed without %s (not ready by the deadline)", r,
+            self._event("round %d: completed without %s (gone, or not ready by the deadline)", r,
                         ", ".join(out.missing))
         log.info("round %d done in %.2fs (%s): present %s", r, out.seconds, out.mode,
                  out.present)
@@ -362,6 +363,14 @@ class Rounds(Recovery):
                 if cluster in ex.schedule.present:
                     ex.fail(f"lost the link to {cluster}: {reason}")
             self.cv.notify_all()
+        if self.net.coordinator() == self.me:  # nobody waits for a peer that is gone
+            for d in self.coordinator.complete(self._reachable()):
+                self._announce(d)
+
+    def _reachable(self) -> list[str]:
+        """The clusters that can still be ready for a round: this one and its connected
+        peers."""
+        return [self.me, *self.net.connected()]
 
     def on_link_up(self) -> None:
         if self.net.coordinator() != self.me:
@@ -411,7 +420,7 @@ class Rounds(Recovery):
         res = self.coordinator.ready(
             int(m["round"]), attempt, cluster, ok=bool(m["ok"]), numel=int(m["numel"]),
             reason=str(m.get("reason", "")), now=self.clock(), newest_done=self.newest_done(),
-            lineage=str(m.get("lineage", UNKNOWN)))
+            lineage=str(m.get("lineage", UNKNOWN)), expected=self._reachable())
         if res == BEHIND:
             self._tell_behind(cluster, int(m["round"]))
         elif isinstance(res, Decision):

@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from nebula_cli.config import jobplan
-from nebula_cli.config.parts import SyncConfig
+from nebula_cli.config.parts import CheckpointSettings, SyncConfig
 from nebula_cli.config.spec import JobSpec, parse_spec
 
 MINIMAL = """
@@ -28,8 +28,18 @@ def default_sync_config(**overrides: Any) -> SyncConfig:
     """The sync.json a worker of the minimal spec gets, with `overrides` replaced."""
     spec = minimal_spec()
     cfg = jobplan.sync_config(spec, "job-test", spec.clusters[0], "/nowhere",
-                              relay_addr="127.0.0.1:1")
+                              relay_addr="127.0.0.1:1", checkpoint=None)
     return dataclasses.replace(cfg, **overrides)
+
+
+def default_checkpoint(directory: str | Path, **overrides: Any) -> CheckpointSettings:
+    """The checkpoint settings of the minimal spec with `checkpoint: {}` (the spec's
+    defaults), kept in `directory`, with `overrides` replaced."""
+    spec = parse_spec(MINIMAL + "checkpoint: {}\n", base_dir=Path(__file__).parent)
+    cluster = spec.clusters[0]
+    cfg = jobplan.checkpoint_settings(spec, "job-test", "/nowhere", cluster, cluster.hosts[0])
+    assert cfg is not None
+    return dataclasses.replace(cfg, dir=str(directory), **overrides)
 
 
 def relay_defaults() -> dict[str, Any]:

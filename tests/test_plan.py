@@ -10,12 +10,19 @@ import json
 from pathlib import Path
 
 import pytest
-from plan_defaults import minimal_spec
+from plan_defaults import MINIMAL, minimal_spec
 
 from nebula_cli.config import jobplan, strict
-from nebula_cli.config.parts import SYNC_CONFIG_ENV, AgentConfig, SyncConfig
+from nebula_cli.config.parts import SYNC_CONFIG_ENV, AgentConfig, CheckpointSettings, SyncConfig
 from nebula_cli.config.relay_config import RelayConfig
-from nebula_cli.config.spec import CompressionSpec, JobSpec, RelaySpec, SyncSpec
+from nebula_cli.config.spec import (
+    CheckpointSpec,
+    CompressionSpec,
+    JobSpec,
+    RelaySpec,
+    SyncSpec,
+    parse_spec,
+)
 
 PACKAGE = Path(__file__).resolve().parent.parent / "nebula_cli"
 
@@ -69,6 +76,7 @@ def test_every_consumer_loads_the_spec_defaults(tmp_path: Path) -> None:
             assert (sync.codec, sync.error_feedback) == (comp_d.codec, comp_d.error_feedback)
             assert sync.round_timeout == relay_d.timeout
             assert sync.relay_addr == f"{agent.cluster[0]}1.example:29401"
+            assert sync.checkpoint is None  # no `checkpoint:` in the spec
         else:
             relay = RelayConfig.load(root / "relay.json")  # what the relay loads
             assert (relay.codec, relay.error_feedback, relay.block_size) == (
@@ -170,7 +178,7 @@ def test_no_module_is_over_500_lines() -> None:
 def test_plan_parts_have_no_defaults_of_their_own() -> None:
     spec_backed = {"codec", "error_feedback", "block_size", "round_timeout", "heartbeat",
                    "shaping"}
-    for part in (AgentConfig, SyncConfig, RelayConfig):
+    for part in (AgentConfig, SyncConfig, RelayConfig, CheckpointSettings):
         defaulted = {f.name for f in dataclasses.fields(part)
                      if f.default is not dataclasses.MISSING
                      or f.default_factory is not dataclasses.MISSING}
@@ -187,3 +195,29 @@ def test_the_setup_command_runs_without_the_runtime_hook() -> None:
     setup = jobplan.without_runtime_hook(env)
     assert "autohook" not in setup["PYTHONPATH"]
     assert setup["PYTHONPATH"] == f"{worker.job_root}/lib"  # nebula_cli still importable
+
+
+def test_checkpoint_settings_come_from_the_spec_one_directory_per_host(tmp_path: Path) -> None:
+    base = tmp_path / "spec"
+    base.mkdir()
+    defaults = CheckpointSpec()
+    for section, want_dir, every in (
+            ("checkpoint: {}", None, defaults.every),
+            ("checkpoint: {dir: ck, every: 7, keep: 3}", "ck", 7),
+            ("checkpoint: {dir: /scratch/ck}", "/scratch/ck", defaults.every)):
+        spec = parse_spec(MINIMAL + section + "\n", base_dir=base)
+        seen = set()
+        for agent in _plan(spec).role(jobplan.WORKER):
+            sync = SyncConfig.load(_written(agent, tmp_path / section) / "sync.json")
+            ck = sync.checkpoint
+            assert ck is not None and ck.every == every
+            assert ck.keep == (3 if "keep" in section else defaults.keep)
+            if want_dir is None:
+                want = f"{agent.job_root}/{defaults.dir}/{agent.cluster}/{agent.host}"
+            elif want_dir.startswith("/"):  # absolute: the job id keeps jobs apart
+                want = f"{want_dir}/job-1/{agent.cluster}/{agent.host}"
+            else:
+                want = f"{agent.job_root}/{want_dir}/{agent.cluster}/{agent.host}"
+            assert ck.dir == want
+            seen.add(ck.dir)
+        assert len(seen) == 2  # east's host and west's host never share a directory

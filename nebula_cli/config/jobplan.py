@@ -17,7 +17,13 @@ from pathlib import Path
 from typing import Any
 
 from nebula_cli.config import strict
-from nebula_cli.config.parts import SYNC_CONFIG_ENV, AgentConfig, ProcessConfig, SyncConfig
+from nebula_cli.config.parts import (
+    SYNC_CONFIG_ENV,
+    AgentConfig,
+    CheckpointSettings,
+    ProcessConfig,
+    SyncConfig,
+)
 from nebula_cli.config.pipeline import device_id
 from nebula_cli.config.relay_config import RelayConfig, ShapingConfig, TlsFiles
 from nebula_cli.config.spec import ClusterSpec, HostSpec, JobSpec
@@ -261,7 +267,9 @@ def _worker_agents(spec: JobSpec, job_id: str, sites: dict[str, Site], ports: Po
             if spec.relay is not None:
                 assert certs is not None  # build_plan's contract
                 sync = sync_config(spec, job_id, cluster, adir,
-                                   relay_addr=_relay_addr(spec, cluster, sites, ports))
+                                   relay_addr=_relay_addr(spec, cluster, sites, ports),
+                                   checkpoint=checkpoint_settings(spec, job_id, job_root,
+                                                                  cluster, host))
                 env[SYNC_CONFIG_ENV] = posixpath.join(adir, "sync.json")
                 cert, key = certs.workers[site_key(cluster, host)]
                 files = {"sync.json": strict.dumps(sync),
@@ -339,8 +347,30 @@ def _relay_addr(spec: JobSpec, cluster: ClusterSpec, sites: dict[str, Site],
     return f"{_gateway_site(cluster, sites).address}:{ports.relays[cluster.name][1]}"
 
 
+def checkpoint_dir(spec: JobSpec, job_id: str, job_root: str, cluster: ClusterSpec,
+                   host: HostSpec) -> str | None:
+    """Where one host keeps its checkpoints: `<job dir>/<checkpoint.dir>/<cluster>/<host>` (an
+    absolute checkpoint.dir gets the job id after it, so that jobs never share checkpoints).
+    One directory per cluster and host: hosts that share a filesystem never mix their shards."""
+    if spec.checkpoint is None:
+        return None
+    base = spec.checkpoint.dir
+    root = posixpath.join(base, job_id) if posixpath.isabs(base) else posixpath.join(
+        job_root, base)
+    return posixpath.join(root, cluster.name, host.host)
+
+
+def checkpoint_settings(spec: JobSpec, job_id: str, job_root: str, cluster: ClusterSpec,
+                        host: HostSpec) -> CheckpointSettings | None:
+    """The runtime's checkpoint settings on one host, or None without `checkpoint:`."""
+    where = checkpoint_dir(spec, job_id, job_root, cluster, host)
+    if spec.checkpoint is None or where is None:
+        return None
+    return CheckpointSettings(dir=where, every=spec.checkpoint.every, keep=spec.checkpoint.keep)
+
+
 def sync_config(spec: JobSpec, job_id: str, cluster: ClusterSpec, adir: str, *,
-                relay_addr: str) -> SyncConfig:
+                relay_addr: str, checkpoint: CheckpointSettings | None) -> SyncConfig:
     """The runtime's part: how a worker of `cluster` reaches its relay and runs the outer loop."""
     relay = spec.relay
     assert relay is not None  # only for a spec with a relay
@@ -350,7 +380,8 @@ def sync_config(spec: JobSpec, job_id: str, cluster: ClusterSpec, adir: str, *,
         mode=sync.mode, inner_steps=sync.inner_steps, outer_lr=sync.outer_lr,
         outer_momentum=sync.outer_momentum, nesterov=sync.nesterov, overlap=sync.overlap,
         overlap_steps=sync.overlap_steps, codec=comp.codec,
-        error_feedback=comp.error_feedback, round_timeout=relay.timeout)
+        error_feedback=comp.error_feedback, round_timeout=relay.timeout,
+        checkpoint=checkpoint)
 
 
 def _relay_agents(spec: JobSpec, job_id: str, sites: dict[str, Site], ports: Ports,

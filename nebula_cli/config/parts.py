@@ -55,9 +55,22 @@ class AgentConfig:
 
 
 @dataclass(frozen=True)
+class CheckpointSettings:
+    """Where and how often a worker checkpoints (spec: checkpoint); read by
+    `nebula_cli.runtime.checkpoint`."""
+
+    dir: str
+    """Absolute path on the host of this host's checkpoints (one per cluster and host)."""
+    every: int | None
+    """Optimizer steps between checkpoints; None: only the final one (end or graceful stop)."""
+    keep: int
+    """Complete checkpoints kept on the host."""
+
+
+@dataclass(frozen=True)
 class SyncConfig:
     """`sync.json`: how a worker reaches its relay and runs the outer loop (spec: relay.sync,
-    relay.compression, relay.timeout)."""
+    relay.compression, relay.timeout, checkpoint)."""
 
     job_id: str
     cluster: str
@@ -77,6 +90,8 @@ class SyncConfig:
     error_feedback: bool
     round_timeout: float
     """Seconds a round may take before the relay goes on with the clusters present."""
+    checkpoint: CheckpointSettings | None
+    """None: the spec has no `checkpoint:` section (no checkpoints)."""
 
     @classmethod
     def load(cls, path: str | Path) -> SyncConfig:

@@ -11,17 +11,28 @@ attributes that forward every argument to the real methods:
   gradient-accumulation boundary) and after each one runs ``OuterSync.after_step``: an outer
   round every ``inner_steps``.
 
-The OuterSync is built at the first ``backward`` (the parameters are still the initial or
-restored ones, the same on every cluster), only when the job has a relay (or in `nebula plan`'s
-dry run). A script that builds its own OuterSync on the engine keeps it: the driver then stands
-aside (no sync, no records). Rank 0 of the cluster records loss (averaged over the cluster's
-ranks), steps_per_s, samples_per_s and lr every ``LOG_EVERY`` optimizer steps, at step 1 and
-after every round, unless the script records metrics itself (``runtime.log``).
+The OuterSync is built at the first ``forward``, ``backward`` or ``step`` (the parameters are
+still the initial ones, the same on every cluster), only when the job has a relay (or in
+`nebula plan`'s dry run). A script that builds its own OuterSync on the engine keeps it: the
+driver then stands aside (no sync, no records, no checkpoints). Rank 0 of the cluster records
+loss (averaged over the cluster's ranks), steps_per_s, samples_per_s and lr every ``LOG_EVERY``
+optimizer steps, at step 1 and after every round, unless the script records metrics itself
+(``runtime.log``).
+
+Checkpoints (the spec's ``checkpoint:``, see ``runtime.checkpoint``): at that first call the
+newest checkpoint every rank of the cluster has is loaded (DeepSpeed's states, then the outer
+state), before anything is trained; one is saved every ``checkpoint.every`` optimizer steps and
+at the end. An unmodified script restarted after a failure runs its loop from its first step
+again: the driver fast-forwards it. The first N optimizer steps of the run (N: the checkpoint's
+step) are replayed without training (``forward`` under ``torch.no_grad``, no ``backward``, no
+``step``; ``engine.global_steps`` stays at N), so the script's loop, data order and step count
+continue where the checkpoint left off and ``--steps`` is not exceeded. A script whose loop
+counts ``engine.global_steps`` itself is replayed too (wasted forward passes, the same result).
 
 ``finish(reason)`` ends training on every rank: the last outer round (``OuterSync.finish``),
-then a ``final`` record with a sha256 of the parameters on every rank. A SIGTERM seen by any
-rank (when the hook owns the handler) is agreed on at the next optimizer step; every rank then
-finishes and leaves with exit status 0.
+the final checkpoint, then a ``final`` record with a sha256 of the parameters on every rank. A
+SIGTERM seen by any rank (when the hook owns the handler) is agreed on at the next optimizer
+step; every rank then finishes and leaves with exit status 0.
 """
 
 from __future__ import annotations
@@ -94,12 +105,26 @@ class EngineDriver:
         self._group = None
         if self.world_size > 1 and dist.get_backend() != "gloo":
             self._group = dist.new_group(backend="gloo")  # CPU values beside NCCL
+        self.checkpointer: Any = None
+        self.resumed_from: int | None = None
+        self.replay_left = 0  # optimizer steps of the script still to fast-forward
+        self._replay_micro = 0
+        self._first_step = 0
+        self._real_forward = getattr(engine, "forward", None)
         self._real_backward = engine.backward
         self._real_step = engine.step
+        if callable(self._real_forward):
+            engine.forward = functools.update_wrapper(self._forward_wrapper(),
+                                                      self._real_forward)
         engine.backward = functools.update_wrapper(self._backward_wrapper(), self._real_backward)
         engine.step = functools.update_wrapper(self._step_wrapper(), self._real_step)
 
     # --- the wrapped methods ----------------------------------------------------------------
+
+    def _forward_wrapper(self) -> Any:
+        def forward(*args: Any, **kwargs: Any) -> Any:
+            return self.forward(*args, **kwargs)
+        return forward
 
     def _backward_wrapper(self) -> Any:
         def backward(loss: Any, *args: Any, **kwargs: Any) -> Any:
@@ -111,9 +136,19 @@ class EngineDriver:
             return self.step(*args, **kwargs)
         return step
 
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if not self.started:
+            self._start()
+        if self.replay_left:
+            with torch.no_grad():
+                return self._real_forward(*args, **kwargs)
+        return self._real_forward(*args, **kwargs)
+
     def backward(self, loss: Any, *args: Any, **kwargs: Any) -> Any:
         if not self.started:
             self._start()
+        if self.replay_left:
+            return None
         out = self._real_backward(loss, *args, **kwargs)
         if self.aside is None and not self.finished:
             if isinstance(loss, torch.Tensor) and loss.numel() == 1:
@@ -126,6 +161,9 @@ class EngineDriver:
     def step(self, *args: Any, **kwargs: Any) -> Any:
         if not self.started:
             self._start()
+        if self.replay_left:
+            self._replayed()
+            return None
         before = getattr(self.engine, "global_steps", None)
         out = self._real_step(*args, **kwargs)
         after = getattr(self.engine, "global_steps", None)
@@ -145,6 +183,29 @@ class EngineDriver:
             from nebula_cli.runtime.sync import OuterSync
 
             self.sync = OuterSync(self.engine)
+            if self.sync.config is not None and self.sync.config.checkpoint is not None:
+                self._resume(self.sync.config.checkpoint)
+
+    def _resume(self, checkpoint: Any) -> None:
+        """Load the newest checkpoint of the cluster, if any, and fast-forward the script."""
+        from nebula_cli.runtime.checkpoint import Checkpointer
+
+        self.checkpointer = Checkpointer(self.engine, checkpoint, sync=self.sync,
+                                         group=self._group)
+        step = self.checkpointer.load_newest()
+        if step:
+            self.resumed_from = self.replay_left = self.steps = self._first_step = step
+
+    def _replayed(self) -> None:
+        """One `step` call of the script fast-forwarded (see the module's docstring)."""
+        self._replay_micro += 1
+        accum = getattr(self.engine, "gradient_accumulation_steps", None)
+        if self._replay_micro >= (int(accum()) if callable(accum) else 1):
+            self._replay_micro = 0
+            self.replay_left -= 1
+            if not self.replay_left and self.rank == 0:
+                say(f"fast-forwarded the script to optimizer step {self.resumed_from}; "
+                    "training goes on from there")
 
     def _explicit(self) -> bool:
         """The script built an OuterSync of its own on this engine."""
@@ -172,6 +233,8 @@ class EngineDriver:
             self._stand_aside()
             return
         stats = self.sync.after_step(steps) if self.sync is not None else None
+        if self.checkpointer is not None and self.checkpointer.due(steps):
+            self.checkpointer.save(steps)
         due = stats is not None or steps == 1 or steps % LOG_EVERY == 0
         if not (due or self.watch_stop):
             return
@@ -245,6 +308,9 @@ class EngineDriver:
             if error and self.rank == 0:
                 say(f"final outer round failed: {error}; the clusters may end with different "
                     "parameters")
+        if self.checkpointer is not None and (alive or self.world_size == 1):
+            self.checkpointer.maybe_save(self.steps, final=True)
+            self.checkpointer.close()
         if alive or self.world_size == 1:
             self._agree()  # the loss of the steps since the last record
             total, count = self._window
@@ -258,14 +324,16 @@ class EngineDriver:
             metrics.emit(step=self.steps, **stats)
         synced = self.sync is not None and self.sync.mode != "dry-run"
         per_step = None
-        if self._t_first is not None and self._t_last is not None and self.steps > 1:
-            per_step = (self._t_last - self._t_first) / (self.steps - 1)
+        done = self.steps - self._first_step  # optimizer steps trained by this process
+        if self._t_first is not None and self._t_last is not None and done > 1:
+            per_step = (self._t_last - self._t_first) / (done - 1)
         metrics.emit(
             step=self.steps, final=True, ended_by=reason, param_sha256=checksum,
             first_loss=self.first_loss, last_loss=self.last_loss, s_per_step=per_step,
             cross_cluster_sync=synced, outer_rounds=self.sync.round if synced else 0,
             final_round=bool(stats and stats.get("final_round")), final_round_error=error,
-            final_round_present=stats.get("clusters_present") if stats else None)
+            final_round_present=stats.get("clusters_present") if stats else None,
+            resumed_from_step=self.resumed_from)
         if self.rank == 0:
             rounds = f", {self.sync.round} outer round(s)" if synced else ""
             say(f"training ended ({reason}) after {self.steps} optimizer steps{rounds}; "

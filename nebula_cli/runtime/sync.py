@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 from nebula_cli.config.parts import SYNC_CONFIG_ENV, SyncConfig
+from nebula_cli.runtime import checkpoint as checkpoints
 from nebula_cli.runtime.cluster_share import AveragedRound, Averager, ClusterShare, Shared
 from nebula_cli.runtime.explicit import note_outer_sync
 from nebula_cli.runtime.metrics import DRY_RUN_ENV
@@ -168,6 +169,7 @@ class OuterSync:
         self._thread: threading.Thread | None = None
         self._pending: dict[str, Any] | None = None
         self._closed = False
+        self.checkpointer: checkpoints.Checkpointer | None = None  # built by checkpoint()
         if self.dry_run and self.rank == 0:  # what `nebula plan` needs; no round will run
             log_metrics(step=0, dry_run=True, trainable_params=self.numel)
 
@@ -275,6 +277,8 @@ class OuterSync:
         if self._thread is not None:
             self._thread.join(timeout=min(self.round_timeout, 30.0))
             self._thread = None
+        if self.checkpointer is not None:
+            self.checkpointer.close()
         if self._averager is not None:
             self._averager.close()
 
@@ -285,6 +289,14 @@ class OuterSync:
         self.close()
 
     # --- checkpoints ----------------------------------------------------------------------
+
+    def checkpoint(self, step: int, *, final: bool = False) -> bool:
+        """Save a checkpoint if the spec asks for one at `step` (see runtime.checkpoint)."""
+        return checkpoints.save_due(self, step, final=final)
+
+    def resume(self) -> int:
+        """Load the newest checkpoint every rank has; its step, 0 if none (runtime.checkpoint)."""
+        return checkpoints.resume(self)
 
     def state_dict(self) -> dict[str, Any]:
         """The outer state to store beside DeepSpeed's checkpoint (an in-flight overlapped

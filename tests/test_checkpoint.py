@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -21,7 +22,8 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import REPO, wait_for
+import yaml
+from conftest import CLI, REPO, job_processes, wait_for
 from plan_defaults import default_checkpoint
 
 from nebula_cli.runtime import checkpoint as ck
@@ -315,3 +317,91 @@ def test_node_local_storage_is_switched_on_for_a_built_engine() -> None:
     ck.enable_node_local_storage(engine)
     assert not engine.save_non_zero_checkpoint
 
+
+
+# --- end to end: a worker SIGKILLed at a chosen step resumes from its checkpoint -------------
+
+STEPS, INNER, EVERY = 100, 10, 10
+
+
+def _rank_pids(job_id: str, cluster: str, rank: str) -> list[int]:
+    """The training processes of one rank (its environment names the cluster and the rank)."""
+    pids = []
+    for pid in job_processes(job_id):
+        try:
+            env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+            cmd = Path(f"/proc/{pid}/cmdline").read_bytes()
+        except OSError:
+            continue
+        if (f"NEBULA_CLUSTER={cluster}".encode() in env and f"RANK={rank}".encode() in env
+                and b"train.py" in cmd):
+            pids.append(pid)
+    return pids
+
+
+def _records(cli: CLI, job_id: str) -> list[dict[str, Any]]:
+    out = []
+    for path in sorted((cli.home / "jobs" / job_id).glob("*/*/worker/metrics/*.jsonl")):
+        out += [json.loads(line) for line in path.read_text().splitlines() if line]
+    return out
+
+
+@pytest.mark.slow
+def test_a_killed_worker_resumes_from_its_checkpoint_and_the_job_succeeds(
+        cli: CLI, tmp_path: Path) -> None:
+    example = REPO / "examples" / "ds_plain"
+    work = tmp_path / "work"
+    shutil.copytree(example, work, ignore=shutil.ignore_patterns("__pycache__", "*.yaml"))
+    script = (work / "train.py").read_text()
+    slow = "            engine.step()\n"
+    assert slow in script, "examples/ds_plain/train.py changed its loop"
+    (work / "train.py").write_text(script.replace(  # slow enough to be killed mid-run
+        slow, slow + "        __import__('time').sleep(0.05)\n", 1))
+    spec = yaml.safe_load((example / "nebula.yaml").read_text())
+    spec.update(name="ckptkill", workdir=str(work), run=f"python -u train.py --steps {STEPS}",
+                max_restarts=1, checkpoint={"every": EVERY})
+    spec["clusters"] = [
+        {"name": "east", "transport": "local", "hosts": [{"host": "e1", "slots": 2}]},
+        {"name": "west", "transport": "local", "hosts": [{"host": "w1"}]}]
+    spec["relay"].update(timeout=10, heartbeat=1)
+    spec["relay"]["sync"]["inner_steps"] = INNER
+    spec_path = tmp_path / "ckptkill.yaml"
+    spec_path.write_text(yaml.safe_dump(spec))
+
+    job_id = cli("launch", str(spec_path), "--detach", check=True).stdout.strip()
+
+    def east_checkpoint() -> int:
+        return max((r["checkpoint_step"] for r in _records(cli, job_id)
+                    if r.get("cluster") == "east" and "checkpoint_step" in r), default=0)
+
+    seen = wait_for(lambda: east_checkpoint() >= 2 * EVERY and east_checkpoint(), timeout=120)
+    victims = _rank_pids(job_id, "east", "1")
+    assert victims, "east's rank 1 is not running"
+    for pid in victims:
+        os.kill(pid, signal.SIGKILL)
+
+    def ended() -> dict[str, Any] | None:
+        st = json.loads(cli("status", job_id, "--json", check=True).stdout)
+        return st if st["state"] not in ("RUNNING", "STARTING") else None
+
+    st = wait_for(ended, timeout=240, every=1.0)
+    assert st["state"] == "SUCCEEDED", st
+    (east,) = [h for h in st["hosts"] if h["role"] == "worker" and h["cluster"] == "east"]
+    assert east["restarts"] == 1
+
+    recs = _records(cli, job_id)
+    resumed = [r["resumed_from_step"] for r in recs if "resumed_from_step" in r
+               and not r.get("final")]
+    assert len(resumed) == 1, resumed  # east's rank 0 (its host's writer), once
+    assert seen <= resumed[0] < STEPS and resumed[0] % EVERY == 0
+    (at,) = [r["ts"] for r in recs if "resumed_from_step" in r and not r.get("final")]
+    before = max(r["step"] for r in recs if r["cluster"] == "east" and r["ts"] < at)
+    assert before - resumed[0] <= EVERY  # no step before the checkpoint redone beyond `every`
+    finals = [r for r in recs if r.get("final")]
+    assert len(finals) == 3 and all(r["step"] == STEPS for r in finals)
+    assert len({r["param_sha256"] for r in finals}) == 1, finals
+    assert {r["resumed_from_step"] for r in finals if r["cluster"] == "east"} == {resumed[0]}
+    logs = "".join(p.read_text() for p in
+                   (cli.home / "jobs" / job_id).glob("east/*/worker/logs/rank0.log"))
+    assert f"nebula: resumed from checkpoint step {resumed[0]} (" in logs
+    assert job_processes(job_id) == []

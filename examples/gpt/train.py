@@ -13,6 +13,9 @@ Also runs by hand: ``python train.py`` (one process) or ``deepspeed --num_gpus 2
   ``eval_loss`` every ``--eval-every`` steps (``nebula_cli.runtime.log``), and at the end a
   ``final`` record with the eval loss and a sha256 of the fp32 parameters.
 - SIGTERM: the current step finishes, the final record is written, exit status 0.
+- The spec's ``checkpoint:``: ``OuterSync.resume()`` loads the cluster's newest checkpoint and
+  the loop goes on from its step; ``OuterSync.checkpoint(step)`` saves one every
+  ``checkpoint.every`` steps and at the end (the batch sampler starts again from its seed).
 """
 
 from __future__ import annotations
@@ -172,6 +175,8 @@ def main(argv: list[str] | None = None) -> int:
 
     if outer.wanted():  # in a job with a relay, or in `nebula plan`'s dry run
         sync = outer.OuterSync(engine)
+    # the spec's `checkpoint:`: the newest checkpoint of the cluster, if any (0: none)
+    start = sync.resume() if sync is not None else 0
 
     if lead:
         print(
@@ -186,9 +191,9 @@ def main(argv: list[str] | None = None) -> int:
     window_loss, window_steps = 0.0, 0
     t_start = t_window = time.perf_counter()
     t_first_step = None
-    step = 0
+    step = start
     try:
-        for step in range(1, args.steps + 1):
+        for step in range(start + 1, args.steps + 1):
             step_loss = 0.0
             info: dict[str, Any] = {}
             for _ in range(accum):
@@ -201,6 +206,7 @@ def main(argv: list[str] | None = None) -> int:
                 step_loss += loss.item() / accum
             if sync is not None:  # DiLoCo mode: an outer round every few steps
                 info.update(sync.after_step(step) or {})
+                sync.checkpoint(step)  # every checkpoint.every steps (the spec's)
             window_loss += step_loss
             window_steps += 1
             if t_first_step is None:
@@ -237,6 +243,7 @@ def main(argv: list[str] | None = None) -> int:
         t_loop = time.perf_counter()
         if sync is not None:  # the round in flight, and a last one over the steps since the
             flushed = sync.finish()  # last boundary: every cluster ends with the same model
+            sync.checkpoint(step, final=True)
             if flushed is not None:  # the same on every rank
                 eval_loss = evaluate(engine, held_out, device)
             if lead and flushed:

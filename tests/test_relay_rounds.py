@@ -157,6 +157,10 @@ class FakeNet:
     def wan_bytes(self) -> tuple[int, int]:
         return (0, 0)
 
+    def finish_view(self) -> dict[str, tuple[int | None, str | None, int]]:
+        return {c: (r.finished, r.lineage, r.done_round) for c in self.connected()
+                if (r := self.hub.rounds[c])}
+
 
 @pytest.fixture
 def hub3() -> Iterator[Hub]:
@@ -414,5 +418,30 @@ def test_a_coordinator_dying_while_it_sends_start_stalls_the_round_briefly() -> 
         assert torch.equal(out["b"].tensor, torch.full((64,), 1.5))
         assert took < 15, f"the round waited {took:.1f} s"
         assert any("attempt 0 failed" in e for e in hub.events["b"]), hub.events["b"]
+    finally:
+        hub.close()
+
+
+def test_clusters_that_end_at_different_rounds_end_with_the_same_state() -> None:
+    """a's workers finish after round 0 while b makes one more round (alone: a will never be
+    ready again, so b does not wait for it). a waits for b to finish, then takes b's state;
+    b, which finished last, keeps its own."""
+    hub = Hub(["a", "b"], round_timeout=30.0)
+    try:
+        run_round(hub, 0, {c: torch.ones(32) for c in hub.order})
+        hub.rounds["a"].mark_finished()
+        with ThreadPoolExecutor(1) as pool:
+            a_final = pool.submit(hub.rounds["a"].final_state, None)
+            t0 = time.monotonic()
+            last = hub.rounds["b"].local_round(1, torch.full((32,), 4.0))
+            assert last.present == ["b"] and time.monotonic() - t0 < 10  # no 30 s deadline
+            theta_b = torch.full((32,), 3.0)
+            hub.rounds["b"].publish(GlobalState(1, theta_b))
+            assert not a_final.done()  # a still waits: b trains
+            hub.rounds["b"].mark_finished()
+            assert hub.rounds["b"].final_state(None) is None  # b finished last: its own
+            got = a_final.result(timeout=10)
+        assert got is not None and got.round_id == 1 and torch.equal(got.tensor, theta_b)
+        assert hub.rounds["a"].lineage == hub.rounds["b"].lineage
     finally:
         hub.close()

@@ -184,6 +184,28 @@ class RelayClient:
 
         return self._call(call, "fetch_state")
 
+    def final_state(self, wait: float | None = None
+                    ) -> tuple[int | None, torch.Tensor | None, torch.Tensor | None]:
+        """This cluster's workers are done: wait (at most ``wait`` s, default as long as a
+        connected peer still trains) until every cluster has finished, then (round, theta,
+        momentum) of the state every cluster should end with when it is not this one's, else
+        (None, None, None)."""
+
+        def call(sock: ssl.SSLSocket) -> tuple[int | None, torch.Tensor | None,
+                                               torch.Tensor | None]:
+            send_frames(sock, [Frame(FrameType.STATE_REQUEST, {"op": "final", "wait": wait})])
+            sock.settimeout(None if wait is None else wait + self.result_timeout)
+            head = self._expect(sock, FrameType.STATE)
+            if head.meta.get("round") is None:
+                return None, None, None
+            x = recv_tensor(sock, FrameType.STATE, head.meta["numel"])
+            if head.meta.get("parts") == 2:
+                half = x.numel() // 2
+                return int(head.meta["round"]), x[:half], x[half:]
+            return int(head.meta["round"]), x, None
+
+        return self._call(call, "final_state")
+
     def close(self) -> None:
         sock, self._sock = self._sock, None
         if sock is None:

@@ -76,9 +76,12 @@ class PeerLink:
         self.shaper = Shaper.from_config(shaping)
         self.heartbeat = heartbeat
         self.hello = hello
-        self.done = int(hello.get("done", -1))
-        self.state_round = opt_int(hello.get("state_round"))
-        self.result_round = opt_int(hello.get("result_round"))
+        self.done = -1
+        self.state_round: int | None = None
+        self.result_round: int | None = None
+        self.finished: int | None = None
+        self.lineage: str | None = None
+        self.progress(hello)
         self.bytes_sent = 0
         self.bytes_received = 0
         self.connected_at = time.time()
@@ -101,10 +104,14 @@ class PeerLink:
             t.start()
 
     def progress(self, meta: dict[str, Any]) -> None:
-        """A peer's progress (HELLO or heartbeat): its newest round, state and result."""
+        """A peer's progress (HELLO or heartbeat): its newest round, state and result, its
+        lineage, and the round its workers finished at (None while they train)."""
         self.done = int(meta.get("done", self.done))
         self.state_round = opt_int(meta.get("state_round"))
         self.result_round = opt_int(meta.get("result_round"))
+        self.finished = opt_int(meta.get("finished"))
+        lineage = meta.get("lineage")
+        self.lineage = lineage if isinstance(lineage, str) else None
 
     def send(self, frame: Frame, *, bulk: bool = False) -> None:
         """Queue a frame (control frames jump ahead of bulk ones). LinkDown if closed."""

@@ -275,6 +275,11 @@ class Peers:
         with self.lock:
             return [c for c, lk in self.links.items() if lk.result_round == round_id]
 
+    def finish_view(self) -> dict[str, tuple[int | None, str | None, int]]:
+        """Connected peers: (round their workers finished at or None, lineage, newest round)."""
+        with self.lock:
+            return {c: (lk.finished, lk.lineage, lk.done) for c, lk in self.links.items()}
+
     def state_sources(self) -> list[tuple[str, int | None]]:
         with self.lock:
             links = sorted(self.links.values(), key=lambda lk: -(lk.state_round or -1))

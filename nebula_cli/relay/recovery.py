@@ -105,6 +105,50 @@ class Recovery(RoundState):
                                       "wait": self.cfg.round_timeout}, self.fetch_timeout)
         return st if isinstance(st, GlobalState) else None
 
+    def mark_finished(self) -> None:
+        """This cluster's workers have made their last round (told to peers with the next
+        progress)."""
+        with self.lock:
+            self.finished = self.done_round
+            self.cv.notify_all()
+
+    def final_state(self, wait: float | None) -> GlobalState | None:
+        """After :meth:`mark_finished`: wait until every connected peer's workers have
+        finished too (at most ``wait`` seconds; a peer that is gone is not waited for), then
+        the global state every cluster should end with, when it is not this cluster's: that
+        of the cluster that finished last (the highest final round, ties to the earliest in
+        the job's order), whose last round came after the others'. None: keep your own."""
+        deadline = None if wait is None else self.clock() + wait
+        while True:
+            view = self.net.finish_view()  # not under self.lock: the peers' lock comes first
+            training = sorted(c for c, (f, _, _) in view.items() if f is None)
+            if not training or self.stopping:
+                break
+            if deadline is not None and self.clock() >= deadline:
+                self._event("peers %s still train after %g s; this cluster ends without "
+                            "their last rounds", ", ".join(training), wait)
+                break
+            with self.lock:
+                self.cv.wait(0.5)
+        with self.lock:
+            mine = self.finished if self.finished is not None else self.done_round
+            lineage = self.lineage
+        ends = [(mine, self.me, lineage)] + [(f, c, lin) for c, (f, lin, _) in view.items()
+                                              if f is not None]
+        last, cluster, theirs = max(ends, key=lambda e: (e[0], -self.order[e[1]]))
+        if cluster == self.me or theirs == lineage:
+            return None
+        st = self._fetch_state(cluster, last)
+        if st is None or st.round_id < last:
+            self._event("could not fetch the final state of %s (round %d); this cluster keeps "
+                        "its own", cluster, last)
+            return None
+        log.info("final state: taking that of %s after round %d (it finished last)", cluster,
+                 last)
+        with self.lock:
+            self.lineage = st.lineage
+        return st
+
     @staticmethod
     def _taken(st: GlobalState, numel: int, mode: str) -> Outcome:
         return Outcome(torch.zeros(numel), [], st.round_id, global_state=st.tensor, mode=mode,

@@ -54,6 +54,7 @@ class RoundState:
         self.state: GlobalState | None = None
         self.lineage: str | None = None  # set by the first round (see relay.lineage)
         self.lineages: dict[int, str] = {}  # round -> lineage after it
+        self.finished: int | None = None  # this cluster's last round, once its workers ended
         self.stopping = False
 
     def register(self, size: SyncSize) -> None:
@@ -91,7 +92,8 @@ class RoundState:
             return {"done": self.done_round,
                     "state_round": self.state.round_id if self.state else None,
                     "result_round": self.average.round_id if self.average else None,
-                    "sync": self.sync.to_meta() if self.sync else None}
+                    "sync": self.sync.to_meta() if self.sync else None,
+                    "finished": self.finished, "lineage": self.lineage}
 
     def lineage_before(self, round_id: int) -> str:
         """This relay's lineage as its round ``round_id`` starts."""

@@ -83,6 +83,7 @@ class Net(Protocol):
     def holders(self, round_id: int) -> list[str]: ...
     def state_sources(self) -> list[tuple[str, int | None]]: ...
     def wan_bytes(self) -> tuple[int, int]: ...
+    def finish_view(self) -> dict[str, tuple[int | None, str | None, int]]: ...
 
 
 class Rounds(Recovery):
@@ -355,6 +356,7 @@ class Rounds(Recovery):
         for round_id, clusters in self.coordinator.behind(self.newest_done()):
             for c in clusters:
                 self._tell_behind(c, round_id)
+        self._decide_without_the_gone()
         self.poke()
 
     def on_link_down(self, cluster: str, reason: str) -> None:
@@ -363,14 +365,24 @@ class Rounds(Recovery):
                 if cluster in ex.schedule.present:
                     ex.fail(f"lost the link to {cluster}: {reason}")
             self.cv.notify_all()
-        if self.net.coordinator() == self.me:  # nobody waits for a peer that is gone
+        self._decide_without_the_gone()
+
+    def _decide_without_the_gone(self) -> None:
+        """As coordinator, decide the open rounds that wait only for peers that are gone or
+        whose workers have finished."""
+        if self.net.coordinator() == self.me:
             for d in self.coordinator.complete(self._reachable()):
                 self._announce(d)
 
     def _reachable(self) -> list[str]:
         """The clusters that can still be ready for a round: this one and its connected
-        peers."""
-        return [self.me, *self.net.connected()]
+        peers whose workers have not finished."""
+        done = {c for c, (finished, _, _) in self.net.finish_view().items()
+                if finished is not None}
+        with self.lock:
+            if self.finished is not None:
+                done.add(self.me)
+        return [c for c in [self.me, *self.net.connected()] if c not in done]
 
     def on_link_up(self) -> None:
         if self.net.coordinator() != self.me:

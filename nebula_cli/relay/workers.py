@@ -7,6 +7,8 @@ connects with a worker certificate of this job and cluster and asks for rounds.
     STATE {op: publish, round, numel, parts} + chunks -> STATE {op: stored, round}
     STATE_REQUEST {op: fetch}                       -> STATE {op: state, round|null, numel,
                                                               parts} + chunks
+    STATE_REQUEST {op: final[, wait]}               -> STATE {op: final, round|null, ...} (after
+        every connected peer's workers finished: the state to end with, or null: keep yours)
 
 A published state is theta_global (parts 1) or theta_global followed by the outer momentum
 (parts 2); a STATE handed to a worker says which.
@@ -196,6 +198,18 @@ class WorkerPort:
             self.rounds.publish(GlobalState(round_id, x, parts=parts))
             send_frames(sock, [Frame(FrameType.STATE, {"op": "stored", "round": round_id})])
             self._published()
+        elif t == FrameType.STATE_REQUEST and m.get("op") == "final":
+            wait = m.get("wait")
+            if wait is not None and not isinstance(wait, (int, float)):
+                raise _Refused("bad wait")
+            self.rounds.mark_finished()
+            self._published()  # peers learn that this cluster has finished
+            st = self.rounds.final_state(None if wait is None else float(wait))
+            if st is None:
+                send_frames(sock, [Frame(FrameType.STATE, {"op": "final", "round": None})])
+            else:
+                send_frames(sock, tensor_frames(FrameType.STATE, {
+                    "op": "final", "round": st.round_id, "parts": st.parts}, st.tensor))
         elif t == FrameType.STATE_REQUEST and m.get("op") == "fetch":
             st = self.rounds.best_state()
             if st is None:

@@ -81,7 +81,8 @@ class ScriptedAverager(TwoClusterAverager):
         res = super().allreduce(round_id, tensor)
         return self.script[round_id](tensor) if round_id in self.script else res
 
-    def publish_state(self, round_id: int, tensor: torch.Tensor) -> None:
+    def publish_state(self, round_id: int, tensor: torch.Tensor,
+                      momentum: torch.Tensor | None = None) -> None:
         self.published.append((round_id, tensor.clone()))
 
 

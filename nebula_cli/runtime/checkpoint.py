@@ -293,7 +293,7 @@ class Checkpointer:
         finally:
             if staged.is_relative_to(self.shm_root):
                 shutil.rmtree(staged, ignore_errors=True)
-        emit(step=step, checkpoint_step=step, checkpoint_dir=str(final),
+        emit(step=step, checkpoint_step=step, checkpoint_dir=str(final), checkpoint_error=None,
              checkpoint_stall_s=stall, checkpoint_write_s=time.perf_counter() - t0)
 
     def _failed(self, step: int, message: str) -> None:

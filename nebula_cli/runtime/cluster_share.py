@@ -18,7 +18,8 @@ class AveragedRound(Protocol):
     """What an averager returns for one round (``relay.client.RoundResult`` has this shape).
 
     Optional attribute ``global_state`` (a tensor or None): set when this cluster was behind;
-    it is then theta_global after round ``round_id`` and replaces ours (no outer step).
+    it is then theta_global after round ``round_id`` and replaces ours (no outer step);
+    ``global_momentum`` then the outer momentum that goes with it (or None).
     """
 
     tensor: torch.Tensor  # the average over the clusters present, flat fp32 CPU
@@ -32,8 +33,10 @@ class AveragedRound(Protocol):
 class Averager(Protocol):
     """Averages one flat fp32 CPU tensor per round across the clusters (the relay client).
 
-    Optional method ``publish_state(round_id, tensor)``: when present, rank 0 hands it
-    theta_global after every applied round, for clusters that fall behind to catch up from.
+    Optional method ``publish_state(round_id, tensor, momentum)``: when present, rank 0 hands
+    it theta_global (and the outer momentum) after every applied round, for clusters that
+    fall behind or diverge to take. Optional method ``final_state(wait)``: at the end, the
+    (round, theta, momentum) every cluster should end with when it is not ours.
     """
 
     def allreduce(self, round_id: int, tensor: torch.Tensor) -> AveragedRound: ...
@@ -53,6 +56,7 @@ class Shared:
     bytes_received: int = 0
     seconds: float = 0.0
     clusters: list[str] | None = None  # names, known on rank 0 only
+    momentum: torch.Tensor | None = None  # with ``state``: the peer's outer momentum
 
 
 
@@ -68,16 +72,17 @@ class ClusterShare:
 
     def share(self, round_id: int, result: Any, error: BaseException | None) -> Shared:
         """Rank 0's round outcome (or failure), broadcast to every rank of the cluster."""
-        header = torch.zeros(7, dtype=torch.float64)
-        payload = None
+        header = torch.zeros(8, dtype=torch.float64)
+        payload = momentum = None
         if self.rank == 0:
             if error is None:
                 payload, state, error = self.check_result(round_id, result)
             if error is None:
+                momentum = self.momentum_of(result) if state else None
                 header = torch.tensor(
                     [1.0, len(result.present), result.bytes_sent, result.bytes_received,
                      result.seconds, int(getattr(result, "round_id", round_id)),
-                     float(state)], dtype=torch.float64)
+                     float(state), float(momentum is not None)], dtype=torch.float64)
         self.broadcast(header)
         if header[0].item() != 1.0:
             if self.rank == 0:
@@ -89,12 +94,16 @@ class ClusterShare:
             payload = torch.empty(self.numel, dtype=torch.float32)
         self.broadcast(payload)
         has_state = header[6].item() == 1.0
+        if header[7].item() == 1.0:
+            if momentum is None:
+                momentum = torch.empty(self.numel, dtype=torch.float32)
+            self.broadcast(momentum)
         return Shared(
             round_id=int(header[5].item()) if has_state else round_id,
             avg=None if has_state else payload, state=payload if has_state else None,
             present=int(header[1].item()), bytes_sent=int(header[2].item()),
             bytes_received=int(header[3].item()), seconds=header[4].item(),
-            clusters=list(result.present) if self.rank == 0 else None)
+            clusters=list(result.present) if self.rank == 0 else None, momentum=momentum)
 
     def check_result(self, round_id: int, result: Any
                       ) -> tuple[torch.Tensor | None, bool, BaseException | None]:
@@ -110,6 +119,15 @@ class ClusterShare:
         if not bool(torch.isfinite(flat).all()):
             return None, False, SyncError(f"outer round {round_id}: the {what} is not finite")
         return flat, state is not None, None
+
+    def momentum_of(self, result: Any) -> torch.Tensor | None:
+        """The outer momentum a state came with, when it has this cluster's size and is
+        finite (else None: the cluster keeps its own)."""
+        m = getattr(result, "global_momentum", None)
+        if not isinstance(m, torch.Tensor) or m.numel() != self.numel:
+            return None
+        flat = m.detach().to("cpu", torch.float32).reshape(-1).contiguous()
+        return flat if bool(torch.isfinite(flat).all()) else None
 
     def broadcast(self, tensor: torch.Tensor) -> None:
         if self.world_size > 1:

@@ -28,6 +28,7 @@ from nebula_cli.config.parts import SYNC_CONFIG_ENV, SyncConfig
 from nebula_cli.runtime import checkpoint as checkpoints
 from nebula_cli.runtime.cluster_share import AveragedRound, Averager, ClusterShare, Shared
 from nebula_cli.runtime.explicit import note_outer_sync
+from nebula_cli.runtime.final import final_agreement
 from nebula_cli.runtime.metrics import DRY_RUN_ENV
 from nebula_cli.runtime.metrics import emit as log_metrics
 from nebula_cli.runtime.outer import OuterOptimizer, SyncError
@@ -39,8 +40,6 @@ __all__ = [
     "LAYOUT_BYTES", "MODES", "Averager", "AveragedRound", "OuterOptimizer", "OuterSync",
     "SyncError", "plan_config", "sync_layout", "wanted",
 ]
-
-
 log = logging.getLogger("nebula.runtime.sync")
 
 
@@ -257,8 +256,8 @@ class OuterSync:
     def finish(self) -> dict[str, Any] | None:
         """End of training, on every rank: apply the round in flight (overlap), then make one
         last round over the optimizer steps since the last boundary, so that every cluster
-        ends with the same theta_global. Returns that round's stats (``final_round``: True),
-        the flushed round's, or None when nothing was pending (DiLoCo only)."""
+        ends with the same theta_global (then the final state, see runtime.final). Returns
+        that round's stats (``final_round``), the flushed round's, or None (DiLoCo only)."""
         self._check_open()
         if self.mode != "diloco" or self.dry_run:
             return None
@@ -267,7 +266,8 @@ class OuterSync:
         if steps > self._last_round_step:
             self._last_round_step = steps
             stats = {**self._sync_round(), "final_round": True}
-        return stats
+        return final_agreement(self._averager if self.rank == 0 else None, self._cluster,
+                               self._apply, lambda: self._io.write(self.theta_global), stats)
 
     def close(self) -> None:
         """Close the averager and join a round still in flight (bounded). Safe to call twice."""
@@ -381,8 +381,10 @@ class OuterSync:
 
     def _apply(self, shared: Shared) -> bool:
         """Apply one round's outcome to theta_global; False when there was nothing to apply."""
-        if shared.state is not None:  # this cluster was behind: take a peer's global state
+        if shared.state is not None:  # behind, or diverged: take a peer's global state
             self.theta_global = shared.state.clone()
+            if shared.momentum is not None:
+                self.outer.momentum_buffer = shared.momentum.clone()
             self.round = max(self.round, shared.round_id + 1)
             return True
         if shared.present == 0:
@@ -392,12 +394,13 @@ class OuterSync:
         return True
 
     def _publish(self, round_id: int) -> None:
-        """Rank 0 hands theta_global to the relay, for clusters that fall behind to catch up."""
+        """Rank 0 hands theta_global and the outer momentum to the relay, for clusters that
+        fall behind or diverge."""
         publish = getattr(self._averager, "publish_state", None) if self.rank == 0 else None
         if publish is None:
             return
         try:
-            publish(round_id, self.theta_global)
+            publish(round_id, self.theta_global, self.outer.momentum_buffer)
         except Exception as exc:  # catching up is best effort; training goes on
             log.warning("outer round %d: could not publish the global state: %s", round_id, exc)
 

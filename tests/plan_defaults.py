@@ -49,4 +49,5 @@ def relay_defaults() -> dict[str, Any]:
     return {"codec": relay.compression.codec,
             "error_feedback": relay.compression.error_feedback,
             "block_size": relay.compression.block_size, "round_timeout": relay.timeout,
-            "heartbeat": relay.heartbeat, "shaping": {"rate_mbit": None, "delay_ms": 0.0}}
+            "heartbeat": relay.heartbeat, "dead_after": relay.dead_after,
+            "shaping": {"rate_mbit": None, "delay_ms": 0.0}}

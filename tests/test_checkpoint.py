@@ -363,7 +363,7 @@ def test_a_killed_worker_resumes_from_its_checkpoint_and_the_job_succeeds(
     spec["clusters"] = [
         {"name": "east", "transport": "local", "hosts": [{"host": "e1", "slots": 2}]},
         {"name": "west", "transport": "local", "hosts": [{"host": "w1"}]}]
-    spec["relay"].update(timeout=10, heartbeat=1)
+    spec["relay"].update(timeout=10, heartbeat=1, dead_after=3)
     spec["relay"]["sync"]["inner_steps"] = INNER
     spec_path = tmp_path / "ckptkill.yaml"
     spec_path.write_text(yaml.safe_dump(spec))
@@ -404,4 +404,6 @@ def test_a_killed_worker_resumes_from_its_checkpoint_and_the_job_succeeds(
     logs = "".join(p.read_text() for p in
                    (cli.home / "jobs" / job_id).glob("east/*/worker/logs/rank0.log"))
     assert f"nebula: resumed from checkpoint step {resumed[0]} (" in logs
+    shown = cli("status", job_id, check=True).stdout  # each cluster's newest checkpoint
+    assert f"{STEPS} (resumed {resumed[0]})" in shown, shown
     assert job_processes(job_id) == []

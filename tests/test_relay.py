@@ -434,7 +434,7 @@ def test_killed_relay_is_left_out_then_catches_up(
     client gets the global state b's worker published; then both average together again;
     SIGTERM ends the relay with exit code 0."""
     caplog.set_level(logging.INFO, logger="nebula")
-    job = Job(tmp_path, ["a", "b"], round_timeout=2.0, heartbeat=0.5)
+    job = Job(tmp_path, ["a", "b"], round_timeout=2.0, heartbeat=0.5, dead_after=1.5)
     cfg_path = tmp_path / "relay-a.json"
     job.cfg["a"].dump(cfg_path)
     log_path = tmp_path / "relay-a.log"
@@ -451,7 +451,7 @@ def test_killed_relay_is_left_out_then_catches_up(
                 theta -= res["b"].tensor
                 cls["b"].publish_state(r, theta)
 
-            # a stalls (SIGSTOP): b hears nothing for 3 heartbeats and drops the link; once a
+            # a stalls (SIGSTOP): b hears nothing for dead_after (1.5 s) and drops the link; once a
             # runs again, b redials it
             procs[0].send_signal(signal.SIGSTOP)
             try:

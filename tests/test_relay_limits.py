@@ -80,7 +80,7 @@ def chunk(round_id: int, k: int, n: int) -> Frame:
 
 def test_an_attacker_with_valid_certificates_cannot_make_the_relay_hold_memory(
         tmp_path: Path) -> None:
-    job = Job(tmp_path, ["a", "b", "c"], round_timeout=1.0, heartbeat=0.5)
+    job = Job(tmp_path, ["a", "b", "c"], round_timeout=1.0, heartbeat=0.5, dead_after=1.5)
     cfg_path, log_path = tmp_path / "relay-a.json", tmp_path / "relay-a.log"
     job.cfg["a"].dump(cfg_path)
     proc: subprocess.Popen[bytes] = start_relay_process(cfg_path, log_path)

@@ -417,7 +417,9 @@ def test_a_coordinator_dying_while_it_sends_start_stalls_the_round_briefly() -> 
         assert torch.equal(out["b"].tensor, out["c"].tensor)
         assert torch.equal(out["b"].tensor, torch.full((64,), 1.5))
         assert took < 15, f"the round waited {took:.1f} s"
-        assert any("attempt 0 failed" in e for e in hub.events["b"]), hub.events["b"]
+        # b either tried a's decision and retried, or had already asked itself (the new
+        # coordinator) first; either way c's READY for attempt 0 counted in b's decision
+        assert out["c"].round_id == 1 and out["b"].mode == out["c"].mode == "direct"
     finally:
         hub.close()
 

@@ -87,7 +87,8 @@ def test_minimal_spec_gets_working_defaults(tmp_path: Path) -> None:
 def test_model_defaults() -> None:
     relay = RelaySpec()
     assert (relay.port, relay.worker_port, relay.effective_worker_port) == (29400, None, 29401)
-    assert relay.timeout == 120 and relay.heartbeat == 5.0 and relay.shaping is None
+    assert relay.timeout == 120 and relay.heartbeat == 2.0 and relay.dead_after == 10.0
+    assert relay.shaping is None
     assert relay.sync == SyncSpec(mode="diloco", inner_steps=100, outer_lr=0.7,
                                   outer_momentum=0.9, nesterov=True, overlap=False)
     assert relay.compression == CompressionSpec(codec="int8", error_feedback=True, block_size=256)
@@ -481,6 +482,12 @@ def test_gateway_not_among_hosts(tmp_path: Path) -> None:
     p = one(tmp_path, BASE + "    gateway: e3\n")
     assert where(p) == (9, 14, "clusters[0].gateway")
     assert p.message == "gateway 'e3' is not one of this cluster's hosts: e1, e2"
+
+
+def test_dead_after_must_allow_two_heartbeats(tmp_path: Path) -> None:
+    p = one(tmp_path, BASE + "relay:\n  heartbeat: 3\n  dead_after: 5\n")
+    assert where(p)[2] == "relay.dead_after"
+    assert p.message == "dead_after (5 s) must allow at least two heartbeats (6 s)"
 
 
 def test_relay_ports_must_differ(tmp_path: Path) -> None:

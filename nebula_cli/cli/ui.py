@@ -137,12 +137,12 @@ def _rate(m: dict[str, Any]) -> str:
 def metrics_table(
     clusters: list[str], latest: dict[str, dict[str, Any]], relay: dict[str, dict[str, Any]]
 ) -> Table:
-    """Per cluster: step, losses, tokens/s, outer round, round time, WAN bytes, present."""
+    """Per cluster: step, losses, tokens/s, outer round, round time, WAN bytes, present, the
+    newest checkpoint (and whether saving fails)."""
     colors = cluster_colors(clusters)
     table = Table(show_edge=False, title_justify="left")
     for col in ("cluster", "step", "loss", "eval loss", "tokens/s (or samples/s)", "round",
-                "round time",
-                "WAN sent", "WAN recv", "present"):
+                "round time", "WAN sent", "WAN recv", "present", "checkpoint"):
         table.add_column(col, justify="right" if col != "cluster" else "left")
     for name in clusters:
         m = latest.get(name, {})
@@ -158,9 +158,20 @@ def metrics_table(
                 m.get("round_s", r.get("round_s"))) else ""),
             human_bytes(r.get("bytes_sent_total", m.get("wan_bytes_sent"))),
             human_bytes(r.get("bytes_received_total", m.get("wan_bytes_received"))),
-            str(present if present is not None else "-"),
+            str(present if present is not None else "-"), _checkpoint(m),
         )
     return table
+
+
+def _checkpoint(m: dict[str, Any]) -> Text:
+    """The newest checkpoint's step; `failing` when the newest save failed; `resumed N` when
+    the workers started from a checkpoint."""
+    out = Text(str(m["checkpoint_step"]) if m.get("checkpoint_step") is not None else "-")
+    if m.get("resumed_from_step") is not None:
+        out.append(f" (resumed {m['resumed_from_step']})")
+    if m.get("checkpoint_error"):
+        out.append(" failing", style="red")
+    return out
 
 
 def status_panel(snap: JobSnapshot, latest: dict[str, Any], relay: dict[str, Any]) -> Panel:

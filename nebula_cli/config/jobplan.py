@@ -189,8 +189,10 @@ def _conn(site: Site, job_root: str) -> dict[str, Any]:
 
 
 def base_env(site: Site, job_root: str) -> dict[str, str]:
-    """So that `python` in a command is the site's, and nebula_cli is importable there."""
-    env: dict[str, str] = {"PYTHONUNBUFFERED": "1"}
+    """So that `python` in a command is the site's, and nebula_cli is importable there; a
+    process that dies in native code (SIGSEGV, SIGABRT) leaves every thread's Python stack in
+    its log (the spec's `env` can say otherwise)."""
+    env: dict[str, str] = {"PYTHONUNBUFFERED": "1", "PYTHONFAULTHANDLER": "1"}
     if posixpath.isabs(site.python):  # the agent puts it first on PATH
         env["NEBULA_PATH_PREPEND"] = posixpath.dirname(site.python)
     if not site.shares_files:
@@ -443,7 +445,7 @@ def relay_config(spec: JobSpec, job_id: str, cluster: ClusterSpec, adir: str, po
         error_feedback=relay.compression.error_feedback,
         block_size=relay.compression.block_size,
         round_timeout=relay.timeout,
-        heartbeat=relay.heartbeat,
+        heartbeat=relay.heartbeat, dead_after=relay.dead_after,
         shaping=ShapingConfig(rate_mbit=shaping.rate_mbit if shaping else None,
                               delay_ms=shaping.delay_ms if shaping else 0.0),
         status_file=posixpath.join(adir, "relay-status.json"),

@@ -72,7 +72,9 @@ class RelayConfig:
     """Seconds from the arrival of the local contribution until the round goes ahead without
     the clusters not ready by then."""
     heartbeat: float
-    """Seconds between heartbeats on an idle peer link; a link silent for 3x this is dead."""
+    """Seconds between heartbeats on an idle peer link."""
+    dead_after: float
+    """Seconds of silence after which a peer link is closed (the peer taken for dead)."""
     shaping: ShapingConfig
     status_file: str | None = None
     """JSON status rewritten (atomic rename) after each round and on peer changes."""
@@ -112,7 +114,7 @@ class RelayConfig:
             )
         for addr in [self.peer_listen, self.worker_listen, *self.peers.values()]:
             parse_addr(addr)
-        for name in ("round_timeout", "heartbeat"):
+        for name in ("round_timeout", "heartbeat", "dead_after"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
                 raise RelayConfigError(

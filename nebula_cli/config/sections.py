@@ -80,8 +80,11 @@ class RelaySpec(SpecModel):
     """Wire codec."""
     timeout: float = Field(120.0, gt=0.0)
     """Seconds a round may take before the relay goes on with the clusters present."""
-    heartbeat: float = Field(5.0, gt=0.0)
+    heartbeat: float = Field(2.0, gt=0.0)
     """Seconds between liveness messages on peer links."""
+    dead_after: float = Field(10.0, gt=0.0)
+    """Seconds of silence after which a peer relay is taken for dead (its link is closed and
+    rounds go on without it). At least two heartbeats."""
     shaping: ShapingSpec | None = None
     """WAN emulation. Default: none."""
 
@@ -90,6 +93,10 @@ class RelaySpec(SpecModel):
         if self.worker_port == self.port:
             message = f"worker_port must differ from port (both are {self.port})"
             raise problems_error([(("worker_port",), message)])
+        if self.dead_after < 2 * self.heartbeat:
+            message = (f"dead_after ({self.dead_after:g} s) must allow at least two heartbeats "
+                       f"({2 * self.heartbeat:g} s)")
+            raise problems_error([(("dead_after",), message)])
         if self.worker_port is None and self.port == 65535:
             message = "port 65535 leaves no room for the default worker_port (port + 1)"
             raise problems_error([(("port",), message)])

@@ -6,7 +6,7 @@ exponential backoff, capped at BACKOFF_MAX). Peers must present a relay certific
 for a cluster that dials this relay, and a HELLO whose protocol, job, codec, block size and
 chunk size match. A listener holds at most MAX_HANDSHAKES connections between accept and the
 end of their hello (MAX_HANDSHAKES_PER_ADDRESS from one address); further connections are
-closed at once and logged. A link silent for 3 heartbeats is closed.
+closed at once and logged. A link silent for `dead_after` seconds is closed.
 """
 
 from __future__ import annotations

@@ -237,7 +237,7 @@ class Relay:
                 "sync": self._progress()["sync"]}
 
     def _tick_loop(self) -> None:
-        silent = 3 * self.cfg.heartbeat
+        silent = self.cfg.dead_after
         while not self.stopping.is_set():
             self.peers.close_silent(silent)
             nxt = self.rounds.tick()

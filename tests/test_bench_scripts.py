@@ -1,4 +1,5 @@
-"""The test-bed benchmarks (bench/wan_training.py, bench/relay_goodput.py) without a bed: their
+"""The benchmarks (bench/wan_training.py, bench/relay_goodput.py, bench/chaos.py) without running
+them: their
 --help works, and the JSON they print last has the field names the issue asks for."""
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ import pytest
 
 REPO = Path(__file__).resolve().parent.parent
 SCRIPTS = {
+    "chaos": ("goodput_vs_clean", "faults_injected", "lost_steps", "params_identical",
+              "eval_loss_clean", "eval_loss_faults"),
     "wan_training": ("speedup_vs_flat", "utilization", "utilization_overlap", "loss_gap",
                      "wan_bytes_reduction", "link_mbit", "rtt_ms"),
     "relay_goodput": ("goodput_vs_iperf3", "tls_vs_plain", "link_mbit"),

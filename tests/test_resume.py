@@ -70,3 +70,32 @@ def test_a_stopped_job_resumes_under_its_id_with_renewed_certificates(
 def test_resume_of_an_unknown_job_is_refused(cli: CLI) -> None:
     proc = cli("resume", "no-such-job")
     assert proc.returncode == 2 and "no job 'no-such-job'" in proc.stderr
+
+
+def test_resume_refuses_when_a_host_lost_its_checkpoints(cli: CLI, tmp_path: Path) -> None:
+    """east's e1 holds a complete checkpoint, e2 none: the cluster could not agree on a step,
+    so resume refuses naming e2 and where it looked (exit 2, nothing started, still STOPPED).
+    With the checkpoint gone from e1 too, every cluster starts from the beginning (said)."""
+    body = SPEC.format(port=29720).replace(
+        "    hosts: [{host: e1}]", "    hosts: [{host: e1}, {host: e2}]") + \
+        "checkpoint: {every: 10}\n"
+    job_id = cli("launch", str(write_spec(tmp_path, body)), "--detach", check=True
+                 ).stdout.strip()
+    wait_for(lambda: "first west/0" in cli("logs", job_id).stdout, timeout=60)
+    cli("stop", job_id, "--grace", "1", check=True)
+    step = cli.home / "jobs" / job_id / "checkpoints" / "east" / "e1" / "step10"
+    step.mkdir(parents=True)
+    (step / "COMPLETE").write_text("")
+    proc = cli("resume", job_id)
+    assert proc.returncode == 2, proc
+    assert "east/e2: no complete checkpoint in " in proc.stderr
+    assert str(cli.home / "jobs" / job_id / "checkpoints" / "east" / "e2") in proc.stderr
+    st = status_json(cli, job_id)
+    assert st["state"] == "STOPPED" and st["attempt"] == 1 and job_processes(job_id) == []
+
+    (step / "COMPLETE").unlink()
+    proc = cli("resume", job_id, "--detach")
+    assert proc.returncode == 0, proc
+    assert "no checkpoint on east, west: every cluster starts from the beginning" in proc.stderr
+    wait_for(lambda: status_json(cli, job_id)["state"] == "SUCCEEDED", timeout=120)
+    assert job_processes(job_id) == []

@@ -251,7 +251,7 @@ def _worker_agents(spec: JobSpec, job_id: str, sites: dict[str, Site], ports: Po
         world = world_of(spec, cluster)
         for node_rank, host in enumerate(cluster.hosts):
             site = sites[site_key(cluster, host)]
-            job_root = posixpath.join(site.home, "jobs", job_id)
+            job_root = job_root_of(site, job_id)
             adir = agent_dir(job_root, cluster.name, host.host, WORKER)
             cwd = spec.workdir if site.shares_files else posixpath.join(job_root, "work")
             env = {**spec.env, **cluster.env, **base_env(site, job_root)}
@@ -349,6 +349,11 @@ def _relay_addr(spec: JobSpec, cluster: ClusterSpec, sites: dict[str, Site],
     return f"{_gateway_site(cluster, sites).address}:{ports.relays[cluster.name][1]}"
 
 
+def job_root_of(site: Site, job_id: str) -> str:
+    """The job's directory on a host."""
+    return posixpath.join(site.home, "jobs", job_id)
+
+
 def checkpoint_dir(spec: JobSpec, job_id: str, job_root: str, cluster: ClusterSpec,
                    host: HostSpec) -> str | None:
     """Where one host keeps its checkpoints: `<job dir>/<checkpoint.dir>/<cluster>/<host>` (an
@@ -396,7 +401,7 @@ def _relay_agents(spec: JobSpec, job_id: str, sites: dict[str, Site], ports: Por
     for cluster in spec.clusters:
         gateway = cluster.gateway_host
         site = _gateway_site(cluster, sites)
-        job_root = posixpath.join(site.home, "jobs", job_id)
+        job_root = job_root_of(site, job_id)
         adir = agent_dir(job_root, cluster.name, gateway.host, RELAY)
         node_rank = [h.host for h in cluster.hosts].index(gateway.host)
         env = {"NEBULA_JOB_ID": job_id, "NEBULA_CLUSTER": cluster.name,

@@ -79,10 +79,51 @@ class Orchestrator(JobOps):
                              f"nebula stop {job.id})")
         spec = spec_of_record(job.spec, job.spec_path)
         self.stop(job.id, grace=0.0, force=True)  # nothing of an earlier attempt may linger
+        note = self._check_checkpoints(spec, job.id)
         attempt = self.attempt(job.id) + 1
         self.store.reopen_job(job.id)
         self.store.add_event(job.id, RESUME_EVENT, f"resuming (attempt {attempt})")
+        if note:
+            progress(note)
         return self._bring_up(job.id, spec, "resume", progress, transfer)
+
+    def _check_checkpoints(self, spec: JobSpec, job_id: str) -> str | None:
+        """Before a resume: every host of a cluster must still hold checkpoints if one of
+        them does (UsageError naming the hosts that lost theirs, nothing started); a note when
+        a cluster has none (it starts from the beginning, and catches up from its peers)."""
+        if spec.checkpoint is None:
+            return None
+        sites = self.sites(spec)
+        script = 'for f in "$0"/step*/COMPLETE; do [ -e "$f" ] && echo "$f"; done; true'
+
+        def count(key: str) -> tuple[int, str]:
+            cluster, host = next((c, h) for c in spec.clusters for h in c.hosts
+                                 if jobplan.site_key(c, h) == key)
+            site = sites[key]
+            where = jobplan.checkpoint_dir(spec, job_id, jobplan.job_root_of(site, job_id),
+                                           cluster, host)
+            assert where is not None
+            out = self.transport(site.conn).run(["/bin/sh", "-c", script, where], timeout=60)
+            return len(out.stdout.split()), where
+
+        found = fanout(list(sites), count, timeout=AGENT_TIMEOUT, cancel=self.abort)
+        lost, fresh = [], []
+        for c in spec.clusters:
+            have = {h.host: found[jobplan.site_key(c, h)] for h in c.hosts}
+            if all(n == 0 for n, _ in have.values()):
+                fresh.append(c.name)
+            else:
+                lost += [f"{c.name}/{h}: no complete checkpoint in {where}"
+                         for h, (n, where) in have.items() if n == 0]
+        if lost:
+            raise UsageError("cannot resume: hosts lost the checkpoints the rest of their "
+                             "cluster holds (a cluster resumes from a step every host has):\n  "
+                             + "\n  ".join(lost))
+        if fresh:
+            return (f"no checkpoint on {', '.join(fresh)}: "
+                    + ("every cluster starts" if len(fresh) == len(spec.clusters) else
+                       "those clusters start") + " from the beginning")
+        return None
 
     def attempt(self, job_id: str) -> int:
         """Which attempt of the job this is (1 + the resumes so far)."""

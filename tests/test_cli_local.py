@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -263,3 +265,24 @@ def test_a_worker_that_fails_for_good_ends_the_job_within_seconds(
     assert job_processes(job_id) == []
     logs = cli("logs", job_id, check=True).stdout
     assert "e1 waits for its peer" in logs and "e2 gives up" in logs
+
+
+def test_killing_the_launching_terminal_changes_nothing_for_the_job(
+        cli: CLI, tmp_path: Path) -> None:
+    """`nebula launch` in the foreground is SIGKILLed (a closed laptop lid, a lost terminal):
+    the job runs on, and status, logs and stop work from another terminal."""
+    launcher = subprocess.Popen(
+        [sys.executable, "-m", "nebula_cli", "launch", str(spec(tmp_path, every=0.2))],
+        env=cli.env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        stdin=subprocess.DEVNULL, start_new_session=True)
+    try:
+        job_id = wait_for(lambda: cli.job_ids() and cli.job_ids()[0], timeout=60)
+        wait_for(lambda: "tick 3" in cli("logs", job_id, "--host", "w2").stdout, timeout=60)
+    finally:
+        os.killpg(launcher.pid, signal.SIGKILL)
+        launcher.wait(10)
+    ticks = cli("logs", job_id, "--host", "e1", check=True).stdout.count("tick ")
+    wait_for(lambda: cli("logs", job_id, "--host", "e1").stdout.count("tick ") > ticks + 2)
+    assert status_json(cli, job_id)["state"] == "RUNNING"
+    cli("stop", job_id, "--grace", "1", check=True)
+    assert status_json(cli, job_id)["state"] == "STOPPED" and job_processes(job_id) == []

@@ -34,6 +34,7 @@ class Recovery(RoundState):
     order: dict[str, int]
     fetch_timeout: float
     grace: float
+    final_stall: float
     _event: Callable[..., None]
 
     def newest_done(self) -> int:  # implemented by Rounds
@@ -119,14 +120,21 @@ class Recovery(RoundState):
         of the cluster that finished last (the highest final round, ties to the earliest in
         the job's order), whose last round came after the others'. None: keep your own."""
         deadline = None if wait is None else self.clock() + wait
+        seen, moved = None, self.clock()
         while True:
             view = self.net.finish_view()  # not under self.lock: the peers' lock comes first
             training = sorted(c for c, (f, _, _) in view.items() if f is None)
             if not training or self.stopping:
                 break
+            if view != seen:
+                seen, moved = view, self.clock()
             if deadline is not None and self.clock() >= deadline:
                 self._event("peers %s still train after %g s; this cluster ends without "
                             "their last rounds", ", ".join(training), wait)
+                break
+            if self.clock() - moved > self.final_stall:
+                self._event("peers %s made no round in %g s; this cluster ends without "
+                            "them", ", ".join(training), self.final_stall)
                 break
             with self.lock:
                 self.cv.wait(0.5)

@@ -101,6 +101,8 @@ class Rounds(Recovery):
         self.grace = max(2.0, 2 * cfg.heartbeat)
         self.fetch_timeout = max(120.0, 10 * cfg.round_timeout)
         self.stall_timeout = max(30.0, 3 * cfg.round_timeout)
+        self.final_stall = max(600.0, 10 * cfg.round_timeout)
+        """At the end, how long a cluster waits for peers that make no round at all."""
         self.early = EarlyChunks(cfg.clusters, MAX_ATTEMPTS)
         self._event, self._finished, self._refusals = event, finished, refusals
         self.clock = clock
@@ -113,6 +115,8 @@ class Rounds(Recovery):
         The first contribution registers the sync size if the worker did not."""
         if self.sync is None:
             self.register(SyncSize.flat(x.numel()))
+        with self.lock:
+            self.finished = None  # a worker that said goodbye came back (restarted)
         with self.round_lock:
             cached = self.outcomes.get(round_id)
             if cached is not None:

@@ -9,10 +9,10 @@ connects with a worker certificate of this job and cluster and asks for rounds.
                                                               parts} + chunks
     STATE_REQUEST {op: final[, wait]}               -> STATE {op: final, round|null, ...} (after
         every connected peer's workers finished: the state to end with, or null: keep yours)
+    BYE                                             (rank 0 is done: peers stop waiting for it)
 
 A published state is theta_global (parts 1) or theta_global followed by the outer momentum
 (parts 2); a STATE handed to a worker says which.
-    BYE
 
 The first registration (a HELLO's ``layout`` {shapes, dtypes}, else the first tensor's size)
 fixes what this cluster syncs; a tensor of another size is refused, one larger than that is
@@ -217,7 +217,9 @@ class WorkerPort:
             else:
                 send_frames(sock, tensor_frames(FrameType.STATE, {
                     "op": "state", "round": st.round_id, "parts": st.parts}, st.tensor))
-        elif t == FrameType.BYE:
+        elif t == FrameType.BYE:  # rank 0 closed its client: its training is over
+            self.rounds.mark_finished()
+            self._published()
             return False
         else:
             raise _Refused(f"unexpected {t.name} frame {m.get('op', '')}", close=True)

@@ -557,6 +557,13 @@ class TestBed:
         self._ip_r("link", "set", self._router_if(h), "down")
         self._cut.add(h.name)
 
+    def partition(self, host: str) -> None:
+        """Cut the host off at the router: it still reaches itself (its own address), but
+        nothing crosses between it and any other host (a WAN link cut). `restore` heals it."""
+        h = self._host(host)
+        self._ip_r("link", "set", self._router_if(h), "down")
+        self._cut.add(h.name)
+
     def restore(self, host: str) -> None:
         """Bring a cut host's link (and its route) back."""
         h = self._host(host)

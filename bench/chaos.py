@@ -175,7 +175,8 @@ def run(cli: Cli, spec: Path, args: argparse.Namespace, faulty: bool) -> Run:
             time.sleep(1.0)
     finally:
         stop.set()
-        injector.join(args.dead_after + 10)
+        if faulty:
+            injector.join(args.dead_after + 10)
         cli("stop", job_id, "--force")
     seconds = time.monotonic() - t0
     if st.get("state") != "SUCCEEDED":

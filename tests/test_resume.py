@@ -8,7 +8,9 @@ import json
 from pathlib import Path
 from typing import Any
 
-from conftest import CLI, job_processes, wait_for, write_spec
+import pytest
+import yaml
+from conftest import CLI, REPO, job_processes, wait_for, write_spec
 
 # The first attempt marks the workdir and waits to be stopped; the second one sees the mark
 # and ends at once (a stand-in for a worker that finds its checkpoint).
@@ -98,4 +100,48 @@ def test_resume_refuses_when_a_host_lost_its_checkpoints(cli: CLI, tmp_path: Pat
     assert proc.returncode == 0, proc
     assert "no checkpoint on east, west: every cluster starts from the beginning" in proc.stderr
     wait_for(lambda: status_json(cli, job_id)["state"] == "SUCCEEDED", timeout=120)
+    assert job_processes(job_id) == []
+
+
+@pytest.mark.slow
+def test_a_stopped_training_job_resumes_from_its_checkpoints(cli: CLI, tmp_path: Path) -> None:
+    """The small GPT (real DeepSpeed, relays) checkpoints every 10 steps; `stop` mid-run (each
+    worker makes its final checkpoint), then `resume`: every cluster goes on from its newest
+    checkpoint, the job ends SUCCEEDED at the full step count with identical parameters."""
+    spec = yaml.safe_load((REPO / "templates" / "quickstart.yaml").read_text())
+    spec.update(name="ckpt", workdir=str(REPO / "examples" / "gpt"),
+                run="python -u train.py --steps 80 --eval-every 80 --log-every 5",
+                checkpoint={"every": 10, "keep": 2})
+    spec["clusters"] = [{"name": c, "transport": "local", "hosts": [{"host": h}]}
+                        for c, h in (("east", "e1"), ("west", "w1"))]
+    spec["relay"]["sync"]["inner_steps"] = 10
+    spec["relay"].pop("shaping", None)
+    path = tmp_path / "ckpt.yaml"
+    path.write_text(yaml.safe_dump(spec))
+    job_id = cli("launch", str(path), "--detach", check=True).stdout.strip()
+
+    def records() -> list[dict[str, Any]]:
+        out = []
+        for p in (cli.home / "jobs" / job_id).glob("*/*/worker/metrics/*.jsonl"):
+            out += [json.loads(x) for x in p.read_text().splitlines() if x]
+        return out
+
+    def saved(cluster: str) -> int:
+        return max([r["checkpoint_step"] for r in records() if r.get("cluster") == cluster
+                    and r.get("checkpoint_step") is not None], default=0)
+
+    wait_for(lambda: saved("east") >= 20 and saved("west") >= 20, timeout=300, every=1.0)
+    cli("stop", job_id, check=True, timeout=180)
+    assert status_json(cli, job_id)["state"] == "STOPPED" and job_processes(job_id) == []
+    stopped_at = {c: saved(c) for c in ("east", "west")}
+
+    cli("resume", job_id, "--detach", check=True, timeout=300)
+    st = wait_for(lambda: (s := status_json(cli, job_id))["state"] not in ("RUNNING", "PENDING")
+                  and s, timeout=600, every=2.0)
+    assert st["state"] == "SUCCEEDED" and st["attempt"] == 2, st
+    resumed = {r["cluster"]: r["resumed_from_step"] for r in records()
+               if r.get("resumed_from_step") is not None and not r.get("final")}
+    assert resumed == stopped_at, (resumed, stopped_at)  # the newest checkpoint of each
+    finals = [r for r in records() if r.get("final") and r["step"] == 80]
+    assert len(finals) == 2 and len({r["param_sha256"] for r in finals}) == 1, finals
     assert job_processes(job_id) == []

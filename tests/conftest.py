@@ -80,8 +80,10 @@ def cli(nebula_home: Path) -> Iterator[CLI]:
         yield runner
     finally:
         for job_id in runner.job_ids():
-            runner("stop", job_id, "--force", timeout=120)
-            kill_job_processes(job_id)
+            try:  # a stop that fails or hangs must still leave nothing running
+                runner("stop", job_id, "--force", timeout=120)
+            finally:
+                kill_job_processes(job_id)
 
 
 def wait_for(pred: Callable[[], T], timeout: float = 30.0, every: float = 0.2) -> T:

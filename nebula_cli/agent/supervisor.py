@@ -25,6 +25,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from nebula_cli.agent.buildlocks import remove_stale_locks
 from nebula_cli.config.parts import AgentConfig
 from nebula_cli.errors import NebulaError
 
@@ -197,6 +198,10 @@ class Supervisor:
         self.procs = []
         self.pgid = None
         cwd = self.config.cwd or None
+        for spec in self.config.processes[:1]:  # the ranks of a host share one environment
+            for lock in remove_stale_locks({**os.environ, **spec.env}):
+                self.event("stale-lock", f"removed {lock}: a build killed before it ended "
+                           "left it, and every process needing that op would wait on it")
         for spec in self.config.processes:
             log_path = self.dir / spec.log
             log_path.parent.mkdir(parents=True, exist_ok=True)

@@ -1,0 +1,84 @@
+"""Stale build locks of PyTorch's JIT extension builds (DeepSpeed ops), found and removed.
+
+DeepSpeed compiles some ops (fused Adam, CPU Adam, the shared-memory comm op, ...) on first use
+with ``torch.utils.cpp_extension.load``, which serialises builders with a ``FileBaton``: a file
+``<build dir>/lock`` created with O_EXCL, kept open while the build runs, removed at the end.
+A process killed while it builds (a stop, a restart, a preemption) leaves that file behind, and
+every later process that needs the op waits for it to go away, forever and without a word
+(``FileBaton.wait`` polls ``os.path.exists``). One stopped job would hang every job after it on
+that host.
+
+A lock is stale when no process holds it open: the builder keeps its descriptor open for the
+whole build and closes it only just before removing the file. The agent removes stale locks
+before it starts (or restarts) a host's processes, and says so in the host's events. Only
+our own user's locks older than ``MIN_AGE_S`` are judged (a release in progress is never
+raced; another user's holders are not visible to us).
+
+Where torch puts build directories (``torch.utils.cpp_extension._get_build_directory``):
+``$TORCH_EXTENSIONS_DIR/<op>/`` when set, else ``<user cache>/torch_extensions/<py>_<acc>/<op>/``
+with the user cache ``$XDG_CACHE_HOME`` or ``~/.cache``. Linux only (``/proc``); elsewhere
+nothing is judged stale. Standard library only, as the rest of the agent.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+from collections.abc import Mapping
+from pathlib import Path
+
+MIN_AGE_S = 5.0
+LOCK_NAME = "lock"
+
+
+def lock_files(env: Mapping[str, str]) -> list[Path]:
+    """Every build lock present under the roots `env` (a worker's environment) builds in."""
+    found: list[Path] = []
+    explicit = env.get("TORCH_EXTENSIONS_DIR")
+    if explicit:
+        found += Path(explicit).expanduser().glob(f"*/{LOCK_NAME}")
+    cache = env.get("XDG_CACHE_HOME") or str(Path(env.get("HOME") or "~").expanduser() / ".cache")
+    found += (Path(cache).expanduser() / "torch_extensions").glob(f"*/*/{LOCK_NAME}")
+    return sorted(set(found))
+
+
+def open_files() -> set[str]:
+    """Paths that some process we may look at holds open (empty when /proc is not there)."""
+    held: set[str] = set()
+    proc = Path("/proc")
+    if not proc.is_dir():
+        return held
+    for fd_dir in proc.glob("[0-9]*/fd"):
+        with contextlib.suppress(OSError):
+            for fd in fd_dir.iterdir():
+                with contextlib.suppress(OSError):
+                    held.add(os.readlink(fd))
+    return held
+
+
+def stale_locks(env: Mapping[str, str], now: float | None = None) -> list[Path]:
+    """Locks no process holds open and older than MIN_AGE_S."""
+    if not Path("/proc/self/fd").is_dir():
+        return []
+    now = time.time() if now is None else now
+    candidates = []
+    for path in lock_files(env):
+        with contextlib.suppress(OSError):
+            info = path.stat()  # another user's lock is held by processes we cannot see
+            if info.st_uid == os.getuid() and now - info.st_mtime >= MIN_AGE_S:
+                candidates.append(path)
+    if not candidates:
+        return []
+    held = open_files()
+    return [p for p in candidates if str(p.resolve()) not in held and str(p) not in held]
+
+
+def remove_stale_locks(env: Mapping[str, str]) -> list[Path]:
+    """Remove the stale locks; returns the ones removed."""
+    removed = []
+    for path in stale_locks(env):
+        with contextlib.suppress(FileNotFoundError):
+            path.unlink()
+            removed.append(path)
+    return removed

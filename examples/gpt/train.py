@@ -242,7 +242,7 @@ def main(argv: list[str] | None = None) -> int:
                 break
         t_loop = time.perf_counter()
         if sync is not None:  # the round in flight, and a last one over the steps since the
-            flushed = sync.finish()  # last boundary: every cluster ends with the same model
+            flushed = sync.finish(agree=not stopping)  # every cluster ends with one model
             sync.checkpoint(step, final=True)
             if flushed is not None:  # the same on every rank
                 eval_loss = evaluate(engine, held_out, device)

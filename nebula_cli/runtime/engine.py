@@ -298,7 +298,7 @@ class EngineDriver:
         if self.sync is not None:
             try:
                 if alive or self.world_size == 1:
-                    stats = self.sync.finish()
+                    stats = self.sync.finish(agree=reason != "SIGTERM")
                 else:
                     error = "the process group was already gone: no final outer round"
             except NebulaError as exc:

@@ -253,11 +253,11 @@ class OuterSync:
             return None
         return self._merge(self._optimizer_steps() - self._last_round_step)
 
-    def finish(self) -> dict[str, Any] | None:
+    def finish(self, agree: bool = True) -> dict[str, Any] | None:
         """End of training, on every rank: apply the round in flight (overlap), then make one
         last round over the optimizer steps since the last boundary, so that every cluster
-        ends with the same theta_global (then the final state, see runtime.final). Returns
-        that round's stats (``final_round``), the flushed round's, or None (DiLoCo only)."""
+        ends with the same theta_global (then, with ``agree``, the final state: runtime.final;
+        not on SIGTERM). Returns that round's stats (``final_round``), the flushed round's."""
         self._check_open()
         if self.mode != "diloco" or self.dry_run:
             return None
@@ -266,8 +266,9 @@ class OuterSync:
         if steps > self._last_round_step:
             self._last_round_step = steps
             stats = {**self._sync_round(), "final_round": True}
-        return final_agreement(self._averager if self.rank == 0 else None, self._cluster,
-                               self._apply, lambda: self._io.write(self.theta_global), stats)
+        return stats if not agree else final_agreement(
+            self._averager if self.rank == 0 else None, self._cluster, self._apply,
+            lambda: self._io.write(self.theta_global), stats)
 
     def close(self) -> None:
         """Close the averager and join a round still in flight (bounded). Safe to call twice."""

@@ -35,6 +35,18 @@ def job_processes(job_id: str) -> list[int]:
     return found
 
 
+def shm_leftovers(job_dir: Path) -> list[Path]:
+    """DeepSpeed shared-memory buffers still there for the worlds of a job's worker agents."""
+    from nebula_cli.agent import leftovers
+    from nebula_cli.config.parts import AgentConfig
+
+    found: list[Path] = []
+    for path in job_dir.glob("*/*/worker/agent.json"):
+        for proc in AgentConfig.load(path).processes[:1]:
+            found += leftovers.shm_buffers(proc.env)
+    return found
+
+
 def kill_job_processes(job_id: str) -> list[int]:
     pids = job_processes(job_id)
     for pid in pids:

@@ -23,7 +23,7 @@ from typing import Any
 import pytest
 import torch
 import yaml
-from conftest import CLI, REPO, job_processes, wait_for
+from conftest import CLI, REPO, job_processes, shm_leftovers, wait_for
 from plan_defaults import default_checkpoint
 
 from nebula_cli.runtime import checkpoint as ck
@@ -407,3 +407,4 @@ def test_a_killed_worker_resumes_from_its_checkpoint_and_the_job_succeeds(
     shown = cli("status", job_id, check=True).stdout  # each cluster's newest checkpoint
     assert f"{STEPS} (resumed {resumed[0]})" in shown, shown
     assert job_processes(job_id) == []
+    assert shm_leftovers(cli.home / "jobs" / job_id) == []  # also the killed world's

@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from nebula_cli.agent.buildlocks import remove_stale_locks
+from nebula_cli.agent.leftovers import remove_shm_buffers, remove_stale_locks
 from nebula_cli.config.parts import AgentConfig
 from nebula_cli.errors import NebulaError
 
@@ -198,10 +198,10 @@ class Supervisor:
         self.procs = []
         self.pgid = None
         cwd = self.config.cwd or None
-        for spec in self.config.processes[:1]:  # the ranks of a host share one environment
-            for lock in remove_stale_locks({**os.environ, **spec.env}):
-                self.event("stale-lock", f"removed {lock}: a build killed before it ended "
-                           "left it, and every process needing that op would wait on it")
+        self.clear_leftovers()
+        for lock in remove_stale_locks(self.rank_env()):
+            self.event("stale-lock", f"removed {lock}: a build killed before it ended "
+                       "left it, and every process needing that op would wait on it")
         for spec in self.config.processes:
             log_path = self.dir / spec.log
             log_path.parent.mkdir(parents=True, exist_ok=True)
@@ -223,6 +223,16 @@ class Supervisor:
                   pids=[p.pid for p in self.procs], exit_code=None, exit_codes={})
         self.event("started", f"{len(self.procs)} process(es), pgid {self.pgid}")
 
+    def rank_env(self) -> dict[str, str]:
+        """The environment the ranks run with (all ranks of a host share the keys read)."""
+        first = self.config.processes[0].env if self.config.processes else {}
+        return {**os.environ, **first}
+
+    def clear_leftovers(self) -> None:
+        """DeepSpeed's shared-memory buffers of this host's world, once none of it is left."""
+        if not group_alive(self.pgid):
+            remove_shm_buffers(self.rank_env())
+
     def end_group(self, grace: float) -> None:
         """SIGTERM the group, wait up to `grace` for all of it to end (not only the shells the
         agent started: `sh -c` dies at once while the python under it still winds down), then
@@ -237,6 +247,7 @@ class Supervisor:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 proc.wait(timeout=10)
         sweep(self.dir)
+        self.clear_leftovers()
 
     def codes(self) -> dict[str, int | None]:
         ranks = [p.name for p in self.config.processes]
@@ -276,6 +287,7 @@ class Supervisor:
                           ended=time.time())
                 return 1
             if all(c == 0 for c in codes.values()):
+                self.clear_leftovers()
                 self.save(state="SUCCEEDED", exit_code=0, exit_codes=codes, ended=time.time())
                 self.event("succeeded", "all processes exited 0")
                 return 0
@@ -386,6 +398,10 @@ def stop_all(agent_dirs: list[Path], grace: float | None, force: bool) -> list[d
             os.kill(status["agent_pid"], signal.SIGKILL)
         signal_group(status.get("pgid"), signal.SIGKILL)
         killed = sweep(d)
+        with contextlib.suppress(NebulaError, OSError, ValueError):  # agent killed first
+            config = AgentConfig.load(d / "agent.json")
+            if config.processes and not group_alive(status.get("pgid")):
+                remove_shm_buffers({**os.environ, **config.processes[0].env})
         after = reconciled_status(d)
         if d.is_dir() and after.get("state") in (*ACTIVE, "LOST"):
             after.update(state="STOPPED", ended=after.get("ended") or time.time(),

@@ -1,5 +1,7 @@
-"""Stale build locks of PyTorch's JIT extension builds (DeepSpeed ops), found and removed.
+"""What killed DeepSpeed processes leave on a host, found and removed by the agent.
 
+Build locks
+-----------
 DeepSpeed compiles some ops (fused Adam, CPU Adam, the shared-memory comm op, ...) on first use
 with ``torch.utils.cpp_extension.load``, which serialises builders with a ``FileBaton``: a file
 ``<build dir>/lock`` created with O_EXCL, kept open while the build runs, removed at the end.
@@ -17,7 +19,17 @@ raced; another user's holders are not visible to us).
 Where torch puts build directories (``torch.utils.cpp_extension._get_build_directory``):
 ``$TORCH_EXTENSIONS_DIR/<op>/`` when set, else ``<user cache>/torch_extensions/<py>_<acc>/<op>/``
 with the user cache ``$XDG_CACHE_HOME`` or ``~/.cache``. Linux only (``/proc``); elsewhere
-nothing is judged stale. Standard library only, as the rest of the agent.
+nothing is judged stale.
+
+Shared-memory buffers
+---------------------
+On CPU, DeepSpeed's comm op maps one ``/dev/shm/deepspeed_allreduce_buffer_<uid>_<MASTER_ADDR>_
+<MASTER_PORT>_<rank>`` (about 70 MB) per rank when every rank of the world is on one host
+(``LOCAL_SIZE`` = world size) and never unlinks it: every run leaks them, and a restarted
+world on the same address and port would map the killed run's buffers. The agent removes its
+group's buffers once no process of the group is left, before a restart and at the end.
+
+Standard library only, as the rest of the agent.
 """
 
 from __future__ import annotations
@@ -30,6 +42,8 @@ from pathlib import Path
 
 MIN_AGE_S = 5.0
 LOCK_NAME = "lock"
+SHM_DIR = Path("/dev/shm")
+SHM_PREFIX = "deepspeed_allreduce_buffer"
 
 
 def lock_files(env: Mapping[str, str]) -> list[Path]:
@@ -78,6 +92,24 @@ def remove_stale_locks(env: Mapping[str, str]) -> list[Path]:
     """Remove the stale locks; returns the ones removed."""
     removed = []
     for path in stale_locks(env):
+        with contextlib.suppress(FileNotFoundError):
+            path.unlink()
+            removed.append(path)
+    return removed
+
+
+def shm_buffers(env: Mapping[str, str]) -> list[Path]:
+    """The DeepSpeed shared-memory buffers of the world whose ranks run with `env`."""
+    addr, port = env.get("MASTER_ADDR"), env.get("MASTER_PORT")
+    if not addr or not port or not SHM_DIR.is_dir():
+        return []
+    return sorted(SHM_DIR.glob(f"{SHM_PREFIX}_{os.getuid()}_{addr}_{port}_*"))
+
+
+def remove_shm_buffers(env: Mapping[str, str]) -> list[Path]:
+    """Remove them (call only when no process of that world is left); the ones removed."""
+    removed = []
+    for path in shm_buffers(env):
         with contextlib.suppress(FileNotFoundError):
             path.unlink()
             removed.append(path)

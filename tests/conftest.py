@@ -36,14 +36,18 @@ def job_processes(job_id: str) -> list[int]:
 
 
 def shm_leftovers(job_dir: Path) -> list[Path]:
-    """DeepSpeed shared-memory buffers still there for the worlds of a job's worker agents."""
+    """What of a job's worker worlds is still in /dev/shm: DeepSpeed's buffers, checkpoint
+    staging directories."""
     from nebula_cli.agent import leftovers
-    from nebula_cli.config.parts import AgentConfig
+    from nebula_cli.config.parts import SYNC_CONFIG_ENV, AgentConfig, SyncConfig
 
     found: list[Path] = []
     for path in job_dir.glob("*/*/worker/agent.json"):
         for proc in AgentConfig.load(path).processes[:1]:
             found += leftovers.shm_buffers(proc.env)
+            settings = SyncConfig.load(proc.env[SYNC_CONFIG_ENV]).checkpoint
+            if settings is not None and settings.staging_dir().exists():
+                found.append(settings.staging_dir())
     return found
 
 

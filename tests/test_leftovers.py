@@ -94,7 +94,7 @@ def test_the_shared_memory_buffers_of_a_world_go_with_it(tmp_path: Path) -> None
     world is gone (a restart and the end), and leaves other worlds' alone."""
     port = str(40000 + os.getpid() % 20000)
     env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port}
-    other = leftovers.SHM_DIR / f"{leftovers.SHM_PREFIX}_{os.getuid()}_127.0.0.1_{port}1_0"
+    other = leftovers.SHM / f"{leftovers.SHM_PREFIX}_{os.getuid()}_127.0.0.1_{port}1_0"
     mine = f"{leftovers.SHM_PREFIX}_{os.getuid()}_127.0.0.1_{port}_$MY_RANK"
     first_run = tmp_path / "first"  # rank 0 fails the first run: its world is restarted
     d = make_dir(tmp_path, f'test -e /dev/shm/{mine} && echo "still there"; '

@@ -27,7 +27,8 @@ On CPU, DeepSpeed's comm op maps one ``/dev/shm/deepspeed_allreduce_buffer_<uid>
 <MASTER_PORT>_<rank>`` (about 70 MB) per rank when every rank of the world is on one host
 (``LOCAL_SIZE`` = world size) and never unlinks it: every run leaks them, and a restarted
 world on the same address and port would map the killed run's buffers. The agent removes its
-group's buffers once no process of the group is left, before a restart and at the end.
+group's buffers once no process of the group is left, before a restart and at the end; with
+them the host's checkpoint staging directory in /dev/shm, which a killed save leaves full.
 
 Standard library only, as the rest of the agent.
 """
@@ -36,13 +37,16 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import time
 from collections.abc import Mapping
 from pathlib import Path
 
+from nebula_cli.config.parts import SHM, SYNC_CONFIG_ENV, SyncConfig
+from nebula_cli.errors import NebulaError
+
 MIN_AGE_S = 5.0
 LOCK_NAME = "lock"
-SHM_DIR = Path("/dev/shm")
 SHM_PREFIX = "deepspeed_allreduce_buffer"
 
 
@@ -101,9 +105,9 @@ def remove_stale_locks(env: Mapping[str, str]) -> list[Path]:
 def shm_buffers(env: Mapping[str, str]) -> list[Path]:
     """The DeepSpeed shared-memory buffers of the world whose ranks run with `env`."""
     addr, port = env.get("MASTER_ADDR"), env.get("MASTER_PORT")
-    if not addr or not port or not SHM_DIR.is_dir():
+    if not addr or not port or not SHM.is_dir():
         return []
-    return sorted(SHM_DIR.glob(f"{SHM_PREFIX}_{os.getuid()}_{addr}_{port}_*"))
+    return sorted(SHM.glob(f"{SHM_PREFIX}_{os.getuid()}_{addr}_{port}_*"))
 
 
 def remove_shm_buffers(env: Mapping[str, str]) -> list[Path]:
@@ -114,3 +118,19 @@ def remove_shm_buffers(env: Mapping[str, str]) -> list[Path]:
             path.unlink()
             removed.append(path)
     return removed
+
+
+def remove_checkpoint_staging(env: Mapping[str, str]) -> bool:
+    """Remove the host's checkpoint staging directory in /dev/shm (call only when no process
+    of the world is left); whether there was one."""
+    path = env.get(SYNC_CONFIG_ENV)
+    if not path:
+        return False
+    try:
+        settings = SyncConfig.load(path).checkpoint
+    except (NebulaError, OSError, ValueError):
+        return False
+    if settings is None or not settings.staging_dir().exists():
+        return False
+    shutil.rmtree(settings.staging_dir(), ignore_errors=True)
+    return True

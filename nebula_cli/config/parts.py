@@ -8,6 +8,7 @@ Each part is written next to its process with mode 0600; the environment only sa
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -16,6 +17,8 @@ from nebula_cli.config.relay_config import TlsFiles
 
 SYNC_CONFIG_ENV = "NEBULA_SYNC_CONFIG"
 """The environment variable that names a worker's sync.json."""
+SHM = Path("/dev/shm")
+"""Host memory as a filesystem: checkpoints are staged there (and DeepSpeed's comm buffers)."""
 
 
 @dataclass(frozen=True)
@@ -65,6 +68,11 @@ class CheckpointSettings:
     """Optimizer steps between checkpoints; None: only the final one (end or graceful stop)."""
     keep: int
     """Complete checkpoints kept on the host."""
+
+    def staging_dir(self) -> Path:
+        """Where this host's checkpoints are staged in memory before they are published; the
+        agent removes it when the host's world has ended."""
+        return SHM / f"nebula-ckpt-{hashlib.sha256(self.dir.encode()).hexdigest()[:16]}"
 
 
 @dataclass(frozen=True)

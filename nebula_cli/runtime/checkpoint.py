@@ -38,7 +38,6 @@ another did can leave no tag common to every host: the cluster then starts from 
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 import os
 import shutil
@@ -51,17 +50,16 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from nebula_cli.config.parts import CheckpointSettings
+from nebula_cli.config.parts import SHM, CheckpointSettings
 from nebula_cli.runtime.metrics import emit
 from nebula_cli.runtime.outer import SyncError
+from nebula_cli.runtime.settle import keep
 
 MARKER = "COMPLETE"
 """Written last into a checkpoint: a tag without it is never loaded."""
 OUTER_FILE = "nebula_outer.pt"
 LATEST = "latest"
 TAG_PREFIX = "step"
-SHM = Path("/dev/shm")
-"""Host memory: where DeepSpeed's part is staged when there is room."""
 SHM_HEADROOM = 2.0
 """Staging in /dev/shm needs this many times the estimated checkpoint size free."""
 BYTES_PER_PARAM = 16
@@ -189,8 +187,7 @@ class Checkpointer:
         if not isinstance(local, int) or local < 0:
             local = int(os.environ.get("LOCAL_RANK") or 0)
         self.writer = local == 0  # writes this host's checkpoint files
-        digest = hashlib.sha256(str(self.dir).encode()).hexdigest()[:16]
-        self.shm_root = SHM / f"nebula-ckpt-{digest}"
+        self.shm_root = settings.staging_dir()
         self.last_step: int | None = None  # the newest step saved (or loaded) by this process
         self.resumed_from: int | None = None
         self.outer_state: dict[str, Any] | None = None  # loaded, not yet given to the OuterSync
@@ -252,6 +249,8 @@ class Checkpointer:
     def close(self) -> None:
         """Wait for the last checkpoint to be on disk. Safe to call twice."""
         self.wait()
+        with contextlib.suppress(OSError):
+            self.shm_root.rmdir()  # empty by now, unless another rank of the host stages
 
     def _prepare(self, step: int) -> tuple[str | None, bool]:
         """On this host's writer: whether the directory is writable (None, else why not), and
@@ -359,7 +358,7 @@ class Checkpointer:
         """Each value's minimum over the ranks (one all-reduce)."""
         t = torch.tensor(values, dtype=torch.int64)
         if self.world_size > 1:
-            dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.group)
+            dist.all_reduce(keep(t), op=dist.ReduceOp.MIN, group=self.group)
         return [int(v) for v in t.tolist()]
 
 

@@ -12,6 +12,7 @@ import torch.distributed as dist
 
 from nebula_cli.errors import NebulaError
 from nebula_cli.runtime.outer import SyncError
+from nebula_cli.runtime.settle import keep
 
 
 class AveragedRound(Protocol):
@@ -131,5 +132,5 @@ class ClusterShare:
 
     def broadcast(self, tensor: torch.Tensor) -> None:
         if self.world_size > 1:
-            dist.broadcast(tensor, src=0, group=self.group)
+            dist.broadcast(keep(tensor), src=0, group=self.group)
 

@@ -51,6 +51,7 @@ from nebula_cli.errors import NebulaError
 from nebula_cli.runtime import metrics, settings
 from nebula_cli.runtime.explicit import outer_sync_of
 from nebula_cli.runtime.params import zero_stage
+from nebula_cli.runtime.settle import keep, settle
 
 LOG_EVERY = 10
 """Optimizer steps between the hook's metric records (step 1 and rounds are always recorded)."""
@@ -252,7 +253,7 @@ class EngineDriver:
         t = torch.tensor([float(self.stop_requested), float(self._loss), float(self._micro)],
                          dtype=torch.float64)
         if self.world_size > 1:
-            dist.all_reduce(t, group=self._group)
+            dist.all_reduce(keep(t), group=self._group)
         self._loss = torch.zeros((), dtype=torch.float64)
         self._micro = 0
         self._window[0] += t[1].item()
@@ -318,6 +319,7 @@ class EngineDriver:
                 self.last_loss = total / count
                 self.first_loss = self.last_loss if self.first_loss is None else self.first_loss
         checksum = param_checksum(self.engine)
+        settle()  # before the interpreter may finalize: see runtime.settle
         if not self.writes():
             return
         if stats and self.rank == 0:

@@ -34,6 +34,7 @@ from nebula_cli.runtime.metrics import emit as log_metrics
 from nebula_cli.runtime.outer import OuterOptimizer, SyncError
 from nebula_cli.runtime.params import ParamIO, full_shape, make_io, zero_stage
 from nebula_cli.runtime.settings import LAYOUT_BYTES, plan_config, sync_layout, wanted
+from nebula_cli.runtime.settle import settle
 
 MODES = ("diloco", "gradient")
 __all__ = [
@@ -254,9 +255,8 @@ class OuterSync:
         return self._merge(self._optimizer_steps() - self._last_round_step)
 
     def finish(self, agree: bool = True) -> dict[str, Any] | None:
-        """End of training, on every rank: apply the round in flight (overlap), then make one
-        last round over the optimizer steps since the last boundary, so that every cluster
-        ends with the same theta_global (then, with ``agree``, the final state: runtime.final;
+        """End of training, on every rank: apply the round in flight, then a last round over
+        the steps since the last boundary (then, with ``agree``, the final state: runtime.final;
         not on SIGTERM). Returns that round's stats (``final_round``), the flushed round's."""
         self._check_open()
         if self.mode != "diloco" or self.dry_run:
@@ -271,17 +271,17 @@ class OuterSync:
             lambda: self._io.write(self.theta_global), stats)
 
     def close(self) -> None:
-        """Close the averager and join a round still in flight (bounded). Safe to call twice."""
+        """Close the averager and join a round still in flight (bounded); wait for the
+        cluster's last collectives to be released (runtime.settle). Safe to call twice."""
         if self._closed:
             return
         self._closed = True
         if self._thread is not None:
             self._thread.join(timeout=min(self.round_timeout, 30.0))
-            self._thread = None
-        if self.checkpointer is not None:
-            self.checkpointer.close()
-        if self._averager is not None:
-            self._averager.close()
+        for part in (self.checkpointer, self._averager):
+            if part is not None:
+                part.close()
+        settle()
 
     def __enter__(self) -> OuterSync:
         return self

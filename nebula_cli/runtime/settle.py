@@ -1,0 +1,50 @@
+"""Collective tensors kept alive until the backend's threads have let go of them.
+
+A gloo collective runs on one of the process group's C++ worker threads; the work object,
+which holds the tensors, is released by that thread just after the caller's wait returns. When
+the caller has already dropped its tensor, that release frees the tensor's Python object and so
+takes the GIL. If the interpreter is finalizing by then (the script returned right after
+training), the thread is torn down inside C++ code and the process aborts ("terminate called
+without an active exception", exit 134) although training ended well. The NCCL watchdog
+releases its work the same way. Seen on a restarted two-rank cluster under CPU contention.
+
+So nebula's own collectives register their tensors with :func:`keep`, and the end of training
+calls :func:`settle`: it waits (bounded) until only Python holds each tensor, then drops them,
+in the main thread, with the GIL. ``Tensor._use_count()`` is the tensor's C++ reference count.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+SETTLE_S = 10.0
+_TRIM_AT = 64
+
+_kept: list[torch.Tensor] = []
+
+
+def _released(t: torch.Tensor) -> bool:
+    return t._use_count() <= 1
+
+
+def keep(tensor: torch.Tensor) -> torch.Tensor:
+    """Hold `tensor` (just given to a collective) until settle(); returns it."""
+    global _kept
+    _kept.append(tensor)
+    if len(_kept) > _TRIM_AT:  # the released ones go now, in this thread
+        _kept = [t for t in _kept if not _released(t)]
+    return tensor
+
+
+def settle(timeout: float = SETTLE_S) -> bool:
+    """Wait until the backend released every kept tensor, then drop them all. False when some
+    were still held after `timeout` (they are dropped anyway)."""
+    global _kept
+    deadline = time.monotonic() + timeout
+    while any(not _released(t) for t in _kept) and time.monotonic() < deadline:
+        time.sleep(0.001)
+    done = all(_released(t) for t in _kept)
+    _kept = []
+    return done

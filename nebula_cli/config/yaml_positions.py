@@ -186,12 +186,15 @@ class _Builder:
         return node.value if node.tag == _VALUE_TAG else self._scalar(node)
 
 
-def _scan(text: str) -> None:
+def _scan(text: str, loader: type = _FAST_LOADER) -> None:
     """Refuse a document nested deeper than MAX_DEPTH or with more than MAX_VALUES nodes before
-    anything recursive reads it. Syntax errors are left to the composer, which words them."""
+    anything recursive reads it. Syntax errors are left to the composer, which words them.
+    libyaml's scanner stops at nesting limits of its own (1000 levels, looking ahead before
+    any event), so an error of the fast parser is scanned again by the pure-Python one, which
+    reaches ours first."""
     depth = count = 0
     try:
-        for event in yaml.parse(text, Loader=_FAST_LOADER):
+        for event in yaml.parse(text, Loader=loader):
             if isinstance(event, NodeEvent):
                 count += 1
                 if count > MAX_VALUES:
@@ -207,7 +210,8 @@ def _scan(text: str) -> None:
     except LimitExceeded:
         raise
     except yaml.YAMLError:
-        return
+        if loader is not yaml.SafeLoader:
+            _scan(text, yaml.SafeLoader)
 
 
 def load_located(text: str) -> Located:

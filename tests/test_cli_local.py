@@ -286,3 +286,22 @@ def test_killing_the_launching_terminal_changes_nothing_for_the_job(
     assert status_json(cli, job_id)["state"] == "RUNNING"
     cli("stop", job_id, "--grace", "1", check=True)
     assert status_json(cli, job_id)["state"] == "STOPPED" and job_processes(job_id) == []
+
+
+def test_a_host_missing_deepspeed_is_named_before_anything_starts(cli: CLI,
+                                                                  tmp_path: Path) -> None:
+    """launchers/bootstrap.sh, after setup: an interpreter that finds nebula but not torch."""
+    bare = tmp_path / "bare-python"  # no site-packages: torch and deepspeed are not found
+    bare.write_text(f'#!/bin/sh\nPYTHONPATH="{Path(__file__).resolve().parent.parent}" '
+                    f'exec "{sys.executable}" -S "$@"\n')
+    bare.chmod(0o755)
+    body = HELLO.format(ticks=600, every=0.5).replace(
+        "    transport: local\n", f"    transport: local\n    python: {bare}\n", 1)
+    (tmp_path / "ds.json").write_text('{"train_micro_batch_size_per_gpu": 1}')
+    proc = cli("launch", str(write_spec(tmp_path, body + "deepspeed: ds.json\n")), "--detach")
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr
+    assert f"east/e1: torch is not installed for '{bare}'" in proc.stderr
+    assert "pip install torch" in proc.stderr
+    (job_id,) = cli.job_ids()
+    assert status_json(cli, job_id)["state"] == "FAILED"
+    assert job_processes(job_id) == []

@@ -221,3 +221,40 @@ def test_checkpoint_settings_come_from_the_spec_one_directory_per_host(tmp_path:
             assert ck.dir == want
             seen.add(ck.dir)
         assert len(seen) == 2  # east's host and west's host never share a directory
+
+
+def test_hosts_of_multi_host_worlds_are_asked_for_the_interface_to_a_peer() -> None:
+    """A world of two hosts or more, with no `interface:` in the spec: each host routes to the
+    master (the master to the next host), and its ranks get what it found."""
+    spec = parse_spec("""
+name: routes
+run: python train.py
+relay: {}
+clusters:
+  - {name: east, transport: ssh, hosts: [e1, e2, e3]}
+  - {name: west, transport: ssh, hosts: [w1]}
+  - {name: north, transport: ssh, interface: eth7, hosts: [n1, n2]}
+  - {name: south, transport: ssh, hosts: [s1, {host: s2, interface: eth9}]}
+""", base_dir=Path(__file__).parent)
+    plan = _plan(spec)
+    sites = {jobplan.site_key(c, h): jobplan.Site(
+        conn={}, home="/h", address=f"{h.host}.example", bind="0.0.0.0", python="python3",
+        shares_files=False) for c in spec.clusters for h in c.hosts}
+    assert jobplan.route_targets(spec, sites) == {
+        "east/e1": "e2.example", "east/e2": "e1.example", "east/e3": "e1.example",
+        "south/s1": "s2.example"}
+    routed = {k: dataclasses.replace(s, interface="ens5") if k.startswith("east/") else s
+              for k, s in sites.items()}
+    ports = jobplan.Ports(masters={c.name: 29500 for c in spec.clusters},
+                          relays={c.name: (29400, 29401) for c in spec.clusters})
+    certs = jobplan.Certs(ca=b"CA", relays={c.name: (b"c", b"k") for c in spec.clusters},
+                          workers={k: (b"c", b"k") for k in sites})
+    env = {f"{a.cluster}/{a.host}": a.config.processes[0].env for a in jobplan.build_plan(
+        spec, "job-1", sites=routed, ports=ports, certs=certs).role(jobplan.WORKER)}
+    unrouted = {f"{a.cluster}/{a.host}": a.config.processes[0].env
+                for a in plan.role(jobplan.WORKER)}
+    for key, ifname in (("east/e1", "ens5"), ("east/e3", "ens5"), ("north/n2", "eth7"),
+                        ("south/s2", "eth9")):
+        assert env[key]["GLOO_SOCKET_IFNAME"] == env[key]["NCCL_SOCKET_IFNAME"] == ifname
+    assert "GLOO_SOCKET_IFNAME" not in env["west/w1"]  # one host: loopback does
+    assert "GLOO_SOCKET_IFNAME" not in unrouted["east/e1"]

@@ -38,9 +38,8 @@ def ssh_spec(tmp_path: Path, bed: TestBed, *, clusters: dict[str, list[str]], ru
     spec: dict[str, Any] = {
         "name": name, "workdir": str(workdir or tmp_path), "run": run,
         "env": {"OMP_NUM_THREADS": "1"},
-        "clusters": [
+        "clusters": [  # no `interface:`: each host finds the one that reaches its peers
             {"name": c, "transport": "ssh", "python": sys.executable,
-             "interface": bed.interface(hosts[0].removesuffix("-jump")),
              "hosts": [{"host": h} for h in hosts]}
             for c, hosts in clusters.items()
         ],
@@ -80,6 +79,9 @@ def test_quickstart_model_over_ssh(ssh_cli: CLI, bed_clean: TestBed, tmp_path: P
     assert {(r["cluster"], r["host"]) for r in finals} == {
         ("east", "e1"), ("east", "e2"), ("west", "w1"), ("west", "w2")}
     assert len({r["param_sha256"] for r in finals}) == 1
+    for path in (REMOTE_JOBS / job_id).glob("*/*/worker/agent.json"):  # found, not given
+        env = json.loads(path.read_text())["processes"][0]["env"]
+        assert env["GLOO_SOCKET_IFNAME"] == bed_clean.interface(env["NEBULA_HOST"]), path
     rounds = [r for r in records(job_id) if r.get("outer_round") is not None]
     assert rounds and all(r["clusters_present"] == 2 for r in rounds)
     assert all(r["wan_bytes_sent"] > 100_000 for r in rounds)
@@ -147,6 +149,14 @@ def test_validate_hosts_reports_versions(ssh_cli: CLI, bed_clean: TestBed,
     proc = ssh_cli("validate", str(spec), "--hosts", check=True)
     assert version("torch") in proc.stdout and version("deepspeed") in proc.stdout
     assert "all 3 hosts ready" in proc.stdout
+    rows = {}  # host -> the row's cells (rich draws │ between them)
+    for line in proc.stdout.splitlines():
+        cells = [c for c in line.replace("│", " ").split() if c]
+        if cells[:1] in (["east"], ["west"]):
+            rows[cells[1]] = cells
+    assert rows["e1"][-1] == bed_clean.interface("e1") and rows["e2"][-1] == bed_clean.interface(
+        "e2")  # found, not given: the hosts' names resolve to loopback
+    assert rows["w1-jump"][-1] == "-"  # one host: loopback, nothing to choose
 
 
 def test_stopped_sshd_fails_the_launch_cleanly(ssh_cli: CLI, bed_clean: TestBed,

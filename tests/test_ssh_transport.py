@@ -99,7 +99,7 @@ class Sshd:
         self.proc.wait(timeout=10)
 
 
-def start_sshd(directory: Path, name: str, authorized: Path) -> Sshd:
+def start_sshd(directory: Path, name: str, authorized: Path, sftp: bool = True) -> Sshd:
     host_key = keygen(directory / f"{name}_host_ed25519")
     port = free_port()
     config = directory / f"{name}_sshd_config"
@@ -108,7 +108,8 @@ def start_sshd(directory: Path, name: str, authorized: Path) -> Sshd:
         f"PidFile {directory / f'{name}.pid'}\nAuthorizedKeysFile {authorized}\n"
         "StrictModes no\nUsePAM no\nPasswordAuthentication no\n"
         "KbdInteractiveAuthentication no\nPermitRootLogin prohibit-password\n"
-        "Subsystem sftp internal-sftp\nAllowTcpForwarding yes\nLogLevel INFO\n"
+        + ("Subsystem sftp internal-sftp\n" if sftp else "")  # hardened sites drop it
+        + "AllowTcpForwarding yes\nLogLevel INFO\n"
         "MaxStartups 50\n")
     log = directory / f"{name}.log"
     with log.open("wb") as out:
@@ -134,6 +135,7 @@ class Bed:
     known_hosts: Path
     no_config: Path
     remote_dir: str  # "~/.nebula-test-<random>"
+    nosftp: Sshd  # an sshd without the SFTP subsystem
 
     def transport(self, **kw: object) -> SSHTransport:
         args: dict[str, object] = dict(
@@ -158,10 +160,11 @@ def bed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Bed]:
     try:
         servers.append(start_sshd(directory, "target", authorized))
         servers.append(start_sshd(directory, "jump", authorized))
+        servers.append(start_sshd(directory, "nosftp", authorized, sftp=False))
         known = directory / "known_hosts"
-        known.write_text(servers[0].known_line() + servers[1].known_line())
+        known.write_text("".join(s.known_line() for s in servers))
         yield Bed(directory, user_key, wrong_key, servers[0], servers[1], known,
-                  directory / "no_ssh_config", f"~/{name}")
+                  directory / "no_ssh_config", f"~/{name}", servers[2])
     finally:
         for server in servers:
             server.stop()
@@ -504,3 +507,13 @@ def test_alias_with_proxyjump_over_real_sshd(bed: Bed, tmp_path: Path) -> None:
     # The jump host cannot reach the target.
     with pytest.raises(UnreachableError, match="cannot reach 127.0.0.1:"):
         bed.transport(port=free_port(), jump=f"root@127.0.0.1:{bed.jump.port}").run(["true"])
+
+
+def test_a_host_without_sftp_is_served_over_exec_channels_with_a_note(
+        bed: Bed, caplog: pytest.LogCaptureFixture) -> None:
+    remote = f"{bed.remote_dir}/nosftp"
+    with bed.transport(port=bed.nosftp.port) as t:
+        t.put_bytes(b"\x00\xffbinary\n", f"{remote}/f.bin", mode=0o600)
+        assert t.read_file(f"{remote}/f.bin") == b"\x00\xffbinary\n"
+        assert t.home.startswith("/")  # the remote home, found without SFTP
+    assert "no SFTP subsystem" in caplog.text and "exec channels" in caplog.text

@@ -1,6 +1,7 @@
 """The Transport contract, run against both transports: LocalTransport, and SSHTransport against
-a real sshd on 127.0.0.1 (test_ssh_transport's bed). Whatever differs between "a process here"
-and "a process on that host" is a method of the interface, and this test holds both to it."""
+a real sshd on 127.0.0.1 (test_ssh_transport's bed), with SFTP and without (hardened login
+nodes: files then go over exec channels). Whatever differs between "a process here" and "a
+process on that host" is a method of the interface, and this test holds both to it."""
 
 from __future__ import annotations
 
@@ -20,14 +21,16 @@ from nebula_cli.transport import LocalTransport, Transport
 SECRET = f"s3cret-{uuid.uuid4().hex}"
 
 
-@pytest.fixture(params=["local", "ssh"])
+@pytest.fixture(params=["local", "ssh", "ssh-without-sftp"])
 def transport(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Transport]:
     if request.param == "local":
         t: Transport = LocalTransport("here", home=str(tmp_path / "home"))
     else:
         if os.geteuid() != 0 or not os.path.exists(SSHD):
             pytest.skip("needs root and openssh-server for a test sshd")
-        t = request.getfixturevalue("bed").transport()
+        bed = request.getfixturevalue("bed")
+        t = bed.transport(port=bed.nosftp.port) if "without" in request.param \
+            else bed.transport()
     with t:
         yield t
 
@@ -142,3 +145,27 @@ def test_shared_files_mean_nothing_to_upload(transport: Transport, tmp_path: Pat
             probe.bind(("127.0.0.1", port))
     else:
         assert transport.listen_port(29400) == 29400  # a fixed port a firewall can allow
+
+
+def test_route_interface_names_the_interface_that_reaches_an_address(
+        transport: Transport) -> None:
+    from nebula_cli.transport.routes import ROUTE_PY, parse_route
+
+    assert transport.route_interface("127.0.0.1") == "lo"  # a peer on this machine
+    python = transport.run([transport.python, "-c", "import sys; print(sys.executable)"]
+                           ).stdout.strip()
+    bare = transport.run([python, "-c", ROUTE_PY, "127.0.0.1"],
+                         env={"PATH": "/nonexistent"})  # no iproute2: the kernel's source
+    assert '"source": "127.0.0.1"' in bare.stdout
+    assert parse_route(bare.stdout, transport.name, "127.0.0.1") == "lo"
+
+
+def test_route_output_without_an_interface_is_an_error_naming_the_host() -> None:
+    from nebula_cli.errors import TransportError
+    from nebula_cli.transport.routes import parse_route
+
+    with pytest.raises(TransportError, match="cannot tell which interface reaches 10.9.8.7: "
+                       "no route to 10.9.8.7") as err:
+        parse_route('{"interface": null, "error": "no route to 10.9.8.7"}\n', "gpu3", "10.9.8.7")
+    assert "gpu3" in str(err.value) and "interface:" in str(err.value)
+    assert parse_route('{"interface": "ens5", "source": "10.0.0.2"}', "gpu3", "10.0.0.9") == "ens5"

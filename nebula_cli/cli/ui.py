@@ -255,14 +255,15 @@ def host_checks_table(checks: list[HostCheck]) -> Table:
     colors = cluster_colors(dict.fromkeys(c.cluster for c in checks))
     table = Table(title="hosts", title_justify="left", show_edge=False)
     for col in ("cluster", "host", "reachable", "python", "torch", "deepspeed", "free disk",
-                "slots", "problems"):
+                "slots", "interface", "problems"):
         table.add_column(col)
     for c in checks:
         table.add_row(
             Text(c.cluster, style=colors.get(c.cluster, "")), c.host,
             Text("yes", style="green") if c.reachable else Text("no", style="red"),
             c.python or "-", c.torch or "-", c.deepspeed or "-", human_bytes(c.free_bytes),
-            str(c.slots), Text("; ".join(c.problems), style="red") if c.problems else "",
+            str(c.slots), c.interface or "-",
+            Text("; ".join(c.problems), style="red") if c.problems else "",
         )
     return table
 

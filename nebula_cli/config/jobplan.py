@@ -59,6 +59,9 @@ class Site:
     """The interpreter processes run under."""
     shares_files: bool
     """The host sees this machine's files at the same paths: the workdir is used in place."""
+    interface: str | None = None
+    """The interface the host reaches the rest of its DeepSpeed world through (asked of hosts
+    of multi-host worlds whose spec names none: see `route_targets`); GLOO/NCCL_SOCKET_IFNAME."""
 
 
 @dataclass(frozen=True)
@@ -181,6 +184,29 @@ def rendezvous_hosts(spec: JobSpec) -> dict[str, tuple[ClusterSpec, HostSpec]]:
     raise AssertionError(f"device {first} of the layout is not in the spec")  # spec checked it
 
 
+def route_targets(spec: JobSpec, sites: dict[str, Site]) -> dict[str, str]:
+    """site key -> the peer address whose route names the host's interface: the world's master
+    (for the master, the next host of the world). Only hosts of worlds of two or more hosts
+    whose spec names no interface (one host talks to itself over loopback)."""
+    members: dict[str, list[str]] = {}
+    named = set()
+    for cluster in spec.clusters:
+        for host in cluster.hosts:
+            members.setdefault(world_of(spec, cluster), []).append(site_key(cluster, host))
+            if host.interface or cluster.interface:
+                named.add(site_key(cluster, host))
+    targets = {}
+    for world, (c, h) in rendezvous_hosts(spec).items():
+        keys = members.get(world, [])
+        master = site_key(c, h)
+        others = [k for k in keys if k != master]
+        for key in keys:
+            if key not in named and others:
+                peer = master if key != master else others[0]
+                targets[key] = sites[peer].address
+    return targets
+
+
 def _conn(site: Site, job_root: str) -> dict[str, Any]:
     """The site's connection, with where nebula_cli lives when it is uploaded."""
     if site.shares_files:
@@ -256,7 +282,7 @@ def _worker_agents(spec: JobSpec, job_id: str, sites: dict[str, Site], ports: Po
             cwd = spec.workdir if site.shares_files else posixpath.join(job_root, "work")
             env = {**spec.env, **cluster.env, **base_env(site, job_root)}
             env.update(_world_env(spec, job_id, ci, node_rank, ports.masters[world],
-                                  masters[world]))
+                                  masters[world], site.interface))
             if layout is not None:
                 env.update(pipeline_env(spec, layout.world_size, layout.num_stages),
                            CROSS_RANK=str(host_index))
@@ -305,7 +331,7 @@ def _worker_agents(spec: JobSpec, job_id: str, sites: dict[str, Site], ports: Po
 
 
 def _world_env(spec: JobSpec, job_id: str, cluster_index: int, node_rank: int,
-               master_port: int, master_addr: str) -> dict[str, str]:
+               master_port: int, master_addr: str, routed: str | None) -> dict[str, str]:
     """The variables every rank of one host shares (rank-specific ones excluded)."""
     cluster = spec.clusters[cluster_index]
     host = cluster.hosts[node_rank]
@@ -324,7 +350,7 @@ def _world_env(spec: JobSpec, job_id: str, cluster_index: int, node_rank: int,
         "MASTER_ADDR": master_addr,
         "MASTER_PORT": str(master_port),
     }
-    interface = host.interface or cluster.interface
+    interface = host.interface or cluster.interface or routed
     if interface:
         env["GLOO_SOCKET_IFNAME"] = interface
         env["NCCL_SOCKET_IFNAME"] = interface

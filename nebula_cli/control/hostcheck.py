@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
+from nebula_cli.control.launchers import launcher
 from nebula_cli.errors import NebulaError, TransportError
 from nebula_cli.transport import Transport
 
@@ -54,6 +55,9 @@ class HostCheck:
     error: str | None = None
     interpreter: str = "python"
     """The interpreter that was asked (the cluster's `python:`)."""
+    interface: str | None = None
+    """GLOO/NCCL_SOCKET_IFNAME its ranks get: the spec's, or the one found toward its world's
+    peers (None: a one-host world, loopback)."""
 
     @property
     def problems(self) -> list[str]:
@@ -102,9 +106,6 @@ def check_host(t: Transport, cluster: str, host: str, slots: int) -> HostCheck:
     return check
 
 
-VERSION_PY = "import sys; print('.'.join(str(n) for n in sys.version_info[:3]))"
-
-
 def _parse_version(text: str) -> tuple[int, ...] | None:
     try:
         return tuple(int(part) for part in text.strip().split(".")[:2])
@@ -125,24 +126,23 @@ def too_old(version: str, python: str = "python") -> str | None:
 
 
 def require_python(t: Transport, cluster: str, host: str) -> None:
-    """Refuse a host whose interpreter (`t.python`) is older than MIN_PYTHON.
+    """Refuse a host whose interpreter (`t.python`) is missing or older than MIN_PYTHON
+    (`launchers/bootstrap.sh`). Raises TransportError naming the cluster/host, the version
+    found and what to install."""
+    bootstrap(t, f"{cluster}/{host}")
 
-    Raises TransportError naming the cluster/host, the version found and what to install."""
-    where = f"{cluster}/{host}"
-    missing = (f"python '{t.python}' not found; install Python >= "
-               f"{'.'.join(map(str, MIN_PYTHON))} and set the cluster's `python:` to it")
-    try:
-        result = t.run([t.python, "-c", VERSION_PY], timeout=60)
-    except TransportError as exc:
-        if isinstance(exc.__cause__, FileNotFoundError):  # local: no such program
-            raise TransportError(missing, host=where) from exc
-        raise TransportError(f"cannot run python '{t.python}': {exc.message}",
-                             host=where) from exc
-    if result.exit_code == 127:
-        raise TransportError(missing, host=where)
-    version = result.stdout.strip().splitlines()[-1] if result.stdout.strip() else ""
-    if not result.ok or _parse_version(version) is None:
-        raise TransportError(f"cannot tell the version of python '{t.python}': {result}",
-                             host=where)
-    if (problem := too_old(version, f"'{t.python}'")) is not None:
-        raise TransportError(problem, host=where)
+
+def bootstrap(t: Transport, where: str, modules: tuple[str, ...] = (),
+              env: dict[str, str] | None = None) -> str:
+    """Run `launchers/bootstrap.sh` on the host (the interpreter, then `modules` findable
+    under `env`); the Python version found, or TransportError with the script's one line."""
+    need = ".".join(map(str, MIN_PYTHON))
+    result = t.run(["sh", "-s", "--", where, t.python, need, *modules], env=env,
+                   stdin=launcher("bootstrap.sh"), timeout=60)
+    lines = result.stdout.strip().splitlines()
+    if result.ok and lines and lines[-1].startswith("ok "):
+        return lines[-1].removeprefix("ok ")
+    said = result.stderr.strip().splitlines()
+    if result.exit_code == 3 and said:
+        raise TransportError(said[-1].removeprefix(f"nebula: {where}: "), host=where)
+    raise TransportError(f"cannot check the host: {result}", host=where)

@@ -7,6 +7,7 @@ transport); it never signals a worker itself. Status, stop and logs live in `job
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import datetime as dt
 import json
 import posixpath
@@ -23,7 +24,7 @@ from nebula_cli.config import jobplan, strict
 from nebula_cli.config.jobplan import AgentPlan, JobPlan
 from nebula_cli.config.spec import ClusterSpec, HostSpec, JobSpec, spec_of_record
 from nebula_cli.control.fanout import GroupError, fanout
-from nebula_cli.control.hostcheck import HostCheck, check_host, require_python
+from nebula_cli.control.hostcheck import HostCheck, bootstrap, check_host, require_python
 from nebula_cli.control.jobs import JobOps, JobSnapshot, StopReport, job_state
 from nebula_cli.control.state import END_STATES, HostRecord, JobRecord
 from nebula_cli.errors import LaunchError, NebulaError, TransportError, UsageError
@@ -202,6 +203,15 @@ class Orchestrator(JobOps):
 
         return fanout(list(entries), site, timeout=AGENT_TIMEOUT, cancel=self.abort)
 
+    def routes(self, spec: JobSpec, sites: dict[str, jobplan.Site]) -> dict[str, jobplan.Site]:
+        """The sites, with the interface each host of a multi-host world reaches its peers
+        through where the spec names none (asked of the hosts: `Transport.route_interface`)."""
+        targets = jobplan.route_targets(spec, sites)
+        found = fanout(list(targets), lambda k: self.transport(sites[k].conn).route_interface(
+            targets[k]), timeout=AGENT_TIMEOUT, cancel=self.abort) if targets else {}
+        return {k: dataclasses.replace(s, interface=found[k]) if k in found else s
+                for k, s in sites.items()}
+
     def ports(self, spec: JobSpec, sites: dict[str, jobplan.Site]) -> jobplan.Ports:
         """Rendezvous ports of every DeepSpeed world and the relays' ports, from the hosts."""
         def port(c: ClusterSpec, h: HostSpec, preferred: int | None) -> int:
@@ -219,7 +229,7 @@ class Orchestrator(JobOps):
     def plan(self, spec: JobSpec, job_id: str, *, renew: bool = False) -> JobPlan:
         """The job's plan: what the hosts report, the job's certificates (issued, or with
         ``renew`` re-issued from the job's CA key when it has one), then `build_plan`."""
-        sites = self.sites(spec)
+        sites = self.routes(spec, self.sites(spec))
         ports = self.ports(spec, sites)
         certs = None
         if spec.relay is not None:
@@ -239,7 +249,7 @@ class Orchestrator(JobOps):
     def _provision_host(self, spec: JobSpec, agent: AgentPlan, progress: Progress,
                         transfer: Transfer | None = None) -> None:
         """Once per host: job dir, nebula_cli and the workdir uploaded (where the host does not
-        share our files), the DeepSpeed config, setup."""
+        share our files), the DeepSpeed config, setup, then `launchers/bootstrap.sh`."""
         t = self.transport(agent.conn)
         t.makedirs(agent.job_root, mode=0o700)
         where = f"{agent.cluster}/{agent.host}"
@@ -271,6 +281,10 @@ class Orchestrator(JobOps):
                            on_output=lambda line: progress(f"{where} setup | {line}"))
             if not result.ok:
                 raise TransportError(f"setup failed: {result}", host=agent.host)
+        # what the processes will import, found (after setup, which may install it)
+        needs = ("nebula_cli.agent", *(("torch", "deepspeed") if spec.deepspeed else ()))
+        bootstrap(t, where, needs, env=jobplan.without_runtime_hook(
+            agent.config.processes[0].env))
 
     def _write_agent_files(self, agent: AgentPlan) -> None:
         t = self.transport(agent.conn)
@@ -309,9 +323,15 @@ class Orchestrator(JobOps):
                 t = self.transport(_describe(cluster, host, home))
             except NebulaError as exc:
                 return HostCheck(cluster.name, host.host, host.slots, error=str(exc))
-            return check_host(t, cluster.name, host.host, host.slots)
+            found = check_host(t, cluster.name, host.host, host.slots)
+            found.interface = host.interface or cluster.interface
+            return found
 
-        return list(fanout(list(entries), check, timeout=120, cancel=self.abort).values())
+        checks = fanout(list(entries), check, timeout=120, cancel=self.abort)
+        if all(c.ok for c in checks.values()):  # what the launch would choose
+            for key, site in self.routes(spec, self.sites(spec)).items():
+                checks[key].interface = checks[key].interface or site.interface
+        return list(checks.values())
 
     def _stop_agents(self, agents: list[AgentPlan], grace: float, force: bool,
                      timeout: float) -> None:

@@ -14,6 +14,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from nebula_cli.errors import CommandFailed, TransportError
+from nebula_cli.transport.routes import ROUTE_PY, parse_route
 
 DEFAULT_TIMEOUT = 120.0
 
@@ -158,6 +159,14 @@ class Transport(ABC):
     @abstractmethod
     def exists(self, remote: str) -> bool:
         """Whether a path exists on the host."""
+
+    def route_interface(self, address: str) -> str:
+        """The network interface this host reaches `address` through (see `routes`)."""
+        result = self.run([self.python, "-c", ROUTE_PY, address], timeout=60)
+        if not result.ok:
+            raise TransportError(f"cannot tell which interface reaches {address}: {result}",
+                                 host=self.name)
+        return parse_route(result.stdout, self.name, address)
 
     def run_checked(self, argv: Sequence[str] | str, **kwargs: object) -> CommandResult:
         """`run`, raising CommandFailed (with the result) on a non-zero exit."""

@@ -1,10 +1,12 @@
 """The file half of SSHTransport: one SFTP session per connection, held exclusively; uploads
-written to a temporary name and renamed over; paramiko's errors translated here."""
+written to a temporary name and renamed over; paramiko's errors translated here. A host whose
+sshd refuses the SFTP subsystem gets the same operations over exec channels (`execfiles`)."""
 
 from __future__ import annotations
 
 import contextlib
 import io
+import logging
 import os
 import posixpath
 import stat
@@ -20,10 +22,12 @@ import paramiko
 from nebula_cli.errors import TransportError
 from nebula_cli.transport import tree
 from nebula_cli.transport.base import DEFAULT_TIMEOUT
+from nebula_cli.transport.execfiles import ExecFiles, write_file
 from nebula_cli.transport.tree import DEFAULT_EXCLUDES
 
 SFTP_TIMEOUT = DEFAULT_TIMEOUT
 CHUNK = 1 << 16
+log = logging.getLogger("nebula.transport")
 
 
 class SFTPFiles:
@@ -34,9 +38,32 @@ class SFTPFiles:
     _sftp: paramiko.SFTPClient | None
     _sftp_conn: paramiko.Transport | None
     _remote_home: str | None
+    _exec_files: ExecFiles | None = None
 
     def _connection(self) -> paramiko.Transport:
         raise NotImplementedError
+
+    def _over_exec(self) -> ExecFiles | None:
+        """None while SFTP serves; the exec-channel fallback once the host refused SFTP (the
+        connection stays up: a refusal, not a failure)."""
+        if self._exec_files is not None or self._sftp is not None:
+            return self._exec_files
+        conn = self._connection()
+        with self._sftp_lock:
+            try:
+                self._sftp = paramiko.SFTPClient.from_transport(conn)
+                if self._sftp is None:
+                    raise paramiko.SSHException("the server refused the sftp subsystem")
+                self._sftp.get_channel().settimeout(SFTP_TIMEOUT)
+                self._sftp_conn = conn
+            except (EOFError, paramiko.SSHException) as exc:
+                self._sftp = None
+                if not conn.is_active():
+                    raise TransportError(f"cannot open SFTP: {exc}", host=self.name) from exc
+                log.warning("%s: the host's sshd has no SFTP subsystem (%s); files go over "
+                            "exec channels (sh, cat, base64, tar) instead", self.name, exc)
+                self._exec_files = ExecFiles(self)  # type: ignore[arg-type]
+        return self._exec_files
 
     def remote_path(self, path: str) -> str:
         raise NotImplementedError
@@ -60,6 +87,8 @@ class SFTPFiles:
                                      host=self.name) from exc
 
     def _home_dir(self) -> str:
+        if self._remote_home is None and (x := self._over_exec()) is not None:
+            self._remote_home = x.home()
         if self._remote_home is None:
             with self._sftp_session("find the remote home directory") as sftp:
                 self._remote_home = sftp.normalize(".")
@@ -92,12 +121,16 @@ class SFTPFiles:
 
     def put_bytes(self, data: bytes, remote: str, *, mode: int = 0o644) -> None:
         path = self.remote_path(remote)
+        if (x := self._over_exec()) is not None:
+            return x.write(data, path, mode)
         with self._sftp_session(f"write {path}") as sftp:
             self._mkdirs(sftp, posixpath.dirname(path), 0o755)
             self._upload(sftp, io.BytesIO(data), path, mode)
 
     def put(self, local: str, remote: str, *, mode: int | None = None) -> None:
         path = self.remote_path(remote)
+        if (x := self._over_exec()) is not None:
+            return write_file(x, local, path, mode)
         try:
             src = open(local, "rb")  # noqa: SIM115 - closed below
         except OSError as exc:
@@ -109,6 +142,8 @@ class SFTPFiles:
 
     def get(self, remote: str, local: str) -> None:
         path = self.remote_path(remote)
+        if (x := self._over_exec()) is not None:
+            return x.get(path, local)
         target = Path(local)
         try:
             fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.")
@@ -125,6 +160,8 @@ class SFTPFiles:
 
     def read_tail(self, remote: str, offset: int, max_bytes: int = 1 << 20) -> tuple[bytes, int]:
         path = self.remote_path(remote)
+        if (x := self._over_exec()) is not None:
+            return x.read_tail(path, offset, max_bytes)
         with self._sftp_session(f"read {path}") as sftp:
             try:
                 fh = sftp.open(path, "rb")
@@ -160,11 +197,15 @@ class SFTPFiles:
 
     def makedirs(self, remote: str, *, mode: int = 0o755) -> None:
         path = self.remote_path(remote)
+        if (x := self._over_exec()) is not None:
+            return x.makedirs(path, mode)
         with self._sftp_session(f"make directory {path}") as sftp:
             self._mkdirs(sftp, path, mode)
 
     def exists(self, remote: str) -> bool:
         path = self.remote_path(remote)
+        if (x := self._over_exec()) is not None:
+            return x.exists(path)
         with self._sftp_session(f"check {path}") as sftp:
             try:
                 sftp.stat(path)
@@ -178,8 +219,10 @@ class SFTPFiles:
         """See `Transport.upload_tree`; copies get the local mtime (SFTP)."""
         if not Path(local_dir).is_dir():
             raise TransportError(f"cannot upload {local_dir}: not a directory", host=self.name)
-        dirs, files = tree.walk(local_dir, exclude)
         base = self.remote_path(remote_dir)
+        if (x := self._over_exec()) is not None:
+            return x.upload_tree(local_dir, base, exclude, progress)
+        dirs, files = tree.walk(local_dir, exclude)
         by_dir: dict[str, list[tree.TreeFile]] = {}
         for item in files:
             by_dir.setdefault(posixpath.dirname(item.rel), []).append(item)

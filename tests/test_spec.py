@@ -542,3 +542,13 @@ def test_cluster_model_used_directly_reports_problems() -> None:
 def test_cluster_names_a_job_directory_uses_are_reserved(tmp_path: Path, name: str) -> None:
     p = one(tmp_path, BASE.replace("name: east", f"name: {name}"))
     assert p.field == "clusters[0].name" and "reserved" in p.message
+
+
+def test_min_clusters_is_at_most_the_clusters_and_not_for_pipelines(tmp_path: Path) -> None:
+    two = BASE + "  - name: west\n    hosts: [w1]\nrelay: {}\n"
+    assert load_spec(write(tmp_path, two + "min_clusters: 1\n")).min_clusters == 1
+    assert load_spec(write(tmp_path, two)).min_clusters is None  # all of them
+    p = one(tmp_path, two + "min_clusters: 3\n")
+    assert p.field == "min_clusters" and "more than the job's 2 clusters" in p.message
+    p = one(tmp_path, two + "min_clusters: 0\n")
+    assert p.field == "min_clusters"

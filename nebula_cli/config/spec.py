@@ -227,6 +227,10 @@ class JobSpec(SpecModel):
     """How long the job's certificates are valid, in days (renewed on resume)."""
     max_restarts: int = Field(0, ge=0)
     """How often a host agent restarts its processes after a failure."""
+    min_clusters: int | None = Field(None, ge=1)
+    """Clusters that must still train for the job to go on: a cluster whose worker failed for
+    good is then stopped alone and the others train on. Default: all of them (any such
+    failure ends the job)."""
     grace: float = Field(10.0, ge=0.0)
     """Seconds `stop` waits before SIGKILL."""
     exclude: list[str] = Field(
@@ -293,9 +297,21 @@ class JobSpec(SpecModel):
                                             f"{MAX_PROCESSES}"))
         else:
             problems += self._check_pipeline()
+        if self.min_clusters is not None:
+            problems += self._check_min_clusters()
         if problems:
             raise problems_error(problems)
         return self
+
+    def _check_min_clusters(self) -> list[tuple[PathKey, str]]:
+        n = len(self.clusters)
+        if self.min_clusters is not None and self.min_clusters > n:
+            return [(("min_clusters",), f"{self.min_clusters} is more than the job's {n} "
+                                        "clusters")]
+        if self.min_clusters is not None and self.min_clusters < n and self.parallelism:
+            return [(("min_clusters",), "a pipelined job cannot train on without a cluster: "
+                                        "its stages span every cluster")]
+        return []
 
     def _check_pipeline(self) -> list[tuple[PathKey, str]]:
         """Pipeline parallelism: no relay, stages that divide the devices, a placement that

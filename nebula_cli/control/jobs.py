@@ -43,9 +43,25 @@ FAILURE_STOP_GRACE = 5.0
 most likely blocked in a collective with it; longer would only keep GPUs idle)."""
 
 
-def job_state(hosts: list[HostRecord], current: str) -> str:
+def lost_clusters(hosts: list[HostRecord]) -> set[str]:
+    """Clusters with a worker that failed for good."""
+    return {h.cluster for h in hosts if h.role == jobplan.WORKER and h.state in ("FAILED", "LOST")}
+
+
+def survivors(hosts: list[HostRecord], min_clusters: int | None) -> set[str] | None:
+    """The clusters training on without the lost ones, when the spec's `min_clusters` lets
+    them (None: the job stands or falls as a whole)."""
+    lost = lost_clusters(hosts)
+    rest = {h.cluster for h in hosts} - lost
+    return rest if lost and min_clusters and len(rest) >= min_clusters else None
+
+
+def job_state(hosts: list[HostRecord], current: str, min_clusters: int | None = None) -> str:
     """The job's state from its agents' states. Relays serve the workers: once the workers
-    are done, relays ended by nebula do not make the job STOPPED."""
+    are done, relays ended by nebula do not make the job STOPPED. With `min_clusters`, lost
+    clusters do not count while enough others remain."""
+    if (rest := survivors(hosts, min_clusters)) is not None:
+        hosts = [h for h in hosts if h.cluster in rest]
     states = {h.state for h in hosts}
     if not hosts:
         return current
@@ -104,12 +120,13 @@ class JobOps(Session):
                 for rec, status in zip(groups[key], replies, strict=True):
                     self._apply_status(rec, status)
             hosts = self.store.hosts(job.id)
-            if job.state == "RUNNING" and self._end_after_failure(hosts):
+            if job.state == "RUNNING" and self._end_after_failure(
+                    hosts, job.spec.get("min_clusters")):
                 hosts = self.store.hosts(job.id)
             if job.state != "PENDING" and self._end_idle_relays(hosts):
                 hosts = self.store.hosts(job.id)
         if job.state == "RUNNING":  # launching (PENDING) and ended jobs keep their state
-            state = job_state(hosts, job.state)
+            state = job_state(hosts, job.state, job.spec.get("min_clusters"))
             if state != job.state:
                 failed = [h for h in hosts if h.state in ("FAILED", "LOST")]
                 reason = "; ".join(
@@ -132,10 +149,11 @@ class JobOps(Session):
         self._stop_recs(relays, "ended after the workers finished", grace=None)
         return True
 
-    def _end_after_failure(self, hosts: list[HostRecord]) -> bool:
+    def _end_after_failure(self, hosts: list[HostRecord], min_clusters: int | None) -> bool:
         """A worker that failed for good (its restarts used up) leaves the other ranks of its
         DeepSpeed world waiting in a collective: end every process of the job at once (the job
-        is FAILED with that worker's reason)."""
+        is FAILED with that worker's reason), or, when `min_clusters` lets the others train on,
+        every process of its cluster."""
         failed = [h for h in hosts if h.role == jobplan.WORKER and h.state in ("FAILED", "LOST")]
         active = [h for h in hosts if h.state not in END_STATES]
         if not failed or not active:
@@ -143,6 +161,14 @@ class JobOps(Session):
         first = failed[0]
         why = (f"stopped: {first.cluster}/{first.host} {first.role} "
                f"{first.detail.get('reason') or first.state.lower()}")
+        if (rest := survivors(hosts, min_clusters)) is not None:
+            active = [h for h in active if h.cluster not in rest]
+            if not active:
+                return False
+            lost = sorted({h.cluster for h in active})
+            why = (f"cluster(s) {', '.join(lost)} lost ({why}); {len(rest)} of "
+                   f"{len(rest) + len(lost_clusters(hosts))} clusters train on "
+                   f"(min_clusters {min_clusters})")
         self.store.add_event(first.job_id, "failure", why)
         self._stop_recs([h for h in active if h.role == jobplan.WORKER], why,
                         grace=FAILURE_STOP_GRACE)

@@ -9,6 +9,7 @@ import json
 import os
 import shutil
 import signal
+import time
 from pathlib import Path
 from typing import Any
 
@@ -67,3 +68,57 @@ def test_a_rank_killed_on_one_host_restarts_its_whole_cluster(cli: CLI, tmp_path
     assert len({r["param_sha256"] for r in finals}) == 1, finals
     assert job_processes(job_id) == []
     assert shm_leftovers(cli.home / "jobs" / job_id) == []
+
+
+@pytest.mark.slow
+def test_min_clusters_lets_the_others_train_on_without_a_lost_cluster(
+        cli: CLI, tmp_path: Path) -> None:
+    """west's only rank is SIGKILLed with no restarts left; with `min_clusters: 1` west alone is
+    stopped (its relay too), east's relay drops it and east trains to the end: SUCCEEDED, and
+    status names the lost cluster."""
+    example = REPO / "examples" / "ds_plain"
+    work = tmp_path / "work"
+    shutil.copytree(example, work, ignore=shutil.ignore_patterns("__pycache__", "*.yaml"))
+    script = (work / "train.py").read_text()
+    slow = "            engine.step()\n"
+    (work / "train.py").write_text(script.replace(
+        slow, slow + "        __import__('time').sleep(0.05)\n", 1))
+    spec = yaml.safe_load((example / "nebula.yaml").read_text())
+    spec.update(name="lostwest", workdir=str(work), run=f"python -u train.py --steps {STEPS}",
+                min_clusters=1)
+    spec["relay"].update(timeout=10, heartbeat=1, dead_after=3)
+    spec["relay"]["sync"]["inner_steps"] = INNER
+    spec_path = tmp_path / "lostwest.yaml"
+    spec_path.write_text(yaml.safe_dump(spec))
+    job_id = cli("launch", str(spec_path), "--detach", check=True).stdout.strip()
+
+    def joint_rounds() -> int:
+        return sum(1 for r in _records(cli, job_id) if r.get("cluster") == "east"
+                   and r.get("clusters_present") == 2)
+
+    wait_for(lambda: joint_rounds() >= 2, timeout=180)
+    victims = _rank_pids(job_id, "west", "0")  # its shell and its python
+    assert victims, "west's rank 0 is not running"
+    for pid in victims:
+        os.kill(pid, signal.SIGKILL)
+    killed_at = time.time()
+
+    def ended() -> dict[str, Any] | None:
+        st = json.loads(cli("status", job_id, "--json", check=True).stdout)
+        return st if st["state"] not in ("RUNNING", "STARTING") else None
+
+    st = wait_for(ended, timeout=300, every=1.0)
+    assert st["state"] == "SUCCEEDED", st
+    assert "west/w1 worker" in (st.get("reason") or ""), st
+    states = {(h["cluster"], h["role"]): h["state"] for h in st["hosts"] if h["host"] != "e2"}
+    assert states[("west", "worker")] == "FAILED" and states[("west", "relay")] == "STOPPED"
+    assert states[("east", "worker")] == "SUCCEEDED"
+    recs = _records(cli, job_id)
+    later = [r for r in recs if r.get("cluster") == "east" and r.get("outer_round") is not None
+             and r["ts"] > killed_at]  # the first may have been in flight at the kill
+    assert len(later) >= 3 and all(r["clusters_present"] == 1 for r in later[1:]), later
+    finals = [r for r in recs if r.get("final")]
+    assert {r["cluster"] for r in finals} == {"east"} and all(r["step"] == STEPS for r in finals)
+    shown = cli("status", job_id, check=True).stdout
+    assert "FAILED" in shown and "west" in shown  # the lost cluster stays in view
+    assert job_processes(job_id) == []

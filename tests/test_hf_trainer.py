@@ -1,0 +1,50 @@
+"""examples/hf: a Hugging Face Trainer script, unmodified (no nebula import; the Trainer
+reaches DeepSpeed through accelerate), trains across two clusters through their relays: the
+automatic hook wraps accelerate's deepspeed.initialize, rounds happen with both clusters, and
+every worker ends with the same parameters."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import yaml
+from conftest import CLI, REPO, job_processes
+
+pytest.importorskip("transformers", reason="the `hf` extra (the test command installs it)")
+pytest.importorskip("accelerate", reason="the `hf` extra (the test command installs it)")
+
+STEPS = 30
+
+
+@pytest.mark.slow
+def test_an_unmodified_trainer_script_trains_across_two_clusters(cli: CLI,
+                                                                 tmp_path: Path) -> None:
+    example = REPO / "examples" / "hf"
+    assert "nebula" not in (example / "train.py").read_text().split('"""')[2]  # code, not doc
+    work = tmp_path / "work"
+    shutil.copytree(example, work, ignore=shutil.ignore_patterns("__pycache__", "hf-out"))
+    spec = yaml.safe_load((example / "nebula.yaml").read_text())
+    spec.update(workdir=str(work), run=f"python -u train.py --steps {STEPS}")
+    spec_path = tmp_path / "hf.yaml"
+    spec_path.write_text(yaml.safe_dump(spec))
+    proc = cli("launch", str(spec_path), timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "all 3 workers hold identical parameters" in proc.stdout
+    (job_id,) = cli.job_ids()
+    recs = []
+    for path in (cli.home / "jobs" / job_id).glob("*/*/worker/metrics/*.jsonl"):
+        recs += [json.loads(line) for line in path.read_text().splitlines() if line]
+    rounds = [r for r in recs if r.get("outer_round") is not None]
+    assert len({r["outer_round"] for r in rounds}) >= STEPS // 10 - 1
+    assert all(r["clusters_present"] == 2 for r in rounds)
+    finals = [r for r in recs if r.get("final")]
+    assert len(finals) == 3 and {r["step"] for r in finals} == {STEPS}
+    assert all(r["cross_cluster_sync"] for r in finals)
+    assert all(r["last_loss"] < r["first_loss"] - 1.0 for r in finals), finals
+    logs = "".join(p.read_text() for p in (cli.home / "jobs" / job_id).glob(
+        "*/*/worker/logs/rank0.log"))
+    assert logs.count("eval loss ") == 2  # the script's own evaluate() after train()
+    assert job_processes(job_id) == []

@@ -6,6 +6,7 @@ every worker ends with the same parameters."""
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -48,3 +49,29 @@ def test_an_unmodified_trainer_script_trains_across_two_clusters(cli: CLI,
         "*/*/worker/logs/rank0.log"))
     assert logs.count("eval loss ") == 2  # the script's own evaluate() after train()
     assert job_processes(job_id) == []
+
+
+@pytest.mark.slow
+def test_lora_adapters_are_all_that_travels(cli: CLI, tmp_path: Path) -> None:
+    """examples/lora: only the adapters train, so the relays carry adapter bytes per round
+    (int8: about one byte each), a tenth of the model's, and every worker ends identical."""
+    pytest.importorskip("peft", reason="the `hf` extra (the test command installs it)")
+    spec = yaml.safe_load((REPO / "examples" / "lora" / "nebula.yaml").read_text())
+    spec.update(workdir=str(REPO / "examples" / "hf"),
+                run=f"python -u train.py --steps 20 --lora 8 --output-dir {tmp_path / 'out'}")
+    spec_path = tmp_path / "lora.yaml"
+    spec_path.write_text(yaml.safe_dump(spec))
+    proc = cli("launch", str(spec_path), timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "all 3 workers hold identical parameters" in proc.stdout
+    (job_id,) = cli.job_ids()
+    job = cli.home / "jobs" / job_id
+    log = (job / "east" / "e1" / "worker" / "logs" / "rank0.log").read_text()
+    found = re.search(r"parameters: (\d+) trainable of (\d+)", log)
+    assert found, log[-2000:]
+    trainable, total = int(found[1]), int(found[2])
+    assert trainable * 10 < total
+    recs = [json.loads(line) for p in job.glob("*/*/worker/metrics/*.jsonl")
+            for line in p.read_text().splitlines() if line]
+    sent = {r["wan_bytes_sent"] for r in recs if r.get("outer_round") is not None}
+    assert sent and all(trainable <= b <= 1.2 * trainable for b in sent), (sent, trainable)

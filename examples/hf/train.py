@@ -6,6 +6,9 @@ Trainer reaches DeepSpeed through accelerate, which calls `deepspeed.initialize`
 `nebula launch` nebula's automatic hook wraps that call, so the clusters average their progress
 every `inner_steps` optimizer steps and end with one model.
 
+With ``--lora R`` the model gets peft LoRA adapters of rank R and only they train: only they
+travel between the clusters (examples/lora).
+
     nebula launch nebula.yaml                                 # two clusters on this machine
     deepspeed train.py --steps 60                             # DeepSpeed alone, without nebula
 """
@@ -47,11 +50,21 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=60)
     p.add_argument("--ds-config", default=str(HERE / "ds_config.json"))
     p.add_argument("--output-dir", default="hf-out")
+    p.add_argument("--lora", type=int, default=0, help="LoRA rank (0: train the whole model)")
     p.add_argument("--local_rank", type=int, default=-1)  # DeepSpeed's launcher passes it
     args = p.parse_args()
     torch.manual_seed(1234)  # the same initial weights everywhere
     model = GPT2LMHeadModel(GPT2Config(vocab_size=256, n_positions=CONTEXT, n_embd=64,
                                        n_layer=2, n_head=2, bos_token_id=0, eos_token_id=0))
+    if args.lora:
+        from peft import LoraConfig, get_peft_model
+
+        model = get_peft_model(model, LoraConfig(r=args.lora, lora_alpha=2 * args.lora,
+                                                 target_modules=["c_attn", "c_proj"],
+                                                 fan_in_fan_out=True))
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    total = sum(p.numel() for p in model.parameters())
+    print(f"parameters: {trainable} trainable of {total}", flush=True)
     with open(args.ds_config) as f:
         ds_config = json.load(f)
     training = TrainingArguments(

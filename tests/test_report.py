@@ -31,10 +31,9 @@ def test_report_draws_every_cluster_and_writes_tensorboard_runs(cli: CLI,
     image = pytest.importorskip("matplotlib.image")
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    job_id = cli("launch", str(write_spec(tmp_path, LOGGED)), "--detach",
-                 check=True).stdout.strip()
-    wait_for(lambda: json.loads(cli("status", job_id, "--json").stdout)["state"]
-             == "SUCCEEDED", timeout=60)
+    live = cli("launch", str(write_spec(tmp_path, LOGGED)), check=True).stdout  # the live view
+    assert "loss trend" in live and "█" in live and "▁" in live  # loss falls: a sparkline
+    (job_id,) = cli.job_ids()
     page = tmp_path / "out" / "report.html"
     page.parent.mkdir()
     proc = cli("report", job_id, "--output", str(page), check=True)
@@ -64,3 +63,13 @@ def test_report_of_a_job_without_metrics_says_so(cli: CLI, tmp_path: Path) -> No
     proc = cli("report", job_id)
     assert proc.returncode == 1 and f"no metrics recorded yet for {job_id}" in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def test_sparkline_scales_between_the_values_it_shows() -> None:
+    from nebula_cli.cli.ui import sparkline
+
+    assert sparkline([]) == "" and sparkline([None, float("nan")]) == ""  # type: ignore[list-item]
+    assert sparkline([3.0, 2.0, 1.0]) == "█▅▁"
+    line = sparkline([float(v) for v in range(100)], width=8)
+    assert len(line) == 8 and line[0] == "▁" and line[-1] == "█"
+    assert sparkline([5.0, 5.0]) == "▁▁"  # flat: no division by zero

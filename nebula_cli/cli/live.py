@@ -39,14 +39,14 @@ def watch(orch: Orchestrator, job_id: str, console: Console) -> JobSnapshot:
             if time.monotonic() - last >= REFRESH_S:
                 snap = orch.refresh(job_id)
                 last = time.monotonic()
-            live.update(status_panel(snap, metrics.latest, metrics.relay))
+            live.update(status_panel(snap, metrics.latest, metrics.relay, metrics.history))
             if not snap.active:
                 break
             time.sleep(POLL_S)
         for line in shown(logs.poll(final=True)):
             print_line(live.console, line, colors)
         metrics.poll()
-    console.print(status_panel(snap, metrics.latest, metrics.relay))
+    console.print(status_panel(snap, metrics.latest, metrics.relay, metrics.history))
     console.print(job_detail(snap))
     summary = final_summary(metrics.finals, snap.job.clusters)
     if summary is not None:

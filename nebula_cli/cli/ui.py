@@ -134,25 +134,44 @@ def _rate(m: dict[str, Any]) -> str:
     return "-"
 
 
+SPARKS = "▁▂▃▄▅▆▇█"
+
+
+def sparkline(values: list[float], width: int = 20) -> str:
+    """The last `width` values as bars scaled between their min and max ("" when none)."""
+    values = [v for v in values if finite(v)][-width:]
+    if not values:
+        return ""
+    low, high = min(values), max(values)
+    span = (high - low) or 1.0
+    return "".join(SPARKS[round((v - low) / span * (len(SPARKS) - 1))] for v in values)
+
+
 def metrics_table(
-    clusters: list[str], latest: dict[str, dict[str, Any]], relay: dict[str, dict[str, Any]]
+    clusters: list[str], latest: dict[str, dict[str, Any]], relay: dict[str, dict[str, Any]],
+    history: dict[str, Any] | None = None,
 ) -> Table:
-    """Per cluster: step, losses, tokens/s, outer round, round time, WAN bytes, present, the
+    """Per cluster: step, losses (with a sparkline of the recent train loss when `history`
+    holds the cluster's records), tokens/s, outer round, round time, WAN bytes, present, the
     newest checkpoint (and whether saving fails)."""
     colors = cluster_colors(clusters)
     table = Table(show_edge=False, title_justify="left")
-    for col in ("cluster", "step", "loss", "eval loss", "tokens/s (or samples/s)", "round",
-                "round time", "WAN sent", "WAN recv", "present", "checkpoint"):
-        table.add_column(col, justify="right" if col != "cluster" else "left")
+    columns = ["cluster", "step", "loss", *(["loss trend"] if history else []), "eval loss",
+               "tokens/s (or samples/s)", "round", "round time", "WAN sent", "WAN recv",
+               "present", "checkpoint"]
+    for col in columns:
+        table.add_column(col, justify="left" if col in ("cluster", "loss trend") else "right")
     for name in clusters:
         m = latest.get(name, {})
         r = relay.get(name, {})
         present = m.get("clusters_present", r.get("present"))
         if isinstance(present, list):
             present = len(present)
+        trend = [sparkline([r.get("loss") for r in (history or {}).get(name, [])])] \
+            if history else []
         table.add_row(
             Text(name, style=colors[name]), str(m.get("step", "-")), num(m.get("loss")),
-            num(m.get("eval_loss")), _rate(m),
+            *trend, num(m.get("eval_loss")), _rate(m),
             str(m.get("outer_round", r.get("round", "-"))),
             num(m.get("round_s", r.get("round_s")), ".2f") + ("s" if finite(
                 m.get("round_s", r.get("round_s"))) else ""),
@@ -174,7 +193,8 @@ def _checkpoint(m: dict[str, Any]) -> Text:
     return out
 
 
-def status_panel(snap: JobSnapshot, latest: dict[str, Any], relay: dict[str, Any]) -> Panel:
+def status_panel(snap: JobSnapshot, latest: dict[str, Any], relay: dict[str, Any],
+                 history: dict[str, Any] | None = None) -> Panel:
     counts: dict[str, int] = {}
     for h in snap.hosts:
         counts[h.state] = counts.get(h.state, 0) + 1
@@ -185,7 +205,7 @@ def status_panel(snap: JobSnapshot, latest: dict[str, Any], relay: dict[str, Any
     )
     parts: list[Any] = [summary]
     if latest or relay:
-        parts.append(metrics_table(snap.job.clusters, latest, relay))
+        parts.append(metrics_table(snap.job.clusters, latest, relay, history))
     return Panel(Group(*parts), title="nebula", title_align="left", border_style="dim")
 
 

@@ -80,6 +80,7 @@ def test_restarts_within_the_limit_then_fails(tmp_path: Path, cleanup: list[Path
     agent("start", str(d))
     failed = wait_for(lambda: (s := status(d))["state"] == "FAILED" and s)
     assert failed["restarts"] == 2 and failed["exit_code"] == 3
+    assert failed["reason"] == "rank 0 exit 3: run"  # the rank's last output line
     assert (d / "logs/rank0.log").read_text() == "run\n" * 3
 
 

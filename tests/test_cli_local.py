@@ -257,7 +257,8 @@ def test_a_worker_that_fails_for_good_ends_the_job_within_seconds(
     t0 = time.monotonic()
     st = wait_for(lambda: (s := status_json(cli, job_id))["state"] == "FAILED" and s, 60)
     assert time.monotonic() - t0 < 30
-    assert "east/e2 worker" in st["reason"] and "exit 3" in st["reason"]
+    assert "east/e2 worker" in st["reason"]
+    assert "exit 3: e2 gives up" in st["reason"]  # with its last output line
     states = {h["host"]: (h["state"], h["detail"].get("reason")) for h in st["hosts"]}
     assert states["e2"][0] == "FAILED"
     assert states["e1"][0] == "STOPPED" and "stopped: east/e2 worker" in states["e1"][1]

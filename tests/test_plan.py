@@ -258,3 +258,10 @@ clusters:
         assert env[key]["GLOO_SOCKET_IFNAME"] == env[key]["NCCL_SOCKET_IFNAME"] == ifname
     assert "GLOO_SOCKET_IFNAME" not in env["west/w1"]  # one host: loopback does
     assert "GLOO_SOCKET_IFNAME" not in unrouted["east/e1"]
+
+
+def test_a_clusters_max_restarts_reaches_its_hosts_agents() -> None:
+    spec = parse_spec(MINIMAL.replace("hosts: [e1]}", "hosts: [e1], max_restarts: 4}")
+                      + "max_restarts: 1\n", base_dir=Path(__file__).parent)
+    got = {a.cluster: a.config.max_restarts for a in _plan(spec).role(jobplan.WORKER)}
+    assert got == {"east": 4, "west": 1}

@@ -552,3 +552,9 @@ def test_min_clusters_is_at_most_the_clusters_and_not_for_pipelines(tmp_path: Pa
     assert p.field == "min_clusters" and "more than the job's 2 clusters" in p.message
     p = one(tmp_path, two + "min_clusters: 0\n")
     assert p.field == "min_clusters"
+
+
+def test_a_cluster_may_have_its_own_max_restarts(tmp_path: Path) -> None:
+    spec = load_spec(write(tmp_path, BASE + "    max_restarts: 5\n  - name: west\n"
+                           "    hosts: [w1]\nmax_restarts: 1\n"))
+    assert [c.max_restarts for c in spec.clusters] == [5, None] and spec.max_restarts == 1

@@ -35,6 +35,8 @@ from nebula_cli.errors import NebulaError
 
 ACTIVE = ("STARTING", "RUNNING", "RESTARTING", "STOPPING")
 POLL_S = 0.2
+LAST_OUTPUT_BYTES = 8192
+LAST_OUTPUT_CHARS = 300
 ENV_MARK = "NEBULA_AGENT_DIR"
 
 
@@ -227,6 +229,20 @@ class Supervisor:
                   pids=[p.pid for p in self.procs], exit_code=None, exit_codes={})
         self.event("started", f"{len(self.procs)} process(es), pgid {self.pgid}")
 
+    def last_output(self, rank: str) -> str:
+        """': <the rank's last log line>' (bounded), or '' when it printed nothing."""
+        spec = next((p for p in self.config.processes if p.name == rank), None)
+        if spec is None:
+            return ""
+        try:
+            with open(self.dir / spec.log, "rb") as fh:
+                fh.seek(max(0, fh.seek(0, os.SEEK_END) - LAST_OUTPUT_BYTES))
+                lines = [x.strip() for x in fh.read().decode(errors="replace").splitlines()]
+        except OSError:
+            return ""
+        last = next((x for x in reversed(lines) if x), "")
+        return f": {last[:LAST_OUTPUT_CHARS]}" if last else ""
+
     def rank_env(self) -> dict[str, str]:
         """The environment the ranks run with (all ranks of a host share the keys read)."""
         first = self.config.processes[0].env if self.config.processes else {}
@@ -276,7 +292,7 @@ class Supervisor:
             failed = {r: c for r, c in codes.items() if c not in (None, 0)}
             if failed:
                 rank, code = next(iter(failed.items()))
-                reason = f"rank {rank} {describe_exit(code)}"
+                reason = f"rank {rank} {describe_exit(code)}{self.last_output(rank)}"
                 self.event("failed", reason)
                 self.end_group(self.config.grace)
                 codes = self.codes()

@@ -320,7 +320,8 @@ def _worker_agents(spec: JobSpec, job_id: str, sites: dict[str, Site], ports: Po
                 rank += 1
             config = AgentConfig(
                 job_id=job_id, cluster=cluster.name, host=host.host, role=WORKER, cwd=cwd,
-                grace=spec.grace, max_restarts=spec.max_restarts,
+                grace=spec.grace, max_restarts=spec.max_restarts
+                if cluster.max_restarts is None else cluster.max_restarts,
                 restart_backoff=WORKER_RESTART_BACKOFF, processes=processes)
             uploads = {} if site.shares_files else {spec.workdir: cwd}
             plans.append(AgentPlan(

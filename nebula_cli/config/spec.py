@@ -131,6 +131,9 @@ class ClusterSpec(SpecModel):
     """Environment merged over the job's `env` for this cluster."""
     relay_address: HostName | None = None
     """Address other clusters' relays dial. Default: the gateway's address, else its host."""
+    max_restarts: int | None = Field(None, ge=0)
+    """Restarts after a failure for this cluster's hosts (a flaky or preemptible site may
+    need more). Default: the job's `max_restarts`."""
 
     @field_validator("name")
     @classmethod

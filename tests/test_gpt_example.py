@@ -19,6 +19,8 @@ from types import ModuleType
 import pytest
 import torch
 
+from nebula_cli.agent.leftovers import remove_shm_buffers
+
 REPO = Path(__file__).resolve().parents[1]
 GPT_DIR = REPO / "examples" / "gpt"
 
@@ -177,15 +179,23 @@ def _start_ranks(tmp_path: Path, *args: str) -> list[subprocess.Popen[bytes]]:
             )
         )
         log.close()
+    _PORTS[procs[0].pid] = port
     return procs
 
 
+_PORTS: dict[int, int] = {}  # first rank's pid -> its world's MASTER_PORT
+
+
 def _stop(procs: list[subprocess.Popen[bytes]]) -> None:
+    """End the ranks, then what DeepSpeed's CPU comm op left in /dev/shm for their world."""
     for p in procs:
         if p.poll() is None:
             p.kill()
     for p in procs:
         p.wait(timeout=30)
+    port = _PORTS.pop(procs[0].pid, None)
+    if port is not None:
+        remove_shm_buffers({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
 
 
 def _wait(procs: list[subprocess.Popen[bytes]], tmp_path: Path, timeout: float) -> None:

@@ -23,6 +23,7 @@ import pytest
 import torch
 from plan_defaults import default_sync_config
 
+from nebula_cli.agent.leftovers import remove_shm_buffers
 from nebula_cli.config import strict
 from nebula_cli.runtime.sync import OuterOptimizer, OuterSync, SyncError
 
@@ -688,6 +689,7 @@ def ds_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict[str
                 proc.wait(timeout=30)
         for log in logs:
             log.close()
+        remove_shm_buffers(env)  # DeepSpeed's CPU comm op never unlinks its /dev/shm buffers
     runs: dict[str, list[dict[str, Any]]] = {}
     for name in SCENARIOS:
         files = [out / f"{name}-{r}.pt" for r in range(2)]

@@ -94,8 +94,13 @@ def stale_locks(env: Mapping[str, str], now: float | None = None) -> list[Path]:
 
 def remove_stale_locks(env: Mapping[str, str]) -> list[Path]:
     """Remove the stale locks; returns the ones removed."""
+    return _unlink(stale_locks(env))
+
+
+def _unlink(paths: list[Path]) -> list[Path]:
+    """Remove the files; the ones that were still there."""
     removed = []
-    for path in stale_locks(env):
+    for path in paths:
         with contextlib.suppress(FileNotFoundError):
             path.unlink()
             removed.append(path)
@@ -112,12 +117,7 @@ def shm_buffers(env: Mapping[str, str]) -> list[Path]:
 
 def remove_shm_buffers(env: Mapping[str, str]) -> list[Path]:
     """Remove them (call only when no process of that world is left); the ones removed."""
-    removed = []
-    for path in shm_buffers(env):
-        with contextlib.suppress(FileNotFoundError):
-            path.unlink()
-            removed.append(path)
-    return removed
+    return _unlink(shm_buffers(env))
 
 
 def remove_checkpoint_staging(env: Mapping[str, str]) -> bool:

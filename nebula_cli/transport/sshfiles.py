@@ -51,11 +51,7 @@ class SFTPFiles:
         conn = self._connection()
         with self._sftp_lock:
             try:
-                self._sftp = paramiko.SFTPClient.from_transport(conn)
-                if self._sftp is None:
-                    raise paramiko.SSHException("the server refused the sftp subsystem")
-                self._sftp.get_channel().settimeout(SFTP_TIMEOUT)
-                self._sftp_conn = conn
+                self._open_sftp(conn)
             except (EOFError, paramiko.SSHException) as exc:
                 self._sftp = None
                 if not conn.is_active():
@@ -64,6 +60,15 @@ class SFTPFiles:
                             "exec channels (sh, cat, base64, tar) instead", self.name, exc)
                 self._exec_files = ExecFiles(self)  # type: ignore[arg-type]
         return self._exec_files
+
+    def _open_sftp(self, conn: paramiko.Transport) -> paramiko.SFTPClient:
+        """Open the SFTP session on `conn` (with _sftp_lock held)."""
+        self._sftp = paramiko.SFTPClient.from_transport(conn)
+        if self._sftp is None:
+            raise paramiko.SSHException("the server refused the sftp subsystem")
+        self._sftp.get_channel().settimeout(SFTP_TIMEOUT)
+        self._sftp_conn = conn
+        return self._sftp
 
     def remote_path(self, path: str) -> str:
         raise NotImplementedError
@@ -75,11 +80,7 @@ class SFTPFiles:
         with self._sftp_lock:
             try:
                 if self._sftp is None or self._sftp_conn is not conn:
-                    self._sftp = paramiko.SFTPClient.from_transport(conn)
-                    if self._sftp is None:
-                        raise paramiko.SSHException("the server refused the sftp subsystem")
-                    self._sftp.get_channel().settimeout(SFTP_TIMEOUT)
-                    self._sftp_conn = conn
+                    self._open_sftp(conn)
                 yield self._sftp
             except (OSError, EOFError, paramiko.SSHException) as exc:
                 detail = exc.strerror if isinstance(exc, OSError) and exc.strerror else exc

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -15,6 +16,7 @@ from pathlib import Path
 from typing import TypeVar
 
 import pytest
+from testbed import TestBed
 
 pytest_plugins = ["testbed.fixtures"]
 
@@ -100,6 +102,20 @@ def cli(nebula_home: Path) -> Iterator[CLI]:
                 runner("stop", job_id, "--force", timeout=120)
             finally:
                 kill_job_processes(job_id)
+
+
+REMOTE_JOBS = Path.home() / ".nebula" / "jobs"
+"""Where jobs on the test bed's SSH hosts live (the hosts share this machine's filesystem)."""
+
+
+@pytest.fixture
+def ssh_cli(cli: CLI, bed_clean: TestBed) -> Iterator[CLI]:
+    """The CLI, with the bed's ssh_config and known_hosts; remote job dirs removed after."""
+    cli.env["NEBULA_SSH_CONFIG"] = str(bed_clean.ssh_config)
+    cli.env["NEBULA_KNOWN_HOSTS"] = str(bed_clean.known_hosts)
+    yield cli
+    for job_id in cli.job_ids():  # the cli fixture stops the jobs; their files go here
+        shutil.rmtree(REMOTE_JOBS / job_id, ignore_errors=True)
 
 
 def wait_for(pred: Callable[[], T], timeout: float = 30.0, every: float = 0.2) -> T:

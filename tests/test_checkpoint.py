@@ -346,45 +346,62 @@ def _records(cli: CLI, job_id: str) -> list[dict[str, Any]]:
     return out
 
 
-@pytest.mark.slow
-def test_a_killed_worker_resumes_from_its_checkpoint_and_the_job_succeeds(
-        cli: CLI, tmp_path: Path) -> None:
+def slowed_ds_plain(tmp_path: Path, name: str, steps: int, **fields: Any) -> Path:
+    """examples/ds_plain copied to tmp_path/work, slow enough to be killed mid-run; its spec
+    as `name`, `steps` long, with the fault tests' relay timings, a round every INNER steps and
+    `fields` set (top-level keys); the spec file written beside it."""
     example = REPO / "examples" / "ds_plain"
     work = tmp_path / "work"
     shutil.copytree(example, work, ignore=shutil.ignore_patterns("__pycache__", "*.yaml"))
     script = (work / "train.py").read_text()
     slow = "            engine.step()\n"
     assert slow in script, "examples/ds_plain/train.py changed its loop"
-    (work / "train.py").write_text(script.replace(  # slow enough to be killed mid-run
+    (work / "train.py").write_text(script.replace(
         slow, slow + "        __import__('time').sleep(0.05)\n", 1))
     spec = yaml.safe_load((example / "nebula.yaml").read_text())
-    spec.update(name="ckptkill", workdir=str(work), run=f"python -u train.py --steps {STEPS}",
-                max_restarts=1, checkpoint={"every": EVERY})
-    spec["clusters"] = [
-        {"name": "east", "transport": "local", "hosts": [{"host": "e1", "slots": 2}]},
-        {"name": "west", "transport": "local", "hosts": [{"host": "w1"}]}]
+    spec.update(name=name, workdir=str(work), run=f"python -u train.py --steps {steps}",
+                **fields)
     spec["relay"].update(timeout=10, heartbeat=1, dead_after=3)
     spec["relay"]["sync"]["inner_steps"] = INNER
-    spec_path = tmp_path / "ckptkill.yaml"
-    spec_path.write_text(yaml.safe_dump(spec))
+    path = tmp_path / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(spec))
+    return path
 
-    job_id = cli("launch", str(spec_path), "--detach", check=True).stdout.strip()
 
-    def east_checkpoint() -> int:
-        return max((r["checkpoint_step"] for r in _records(cli, job_id)
-                    if r.get("cluster") == "east" and "checkpoint_step" in r), default=0)
+def newest_checkpoint(cli: CLI, job_id: str, cluster: str) -> int:
+    return max((r["checkpoint_step"] for r in _records(cli, job_id)
+                if r.get("cluster") == cluster and "checkpoint_step" in r), default=0)
 
-    seen = wait_for(lambda: east_checkpoint() >= 2 * EVERY and east_checkpoint(), timeout=120)
-    victims = _rank_pids(job_id, "east", "1")
-    assert victims, "east's rank 1 is not running"
+
+def kill_rank(job_id: str, cluster: str, rank: str) -> None:
+    """SIGKILL one rank of a cluster (its shell and its python)."""
+    victims = _rank_pids(job_id, cluster, rank)
+    assert victims, f"{cluster}'s rank {rank} is not running"
     for pid in victims:
         os.kill(pid, signal.SIGKILL)
 
+
+def wait_ended(cli: CLI, job_id: str, timeout: float) -> dict[str, Any]:
+    """The job's status once it is neither RUNNING nor STARTING."""
     def ended() -> dict[str, Any] | None:
         st = json.loads(cli("status", job_id, "--json", check=True).stdout)
         return st if st["state"] not in ("RUNNING", "STARTING") else None
 
-    st = wait_for(ended, timeout=240, every=1.0)
+    return wait_for(ended, timeout=timeout, every=1.0)
+
+
+@pytest.mark.slow
+def test_a_killed_worker_resumes_from_its_checkpoint_and_the_job_succeeds(
+        cli: CLI, tmp_path: Path) -> None:
+    spec_path = slowed_ds_plain(tmp_path, "ckptkill", STEPS, max_restarts=1,
+                                checkpoint={"every": EVERY}, clusters=[
+        {"name": "east", "transport": "local", "hosts": [{"host": "e1", "slots": 2}]},
+        {"name": "west", "transport": "local", "hosts": [{"host": "w1"}]}])
+    job_id = cli("launch", str(spec_path), "--detach", check=True).stdout.strip()
+    seen = wait_for(lambda: (n := newest_checkpoint(cli, job_id, "east")) >= 2 * EVERY and n,
+                    timeout=120)
+    kill_rank(job_id, "east", "1")
+    st = wait_ended(cli, job_id, timeout=240)
     assert st["state"] == "SUCCEEDED", st
     (east,) = [h for h in st["hosts"] if h["role"] == "worker" and h["cluster"] == "east"]
     assert east["restarts"] == 1

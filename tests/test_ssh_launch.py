@@ -3,32 +3,19 @@
 from __future__ import annotations
 
 import json
-import shutil
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from importlib.metadata import version
 from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
-from conftest import CLI, REPO, job_processes
+from conftest import CLI, REMOTE_JOBS, REPO, job_processes
 from testbed import TestBed
 
 pytestmark = [pytest.mark.testbed, pytest.mark.slow]
-REMOTE_JOBS = Path.home() / ".nebula" / "jobs"  # the bed's hosts share this filesystem
-
-
-@pytest.fixture
-def ssh_cli(cli: CLI, bed_clean: TestBed) -> Iterator[CLI]:
-    """The CLI, with the bed's ssh_config and known_hosts; remote job dirs removed after."""
-    cli.env["NEBULA_SSH_CONFIG"] = str(bed_clean.ssh_config)
-    cli.env["NEBULA_KNOWN_HOSTS"] = str(bed_clean.known_hosts)
-    yield cli
-    for job_id in cli.job_ids():  # the cli fixture stops the jobs; their files go here
-        shutil.rmtree(REMOTE_JOBS / job_id, ignore_errors=True)
 
 
 def ssh_spec(tmp_path: Path, bed: TestBed, *, clusters: dict[str, list[str]], run: str,

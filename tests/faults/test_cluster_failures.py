@@ -5,57 +5,28 @@ worker identical. The other cluster trains on meanwhile."""
 
 from __future__ import annotations
 
-import json
-import os
-import shutil
-import signal
 import time
 from pathlib import Path
-from typing import Any
 
 import pytest
 import yaml
-from conftest import CLI, REPO, job_processes, shm_leftovers, wait_for
-from test_checkpoint import _rank_pids, _records
+from conftest import CLI, job_processes, shm_leftovers, wait_for
+from test_checkpoint import _records, kill_rank, newest_checkpoint, slowed_ds_plain, wait_ended
 
-STEPS, INNER, EVERY = 80, 10, 10
+STEPS, EVERY = 80, 10  # a round every test_checkpoint.INNER steps
 
 
 @pytest.mark.slow
 def test_a_rank_killed_on_one_host_restarts_its_whole_cluster(cli: CLI, tmp_path: Path) -> None:
-    example = REPO / "examples" / "ds_plain"
-    work = tmp_path / "work"
-    shutil.copytree(example, work, ignore=shutil.ignore_patterns("__pycache__", "*.yaml"))
-    script = (work / "train.py").read_text()
-    slow = "            engine.step()\n"
-    assert slow in script, "examples/ds_plain/train.py changed its loop"
-    (work / "train.py").write_text(script.replace(
-        slow, slow + "        __import__('time').sleep(0.05)\n", 1))
-    spec = yaml.safe_load((example / "nebula.yaml").read_text())  # east: e1 and e2
+    spec_path = slowed_ds_plain(tmp_path, "clusterkill", STEPS, max_restarts=2,
+                                checkpoint={"every": EVERY})
+    spec = yaml.safe_load(spec_path.read_text())  # east: e1 and e2
     assert [len(c["hosts"]) for c in spec["clusters"]] == [2, 1]
-    spec.update(name="clusterkill", workdir=str(work), run=f"python -u train.py --steps {STEPS}",
-                max_restarts=2, checkpoint={"every": EVERY})
-    spec["relay"].update(timeout=10, heartbeat=1, dead_after=3)
-    spec["relay"]["sync"]["inner_steps"] = INNER
-    spec_path = tmp_path / "clusterkill.yaml"
-    spec_path.write_text(yaml.safe_dump(spec))
     job_id = cli("launch", str(spec_path), "--detach", check=True).stdout.strip()
-
-    def east_checkpoint() -> int:
-        return max((r["checkpoint_step"] for r in _records(cli, job_id)
-                    if r.get("cluster") == "east" and "checkpoint_step" in r), default=0)
-
-    seen = wait_for(lambda: east_checkpoint() >= 2 * EVERY and east_checkpoint(), timeout=180)
-    victims = _rank_pids(job_id, "east", "1")  # e2's only rank
-    assert victims, "east's rank 1 is not running"
-    for pid in victims:
-        os.kill(pid, signal.SIGKILL)
-
-    def ended() -> dict[str, Any] | None:
-        st = json.loads(cli("status", job_id, "--json", check=True).stdout)
-        return st if st["state"] not in ("RUNNING", "STARTING") else None
-
-    st = wait_for(ended, timeout=300, every=1.0)
+    seen = wait_for(lambda: (n := newest_checkpoint(cli, job_id, "east")) >= 2 * EVERY and n,
+                    timeout=180)
+    kill_rank(job_id, "east", "1")  # e2's only rank
+    st = wait_ended(cli, job_id, timeout=300)
     assert st["state"] == "SUCCEEDED", st
     restarts = {h["host"]: h["restarts"] for h in st["hosts"] if h["role"] == "worker"}
     assert restarts["e1"] >= 1 and restarts["e2"] >= 1 and restarts["w1"] == 0, restarts
@@ -76,20 +47,7 @@ def test_min_clusters_lets_the_others_train_on_without_a_lost_cluster(
     """west's only rank is SIGKILLed with no restarts left; with `min_clusters: 1` west alone is
     stopped (its relay too), east's relay drops it and east trains to the end: SUCCEEDED, and
     status names the lost cluster."""
-    example = REPO / "examples" / "ds_plain"
-    work = tmp_path / "work"
-    shutil.copytree(example, work, ignore=shutil.ignore_patterns("__pycache__", "*.yaml"))
-    script = (work / "train.py").read_text()
-    slow = "            engine.step()\n"
-    (work / "train.py").write_text(script.replace(
-        slow, slow + "        __import__('time').sleep(0.05)\n", 1))
-    spec = yaml.safe_load((example / "nebula.yaml").read_text())
-    spec.update(name="lostwest", workdir=str(work), run=f"python -u train.py --steps {STEPS}",
-                min_clusters=1)
-    spec["relay"].update(timeout=10, heartbeat=1, dead_after=3)
-    spec["relay"]["sync"]["inner_steps"] = INNER
-    spec_path = tmp_path / "lostwest.yaml"
-    spec_path.write_text(yaml.safe_dump(spec))
+    spec_path = slowed_ds_plain(tmp_path, "lostwest", STEPS, min_clusters=1)
     job_id = cli("launch", str(spec_path), "--detach", check=True).stdout.strip()
 
     def joint_rounds() -> int:
@@ -97,17 +55,9 @@ def test_min_clusters_lets_the_others_train_on_without_a_lost_cluster(
                    and r.get("clusters_present") == 2)
 
     wait_for(lambda: joint_rounds() >= 2, timeout=180)
-    victims = _rank_pids(job_id, "west", "0")  # its shell and its python
-    assert victims, "west's rank 0 is not running"
-    for pid in victims:
-        os.kill(pid, signal.SIGKILL)
+    kill_rank(job_id, "west", "0")
     killed_at = time.time()
-
-    def ended() -> dict[str, Any] | None:
-        st = json.loads(cli("status", job_id, "--json", check=True).stdout)
-        return st if st["state"] not in ("RUNNING", "STARTING") else None
-
-    st = wait_for(ended, timeout=300, every=1.0)
+    st = wait_ended(cli, job_id, timeout=300)
     assert st["state"] == "SUCCEEDED", st
     assert "west/w1 worker" in (st.get("reason") or ""), st
     states = {(h["cluster"], h["role"]): h["state"] for h in st["hosts"] if h["host"] != "e2"}

@@ -5,29 +5,17 @@ restart, heal their diverged states (the lineage rule) and end with identical pa
 from __future__ import annotations
 
 import json
-import shutil
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
-from conftest import CLI, REPO, job_processes, wait_for
+from conftest import CLI, REMOTE_JOBS, REPO, job_processes, wait_for
 from testbed import TestBed
 
 pytestmark = [pytest.mark.testbed, pytest.mark.slow]
-REMOTE_JOBS = Path.home() / ".nebula" / "jobs"  # the bed's hosts share this filesystem
-
-
-@pytest.fixture
-def ssh_cli(cli: CLI, bed_clean: TestBed) -> Iterator[CLI]:
-    cli.env["NEBULA_SSH_CONFIG"] = str(bed_clean.ssh_config)
-    cli.env["NEBULA_KNOWN_HOSTS"] = str(bed_clean.known_hosts)
-    yield cli
-    for job_id in cli.job_ids():
-        shutil.rmtree(REMOTE_JOBS / job_id, ignore_errors=True)
 
 
 def rounds(job_id: str, cluster: str) -> list[dict[str, Any]]:

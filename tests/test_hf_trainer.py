@@ -5,19 +5,33 @@ every worker ends with the same parameters."""
 
 from __future__ import annotations
 
-import json
 import re
 import shutil
 from pathlib import Path
+from typing import Any
 
 import pytest
 import yaml
 from conftest import CLI, REPO, job_processes
+from test_checkpoint import _records
 
 pytest.importorskip("transformers", reason="the `hf` extra (the test command installs it)")
 pytest.importorskip("accelerate", reason="the `hf` extra (the test command installs it)")
 
 STEPS = 30
+
+
+def launch_to_identical(cli: CLI, tmp_path: Path, spec: dict[str, Any]
+                        ) -> tuple[str, list[dict[str, Any]]]:
+    """Launch `spec` in the foreground: it succeeds with all 3 workers identical. The job's id
+    and its workers' metric records."""
+    spec_path = tmp_path / f"{spec['name']}.yaml"
+    spec_path.write_text(yaml.safe_dump(spec))
+    proc = cli("launch", str(spec_path), timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "all 3 workers hold identical parameters" in proc.stdout
+    (job_id,) = cli.job_ids()
+    return job_id, _records(cli, job_id)
 
 
 @pytest.mark.slow
@@ -29,15 +43,7 @@ def test_an_unmodified_trainer_script_trains_across_two_clusters(cli: CLI,
     shutil.copytree(example, work, ignore=shutil.ignore_patterns("__pycache__", "hf-out"))
     spec = yaml.safe_load((example / "nebula.yaml").read_text())
     spec.update(workdir=str(work), run=f"python -u train.py --steps {STEPS}")
-    spec_path = tmp_path / "hf.yaml"
-    spec_path.write_text(yaml.safe_dump(spec))
-    proc = cli("launch", str(spec_path), timeout=600)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert "all 3 workers hold identical parameters" in proc.stdout
-    (job_id,) = cli.job_ids()
-    recs = []
-    for path in (cli.home / "jobs" / job_id).glob("*/*/worker/metrics/*.jsonl"):
-        recs += [json.loads(line) for line in path.read_text().splitlines() if line]
+    job_id, recs = launch_to_identical(cli, tmp_path, spec)
     rounds = [r for r in recs if r.get("outer_round") is not None]
     assert len({r["outer_round"] for r in rounds}) >= STEPS // 10 - 1
     assert all(r["clusters_present"] == 2 for r in rounds)
@@ -59,19 +65,11 @@ def test_lora_adapters_are_all_that_travels(cli: CLI, tmp_path: Path) -> None:
     spec = yaml.safe_load((REPO / "examples" / "lora" / "nebula.yaml").read_text())
     spec.update(workdir=str(REPO / "examples" / "hf"),
                 run=f"python -u train.py --steps 20 --lora 8 --output-dir {tmp_path / 'out'}")
-    spec_path = tmp_path / "lora.yaml"
-    spec_path.write_text(yaml.safe_dump(spec))
-    proc = cli("launch", str(spec_path), timeout=600)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert "all 3 workers hold identical parameters" in proc.stdout
-    (job_id,) = cli.job_ids()
-    job = cli.home / "jobs" / job_id
-    log = (job / "east" / "e1" / "worker" / "logs" / "rank0.log").read_text()
+    job_id, recs = launch_to_identical(cli, tmp_path, spec)
+    log = (cli.home / "jobs" / job_id / "east" / "e1" / "worker" / "logs" / "rank0.log").read_text()
     found = re.search(r"parameters: (\d+) trainable of (\d+)", log)
     assert found, log[-2000:]
     trainable, total = int(found[1]), int(found[2])
     assert trainable * 10 < total
-    recs = [json.loads(line) for p in job.glob("*/*/worker/metrics/*.jsonl")
-            for line in p.read_text().splitlines() if line]
     sent = {r["wan_bytes_sent"] for r in recs if r.get("outer_round") is not None}
     assert sent and all(trainable <= b <= 1.2 * trainable for b in sent), (sent, trainable)

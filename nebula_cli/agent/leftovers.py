@@ -120,6 +120,13 @@ def remove_shm_buffers(env: Mapping[str, str]) -> list[Path]:
     return _unlink(shm_buffers(env))
 
 
+def clear_world(env: Mapping[str, str]) -> None:
+    """What a world whose ranks ran with `env` left in /dev/shm: DeepSpeed's buffers and the
+    host's checkpoint staging (call only when no process of that world is left)."""
+    remove_shm_buffers(env)
+    remove_checkpoint_staging(env)
+
+
 def remove_checkpoint_staging(env: Mapping[str, str]) -> bool:
     """Remove the host's checkpoint staging directory in /dev/shm (call only when no process
     of the world is left); whether there was one."""

@@ -25,11 +25,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from nebula_cli.agent.leftovers import (
-    remove_checkpoint_staging,
-    remove_shm_buffers,
-    remove_stale_locks,
-)
+from nebula_cli.agent.leftovers import clear_world, remove_stale_locks
 from nebula_cli.config.parts import AgentConfig
 from nebula_cli.errors import NebulaError
 
@@ -251,8 +247,7 @@ class Supervisor:
     def clear_leftovers(self) -> None:
         """/dev/shm: DeepSpeed's buffers and checkpoint staging, once none of the world is left."""
         if not group_alive(self.pgid):
-            remove_shm_buffers(self.rank_env())
-            remove_checkpoint_staging(self.rank_env())
+            clear_world(self.rank_env())
 
     def end_group(self, grace: float) -> None:
         """SIGTERM the group, wait up to `grace` for all of it to end (not only the shells the
@@ -422,9 +417,7 @@ def stop_all(agent_dirs: list[Path], grace: float | None, force: bool) -> list[d
         with contextlib.suppress(NebulaError, OSError, ValueError):  # agent killed first
             config = AgentConfig.load(d / "agent.json")
             if config.processes and not group_alive(status.get("pgid")):
-                env = {**os.environ, **config.processes[0].env}
-                remove_shm_buffers(env)
-                remove_checkpoint_staging(env)
+                clear_world({**os.environ, **config.processes[0].env})
         after = reconciled_status(d)
         if d.is_dir() and after.get("state") in (*ACTIVE, "LOST"):
             after.update(state="STOPPED", ended=after.get("ended") or time.time(),

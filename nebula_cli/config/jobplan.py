@@ -184,6 +184,12 @@ def rendezvous_hosts(spec: JobSpec) -> dict[str, tuple[ClusterSpec, HostSpec]]:
     raise AssertionError(f"device {first} of the layout is not in the spec")  # spec checked it
 
 
+def interface_of(cluster: ClusterSpec, host: HostSpec, site: Site | None = None) -> str | None:
+    """GLOO/NCCL_SOCKET_IFNAME for a host's ranks: the spec's (the host's, else its cluster's),
+    else the one found toward its world's peers (`site.interface`); None: gloo's own choice."""
+    return host.interface or cluster.interface or (site.interface if site else None)
+
+
 def route_targets(spec: JobSpec, sites: dict[str, Site]) -> dict[str, str]:
     """site key -> the peer address whose route names the host's interface: the world's master
     (for the master, the next host of the world). Only hosts of worlds of two or more hosts
@@ -193,7 +199,7 @@ def route_targets(spec: JobSpec, sites: dict[str, Site]) -> dict[str, str]:
     for cluster in spec.clusters:
         for host in cluster.hosts:
             members.setdefault(world_of(spec, cluster), []).append(site_key(cluster, host))
-            if host.interface or cluster.interface:
+            if interface_of(cluster, host):
                 named.add(site_key(cluster, host))
     targets = {}
     for world, (c, h) in rendezvous_hosts(spec).items():
@@ -282,7 +288,7 @@ def _worker_agents(spec: JobSpec, job_id: str, sites: dict[str, Site], ports: Po
             cwd = spec.workdir if site.shares_files else posixpath.join(job_root, "work")
             env = {**spec.env, **cluster.env, **base_env(site, job_root)}
             env.update(_world_env(spec, job_id, ci, node_rank, ports.masters[world],
-                                  masters[world], site.interface))
+                                  masters[world], interface_of(cluster, host, site)))
             if layout is not None:
                 env.update(pipeline_env(spec, layout.world_size, layout.num_stages),
                            CROSS_RANK=str(host_index))
@@ -332,7 +338,7 @@ def _worker_agents(spec: JobSpec, job_id: str, sites: dict[str, Site], ports: Po
 
 
 def _world_env(spec: JobSpec, job_id: str, cluster_index: int, node_rank: int,
-               master_port: int, master_addr: str, routed: str | None) -> dict[str, str]:
+               master_port: int, master_addr: str, interface: str | None) -> dict[str, str]:
     """The variables every rank of one host shares (rank-specific ones excluded)."""
     cluster = spec.clusters[cluster_index]
     host = cluster.hosts[node_rank]
@@ -351,7 +357,6 @@ def _world_env(spec: JobSpec, job_id: str, cluster_index: int, node_rank: int,
         "MASTER_ADDR": master_addr,
         "MASTER_PORT": str(master_port),
     }
-    interface = host.interface or cluster.interface or routed
     if interface:
         env["GLOO_SOCKET_IFNAME"] = interface
         env["NCCL_SOCKET_IFNAME"] = interface

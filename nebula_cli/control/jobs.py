@@ -43,15 +43,15 @@ FAILURE_STOP_GRACE = 5.0
 most likely blocked in a collective with it; longer would only keep GPUs idle)."""
 
 
-def lost_clusters(hosts: list[HostRecord]) -> set[str]:
-    """Clusters with a worker that failed for good."""
-    return {h.cluster for h in hosts if h.role == jobplan.WORKER and h.state in ("FAILED", "LOST")}
+def failed_workers(hosts: list[HostRecord]) -> list[HostRecord]:
+    """Worker agents that failed for good (restarts used up) or were lost."""
+    return [h for h in hosts if h.role == jobplan.WORKER and h.state in ("FAILED", "LOST")]
 
 
 def survivors(hosts: list[HostRecord], min_clusters: int | None) -> set[str] | None:
-    """The clusters training on without the lost ones, when the spec's `min_clusters` lets
-    them (None: the job stands or falls as a whole)."""
-    lost = lost_clusters(hosts)
+    """The clusters training on without the lost ones (those with a failed worker), when the
+    spec's `min_clusters` lets them (None: the job stands or falls as a whole)."""
+    lost = {h.cluster for h in failed_workers(hosts)}
     rest = {h.cluster for h in hosts} - lost
     return rest if lost and min_clusters and len(rest) >= min_clusters else None
 
@@ -154,7 +154,7 @@ class JobOps(Session):
         DeepSpeed world waiting in a collective: end every process of the job at once (the job
         is FAILED with that worker's reason), or, when `min_clusters` lets the others train on,
         every process of its cluster."""
-        failed = [h for h in hosts if h.role == jobplan.WORKER and h.state in ("FAILED", "LOST")]
+        failed = failed_workers(hosts)
         active = [h for h in hosts if h.state not in END_STATES]
         if not failed or not active:
             return False
@@ -167,7 +167,7 @@ class JobOps(Session):
                 return False
             lost = sorted({h.cluster for h in active})
             why = (f"cluster(s) {', '.join(lost)} lost ({why}); {len(rest)} of "
-                   f"{len(rest) + len(lost_clusters(hosts))} clusters train on "
+                   f"{len({h.cluster for h in hosts})} clusters train on "
                    f"(min_clusters {min_clusters})")
         self.store.add_event(first.job_id, "failure", why)
         self._stop_recs([h for h in active if h.role == jobplan.WORKER], why,

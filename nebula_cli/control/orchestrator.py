@@ -324,13 +324,13 @@ class Orchestrator(JobOps):
             except NebulaError as exc:
                 return HostCheck(cluster.name, host.host, host.slots, error=str(exc))
             found = check_host(t, cluster.name, host.host, host.slots)
-            found.interface = host.interface or cluster.interface
+            found.interface = jobplan.interface_of(cluster, host)  # the spec's, if it names one
             return found
 
         checks = fanout(list(entries), check, timeout=120, cancel=self.abort)
         if all(c.ok for c in checks.values()):  # what the launch would choose
             for key, site in self.routes(spec, self.sites(spec)).items():
-                checks[key].interface = checks[key].interface or site.interface
+                checks[key].interface = jobplan.interface_of(*entries[key], site)
         return list(checks.values())
 
     def _stop_agents(self, agents: list[AgentPlan], grace: float, force: bool,

@@ -34,12 +34,12 @@ class JobRecords:
 
 def _read_whole(ops: JobOps, rec: HostRecord, path: str) -> bytes:
     transport = ops.transport_of(rec)
-    data, offset = b"", 0
+    chunks, offset = [], 0
     while True:
         chunk, offset = transport.read_tail(path, offset, CHUNK)
-        data += chunk
+        chunks.append(chunk)
         if len(chunk) < CHUNK:
-            return data
+            return b"".join(chunks)
 
 
 def fetch_records(ops: JobOps, job_id: str) -> JobRecords:

@@ -109,8 +109,7 @@ def start_sshd(directory: Path, name: str, authorized: Path, sftp: bool = True) 
         "StrictModes no\nUsePAM no\nPasswordAuthentication no\n"
         "KbdInteractiveAuthentication no\nPermitRootLogin prohibit-password\n"
         + ("Subsystem sftp internal-sftp\n" if sftp else "")  # hardened sites drop it
-        + "AllowTcpForwarding yes\nLogLevel INFO\n"
-        "MaxStartups 50\n")
+        + "AllowTcpForwarding yes\nLogLevel INFO\n")  # MaxSessions, MaxStartups: stock
     log = directory / f"{name}.log"
     with log.open("wb") as out:
         proc = subprocess.Popen([SSHD, "-D", "-e", "-f", str(config)], stdout=out,

@@ -516,7 +516,7 @@ class TestBed:
             "StrictModes no", "PermitRootLogin prohibit-password", "PubkeyAuthentication yes",
             "PasswordAuthentication no", "KbdInteractiveAuthentication no", "UsePAM no",
             "X11Forwarding no", "AllowTcpForwarding yes", "PrintMotd no", "PrintLastLog no",
-            "UseDNS no", "LoginGraceTime 30", "MaxSessions 64", "MaxStartups 100",
+            "UseDNS no", "LoginGraceTime 30",  # MaxSessions, MaxStartups: stock (10, 10:30:100)
             f"SetEnv NEBULA_TESTBED_HOST={host.name} NEBULA_TESTBED_CLUSTER={host.cluster}",
             "Subsystem sftp internal-sftp", "",
         ]))

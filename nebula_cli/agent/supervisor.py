@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from nebula_cli.agent.leftovers import clear_world, remove_stale_locks
+from nebula_cli.agent.procs import pid_alive
 from nebula_cli.config.parts import AgentConfig
 from nebula_cli.errors import NebulaError
 
@@ -49,22 +50,6 @@ def read_json(path: Path) -> dict[str, Any] | None:
         return json.loads(path.read_text())
     except (FileNotFoundError, json.JSONDecodeError):
         return None
-
-
-def pid_alive(pid: int | None) -> bool:
-    if not pid:
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:  # a zombie is not alive
-        with open(f"/proc/{pid}/stat") as fh:
-            return fh.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return True
 
 
 def is_agent_of(pid: int | None, agent_dir: Path) -> bool:

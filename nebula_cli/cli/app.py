@@ -120,8 +120,8 @@ def validate(
 ) -> None:
     """Check a job spec: every problem with file:line:col and the field path."""
     spec = load_spec(spec_path)
-    n_hosts = sum(len(c.hosts) for c in spec.clusters)
-    slots = sum(h.slots for c in spec.clusters for h in c.hosts)
+    n_hosts = sum(c.node_count for c in spec.clusters)
+    slots = sum(c.process_count for c in spec.clusters)
     out.print(f"[green]✓[/] {spec_path} is valid: job [bold]{spec.name}[/], "
               f"{len(spec.clusters)} clusters, {n_hosts} hosts, {slots} processes")
     if not hosts:
@@ -325,6 +325,8 @@ def stop(
         return
     for h in report.stopped:
         out.print(f"stopped {h.cluster}/{h.host} {h.role} (pid {h.pid or '-'})")
+    for what in report.cancelled:
+        out.print(f"cancelled {what}")
     extra = f", {report.swept} stray process(es) killed" if report.swept else ""
     out.print(f"[bold]{report.job.id}[/] {report.job.state.lower()}{extra}")
 

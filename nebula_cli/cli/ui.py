@@ -29,7 +29,8 @@ from nebula_cli.errors import SpecError
 
 PALETTE = ["cyan", "magenta", "green", "yellow", "blue", "red", "bright_cyan", "bright_magenta"]
 STATE_STYLE = {
-    "RUNNING": "green", "STARTING": "cyan", "PENDING": "cyan", "RESTARTING": "yellow",
+    "RUNNING": "green", "STARTING": "cyan", "PENDING": "cyan", "QUEUED": "cyan",
+    "RESTARTING": "yellow",
     "STOPPING": "yellow", "SUCCEEDED": "bold green", "FAILED": "bold red", "LOST": "bold red",
     "STOPPED": "dim",
 }

@@ -17,6 +17,11 @@ from pathlib import Path
 from typing import Any
 
 from nebula_cli.config import strict
+from nebula_cli.config.checkpoint_paths import checkpoint_dir as checkpoint_dir
+from nebula_cli.config.checkpoint_paths import checkpoint_host as checkpoint_host
+from nebula_cli.config.checkpoint_paths import (
+    checkpoint_settings as checkpoint_settings,
+)
 from nebula_cli.config.parts import (
     SYNC_CONFIG_ENV,
     AgentConfig,
@@ -329,7 +334,9 @@ def _worker_agents(spec: JobSpec, job_id: str, sites: dict[str, Site], ports: Po
                 grace=spec.grace, max_restarts=spec.max_restarts
                 if cluster.max_restarts is None else cluster.max_restarts,
                 restart_backoff=WORKER_RESTART_BACKOFF, processes=processes)
-            uploads = {} if site.shares_files else {spec.workdir: cwd}
+            # a Slurm cluster's nodes share one file system: its first node uploads
+            shared = cluster.scheduler == "slurm" and node_rank > 0
+            uploads = {} if site.shares_files or shared else {spec.workdir: cwd}
             plans.append(AgentPlan(
                 cluster=cluster.name, host=host.host, role=WORKER, node_rank=node_rank,
                 slots=host.slots, conn=_conn(site, job_root), job_root=job_root,
@@ -384,28 +391,6 @@ def _relay_addr(spec: JobSpec, cluster: ClusterSpec, sites: dict[str, Site],
 def job_root_of(site: Site, job_id: str) -> str:
     """The job's directory on a host."""
     return posixpath.join(site.home, "jobs", job_id)
-
-
-def checkpoint_dir(spec: JobSpec, job_id: str, job_root: str, cluster: ClusterSpec,
-                   host: HostSpec) -> str | None:
-    """Where one host keeps its checkpoints: `<job dir>/<checkpoint.dir>/<cluster>/<host>` (an
-    absolute checkpoint.dir gets the job id after it, so that jobs never share checkpoints).
-    One directory per cluster and host: hosts that share a filesystem never mix their shards."""
-    if spec.checkpoint is None:
-        return None
-    base = spec.checkpoint.dir
-    root = posixpath.join(base, job_id) if posixpath.isabs(base) else posixpath.join(
-        job_root, base)
-    return posixpath.join(root, cluster.name, host.host)
-
-
-def checkpoint_settings(spec: JobSpec, job_id: str, job_root: str, cluster: ClusterSpec,
-                        host: HostSpec) -> CheckpointSettings | None:
-    """The runtime's checkpoint settings on one host, or None without `checkpoint:`."""
-    where = checkpoint_dir(spec, job_id, job_root, cluster, host)
-    if spec.checkpoint is None or where is None:
-        return None
-    return CheckpointSettings(dir=where, every=spec.checkpoint.every, keep=spec.checkpoint.keep)
 
 
 def sync_config(spec: JobSpec, job_id: str, cluster: ClusterSpec, adir: str, *,

@@ -7,9 +7,8 @@ that says what was expected and what was found.
 
 from __future__ import annotations
 
+import contextlib
 import copy
-import os
-import re
 from pathlib import Path
 from typing import Any, Literal
 
@@ -31,11 +30,11 @@ from nebula_cli.config.fields import (
     Interface,
     Jump,
     Name,
-    Port,
     Program,
-    UserName,
     redact_env,
 )
+from nebula_cli.config.hosts import MAX_SLOTS, HostSpec
+from nebula_cli.config.scheduler import SlurmSpec
 from nebula_cli.config.sections import (
     CheckpointSpec,
     CompressionSpec,
@@ -50,60 +49,12 @@ from nebula_cli.errors import SpecError
 
 __all__ = [
     "MAX_PROCESSES", "MAX_SLOTS", "CheckpointSpec", "ClusterSpec", "CompressionSpec", "HostSpec",
-    "JobSpec", "ParallelismSpec", "RelaySpec", "RuntimeSpec", "ShapingSpec", "SpecModel",
-    "SyncSpec", "load_spec", "parse_spec", "redact_env",
+    "JobSpec", "ParallelismSpec", "RelaySpec", "RuntimeSpec", "ShapingSpec", "SlurmSpec",
+    "SpecModel", "SyncSpec", "load_spec", "parse_spec", "redact_env",
 ]
 
-_HOST_RE = re.compile(
-    r"(?:(?P<user>[^@\s:]+)@)?(?P<host>\[[^\]\s]+\]|[^@\s:\[\]]+)(?::(?P<port>\d+))?")
-MAX_SLOTS = 1024
-"""Most processes one host may start."""
 MAX_PROCESSES = 65536
 """Most processes (slots) of one job."""
-
-
-class HostSpec(SpecModel):
-    """One machine of a cluster; may be written as ``host``, ``user@host`` or ``user@host:port``."""
-
-    host: HostName = Field(min_length=1)
-    """Hostname, address or ~/.ssh/config alias; for transport local just a label."""
-    user: UserName | None = None
-    """SSH user. Default: ssh_config's, else the local user."""
-    port: Port | None = None
-    """SSH port (1..65535). Default: ssh_config's, else 22."""
-    slots: int = Field(1, ge=1, le=MAX_SLOTS)
-    """Processes started on this host (typically one per GPU)."""
-    key: str | None = None
-    """Private key file for SSH; ~ is expanded. Default: the agent / ssh_config keys."""
-    address: HostName | None = None
-    """Address the cluster's other hosts reach this one at (DeepSpeed master). Default: host."""
-    interface: Interface | None = None
-    """Network interface for GLOO_SOCKET_IFNAME/NCCL_SOCKET_IFNAME; overrides the cluster's."""
-
-    @model_validator(mode="before")
-    @classmethod
-    def _shorthand(cls, value: Any) -> Any:
-        if not isinstance(value, str):
-            return value
-        match = _HOST_RE.fullmatch(value.strip())
-        if not match:
-            raise ValueError(f"expected 'host', 'user@host' or 'user@host:port', found {value!r}")
-        out: dict[str, Any] = {"host": match["host"].strip("[]")}
-        if match["user"]:
-            out["user"] = match["user"]
-        if match["port"]:
-            out["port"] = int(match["port"])
-        return out
-
-    @field_validator("key")
-    @classmethod
-    def _expand_key(cls, value: str | None) -> str | None:
-        return None if value is None else os.path.expanduser(value)
-
-    @property
-    def reach_address(self) -> str:
-        """The address other hosts of the cluster use for this one."""
-        return self.address or self.host
 
 
 RESERVED_CLUSTER_NAMES = frozenset({"lib", "work", "pki"})
@@ -134,6 +85,11 @@ class ClusterSpec(SpecModel):
     max_restarts: int | None = Field(None, ge=0)
     """Restarts after a failure for this cluster's hosts (a flaky or preemptible site may
     need more). Default: the job's `max_restarts`."""
+    scheduler: Literal["none", "slurm"] = "none"
+    """'none': the hosts run the workers. 'slurm': the one host is the login node of a Slurm
+    cluster; one batch job (see `slurm`) holds the nodes that run the workers."""
+    slurm: SlurmSpec | None = None
+    """What to ask Slurm for (scheduler: slurm)."""
 
     @field_validator("name")
     @classmethod
@@ -162,12 +118,41 @@ class ClusterSpec(SpecModel):
                 problems.append((("hosts", i), f"duplicate host {host.host!r}{port} "
                                                f"(already hosts[{first}])"))
         names = [h.host for h in self.hosts]
+        if self.scheduler == "slurm" and len(self.hosts) > 1:
+            problems.append((("hosts",), f"a Slurm cluster has one host, its login node "
+                                         f"(the nodes come from the allocation): found "
+                                         f"{len(self.hosts)} ({', '.join(names)})"))
+        if self.scheduler == "slurm" and self.gateway is not None:
+            problems.append((("gateway",), "a Slurm cluster's relay runs on the first node of "
+                                           "its allocation: remove `gateway`"))
+        if self.slurm is not None and self.scheduler != "slurm":
+            problems.append((("slurm",), "`slurm:` needs `scheduler: slurm` in this cluster"))
         if self.gateway is not None and self.gateway not in names:
             problems.append((("gateway",), f"gateway {self.gateway!r} is not one of this "
                                            f"cluster's hosts: {', '.join(names)}"))
         if problems:
             raise problems_error(problems)
         return self
+
+    @property
+    def node_count(self) -> int:
+        """The hosts that run workers: the allocation's nodes on a Slurm cluster."""
+        request = self.slurm_request
+        return len(self.hosts) if request is None else request.nodes
+
+    @property
+    def process_count(self) -> int:
+        """The cluster's DeepSpeed ranks."""
+        request = self.slurm_request
+        return sum(h.slots for h in self.hosts) if request is None else \
+            request.nodes * request.ntasks_per_node
+
+    @property
+    def slurm_request(self) -> SlurmSpec | None:
+        """What to ask Slurm for (its defaults when `slurm:` is absent), or None."""
+        if self.scheduler != "slurm":
+            return None
+        return self.slurm or SlurmSpec()
 
     @property
     def gateway_host(self) -> HostSpec:
@@ -295,7 +280,7 @@ class JobSpec(SpecModel):
                 _read_ds_config(Path(self.workdir) / self.deepspeed)
             except ValueError as exc:
                 problems.append((("deepspeed",), str(exc)))
-        if (slots := sum(h.slots for c in self.clusters for h in c.hosts)) > MAX_PROCESSES:
+        if (slots := sum(c.process_count for c in self.clusters)) > MAX_PROCESSES:
             problems.append((("clusters",), f"{slots} processes in all; a job may have at most "
                                             f"{MAX_PROCESSES}"))
         else:
@@ -325,6 +310,9 @@ class JobSpec(SpecModel):
                 return [(("placement",), "a placement needs parallelism: {pipeline_stages: K} "
                                          "with K >= 2")]
             return []
+        if any(c.scheduler == "slurm" for c in self.clusters):
+            return [(("parallelism",), "pipeline parallelism cannot use a Slurm cluster yet "
+                     "(its devices are known only once the allocation starts); use the relay")]
         if self.relay is not None:
             return [(("relay",), "pipeline parallelism runs one DeepSpeed world across the "
                                  "clusters and does not use the relay; remove 'relay:'")]
@@ -377,6 +365,16 @@ class JobSpec(SpecModel):
     def pipeline_layout(self) -> pipeline.PipelineLayout | None:
         """Which device holds which stage of which replica; None without a pipeline."""
         return self._layout
+
+    def problem_at(self, path: tuple[str | int, ...], message: str) -> SpecError:
+        """A SpecError at `path` of the spec file (where it was written, when the file is
+        still there), for what is found wrong only later (e.g. by Slurm)."""
+        at: tuple[int | None, int | None] = (None, None)
+        if self.source:
+            with contextlib.suppress(OSError, SpecError, yaml.YAMLError):
+                at = yp.load_located(Path(self.source).read_text()).position(path)
+        return SpecError(message, file=self.source, line=at[0], col=at[1],
+                         field=yp.format_path(path))
 
     @property
     def source(self) -> str | None:

@@ -9,12 +9,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from nebula_cli.config import jobplan
-from nebula_cli.control import summaries
+from nebula_cli.control import allocations, summaries
 from nebula_cli.control.fanout import GroupError, fanout
 from nebula_cli.control.follow import LogFollower, MetricsFollower
 from nebula_cli.control.session import Session
 from nebula_cli.control.state import ACTIVE_STATES, END_STATES, HostRecord, JobRecord
-from nebula_cli.errors import TransportError
+from nebula_cli.errors import NebulaError, TransportError
 from nebula_cli.transport import machine_key
 
 
@@ -36,6 +36,7 @@ class StopReport:
     stopped: list[HostRecord] = field(default_factory=list)  # were active, now ended
     already_ended: list[HostRecord] = field(default_factory=list)
     swept: int = 0  # stray processes killed by the sweep
+    cancelled: list[str] = field(default_factory=list)  # Slurm jobs scancel'd
 
 
 FAILURE_STOP_GRACE = 5.0
@@ -103,6 +104,8 @@ class JobOps(Session):
         job = self.store.get_job(ref)
         hosts = self.store.hosts(job.id)
         live = [h for h in hosts if h.state not in END_STATES]
+        if live and self._end_with_allocations(job.id, live):
+            live = [h for h in self.store.hosts(job.id) if h.state not in END_STATES]
         if live:
             groups = self._by_machine(live)
             try:
@@ -123,7 +126,7 @@ class JobOps(Session):
             if job.state == "RUNNING" and self._end_after_failure(
                     hosts, job.spec.get("min_clusters")):
                 hosts = self.store.hosts(job.id)
-            if job.state != "PENDING" and self._end_idle_relays(hosts):
+            if job.state not in ("PENDING", "QUEUED") and self._end_idle_relays(hosts):
                 hosts = self.store.hosts(job.id)
         if job.state == "RUNNING":  # launching (PENDING) and ended jobs keep their state
             state = job_state(hosts, job.state, job.spec.get("min_clusters"))
@@ -193,6 +196,20 @@ class JobOps(Session):
                 reply["reason"] = reason
                 self._apply_status(rec, reply)
 
+    def _end_with_allocations(self, job_id: str, live: list[HostRecord]) -> bool:
+        """Hosts of a Slurm allocation that has ended (time limit, preemption, scancel) are
+        gone with it: each takes the state its agent last wrote (what a graceful stop on
+        Slurm's notice left) or LOST, with the Slurm job's state as the reason."""
+        ended = allocations.ended(self.store.job_dir(job_id), self.transport,
+                                  {h.cluster for h in live})
+        gone = [h for h in live if h.cluster in ended]
+        for rec in gone:
+            status = allocations.last_status(self.transport_of(rec), rec.agent_dir)
+            state = status.get("state")
+            self._apply_status(rec, {**status, "state": state if state in END_STATES
+                                     else "LOST", "reason": ended[rec.cluster]})
+        return bool(gone)
+
     def _apply_status(self, rec: HostRecord, status: dict[str, Any]) -> None:
         state = status.get("state", rec.state)
         if state == "PENDING" and rec.state != "PENDING":
@@ -250,6 +267,11 @@ class JobOps(Session):
                 self._apply_status(rec, reply)
                 report.swept += len(reply.get("swept") or [])
                 (report.stopped if was_active else report.already_ended).append(rec)
+        try:  # after the agents (their workers checkpoint): nothing left in a Slurm queue
+            report.cancelled = allocations.cancel_all(
+                self.store.job_dir(snap.job.id), self.transport, lambda _: None)
+        except NebulaError as exc:
+            failures["slurm"] = exc
         hosts = self.store.hosts(snap.job.id)
         if snap.job.state not in END_STATES or report.stopped:
             final = "STOPPED" if not any(h.state in ("FAILED", "LOST") for h in report.stopped) \

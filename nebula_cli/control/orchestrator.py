@@ -23,12 +23,20 @@ from nebula_cli import pki
 from nebula_cli.config import jobplan, strict
 from nebula_cli.config.jobplan import AgentPlan, JobPlan
 from nebula_cli.config.spec import ClusterSpec, HostSpec, JobSpec, spec_of_record
+from nebula_cli.control import allocations
+from nebula_cli.control.allocations import Allocation
 from nebula_cli.control.fanout import GroupError, fanout
 from nebula_cli.control.hostcheck import HostCheck, bootstrap, check_host, require_python
 from nebula_cli.control.jobs import JobOps, JobSnapshot, StopReport, job_state
 from nebula_cli.control.state import END_STATES, HostRecord, JobRecord
-from nebula_cli.errors import LaunchError, NebulaError, TransportError, UsageError
-from nebula_cli.transport import describe, machine_key
+from nebula_cli.errors import (
+    LaunchError,
+    NebulaError,
+    SpecError,
+    TransportError,
+    UsageError,
+)
+from nebula_cli.transport import Transport, describe, machine_key
 
 __all__ = ["JobSnapshot", "Orchestrator", "StopReport", "job_state"]
 
@@ -97,20 +105,30 @@ class Orchestrator(JobOps):
         sites = self.sites(spec)
         script = 'for f in "$0"/step*/COMPLETE; do [ -e "$f" ] && echo "$f"; done; true'
 
-        def count(key: str) -> tuple[int, str]:
+        def count(key: str) -> dict[str, tuple[int, str]]:
+            """label -> (complete checkpoints, where) of the host (of a Slurm cluster: of
+            each of its nodes, seen from its login node)."""
             cluster, host = next((c, h) for c in spec.clusters for h in c.hosts
                                  if jobplan.site_key(c, h) == key)
             site = sites[key]
-            where = jobplan.checkpoint_dir(spec, job_id, jobplan.job_root_of(site, job_id),
-                                           cluster, host)
-            assert where is not None
-            out = self.transport(site.conn).run(["/bin/sh", "-c", script, where], timeout=60)
-            return len(out.stdout.split()), where
+            request = cluster.slurm_request
+            places: list[HostSpec | int] = list(range(request.nodes)) if request else [host]
+            out = {}
+            for place in places:
+                where = jobplan.checkpoint_dir(spec, job_id, jobplan.job_root_of(site, job_id),
+                                               cluster, place)
+                assert where is not None
+                found = self.transport(site.conn).run(["/bin/sh", "-c", script, where],
+                                                      timeout=60)
+                out[jobplan.checkpoint_host(cluster, place)] = (len(found.stdout.split()),
+                                                                where)
+            return out
 
         found = fanout(list(sites), count, timeout=AGENT_TIMEOUT, cancel=self.abort)
         lost, fresh = [], []
         for c in spec.clusters:
-            have = {h.host: found[jobplan.site_key(c, h)] for h in c.hosts}
+            have = {label: v for h in c.hosts
+                    for label, v in found[jobplan.site_key(c, h)].items()}
             if all(n == 0 for n, _ in have.values()):
                 fresh.append(c.name)
             else:
@@ -141,11 +159,18 @@ class Orchestrator(JobOps):
         plan: JobPlan | None = None
         started: list[AgentPlan] = []
         try:
-            plan = self.plan(spec, job_id, renew=action == "resume")
+            allocs = self._allocate(job_id, spec, progress, transfer)
+            conns = {f"{a.cluster}/{n}": a.conn(n) for a in allocs.values() for n in a.nodes}
+            plan = self.plan(allocations.expand(spec, allocs), job_id,
+                             renew=action == "resume", conns=conns)
             for agent in plan.agents:  # recorded first: `stop` reaches hosts a launch touched
                 self._record(job_id, agent, "PENDING")
-            fanout(plan.hosts, lambda a: self._provision_host(spec, a, progress, transfer),
-                   timeout=SETUP_TIMEOUT, cancel=self.abort)
+            # hosts that upload first: the others see their files (a Slurm cluster's nodes)
+            for hosts in ([a for a in plan.hosts if a.uploads or a.conn["transport"] !=
+                           "slurm-node"], [a for a in plan.hosts if not a.uploads and
+                                           a.conn["transport"] == "slurm-node"]):
+                fanout(hosts, lambda a: self._provision_host(spec, a, progress, transfer),
+                       timeout=SETUP_TIMEOUT, cancel=self.abort)
             fanout(plan.agents, self._write_agent_files, timeout=AGENT_TIMEOUT,
                    cancel=self.abort)
             # relays first, so that workers find them; then workers
@@ -163,6 +188,10 @@ class Orchestrator(JobOps):
                           progress)
             if cancelled:
                 raise
+            spec_errors = [e for e in (exc.failures.values() if isinstance(exc, GroupError)
+                                       else [exc]) if isinstance(e, SpecError)]
+            if spec_errors:  # found only now (Slurm refused a request): exit 2, as validate
+                raise spec_errors[0] from exc
             raise LaunchError(f"{action} of {job_id} failed; everything started was ended.\n"
                               f"{reason}") from exc
         self.store.set_job_state(job_id, "RUNNING")
@@ -180,21 +209,56 @@ class Orchestrator(JobOps):
             if plan is not None:
                 self._stop_agents(list(plan.agents), grace=0.0, force=True,
                                   timeout=CANCEL_STOP_TIMEOUT)
-            self.store.set_job_state(job_id, state, reason=reason)
+            with contextlib.suppress(Exception):  # what was submitted leaves the queue
+                allocations.cancel_all(self.store.job_dir(job_id), self.transport, progress)
+            if self.store.get_job(job_id).state not in END_STATES:  # not stopped meanwhile
+                self.store.set_job_state(job_id, state, reason=reason)
             for rec in self.store.hosts(job_id):
                 if rec.state not in END_STATES:  # its agent never started, or was just ended
                     rec.state = "STOPPED"
                     rec.detail["reason"] = f"not running: the launch was {state.lower()}"
                     self.store.upsert_host(rec)
 
-    def sites(self, spec: JobSpec) -> dict[str, jobplan.Site]:
-        """What every host's transport reports (connecting to remote hosts to learn it)."""
+    def _allocate(self, job_id: str, spec: JobSpec, progress: Progress,
+                  transfer: Transfer | None) -> dict[str, Allocation]:
+        """Each Slurm cluster's batch job submitted, then waited for (the job QUEUED, with
+        Slurm's reason, meanwhile) until every node's keeper answers. {} without Slurm."""
+        clusters = {c.name: c for c in allocations.slurm_clusters(spec)}
+        if not clusters:
+            return {}
+        home, job_dir = str(self.store.home), self.store.job_dir(job_id)
+
+        def submit(name: str) -> Allocation:
+            c = clusters[name]
+            login = _describe(c, c.hosts[0], home)
+            t = self.transport(login)
+            require_python(t, c.name, c.hosts[0].host)
+            return allocations.submit(t, login, spec, c, job_id, lambda root: _upload_lib(
+                t, root, _bar(transfer, f"{name}/{c.hosts[0].host}"), progress), progress)
+
+        submitted = fanout(list(clusters), submit, timeout=SETUP_TIMEOUT, cancel=self.abort)
+        allocations.record(job_dir, submitted)
+
+        def queued(message: str) -> None:
+            self.store.set_job_state(job_id, "QUEUED", reason=message)
+
+        running = {n: allocations.wait_running(  # in this thread: the store, Ctrl-C
+            self.transport(a.login), a, self.transport, progress, queued)
+            for n, a in submitted.items()}
+        allocations.record(job_dir, running)
+        self.store.set_job_state(job_id, "PENDING", reason="")
+        return running
+
+    def sites(self, spec: JobSpec, conns: dict[str, dict[str, Any]] | None = None
+              ) -> dict[str, jobplan.Site]:
+        """What every host's transport reports (connecting to remote hosts to learn it);
+        `conns`: how to reach hosts the spec does not say (a Slurm allocation's nodes)."""
         home = str(self.store.home)
         entries = {jobplan.site_key(c, h): (c, h) for c in spec.clusters for h in c.hosts}
 
         def site(key: str) -> jobplan.Site:
             cluster, host = entries[key]
-            conn = _describe(cluster, host, home)
+            conn = (conns or {}).get(key) or _describe(cluster, host, home)
             t = self.transport(conn)
             require_python(t, cluster.name, host.host)
             return jobplan.Site(conn=conn, home=t.home, address=host.address or t.address,
@@ -226,10 +290,11 @@ class Orchestrator(JobOps):
                                   port(c, c.gateway_host, spec.relay.effective_worker_port))
         return jobplan.Ports(masters=masters, relays=relays)
 
-    def plan(self, spec: JobSpec, job_id: str, *, renew: bool = False) -> JobPlan:
+    def plan(self, spec: JobSpec, job_id: str, *, renew: bool = False,
+             conns: dict[str, dict[str, Any]] | None = None) -> JobPlan:
         """The job's plan: what the hosts report, the job's certificates (issued, or with
         ``renew`` re-issued from the job's CA key when it has one), then `build_plan`."""
-        sites = self.routes(spec, self.sites(spec))
+        sites = self.routes(spec, self.sites(spec, conns))
         ports = self.ports(spec, sites)
         certs = None
         if spec.relay is not None:
@@ -253,17 +318,9 @@ class Orchestrator(JobOps):
         t = self.transport(agent.conn)
         t.makedirs(agent.job_root, mode=0o700)
         where = f"{agent.cluster}/{agent.host}"
-
-        def bar(what: str) -> Callable[[int, int], None] | None:
-            if transfer is None:
-                return None
-            return lambda done, total: transfer(f"{where} {what}", done, total)
-
+        bar = _bar(transfer, where)
         if agent.uploads:
-            lib = posixpath.join(jobplan.lib_dir(agent.job_root), "nebula_cli")
-            n, _ = t.upload_tree(str(PACKAGE_DIR), lib, ["__pycache__", "*.pyc"],
-                                 bar("nebula_cli"))
-            progress(f"{where}: nebula_cli uploaded ({n} files changed)")
+            _upload_lib(t, agent.job_root, bar, progress)
         for local, remote in agent.uploads.items():
             n, size = t.upload_tree(local, remote, list(spec.exclude), bar("workdir"))
             progress(f"{where}: workdir uploaded ({n} files changed, {size} bytes)")
@@ -296,7 +353,8 @@ class Orchestrator(JobOps):
 
     def _start(self, agent: AgentPlan) -> int:
         t = self.transport(agent.conn)
-        result = t.run(self._agent(agent.conn, "start", agent.agent_dir), timeout=AGENT_TIMEOUT)
+        result = t.run_detached(self._agent(agent.conn, "start", agent.agent_dir),
+                                timeout=AGENT_TIMEOUT)
         try:
             reply = json.loads(result.stdout.strip().splitlines()[-1])
             return int(reply["agent_pid"])
@@ -371,6 +429,25 @@ def _sigint_deferred() -> Iterator[None]:
         yield
     finally:
         signal.signal(signal.SIGINT, previous)
+
+
+def _bar(transfer: Transfer | None, where: str
+         ) -> Callable[[str], Callable[[int, int], None] | None]:
+    """What an upload to `where` reports its progress through (per thing uploaded)."""
+    def bar(what: str) -> Callable[[int, int], None] | None:
+        if transfer is None:
+            return None
+        return lambda done, total: transfer(f"{where} {what}", done, total)
+
+    return bar
+
+
+def _upload_lib(t: Transport, job_root: str, bar: Callable[[str], Any],
+                progress: Progress) -> None:
+    """nebula_cli into the job's lib dir on the host (files already there are kept)."""
+    lib = posixpath.join(jobplan.lib_dir(job_root), "nebula_cli")
+    n, _ = t.upload_tree(str(PACKAGE_DIR), lib, ["__pycache__", "*.pyc"], bar("nebula_cli"))
+    progress(f"{t.name}: nebula_cli uploaded ({n} files changed)")
 
 
 def _pair(pair: pki.CertPair) -> tuple[bytes, bytes]:

@@ -22,11 +22,13 @@ class Session:
     def transport(self, conn: dict[str, Any]) -> Transport:
         """The one transport of the machine `conn` describes (made once, safe from threads)."""
         key = machine_key(conn)
+        login = self.transport(conn["login"]) if "login" in conn else None  # a Slurm node's
         with self._lock:
             t = self._transports.get(key)
             if t is None:
                 t = self._transports[key] = connect(
-                    conn, accept_new_host_keys=self.accept_new_host_keys)
+                    conn, accept_new_host_keys=self.accept_new_host_keys,
+                    via=None if login is None else lambda _: login)
             return t
 
     def transport_of(self, rec: HostRecord) -> Transport:

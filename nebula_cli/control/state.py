@@ -87,7 +87,7 @@ SCHEMA_VERSION = len(MIGRATIONS)
 
 # Job and process states. A process is PENDING until its agent runs it, then RUNNING, and ends
 # SUCCEEDED, FAILED or STOPPED. LOST: its agent vanished without recording an end.
-ACTIVE_STATES = frozenset({"PENDING", "STARTING", "RUNNING", "STOPPING"})
+ACTIVE_STATES = frozenset({"PENDING", "QUEUED", "STARTING", "RUNNING", "STOPPING"})
 END_STATES = frozenset({"SUCCEEDED", "FAILED", "STOPPED", "LOST", "CANCELLED"})
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from nebula_cli.errors import UsageError
@@ -17,6 +18,8 @@ def machine_key(conn: dict[str, Any]) -> tuple[Any, ...]:
     """Hosts with the same key are the same machine (one connection serves them all)."""
     if conn["transport"] == "local":
         return ("local", conn.get("home"))
+    if conn["transport"] == "slurm-node":
+        return ("slurm-node", conn["job"], conn["node"], *machine_key(conn["login"]))
     return ("ssh", conn.get("user"), conn.get("host"), conn.get("port"), conn.get("jump"))
 
 
@@ -33,9 +36,27 @@ def describe(kind: str, *, name: str, home: str, host: str | None = None,
     raise UsageError(f"transport '{kind}' is not available in this version of nebula")
 
 
-def connect(conn: dict[str, Any], *, accept_new_host_keys: bool = False) -> Transport:
-    """A transport for a connection description made by `describe`."""
+def slurm_node(login: dict[str, Any], *, job: str, node: str, address: str,
+               keeper: str, pythonpath: str) -> dict[str, Any]:
+    """How to reach `node` of Slurm job `job` whose login node `login` describes."""
+    return {"transport": "slurm-node", "name": node, "login": login, "job": job, "node": node,
+            "address": address, "keeper": keeper, "python": login["python"],
+            "pythonpath": pythonpath}
+
+
+def connect(conn: dict[str, Any], *, accept_new_host_keys: bool = False,
+            via: Callable[[dict[str, Any]], Transport] | None = None) -> Transport:
+    """A transport for a connection description made by `describe` (or `slurm_node`, whose
+    login node's transport `via` gives: one connection serves every node)."""
     kind = conn.get("transport")
+    if kind == "slurm-node":
+        from nebula_cli.transport.slurmnode import SlurmNodeTransport
+
+        login = via(conn["login"]) if via is not None else connect(
+            conn["login"], accept_new_host_keys=accept_new_host_keys)
+        return SlurmNodeTransport(conn["name"], login, job=conn["job"], node=conn["node"],
+                                  address=conn["address"], keeper=conn["keeper"],
+                                  python=conn["python"], pythonpath=conn.get("pythonpath"))
     if kind == "local":
         return LocalTransport(conn["name"], home=conn["home"], python=conn.get("python"))
     if kind == "ssh":

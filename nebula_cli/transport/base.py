@@ -17,6 +17,10 @@ from nebula_cli.errors import CommandFailed, TransportError
 from nebula_cli.transport.routes import ROUTE_PY, parse_route
 
 DEFAULT_TIMEOUT = 120.0
+FREE_PORT_PY = (
+    "import socket; s = socket.socket(); s.bind(('', 0)); print(s.getsockname()[1]); s.close()"
+)
+"""Prints a port free on the host it runs on."""
 
 
 @dataclass(frozen=True)
@@ -127,6 +131,12 @@ class Transport(ABC):
     ) -> CommandResult:
         """Run a command to completion and capture its output (stdout and stderr drained);
         `on_output` also gets each line as it arrives (for streaming a long command)."""
+
+    def run_detached(self, argv: Sequence[str], *, env: Mapping[str, str] | None = None,
+                     cwd: str | None = None, timeout: float = DEFAULT_TIMEOUT) -> CommandResult:
+        """Run a command that leaves a process running after it returns (the agent's `start`,
+        which daemonizes), where that process may outlive the command: here, as `run`."""
+        return self.run(argv, env=env, cwd=cwd, timeout=timeout)
 
     @abstractmethod
     def put_bytes(self, data: bytes, remote: str, *, mode: int = 0o644) -> None:

@@ -24,6 +24,7 @@ from nebula_cli.errors import TransportError
 from nebula_cli.transport import shellenv
 from nebula_cli.transport.base import (
     DEFAULT_TIMEOUT,
+    FREE_PORT_PY,
     CommandResult,
     LineSplitter,
     OutputSink,
@@ -57,9 +58,6 @@ __all__ = [
 ]
 
 CONNECT_TIMEOUT = 15.0
-FREE_PORT_PY = (
-    "import socket; s = socket.socket(); s.bind(('', 0)); print(s.getsockname()[1]); s.close()"
-)
 KEEPALIVE = 15
 MAX_CHANNELS = 8  # concurrent exec channels; + 1 SFTP session stays under sshd's MaxSessions 10
 MAX_JUMP_DEPTH = 8

@@ -41,6 +41,12 @@ file (creator pid, slot) in /tmp/nebula-testbed/<id>/state.json. `down()` ends e
 the bed's namespaces (sshd, proxies, whatever tests started there), deletes the namespaces (and so
 every veth and bridge) and the root veth, and removes both directories. `cleanup_stale()` does the
 same for beds whose creator process is gone (unless started with `python -m tests.testbed up`).
+
+Slurm (optional, slurm.py): `slurm={"hpc": "login"}` makes `login` the login node and controller
+of cluster hpc and its other hosts compute nodes: they run slurmd and no sshd, are not in `hosts`,
+ssh_config or known_hosts, but in `compute` (and `run`/`popen`/`cut` accept them). `bed.slurm`
+then describes the cluster (conf path, nodes, partitions); its munged is killed by `down()` and
+`cleanup_stale()` like the processes in the namespaces.
 """
 
 from __future__ import annotations
@@ -64,6 +70,9 @@ from dataclasses import dataclass
 from itertools import combinations
 from pathlib import Path
 
+from . import slurm as slurm_mod
+from .slurm import SlurmCluster, SlurmError
+
 STATE_ROOT = Path("/tmp/nebula-testbed")
 BENCH_NET = ipaddress.IPv4Network("198.18.0.0/15")
 SLOTS = 8
@@ -86,13 +95,15 @@ class TestBedError(RuntimeError):
 
 @dataclass(frozen=True)
 class Host:
-    """One host of the bed: a network namespace with its own sshd on `address:ssh_port`."""
+    """One host of the bed: a network namespace with its own sshd on `address:ssh_port`
+    (a Slurm compute node has none: sshd False)."""
 
     name: str
     cluster: str
     ns: str
     address: str
     ssh_port: int = 22
+    sshd: bool = True
 
 
 def _sh(cmd: Sequence[str], *, check: bool = True, timeout: float = 30,
@@ -170,7 +181,13 @@ def destroy(bed_id: str, *, dirs: Sequence[Path] = ()) -> None:
     if not BED_ID.match(bed_id):
         raise TestBedError(f"not a test bed id: {bed_id!r}")
     namespaces = [ns for ns in list_namespaces() if ns.startswith(f"{bed_id}-")]
-    kill_pids([pid for ns in namespaces for pid in namespace_pids(ns)])
+    pids = [pid for ns in namespaces for pid in namespace_pids(ns)]
+    kill_pids([pid for pid in pids if _cmdline(pid).startswith("slurmstepd")], grace=0.2)
+    kill_pids(pids)
+    state = None
+    with contextlib.suppress(OSError, ValueError):
+        state = json.loads((STATE_ROOT / bed_id / "state.json").read_text())
+    slurm_mod.kill_root_daemons(bed_id, state)  # munged, in the root namespace
     for ns in namespaces:
         _sh(["ip", "netns", "del", ns], check=False)
     if Path(f"/sys/class/net/{bed_id}").exists():
@@ -236,7 +253,7 @@ class TestBed:
 
     def __init__(self, clusters: dict[str, list[str]] | None = None, *,
                  rate_mbit: float | None = 100, bastion: bool = True,
-                 workdir: Path | None = None) -> None:
+                 workdir: Path | None = None, slurm: dict[str, str] | None = None) -> None:
         clusters = {c: list(hs) for c, hs in (clusters or DEFAULT_CLUSTERS).items()}
         names = [h for hs in clusters.values() for h in hs]
         bad = [n for n in [*clusters, *names] if not HOST_NAME.match(n) or n in RESERVED_NAMES]
@@ -247,6 +264,11 @@ class TestBed:
             raise TestBedError("at most 32 clusters of 1..253 hosts")
         if rate_mbit is not None and rate_mbit <= 0:
             raise TestBedError(f"rate_mbit must be positive or None, got {rate_mbit}")
+        slurm = dict(slurm or {})
+        if len(slurm) > 1 or any(c not in clusters or login not in clusters[c]
+                                 or len(clusters[c]) < 2 for c, login in slurm.items()):
+            raise TestBedError(f"slurm wants {{cluster: its login host}} for one cluster of two "
+                               f"hosts or more; got {slurm}")
         self.clusters = clusters
         self.rate_mbit = rate_mbit
         self.id = "nb" + secrets.token_hex(2)
@@ -263,6 +285,9 @@ class TestBed:
         self._procs: list[subprocess.Popen] = []
         self._proxies: dict[tuple[str, int], subprocess.Popen] = {}
         self._up = False
+        self._slurm_spec = slurm
+        self.compute: dict[str, Host] = {}  # Slurm compute nodes: no sshd
+        self.slurm: SlurmCluster | None = None
 
     # ------------------------------------------------------------- availability, lifecycle
 
@@ -280,6 +305,12 @@ class TestBed:
         if probe.returncode != 0:
             return False, f"ip netns does not work: {probe.stderr.strip()}"
         return True, ""
+
+    @staticmethod
+    def slurm_available() -> tuple[bool, str]:
+        """Whether a bed with Slurm can be built here: (True, "") or (False, the reason)."""
+        ok, reason = TestBed.available()
+        return slurm_mod.available() if ok else (ok, reason)
 
     @property
     def user_key(self) -> Path:
@@ -322,6 +353,9 @@ class TestBed:
             _stop_popen(proc)
         self._procs.clear()
         self._proxies.clear()
+        if self.slurm is not None:
+            self.slurm.stop()
+            self.slurm = None
         if self._up:
             destroy(self.id, dirs=[self.dir])
             self._up = False
@@ -345,6 +379,8 @@ class TestBed:
             "slot": self.slot, "dir": str(self.dir), "manual": manual,
             "ssh_config": str(self.ssh_config),
             "hosts": {h.name: [h.cluster, h.address] for h in self._all_hosts()},
+            "compute": {h.name: [h.cluster, h.address] for h in self.compute.values()},
+            **({"slurm": self.slurm.state()} if self.slurm else {}),
         }
         tmp = state_dir / "state.json.tmp"
         tmp.write_text(json.dumps(state, indent=1))
@@ -358,9 +394,12 @@ class TestBed:
 
     def _build(self) -> None:
         assert self.slot is not None
-        for state in (self.hosts, self._rates, self._host_index, self._cut, self._stopped):
+        for state in (self.hosts, self.compute, self._rates, self._host_index, self._cut,
+                      self._stopped):
             state.clear()
         self.bastion = None
+        compute = {h for c, login in self._slurm_spec.items() for h in self.clusters[c]
+                   if h != login}
         self.dir.chmod(0o700)
         mgmt = subnet(self.slot, MGMT_INDEX)
         supernet = str(slot_net(self.slot))
@@ -388,10 +427,11 @@ class TestBed:
             self._ip_r("addr", "add", f"{_addr(net, 254)}/24", "dev", f"r{i}")
             self._ip_r("link", "set", f"r{i}", "up")
             for n, name in enumerate(names, start=1):
-                host = Host(name, cluster, f"{self.id}-{name}", _addr(net, n))
+                host = Host(name, cluster, f"{self.id}-{name}", _addr(net, n),
+                            sshd=name not in compute)
                 self._host_index[name] = k
                 self._add_host(host, router_if=f"h{k}", bridge=f"b{i}", gateway=_addr(net, 254))
-                self.hosts[name] = host
+                (self.hosts if host.sshd else self.compute)[name] = host
                 k += 1
         if self._want_bastion:
             net = subnet(self.slot, BASTION_INDEX)
@@ -406,9 +446,19 @@ class TestBed:
             self._shape(cluster)
         self._write_ssh_files()
         self._write_state()
+        for cluster, login in self._slurm_spec.items():
+            self.slurm = SlurmCluster(self.id, self.dir / "slurm", cluster, self.hosts[login],
+                                      [self.compute[h] for h in self.clusters[cluster]
+                                       if h != login])
         for host in self._all_hosts():
             self._write_sshd_config(host)
             self.start_sshd(host.name)
+        if self.slurm is not None:
+            try:
+                self.slurm.start()
+            except SlurmError as exc:
+                raise TestBedError(f"Slurm of bed {self.id}: {exc}") from None
+            self._write_state()
 
     def _add_ns(self, ns: str, *, forward: bool = False) -> None:
         _sh(["ip", "netns", "add", ns])
@@ -517,7 +567,9 @@ class TestBed:
             "PasswordAuthentication no", "KbdInteractiveAuthentication no", "UsePAM no",
             "X11Forwarding no", "AllowTcpForwarding yes", "PrintMotd no", "PrintLastLog no",
             "UseDNS no", "LoginGraceTime 30",  # MaxSessions, MaxStartups: stock (10, 10:30:100)
-            f"SetEnv NEBULA_TESTBED_HOST={host.name} NEBULA_TESTBED_CLUSTER={host.cluster}",
+            f"SetEnv NEBULA_TESTBED_HOST={host.name} NEBULA_TESTBED_CLUSTER={host.cluster}"
+            + (f" SLURM_CONF={self.slurm.conf}"
+               if self.slurm and host.name == self.slurm.login.name else ""),
             "Subsystem sftp internal-sftp", "",
         ]))
 
@@ -531,6 +583,8 @@ class TestBed:
     def start_sshd(self, host: str) -> None:
         """Start the host's sshd and wait until it accepts connections."""
         h = self._host(host)
+        if not h.sshd:
+            raise TestBedError(f"{host} is a Slurm compute node: it has no sshd")
         if self._sshd_pid(h) is None:
             hdir = self.dir / h.name
             _sh(["ip", "netns", "exec", h.ns, SSHD, "-f", str(hdir / "sshd_config"),
@@ -578,7 +632,8 @@ class TestBed:
         return HOST_IFACE
 
     def hosts_of(self, cluster: str) -> list[Host]:
-        return [self.hosts[name] for name in self.clusters[cluster]]
+        """Every host of the cluster, Slurm compute nodes included (they have sshd False)."""
+        return [self._host(name) for name in self.clusters[cluster]]
 
     def exec_prefix(self, host: str) -> list[str]:
         """argv prefix that runs a command inside the host's (or "router"'s) namespace."""
@@ -669,12 +724,19 @@ class TestBed:
         kill_pids(stale)
         return stale
 
+    def _daemon_pids(self) -> set[int]:
+        """The bed's own processes in its namespaces: sshd listeners, Slurm's daemons."""
+        keep = {p for h in self._all_hosts() if (p := self._sshd_pid(h))}
+        if self.slurm is not None:
+            keep |= self.slurm.service_pids()
+        return keep
+
     def leaks(self) -> list[str]:
         """What a test left behind: processes in the bed's namespaces other than the sshd
-        listeners and the bed's proxies, hosts cut, sshds stopped, rates changed."""
+        listeners, Slurm daemons and the bed's proxies, hosts cut, sshds stopped, rates changed,
+        Slurm jobs not finished (pending, running, completing) or nodes not idle."""
         found = []
-        keep = {p for h in self._all_hosts() if (p := self._sshd_pid(h))}
-        keep |= {p.pid for p in self._proxies.values()}
+        keep = self._daemon_pids() | {p.pid for p in self._proxies.values()}
         for ns in list_namespaces():
             if ns.startswith(f"{self.id}-"):
                 for pid in namespace_pids(ns):
@@ -684,18 +746,17 @@ class TestBed:
         found += [f"sshd of {h} stopped" for h in sorted(self._stopped)]
         found += [f"rate {'-'.join(sorted(pair))} is {rate}" for pair, rate in
                   self._rates.items() if rate != self.rate_mbit]
+        if self.slurm is not None and not self._cut:
+            found += self.slurm.leaks()
         return found
 
     def reset(self) -> None:
-        """Undo what leaks() reports: kill strays, restore hosts, sshds, rates; stop proxies."""
+        """Undo what leaks() reports: cancel Slurm jobs, kill strays, restore hosts, sshds,
+        rates, Slurm daemons and nodes; stop proxies."""
         for proc in [*self._procs, *self._proxies.values()]:
             _stop_popen(proc)
         self._procs.clear()
         self._proxies.clear()
-        keep = {p for h in self._all_hosts() if (p := self._sshd_pid(h))}
-        strays = [pid for ns in list_namespaces() if ns.startswith(f"{self.id}-")
-                  for pid in namespace_pids(ns) if pid not in keep]
-        kill_pids(strays)
         for host in sorted(self._cut):
             self.restore(host)
         for host in sorted(self._stopped):
@@ -705,21 +766,37 @@ class TestBed:
             self._rates[pair] = self.rate_mbit
         for cluster in changed:
             self._shape(cluster)
+        failed: SlurmError | None = None
+        if self.slurm is not None:
+            try:
+                self.slurm.reset()
+            except SlurmError as exc:
+                failed = exc
+        keep = self._daemon_pids()
+        strays = [pid for ns in list_namespaces() if ns.startswith(f"{self.id}-")
+                  for pid in namespace_pids(ns) if pid not in keep]
+        kill_pids(strays)
+        if failed is not None:
+            raise TestBedError(f"Slurm of bed {self.id} could not be reset: {failed}")
 
     def status(self) -> dict:
         return {"id": self.id, "slot": self.slot, "dir": str(self.dir),
                 "ssh_config": str(self.ssh_config),
                 "hosts": {h.name: {"cluster": h.cluster, "ns": h.ns, "address": h.address}
                           for h in self._all_hosts()},
+                "compute": {h.name: {"cluster": h.cluster, "ns": h.ns, "address": h.address}
+                            for h in self.compute.values()},
+                **({"slurm": self.slurm.describe()} if self.slurm else {}),
                 "rates_mbit": {"-".join(sorted(p)): r for p, r in self._rates.items()}}
 
     def _host(self, name: str) -> Host:
         if name == "bastion" and self.bastion:
             return self.bastion
         try:
-            return self.hosts[name]
+            return self.hosts.get(name) or self.compute[name]
         except KeyError:
-            raise TestBedError(f"no host {name!r} in this bed: {sorted(self.hosts)}") from None
+            raise TestBedError(f"no host {name!r} in this bed: "
+                               f"{sorted([*self.hosts, *self.compute])}") from None
 
     def _router_if(self, host: Host) -> str:
         return "rb" if host is self.bastion else f"h{self._host_index[host.name]}"

@@ -1,0 +1,195 @@
+"""The keeper: one process per node of a Slurm allocation, the batch job's long-lived step.
+
+On a Slurm node every process must belong to a job step, and a step's processes end when the
+step does (proctrack/cgroup kills what is left). A host agent started by a short ``srun
+--overlap`` command would die with that command's step. So the batch script starts one keeper
+per node (``srun --ntasks-per-node=1 ... keeper serve NAME``) and commands that must outlive
+their own step (the agent's `start`, which daemonizes) are handed to the keeper of their node
+(``keeper call NAME ...`` run by ``srun --overlap`` on that node): the keeper runs them as its
+children, inside its step, with its step's environment (SLURM_*, the GPUs Slurm gave it) under
+the caller's.
+
+The keeper listens on an abstract unix socket (node-local, no file) and serves only processes
+of its own user (SO_PEERCRED). It ends, releasing the node, `LINGER` seconds after every
+agent it started has ended, when nothing was started for `IDLE_TIMEOUT` seconds after it came
+up, or on SIGTERM (Slurm's notice before a time limit or preemption), which it passes to its
+agents first so that their workers stop gracefully.
+
+Standard library only: it runs before anything else of the job is checked on the node.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import signal
+import socket
+import struct
+import subprocess
+import sys
+import threading
+import time
+from typing import Any
+
+from nebula_cli.agent.procs import pid_alive
+
+IDLE_TIMEOUT = 900.0
+"""Seconds a keeper waits for its first agent before it gives the node back."""
+LINGER = 15.0
+"""Seconds a keeper stays after its last agent ended: the command that ended it (a `stop` run
+as an srun step) returns before the allocation, and its steps, end."""
+TERM_GRACE = 110.0
+"""Seconds the keeper gives its agents after SIGTERM (Slurm's notice is 120 s by default)."""
+POLL = 0.5
+MAX_REQUEST = 16 << 20
+CALL_TIMEOUT = 120.0
+
+
+def socket_name(name: str) -> str:
+    """The abstract socket of the keeper called `name` (one per node and Slurm job)."""
+    return "\0nebula-keeper-" + name
+
+
+def _recv_all(sock: socket.socket) -> bytes:
+    chunks, size = [], 0
+    while chunk := sock.recv(65536):
+        chunks.append(chunk)
+        size += len(chunk)
+        if size > MAX_REQUEST:
+            raise ValueError("request too large")
+    return b"".join(chunks)
+
+
+class Keeper:
+    """Serves `call`s on its node; watches the agents it started."""
+
+    def __init__(self, name: str, idle_timeout: float = IDLE_TIMEOUT) -> None:
+        self.name = name
+        self.idle_timeout = idle_timeout
+        self.agents: set[int] = set()
+        self.started = self.last_alive = time.monotonic()
+        self.terminated = threading.Event()
+        self.lock = threading.Lock()
+
+    def handle(self, conn: socket.socket) -> None:
+        with conn:
+            creds = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+            _, uid, _ = struct.unpack("3i", creds)
+            if uid != os.getuid():
+                return  # another user's process: nothing is run, nothing is said
+            try:
+                request = json.loads(_recv_all(conn))
+                reply = self.run(request)
+            except (ValueError, OSError, KeyError, TypeError) as exc:
+                reply = {"exit_code": 2, "stdout": "", "stderr": f"keeper {self.name}: {exc}\n"}
+            with contextlib.suppress(OSError):
+                conn.sendall(json.dumps(reply).encode())
+
+    def run(self, request: dict[str, Any]) -> dict[str, Any]:
+        argv = [str(a) for a in request["argv"]]
+        env = {**os.environ, **{str(k): str(v) for k, v in (request.get("env") or {}).items()}}
+        proc = subprocess.run(argv, env=env, cwd=request.get("cwd") or None,
+                              capture_output=True, timeout=float(request.get("timeout") or
+                                                                 CALL_TIMEOUT),
+                              stdin=subprocess.DEVNULL, check=False)
+        out = proc.stdout.decode(errors="replace")
+        with contextlib.suppress(ValueError, IndexError, KeyError, TypeError):
+            pid = int(json.loads(out.strip().splitlines()[-1])["agent_pid"])
+            with self.lock:
+                self.agents.add(pid)
+        return {"exit_code": proc.returncode, "stdout": out,
+                "stderr": proc.stderr.decode(errors="replace")}
+
+    def live_agents(self) -> list[int]:
+        with self.lock:
+            return [p for p in self.agents if pid_alive(p)]
+
+    def done(self) -> bool:
+        with self.lock:
+            started_any = bool(self.agents)
+        if not started_any:
+            return time.monotonic() - self.started > self.idle_timeout
+        if self.live_agents():
+            self.last_alive = time.monotonic()
+            return False
+        return time.monotonic() - self.last_alive > LINGER
+
+    def on_term(self, signum: int, frame: object) -> None:
+        self.terminated.set()
+
+    def serve(self) -> int:
+        server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        server.bind(socket_name(self.name))
+        server.listen(64)
+        server.settimeout(POLL)
+        signal.signal(signal.SIGTERM, self.on_term)
+        node = os.environ.get("SLURMD_NODENAME") or socket.gethostname()
+        print(f"nebula keeper {self.name} on {node}: ready (pid {os.getpid()})", flush=True)
+        while not self.terminated.is_set() and not self.done():
+            try:
+                conn, _ = server.accept()
+            except TimeoutError:
+                continue
+            threading.Thread(target=self.handle, args=(conn,), daemon=True).start()
+        server.close()
+        if self.terminated.is_set():
+            self.stop_agents()
+        print(f"nebula keeper {self.name} on {node}: done", flush=True)
+        return 0
+
+    def stop_agents(self) -> None:
+        """SIGTERM to every live agent (each stops its workers gracefully), then wait."""
+        for pid in self.live_agents():
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGTERM)
+        deadline = time.monotonic() + TERM_GRACE
+        while self.live_agents() and time.monotonic() < deadline:
+            time.sleep(POLL)
+
+
+def call(name: str, argv: list[str], env: dict[str, str], cwd: str | None,
+         timeout: float) -> int:
+    """Hand `argv` to the keeper `name` on this node; print its output; its exit code (3 when
+    no keeper answers)."""
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.settimeout(timeout + 10)
+    try:
+        sock.connect(socket_name(name))
+        sock.sendall(json.dumps({"argv": argv, "env": env, "cwd": cwd,
+                                 "timeout": timeout}).encode())
+        sock.shutdown(socket.SHUT_WR)
+        reply = json.loads(_recv_all(sock))
+    except (OSError, ValueError) as exc:
+        node = os.environ.get("SLURMD_NODENAME") or socket.gethostname()
+        print(f"no nebula keeper {name} answers on {node}: {exc} (is the batch job's keeper "
+              "step running? see the job's slurm output)", file=sys.stderr)
+        return 3
+    finally:
+        sock.close()
+    sys.stdout.write(reply.get("stdout", ""))
+    sys.stderr.write(reply.get("stderr", ""))
+    return int(reply.get("exit_code", 1))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="nebula-keeper", description=__doc__.split("\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    serve = sub.add_parser("serve", help="keep this node: run what is handed over")
+    serve.add_argument("name")
+    serve.add_argument("--idle-timeout", type=float, default=IDLE_TIMEOUT)
+    hand = sub.add_parser("call", help="hand a command to this node's keeper")
+    hand.add_argument("name")
+    hand.add_argument("--env-json", default="{}")
+    hand.add_argument("--cwd", default=None)
+    hand.add_argument("--timeout", type=float, default=CALL_TIMEOUT)
+    hand.add_argument("argv", nargs="+", help="the command, after --")
+    args = parser.parse_args(argv)
+    if args.command == "serve":
+        return Keeper(args.name, args.idle_timeout).serve()
+    return call(args.name, args.argv, json.loads(args.env_json), args.cwd, args.timeout)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

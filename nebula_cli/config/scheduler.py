@@ -1,0 +1,93 @@
+"""The spec's `slurm:` section of a cluster whose hosts come from a Slurm allocation.
+
+Re-exported by `nebula_cli.config.spec`; each field's default is defined here, once.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Annotated
+
+from pydantic import AfterValidator, Field, field_validator
+
+from nebula_cli.config.sections import SpecModel
+
+_TIME = re.compile(r"^(?:\d+-\d{1,2}(?::\d{1,2}){0,2}|\d+(?::\d{1,2}){0,2}|UNLIMITED|INFINITE)$")
+_SLURM_WORD = re.compile(r"^[A-Za-z0-9_.,:@%+=/\[\]-]{1,128}$")
+PREEMPT_SIGNAL = "B:TERM@120"
+"""Asked of Slurm unless `sbatch_args` names a --signal: the batch step gets SIGTERM two
+minutes before a time limit, so the workers stop gracefully (and checkpoint)."""
+
+
+def _slurm_time(value: str) -> str:
+    """Slurm's time formats: minutes, m:s, h:m:s, d-h, d-h:m, d-h:m:s, UNLIMITED."""
+    if not _TIME.match(value) or re.fullmatch(r"0+(?:[-:]0+)*", value):
+        raise ValueError(f"expected a Slurm time limit such as \"90\" (minutes), \"04:00:00\" "
+                         f"or \"2-00:00:00\" (days-hours:minutes:seconds), found {value!r}")
+    return value
+
+
+def _slurm_word(value: str) -> str:
+    if not _SLURM_WORD.match(value):
+        raise ValueError(f"expected a Slurm name (letters, digits, _ . , : @ % + = / [ ] -), "
+                         f"found {value!r}")
+    return value
+
+
+SlurmTime = Annotated[str, AfterValidator(_slurm_time)]
+SlurmWord = Annotated[str, AfterValidator(_slurm_word)]
+
+
+class SlurmSpec(SpecModel):
+    """What to ask Slurm for: one batch job holds the cluster's nodes for the whole run."""
+
+    partition: SlurmWord | None = None
+    """--partition. Default: the cluster's default partition."""
+    nodes: int = Field(1, ge=1, le=4096)
+    """--nodes: the hosts of the cluster's DeepSpeed world."""
+    ntasks_per_node: int = Field(1, ge=1, le=1024)
+    """Processes (DeepSpeed ranks) per node, e.g. one per GPU."""
+    gpus_per_node: int = Field(0, ge=0, le=64)
+    """--gpus-per-node (0: a CPU cluster, nothing asked)."""
+    cpus_per_task: int | None = Field(None, ge=1, le=4096)
+    """--cpus-per-task. Default: Slurm's."""
+    time: SlurmTime | None = None
+    """--time, the allocation's limit. Default: the partition's."""
+    account: SlurmWord | None = None
+    """--account."""
+    qos: SlurmWord | None = None
+    """--qos."""
+    constraint: str | None = Field(None, min_length=1, max_length=256)
+    """--constraint (node features, e.g. "a100&ib")."""
+    reservation: SlurmWord | None = None
+    """--reservation."""
+    sbatch_args: list[str] = Field(default_factory=list)
+    """Anything else for sbatch, passed through (e.g. ["--exclusive"])."""
+    template: str | None = Field(None, min_length=1)
+    """A batch script template of your own, in place of nebula's launchers/slurm.sbatch (the
+    same placeholders; path relative to the spec)."""
+
+    @field_validator("sbatch_args")
+    @classmethod
+    def _options(cls, args: list[str]) -> list[str]:
+        for arg in args:
+            if not arg.startswith("-") or "\n" in arg:
+                raise ValueError(f"expected sbatch options such as \"--exclusive\" or "
+                                 f"\"--mem=0\", each starting with '-', found {arg!r}")
+        return args
+
+    def sbatch_options(self) -> list[str]:
+        """The #SBATCH options this section asks for (the template adds job name, output)."""
+        opts = [f"--nodes={self.nodes}", f"--ntasks-per-node={self.ntasks_per_node}"]
+        for flag, value in (("partition", self.partition), ("time", self.time),
+                            ("account", self.account), ("qos", self.qos),
+                            ("constraint", self.constraint),
+                            ("reservation", self.reservation),
+                            ("cpus-per-task", self.cpus_per_task)):
+            if value is not None:
+                opts.append(f"--{flag}={value}")
+        if self.gpus_per_node:
+            opts.append(f"--gpus-per-node={self.gpus_per_node}")
+        if not any(a.startswith("--signal") for a in self.sbatch_args):
+            opts.append(f"--signal={PREEMPT_SIGNAL}")
+        return opts + list(self.sbatch_args)

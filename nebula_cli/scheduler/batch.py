@@ -1,0 +1,37 @@
+"""The batch script of a Slurm cluster: `launchers/slurm.sbatch` (or the spec's own template)
+with its placeholders filled in."""
+
+from __future__ import annotations
+
+import re
+import shlex
+from collections.abc import Mapping
+
+from nebula_cli.config.scheduler import SlurmSpec
+from nebula_cli.errors import UsageError
+
+PLACEHOLDER = re.compile(r"\{\{\s*([a-z_]+)\s*\}\}")
+
+
+def render(template: str, values: Mapping[str, str]) -> str:
+    """`template` with every ``{{name}}`` replaced; UsageError naming any unknown one."""
+    unknown = sorted({m for m in PLACEHOLDER.findall(template) if m not in values})
+    if unknown:
+        raise UsageError(f"the Slurm batch template uses unknown placeholders: "
+                         f"{', '.join(unknown)} (known: {', '.join(sorted(values))})")
+    return PLACEHOLDER.sub(lambda m: values[m.group(1)], template)
+
+
+def values(request: SlurmSpec, *, job_name: str, output: str, job_root: str,
+           pythonpath: str, python: str) -> dict[str, str]:
+    """The placeholders' values for one cluster's job (shell-quoted where they are words)."""
+    return {
+        "job_name": job_name,
+        "output": output,
+        "sbatch_options": "\n".join(f"#SBATCH {opt}" for opt in request.sbatch_options()),
+        "job_root": shlex.quote(job_root),
+        "pythonpath": shlex.quote(pythonpath),
+        "python": shlex.quote(python),
+        "gpu_option": f"--gpus-per-node={request.gpus_per_node}" if request.gpus_per_node
+        else "",
+    }

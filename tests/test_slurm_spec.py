@@ -1,0 +1,111 @@
+"""The spec's Slurm clusters: what is accepted, what is refused (exit 2, the field and the
+reason, nothing submitted), and the batch script rendered from launchers/slurm.sbatch."""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+
+import pytest
+from conftest import CLI
+from test_spec import one, write
+
+from nebula_cli.config.spec import load_spec
+from nebula_cli.control.allocations import template_of
+from nebula_cli.errors import UsageError
+from nebula_cli.scheduler import batch
+
+SLURM = """\
+name: demo
+run: python train.py
+clusters:
+  - name: hpc
+    hosts: [login.hpc.example.edu]
+    scheduler: slurm
+    slurm:
+      partition: gpu
+      nodes: 2
+      ntasks_per_node: 4
+      gpus_per_node: 4
+      cpus_per_task: 8
+      time: "2-00:00:00"
+      account: proj123
+      sbatch_args: ["--exclusive"]
+"""
+
+
+def test_slurm_cluster_is_accepted_and_asks_slurm_for_what_it_says(tmp_path: Path) -> None:
+    spec = load_spec(write(tmp_path, SLURM))
+    request = spec.clusters[0].slurm_request
+    assert request is not None
+    assert request.sbatch_options() == [
+        "--nodes=2", "--ntasks-per-node=4", "--partition=gpu", "--time=2-00:00:00",
+        "--account=proj123", "--cpus-per-task=8", "--gpus-per-node=4",
+        "--signal=B:TERM@120", "--exclusive"]
+
+
+def test_slurm_section_defaults(tmp_path: Path) -> None:
+    text = SLURM.split("    slurm:")[0]
+    request = load_spec(write(tmp_path, text)).clusters[0].slurm_request
+    assert request is not None and request.nodes == 1 and request.ntasks_per_node == 1
+    assert request.sbatch_options() == ["--nodes=1", "--ntasks-per-node=1",
+                                        "--signal=B:TERM@120"]
+
+
+def test_own_signal_replaces_nebulas(tmp_path: Path) -> None:
+    spec = load_spec(write(tmp_path, SLURM.replace('["--exclusive"]', '["--signal=B:USR1@60"]')))
+    opts = spec.clusters[0].slurm_request.sbatch_options()  # type: ignore[union-attr]
+    assert [o for o in opts if o.startswith("--signal")] == ["--signal=B:USR1@60"]
+
+
+@pytest.mark.parametrize(("change", "field", "says"), [
+    (("hosts: [login.hpc.example.edu]", "hosts: [login1, login2]"), "clusters[0].hosts",
+     "one host, its login node"),
+    (("nodes: 2", "nodes: 0"), "clusters[0].slurm.nodes", ">= 1"),
+    (('time: "2-00:00:00"', 'time: "two days"'), "clusters[0].slurm.time",
+     "Slurm time limit"),
+    (('time: "2-00:00:00"', 'time: "0"'), "clusters[0].slurm.time", "Slurm time limit"),
+    (('["--exclusive"]', '["exclusive"]'), "clusters[0].slurm.sbatch_args", "starting with '-'"),
+    (("partition: gpu", "partition: 'gpu; rm -rf /'"), "clusters[0].slurm.partition",
+     "Slurm name"),
+    (("    scheduler: slurm\n", ""), "clusters[0].slurm", "needs `scheduler: slurm`"),
+    (("    scheduler: slurm\n", "    scheduler: pbs\n"), "clusters[0].scheduler", "slurm"),
+])
+def test_bad_slurm_specs_name_the_field(tmp_path: Path, change: tuple[str, str], field: str,
+                                        says: str) -> None:
+    assert change[0] in SLURM
+    problem = one(tmp_path, SLURM.replace(*change))
+    assert problem.field == field and says in str(problem), str(problem)
+    assert problem.line is not None
+
+
+def test_bad_slurm_spec_exits_2_before_anything_happens(tmp_path: Path, cli: CLI) -> None:
+    path = write(tmp_path, SLURM.replace("nodes: 2", "nodes: 0"))
+    out = cli("launch", "--detach", str(path))
+    assert out.returncode == 2, out.stdout + out.stderr
+    assert "clusters[0].slurm.nodes" in out.stderr + out.stdout
+    assert cli.job_ids() == []
+
+
+def test_batch_script_renders_every_placeholder(tmp_path: Path) -> None:
+    spec = load_spec(write(tmp_path, SLURM))
+    cluster = spec.clusters[0]
+    script = batch.render(template_of(spec, cluster), batch.values(
+        cluster.slurm_request, job_name="nebula-j-hpc", output="/r/slurm/hpc-%j.out",  # type: ignore[arg-type]
+        job_root="/r", pythonpath="/r/lib", python="python3"))
+    assert "{{" not in script
+    assert "#SBATCH --nodes=2\n" in script and "#SBATCH --gpus-per-node=4\n" in script
+    assert "#SBATCH --output=/r/slurm/hpc-%j.out" in script
+    assert "--gpus-per-node=4 --kill-on-bad-exit=0" in script
+    assert subprocess.run(["bash", "-n"], input=script, text=True).returncode == 0
+
+
+def test_own_template_with_unknown_placeholder_is_refused(tmp_path: Path) -> None:
+    (tmp_path / "my.sbatch").write_text("#!/bin/bash\n#SBATCH {{sbatch_options}}\n{{nodez}}\n")
+    spec = load_spec(write(tmp_path, SLURM.replace(
+        'sbatch_args: ["--exclusive"]', "template: my.sbatch")))
+    cluster = spec.clusters[0]
+    with pytest.raises(UsageError, match="unknown placeholders: nodez"):
+        batch.render(template_of(spec, cluster), batch.values(
+            cluster.slurm_request, job_name="j", output="o", job_root="/r",  # type: ignore[arg-type]
+            pythonpath="/r/lib", python="python3"))

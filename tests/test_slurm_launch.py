@@ -142,3 +142,33 @@ def test_slurm_refusal_names_the_spec_field_and_nothing_is_submitted(
     (job_id,) = slurm_cli.job_ids()  # nothing was queued: Slurm's job log never saw it
     log = slurm_of(slurm_bed).jobcomp_log
     assert not log.exists() or f"nebula-{job_id}" not in log.read_text()
+
+
+def test_time_limit_is_shown_as_timeout_and_resume_continues_from_the_checkpoint(
+        slurm_cli: CLI, slurm_bed: TestBed, tmp_path: Path) -> None:
+    # Slurm's notice comes 60 s before the 3-minute limit (up to a minute earlier: Slurm checks
+    # about once a minute): the workers stop and checkpoint, then Slurm ends the job TIMEOUT
+    spec = slurm_spec(tmp_path, steps=100_000, with_ssh=False, checkpoint={"every": 5},
+                      slurm={"time": "3", "sbatch_args": ["--signal=TERM@60"]})
+    slurm_cli("launch", "--detach", str(spec), check=True, timeout=600)
+    (job_id,) = slurm_cli.job_ids()
+    (first,) = slurm_of(slurm_bed).active_jobs()
+    st = wait_for(lambda: (s := status(slurm_cli, job_id))["state"] != "RUNNING" and s,
+                  timeout=400, every=2)
+    outputs = "".join(p.read_text() for p in (REMOTE_JOBS / job_id / "slurm").glob("*.out"))
+    assert st["state"] == "FAILED" and f"Slurm job {first[0]} TIMEOUT" in st["reason"], \
+        (st, outputs)
+    saved = sorted((REMOTE_JOBS / job_id / "checkpoints" / "hpc").glob("node*/step*/COMPLETE"))
+    assert {p.parent.parent.name for p in saved} == {"node0", "node1"}, saved
+    steps_done = max(int(p.parent.name.removeprefix("step")) for p in saved)
+
+    out = slurm_cli("resume", job_id, "--detach", timeout=600)
+    assert out.returncode == 0, out.stdout + out.stderr
+    (second,) = slurm_of(slurm_bed).active_jobs()
+    assert second[0] != first[0]
+    resumed = wait_for(lambda: [r for r in records(job_id) if r.get("resumed_from_step")],
+                       timeout=300)
+    assert {r["resumed_from_step"] for r in resumed} == {steps_done}
+    assert slurm_cli("stop", job_id, timeout=300).returncode == 0
+    wait_for(lambda: not slurm_of(slurm_bed).active_jobs(), timeout=60)
+    assert job_processes(job_id) == []

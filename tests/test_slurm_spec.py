@@ -41,7 +41,7 @@ def test_slurm_cluster_is_accepted_and_asks_slurm_for_what_it_says(tmp_path: Pat
     assert request.sbatch_options() == [
         "--nodes=2", "--ntasks-per-node=4", "--partition=gpu", "--time=2-00:00:00",
         "--account=proj123", "--cpus-per-task=8", "--gpus-per-node=4",
-        "--signal=B:TERM@120", "--exclusive"]
+        "--signal=TERM@120", "--exclusive"]
 
 
 def test_slurm_section_defaults(tmp_path: Path) -> None:
@@ -49,7 +49,7 @@ def test_slurm_section_defaults(tmp_path: Path) -> None:
     request = load_spec(write(tmp_path, text)).clusters[0].slurm_request
     assert request is not None and request.nodes == 1 and request.ntasks_per_node == 1
     assert request.sbatch_options() == ["--nodes=1", "--ntasks-per-node=1",
-                                        "--signal=B:TERM@120"]
+                                        "--signal=TERM@120"]
 
 
 def test_own_signal_replaces_nebulas(tmp_path: Path) -> None:

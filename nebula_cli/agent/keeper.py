@@ -13,7 +13,8 @@ The keeper listens on an abstract unix socket (node-local, no file) and serves o
 of its own user (SO_PEERCRED). It ends, releasing the node, `LINGER` seconds after every
 agent it started has ended, when nothing was started for `IDLE_TIMEOUT` seconds after it came
 up, or on SIGTERM (Slurm's notice before a time limit or preemption), which it passes to its
-agents first so that their workers stop gracefully.
+agents first so that their workers stop gracefully; under Slurm it then waits for Slurm to end
+the job, so that the job's state says why (TIMEOUT, PREEMPTED).
 
 Standard library only: it runs before anything else of the job is checked on the node.
 """
@@ -136,6 +137,11 @@ class Keeper:
         server.close()
         if self.terminated.is_set():
             self.stop_agents()
+            if os.environ.get("SLURM_JOB_ID"):  # Slurm ends the job and says why (TIMEOUT,
+                print(f"nebula keeper {self.name} on {node}: agents stopped on Slurm's "
+                      "notice; waiting for Slurm to end the job", flush=True)
+                while True:  # PREEMPTED, CANCELLED); leaving now would make it COMPLETED
+                    time.sleep(60)
         print(f"nebula keeper {self.name} on {node}: done", flush=True)
         return 0
 

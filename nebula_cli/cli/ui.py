@@ -107,14 +107,15 @@ def job_detail(snap: JobSnapshot, metrics: dict[str, dict[str, Any]] | None = No
         f"  started {human_time(job.started)}  ran {human_duration(job_duration(job))}",
         f"  attempt {attempt}" if attempt > 1 else "",
     )
-    if job.reason and job.state in ("FAILED",):
-        head.append(f"\nreason: {job.reason}", style="red")
+    if job.reason and job.state in ("FAILED", "QUEUED"):
+        head.append(f"\nreason: {job.reason}", style="red" if job.state == "FAILED" else "")
     table = Table(show_edge=False)
     for col in ("cluster", "host", "role", "state", "agent", "pid", "restarts", "exit", "note"):
         table.add_column(col)
     for h in snap.hosts:
         note = h.detail.get("unreachable") or h.detail.get("metrics_unreachable") or (
-            h.detail.get("reason") if h.state in ("FAILED", "LOST", "RESTARTING") else "")
+            h.detail.get("reason") if h.state in ("FAILED", "LOST", "RESTARTING") else
+            h.detail.get("slurm"))
         table.add_row(
             Text(h.cluster, style=colors.get(h.cluster, "")), h.host, h.role, state_text(h.state),
             str(h.detail.get("agent_pid") or "-"), str(h.pid or "-"), str(h.restarts),

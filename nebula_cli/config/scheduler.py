@@ -14,9 +14,10 @@ from nebula_cli.config.sections import SpecModel
 
 _TIME = re.compile(r"^(?:\d+-\d{1,2}(?::\d{1,2}){0,2}|\d+(?::\d{1,2}){0,2}|UNLIMITED|INFINITE)$")
 _SLURM_WORD = re.compile(r"^[A-Za-z0-9_.,:@%+=/\[\]-]{1,128}$")
-PREEMPT_SIGNAL = "B:TERM@120"
-"""Asked of Slurm unless `sbatch_args` names a --signal: the batch step gets SIGTERM two
-minutes before a time limit, so the workers stop gracefully (and checkpoint)."""
+PREEMPT_SIGNAL = "TERM@120"
+"""Asked of Slurm unless `sbatch_args` names a --signal: two minutes before a time limit the
+steps' processes (the keepers, not the batch shell: an srun that gets SIGTERM kills its step
+after KillWait) get SIGTERM, so the workers stop gracefully and checkpoint."""
 
 
 def _slurm_time(value: str) -> str:

@@ -195,15 +195,23 @@ def cancel_all(job_dir: Path, transport: GetTransport, progress: Progress) -> li
     return done
 
 
-def ended(job_dir: Path, transport: GetTransport, clusters: set[str]) -> dict[str, str]:
-    """Of `clusters`, those whose Slurm job has ended: cluster -> "Slurm job J STATE"."""
+def queue_states(job_dir: Path, transport: GetTransport,
+                 clusters: set[str]) -> dict[str, str]:
+    """Of `clusters`, those on a Slurm allocation: cluster -> "Slurm job J STATE on NODES"
+    (what `status` shows; STATE is one of Slurm's, see `ended_state`)."""
     out = {}
     for name, alloc in recorded(job_dir).items():
         if name in clusters and alloc.nodes:
             state = slurm.queue_state(transport(alloc.login), alloc.job)
-            if state.ended:
-                out[name] = f"Slurm job {alloc.job} {state.state}"
+            where = f" on {state.nodelist}" if state.nodelist else ""
+            out[name] = f"Slurm job {alloc.job} {state}{where}"
     return out
+
+
+def ended_state(said: str) -> bool:
+    """Whether a `queue_states` text says the allocation is over."""
+    state = said.split()[3] if len(said.split()) > 3 else ""
+    return slurm.QueueState(state).ended
 
 
 def last_status(t: Transport, agent_dir: str) -> dict[str, Any]:

@@ -104,8 +104,13 @@ class JobOps(Session):
         job = self.store.get_job(ref)
         hosts = self.store.hosts(job.id)
         live = [h for h in hosts if h.state not in END_STATES]
-        if live and self._end_with_allocations(job.id, live):
-            live = [h for h in self.store.hosts(job.id) if h.state not in END_STATES]
+        # on Slurm: hosts STOPPED while the job runs were stopped by Slurm's notice (a time
+        # limit, preemption): the job waits for the allocation's end to say which
+        noticed = [h for h in hosts if h.state == "STOPPED" and h.role == jobplan.WORKER
+                   and job.state == "RUNNING"]
+        said = self._end_with_allocations(job.id, live + noticed)
+        hosts = self.store.hosts(job.id)
+        live = [h for h in hosts if h.state not in END_STATES]
         if live:
             groups = self._by_machine(live)
             try:
@@ -128,7 +133,9 @@ class JobOps(Session):
                 hosts = self.store.hosts(job.id)
             if job.state not in ("PENDING", "QUEUED") and self._end_idle_relays(hosts):
                 hosts = self.store.hosts(job.id)
-        if job.state == "RUNNING":  # launching (PENDING) and ended jobs keep their state
+        waiting = any(h.role == jobplan.WORKER and h.state == "STOPPED" and h.cluster in said
+                      and not allocations.ended_state(said[h.cluster]) for h in hosts)
+        if job.state == "RUNNING" and not waiting:  # launching and ended jobs keep theirs
             state = job_state(hosts, job.state, job.spec.get("min_clusters"))
             if state != job.state:
                 failed = [h for h in hosts if h.state in ("FAILED", "LOST")]
@@ -196,19 +203,24 @@ class JobOps(Session):
                 reply["reason"] = reason
                 self._apply_status(rec, reply)
 
-    def _end_with_allocations(self, job_id: str, live: list[HostRecord]) -> bool:
-        """Hosts of a Slurm allocation that has ended (time limit, preemption, scancel) are
-        gone with it: each takes the state its agent last wrote (what a graceful stop on
-        Slurm's notice left) or LOST, with the Slurm job's state as the reason."""
-        ended = allocations.ended(self.store.job_dir(job_id), self.transport,
-                                  {h.cluster for h in live})
-        gone = [h for h in live if h.cluster in ended]
-        for rec in gone:
+    def _end_with_allocations(self, job_id: str, hosts: list[HostRecord]) -> dict[str, str]:
+        """Hosts of a Slurm allocation note its state; those of one that has ended are gone
+        with it: workers SUCCEEDED if their agent said so, else LOST with the Slurm job's state
+        as the reason ("Slurm job 12 TIMEOUT"); relays STOPPED (workers decide the job).
+        What Slurm said of each cluster's allocation (`allocations.queue_states`)."""
+        said = allocations.queue_states(self.store.job_dir(job_id), self.transport,
+                                        {h.cluster for h in hosts}) if hosts else {}
+        for rec in (h for h in hosts if h.cluster in said):
+            rec.detail["slurm"] = said[rec.cluster]
+            if not allocations.ended_state(said[rec.cluster]):
+                self.store.upsert_host(rec)
+                continue
             status = allocations.last_status(self.transport_of(rec), rec.agent_dir)
-            state = status.get("state")
-            self._apply_status(rec, {**status, "state": state if state in END_STATES
-                                     else "LOST", "reason": ended[rec.cluster]})
-        return bool(gone)
+            done = status.get("state") == "SUCCEEDED" or rec.role == jobplan.RELAY
+            ended = status.get("state") if status.get("state") in END_STATES else "STOPPED"
+            self._apply_status(rec, {**status, "reason": None if done else said[rec.cluster],
+                                     "state": ended if done else "LOST"})
+        return said
 
     def _apply_status(self, rec: HostRecord, status: dict[str, Any]) -> None:
         state = status.get("state", rec.state)
@@ -241,7 +253,12 @@ class JobOps(Session):
         snap = self.refresh(ref)
         report = StopReport(job=snap.job)
         groups: dict[tuple[Any, ...], list[HostRecord]] = defaultdict(list)
+        said = allocations.queue_states(self.store.job_dir(snap.job.id), self.transport,
+                                        {h.cluster for h in snap.hosts})
         for rec in snap.hosts:  # one agent call per machine and role
+            if allocations.ended_state(said.get(rec.cluster, "")):
+                report.already_ended.append(rec)  # gone with its Slurm allocation
+                continue
             groups[(rec.role, *machine_key(rec.detail["conn"]))].append(rec)
         args = ["stop", *(["--grace", str(grace)] if grace is not None else []),
                 *(["--force"] if force else [])]

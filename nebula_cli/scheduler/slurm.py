@@ -19,7 +19,8 @@ TIMEOUT = 60.0
 RUNNING = "RUNNING"
 WAITING = frozenset({"PENDING", "CONFIGURING", "REQUEUED", "RESIZING", "SUSPENDED"})
 """Slurm states in which the allocation has not started (or not yet again)."""
-ENDED_OK = "COMPLETED"
+ENDING = frozenset({"COMPLETING", "SIGNALING", "STAGE_OUT", "STOPPED"})
+"""Slurm states on the way to an end state (which says why: TIMEOUT, PREEMPTED, ...)."""
 FIELD_SEP = "|"
 
 
@@ -37,7 +38,9 @@ class QueueState:
 
     @property
     def ended(self) -> bool:
-        return self.state != RUNNING and not self.waiting
+        """In an end state (COMPLETED, FAILED, TIMEOUT, PREEMPTED, CANCELLED, NODE_FAIL, ...,
+        or UNKNOWN: forgotten by Slurm)."""
+        return self.state != RUNNING and not self.waiting and self.state not in ENDING
 
     def __str__(self) -> str:
         why = f" ({self.reason})" if self.reason and self.reason != "None" else ""

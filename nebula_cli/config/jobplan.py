@@ -457,7 +457,7 @@ def relay_config(spec: JobSpec, job_id: str, cluster: ClusterSpec, adir: str, po
     return RelayConfig(
         job_id=job_id,
         cluster=cluster.name,
-        clusters=[c.name for c in spec.clusters],
+        clusters=spec.dial_order,
         peer_listen=f"{bind}:{peer_port}",
         worker_listen=f"{bind}:{worker_port}",
         peers={c.name: f"{dial_address(c)}:{ports.relays[c.name][0]}"

@@ -54,7 +54,8 @@ class RelayConfig:
     cluster: str
     """This relay's cluster."""
     clusters: list[str]
-    """All clusters of the job, in spec order. A cluster dials every cluster listed before it."""
+    """All clusters of the job, in `JobSpec.dial_order` (those that accept connections first,
+    then spec order). A cluster dials every cluster listed before it."""
     peer_listen: str
     """host:port where relays of later clusters dial this relay (the WAN side)."""
     worker_listen: str

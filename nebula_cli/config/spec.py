@@ -85,6 +85,9 @@ class ClusterSpec(SpecModel):
     max_restarts: int | None = Field(None, ge=0)
     """Restarts after a failure for this cluster's hosts (a flaky or preemptible site may
     need more). Default: the job's `max_restarts`."""
+    relay_reach: Literal["inbound", "outbound"] = "inbound"
+    """'inbound': other clusters' relays can dial this one. 'outbound': its relay can only
+    dial out (compute nodes, VMs behind a firewall or NAT): it dials every other cluster."""
     scheduler: Literal["none", "slurm"] = "none"
     """'none': the hosts run the workers. 'slurm': the one host is the login node of a Slurm
     cluster; one batch job (see `slurm`) holds the nodes that run the workers."""
@@ -287,6 +290,13 @@ class JobSpec(SpecModel):
             problems += self._check_pipeline()
         if self.min_clusters is not None:
             problems += self._check_min_clusters()
+        outbound = [i for i, c in enumerate(self.clusters) if c.relay_reach == "outbound"]
+        if self.relay is not None and len(outbound) > 1:
+            names = " and ".join(self.clusters[i].name for i in outbound[:2])
+            problems.append((("clusters", outbound[1], "relay_reach"), f"{names} both have "
+                             "relay_reach: outbound: neither relay can dial the other (relays "
+                             "cannot meet through an SSH tunnel yet); give one of them an "
+                             "address the other can reach (relay_address)"))
         if problems:
             raise problems_error(problems)
         return self
@@ -365,6 +375,12 @@ class JobSpec(SpecModel):
     def pipeline_layout(self) -> pipeline.PipelineLayout | None:
         """Which device holds which stage of which replica; None without a pipeline."""
         return self._layout
+
+    @property
+    def dial_order(self) -> list[str]:
+        """The clusters as their relays connect: each dials those before it, so clusters
+        that accept connections come first (spec order otherwise)."""
+        return [c.name for c in sorted(self.clusters, key=lambda c: c.relay_reach == "outbound")]
 
     def problem_at(self, path: tuple[str | int, ...], message: str) -> SpecError:
         """A SpecError at `path` of the spec file (where it was written, when the file is

@@ -3,6 +3,7 @@ reason, nothing submitted), and the batch script rendered from launchers/slurm.s
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 from pathlib import Path
 
@@ -109,3 +110,21 @@ def test_own_template_with_unknown_placeholder_is_refused(tmp_path: Path) -> Non
         batch.render(template_of(spec, cluster), batch.values(
             cluster.slurm_request, job_name="j", output="o", job_root="/r",  # type: ignore[arg-type]
             pythonpath="/r/lib", python="python3"))
+
+
+def test_sbatch_missing_on_the_login_node_is_one_line_naming_it(tmp_path: Path,
+                                                                cli: CLI) -> None:
+    # the login node is this machine (transport local) with a PATH that has no Slurm
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for tool in ("sh", "env", "cat", "uname"):
+        (bin_dir / tool).symlink_to(shutil.which(tool) or f"/bin/{tool}")
+    spec = write(tmp_path, SLURM.replace("    hosts: [login.hpc.example.edu]\n",
+                                         "    transport: local\n    hosts: [login]\n"))
+    cli.env["PATH"] = str(bin_dir)
+    out = cli("launch", "--detach", str(spec))
+    assert out.returncode == 1, out.stdout + out.stderr
+    said = [line for line in out.stderr.splitlines() if "not found on the PATH" in line]
+    assert said and "login: sbatch, squeue, scancel, scontrol, srun not found" in said[0], \
+        out.stderr
+    assert "submitted" not in out.stderr

@@ -135,3 +135,27 @@ def test_a_malformed_agent_json_is_refused_with_the_reason(tmp_path: Path) -> No
     assert out.returncode == 2
     assert "unknown key(s) retries" in json.loads(out.stdout)["error"]
     assert not (d / "status.json").exists()  # nothing started
+
+
+def test_an_agent_that_ends_between_the_reads_is_not_lost(tmp_path: Path,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """status.json said RUNNING when read; the agent then recorded SUCCEEDED and exited before
+    its liveness was checked (seen once in CI as a LOST worker with identical parameters).
+    Below the real path the quickstart tests take: here the exit lands exactly in between."""
+    from nebula_cli.agent import supervisor
+
+    d = tmp_path / "agent"
+    d.mkdir()
+    supervisor.write_json(d / "status.json", {"state": "RUNNING", "agent_pid": 999_999_9})
+
+    def agent_ends_now(pid: int | None, agent_dir: Path) -> bool:
+        supervisor.write_json(d / "status.json", {"state": "SUCCEEDED", "agent_pid": pid,
+                                                  "exit_code": 0})
+        return False
+
+    monkeypatch.setattr(supervisor, "is_agent_of", agent_ends_now)
+    status = supervisor.reconciled_status(d)
+    assert status["state"] == "SUCCEEDED" and status["exit_code"] == 0
+    supervisor.write_json(d / "status.json", {"state": "RUNNING", "agent_pid": 999_999_9})
+    monkeypatch.setattr(supervisor, "is_agent_of", lambda pid, agent_dir: False)
+    assert supervisor.reconciled_status(d)["state"] == "LOST"  # truly gone: still LOST

@@ -360,6 +360,9 @@ def reconciled_status(agent_dir: Path) -> dict[str, Any]:
         return {"dir": str(agent_dir), "state": "PENDING", "reason": "agent not started"}
     status["dir"] = str(agent_dir)
     if status.get("state") in ACTIVE and not is_agent_of(status.get("agent_pid"), agent_dir):
+        # read again: the agent may have recorded its end and exited since the first read
+        status = {**(read_json(agent_dir / "status.json") or status), "dir": str(agent_dir)}
+    if status.get("state") in ACTIVE and not is_agent_of(status.get("agent_pid"), agent_dir):
         status["state"] = "LOST"
         status["reason"] = "the agent died without recording an end"
     status["group_alive"] = group_alive(status.get("pgid"))

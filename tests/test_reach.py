@@ -96,3 +96,8 @@ def test_cluster_behind_a_firewall_dials_out_and_trains(ssh_cli: CLI, bed_clean:
     st = json.loads(ssh_cli("status", job_id, "--json", check=True).stdout)
     assert st["state"] == "SUCCEEDED"
     wait_for(lambda: job_processes(job_id) == [], timeout=30)
+
+
+def test_validate_says_which_relay_dials_which(tmp_path: Path, cli: CLI) -> None:
+    out = cli("validate", str(write(tmp_path, TWO)), check=True).stdout
+    assert "relays: hpc dials lab, cloud dials lab, cloud dials hpc" in out

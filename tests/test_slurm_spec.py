@@ -128,3 +128,5 @@ def test_sbatch_missing_on_the_login_node_is_one_line_naming_it(tmp_path: Path,
     assert said and "login: sbatch, squeue, scancel, scontrol, srun not found" in said[0], \
         out.stderr
     assert "submitted" not in out.stderr
+    checked = cli("validate", "--hosts", str(spec))  # validate --hosts finds it first
+    assert checked.returncode == 1 and "sbatch, squeue" in checked.stderr, checked.stderr

@@ -27,6 +27,7 @@ from nebula_cli.cli.ui import (
     job_detail,
     jobs_table,
     spec_error_text,
+    spec_summary,
     upload_bars,
 )
 from nebula_cli.config.spec import JobSpec, load_spec
@@ -120,10 +121,7 @@ def validate(
 ) -> None:
     """Check a job spec: every problem with file:line:col and the field path."""
     spec = load_spec(spec_path)
-    n_hosts = sum(c.node_count for c in spec.clusters)
-    slots = sum(c.process_count for c in spec.clusters)
-    out.print(f"[green]✓[/] {spec_path} is valid: job [bold]{spec.name}[/], "
-              f"{len(spec.clusters)} clusters, {n_hosts} hosts, {slots} processes")
+    out.print(spec_summary(spec_path, spec))
     if not hosts:
         return
     with _store() as store, Orchestrator(store, accept_new_host_keys=accept_new) as orch:

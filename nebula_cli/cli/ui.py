@@ -21,6 +21,7 @@ from rich.progress import (
 from rich.table import Table
 from rich.text import Text
 
+from nebula_cli.config.spec import JobSpec
 from nebula_cli.control.follow import LogLine, finite
 from nebula_cli.control.hostcheck import HostCheck
 from nebula_cli.control.orchestrator import JobSnapshot
@@ -95,6 +96,24 @@ def jobs_table(jobs: list[JobRecord]) -> Table:
                       str(job.num_hosts), human_time(job.started or job.created),
                       human_duration(job_duration(job)))
     return table
+
+
+def spec_summary(path: object, spec: JobSpec) -> str:
+    """What `validate` says of a valid spec: its size, which relay dials which (clusters with
+    `relay_reach: outbound` dial the others) and what each Slurm cluster asks for."""
+    hosts = sum(c.node_count for c in spec.clusters)
+    slots = sum(c.process_count for c in spec.clusters)
+    lines = [f"[green]✓[/] {path} is valid: job [bold]{spec.name}[/], {len(spec.clusters)} "
+             f"clusters, {hosts} hosts, {slots} processes"]
+    order = spec.dial_order
+    if spec.relay is not None and len(order) > 1:
+        lines.append("relays: " + ", ".join(f"{later} dials {earlier}" for i, later in
+                                            enumerate(order) for earlier in order[:i]))
+    for c in spec.clusters:
+        if (request := c.slurm_request) is not None:
+            lines.append(f"{c.name}: one Slurm job through {c.hosts[0].host}: {request.nodes} "
+                         f"node(s) x {request.ntasks_per_node} rank(s)")
+    return "\n".join(lines)
 
 
 def job_detail(snap: JobSnapshot, metrics: dict[str, dict[str, Any]] | None = None,

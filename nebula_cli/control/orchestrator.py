@@ -36,6 +36,7 @@ from nebula_cli.errors import (
     TransportError,
     UsageError,
 )
+from nebula_cli.scheduler import slurm
 from nebula_cli.transport import Transport, describe, machine_key
 
 __all__ = ["JobSnapshot", "Orchestrator", "StopReport", "job_state"]
@@ -383,6 +384,11 @@ class Orchestrator(JobOps):
                 return HostCheck(cluster.name, host.host, host.slots, error=str(exc))
             found = check_host(t, cluster.name, host.host, host.slots)
             found.interface = jobplan.interface_of(cluster, host)  # the spec's, if it names one
+            if cluster.scheduler == "slurm" and found.ok:  # a login node: Slurm's tools too
+                try:
+                    slurm.require_commands(t)
+                except NebulaError as exc:
+                    found.error = str(exc)
             return found
 
         checks = fanout(list(entries), check, timeout=120, cancel=self.abort)

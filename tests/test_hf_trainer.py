@@ -57,14 +57,37 @@ def test_an_unmodified_trainer_script_trains_across_two_clusters(cli: CLI,
     assert job_processes(job_id) == []
 
 
+# the Trainer of examples/hf given NebulaCallback in code, as a user who prefers saying it would
+WITH_CALLBACK = """\
+import runpy, sys, transformers
+from nebula_cli.integrations.hf import NebulaCallback
+
+real_init = transformers.Trainer.__init__
+
+def init(self, *args, **kwargs):
+    real_init(self, *args, **kwargs)
+    self.add_callback(NebulaCallback())
+
+transformers.Trainer.__init__ = init
+sys.argv[0] = "train.py"
+runpy.run_path("train.py", run_name="__main__")
+"""
+
+
 @pytest.mark.slow
 def test_lora_adapters_are_all_that_travels(cli: CLI, tmp_path: Path) -> None:
     """examples/lora: only the adapters train, so the relays carry adapter bytes per round
-    (int8: about one byte each), a tenth of the model's, and every worker ends identical."""
+    (int8: about one byte each), a tenth of the model's, and every worker ends identical.
+    Through NebulaCallback with the automatic hook off (runtime: {auto: false})."""
     pytest.importorskip("peft", reason="the `hf` extra (the test command installs it)")
+    work = tmp_path / "work"
+    shutil.copytree(REPO / "examples" / "hf", work,
+                    ignore=shutil.ignore_patterns("__pycache__", "hf-out"))
+    (work / "train_with_callback.py").write_text(WITH_CALLBACK)
     spec = yaml.safe_load((REPO / "examples" / "lora" / "nebula.yaml").read_text())
-    spec.update(workdir=str(REPO / "examples" / "hf"),
-                run=f"python -u train.py --steps 20 --lora 8 --output-dir {tmp_path / 'out'}")
+    spec.update(workdir=str(work), runtime={"auto": False},
+                run="python -u train_with_callback.py --steps 20 --lora 8 "
+                    f"--output-dir {tmp_path / 'out'}")
     job_id, recs = launch_to_identical(cli, tmp_path, spec)
     log = (cli.home / "jobs" / job_id / "east" / "e1" / "worker" / "logs" / "rank0.log").read_text()
     found = re.search(r"parameters: (\d+) trainable of (\d+)", log)
@@ -73,3 +96,5 @@ def test_lora_adapters_are_all_that_travels(cli: CLI, tmp_path: Path) -> None:
     assert trainable * 10 < total
     sent = {r["wan_bytes_sent"] for r in recs if r.get("outer_round") is not None}
     assert sent and all(trainable <= b <= 1.2 * trainable for b in sent), (sent, trainable)
+    finals = [r for r in recs if r.get("final")]  # the callback's on_train_end ended it
+    assert len(finals) == 3 and {r["ended_by"] for r in finals} == {"trainer end"}, finals

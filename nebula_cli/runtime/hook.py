@@ -184,6 +184,13 @@ def _watch_sigterm() -> bool:
     return True
 
 
+def finish_training(reason: str) -> None:
+    """End the synced training now (the last outer round and the final records), if an engine
+    is driven and has not finished: for code that knows training is over (a Trainer's
+    on_train_end) before the process exits."""
+    _finish(reason)
+
+
 def _finish(reason: str) -> None:
     driver = _state.driver
     if driver is None or driver.finished:

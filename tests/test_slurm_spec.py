@@ -130,3 +130,14 @@ def test_sbatch_missing_on_the_login_node_is_one_line_naming_it(tmp_path: Path,
     assert "submitted" not in out.stderr
     checked = cli("validate", "--hosts", str(spec))  # validate --hosts finds it first
     assert checked.returncode == 1 and "sbatch, squeue" in checked.stderr, checked.stderr
+
+
+def test_only_an_ended_slurm_allocation_counts_as_ended() -> None:
+    from nebula_cli.control.allocations import ended_state
+
+    assert ended_state("Slurm job 12 TIMEOUT on c[1-2]")
+    assert ended_state("Slurm job 12 CANCELLED")
+    assert not ended_state("Slurm job 12 RUNNING on c[1-2]")
+    assert not ended_state("Slurm job 12 PENDING (BeginTime)")
+    assert not ended_state("Slurm job 12 COMPLETING (TimeLimit) on c1")
+    assert not ended_state(None) and not ended_state("")  # no allocation: not ended

@@ -208,10 +208,13 @@ def queue_states(job_dir: Path, transport: GetTransport,
     return out
 
 
-def ended_state(said: str) -> bool:
-    """Whether a `queue_states` text says the allocation is over."""
-    state = said.split()[3] if len(said.split()) > 3 else ""
-    return slurm.QueueState(state).ended
+def ended_state(said: str | None) -> bool:
+    """Whether a `queue_states` text says the allocation is over (False for anything else: a
+    cluster with no Slurm allocation)."""
+    words = (said or "").split()
+    if len(words) < 4 or words[:2] != ["Slurm", "job"]:
+        return False
+    return slurm.QueueState(words[3]).ended
 
 
 def last_status(t: Transport, agent_dir: str) -> dict[str, Any]:

@@ -256,7 +256,7 @@ class JobOps(Session):
         said = allocations.queue_states(self.store.job_dir(snap.job.id), self.transport,
                                         {h.cluster for h in snap.hosts})
         for rec in snap.hosts:  # one agent call per machine and role
-            if allocations.ended_state(said.get(rec.cluster, "")):
+            if allocations.ended_state(said.get(rec.cluster)):
                 report.already_ended.append(rec)  # gone with its Slurm allocation
                 continue
             groups[(rec.role, *machine_key(rec.detail["conn"]))].append(rec)

@@ -66,6 +66,15 @@ def int8_stated_bound(x: torch.Tensor, bs: int) -> torch.Tensor:
     return bound.repeat_interleave(bs)[: len(xd)]
 
 
+def topk_stated_bound(x: torch.Tensor, bits: int = 2) -> torch.Tensor:
+    xd = x.double()
+    pad = (-len(xd)) % 256
+    absmax = torch.cat([xd.abs(), xd.new_zeros(pad)]).view(-1, 256).amax(1)
+    kept = absmax * (1 / (2**bits - 2) + 2.0**-7) * (1 + 2.0**-12)
+    kept = kept.repeat_interleave(256)[: len(xd)]
+    return torch.maximum(xd.abs(), kept)
+
+
 # ---------------------------------------------------------------------------- round trips
 
 
@@ -87,6 +96,8 @@ def test_round_trip_within_the_stated_bound(name: str, size: int, kind: str) -> 
     elif name in STATED:
         rel, tiny, _ = STATED[name]
         assert bool((err <= torch.clamp(x.double().abs() * rel, min=tiny)).all())
+    elif name == "topk":
+        assert bool((err <= topk_stated_bound(x)).all())
     else:
         assert bool((err <= int8_stated_bound(x, DEFAULT_BLOCK_SIZE)).all())
     if kind == "zeros":
@@ -105,7 +116,8 @@ def test_arbitrary_finite_floats_round_trip_within_bounds(values: list[float], b
     x = torch.tensor(values, dtype=torch.float32)
     for name in KNOWN_CODECS:
         codec = get_codec(name, block_size=bs)
-        if name in STATED and values and float(x.abs().max()) > STATED[name][2]:
+        range_of = "bf16" if name == "topk" else name  # topk's scales are bfloat16
+        if range_of in STATED and values and float(x.abs().max()) > STATED[range_of][2]:
             with pytest.raises(CodecError, match="beyond the codec's range"):
                 codec.encode(x)
             continue
@@ -191,15 +203,16 @@ def _corruptions(enc: Encoded) -> list[tuple[Encoded, str]]:
     p = bytes(enc.payload)
     bad = [
         (Encoded(enc.codec, enc.numel, enc.meta, p + b"\0"), "payload of"),
-        (Encoded(enc.codec, enc.numel + 1, enc.meta, p), "payload of"),
         (Encoded(enc.codec, -1, enc.meta, p), "non-negative integer"),
         (Encoded(enc.codec, True, enc.meta, p), "non-negative integer"),  # type: ignore[arg-type]
         (Encoded(enc.codec, enc.numel, None, p), "meta must be a mapping"),  # type: ignore[arg-type]
         (Encoded(enc.codec, enc.numel, enc.meta, [1, 2]), "not bytes-like"),  # type: ignore[arg-type]
     ]
+    if get_codec(enc.codec).payload_nbytes(enc.numel + 1, enc.meta) != len(p):  # topk: may not
+        bad.append((Encoded(enc.codec, enc.numel + 1, enc.meta, p), "payload of"))
     if p:
         bad.append((Encoded(enc.codec, enc.numel, enc.meta, p[:-1]), "payload of"))
-    if enc.numel:
+    if enc.numel and get_codec(enc.codec).payload_nbytes(enc.numel - 1, enc.meta) != len(p):
         bad.append((Encoded(enc.codec, enc.numel - 1, enc.meta, p), "payload of"))
     if enc.codec == "int8":
         for meta in (
@@ -214,6 +227,16 @@ def _corruptions(enc: Encoded) -> list[tuple[Encoded, str]]:
             bad.append((Encoded(enc.codec, enc.numel, meta, p), "block_size"))
         if enc.numel > 128:  # here a different block size implies a different payload length
             bad.append((Encoded(enc.codec, enc.numel, {"block_size": 128}, p), "payload of"))
+    elif enc.codec == "topk":
+        good = dict(enc.meta)
+        for change in ({"span": None}, {"k": None}, {"k": 0}, {"k": good["span"] + 1},
+                       {"bits": 3}, {"k": "5"}, {"span": 32}, {"span": True}, {"x": 1}):
+            meta = {**good, **change}
+            meta = {key: v for key, v in meta.items() if v is not None}
+            bad.append((Encoded(enc.codec, enc.numel, meta, p), "topk: (meta|k|bits|span)"))
+        if enc.numel > 1:  # more kept per span: a longer payload
+            more = {**good, "k": good["k"] + 1}
+            bad.append((Encoded(enc.codec, enc.numel, more, p), "payload of"))
     else:
         bad.append((Encoded(enc.codec, enc.numel, {"block_size": 256}, p), "unexpected meta"))
     return bad
@@ -263,12 +286,12 @@ def test_decode_into_a_slice_of_a_bigger_tensor() -> None:
 
 def test_unknown_codec_names_list_the_known_ones() -> None:
     for name in ("int4", "", "INT8", None):
-        with pytest.raises(CodecError, match="known: none, fp16, bf16, int8") as info:
+        with pytest.raises(CodecError, match="known: none, fp16, bf16, int8, topk") as info:
             get_codec(name)  # type: ignore[arg-type]
         assert isinstance(info.value, NebulaError)
     with pytest.raises(CodecError, match="unknown codec 'zstd'"):
         decode(Encoded("zstd", 0, {}, b""))
-    assert KNOWN_CODECS == ("none", "fp16", "bf16", "int8")
+    assert KNOWN_CODECS == ("none", "fp16", "bf16", "int8", "topk")
     with pytest.raises(TypeError):
         CODECS["int4"] = Int8Codec  # type: ignore[index]  # closed registry
     assert all(issubclass(c, Codec) and c.error_bound for c in CODECS.values())

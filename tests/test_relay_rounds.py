@@ -63,7 +63,9 @@ class Hub:
         self.events: dict[str, list[str]] = {c: [] for c in clusters}
         self.outcomes: dict[str, list[Outcome]] = {c: [] for c in clusters}
         self.rounds = {
-            c: Rounds(config(c, clusters, **kw), get_codec("none"), FakeNet(self, c),
+            c: Rounds(cfg := config(c, clusters, **kw),
+                      get_codec(cfg.codec, block_size=cfg.block_size, density=cfg.density,
+                                bits=cfg.bits), FakeNet(self, c),
                       event=lambda msg, *a, c=c: self.events[c].append(msg % a),
                       finished=lambda r, out, c=c: self.outcomes[c].append(out),
                       refusals=Refusals())
@@ -194,6 +196,29 @@ def test_three_relays_average_exactly_without_sockets(hub3: Hub) -> None:
             assert torch.allclose(out[c].tensor, want, atol=1e-6)
     assert [o.round_id for o in hub3.outcomes["b"]] == [0, 1]
     assert all(r.done_round == 1 for r in hub3.rounds.values())
+
+
+@pytest.mark.parametrize("clusters", [["a", "b"], ["a", "b", "c"], ["a", "b", "c", "d"]])
+def test_sparse_contributions_are_summed_not_dropped(clusters: list[str]) -> None:
+    """topk: clusters pick different coordinates; every relay sends its encoding to every other
+    (no re-encoded average, whatever the number of clusters) and ends with the exact mean of the
+    decoded parts, the same bits everywhere."""
+    hub = Hub(clusters, codec="topk", density=0.02, bits=2, error_feedback=False,
+              chunk_numel=512, block_size=256)
+    try:
+        gen = torch.Generator().manual_seed(7)
+        xs = {c: torch.randn(2000, generator=gen) for c in clusters}
+        out = run_round(hub, 0, xs)
+    finally:
+        hub.close()
+    codec = get_codec("topk", density=0.02, bits=2)
+    parts = {c: codec.decode(codec.encode(x)) for c, x in xs.items()}  # chunks are whole blocks
+    mean = torch.stack([parts[c] for c in sorted(parts)]).sum(0) / len(parts)
+    support = torch.stack(list(parts.values())).ne(0).any(0)
+    assert int(support.sum()) > 5 * 8 * len(clusters) * 0.9  # they did pick different ones
+    for c in clusters:
+        assert out[c].mode == "direct"
+        assert torch.equal(out[c].tensor, mean)
 
 
 def test_a_late_relay_is_left_out_and_fetches_the_average(hub3: Hub) -> None:

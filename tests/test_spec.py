@@ -322,7 +322,7 @@ def test_wrong_types(tmp_path: Path) -> None:
         "relay.sync.outer_momentum": (10, 32, "expected a number < 1, found 1.0"),
         "relay.timeout": (10, 47, "expected a number > 0, found 0"),
         "relay.compression.codec": (
-            10, 71, "expected one of 'none', 'fp16', 'bf16', 'int8', found 'int9'"),
+            10, 71, "expected one of 'none', 'fp16', 'bf16', 'int8', 'topk', found 'int9'"),
     }
 
 
@@ -394,7 +394,7 @@ def test_bad_host_shorthand(tmp_path: Path) -> None:
 def test_bad_compression_shorthand(tmp_path: Path) -> None:
     p = one(tmp_path, BASE + "relay:\n  compression: zip\n")
     assert where(p) == (10, 16, "relay.compression.codec")
-    assert p.message == "expected one of 'none', 'fp16', 'bf16', 'int8', found 'zip'"
+    assert p.message == "expected one of 'none', 'fp16', 'bf16', 'int8', 'topk', found 'zip'"
 
 
 def test_yaml_syntax_errors(tmp_path: Path) -> None:

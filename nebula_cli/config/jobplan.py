@@ -466,6 +466,7 @@ def relay_config(spec: JobSpec, job_id: str, cluster: ClusterSpec, adir: str, po
         codec=relay.compression.codec,
         error_feedback=relay.compression.error_feedback,
         block_size=relay.compression.block_size,
+        density=relay.compression.density, bits=relay.compression.bits,
         round_timeout=relay.timeout,
         heartbeat=relay.heartbeat, dead_after=relay.dead_after,
         shaping=ShapingConfig(rate_mbit=shaping.rate_mbit if shaping else None,

@@ -11,6 +11,12 @@ from typing import Any
 from nebula_cli.config import strict
 from nebula_cli.errors import NebulaError
 
+TOPK_DENSITY = 0.02
+"""Default fraction of elements the topk codec keeps (5 of every 256)."""
+TOPK_BITS = 2
+"""Default bits per value the topk codec keeps."""
+TOPK_BIT_CHOICES = (2, 4, 8)
+
 
 class RelayConfigError(NebulaError):
     """A relay.json that cannot be used (unknown key, wrong type, inconsistent clusters)."""
@@ -64,7 +70,7 @@ class RelayConfig:
     """cluster -> host:port of its peer_listen, for every other cluster."""
     tls: TlsFiles
     codec: str
-    """Codec of the WAN hop (none, fp16, bf16, int8)."""
+    """Codec of the WAN hop (none, fp16, bf16, int8, topk)."""
     error_feedback: bool
     """Keep the codec's rounding error and add it to the next round's contribution."""
     block_size: int
@@ -84,6 +90,10 @@ class RelayConfig:
     chunk_numel: int = 1 << 20
     """Elements per chunk: the unit that is encoded, sent and decoded (pipelined); rounded down
     to a multiple of block_size."""
+    density: float = TOPK_DENSITY
+    """topk: fraction of the elements kept per block of 256."""
+    bits: int = TOPK_BITS
+    """topk: bits per kept value (2, 4 or 8)."""
 
     def __post_init__(self) -> None:
         if isinstance(self.tls, dict):
@@ -126,6 +136,12 @@ class RelayConfig:
                 raise RelayConfigError(f"{name}: expected a positive integer, got {value!r}")
         _type("codec", self.codec, str)
         _type("error_feedback", self.error_feedback, bool)
+        density = self.density
+        if isinstance(density, bool) or not isinstance(density, (int, float)) or not (
+                0 < density <= 1):
+            raise RelayConfigError(f"density: expected a number in (0, 1], got {density!r}")
+        if isinstance(self.bits, bool) or self.bits not in TOPK_BIT_CHOICES:
+            raise RelayConfigError(f"bits: expected one of {TOPK_BIT_CHOICES}, got {self.bits!r}")
         rate = self.shaping.rate_mbit
         if rate is not None and (isinstance(rate, bool) or not isinstance(rate, (int, float))
                                  or rate <= 0):

@@ -11,6 +11,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from nebula_cli.config.fields import Port
+from nebula_cli.config.relay_config import TOPK_BITS, TOPK_DENSITY
 from nebula_cli.config.yaml_positions import problems_error
 
 
@@ -45,17 +46,31 @@ class SyncSpec(SpecModel):
 class CompressionSpec(SpecModel):
     """How tensors are encoded on the WAN; also written as a codec name (``compression: int8``)."""
 
-    codec: Literal["none", "fp16", "bf16", "int8"] = "int8"
-    """Wire codec."""
+    codec: Literal["none", "fp16", "bf16", "int8", "topk"] = "int8"
+    """Wire codec: none (fp32), fp16, bf16, int8 (blockwise), topk (sparse, low-bit values)."""
     error_feedback: bool = True
     """Carry the quantisation error into the next round."""
     block_size: int = Field(256, ge=16)
     """Values per scale for int8."""
+    density: float = Field(TOPK_DENSITY, gt=0.0, le=1.0)
+    """topk: fraction of the elements sent each round (per block of 256, at least one)."""
+    bits: Literal[2, 4, 8] = TOPK_BITS
+    """topk: bits per sent value."""
 
     @model_validator(mode="before")
     @classmethod
     def _shorthand(cls, value: Any) -> Any:
         return {"codec": value} if isinstance(value, str) else value
+
+    @model_validator(mode="after")
+    def _topk_only(self) -> CompressionSpec:
+        fields = type(self).model_fields
+        stray = [k for k in ("density", "bits") if getattr(self, k) != fields[k].default]
+        if stray and self.codec != "topk":
+            verb = "apply" if len(stray) > 1 else "applies"
+            raise ValueError(f"{' and '.join(stray)} {verb} to codec topk only, not "
+                             f"{self.codec} (set codec: topk, or remove them)")
+        return self
 
 
 class ShapingSpec(SpecModel):

@@ -14,6 +14,11 @@ see :mod:`nebula_cli.relay.lineage`). Every relay then runs a :class:`RoundExcha
   its encoded chunk ``k`` to that owner; the owner decodes the n encodings, averages, encodes the
   average once and sends it to the others; everyone (the owner too) uses the *decoded* encoded
   average. Each relay sends and receives about 2x the encoded model size whatever n is.
+- sparse codecs (topk) use "direct" for any n: every relay sends its encoded contribution to
+  every other and averages all the decoded parts itself. Re-encoding a sum of sparse parts would
+  either drop coordinates or need about n times the room per average; sending each part to
+  n - 1 peers costs (n - 1) contributions per relay, which are small, and the average is exact
+  (the sum of every coordinate any cluster sent, divided by n).
 
 Identical results everywhere: a contribution is only ever used as decoded from its encoded form
 (also by its own relay), decoding is deterministic, and :func:`ordered_mean` sums the parts in
@@ -80,6 +85,9 @@ class Schedule:
     me: str
     present: tuple[str, ...]
     num_chunks: int
+    all_to_all: bool = False
+    """Every relay sends its chunks to every other and averages them all itself (sparse
+    codecs: exact sums, no re-encoded average), whatever the number of clusters."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "present", tuple(sorted(self.present)))
@@ -89,7 +97,7 @@ class Schedule:
     @property
     def mode(self) -> str:
         n = len(self.present)
-        return ALONE if n == 1 else DIRECT if n == 2 else SHARD
+        return ALONE if n == 1 else DIRECT if n == 2 or self.all_to_all else SHARD
 
     @property
     def others(self) -> tuple[str, ...]:

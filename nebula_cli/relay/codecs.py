@@ -1,6 +1,7 @@
 """Codecs for the WAN hop: a flat fp32 tensor to a compact payload and back (hivemind style).
 
-A closed registry of four codecs, each named on the wire:
+A closed registry of five codecs, each named on the wire (``topk``, the sparse one, is described
+in :mod:`nebula_cli.relay.topk_codec`):
 
 ========  =====================================  ===============================================
 name      payload (little-endian)                error bound, per element
@@ -10,6 +11,7 @@ fp16      numel float16                          max(|x| * 2**-11, 2**-25); |x| 
 bf16      numel bfloat16                         max(|x| * 2**-8, 2**-134); |x| <= 3.39e38
 int8      ceil(numel/B) float32 scales, then     absmax_block/254 * (1 + 2**-12); a block whose
           numel int8 values                      absmax is below 2**-110 is sent as zeros
+topk      scales, positions, packed values       max(|x|, absmax_group/(2**bits-1)) (1 + 2**-12)
 ========  =====================================  ===============================================
 
 int8 is blockwise absmax quantisation: for every block of B (``block_size``, default 256)
@@ -26,17 +28,23 @@ Everything is vectorised torch on the CPU; no Python loop runs over elements.
 from __future__ import annotations
 
 import math
-import sys
-import warnings
-from abc import ABC, abstractmethod
 from collections.abc import Hashable, Iterator, Mapping
-from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any, ClassVar
 
 import torch
 
-from nebula_cli.errors import NebulaError
+from nebula_cli.relay.codec_base import (
+    Codec,
+    CodecError,
+    Encoded,
+    all_finite,
+    buffer_view,
+    check_input,
+    is_int,
+    prepare,
+)
+from nebula_cli.relay.topk_codec import DEFAULT_BITS, DEFAULT_DENSITY, TopKCodec
 
 DEFAULT_BLOCK_SIZE = 256
 MAX_BLOCK_SIZE = 1 << 20
@@ -44,179 +52,6 @@ INT8_FLUSH_BELOW = 2.0**-110
 """int8 blocks whose absmax is below this are sent as zeros (their scale would underflow)."""
 _WORK_ELEMS = 1 << 18  # int8 encode works in pieces of this many elements (temp stays in cache)
 
-Buffer = bytes | bytearray | memoryview
-
-
-class CodecError(NebulaError):
-    """A tensor a codec cannot encode, or an encoding that does not decode. Says why."""
-
-
-@dataclass(frozen=True)
-class Encoded:
-    """One encoded tensor: which codec, how many elements, the codec's own meta (JSON-able,
-    e.g. ``{"block_size": 256}``) and the payload. Encoders return a bytearray payload (built in
-    place, no copy); decoders accept any bytes-like payload."""
-
-    codec: str
-    numel: int
-    meta: dict[str, Any] = field(default_factory=dict)
-    payload: Buffer = b""
-
-    @property
-    def nbytes(self) -> int:
-        return memoryview(self.payload).nbytes
-
-    def wire_meta(self) -> dict[str, Any]:
-        """The header to put in a frame's meta (merge it with the relay's own keys)."""
-        return {"codec": self.codec, "numel": self.numel, "codec_meta": dict(self.meta)}
-
-    @classmethod
-    def from_wire(cls, meta: Mapping[str, Any], payload: Buffer) -> Encoded:
-        """Rebuild from a frame's meta (other keys ignored) and payload; types are checked."""
-        codec, numel, cmeta = meta.get("codec"), meta.get("numel"), meta.get("codec_meta", {})
-        if not isinstance(codec, str):
-            raise CodecError(f"frame meta: 'codec' must be a string, got {codec!r}")
-        if not _is_int(numel) or numel < 0:
-            raise CodecError(f"frame meta: 'numel' must be a non-negative integer, got {numel!r}")
-        if not isinstance(cmeta, dict):
-            raise CodecError(f"frame meta: 'codec_meta' must be an object, got {cmeta!r}")
-        return cls(codec, numel, dict(cmeta), payload)
-
-
-def _is_int(v: object) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
-def _prepare(x: object) -> torch.Tensor:
-    """Any floating tensor -> flat, contiguous, float32, CPU (bf16/fp16/fp64 are converted)."""
-    if not isinstance(x, torch.Tensor):
-        raise CodecError(f"expected a torch.Tensor, got {type(x).__name__}")
-    if not x.is_floating_point():
-        raise CodecError(f"expected a floating-point tensor, got {x.dtype}")
-    return x.detach().to(device="cpu", dtype=torch.float32).reshape(-1).contiguous()
-
-
-def _extremes(x: torch.Tensor) -> tuple[float, float]:
-    """(min, max) of a non-empty tensor; NaN propagates into both (amin/amax do)."""
-    return float(x.amin()), float(x.amax())
-
-
-def all_finite(x: torch.Tensor) -> bool:
-    """True when no element is NaN or infinite (two fast reductions, no elementwise temp)."""
-    if x.numel() == 0:
-        return True
-    lo, hi = _extremes(x)
-    return math.isfinite(lo) and math.isfinite(hi)
-
-
-def _check_input(x: torch.Tensor, codec: str, limit: float) -> None:
-    if x.numel() == 0:
-        return
-    lo, hi = _extremes(x)
-    if not (math.isfinite(lo) and math.isfinite(hi)):
-        raise CodecError(f"{codec}: input contains NaN or infinite values; refusing to encode")
-    peak = max(-lo, hi)
-    if peak > limit:
-        raise CodecError(
-            f"{codec}: input has a value of magnitude {peak:.6g}, beyond the codec's range "
-            f"(|x| <= {limit:.6g}); use codec 'bf16', 'int8' or 'none'"
-        )
-
-
-def _view(buf: Buffer, dtype: torch.dtype, offset: int, count: int) -> torch.Tensor:
-    """A tensor over count elements of buf starting at byte offset (no copy)."""
-    if count == 0:
-        return torch.empty(0, dtype=dtype)
-    if sys.byteorder != "little":
-        raise CodecError("codec payloads are little-endian; big-endian hosts are not supported")
-    view = memoryview(buf)
-    if not view.c_contiguous:
-        raise CodecError("payload must be a contiguous buffer")
-    view = view.cast("B") if view.format != "B" or view.ndim != 1 else view
-    if not view.readonly:
-        return torch.frombuffer(view, dtype=dtype, count=count, offset=offset)
-    with warnings.catch_warnings():  # read-only buffers are only ever read here
-        warnings.simplefilter("ignore", UserWarning)
-        return torch.frombuffer(view, dtype=dtype, count=count, offset=offset)
-
-
-class Codec(ABC):
-    """Turns a flat fp32 tensor into an Encoded and back. Subclasses name themselves on the
-    wire (``name``), state their error bound (``error_bound``, and ``max_abs_error(x)``) and
-    say how long a valid payload is (``payload_nbytes``)."""
-
-    name: ClassVar[str]
-    error_bound: ClassVar[str]
-
-    def encode(self, x: torch.Tensor) -> Encoded:
-        """Encode a floating tensor (flattened; converted to fp32 first). CodecError for
-        non-finite or out-of-range input."""
-        return self._encode(_prepare(x))
-
-    def decode(
-        self, enc: Encoded, *, out: torch.Tensor | None = None, check_finite: bool = False
-    ) -> torch.Tensor:
-        """A flat fp32 tensor of enc.numel elements (new, or written into ``out``: a 1-D
-        contiguous fp32 CPU tensor of that size, e.g. a slice of the round's result). Validates
-        everything about enc before reading the payload; with check_finite, also refuses
-        non-finite decoded values."""
-        if not isinstance(enc, Encoded):
-            raise CodecError(f"expected an Encoded, got {type(enc).__name__}")
-        if enc.codec != self.name:
-            raise CodecError(f"payload was encoded with {enc.codec!r}, not {self.name!r}")
-        if not _is_int(enc.numel) or enc.numel < 0:
-            raise CodecError(
-                f"{self.name}: numel must be a non-negative integer, got {enc.numel!r}"
-            )
-        if not isinstance(enc.meta, Mapping):
-            raise CodecError(f"{self.name}: meta must be a mapping, got {enc.meta!r}")
-        expected = self.payload_nbytes(enc.numel, enc.meta)
-        try:
-            got = memoryview(enc.payload).nbytes
-        except TypeError:
-            raise CodecError(f"{self.name}: payload is not bytes-like") from None
-        if got != expected:
-            raise CodecError(
-                f"{self.name}: payload of {got} bytes, expected {expected} for {enc.numel} "
-                f"elements with meta {enc.meta}"
-            )
-        if out is None:
-            out = torch.empty(enc.numel, dtype=torch.float32)
-        elif not (
-            isinstance(out, torch.Tensor)
-            and out.dtype == torch.float32
-            and out.device.type == "cpu"
-            and out.dim() == 1
-            and out.numel() == enc.numel
-            and out.is_contiguous()
-        ):
-            raise CodecError(
-                f"{self.name}: out must be a contiguous 1-D fp32 CPU tensor of {enc.numel} elements"
-            )
-        self._decode(enc, out)
-        if check_finite and not all_finite(out):
-            raise CodecError(f"{self.name}: payload decodes to non-finite values")
-        return out
-
-    def check_meta(self, meta: Mapping[str, Any]) -> None:
-        """Raise CodecError unless meta is exactly what this codec writes (default: empty)."""
-        if meta:
-            raise CodecError(f"{self.name}: unexpected meta {dict(meta)!r}")
-
-    @abstractmethod
-    def payload_nbytes(self, numel: int, meta: Mapping[str, Any] | None = None) -> int:
-        """Exact payload length for numel elements (meta: the Encoded's, checked; None = own)."""
-
-    @abstractmethod
-    def max_abs_error(self, x: torch.Tensor) -> torch.Tensor:
-        """Per-element bound on |decode(encode(x)) - x| (flat fp32, same numel as x)."""
-
-    @abstractmethod
-    def _encode(self, x: torch.Tensor) -> Encoded: ...
-
-    @abstractmethod
-    def _decode(self, enc: Encoded, out: torch.Tensor) -> None:
-        """Write the decoded values of a validated enc into out."""
 
 
 class NoneCodec(Codec):
@@ -230,16 +65,16 @@ class NoneCodec(Codec):
         return 4 * numel
 
     def max_abs_error(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.zeros_like(_prepare(x))
+        return torch.zeros_like(prepare(x))
 
     def _encode(self, x: torch.Tensor) -> Encoded:
-        _check_input(x, self.name, math.inf)
+        check_input(x, self.name, math.inf)
         buf = bytearray(4 * x.numel())
-        _view(buf, torch.float32, 0, x.numel()).copy_(x)
+        buffer_view(buf, torch.float32, 0, x.numel()).copy_(x)
         return Encoded(self.name, x.numel(), {}, buf)
 
     def _decode(self, enc: Encoded, out: torch.Tensor) -> None:
-        out.copy_(_view(enc.payload, torch.float32, 0, enc.numel))
+        out.copy_(buffer_view(enc.payload, torch.float32, 0, enc.numel))
 
 
 class _CastCodec(Codec):
@@ -259,16 +94,16 @@ class _CastCodec(Codec):
         return float(torch.finfo(self.wire_dtype).max)
 
     def max_abs_error(self, x: torch.Tensor) -> torch.Tensor:
-        return (_prepare(x).abs() * self.rel).clamp_min_(self.tiny)
+        return (prepare(x).abs() * self.rel).clamp_min_(self.tiny)
 
     def _encode(self, x: torch.Tensor) -> Encoded:
-        _check_input(x, self.name, self.limit)
+        check_input(x, self.name, self.limit)
         buf = bytearray(2 * x.numel())
-        _view(buf, self.wire_dtype, 0, x.numel()).copy_(x)
+        buffer_view(buf, self.wire_dtype, 0, x.numel()).copy_(x)
         return Encoded(self.name, x.numel(), {}, buf)
 
     def _decode(self, enc: Encoded, out: torch.Tensor) -> None:
-        out.copy_(_view(enc.payload, self.wire_dtype, 0, enc.numel))
+        out.copy_(buffer_view(enc.payload, self.wire_dtype, 0, enc.numel))
 
 
 class Fp16Codec(_CastCodec):
@@ -329,7 +164,7 @@ class Int8Codec(Codec):
         return out
 
     def max_abs_error(self, x: torch.Tensor) -> torch.Tensor:
-        x = _prepare(x)
+        x = prepare(x)
         absmax = self._absmax(x, self.block_size)
         live = absmax >= INT8_FLUSH_BELOW
         bound = torch.where(live, absmax * ((1 + 2.0**-12) / 254), absmax)
@@ -343,8 +178,8 @@ class Int8Codec(Codec):
             raise CodecError("int8: input contains NaN or infinite values; refusing to encode")
         live = absmax >= INT8_FLUSH_BELOW
         buf = bytearray(4 * nb + n)
-        scales = _view(buf, torch.float32, 0, nb)
-        q = _view(buf, torch.int8, 4 * nb, n)
+        scales = buffer_view(buf, torch.float32, 0, nb)
+        q = buffer_view(buf, torch.int8, 4 * nb, n)
         torch.div(absmax, 127.0, out=scales)
         scales.mul_(live)
         overflow = torch.isinf(scales * 127.0)  # absmax near fp32 max: 127*scale rounded up
@@ -367,8 +202,8 @@ class Int8Codec(Codec):
     def _decode(self, enc: Encoded, out: torch.Tensor) -> None:
         n, bs = enc.numel, enc.meta["block_size"]
         nb, full = -(-n // bs), n // bs
-        scales = _view(enc.payload, torch.float32, 0, nb)
-        out.copy_(_view(enc.payload, torch.int8, 4 * nb, n))
+        scales = buffer_view(enc.payload, torch.float32, 0, nb)
+        out.copy_(buffer_view(enc.payload, torch.int8, 4 * nb, n))
         if full:
             out[: full * bs].view(full, bs).mul_(scales[:full].unsqueeze(1))
         if n > full * bs:
@@ -383,7 +218,7 @@ def _quantize(xb: torch.Tensor, inv: torch.Tensor, q: torch.Tensor, tmp: torch.T
 
 
 def _check_block_size(bs: object) -> int:
-    if not _is_int(bs) or not 1 <= bs <= MAX_BLOCK_SIZE:  # type: ignore[operator]
+    if not is_int(bs) or not 1 <= bs <= MAX_BLOCK_SIZE:  # type: ignore[operator]
         raise CodecError(
             f"int8: block_size must be an integer in [1, {MAX_BLOCK_SIZE}], got {bs!r}"
         )
@@ -399,24 +234,31 @@ def _build_registry(*classes: type[Codec]) -> Mapping[str, type[Codec]]:
     return MappingProxyType(registry)
 
 
-CODECS: Mapping[str, type[Codec]] = _build_registry(NoneCodec, Fp16Codec, Bf16Codec, Int8Codec)
+CODECS: Mapping[str, type[Codec]] = _build_registry(
+    NoneCodec, Fp16Codec, Bf16Codec, Int8Codec, TopKCodec
+)
 """The closed registry: wire name -> codec class."""
 KNOWN_CODECS: tuple[str, ...] = tuple(CODECS)
 
 
-def get_codec(name: str, *, block_size: int = DEFAULT_BLOCK_SIZE) -> Codec:
-    """The codec called name (block_size is used by int8 only). CodecError for unknown names,
-    listing the known ones."""
+def get_codec(name: str, *, block_size: int = DEFAULT_BLOCK_SIZE,
+              density: float = DEFAULT_DENSITY, bits: int = DEFAULT_BITS) -> Codec:
+    """The codec called name (block_size is int8's; density and bits are topk's). CodecError
+    for unknown names, listing the known ones."""
     cls = CODECS.get(name) if isinstance(name, str) else None
     if cls is None:
         raise CodecError(f"unknown codec {name!r} (known: {', '.join(KNOWN_CODECS)})")
-    return Int8Codec(block_size) if cls is Int8Codec else cls()
+    if cls is Int8Codec:
+        return Int8Codec(block_size)
+    if cls is TopKCodec:
+        return TopKCodec(density, bits)
+    return cls()
 
 
 def decode(
     enc: Encoded, *, out: torch.Tensor | None = None, check_finite: bool = False
 ) -> torch.Tensor:
-    """Decode with the codec enc names (the block size comes from enc.meta)."""
+    """Decode with the codec enc names (block size, k and bits come from enc.meta)."""
     if not isinstance(enc, Encoded):
         raise CodecError(f"expected an Encoded, got {type(enc).__name__}")
     return get_codec(enc.codec).decode(enc, out=out, check_finite=check_finite)
@@ -434,7 +276,7 @@ class ErrorFeedback:
     def encode(self, x: torch.Tensor, key: Hashable) -> Encoded:
         """Encode x + residual[key]; keep residual[key] := (x + residual) - decode(encoding).
         On a CodecError the residual is left as it was."""
-        x = _prepare(x)
+        x = prepare(x)
         residual = self._residuals.get(key)
         if residual is not None and residual.numel() != x.numel():
             raise CodecError(
@@ -463,10 +305,10 @@ def chunk_spans(
 ) -> list[tuple[int, int]]:
     """[(start, stop), ...] covering range(numel) in chunks of chunk_numel rounded down to a
     multiple of align (at least align), so every chunk but the last is whole int8 blocks."""
-    if not _is_int(numel) or numel < 0:
+    if not is_int(numel) or numel < 0:
         raise CodecError(f"numel must be a non-negative integer, got {numel!r}")
     for label, v in (("chunk_numel", chunk_numel), ("align", align)):
-        if not _is_int(v) or v < 1:
+        if not is_int(v) or v < 1:
             raise CodecError(f"{label} must be a positive integer, got {v!r}")
     step = max(align, chunk_numel - chunk_numel % align)
     return [(lo, min(lo + step, numel)) for lo in range(0, numel, step)]

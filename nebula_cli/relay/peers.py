@@ -39,7 +39,7 @@ log = logging.getLogger("nebula.relay")
 
 PROTOCOL = 2  # 2: round control in ROUND frames, sync size in HELLO
 BACKOFF_MAX = 5.0
-COMPATIBLE = ("protocol", "job_id", "codec", "block_size", "chunk_numel")
+COMPATIBLE = ("protocol", "job_id", "codec", "block_size", "chunk_numel", "density", "bits")
 
 
 class Listener:
@@ -135,7 +135,8 @@ class Peers:
     def hello_meta(self) -> dict[str, Any]:
         return {"role": "relay", "cluster": self.me, "job_id": self.cfg.job_id,
                 "protocol": PROTOCOL, "codec": self.cfg.codec, "block_size": self.cfg.block_size,
-                "chunk_numel": self.cfg.chunk_numel, **self._hello()}
+                "chunk_numel": self.cfg.chunk_numel, "density": self.cfg.density,
+                "bits": self.cfg.bits, **self._hello()}
 
     def incompatible(self, meta: dict[str, Any]) -> str | None:
         mine = self.hello_meta()

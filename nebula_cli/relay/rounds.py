@@ -223,7 +223,7 @@ class Rounds(Recovery):
 
     def _exchange(self, d: Decision, own: OwnChunks, numel: int) -> RoundExchange:
         spans = chunk_spans(numel, self.cfg.chunk_numel, align=self.cfg.block_size)
-        sched = Schedule(self.me, d.present, len(spans))
+        sched = Schedule(self.me, d.present, len(spans), all_to_all=self.codec.sparse)
         key = d.key
         ex_ref: list[RoundExchange] = []
 

@@ -72,7 +72,8 @@ class Relay:
     def __init__(self, cfg: RelayConfig) -> None:
         self.cfg = cfg
         self.me = cfg.cluster
-        self.codec = get_codec(cfg.codec, block_size=cfg.block_size)
+        self.codec = get_codec(cfg.codec, block_size=cfg.block_size, density=cfg.density,
+                               bits=cfg.bits)
         pair, ca = CertPair(Path(cfg.tls.cert), Path(cfg.tls.key)), Path(cfg.tls.ca)
         server_ctx = server_context(pair, ca)
         server_ctx.num_tickets = 0  # no post-handshake writes on the reader thread

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -38,11 +39,13 @@ sys.path.insert(0, str(REPO))
 from data import BatchSampler, eval_batches, evaluate, load_corpus, split_corpus  # noqa: E402
 from model import GPT, GPTConfig  # noqa: E402
 
-from nebula_cli.relay.codecs import ErrorFeedback, get_codec  # noqa: E402
+from nebula_cli.relay.codecs import KNOWN_CODECS, ErrorFeedback, get_codec  # noqa: E402
+from nebula_cli.relay.topk_codec import DEFAULT_BITS, DEFAULT_DENSITY, TopKCodec  # noqa: E402
 from nebula_cli.runtime.sync import OuterOptimizer  # noqa: E402
 
 CONTEXT, MICRO, LR, WARMUP, CLIP, WORKERS, CLUSTERS = 128, 4, 2e-3, 30, 1.0, 4, 2
-JSON_FIELDS = ("flat_eval", "runs")
+JSON_FIELDS = ("loss_gap", "bytes_per_token_reduction", "medians", "runs")
+DEFAULT_CODEC = "int8"
 
 
 def inner_lr(step: int) -> float:
@@ -81,29 +84,32 @@ class World:
         torch.nn.utils.vector_to_parameters(flat.clone(), self.params)
 
 
-def run_flat(args: argparse.Namespace, split: Any, held: Any) -> float:
-    world = World(args.seed, split, cluster=0, ranks=WORKERS)
+def run_flat(args: argparse.Namespace, seed: int, split: Any, held: Any) -> float:
+    world = World(seed, split, cluster=0, ranks=WORKERS)
     for _ in range(args.steps):
         world.step()
     return evaluate(world.model, held)
 
 
-def run_diloco(args: argparse.Namespace, split: Any, held: Any, lr: float, momentum: float,
-               mode: str) -> dict[str, Any]:
-    worlds = [World(args.seed, split, cluster=c, ranks=WORKERS // CLUSTERS)
+def run_diloco(args: argparse.Namespace, seed: int, split: Any, held: Any, lr: float,
+               momentum: float, mode: str) -> dict[str, Any]:
+    worlds = [World(seed, split, cluster=c, ranks=WORKERS // CLUSTERS)
               for c in range(CLUSTERS)]
     theta = worlds[0].read()  # theta_global, the same on every cluster
     outer = OuterOptimizer(lr, momentum, nesterov=True)
-    int8 = get_codec("int8")
-    feedback = [ErrorFeedback(int8) for _ in worlds]  # the relay's codec, one residual each
+    codec = (TopKCodec(args.density, args.bits, span=args.span) if args.span
+             else get_codec(args.codec, density=args.density, bits=args.bits))
+    feedback = [ErrorFeedback(codec) for _ in worlds]  # the relay's codec, one residual each
+    sent_bytes = 0
     anchor: list[torch.Tensor] = [theta] * CLUSTERS
     pending: torch.Tensor | None = None
     due: int | None = None
 
     def average(deltas: list[torch.Tensor]) -> torch.Tensor:
-        sent = [int8.decode(fb.encode(d, key="delta")) for fb, d in zip(feedback, deltas,
-                                                                         strict=True)]
-        return torch.stack(sent).mean(0)
+        nonlocal sent_bytes
+        encs = [fb.encode(d, key="delta") for fb, d in zip(feedback, deltas, strict=True)]
+        sent_bytes += sum(e.nbytes for e in encs)
+        return torch.stack([codec.decode(e) for e in encs]).mean(0)
 
     def merge() -> None:
         nonlocal pending, due
@@ -135,8 +141,12 @@ def run_diloco(args: argparse.Namespace, split: Any, held: Any, lr: float, momen
         merge()
     finals = [w.read() for w in worlds]
     losses = [evaluate(w.model, held) for w in worlds]
+    # flat data parallel sends every step's fp32 gradient (one model's worth per cluster); DiLoCo
+    # sends each cluster's encoded delta once a round: bytes per token, one cluster's view
+    flat_bytes = 4 * theta.numel() * args.steps * CLUSTERS
     return {"eval": sum(losses) / len(losses),
-            "identical": all(torch.equal(finals[0], f) for f in finals[1:])}
+            "identical": all(torch.equal(finals[0], f) for f in finals[1:]),
+            "bytes_reduction": flat_bytes / max(1, sent_bytes)}
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -145,18 +155,26 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                                 epilog="\n".join(__doc__.splitlines()[2:]))
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--inner-steps", type=int, default=25, help="DiLoCo H")
-    p.add_argument("--seed", type=int, default=1234)
-    p.add_argument("--settings", nargs="+", default=["0.7,0.9", "0.6,0.5", "1.0,0"],
+    p.add_argument("--seeds", default="1234",
+                   help="comma-separated seeds; the gap printed last is the median over them")
+    p.add_argument("--settings", nargs="+", default=["0.6,0.5"],
                    help="outer lr,momentum pairs (Nesterov)")
     p.add_argument("--modes", nargs="+", default=["sync", "overlap"],
                    choices=["sync", "overlap", "late"])
     p.add_argument("--tau", type=int, default=3, help="overlap: steps until the average lands")
+    p.add_argument("--codec", default=DEFAULT_CODEC, choices=KNOWN_CODECS,
+                   help="the relay's WAN codec (with error feedback)")
+    p.add_argument("--density", type=float, default=DEFAULT_DENSITY, help="topk: kept fraction")
+    p.add_argument("--bits", type=int, default=DEFAULT_BITS, help="topk: bits per kept value")
+    p.add_argument("--span", type=int, choices=[16, 256], default=None,
+                   help="topk: elements per top-k span (default: the codec's choice)")
     p.add_argument("--json", action="store_true", help="print one JSON object as the last line")
     args = p.parse_args(argv)
     try:
         args.pairs = [tuple(float(x) for x in s.split(",")) for s in args.settings]
+        args.seed_list = [int(x) for x in args.seeds.split(",")]
     except ValueError:
-        p.error("--settings takes lr,momentum pairs such as 0.7,0.9")
+        p.error("--settings takes lr,momentum pairs such as 0.7,0.9; --seeds integers")
     if any(len(pair) != 2 for pair in args.pairs):
         p.error("--settings takes lr,momentum pairs such as 0.7,0.9")
     return args
@@ -166,29 +184,54 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     torch.set_num_threads(1)
     split = split_corpus(load_corpus())
-    held = eval_batches(split.eval, 8, MICRO, CONTEXT, seed=args.seed)
     t0 = time.monotonic()
-    flat = run_flat(args, split, held)
-    runs = []
+    runs: list[dict[str, Any]] = []
+    flats = {}
+    for seed in args.seed_list:
+        held = eval_batches(split.eval, 8, MICRO, CONTEXT, seed=seed)
+        flat = flats[seed] = run_flat(args, seed, split, held)
+        for mode in args.modes:
+            for lr, momentum in args.pairs:
+                out = run_diloco(args, seed, split, held, lr, momentum, mode)
+                runs.append({"seed": seed, "mode": mode, "outer_lr": lr,
+                             "outer_momentum": momentum, "eval": round(out["eval"], 4),
+                             "flat_eval": round(flat, 4), "identical": out["identical"],
+                             "gap": round((out["eval"] - flat) / flat, 4),
+                             "bytes_per_token_reduction": round(out["bytes_reduction"], 1)})
+                print(f"seed {seed} {mode:8s} lr {lr:<4g} momentum {momentum:<4g} eval "
+                      f"{out['eval']:.4f} (flat {flat:.4f}) gap {100 * runs[-1]['gap']:+.2f} %",
+                      file=sys.stderr, flush=True)
+    codec = args.codec + (f" density {args.density} bits {args.bits}" if args.codec == "topk"
+                          else "")
+    print(f"{args.steps} steps, H={args.inner_steps}, codec {codec}, seeds {args.seeds}, "
+          f"tau {args.tau}, {time.monotonic() - t0:.0f} s")
+    print(f"{'seed':>5s}  {'mode':8s}  {'outer lr':>8s}  {'momentum':>8s}  {'eval loss':>9s}  "
+          f"{'flat':>7s}  {'gap':>7s}  {'bytes/token':>11s}")
+    for r in runs:
+        print(f"{r['seed']:5d}  {r['mode']:8s}  {r['outer_lr']:8g}  {r['outer_momentum']:8g}  "
+              f"{r['eval']:9.4f}  {r['flat_eval']:7.4f}  {100 * r['gap']:+6.2f}%  "
+              f"{r['bytes_per_token_reduction']:10.1f}x")
+    medians = []
     for mode in args.modes:
         for lr, momentum in args.pairs:
-            out = run_diloco(args, split, held, lr, momentum, mode)
-            runs.append({"mode": mode, "outer_lr": lr, "outer_momentum": momentum,
-                         "eval": round(out["eval"], 4), "identical": out["identical"],
-                         "gap": round((out["eval"] - flat) / flat, 4)})
-            print(f"{mode:8s} lr {lr:<4g} momentum {momentum:<4g} eval {out['eval']:.4f} "
-                  f"gap {100 * runs[-1]['gap']:+.2f} %", file=sys.stderr, flush=True)
-    print(f"flat (4 workers, one world): eval loss {flat:.4f}; {args.steps} steps, "
-          f"H={args.inner_steps}, seed {args.seed}, tau {args.tau}, "
-          f"{time.monotonic() - t0:.0f} s")
-    print(f"{'mode':8s}  {'outer lr':>8s}  {'momentum':>8s}  {'eval loss':>9s}  {'gap':>7s}")
-    for r in runs:
-        print(f"{r['mode']:8s}  {r['outer_lr']:8g}  {r['outer_momentum']:8g}  {r['eval']:9.4f}  "
-              f"{100 * r['gap']:+6.2f}%")
+            mine = [r for r in runs if (r["mode"], r["outer_lr"], r["outer_momentum"])
+                    == (mode, lr, momentum)]
+            medians.append({"mode": mode, "outer_lr": lr, "outer_momentum": momentum,
+                            "loss_gap": statistics.median(r["gap"] for r in mine),
+                            "bytes_per_token_reduction": statistics.median(
+                                r["bytes_per_token_reduction"] for r in mine)})
+            print(f"median over seeds {args.seeds}: {mode} lr {lr:g} momentum {momentum:g}: "
+                  f"loss gap {100 * medians[-1]['loss_gap']:+.2f} %, bytes per token "
+                  f"{medians[-1]['bytes_per_token_reduction']:.1f}x fewer than flat")
     if args.json:
-        print(json.dumps({"flat_eval": round(flat, 4), "runs": runs,
+        first = medians[0]
+        print(json.dumps({"loss_gap": first["loss_gap"],
+                          "bytes_per_token_reduction": first["bytes_per_token_reduction"],
+                          "medians": medians, "runs": runs,
                           "settings": {"steps": args.steps, "inner_steps": args.inner_steps,
-                                       "seed": args.seed, "tau": args.tau}}))
+                                       "seeds": args.seed_list, "tau": args.tau,
+                                       "codec": args.codec, "density": args.density,
+                                       "bits": args.bits}}))
     return 0
 
 

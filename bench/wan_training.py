@@ -2,6 +2,8 @@
 
     .venv/bin/python bench/wan_training.py [--quick] [--json] [--mbit 20] [--delay-ms 25]
                                            [--steps 200] [--inner-steps 25] [--micro-batch 4]
+                                           [--codec C] [--density D] [--bits B]
+                                           [--seeds 1234,1,2]
 
 One run, one test bed: two clusters (east = e1, e2; west = w1, w2; one CPU worker per host), the
 east-west link shaped to --mbit by the bed's tc. The same GPT (examples/gpt), corpus, seed,
@@ -12,10 +14,15 @@ same number of tokens:
                  gloo all-reduce crosses the slow link every step. No added delay: gloo's full
                  mesh cannot go through the bed's delay proxy (this only favours (a)).
   (b) nebula     clusters east and west, relay DiLoCo (--inner-steps, --outer-lr,
-                 --outer-momentum), int8 + error feedback, the relay's own shaping adding
+                 --outer-momentum), --codec + error feedback, the relay's own shaping adding
                  --delay-ms one way; overlap off, then on (each average applied as soon as it
                  has arrived, on top of the steps taken meanwhile).
   (c) unshaped   (b) with the link unshaped and no delay: the compute-only reference.
+
+Several seeds (--seeds 1234,1,2): the first seed runs all four jobs; every further seed runs (a)
+and (b) only, (a) on a link shaped to 10 Gbit/s (its loss and its bytes do not depend on the
+link's rate; only its speed does, and speed is measured on the first seed). loss_gap and
+wan_bytes_reduction are then the median over the seeds; per_seed lists each seed's figures.
 
 tokens/s = tokens of one step over all four workers / s_per_step, where s_per_step is the
 slowest worker's training-loop time from the end of step 1 to the end of the last step divided
@@ -39,6 +46,7 @@ import argparse
 import json
 import os
 import shutil
+import statistics
 import sys
 import tempfile
 import time
@@ -49,15 +57,32 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _bed  # noqa: E402
 
+sys.path.insert(0, str(_bed.REPO))
+from nebula_cli.config.relay_config import (  # noqa: E402
+    TOPK_BIT_CHOICES,
+    TOPK_BITS,
+    TOPK_DENSITY,
+)
+from nebula_cli.config.sections import CompressionSpec  # noqa: E402
+from nebula_cli.relay.codecs import KNOWN_CODECS  # noqa: E402
+
+DEFAULT_CODEC: str = CompressionSpec.model_fields["codec"].default
+
 JSON_FIELDS = ("speedup_vs_flat", "utilization", "utilization_overlap", "loss_gap",
                "wan_bytes_reduction", "link_mbit", "rtt_ms")
 """Keys of the JSON object printed last with --json (plus "runs", "goals_met", "settings")."""
 GOALS = {"speedup_vs_flat": (">=", 10.0), "utilization": (">=", 0.9),
          "utilization_overlap": (">=", 0.95), "loss_gap": ("<=", 0.03),
          "loss_gap_overlap": ("<=", 0.03),
-         "wan_bytes_reduction": (">=", 100.0), "advisor_error": ("<=", 0.05)}
+         "wan_bytes_reduction": (">=", 1000.0), "advisor_error": ("<=", 0.05)}
 CLUSTERS = {"east": ["e1", "e2"], "west": ["w1", "w2"]}
 QUICK = {"steps": 36, "inner_steps": 18}
+FAST_MBIT = 10_000.0
+"""The link of (a) on seeds after the first (loss and bytes only)."""
+OUTER = {"topk": (2.0, 0.0)}
+"""Outer lr and momentum per codec for this 8-round schedule (docs/benchmarks.md); others: the
+int8 settings below."""
+OUTER_DEFAULT = (0.6, 0.5)
 
 
 @dataclass
@@ -98,17 +123,33 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--micro-batch", type=int, default=4,
                    help="per-rank micro batch of 128-token sequences (examples/gpt uses 16; "
                         "see the note on compute below)")
-    p.add_argument("--outer-lr", type=float, default=0.6,
-                   help="outer learning rate (0.6 with momentum 0.5 suits a schedule of a few "
-                        "outer rounds; DiLoCo's 0.7/0.9 is for long runs: docs/benchmarks.md)")
-    p.add_argument("--outer-momentum", type=float, default=0.5, help="outer Nesterov momentum")
-    p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--outer-lr", type=float, default=None,
+                   help="outer learning rate (default: 0.6 with momentum 0.5, which suits a "
+                        "schedule of a few outer rounds with int8; topk: 2.0 with momentum 0; "
+                        "DiLoCo's 0.7/0.9 is for long runs: docs/benchmarks.md)")
+    p.add_argument("--outer-momentum", type=float, default=None,
+                   help="outer Nesterov momentum (default: see --outer-lr)")
+    p.add_argument("--codec", default=DEFAULT_CODEC, choices=KNOWN_CODECS,
+                   help=f"the relays' WAN codec (default: the spec's, {DEFAULT_CODEC})")
+    p.add_argument("--density", type=float, default=TOPK_DENSITY,
+                   help="topk: fraction of the elements sent per round")
+    p.add_argument("--bits", type=int, default=TOPK_BITS, choices=TOPK_BIT_CHOICES,
+                   help="topk: bits per sent value")
+    p.add_argument("--seeds", default="1234",
+                   help="comma-separated seeds (the first runs every job; see above)")
     p.add_argument("--quick", action="store_true",
                    help=f"CI-sized: {QUICK['steps']} steps, H={QUICK['inner_steps']} "
                         "(about 5 minutes; the loss gap is not meaningful this early)")
     p.add_argument("--json", action="store_true", help="print one JSON object as the last line")
     p.add_argument("--keep", action="store_true", help="keep the temp dir (specs, launch logs)")
     args = p.parse_args(argv)
+    try:
+        args.seed_list = [int(x) for x in args.seeds.split(",")]
+    except ValueError:
+        p.error("--seeds takes integers such as 1234,1,2")
+    lr, momentum = OUTER.get(args.codec, OUTER_DEFAULT)
+    args.outer_lr = lr if args.outer_lr is None else args.outer_lr
+    args.outer_momentum = momentum if args.outer_momentum is None else args.outer_momentum
     args.steps = args.steps or (QUICK["steps"] if args.quick else 200)
     args.inner_steps = args.inner_steps or (QUICK["inner_steps"] if args.quick else 25)
     if args.steps < 2 or args.inner_steps < 1 or args.micro_batch < 1 or args.mbit <= 0:
@@ -126,16 +167,29 @@ def relay(args: argparse.Namespace, *, overlap: bool, delay_ms: float) -> dict[s
     return {"sync": {"mode": "diloco", "inner_steps": args.inner_steps,
                      "outer_lr": args.outer_lr, "outer_momentum": args.outer_momentum,
                      "overlap": overlap},
-            "compression": {"codec": "int8", "error_feedback": True},
+            "compression": compression(args),
             "timeout": 300, "shaping": {"rate_mbit": None, "delay_ms": delay_ms}}
 
 
+def compression(args: argparse.Namespace) -> dict[str, Any]:
+    out: dict[str, Any] = {"codec": args.codec, "error_feedback": True}
+    if args.codec == "topk":
+        out.update(density=args.density, bits=args.bits)
+    return out
+
+
+def codec_label(args: argparse.Namespace) -> str:
+    return args.codec + (f" (density {args.density:g}, {args.bits} bits)"
+                         if args.codec == "topk" else "")
+
+
 def run_job(neb: _bed.Nebula, bed: Any, tmp: Path, args: argparse.Namespace, name: str,
-            clusters: dict[str, list[str]], relay_spec: dict[str, Any] | None) -> Run:
+            clusters: dict[str, list[str]], relay_spec: dict[str, Any] | None, *,
+            seed: int) -> Run:
     """Launch one job through the CLI, wait for its end, read what it measured."""
     context = 128
     run = (f"python -u train.py --steps {args.steps} --eval-every {args.steps} "
-           f"--log-every 10 --seed {args.seed} --context {context}")
+           f"--log-every 10 --seed {seed} --context {context}")
     cfg = ds_config(args.micro_batch)
     spec = _bed.ssh_spec(tmp / f"{name}.yaml", bed, name=f"bench-{name}", clusters=clusters,
                          run=run, relay=relay_spec, deepspeed=cfg)
@@ -181,27 +235,44 @@ def advisor_prediction(runs: dict[str, Run], args: argparse.Namespace, rtt_ms: f
                        ) -> dict[str, float] | None:
     """What `nebula plan` predicts for (b), from the model's size, (c)'s time per step (the
     compute-only reference) and the link: utilisation without and with overlap."""
-    from nebula_cli.planner.advisor import predict
+    from nebula_cli.planner.advisor import BYTES_PER_PARAM, predict
 
     c = runs.get("unshaped")
-    if c is None:
+    if c is None or args.codec not in BYTES_PER_PARAM:  # the advisor has no model of topk yet
         return None
     sys.path.insert(0, str(_bed.GPT_DIR))
     from model import GPT, GPTConfig
 
     params = GPT(GPTConfig(block_size=128)).num_params()
-    pred = predict("int8", args.inner_steps, params=params, step_time_s=c.s_per_step,
+    pred = predict(args.codec, args.inner_steps, params=params, step_time_s=c.s_per_step,
                    bandwidth_mbit=args.mbit, rtt_ms=rtt_ms, clusters=len(CLUSTERS))
     return {"params": params, "step_time_s": c.s_per_step, "wan_s": pred.wan_s,
             "utilization": pred.utilisation_sequential,
             "utilization_overlap": pred.utilisation_overlap}
 
 
+def seed_figures(seed: int, a: Run, b: Run) -> dict[str, Any]:
+    """One seed's loss gap and WAN bytes reduction ((b) against (a))."""
+    return {"seed": seed, "loss_gap": round((b.eval_loss - a.eval_loss) / a.eval_loss, 4),
+            "wan_bytes_reduction": _bed.ratio(a.bytes_per_token, b.bytes_per_token),
+            "flat_eval": round(a.eval_loss, 4), "nebula_eval": round(b.eval_loss, 4),
+            "identical": b.identical}
+
+
+def median(values: list[float | None]) -> float | None:
+    known = [v for v in values if v is not None]
+    return statistics.median(known) if len(known) == len(values) and known else None
+
+
 def summarize(runs: dict[str, Run], *, link_mbit: float, rtt_ms: float,
-              predicted: dict[str, float] | None = None) -> dict[str, Any]:
-    """The JSON object (JSON_FIELDS first) from the four runs flat, nebula, overlap, unshaped,
-    and the advisor's prediction beside the measured utilisation."""
+              predicted: dict[str, float] | None = None, first_seed: int = 1234,
+              extra: dict[int, dict[str, Run]] | None = None) -> dict[str, Any]:
+    """The JSON object (JSON_FIELDS first) from the four runs flat, nebula, overlap, unshaped
+    of the first seed, the (a)/(b) pairs of further seeds (loss gap and bytes reduction: the
+    median over all), and the advisor's prediction beside the measured utilisation."""
     a, b, bo, c = (runs.get(k) for k in ("flat", "nebula", "overlap", "unshaped"))
+    per_seed = ([seed_figures(first_seed, a, b)] if a and b else []) + [
+        seed_figures(seed, pair["flat"], pair["nebula"]) for seed, pair in (extra or {}).items()]
 
     def tps(r: Run | None) -> float | None:
         return None if r is None else r.tokens_per_s
@@ -213,10 +284,8 @@ def summarize(runs: dict[str, Run], *, link_mbit: float, rtt_ms: float,
         "speedup_vs_flat": rnd(_bed.ratio(tps(b), tps(a)), 3),
         "utilization": rnd(_bed.ratio(tps(b), tps(c))),
         "utilization_overlap": rnd(_bed.ratio(tps(bo), tps(c))),
-        "loss_gap": rnd(None if a is None or b is None
-                        else (b.eval_loss - a.eval_loss) / a.eval_loss),
-        "wan_bytes_reduction": rnd(_bed.ratio(a and a.bytes_per_token,
-                                              b and b.bytes_per_token), 1),
+        "loss_gap": rnd(median([f["loss_gap"] for f in per_seed])),
+        "wan_bytes_reduction": rnd(median([f["wan_bytes_reduction"] for f in per_seed]), 1),
         "link_mbit": link_mbit,
         "rtt_ms": round(rtt_ms, 2),
         "loss_gap_overlap": rnd(None if a is None or bo is None
@@ -231,15 +300,21 @@ def summarize(runs: dict[str, Run], *, link_mbit: float, rtt_ms: float,
         out["advisor"] = {k: rnd(v) for k, v in predicted.items()}
     out["goals_met"] = {k: (out[k] is not None and (out[k] >= v if op == ">=" else out[k] <= v))
                         for k, (op, v) in GOALS.items() if k in out}
+    out["per_seed"] = [{**f, "wan_bytes_reduction": rnd(f["wan_bytes_reduction"], 1)}
+                       for f in per_seed]
     out["runs"] = {k: {**asdict(r), "bytes_per_token": rnd(r.bytes_per_token, 2)}
                    for k, r in runs.items()}
+    for seed, pair in (extra or {}).items():
+        for k, r in pair.items():
+            out["runs"][f"{k}-{seed}"] = {**asdict(r), "bytes_per_token": rnd(r.bytes_per_token, 2)}
     return out
 
 
 def report(runs: dict[str, Run], summary: dict[str, Any], args: argparse.Namespace) -> str:
+    codec = codec_label(args)
     labels = {"flat": "(a) flat DeepSpeed, gloo over the link",
-              "nebula": "(b) nebula DiLoCo int8",
-              "overlap": "(b) nebula DiLoCo int8, overlap",
+              "nebula": f"(b) nebula DiLoCo {codec}",
+              "overlap": f"(b) nebula DiLoCo {codec}, overlap",
               "unshaped": "(c) nebula, link unshaped (reference)"}
     rows = [[labels[k], r.s_per_step, r.tokens_per_s, r.eval_loss, r.wan_bytes, r.relay_bytes,
              r.bytes_per_token, "yes" if r.identical else "NO", r.wall_s, r.load]
@@ -247,6 +322,8 @@ def report(runs: dict[str, Run], summary: dict[str, Any], args: argparse.Namespa
     lines = [_bed.table(["job", "s/step", "tokens/s", "eval loss", "WAN bytes", "relay bytes",
                          "WAN B/token", "same params", "wall s", "load"], rows), ""]
     flat_ovl = _bed.ratio(runs["overlap"].tokens_per_s, runs["flat"].tokens_per_s)
+    seeds = summary["per_seed"]
+    over = f", median of {len(seeds)} seeds" if len(seeds) > 1 else ""
     ratio_rows = [
         ["speedup_vs_flat", "(b)/(a) tokens/s", summary["speedup_vs_flat"], ">= 10"],
         ["  with overlap", "(b overlap)/(a) tokens/s", flat_ovl, ""],
@@ -258,23 +335,32 @@ def report(runs: dict[str, Run], summary: dict[str, Any], args: argparse.Namespa
          ">= 0.95"],
         ["  predicted", "nebula plan's utilisation, overlap",
          summary.get("utilization_overlap_predicted"), ""],
-        ["loss_gap", "((b) - (a)) / (a) eval loss", summary["loss_gap"], "<= 0.03"],
+        ["loss_gap", f"((b) - (a)) / (a) eval loss{over}", summary["loss_gap"], "<= 0.03"],
         ["loss_gap_overlap", "((b overlap) - (a)) / (a)", summary["loss_gap_overlap"],
          "<= 0.03"],
-        ["wan_bytes_reduction", "(a)/(b) WAN bytes per token", summary["wan_bytes_reduction"],
-         ">= 100"],
+        ["wan_bytes_reduction", f"(a)/(b) WAN bytes per token{over}",
+         summary["wan_bytes_reduction"], ">= 1000"],
     ]
     for row in ratio_rows:
         met = summary["goals_met"].get(row[0])
         row.append("" if met is None else ("met" if met else "NOT met"))
     lines.append(_bed.table(["ratio", "what", "value", "goal", ""], ratio_rows))
     lines.append("")
+    if len(seeds) > 1:
+        lines.append(_bed.table(
+            ["seed", "flat eval", "nebula eval", "loss gap", "WAN bytes reduction", "same params"],
+            [[f["seed"], f["flat_eval"], f["nebula_eval"], f["loss_gap"],
+              f["wan_bytes_reduction"], "yes" if f["identical"] else "NO"] for f in seeds]))
+        lines.append("")
     lines.append(
         f"link {args.mbit:g} Mbit/s each way (tc htb); (b) adds {args.delay_ms:g} ms one way in "
         f"the relays (round trip {summary['rtt_ms']:.1f} ms); (a) has NO added delay (gloo's "
         f"mesh cannot go through a delay proxy), which only favours (a). {args.steps} steps, "
-        f"H={args.inner_steps}, micro batch {args.micro_batch} x 128 tokens x 4 workers = "
-        f"{runs['flat'].tokens:,} tokens per job, seed {args.seed}. tokens/s from the slowest "
+        f"H={args.inner_steps}, outer lr {args.outer_lr:g} / momentum {args.outer_momentum:g}, "
+        f"micro batch {args.micro_batch} x 128 tokens x 4 workers = "
+        f"{runs['flat'].tokens:,} tokens per job, seeds {args.seeds}"
+        + (f" (further seeds: (a) at {FAST_MBIT:g} Mbit/s)" if len(seeds) > 1 else "")
+        + ". tokens/s from the slowest "
         f"worker's s_per_step (steps 2..N). {os.cpu_count()} cores shared by all 4 workers and "
         "the relays; 'load' is the machine's 1-minute load average as each job ended.")
     return "\n".join(lines)
@@ -285,25 +371,36 @@ def main(argv: list[str] | None = None) -> int:
     _bed.require_bed()
     tmp = Path(tempfile.mkdtemp(prefix="nebula-bench-wan-"))
     runs: dict[str, Run] = {}
+    extra: dict[int, dict[str, Run]] = {}
+    first = args.seed_list[0]
     try:
         with _bed.make_bed(CLUSTERS, args.mbit) as bed:
             neb = _bed.Nebula(bed, tmp / "home")
             try:
                 rtt = _bed.base_rtt_ms(bed, "e1", "w1") + 2 * args.delay_ms
                 both = {"east": CLUSTERS["east"], "west": CLUSTERS["west"]}
+                flat = {"flat": [*CLUSTERS["east"], *CLUSTERS["west"]]}
                 # (a) first: it is link-bound, so the first job's start-up costs on a fresh bed
                 # do not matter there; (c) between the two (b) runs, as this machine's load
                 # drifts (other tenants)
-                runs["flat"] = run_job(neb, bed, tmp, args, "flat",
-                                       {"flat": [*CLUSTERS["east"], *CLUSTERS["west"]]}, None)
+                runs["flat"] = run_job(neb, bed, tmp, args, "flat", flat, None, seed=first)
                 runs["nebula"] = run_job(neb, bed, tmp, args, "nebula", both,
-                                         relay(args, overlap=False, delay_ms=args.delay_ms))
+                                         relay(args, overlap=False, delay_ms=args.delay_ms),
+                                         seed=first)
                 bed.set_rate("east", "west", None)
                 runs["unshaped"] = run_job(neb, bed, tmp, args, "unshaped", both,
-                                           relay(args, overlap=False, delay_ms=0.0))
+                                           relay(args, overlap=False, delay_ms=0.0), seed=first)
                 bed.set_rate("east", "west", args.mbit)
                 runs["overlap"] = run_job(neb, bed, tmp, args, "overlap", both,
-                                          relay(args, overlap=True, delay_ms=args.delay_ms))
+                                          relay(args, overlap=True, delay_ms=args.delay_ms),
+                                          seed=first)
+                for seed in args.seed_list[1:]:
+                    bed.set_rate("east", "west", FAST_MBIT)
+                    a = run_job(neb, bed, tmp, args, f"flat-{seed}", flat, None, seed=seed)
+                    bed.set_rate("east", "west", args.mbit)
+                    b = run_job(neb, bed, tmp, args, f"nebula-{seed}", both,
+                                relay(args, overlap=False, delay_ms=args.delay_ms), seed=seed)
+                    extra[seed] = {"flat": a, "nebula": b}
             finally:
                 neb.cleanup()
     finally:
@@ -313,11 +410,13 @@ def main(argv: list[str] | None = None) -> int:
             shutil.rmtree(tmp, ignore_errors=True)
     runs = {k: runs[k] for k in ("flat", "nebula", "overlap", "unshaped")}
     summary = summarize(runs, link_mbit=args.mbit, rtt_ms=rtt,
-                        predicted=advisor_prediction(runs, args, rtt))
+                        predicted=advisor_prediction(runs, args, rtt), first_seed=first,
+                        extra=extra)
     summary["settings"] = {"steps": args.steps, "inner_steps": args.inner_steps,
                            "outer_lr": args.outer_lr, "outer_momentum": args.outer_momentum,
                            "micro_batch": args.micro_batch, "delay_ms": args.delay_ms,
-                           "quick": args.quick}
+                           "quick": args.quick, "codec": compression(args),
+                           "seeds": args.seed_list}
     print(report(runs, summary, args))
     if args.json:
         _bed.emit_json(summary)

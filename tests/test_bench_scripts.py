@@ -69,7 +69,18 @@ def test_wan_training_summary_has_the_fields_and_ratios() -> None:
     assert out["loss_gap_overlap"] == pytest.approx(0.025)
     assert out["goals_met"] == {"speedup_vs_flat": True, "utilization": True,
                                 "utilization_overlap": True, "loss_gap": True,
-                                "loss_gap_overlap": True, "wan_bytes_reduction": True}
+                                "loss_gap_overlap": True, "wan_bytes_reduction": False}
+    # further seeds: loss gap and bytes reduction are the median over all seeds
+    extra = {1: {"flat": run("flat", 0.5, 2.2, 2_000_000_000),
+                 "nebula": run("nebula", 0.4, 2.2 * 1.05, 1_000_000)},
+             2: {"flat": run("flat", 0.5, 2.1, 2_000_000_000),
+                 "nebula": run("nebula", 0.4, 2.1 * 1.01, 4_000_000)}}
+    out = mod.summarize(runs, link_mbit=20.0, rtt_ms=50.1, first_seed=1234, extra=extra)
+    assert [f["seed"] for f in out["per_seed"]] == [1234, 1, 2]
+    assert [f["loss_gap"] for f in out["per_seed"]] == pytest.approx([0.02, 0.05, 0.01])
+    assert out["loss_gap"] == pytest.approx(0.02)
+    assert out["wan_bytes_reduction"] == pytest.approx(500.0)  # of 200, 2000, 500
+    assert out["goals_met"]["loss_gap"] and not out["goals_met"]["wan_bytes_reduction"]
     args = mod.parse_args(["--inner-steps", "25"])
     predicted = mod.advisor_prediction(runs, args, rtt_ms=50.1)
     # the advisor's own model: H t / (H t + bytes * 8 / rate + 3 rtt), t from (c)
@@ -97,11 +108,13 @@ def test_diloco_schedule_runs_every_mode(capsys: pytest.CaptureFixture[str]) -> 
     assert mod.main(["--steps", "4", "--inner-steps", "2", "--settings", "1.0,0", "0.6,0.5",
                      "--modes", "sync", "overlap", "late", "--tau", "1", "--json"]) == 0
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-    assert tuple(out)[:2] == mod.JSON_FIELDS
+    assert tuple(out)[:4] == mod.JSON_FIELDS
     assert [(r["mode"], r["outer_lr"]) for r in out["runs"]] == [
         ("sync", 1.0), ("sync", 0.6), ("overlap", 1.0), ("overlap", 0.6), ("late", 1.0),
         ("late", 0.6)]
     for r in out["runs"]:
         assert r["identical"]
-        assert r["gap"] == pytest.approx((r["eval"] - out["flat_eval"]) / out["flat_eval"],
+        assert r["gap"] == pytest.approx((r["eval"] - r["flat_eval"]) / r["flat_eval"],
                                          abs=2e-4)
+        assert r["bytes_per_token_reduction"] > 1
+    assert out["loss_gap"] == out["medians"][0]["loss_gap"] == out["runs"][0]["gap"]

@@ -68,10 +68,10 @@ def int8_stated_bound(x: torch.Tensor, bs: int) -> torch.Tensor:
 
 def topk_stated_bound(x: torch.Tensor, bits: int = 2) -> torch.Tensor:
     xd = x.double()
-    pad = (-len(xd)) % 256
-    absmax = torch.cat([xd.abs(), xd.new_zeros(pad)]).view(-1, 256).amax(1)
+    pad = (-len(xd)) % 1024
+    absmax = torch.cat([xd.abs(), xd.new_zeros(pad)]).view(-1, 1024).amax(1)
     kept = absmax * (1 / (2**bits - 2) + 2.0**-7) * (1 + 2.0**-12)
-    kept = kept.repeat_interleave(256)[: len(xd)]
+    kept = kept.repeat_interleave(1024)[: len(xd)]
     return torch.maximum(xd.abs(), kept)
 
 

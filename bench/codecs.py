@@ -4,8 +4,10 @@ For every codec: encode and decode throughput in GB/s of fp32 input (best of --r
 bytes on the wire per element, and the relative error of y = decode(encode(x)): elementwise
 |y - x| / |x| (max and mean over the non-zero elements; int8 sends elements far below their
 block's absmax as 0, so its max is 1) and the norm ratio ||y - x|| / ||x||. "bound" says whether
-every element stayed within the codec's own max_abs_error. With --json the last line is one
-JSON object.
+every element stayed within the codec's own max_abs_error. topk runs at the spec's default
+density and bits and at the variants in TOPK_VARIANTS; it sends a fraction of the elements, so
+its errors are those of one round without the error feedback that carries the rest into the
+next. With --json the last line is one JSON object.
 
     .venv/bin/python bench/codecs.py [--numel 16777216] [--repeat 5] [--block-size 256] [--json]
 """
@@ -21,7 +23,11 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
+from nebula_cli.config.relay_config import TOPK_BITS, TOPK_DENSITY
 from nebula_cli.relay.codecs import DEFAULT_BLOCK_SIZE, KNOWN_CODECS, Codec, get_codec
+
+TOPK_VARIANTS = ((TOPK_DENSITY, 4), (0.125, 2), (0.02, 2))
+"""(density, bits) of topk measured besides the default."""
 
 
 def best_of(repeat: int, fn: Any) -> tuple[float, Any]:
@@ -68,10 +74,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
     gen = torch.Generator().manual_seed(args.seed)
     x = torch.randn(args.numel, generator=gen) * 1e-2
-    results = {
-        name: measure(get_codec(name, block_size=args.block_size), x, args.repeat)
-        for name in KNOWN_CODECS
-    }
+    codecs = {name: get_codec(name, block_size=args.block_size) for name in KNOWN_CODECS
+              if name != "topk"}
+    for density, bits in ((TOPK_DENSITY, TOPK_BITS), *TOPK_VARIANTS):
+        codecs[f"topk {density:g} {bits}b"] = get_codec("topk", density=density, bits=bits)
+    results = {name: measure(codec, x, args.repeat) for name, codec in codecs.items()}
 
     table = Table(
         title=f"codecs on {args.numel:,} fp32 elements ({4 * args.numel / 2**20:.0f} MiB), "

@@ -79,10 +79,10 @@ CLUSTERS = {"east": ["e1", "e2"], "west": ["w1", "w2"]}
 QUICK = {"steps": 36, "inner_steps": 18}
 FAST_MBIT = 10_000.0
 """The link of (a) on seeds after the first (loss and bytes only)."""
-OUTER = {"topk": (2.0, 0.0)}
-"""Outer lr and momentum per codec for this 8-round schedule (docs/benchmarks.md); others: the
-int8 settings below."""
-OUTER_DEFAULT = (0.6, 0.5)
+SCHEDULE = {"topk": (10, 2.5, 0.0)}
+"""H, outer lr and momentum per codec for this 200-step schedule (docs/benchmarks.md: topk's
+rounds are 80x smaller than fp32, so it syncs every 10 steps); other codecs: the default."""
+SCHEDULE_DEFAULT = (25, 0.6, 0.5)
 
 
 @dataclass
@@ -119,13 +119,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--delay-ms", type=float, default=25.0,
                    help="one-way delay added by the relays in (b) (round trip 2x)")
     p.add_argument("--steps", type=int, default=None, help="steps of every job (default 200)")
-    p.add_argument("--inner-steps", type=int, default=None, help="DiLoCo H (default 25)")
+    p.add_argument("--inner-steps", type=int, default=None,
+                   help="DiLoCo H (default 25; topk: 10)")
     p.add_argument("--micro-batch", type=int, default=4,
                    help="per-rank micro batch of 128-token sequences (examples/gpt uses 16; "
                         "see the note on compute below)")
     p.add_argument("--outer-lr", type=float, default=None,
                    help="outer learning rate (default: 0.6 with momentum 0.5, which suits a "
-                        "schedule of a few outer rounds with int8; topk: 2.0 with momentum 0; "
+                        "schedule of a few outer rounds with int8; topk: H=10, 2.5 with "
+                        "momentum 0, its error feedback already carries the past rounds; "
                         "DiLoCo's 0.7/0.9 is for long runs: docs/benchmarks.md)")
     p.add_argument("--outer-momentum", type=float, default=None,
                    help="outer Nesterov momentum (default: see --outer-lr)")
@@ -147,11 +149,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         args.seed_list = [int(x) for x in args.seeds.split(",")]
     except ValueError:
         p.error("--seeds takes integers such as 1234,1,2")
-    lr, momentum = OUTER.get(args.codec, OUTER_DEFAULT)
+    h, lr, momentum = SCHEDULE.get(args.codec, SCHEDULE_DEFAULT)
     args.outer_lr = lr if args.outer_lr is None else args.outer_lr
     args.outer_momentum = momentum if args.outer_momentum is None else args.outer_momentum
     args.steps = args.steps or (QUICK["steps"] if args.quick else 200)
-    args.inner_steps = args.inner_steps or (QUICK["inner_steps"] if args.quick else 25)
+    args.inner_steps = args.inner_steps or (QUICK["inner_steps"] if args.quick else h)
     if args.steps < 2 or args.inner_steps < 1 or args.micro_batch < 1 or args.mbit <= 0:
         p.error("--steps >= 2, --inner-steps >= 1, --micro-batch >= 1, --mbit > 0")
     return args

@@ -54,7 +54,9 @@ def _written(agent: jobplan.AgentPlan, tmp_path: Path) -> Path:
 def test_every_consumer_loads_the_spec_defaults(tmp_path: Path) -> None:
     spec = minimal_spec()
     plan = _plan(spec)
-    relay_d, sync_d, comp_d = RelaySpec(), SyncSpec(), CompressionSpec()
+    relay_d, comp_d = RelaySpec(), CompressionSpec()
+    sync_d = relay_d.sync  # outer lr and momentum: the default codec's
+    assert SyncSpec().outer_lr is None and sync_d.outer_lr is not None
     relays, workers = plan.role(jobplan.RELAY), plan.role(jobplan.WORKER)
     assert [a.cluster for a in relays] == ["east", "west"] and len(workers) == 2
     for agent in plan.agents:

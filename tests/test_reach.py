@@ -101,3 +101,8 @@ def test_cluster_behind_a_firewall_dials_out_and_trains(ssh_cli: CLI, bed_clean:
 def test_validate_says_which_relay_dials_which(tmp_path: Path, cli: CLI) -> None:
     out = cli("validate", str(write(tmp_path, TWO)), check=True).stdout
     assert "relays: hpc dials lab, cloud dials lab, cloud dials hpc" in out
+    # how they sync, with the defaults that follow the codec resolved
+    topk = TWO.replace("relay: {}", "relay: {compression: topk, sync: {inner_steps: 10}}")
+    out = " ".join(cli("validate", str(write(tmp_path, topk)), check=True).stdout.split())
+    assert ("sync: diloco every 10 steps, outer lr 2.5 / no momentum, topk (density 0.0625, "
+            "2 bits) with error feedback") in out

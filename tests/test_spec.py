@@ -97,6 +97,24 @@ def test_model_defaults() -> None:
         None, None, 1, None, "h")
 
 
+def test_outer_defaults_follow_the_codec(tmp_path: Path) -> None:
+    """Unset outer lr and momentum take the codec's (topk: 2.5 without momentum, its error
+    feedback carries the past rounds; dense codecs: DiLoCo's 0.7 / 0.9); set ones stay."""
+    def sync(relay: str) -> SyncSpec:
+        spec = parse_spec(BASE + relay, base_dir=tmp_path)
+        assert spec.relay is not None
+        return spec.relay.sync
+
+    assert (sync("relay: {compression: topk}\n").outer_lr,
+            sync("relay: {compression: topk}\n").outer_momentum) == (2.5, 0.0)
+    assert (sync("relay: {compression: bf16}\n").outer_lr,
+            sync("relay: {compression: bf16}\n").outer_momentum) == (0.7, 0.9)
+    mine = sync("relay: {compression: topk, sync: {outer_lr: 1.5, outer_momentum: 0.3}}\n")
+    assert (mine.outer_lr, mine.outer_momentum) == (1.5, 0.3)
+    half = sync("relay: {compression: topk, sync: {outer_momentum: 0.5}}\n")
+    assert (half.outer_lr, half.outer_momentum) == (2.5, 0.5)
+
+
 def test_host_shorthand_strings(tmp_path: Path) -> None:
     spec = load_spec(write(tmp_path, """\
         name: demo

@@ -98,6 +98,22 @@ def jobs_table(jobs: list[JobRecord]) -> Table:
     return table
 
 
+def sync_summary(spec: JobSpec) -> str:
+    """How the relays sync, defaults resolved: "diloco every 100 steps, outer lr 0.7 / Nesterov
+    momentum 0.9, int8 with error feedback"."""
+    relay = spec.relay
+    assert relay is not None
+    sync, comp = relay.sync, relay.compression
+    every = f"every {sync.inner_steps} steps" if sync.mode == "diloco" else "every step"
+    codec = comp.codec + (f" (density {comp.density:g}, {comp.bits} bits)"
+                          if comp.codec == "topk" else "")
+    feedback = " with error feedback" if comp.error_feedback and comp.codec != "none" else ""
+    momentum = ("no momentum" if not sync.outer_momentum else
+                f"{'Nesterov ' if sync.nesterov else ''}momentum {sync.outer_momentum:g}")
+    return (f"{sync.mode} {every}, outer lr {sync.outer_lr:g} / {momentum}"
+            f"{', overlapped' if sync.overlap else ''}, {codec}{feedback}")
+
+
 def spec_summary(path: object, spec: JobSpec) -> str:
     """What `validate` says of a valid spec: its size, which relay dials which (clusters with
     `relay_reach: outbound` dial the others) and what each Slurm cluster asks for."""
@@ -109,6 +125,7 @@ def spec_summary(path: object, spec: JobSpec) -> str:
     if spec.relay is not None and len(order) > 1:
         lines.append("relays: " + ", ".join(f"{later} dials {earlier}" for i, later in
                                             enumerate(order) for earlier in order[:i]))
+        lines.append("sync: " + sync_summary(spec))
     for c in spec.clusters:
         if (request := c.slurm_request) is not None:
             lines.append(f"{c.name}: one Slurm job through {c.hosts[0].host}: {request.nodes} "

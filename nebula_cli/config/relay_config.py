@@ -11,8 +11,8 @@ from typing import Any
 from nebula_cli.config import strict
 from nebula_cli.errors import NebulaError
 
-TOPK_DENSITY = 0.02
-"""Default fraction of elements the topk codec keeps (5 of every 256)."""
+TOPK_DENSITY = 0.0625
+"""Default fraction of elements the topk codec keeps (1 of every 16)."""
 TOPK_BITS = 2
 """Default bits per value the topk codec keeps."""
 TOPK_BIT_CHOICES = (2, 4, 8)

@@ -22,6 +22,12 @@ class SpecModel(BaseModel):
                               allow_inf_nan=False)
 
 
+OUTER_DEFAULTS: dict[str, tuple[float, float]] = {"topk": (2.5, 0.0)}
+"""Outer lr and momentum per codec when the spec names none; DENSE_OUTER for the others."""
+DENSE_OUTER = (0.7, 0.9)
+"""DiLoCo's outer lr and Nesterov momentum (long runs)."""
+
+
 class SyncSpec(SpecModel):
     """How clusters combine their work over the WAN."""
 
@@ -29,10 +35,12 @@ class SyncSpec(SpecModel):
     """'diloco': average parameter deltas every inner_steps; 'gradient': every step."""
     inner_steps: int = Field(100, ge=1)
     """Local steps between outer syncs (diloco)."""
-    outer_lr: float = Field(0.7, gt=0.0)
-    """Outer optimizer learning rate (diloco)."""
-    outer_momentum: float = Field(0.9, ge=0.0, lt=1.0)
-    """Outer SGD momentum in [0, 1) (diloco)."""
+    outer_lr: float | None = Field(None, gt=0.0)
+    """Outer optimizer learning rate (diloco). Default: the codec's (OUTER_DEFAULTS: 0.7, and
+    2.5 for topk)."""
+    outer_momentum: float | None = Field(None, ge=0.0, lt=1.0)
+    """Outer SGD momentum in [0, 1) (diloco). Default: the codec's (0.9, and 0 for topk, whose
+    error feedback already carries the past rounds, as in SparseLoCo)."""
     nesterov: bool = True
     """Nesterov momentum for the outer step."""
     overlap: bool = False
@@ -102,6 +110,15 @@ class RelaySpec(SpecModel):
     rounds go on without it). At least two heartbeats."""
     shaping: ShapingSpec | None = None
     """WAN emulation. Default: none."""
+
+    @model_validator(mode="after")
+    def _outer_defaults(self) -> RelaySpec:
+        lr, momentum = OUTER_DEFAULTS.get(self.compression.codec, DENSE_OUTER)
+        if self.sync.outer_lr is None:
+            self.sync.outer_lr = lr
+        if self.sync.outer_momentum is None:
+            self.sync.outer_momentum = momentum
+        return self
 
     @model_validator(mode="after")
     def _check_ports(self) -> RelaySpec:

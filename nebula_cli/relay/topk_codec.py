@@ -132,7 +132,9 @@ class TopKCodec(Codec):
         pos, val = [], []
         if full:
             xb = x[: full * span].view(full, span)
-            idx = xb.abs().topk(k, dim=1, sorted=False).indices
+            mag = xb.abs()  # one of a span: argmax is twice as fast as topk on short rows
+            idx = (mag.argmax(dim=1, keepdim=True) if k == 1
+                   else mag.topk(k, dim=1, sorted=False).indices)
             pos.append(idx.reshape(-1))
             val.append(xb.gather(1, idx).reshape(-1))
         tail = x[full * span :]

@@ -1,7 +1,11 @@
 """Outer-optimizer settings for a short schedule: flat data parallel against DiLoCo, in one process.
 
-    .venv/bin/python bench/diloco_schedule.py [--steps 200] [--inner-steps 25] [--seed 1234]
-        [--settings 0.7,0.9 0.6,0.5 1.0,0] [--modes sync overlap late] [--tau 3] [--json]
+    .venv/bin/python bench/diloco_schedule.py [--steps 200] [--inner-steps H] [--seeds 1234,1,2]
+        [--settings 0.7,0.9 0.6,0.5 1.0,0] [--modes sync overlap late] [--tau 3]
+        [--codec C] [--density D] [--bits B] [--span 16|256] [--json]
+
+H and the outer settings default to the codec's schedule in bench/_schedules.py (the same as
+bench/wan_training.py's).
 
 The loss side of bench/wan_training.py without processes, relays or links, so that outer
 settings can be compared in minutes and over several seeds: the same GPT (examples/gpt), corpus,
@@ -12,7 +16,7 @@ mean of the workers' averaged gradients).
 
   flat      4 workers, one world: the baseline (a) of bench/wan_training.py
   sync      2 clusters x 2 workers, DiLoCo every H steps: delta = theta_global - local, averaged
-            (the relay's int8 codec with error feedback), nebula's OuterOptimizer
+            (the relay's codec, --codec, with error feedback), nebula's OuterOptimizer
             (Nesterov), every cluster set to theta_global
   overlap   the same, each average applied --tau steps after its boundary on top of the
             progress made meanwhile (nebula's overlapped sync once the transfer has arrived)
@@ -34,18 +38,22 @@ from typing import Any
 import torch
 
 REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "bench"))
+from _schedules import schedule  # noqa: E402
+
 sys.path.insert(0, str(REPO / "examples" / "gpt"))
 sys.path.insert(0, str(REPO))
 from data import BatchSampler, eval_batches, evaluate, load_corpus, split_corpus  # noqa: E402
 from model import GPT, GPTConfig  # noqa: E402
 
+from nebula_cli.config.sections import CompressionSpec  # noqa: E402
 from nebula_cli.relay.codecs import KNOWN_CODECS, ErrorFeedback, get_codec  # noqa: E402
 from nebula_cli.relay.topk_codec import DEFAULT_BITS, DEFAULT_DENSITY, TopKCodec  # noqa: E402
 from nebula_cli.runtime.sync import OuterOptimizer  # noqa: E402
 
 CONTEXT, MICRO, LR, WARMUP, CLIP, WORKERS, CLUSTERS = 128, 4, 2e-3, 30, 1.0, 4, 2
 JSON_FIELDS = ("loss_gap", "bytes_per_token_reduction", "medians", "runs")
-DEFAULT_CODEC = "int8"
+DEFAULT_CODEC: str = CompressionSpec.model_fields["codec"].default
 
 
 def inner_lr(step: int) -> float:
@@ -154,11 +162,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                                 formatter_class=argparse.RawDescriptionHelpFormatter,
                                 epilog="\n".join(__doc__.splitlines()[2:]))
     p.add_argument("--steps", type=int, default=200)
-    p.add_argument("--inner-steps", type=int, default=25, help="DiLoCo H")
+    p.add_argument("--inner-steps", type=int, default=None,
+                   help="DiLoCo H (default: the codec's, 25; topk: 10)")
     p.add_argument("--seeds", default="1234",
                    help="comma-separated seeds; the gap printed last is the median over them")
-    p.add_argument("--settings", nargs="+", default=["0.6,0.5"],
-                   help="outer lr,momentum pairs (Nesterov)")
+    p.add_argument("--settings", nargs="+", default=None,
+                   help="outer lr,momentum pairs (Nesterov; default: the codec's, 0.6,0.5; "
+                        "topk: 2.5,0)")
     p.add_argument("--modes", nargs="+", default=["sync", "overlap"],
                    choices=["sync", "overlap", "late"])
     p.add_argument("--tau", type=int, default=3, help="overlap: steps until the average lands")
@@ -170,6 +180,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="topk: elements per top-k span (default: the codec's choice)")
     p.add_argument("--json", action="store_true", help="print one JSON object as the last line")
     args = p.parse_args(argv)
+    h, lr, momentum = schedule(args.codec)
+    args.inner_steps = args.inner_steps or h
+    args.settings = args.settings or [f"{lr:g},{momentum:g}"]
     try:
         args.pairs = [tuple(float(x) for x in s.split(",")) for s in args.settings]
         args.seed_list = [int(x) for x in args.seeds.split(",")]

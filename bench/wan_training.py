@@ -56,6 +56,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _bed  # noqa: E402
+from _schedules import schedule  # noqa: E402
 
 sys.path.insert(0, str(_bed.REPO))
 from nebula_cli.config.relay_config import (  # noqa: E402
@@ -79,10 +80,6 @@ CLUSTERS = {"east": ["e1", "e2"], "west": ["w1", "w2"]}
 QUICK = {"steps": 36, "inner_steps": 18}
 FAST_MBIT = 10_000.0
 """The link of (a) on seeds after the first (loss and bytes only)."""
-SCHEDULE = {"topk": (10, 2.5, 0.0)}
-"""H, outer lr and momentum per codec for this 200-step schedule (docs/benchmarks.md: topk's
-rounds are 80x smaller than fp32, so it syncs every 10 steps); other codecs: the default."""
-SCHEDULE_DEFAULT = (25, 0.6, 0.5)
 
 
 @dataclass
@@ -149,7 +146,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         args.seed_list = [int(x) for x in args.seeds.split(",")]
     except ValueError:
         p.error("--seeds takes integers such as 1234,1,2")
-    h, lr, momentum = SCHEDULE.get(args.codec, SCHEDULE_DEFAULT)
+    h, lr, momentum = schedule(args.codec)
     args.outer_lr = lr if args.outer_lr is None else args.outer_lr
     args.outer_momentum = momentum if args.outer_momentum is None else args.outer_momentum
     args.steps = args.steps or (QUICK["steps"] if args.quick else 200)

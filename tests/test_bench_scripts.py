@@ -81,7 +81,7 @@ def test_wan_training_summary_has_the_fields_and_ratios() -> None:
     assert out["loss_gap"] == pytest.approx(0.02)
     assert out["wan_bytes_reduction"] == pytest.approx(500.0)  # of 200, 2000, 500
     assert out["goals_met"]["loss_gap"] and not out["goals_met"]["wan_bytes_reduction"]
-    args = mod.parse_args(["--inner-steps", "25"])
+    args = mod.parse_args(["--inner-steps", "25", "--codec", "int8"])
     predicted = mod.advisor_prediction(runs, args, rtt_ms=50.1)
     # the advisor's own model: H t / (H t + bytes * 8 / rate + 3 rtt), t from (c)
     wan = predicted["params"] * (1 + 4 / 256) * 8 / 20e6 + 3 * 0.0501

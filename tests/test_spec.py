@@ -89,9 +89,10 @@ def test_model_defaults() -> None:
     assert (relay.port, relay.worker_port, relay.effective_worker_port) == (29400, None, 29401)
     assert relay.timeout == 120 and relay.heartbeat == 2.0 and relay.dead_after == 10.0
     assert relay.shaping is None
-    assert relay.sync == SyncSpec(mode="diloco", inner_steps=100, outer_lr=0.7,
-                                  outer_momentum=0.9, nesterov=True, overlap=False)
-    assert relay.compression == CompressionSpec(codec="int8", error_feedback=True, block_size=256)
+    assert relay.sync == SyncSpec(mode="diloco", inner_steps=100, outer_lr=2.5,
+                                  outer_momentum=0.0, nesterov=True, overlap=False)
+    assert relay.compression == CompressionSpec(codec="topk", error_feedback=True, block_size=256,
+                                                density=0.0625, bits=2)
     host = HostSpec(host="h")
     assert (host.user, host.port, host.slots, host.key, host.reach_address) == (
         None, None, 1, None, "h")

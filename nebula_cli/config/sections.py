@@ -52,9 +52,10 @@ class SyncSpec(SpecModel):
 
 
 class CompressionSpec(SpecModel):
-    """How tensors are encoded on the WAN; also written as a codec name (``compression: int8``)."""
+    """How tensors are encoded on the WAN; also written as a codec name (``compression: int8``).
+    The default, topk, met bench/wan_training.py's goals (docs/benchmarks.md)."""
 
-    codec: Literal["none", "fp16", "bf16", "int8", "topk"] = "int8"
+    codec: Literal["none", "fp16", "bf16", "int8", "topk"] = "topk"
     """Wire codec: none (fp32), fp16, bf16, int8 (blockwise), topk (sparse, low-bit values)."""
     error_feedback: bool = True
     """Carry the quantisation error into the next round."""

@@ -49,7 +49,7 @@ def relay_link(job: Job, as_cluster: str, to: str) -> ssl.SSLSocket:
     send_frame(tls, Frame(FrameType.HELLO, {
         "role": "relay", "cluster": as_cluster, "job_id": JOB, "protocol": PROTOCOL,
         "codec": cfg.codec, "block_size": cfg.block_size, "chunk_numel": cfg.chunk_numel,
-        "done": -1}))
+        "density": cfg.density, "bits": cfg.bits, "done": -1}))
     tls.settimeout(5)
     return tls
 

@@ -239,7 +239,7 @@ def relay(bed: Any, tmp: Path, nbytes: int, rounds: int, pki_dir: Path) -> dict[
                      "key": str(pki_dir / cluster / "relay.key")},
                 codec="none", error_feedback=False, block_size=CompressionSpec().block_size,
                 round_timeout=600.0,
-                heartbeat=5.0, shaping=ShapingConfig(rate_mbit=None, delay_ms=0.0),
+                heartbeat=5.0, shaping=ShapingConfig(rate_mbit=None, delay_ms=0.0), auto_steps=None,
                 status_file=str(tmp / f"relay-{cluster}.status.json"),
                 metrics_file=str(tmp / f"relay-{cluster}.jsonl"))
             cfg.dump(tmp / f"relay-{cluster}.json")

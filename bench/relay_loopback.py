@@ -204,7 +204,7 @@ def relay_rounds(mb: int, repeat: int, tmp: Path, pki: JobPKI) -> tuple[list[flo
                 tls={"ca": str(pki.ca_cert), "cert": str(pair.cert), "key": str(pair.key)},
                 codec="none", error_feedback=False, block_size=CompressionSpec().block_size,
                 round_timeout=120.0,
-                heartbeat=5.0, shaping=ShapingConfig(rate_mbit=None, delay_ms=0.0),
+                heartbeat=5.0, shaping=ShapingConfig(rate_mbit=None, delay_ms=0.0), auto_steps=None,
                 metrics_file=str(tmp / f"metrics-{c}.jsonl"))
             cfg.dump(tmp / f"relay-{c}.json")
             log = open(tmp / f"relay-{c}.log", "wb")  # noqa: SIM115 (closed with the process)

@@ -50,4 +50,5 @@ def relay_defaults() -> dict[str, Any]:
             "error_feedback": relay.compression.error_feedback,
             "block_size": relay.compression.block_size, "round_timeout": relay.timeout,
             "heartbeat": relay.heartbeat, "dead_after": relay.dead_after,
-            "shaping": {"rate_mbit": None, "delay_ms": 0.0}}
+            "shaping": {"rate_mbit": None, "delay_ms": 0.0},
+            "auto_steps": jobplan.auto_steps(minimal_spec())}

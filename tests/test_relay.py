@@ -26,7 +26,8 @@ import torch
 from plan_defaults import relay_defaults
 
 from nebula_cli.pki import JobPKI, client_context, issue_job_pki, server_context
-from nebula_cli.relay.allreduce import BEHIND, Coordinator, RoundExchange, Schedule, ordered_mean
+from nebula_cli.relay.agreement import BEHIND, Coordinator
+from nebula_cli.relay.allreduce import RoundExchange, Schedule, ordered_mean
 from nebula_cli.relay.client import RelayClient, RelayError
 from nebula_cli.relay.codecs import Encoded, get_codec
 from nebula_cli.relay.config import RelayConfig, RelayConfigError

@@ -16,7 +16,7 @@ import pytest
 import torch
 from plan_defaults import relay_defaults
 
-from nebula_cli.relay.allreduce import Decision
+from nebula_cli.relay.agreement import Decision
 from nebula_cli.relay.codecs import get_codec
 from nebula_cli.relay.config import RelayConfig
 from nebula_cli.relay.limits import (

@@ -139,7 +139,7 @@ class Averager:
         self.rounds: list[int] = []
         self.sent: list[torch.Tensor] = []
 
-    def allreduce(self, round_id: int, tensor: torch.Tensor) -> Any:
+    def allreduce(self, round_id: int, tensor: torch.Tensor, info: Any = None) -> Any:
         from types import SimpleNamespace
 
         self.rounds.append(round_id)

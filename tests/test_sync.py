@@ -60,7 +60,7 @@ class TwoClusterAverager:
     rounds: list[int] = field(default_factory=list)
     closed: int = 0
 
-    def allreduce(self, round_id: int, tensor: torch.Tensor) -> Result:
+    def allreduce(self, round_id: int, tensor: torch.Tensor, info: Any = None) -> Result:
         self.sent.append(tensor.clone())
         self.rounds.append(round_id)
         avg = 0.5 * (tensor + other_cluster(round_id, tensor.numel()))
@@ -78,7 +78,7 @@ class ScriptedAverager(TwoClusterAverager):
     script: dict[int, Any] = field(default_factory=dict)
     published: list[tuple[int, torch.Tensor]] = field(default_factory=list)
 
-    def allreduce(self, round_id: int, tensor: torch.Tensor) -> Result:
+    def allreduce(self, round_id: int, tensor: torch.Tensor, info: Any = None) -> Result:
         res = super().allreduce(round_id, tensor)
         return self.script[round_id](tensor) if round_id in self.script else res
 
@@ -267,7 +267,7 @@ class SlowAverager(TwoClusterAverager):
         super().__init__()
         self.delay = delay
 
-    def allreduce(self, round_id: int, tensor: torch.Tensor) -> Result:
+    def allreduce(self, round_id: int, tensor: torch.Tensor, info: Any = None) -> Result:
         time.sleep(self.delay)
         return super().allreduce(round_id, tensor)
 
@@ -343,12 +343,12 @@ def test_plain_gradient_mode_replaces_gradients_with_the_average() -> None:
 
 
 class FailingAverager(TwoClusterAverager):
-    def allreduce(self, round_id: int, tensor: torch.Tensor) -> Result:
+    def allreduce(self, round_id: int, tensor: torch.Tensor, info: Any = None) -> Result:
         raise ConnectionError("relay unreachable")
 
 
 class ShortAverager(TwoClusterAverager):
-    def allreduce(self, round_id: int, tensor: torch.Tensor) -> Result:
+    def allreduce(self, round_id: int, tensor: torch.Tensor, info: Any = None) -> Result:
         res = super().allreduce(round_id, tensor)
         res.tensor = res.tensor[:-1]
         return res

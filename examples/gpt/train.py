@@ -81,7 +81,16 @@ def parse_checked(p: argparse.ArgumentParser, argv: list[str] | None,
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = common_parser(__doc__.splitlines()[0], steps=300, eval_batches=8)
-    return parse_checked(p, argv)
+    p.add_argument("--slowdown", type=float, default=float(os.environ.get("GPT_SLOWDOWN") or 1),
+                   help="emulate a slower cluster (benchmarks): after each step, wait "
+                        "(SLOWDOWN - 1) times that step's compute time (default $GPT_SLOWDOWN, 1)")
+    p.add_argument("--cpus", default=os.environ.get("GPT_CPUS") or None,
+                   help="run on these CPUs only, e.g. 0 or 0,1 (benchmarks that give each "
+                        "cluster its own cores; default $GPT_CPUS, all)")
+    args = parse_checked(p, argv)
+    if args.slowdown < 1:
+        p.error("--slowdown must be at least 1")
+    return args
 
 
 class StopFlag:
@@ -110,11 +119,12 @@ def single_process_env() -> None:
 
 
 def set_threads() -> None:
-    """Share the cores among the processes on this host unless OMP_NUM_THREADS says otherwise."""
+    """Share the cores this process may use among the processes on this host unless
+    OMP_NUM_THREADS says otherwise."""
     if "OMP_NUM_THREADS" in os.environ:
         return
     local = os.environ.get("LOCAL_SIZE") or os.environ.get("LOCAL_WORLD_SIZE") or "1"
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, int(local))))
+    torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // max(1, int(local))))
 
 
 def load_ds_config(path: Path | None) -> dict[str, Any]:
@@ -145,6 +155,8 @@ def main(argv: list[str] | None = None) -> int:
     stop = StopFlag()
     signal.signal(signal.SIGTERM, stop)
     single_process_env()
+    if args.cpus:
+        os.sched_setaffinity(0, {int(c) for c in args.cpus.split(",")})
     set_threads()
 
     on_cpu = get_accelerator().device_name() == "cpu"
@@ -196,6 +208,7 @@ def main(argv: list[str] | None = None) -> int:
         for step in range(start + 1, args.steps + 1):
             step_loss = 0.0
             info: dict[str, Any] = {}
+            t_step = time.perf_counter()
             for _ in range(accum):
                 x, y = sampler.next()
                 _, loss = engine(x.to(device), y.to(device))
@@ -204,6 +217,8 @@ def main(argv: list[str] | None = None) -> int:
                     info.update(sync.after_backward() or {})
                 engine.step()
                 step_loss += loss.item() / accum
+            if args.slowdown > 1:  # a slower cluster, honestly: each step takes F times as long
+                time.sleep((args.slowdown - 1) * (time.perf_counter() - t_step))
             if sync is not None:  # DiLoCo mode: an outer round every few steps
                 info.update(sync.after_step(step) or {})
                 sync.checkpoint(step)  # every checkpoint.every steps (the spec's)

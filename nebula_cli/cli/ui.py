@@ -104,7 +104,15 @@ def sync_summary(spec: JobSpec) -> str:
     relay = spec.relay
     assert relay is not None
     sync, comp = relay.sync, relay.compression
-    every = f"every {sync.inner_steps} steps" if sync.mode == "diloco" else "every step"
+    if sync.mode != "diloco":
+        every = "every step"
+    elif sync.every is not None:
+        every = f"every {sync.every:g} s of training (weighted by samples)"
+    elif sync.auto:
+        every = (f"every H steps, H chosen by the relays ({sync.min_inner_steps}-"
+                 f"{sync.max_inner_steps}) for {sync.target_utilization:.0%} utilisation")
+    else:
+        every = f"every {sync.inner_steps} steps"
     codec = comp.codec + (f" (density {comp.density:g}, {comp.bits} bits)"
                           if comp.codec == "topk" else "")
     feedback = " with error feedback" if comp.error_feedback and comp.codec != "none" else ""

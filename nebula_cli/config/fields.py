@@ -14,9 +14,9 @@ from __future__ import annotations
 
 import ipaddress
 import re
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BeforeValidator, Field
+from pydantic import AfterValidator, BeforeValidator, Field, PlainValidator
 
 from nebula_cli.config.yaml_positions import describe
 
@@ -143,3 +143,36 @@ UserName = Annotated[str, AfterValidator(check_user)]
 Interface = Annotated[str, AfterValidator(check_interface)]
 Program = Annotated[str, AfterValidator(check_program)]
 Jump = Annotated[str, AfterValidator(check_jump)]
+
+_DURATION_RE = re.compile(r"(\d+(?:\.\d+)?)\s*(ms|s|m|min|h)?")
+_DURATION_UNITS = {"ms": 0.001, None: 1.0, "s": 1.0, "m": 60.0, "min": 60.0, "h": 3600.0}
+
+
+def parse_duration(value: Any) -> Any:
+    """Seconds from a number or a string such as "90", "60s", "2m", "1.5h" (> 0)."""
+    if isinstance(value, bool):
+        raise ValueError("expected a duration such as 60s, 2m or 1h, or a number of seconds")
+    if isinstance(value, (int, float)):
+        seconds = float(value)
+    elif isinstance(value, str) and (m := _DURATION_RE.fullmatch(value.strip())):
+        seconds = float(m.group(1)) * _DURATION_UNITS[m.group(2)]
+    else:
+        raise ValueError(f"{describe(value)} is not a duration: write 60s, 2m, 1h or a number of "
+                         f"seconds")
+    if not seconds > 0:
+        raise ValueError("a duration must be longer than 0 s")
+    return seconds
+
+
+Duration = Annotated[float, BeforeValidator(parse_duration)]
+"""Seconds; written in a spec as a number or with a unit (ms, s, m/min, h)."""
+
+
+def _steps_or_auto(value: Any) -> Any:
+    if value == "auto" or (isinstance(value, int) and not isinstance(value, bool) and value >= 1):
+        return value
+    raise ValueError(f"expected a number of steps (1 or more) or auto, found {describe(value)}")
+
+
+StepsOrAuto = Annotated[int | Literal["auto"], PlainValidator(_steps_or_auto)]
+"""A number of steps (>= 1), or ``auto``."""

@@ -30,7 +30,7 @@ from nebula_cli.config.parts import (
     SyncConfig,
 )
 from nebula_cli.config.pipeline import device_id
-from nebula_cli.config.relay_config import RelayConfig, ShapingConfig, TlsFiles
+from nebula_cli.config.relay_config import AutoSteps, RelayConfig, ShapingConfig, TlsFiles
 from nebula_cli.config.spec import ClusterSpec, HostSpec, JobSpec
 
 WORKER = "worker"
@@ -401,11 +401,22 @@ def sync_config(spec: JobSpec, job_id: str, cluster: ClusterSpec, adir: str, *,
     sync, comp = relay.sync, relay.compression
     return SyncConfig(
         job_id=job_id, cluster=cluster.name, relay_addr=relay_addr, tls=_tls(adir, WORKER),
-        mode=sync.mode, inner_steps=sync.inner_steps, outer_lr=sync.outer_lr,
+        mode=sync.mode, inner_steps=sync.first_inner_steps, every_s=sync.every,
+        auto_steps=auto_steps(spec), outer_lr=sync.outer_lr,
         outer_momentum=sync.outer_momentum, nesterov=sync.nesterov, overlap=sync.overlap,
         overlap_steps=sync.overlap_steps, codec=comp.codec,
         error_feedback=comp.error_feedback, round_timeout=relay.timeout,
         checkpoint=checkpoint)
+
+
+def auto_steps(spec: JobSpec) -> AutoSteps | None:
+    """How the relays choose H with ``inner_steps: auto`` (None: a fixed H, or time-based)."""
+    sync = spec.relay.sync if spec.relay is not None else None
+    if sync is None or not sync.auto:
+        return None
+    return AutoSteps(target_utilization=sync.target_utilization,
+                     min_steps=sync.min_inner_steps, max_steps=sync.max_inner_steps,
+                     overlap=sync.overlap)
 
 
 def _relay_agents(spec: JobSpec, job_id: str, sites: dict[str, Site], ports: Ports,
@@ -467,7 +478,7 @@ def relay_config(spec: JobSpec, job_id: str, cluster: ClusterSpec, adir: str, po
         error_feedback=relay.compression.error_feedback,
         block_size=relay.compression.block_size,
         density=relay.compression.density, bits=relay.compression.bits,
-        round_timeout=relay.timeout,
+        auto_steps=auto_steps(spec), round_timeout=relay.timeout,
         heartbeat=relay.heartbeat, dead_after=relay.dead_after,
         shaping=ShapingConfig(rate_mbit=shaping.rate_mbit if shaping else None,
                               delay_ms=shaping.delay_ms if shaping else 0.0),

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from nebula_cli.config import strict
-from nebula_cli.config.relay_config import TlsFiles
+from nebula_cli.config.relay_config import AutoSteps, TlsFiles
 
 SYNC_CONFIG_ENV = "NEBULA_SYNC_CONFIG"
 """The environment variable that names a worker's sync.json."""
@@ -88,6 +88,11 @@ class SyncConfig:
     mode: str
     """"diloco" or "gradient"."""
     inner_steps: int
+    """H: optimizer steps between rounds (with ``auto_steps``, the first round's H)."""
+    every_s: float | None
+    """Time-based rounds: seconds of training between rounds (then inner_steps is unused)."""
+    auto_steps: AutoSteps | None
+    """``inner_steps: auto``: each round's result says the next H (chosen by the relays)."""
     outer_lr: float
     outer_momentum: float
     nesterov: bool

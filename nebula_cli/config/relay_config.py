@@ -51,6 +51,21 @@ class ShapingConfig:
     """One-way delay added in user space to every frame sent to a peer."""
 
 
+@dataclass(frozen=True)
+class AutoSteps:
+    """``relay.sync.inner_steps: auto``: the round's coordinator picks H for the next round from
+    the clusters' measured step and round times (`nebula_cli.relay.cadence`)."""
+
+    target_utilization: float
+    """Fraction of wall time spent training that H is chosen to reach."""
+    min_steps: int
+    """The smallest H (also the first round's)."""
+    max_steps: int
+    """The largest H."""
+    overlap: bool
+    """Rounds overlap the next inner steps: H only has to cover the round's time."""
+
+
 @dataclass
 class RelayConfig:
     """One relay's configuration; `load`/`dump` read and write relay.json (unknown keys refused).
@@ -83,6 +98,8 @@ class RelayConfig:
     dead_after: float
     """Seconds of silence after which a peer link is closed (the peer taken for dead)."""
     shaping: ShapingConfig
+    auto_steps: AutoSteps | None
+    """Set with ``inner_steps: auto``: how the coordinator chooses H; None: fixed H."""
     status_file: str | None = None
     """JSON status rewritten (atomic rename) after each round and on peer changes."""
     metrics_file: str | None = None
@@ -100,6 +117,8 @@ class RelayConfig:
             self.tls = _part(TlsFiles, self.tls, "tls")
         if isinstance(self.shaping, dict):
             self.shaping = _part(ShapingConfig, self.shaping, "shaping")
+        if isinstance(self.auto_steps, dict):
+            self.auto_steps = _part(AutoSteps, self.auto_steps, "auto_steps")
         self.validate()
 
     # ------------------------------------------------------------------ checks
@@ -150,6 +169,11 @@ class RelayConfig:
         delay = self.shaping.delay_ms
         if isinstance(delay, bool) or not isinstance(delay, (int, float)) or delay < 0:
             raise RelayConfigError(f"shaping.delay_ms: expected a number >= 0, got {delay!r}")
+        auto = self.auto_steps
+        if auto is not None and not (0 < auto.target_utilization < 1
+                                     and 1 <= auto.min_steps <= auto.max_steps):
+            raise RelayConfigError(f"auto_steps: expected 0 < target_utilization < 1 and "
+                                   f"1 <= min_steps <= max_steps, got {auto!r}")
 
     # ------------------------------------------------------------------ derived
 

@@ -10,7 +10,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from nebula_cli.config.fields import Port
+from nebula_cli.config.fields import Duration, Port, StepsOrAuto
 from nebula_cli.config.relay_config import TOPK_BITS, TOPK_DENSITY
 from nebula_cli.config.yaml_positions import problems_error
 
@@ -33,8 +33,20 @@ class SyncSpec(SpecModel):
 
     mode: Literal["diloco", "gradient"] = "diloco"
     """'diloco': average parameter deltas every inner_steps; 'gradient': every step."""
-    inner_steps: int = Field(100, ge=1)
-    """Local steps between outer syncs (diloco)."""
+    inner_steps: StepsOrAuto = 100
+    """Local steps between outer syncs (diloco). ``auto``: the relays choose them round by round
+    from the measured step and round times, to keep the share of time spent training at
+    target_utilization while syncing as often as that allows (all clusters use the same H)."""
+    every: Duration | None = None
+    """Time-based rounds (diloco), e.g. ``60s``: each cluster trains this long between rounds,
+    as many steps as it can, and the average is weighted by the samples each cluster processed
+    (a slower cluster never makes a faster one wait). Default: rounds by inner_steps."""
+    target_utilization: float = Field(0.95, gt=0.0, lt=1.0)
+    """inner_steps: auto: the share of wall time spent training that H is chosen for."""
+    min_inner_steps: int = Field(5, ge=1)
+    """inner_steps: auto: the smallest H, and the first round's."""
+    max_inner_steps: int = Field(1000, ge=1)
+    """inner_steps: auto: the largest H."""
     outer_lr: float | None = Field(None, gt=0.0)
     """Outer optimizer learning rate (diloco). Default: the codec's (OUTER_DEFAULTS: 0.7, and
     2.5 for topk)."""
@@ -49,6 +61,34 @@ class SyncSpec(SpecModel):
     overlap_steps: int | None = Field(None, ge=1)
     """Overlap: apply the average exactly this many inner steps after the round starts (waiting
     for it if needed; >= inner_steps: one round late). Default: as soon as it has arrived."""
+
+    @model_validator(mode="after")
+    def _one_cadence(self) -> SyncSpec:
+        given = self.model_fields_set
+        problems: list[tuple[tuple[str, ...], str]] = []
+        if self.every is not None and "inner_steps" in given:
+            problems.append((("every",), "every (time-based rounds) and inner_steps exclude "
+                             "each other: remove one"))
+        if self.mode == "gradient" and (self.every is not None or self.inner_steps == "auto"):
+            field = "every" if self.every is not None else "inner_steps"
+            problems.append(((field,), "gradient mode syncs every step; this applies to "
+                             "diloco only"))
+        if self.min_inner_steps > self.max_inner_steps:
+            problems.append((("min_inner_steps",), f"min_inner_steps ({self.min_inner_steps}) "
+                             f"is above max_inner_steps ({self.max_inner_steps})"))
+        if problems:
+            raise problems_error(problems)
+        return self
+
+    @property
+    def auto(self) -> bool:
+        """inner_steps: auto."""
+        return self.inner_steps == "auto"
+
+    @property
+    def first_inner_steps(self) -> int:
+        """H of the first round: inner_steps, or min_inner_steps with auto."""
+        return self.min_inner_steps if self.inner_steps == "auto" else self.inner_steps
 
 
 class CompressionSpec(SpecModel):

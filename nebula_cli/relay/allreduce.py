@@ -1,11 +1,11 @@
 """The averaging schedule of one round, independent of sockets and threads.
 
-A round is decided by a coordinator (:class:`Coordinator`, run by the first cluster in the job's
-order that a relay can reach): the clusters whose contribution is ready (and finite) by the
-deadline are *present*, the others are *missing* (not ready), *rejected* (non-finite update,
-wrong size) or *diverged* (ready, but their global state is not the round's winning lineage:
-see :mod:`nebula_cli.relay.lineage`). Every relay then runs a :class:`RoundExchange` over a
-:class:`Schedule`:
+A round is decided by a coordinator (:mod:`nebula_cli.relay.agreement`, run by the first cluster
+in the job's order that a relay can reach): the clusters whose contribution is ready (and
+finite) by the deadline are *present*, the others are *missing* (not ready), *rejected*
+(non-finite update, wrong size) or *diverged* (ready, but their global state is not the round's
+winning lineage: see :mod:`nebula_cli.relay.lineage`). Every relay then runs a
+:class:`RoundExchange` over a :class:`Schedule`:
 
 - 1 present cluster ("alone"): the result is its own contribution as decoded from its encoding.
 - 2 present ("direct"): each relay sends its encoded contribution to the other; both decode both
@@ -22,9 +22,11 @@ see :mod:`nebula_cli.relay.lineage`). Every relay then runs a :class:`RoundExcha
 
 Identical results everywhere: a contribution is only ever used as decoded from its encoded form
 (also by its own relay), decoding is deterministic, and :func:`ordered_mean` sums the parts in
-sorted cluster-name order and then divides by their count. A decoded chunk that is not finite is
-dropped from that chunk's average (every relay that averages that chunk sees the same bytes, so
-all decide alike); an average that is not finite becomes zeros.
+sorted cluster-name order and then divides by their count (or, when the decision weights the
+clusters by the samples they trained on, adds each part times its share in that order). A
+decoded chunk that is not finite is dropped from that chunk's average (every relay that averages
+that chunk sees the same bytes, so all decide alike); an average that is not finite becomes
+zeros.
 """
 
 from __future__ import annotations
@@ -33,28 +35,28 @@ import math
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from nebula_cli.errors import NebulaError
-from nebula_cli.relay.lineage import GENESIS, diverged
 
 ALONE, DIRECT, SHARD = "alone", "direct", "shard"
-BEHIND = "behind"
 
 
 class ExchangeError(NebulaError):
     """A peer sent something the round's schedule does not allow (wrong chunk, size, sender)."""
 
 
-def ordered_mean(parts: Mapping[str, torch.Tensor], out: torch.Tensor | None = None
-                 ) -> torch.Tensor:
+def ordered_mean(parts: Mapping[str, torch.Tensor], out: torch.Tensor | None = None,
+                 weights: Mapping[str, float] | None = None) -> torch.Tensor:
     """Sum of ``parts`` in sorted key order, divided by their number (into ``out`` or new).
 
     Every relay calls this with the same decoded tensors, so the bits agree everywhere; the
-    exact reference is ``(p[a] + p[b] + p[c]) / 3`` with a < b < c.
+    exact reference is ``(p[a] + p[b] + p[c]) / 3`` with a < b < c. With ``weights`` (for every
+    part) that are not all equal: ``p[a] * (w[a] / W) + p[b] * (w[b] / W) + ...`` in sorted
+    order, ``W`` the sum of the parts' weights (the same bits on every relay as well).
     """
     names = sorted(parts)
     if not names:
@@ -62,6 +64,13 @@ def ordered_mean(parts: Mapping[str, torch.Tensor], out: torch.Tensor | None = N
     first = parts[names[0]]
     if out is None:
         out = torch.empty(first.numel(), dtype=torch.float32)
+    ws = [float(weights[n]) for n in names] if weights else None
+    if ws is not None and len(set(ws)) > 1:
+        total = math.fsum(ws)
+        torch.mul(first, ws[0] / total, out=out)
+        for name, w in zip(names[1:], ws[1:], strict=True):
+            out.add_(parts[name], alpha=w / total)
+        return out
     if len(names) == 1:
         out.copy_(first)
     else:
@@ -151,6 +160,7 @@ class RoundExchange:
         encode: Callable[[torch.Tensor], Any],
         decode: Callable[[Any], torch.Tensor],
         send: Send,
+        weights: Mapping[str, float] | None = None,
     ) -> None:
         if len(bounds) != schedule.num_chunks:
             raise ValueError("bounds and schedule disagree on the number of chunks")
@@ -159,6 +169,8 @@ class RoundExchange:
         self._encode = encode
         self._decode = decode
         self._send = send
+        self.weights = dict(weights or {})
+        """Each present cluster's weight in the average (empty: equal weights)."""
         numel = self.bounds[-1][1] if self.bounds else 0
         self.result = torch.empty(numel, dtype=torch.float32)
         self.dropped: set[str] = set()
@@ -261,13 +273,13 @@ class RoundExchange:
               ) -> torch.Tensor:
         """ordered_mean of the finite parts. A finite mean means every part was finite (NaN and
         inf propagate), so the parts are only checked one by one when it is not."""
-        avg = ordered_mean(parts, out=out)
+        avg = ordered_mean(parts, out=out, weights=self.weights)
         if is_finite(avg):
             return avg
         good = {c: t for c, t in parts.items() if is_finite(t)}
         with self._cv:
             self.dropped.update(set(parts) - set(good))
-        return ordered_mean(good, out=out) if good else self._zeros(k)
+        return ordered_mean(good, out=out, weights=self.weights) if good else self._zeros(k)
 
     def _reduce(self, k: int, parts: dict[str, torch.Tensor]) -> None:
         lo, hi = self.bounds[k]
@@ -302,159 +314,3 @@ class RoundExchange:
             self._left.discard(k)
             self.progress_at = time.monotonic()
             self._cv.notify_all()
-
-
-# ---------------------------------------------------------------------- agreement
-
-
-@dataclass(frozen=True)
-class Decision:
-    """Who takes part in attempt ``attempt`` of round ``round``, as decided by ``coordinator``."""
-
-    round: int
-    attempt: int
-    coordinator: str
-    present: tuple[str, ...]
-    rejected: tuple[str, ...]
-    missing: tuple[str, ...]
-    numel: int
-    diverged: tuple[str, ...] = ()
-    """Clusters ready but not on the round's winning lineage (see relay.lineage): they take a
-    present peer's global state instead of contributing."""
-
-    @property
-    def key(self) -> tuple[int, int, str]:
-        return (self.round, self.attempt, self.coordinator)
-
-    def to_meta(self) -> dict[str, Any]:
-        return {"round": self.round, "attempt": self.attempt, "coord": self.coordinator,
-                "present": list(self.present), "rejected": list(self.rejected),
-                "missing": list(self.missing), "numel": self.numel,
-                "diverged": list(self.diverged)}
-
-    @classmethod
-    def from_meta(cls, meta: Mapping[str, Any]) -> Decision:
-        try:
-            d = cls(int(meta["round"]), int(meta["attempt"]), str(meta["coord"]),
-                    tuple(map(str, meta["present"])), tuple(map(str, meta["rejected"])),
-                    tuple(map(str, meta["missing"])), int(meta["numel"]),
-                    tuple(map(str, meta.get("diverged", ()))))
-        except (KeyError, TypeError, ValueError) as exc:
-            raise ExchangeError(f"malformed round decision {dict(meta)!r}") from exc
-        return d
-
-
-@dataclass
-class _Collection:
-    deadline: float
-    ready: dict[str, tuple[bool, int, str]] = field(default_factory=dict)  # ok, numel, reason
-    lineage: dict[str, str] = field(default_factory=dict)
-
-
-class Coordinator:
-    """Collects READY(round, attempt) messages and decides who is present.
-
-    A round is decided as soon as every cluster of the job that is still reachable is ready, or
-    ``round_timeout`` after the first READY of that round arrived. Readiness of a round that
-    some relay has already completed (``newest_done``) but which this coordinator has no
-    decision for is answered with :data:`BEHIND`: that cluster catches up instead.
-    """
-
-    KEEP = 16
-    """Decisions remembered (a late READY gets the decision again)."""
-
-    def __init__(self, me: str, clusters: Sequence[str], round_timeout: float) -> None:
-        self.me = me
-        self.clusters = list(clusters)
-        self.round_timeout = round_timeout
-        self._open: dict[tuple[int, int], _Collection] = {}
-        self._decided: dict[int, Decision] = {}
-        self._lock = threading.Lock()
-
-    def ready(
-        self, round_id: int, attempt: int, cluster: str, *, ok: bool, numel: int, reason: str = "",
-        now: float, newest_done: int, lineage: str = GENESIS,
-        expected: Sequence[str] | None = None,
-    ) -> Decision | str | None:
-        """Record a READY; returns a Decision (new or remembered), BEHIND, or None (wait).
-
-        ``expected``: the clusters that can still be ready (this relay and its connected peers;
-        default every cluster of the job): once they all are, the round is decided without
-        waiting for the others. A READY for a later attempt of an open round carries the
-        collection over to that attempt (a cluster that never saw the failed attempt's decision
-        and one that retries it end up in the same decision)."""
-        with self._lock:
-            old = self._decided.get(round_id)
-            if old is not None and attempt <= old.attempt:
-                return old
-            if old is None and round_id <= newest_done:
-                return BEHIND
-            key = next((k for k in self._open if k[0] == round_id), None)
-            if key is None:
-                key = (round_id, attempt)
-                self._open[key] = _Collection(now + self.round_timeout)
-            elif attempt > key[1]:
-                self._open[(round_id, attempt)] = self._open.pop(key)
-                key = (round_id, attempt)
-            col = self._open[key]
-            col.ready[cluster] = (ok, numel, reason)
-            col.lineage[cluster] = lineage
-            if set(col.ready) >= set(self.clusters if expected is None else expected):
-                return self._decide(*key)
-            return None
-
-    def complete(self, expected: Sequence[str]) -> list[Decision]:
-        """Decide the open rounds in which every cluster of ``expected`` is ready (called when
-        a peer is gone: nobody waits for it until the deadline)."""
-        with self._lock:
-            keys = [k for k, col in self._open.items() if col.ready
-                    and set(col.ready) >= set(expected)]
-            return [self._decide(*key) for key in sorted(keys)]
-
-    def due(self, now: float) -> list[Decision]:
-        """Decide every collection whose deadline has passed."""
-        with self._lock:
-            keys = [key for key, col in self._open.items() if col.deadline <= now]
-            return [self._decide(*key) for key in sorted(keys)]
-
-    def behind(self, newest_done: int) -> list[tuple[int, list[str]]]:
-        """Close undecided collections of rounds some relay has already completed."""
-        with self._lock:
-            out = []
-            for key in [k for k in self._open if k[0] <= newest_done]:
-                if key[0] in self._decided:
-                    continue
-                out.append((key[0], list(self._open.pop(key).ready)))
-            return out
-
-    def drop_open(self) -> None:
-        """Forget undecided collections (this relay is no longer the coordinator)."""
-        with self._lock:
-            self._open.clear()
-
-    def next_deadline(self) -> float | None:
-        with self._lock:
-            return min((c.deadline for c in self._open.values()), default=None)
-
-    def decision(self, round_id: int) -> Decision | None:
-        with self._lock:
-            return self._decided.get(round_id)
-
-    def _decide(self, round_id: int, attempt: int) -> Decision:
-        col = self._open.pop((round_id, attempt))
-        order = [c for c in self.clusters if c in col.ready]
-        ok = [c for c in order if col.ready[c][0]]
-        numel = col.ready[ok[0]][1] if ok else 0
-        fitting = [c for c in ok if col.ready[c][1] == numel]
-        lost = diverged({c: col.lineage[c] for c in fitting}, self.clusters)
-        present = [c for c in fitting if c not in lost]
-        rejected = [c for c in order if c not in fitting]
-        missing = [c for c in self.clusters if c not in col.ready]
-        d = Decision(round_id, attempt, self.me, tuple(sorted(present)), tuple(sorted(rejected)),
-                     tuple(sorted(missing)), numel, tuple(sorted(lost)))
-        self._decided[round_id] = d
-        for old in sorted(self._decided)[: -self.KEEP]:
-            del self._decided[old]
-        for key in [k for k in self._open if k[0] == round_id and k[1] < attempt]:
-            del self._open[key]
-        return d

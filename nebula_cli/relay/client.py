@@ -74,6 +74,13 @@ class RoundResult:
     """Clusters whose contribution was refused (non-finite, wrong size)."""
     missing: list[str] = field(default_factory=list)
     """Clusters not ready by the deadline, or unreachable when the round was decided."""
+    next_h: int | None = None
+    """``inner_steps: auto``: the H every cluster trains before its next round (agreed by the
+    relays); None: keep the current one."""
+
+
+def _positive_int(value: Any) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
 
 
 # ---------------------------------------------------------------------- the client
@@ -116,13 +123,18 @@ class RelayClient:
 
     # ------------------------------------------------------------------ API
 
-    def allreduce(self, round_id: int, tensor: torch.Tensor) -> RoundResult:
-        """Send this cluster's contribution (flat fp32 CPU) for ``round_id``; the average back."""
+    def allreduce(self, round_id: int, tensor: torch.Tensor,
+                  info: dict[str, float] | None = None) -> RoundResult:
+        """Send this cluster's contribution (flat fp32 CPU) for ``round_id``; the average back.
+        ``info``: what the cluster says of its round (relay.cadence.RoundInfo's fields)."""
         if not isinstance(round_id, int) or isinstance(round_id, bool) or round_id < 0:
             raise RelayError(f"round_id must be a non-negative integer, got {round_id!r}")
         if not isinstance(tensor, torch.Tensor) or not tensor.is_floating_point():
             raise RelayError("allreduce needs a floating-point torch.Tensor")
-        frames = tensor_frames(FrameType.CONTRIB, {"op": "allreduce", "round": round_id}, tensor)
+        meta: dict[str, Any] = {"op": "allreduce", "round": round_id}
+        if info:
+            meta["info"] = dict(info)
+        frames = tensor_frames(FrameType.CONTRIB, meta, tensor)
 
         def call(sock: ssl.SSLSocket) -> RoundResult:
             send_frames(sock, frames)
@@ -143,6 +155,7 @@ class RelayClient:
                 seconds=float(m.get("seconds", 0.0)), global_state=state,
                 global_momentum=momentum,
                 rejected=list(m.get("rejected", [])), missing=list(m.get("missing", [])),
+                next_h=_positive_int(m.get("next_h")),
             )
 
         return self._call(call, f"round {round_id}")

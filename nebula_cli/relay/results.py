@@ -25,6 +25,10 @@ class Outcome:
     mode: str = ""
     lineage: str | None = None
     """Set when the outcome hands over a peer's global state: that state's lineage."""
+    weights: dict[str, float] = field(default_factory=dict)
+    """The present clusters' weights in the average (samples; empty: equal)."""
+    next_h: int | None = None
+    """``inner_steps: auto``: the H the round's decision says every cluster trains next."""
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from nebula_cli.relay.allreduce import Decision, RoundExchange
+from nebula_cli.relay.agreement import Decision
+from nebula_cli.relay.allreduce import RoundExchange
 from nebula_cli.relay.limits import LimitExceeded, SyncSize
 from nebula_cli.relay.lineage import UNKNOWN, advance, initial
 from nebula_cli.relay.results import Average, GlobalState, Outcome

@@ -36,14 +36,9 @@ from typing import Any, Protocol
 
 import torch
 
-from nebula_cli.relay.allreduce import (
-    BEHIND,
-    Coordinator,
-    Decision,
-    ExchangeError,
-    RoundExchange,
-    Schedule,
-)
+from nebula_cli.relay.agreement import BEHIND, Coordinator, Decision
+from nebula_cli.relay.allreduce import ExchangeError, RoundExchange, Schedule
+from nebula_cli.relay.cadence import RoundInfo
 from nebula_cli.relay.codecs import Codec, CodecError, Encoded, ErrorFeedback, chunk_spans
 from nebula_cli.relay.config import RelayConfig
 from nebula_cli.relay.contribution import OwnChunks, check_contribution, decode
@@ -97,7 +92,8 @@ class Rounds(Recovery):
         self.cfg, self.me, self.codec, self.net = cfg, cfg.cluster, codec, net
         self.feedback = ErrorFeedback(codec) if cfg.error_feedback else None
         self.order = {c: i for i, c in enumerate(cfg.clusters)}
-        self.coordinator = Coordinator(self.me, cfg.clusters, cfg.round_timeout)
+        self.coordinator = Coordinator(self.me, cfg.clusters, cfg.round_timeout,
+                                       cfg.auto_steps)
         self.grace = max(2.0, 2 * cfg.heartbeat)
         self.fetch_timeout = max(120.0, 10 * cfg.round_timeout)
         self.stall_timeout = max(30.0, 3 * cfg.round_timeout)
@@ -110,9 +106,11 @@ class Rounds(Recovery):
 
     # ------------------------------------------------------------------ the worker's round
 
-    def local_round(self, round_id: int, x: torch.Tensor) -> Outcome:
-        """Run (or, for a retried request, return again) round ``round_id`` for this cluster.
-        The first contribution registers the sync size if the worker did not."""
+    def local_round(self, round_id: int, x: torch.Tensor,
+                    info: RoundInfo | None = None) -> Outcome:
+        """Run (or, for a retried request, return again) round ``round_id`` for this cluster;
+        ``info``: what the worker said of its round (relay.cadence). The first contribution
+        registers the sync size if the worker did not."""
         if self.sync is None:
             self.register(SyncSize.flat(x.numel()))
         with self.lock:
@@ -123,14 +121,14 @@ class Rounds(Recovery):
                 return cached
             t0 = self.clock()
             sent0, recv0 = self.net.wan_bytes()
-            out = self._run_round(round_id, x)
+            out = self._run_round(round_id, x, info or RoundInfo())
             sent1, recv1 = self.net.wan_bytes()
             out.seconds = self.clock() - t0
             out.bytes_sent, out.bytes_received = sent1 - sent0, recv1 - recv0
             self._finish_round(round_id, out)
             return out
 
-    def _run_round(self, r: int, x: torch.Tensor) -> Outcome:
+    def _run_round(self, r: int, x: torch.Tensor, info: RoundInfo) -> Outcome:
         numel = x.numel()
         reason = check_contribution(x, self.codec)
         if reason:
@@ -148,7 +146,7 @@ class Rounds(Recovery):
         self.set_phase(r, "agreeing")
         attempt = 0
         while True:
-            d = self._agree(r, attempt, reason, numel, deadline)
+            d = self._agree(r, attempt, reason, numel, deadline, info)
             if d == BEHIND:
                 return self._catch_up(r, numel, "the coordinator says this round is over")
             if not isinstance(d, Decision):
@@ -178,7 +176,8 @@ class Rounds(Recovery):
             ex = self._exchange(d, own, numel)
             if ex.done:
                 return Outcome(ex.result, list(d.present), r, sorted(set(d.rejected) |
-                               ex.dropped), list(d.missing), mode=ex.schedule.mode)
+                               ex.dropped), list(d.missing), mode=ex.schedule.mode,
+                               weights=dict(d.weights), next_h=d.next_h)
             self._event("round %d attempt %d failed: %s", r, attempt, ex.error)
             got = self._recover(r, [c for c in d.present if c != self.me], numel,
                                 wait=self.grace)
@@ -192,13 +191,13 @@ class Rounds(Recovery):
                 return Outcome(torch.zeros(numel), [], r, mode="failed")
             deadline = self.clock() + self.cfg.round_timeout
 
-    def _agree(self, r: int, attempt: int, reason: str, numel: int,
-               deadline: float) -> Decision | str | None:
+    def _agree(self, r: int, attempt: int, reason: str, numel: int, deadline: float,
+               info: RoundInfo) -> Decision | str | None:
         """READY to the coordinator; wait for its decision (or BEHIND); None on time-out."""
         give_up = deadline + self.grace
         sent_to = None
         meta = {"op": "ready", "round": r, "attempt": attempt, "ok": not reason, "numel": numel,
-                "reason": reason, "lineage": self.lineage_before(r)}
+                "reason": reason, "lineage": self.lineage_before(r), "info": info.to_meta()}
         while True:
             with self.lock:
                 d = self.decisions.get((r, sent_to)) if sent_to else None
@@ -238,7 +237,8 @@ class Rounds(Recovery):
                 ex_ref[0].fail(f"no link to {dest}")
 
         ex = RoundExchange(sched, spans, encode=self.codec.encode,
-                           decode=lambda enc: decode(self.codec, enc), send=send)
+                           decode=lambda enc: decode(self.codec, enc), send=send,
+                           weights=dict(d.weights))
         ex_ref.append(ex)
         with self.lock:
             self.exchanges[key] = ex
@@ -298,8 +298,10 @@ class Rounds(Recovery):
         if out.missing:
             self._event("round %d: completed without %s (gone, or not ready by the deadline)", r,
                         ", ".join(out.missing))
-        log.info("round %d done in %.2fs (%s): present %s", r, out.seconds, out.mode,
-                 out.present)
+        log.info("round %d done in %.2fs (%s): present %s%s%s", r, out.seconds, out.mode,
+                 out.present, f", weighted by samples {out.weights}" if len(
+                     set(out.weights.values())) > 1 else "",
+                 "" if out.next_h is None else f", next H {out.next_h}")
         self._finished(r, out)
 
     # ------------------------------------------------------------------ from peers
@@ -436,7 +438,8 @@ class Rounds(Recovery):
         res = self.coordinator.ready(
             int(m["round"]), attempt, cluster, ok=bool(m["ok"]), numel=int(m["numel"]),
             reason=str(m.get("reason", "")), now=self.clock(), newest_done=self.newest_done(),
-            lineage=str(m.get("lineage", UNKNOWN)), expected=self._reachable())
+            lineage=str(m.get("lineage", UNKNOWN)), expected=self._reachable(),
+            info=RoundInfo.from_meta(m.get("info")))
         if res == BEHIND:
             self._tell_behind(cluster, int(m["round"]))
         elif isinstance(res, Decision):

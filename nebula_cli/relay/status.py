@@ -83,7 +83,8 @@ class Status:
                 "bytes_received": out.bytes_received, "bytes_sent_total": sent,
                 "bytes_received_total": recv, "present": out.present, "missing": out.missing,
                 "rejected": out.rejected, "mode": out.mode,
-                "caught_up": out.global_state is not None})
+                "caught_up": out.global_state is not None, "weights": out.weights,
+                "next_h": out.next_h})
             self._dirty = True
             self._queued += 1
             gen = self._queued

@@ -2,7 +2,8 @@
 connects with a worker certificate of this job and cluster and asks for rounds.
 
     HELLO {role: worker, cluster[, layout]}         -> WELCOME {cluster, codec, clusters, ...}
-    CONTRIB {op: allreduce, round, numel} + chunks  -> RESULT {round_id, present, ...} + chunks
+    CONTRIB {op: allreduce, round, numel[, info]}   -> RESULT {round_id, present, weights,
+             + chunks                                  next_h, ...} + chunks
                                                        [+ STATE chunks when catching up]
     STATE {op: publish, round, numel, parts} + chunks -> STATE {op: stored, round}
     STATE_REQUEST {op: fetch}                       -> STATE {op: state, round|null, numel,
@@ -10,6 +11,10 @@ connects with a worker certificate of this job and cluster and asks for rounds.
     STATE_REQUEST {op: final[, wait]}               -> STATE {op: final, round|null, ...} (after
         every connected peer's workers finished: the state to end with, or null: keep yours)
     BYE                                             (rank 0 is done: peers stop waiting for it)
+
+``info`` (relay.cadence.RoundInfo: samples, step time, the previous round's cost) goes into
+this relay's READY; ``weights`` and ``next_h`` are the round's decision (the average's weights,
+and with ``inner_steps: auto`` the H to train before the next round).
 
 A published state is theta_global (parts 1) or theta_global followed by the outer momentum
 (parts 2); a STATE handed to a worker says which.
@@ -32,6 +37,7 @@ from typing import Any
 import torch
 
 from nebula_cli.pki import PeerRejected, wrap_server
+from nebula_cli.relay.cadence import RoundInfo
 from nebula_cli.relay.framing import check_numel, recv_tensor, send_frames, tensor_frames
 from nebula_cli.relay.limits import (
     HANDSHAKE_TIMEOUT,
@@ -177,8 +183,9 @@ class WorkerPort:
             round_id = m.get("round")
             if not isinstance(round_id, int) or isinstance(round_id, bool) or round_id < 0:
                 raise _Refused("bad round id")
-            out = self.rounds.local_round(round_id, x)
-            meta = {"round_id": out.round_id, "present": out.present,
+            out = self.rounds.local_round(round_id, x, RoundInfo.from_meta(m.get("info")))
+            meta = {"round_id": out.round_id, "present": out.present, "next_h": out.next_h,
+                    "weights": out.weights,
                     "rejected": out.rejected, "missing": out.missing,
                     "seconds": out.seconds, "bytes_sent": out.bytes_sent,
                     "bytes_received": out.bytes_received,

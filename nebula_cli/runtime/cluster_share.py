@@ -4,6 +4,7 @@ the same step or raises the same error."""
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -18,9 +19,11 @@ from nebula_cli.runtime.settle import keep
 class AveragedRound(Protocol):
     """What an averager returns for one round (``relay.client.RoundResult`` has this shape).
 
-    Optional attribute ``global_state`` (a tensor or None): set when this cluster was behind;
-    it is then theta_global after round ``round_id`` and replaces ours (no outer step);
-    ``global_momentum`` then the outer momentum that goes with it (or None).
+    Optional attribute ``next_h`` (an int or None): the H to train before the next round
+    (``inner_steps: auto``). Optional attribute ``global_state`` (a tensor or None): set when
+    this cluster was behind; it is then theta_global after round ``round_id`` and replaces
+    ours (no outer step); ``global_momentum`` then the outer momentum that goes with it (or
+    None).
     """
 
     tensor: torch.Tensor  # the average over the clusters present, flat fp32 CPU
@@ -34,13 +37,15 @@ class AveragedRound(Protocol):
 class Averager(Protocol):
     """Averages one flat fp32 CPU tensor per round across the clusters (the relay client).
 
-    Optional method ``publish_state(round_id, tensor, momentum)``: when present, rank 0 hands
-    it theta_global (and the outer momentum) after every applied round, for clusters that
-    fall behind or diverge to take. Optional method ``final_state(wait)``: at the end, the
-    (round, theta, momentum) every cluster should end with when it is not ours.
+    ``info`` (samples, step_s, comm_s: runtime.cadence) is what the cluster tells the relay
+    about its round. Optional method ``publish_state(round_id, tensor, momentum)``: when
+    present, rank 0 hands it theta_global (and the outer momentum) after every applied round,
+    for clusters that fall behind or diverge to take. Optional method ``final_state(wait)``: at
+    the end, the (round, theta, momentum) every cluster should end with when it is not ours.
     """
 
-    def allreduce(self, round_id: int, tensor: torch.Tensor) -> AveragedRound: ...
+    def allreduce(self, round_id: int, tensor: torch.Tensor,
+                  info: dict[str, float] | None = None) -> AveragedRound: ...
 
     def close(self) -> None: ...
 
@@ -58,6 +63,7 @@ class Shared:
     seconds: float = 0.0
     clusters: list[str] | None = None  # names, known on rank 0 only
     momentum: torch.Tensor | None = None  # with ``state``: the peer's outer momentum
+    next_h: int | None = None  # inner_steps: auto: the H agreed for the next round
 
 
 
@@ -73,7 +79,7 @@ class ClusterShare:
 
     def share(self, round_id: int, result: Any, error: BaseException | None) -> Shared:
         """Rank 0's round outcome (or failure), broadcast to every rank of the cluster."""
-        header = torch.zeros(8, dtype=torch.float64)
+        header = torch.zeros(9, dtype=torch.float64)
         payload = momentum = None
         if self.rank == 0:
             if error is None:
@@ -83,7 +89,8 @@ class ClusterShare:
                 header = torch.tensor(
                     [1.0, len(result.present), result.bytes_sent, result.bytes_received,
                      result.seconds, int(getattr(result, "round_id", round_id)),
-                     float(state), float(momentum is not None)], dtype=torch.float64)
+                     float(state), float(momentum is not None),
+                     float(getattr(result, "next_h", None) or 0)], dtype=torch.float64)
         self.broadcast(header)
         if header[0].item() != 1.0:
             if self.rank == 0:
@@ -104,7 +111,8 @@ class ClusterShare:
             avg=None if has_state else payload, state=payload if has_state else None,
             present=int(header[1].item()), bytes_sent=int(header[2].item()),
             bytes_received=int(header[3].item()), seconds=header[4].item(),
-            clusters=list(result.present) if self.rank == 0 else None, momentum=momentum)
+            clusters=list(result.present) if self.rank == 0 else None, momentum=momentum,
+            next_h=int(header[8].item()) or None)
 
     def check_result(self, round_id: int, result: Any
                       ) -> tuple[torch.Tensor | None, bool, BaseException | None]:
@@ -134,3 +142,24 @@ class ClusterShare:
         if self.world_size > 1:
             dist.broadcast(keep(tensor), src=0, group=self.group)
 
+
+def round_stats(shared: Shared, t0: float, delta: torch.Tensor) -> dict[str, Any]:
+    """What OuterSync returns (and logs) after a round that started at ``t0``
+    (``time.perf_counter``); ``delta``: this cluster's contribution."""
+    stats: dict[str, Any] = {
+        "outer_round": shared.round_id,
+        "round_s": time.perf_counter() - t0,
+        "relay_s": shared.seconds,
+        "wan_bytes_sent": shared.bytes_sent,
+        "wan_bytes_received": shared.bytes_received,
+        "clusters_present": shared.present,
+        "delta_norm": float(delta.norm()),
+        "avg_delta_norm": None if shared.avg is None else float(shared.avg.norm()),
+        "applied": (shared.avg is not None and shared.present > 0) or shared.state is not None,
+        "caught_up": shared.state is not None,
+    }
+    if shared.clusters is not None:
+        stats["clusters"] = shared.clusters
+    if shared.next_h is not None:
+        stats["next_inner_steps"] = shared.next_h
+    return stats

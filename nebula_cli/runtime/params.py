@@ -187,3 +187,18 @@ def make_io(engine: Any, params: list[torch.nn.Parameter], rank: int) -> ParamIO
         f"cannot find the fp32 master copy of the {params[0].dtype} parameters "
         f"(ZeRO stage {stage}, optimizer {optimizer}); use ZeRO stage 1 or higher with bf16/fp16"
     )
+
+
+def check_gradient_mode(engine: Any) -> None:
+    """SyncError unless per-step gradient sync works with this engine (ZeRO 0, no fp16, DeepSpeed's
+    managed gradient accumulation)."""
+    stage = zero_stage(engine)
+    if stage != 0:
+        raise SyncError(f"gradient mode supports ZeRO stage 0 only (this engine: stage "
+                        f"{stage}); use DiLoCo mode with ZeRO")
+    if hasattr(engine, "fp16_enabled") and engine.fp16_enabled():
+        raise SyncError("gradient mode does not support fp16 (loss-scaled gradients differ "
+                        "between clusters); use bf16 or fp32")
+    managed = getattr(engine, "managed_gradient_accumulation", None)
+    if callable(managed) and not managed():
+        raise SyncError("gradient mode needs DeepSpeed's managed gradient accumulation")

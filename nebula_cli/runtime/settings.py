@@ -1,6 +1,7 @@
 """Where the worker runtime's settings come from: whether this process should sync at all
 (``wanted``), its part of the job plan (``plan_config``: the sync.json named by
-$NEBULA_SYNC_CONFIG), and what the relay is told this cluster syncs (``sync_layout``)."""
+$NEBULA_SYNC_CONFIG), what the relay is told this cluster syncs (``sync_layout``), and the
+client that reaches the relay (``relay_client``)."""
 
 from __future__ import annotations
 
@@ -45,3 +46,17 @@ def plan_config() -> SyncConfig | None:
         return SyncConfig.load(path)
     except NebulaError as exc:
         raise SyncError(f"cannot use the sync config: {exc}") from exc
+
+
+def relay_client(cfg: SyncConfig | None, shapes: list[torch.Size]) -> Any:
+    """The averager of rank 0: a RelayClient to the relay the plan names (SyncError without a
+    plan)."""
+    if cfg is None:
+        raise SyncError(f"no relay to average with: ${SYNC_CONFIG_ENV} is not set "
+                        f"(run under `nebula launch` with a relay, or pass averager=)")
+    from nebula_cli.relay.client import RelayClient
+
+    return RelayClient(
+        cfg.relay_addr, ca=cfg.tls.ca, cert=cfg.tls.cert, key=cfg.tls.key,
+        job_id=cfg.job_id, cluster=cfg.cluster, round_timeout=cfg.round_timeout,
+        layout=sync_layout(shapes))

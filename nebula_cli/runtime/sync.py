@@ -26,14 +26,27 @@ import torch.distributed as dist
 
 from nebula_cli.config.parts import SYNC_CONFIG_ENV, SyncConfig
 from nebula_cli.runtime import checkpoint as checkpoints
-from nebula_cli.runtime.cluster_share import AveragedRound, Averager, ClusterShare, Shared
+from nebula_cli.runtime.cadence import Cadence
+from nebula_cli.runtime.cluster_share import (
+    AveragedRound,
+    Averager,
+    ClusterShare,
+    Shared,
+    round_stats,
+)
 from nebula_cli.runtime.explicit import note_outer_sync
 from nebula_cli.runtime.final import final_agreement
 from nebula_cli.runtime.metrics import DRY_RUN_ENV
 from nebula_cli.runtime.metrics import emit as log_metrics
 from nebula_cli.runtime.outer import OuterOptimizer, SyncError
-from nebula_cli.runtime.params import ParamIO, full_shape, make_io, zero_stage
-from nebula_cli.runtime.settings import LAYOUT_BYTES, plan_config, sync_layout, wanted
+from nebula_cli.runtime.params import ParamIO, check_gradient_mode, full_shape, make_io
+from nebula_cli.runtime.settings import (
+    LAYOUT_BYTES,
+    plan_config,
+    relay_client,
+    sync_layout,
+    wanted,
+)
 from nebula_cli.runtime.settle import settle
 
 MODES = ("diloco", "gradient")
@@ -122,9 +135,9 @@ class OuterSync:
         self.mode = str(settings["mode"]).lower()
         if self.mode not in (*MODES, "dry-run"):
             raise SyncError(f"sync mode {self.mode!r}: expected one of {', '.join(MODES)}")
-        self.inner_steps = int(settings.get("inner_steps") or 0)
-        if self.mode != "dry-run" and self.inner_steps < 1:
-            raise SyncError(f"inner_steps must be at least 1, got {self.inner_steps}")
+        h = int(settings.get("inner_steps") or 0)
+        if self.mode != "dry-run" and h < 1:
+            raise SyncError(f"inner_steps must be at least 1, got {h}")
         self.overlap = bool(settings.get("overlap"))
         if self.overlap and self.mode == "gradient":
             raise SyncError("overlap applies to DiLoCo rounds; gradient mode cannot overlap")
@@ -151,7 +164,7 @@ class OuterSync:
             raise SyncError("the model has no parameters that require gradients: nothing to sync")
         self._params = params
         if self.mode == "gradient":
-            self._check_gradient_mode()
+            check_gradient_mode(engine)
             self._io: ParamIO | None = None
             self.numel = sum(full_shape(p).numel() for p in params)
             self.theta_global = torch.zeros(0)
@@ -160,6 +173,10 @@ class OuterSync:
             self.numel = self._io.numel
             self.theta_global = self._io.read().clone()
         self._cluster = ClusterShare(self.rank, self.world_size, self._group, self.numel)
+        planned = self.config if inner_steps is None else None  # an explicit H: a fixed one
+        self.cadence = Cadence(self._cluster, inner_steps=max(1, h),
+                               every_s=planned.every_s if planned else None,
+                               auto=bool(planned and planned.auto_steps))
         self._anchor: torch.Tensor | None = None  # overlap: params as of the last boundary
         self.round = 0  # outer rounds started so far (= the next round id)
         self.grad_round = 0  # gradient-mode exchanges so far
@@ -208,12 +225,13 @@ class OuterSync:
             return None
         steps = self._optimizer_steps()
         since = steps - self._last_round_step
-        if since < self.inner_steps:
+        if not self.cadence.due(since):
             if self.overlap and self._pending is not None and self._merge_due(since):
                 return self._merge(since)
             return None
         self._last_round_step = steps
-        return self._overlapped_round() if self.overlap else self._sync_round()
+        info = self.cadence.info(since, self._samples_per_step())
+        return self._overlapped_round(since, info) if self.overlap else self._sync_round(info)
 
     def after_backward(self) -> dict[str, Any] | None:
         """Gradient mode: call between ``engine.backward`` and ``engine.step``; averages the
@@ -244,7 +262,7 @@ class OuterSync:
                     p.grad.copy_(value)
                 offset += n
         # else: no average this step (nobody present): the cluster's own gradients are used
-        return self._stats(shared, t0, grad)
+        return round_stats(shared, t0, grad)
 
     def flush(self) -> dict[str, Any] | None:
         """Overlap mode: wait for the round in flight and apply it (call on every rank at the
@@ -264,8 +282,9 @@ class OuterSync:
         stats = self.flush()
         steps = self._optimizer_steps()
         if steps > self._last_round_step:
+            info = self.cadence.info(steps - self._last_round_step, self._samples_per_step())
             self._last_round_step = steps
-            stats = {**self._sync_round(), "final_round": True}
+            stats = {**self._sync_round(info), "final_round": True}
         return stats if not agree else final_agreement(
             self._averager if self.rank == 0 else None, self._cluster, self._apply,
             lambda: self._io.write(self.theta_global), stats)
@@ -311,6 +330,7 @@ class OuterSync:
             "anchor": None if self._anchor is None else self._anchor.clone(),
             "outer": self.outer.state_dict(),
             "param_names": list(self.param_names),
+            "cadence": self.cadence.state_dict(),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -328,33 +348,37 @@ class OuterSync:
         self.grad_round = int(state.get("grad_round", 0))
         self._last_round_step = int(state["last_round_step"])
         self.outer.load_state_dict(state["outer"])
+        self.cadence.load_state_dict(state.get("cadence") or {})
 
     # --- rounds ---------------------------------------------------------------------------
 
-    def _sync_round(self) -> dict[str, Any]:
+    def _sync_round(self, info: dict[str, float]) -> dict[str, Any]:
         t0 = time.perf_counter()
         delta = self.theta_global - self._io.read()
         round_id = self.round
         self.round += 1
-        shared = self._exchange(round_id, delta)
+        shared = self._exchange(round_id, delta, info)
         if self._apply(shared):
             self._io.write(self.theta_global)
         # else: nobody's average this round; the local progress carries into the next delta
-        return self._stats(shared, t0, delta)
+        stats = round_stats(shared, t0, delta)
+        self.cadence.restart(cost=stats["round_s"], next_h=shared.next_h)
+        return stats
 
-    def _overlapped_round(self) -> dict[str, Any]:
+    def _overlapped_round(self, since: int, info: dict[str, float]) -> dict[str, Any]:
         t0 = time.perf_counter()
-        merged = self._merge(self.inner_steps) if self._pending is not None else None
+        merged = self._merge(since) if self._pending is not None else None
         theta_local = self._io.read()
         delta = self.theta_global - theta_local  # everything not yet averaged
         self._anchor = theta_local
         round_id = self.round
         self.round += 1
-        self._start_pending(round_id, delta)
+        self._start_pending(round_id, delta, info)
+        self.cadence.restart()
         if merged is not None:  # the previous round's stats (its average applied just now)
             return merged
         shared = Shared(round_id=round_id, avg=None, state=None, present=0)
-        return self._stats(shared, t0, delta)
+        return round_stats(shared, t0, delta)
 
     def _merge_due(self, since: int) -> bool:
         """Whether the round in flight is applied after this step (the same answer on every
@@ -376,7 +400,10 @@ class OuterSync:
         if self._apply(shared):
             self._io.write(self.theta_global - progress)
         # else: nobody's average; the progress carries into the next delta
-        stats = self._stats(shared, t0, progress)
+        stats = round_stats(shared, t0, progress)
+        self.cadence.pause(stats["round_s"])  # waiting for it and applying it: not training
+        self.cadence.note_cost(shared.seconds)
+        self.cadence.adopt(shared.next_h)
         stats["merged_after_steps"] = since
         return stats
 
@@ -407,16 +434,18 @@ class OuterSync:
 
     # --- exchange: rank 0 talks to the averager, the cluster gets the result by broadcast ----
 
-    def _exchange(self, round_id: int, tensor: torch.Tensor) -> Shared:
+    def _exchange(self, round_id: int, tensor: torch.Tensor,
+                  info: dict[str, float] | None = None) -> Shared:
         result = error = None
         if self.rank == 0:
             try:
-                result = self._get_averager().allreduce(round_id, tensor.contiguous())
+                result = self._get_averager().allreduce(round_id, tensor.contiguous(), info)
             except Exception as exc:  # every rank must leave the broadcast, then raise
                 error = exc
         return self._cluster.share(round_id, result, error)
 
-    def _start_pending(self, round_id: int, tensor: torch.Tensor) -> None:
+    def _start_pending(self, round_id: int, tensor: torch.Tensor,
+                       info: dict[str, float]) -> None:
         pending: dict[str, Any] = {"round_id": round_id, "result": None, "error": None}
         self._pending = pending
         if self.rank != 0:
@@ -425,7 +454,7 @@ class OuterSync:
 
         def run() -> None:
             try:
-                pending["result"] = averager.allreduce(round_id, tensor)
+                pending["result"] = averager.allreduce(round_id, tensor, info)
             except Exception as exc:
                 pending["error"] = exc
 
@@ -449,17 +478,18 @@ class OuterSync:
 
     def _get_averager(self) -> Averager:
         if self._averager is None:
-            from nebula_cli.relay.client import RelayClient
-
-            cfg = self.config
-            if cfg is None:
-                raise SyncError(f"no relay to average with: ${SYNC_CONFIG_ENV} is not set "
-                                f"(run under `nebula launch` with a relay, or pass averager=)")
-            self._averager = RelayClient(
-                cfg.relay_addr, ca=cfg.tls.ca, cert=cfg.tls.cert, key=cfg.tls.key,
-                job_id=cfg.job_id, cluster=cfg.cluster, round_timeout=cfg.round_timeout,
-                layout=sync_layout([full_shape(p) for p in self._params]))
+            self._averager = relay_client(self.config, [full_shape(p) for p in self._params])
         return self._averager
+
+    @property
+    def inner_steps(self) -> int:
+        """H now: steps between rounds (``inner_steps: auto``: the last round's choice)."""
+        return self.cadence.inner_steps
+
+    def _samples_per_step(self) -> int:
+        size = getattr(self.engine, "train_batch_size", None)
+        value = size() if callable(size) else size
+        return value if isinstance(value, int) and value > 0 else 1
 
     def _optimizer_steps(self) -> int:
         steps = getattr(self.engine, "global_steps", None)
@@ -468,33 +498,3 @@ class OuterSync:
     def _check_open(self) -> None:
         if self._closed:
             raise SyncError("this OuterSync is closed")
-
-    def _check_gradient_mode(self) -> None:
-        engine = self.engine
-        stage = zero_stage(engine)
-        if stage != 0:
-            raise SyncError(f"gradient mode supports ZeRO stage 0 only (this engine: stage "
-                            f"{stage}); use DiLoCo mode with ZeRO")
-        if hasattr(engine, "fp16_enabled") and engine.fp16_enabled():
-            raise SyncError("gradient mode does not support fp16 (loss-scaled gradients differ "
-                            "between clusters); use bf16 or fp32")
-        managed = getattr(engine, "managed_gradient_accumulation", None)
-        if callable(managed) and not managed():
-            raise SyncError("gradient mode needs DeepSpeed's managed gradient accumulation")
-
-    def _stats(self, shared: Shared, t0: float, delta: torch.Tensor) -> dict[str, Any]:
-        stats: dict[str, Any] = {
-            "outer_round": shared.round_id,
-            "round_s": time.perf_counter() - t0,
-            "relay_s": shared.seconds,
-            "wan_bytes_sent": shared.bytes_sent,
-            "wan_bytes_received": shared.bytes_received,
-            "clusters_present": shared.present,
-            "delta_norm": float(delta.norm()),
-            "avg_delta_norm": None if shared.avg is None else float(shared.avg.norm()),
-            "applied": (shared.avg is not None and shared.present > 0) or shared.state is not None,
-            "caught_up": shared.state is not None,
-        }
-        if shared.clusters is not None:
-            stats["clusters"] = shared.clusters
-        return stats

@@ -1,0 +1,208 @@
+"""Round agreement: who takes part in a round, decided by one coordinator per round.
+
+The coordinator of a round is the first cluster in the job's order among a relay and its
+connected peers. :class:`Coordinator` collects the READYs of a round (each with the cluster's
+lineage and its :class:`~nebula_cli.relay.cadence.RoundInfo`) and decides a :class:`Decision`
+as soon as every cluster still reachable is ready, or ``round_timeout`` after the first READY:
+who is present, missing, rejected or diverged, the weights of the average, and with
+``inner_steps: auto`` the next round's H. A READY for a round some relay already completed gets
+:data:`BEHIND` (that cluster catches up instead).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from nebula_cli.config.relay_config import AutoSteps
+from nebula_cli.relay.allreduce import ExchangeError
+from nebula_cli.relay.cadence import RoundInfo, choose_inner_steps, round_weights
+from nebula_cli.relay.lineage import GENESIS, diverged
+
+log = logging.getLogger("nebula.relay")
+
+BEHIND = "behind"
+
+
+@dataclass(frozen=True)
+class Decision:
+    """Who takes part in attempt ``attempt`` of round ``round``, as decided by ``coordinator``."""
+
+    round: int
+    attempt: int
+    coordinator: str
+    present: tuple[str, ...]
+    rejected: tuple[str, ...]
+    missing: tuple[str, ...]
+    numel: int
+    diverged: tuple[str, ...] = ()
+    """Clusters ready but not on the round's winning lineage (see relay.lineage): they take a
+    present peer's global state instead of contributing."""
+    weights: tuple[tuple[str, float], ...] = ()
+    """(cluster, samples) of every present cluster when all said (relay.cadence): the
+    average's weights; empty: an equal average."""
+    next_h: int | None = None
+    """``inner_steps: auto``: the H every cluster trains before its next round."""
+
+    @property
+    def key(self) -> tuple[int, int, str]:
+        return (self.round, self.attempt, self.coordinator)
+
+    def to_meta(self) -> dict[str, Any]:
+        return {"round": self.round, "attempt": self.attempt, "coord": self.coordinator,
+                "present": list(self.present), "rejected": list(self.rejected),
+                "missing": list(self.missing), "numel": self.numel,
+                "diverged": list(self.diverged), "weights": dict(self.weights),
+                "next_h": self.next_h}
+
+    @classmethod
+    def from_meta(cls, meta: Mapping[str, Any]) -> Decision:
+        try:
+            present = tuple(map(str, meta["present"]))
+            weights = tuple(sorted((str(c), float(w))
+                                   for c, w in dict(meta.get("weights") or {}).items()))
+            next_h = meta.get("next_h")
+            d = cls(int(meta["round"]), int(meta["attempt"]), str(meta["coord"]),
+                    present, tuple(map(str, meta["rejected"])),
+                    tuple(map(str, meta["missing"])), int(meta["numel"]),
+                    tuple(map(str, meta.get("diverged", ()))), weights,
+                    None if next_h is None else int(next_h))
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ExchangeError(f"malformed round decision {dict(meta)!r}") from exc
+        if weights and ({c for c, _ in weights} != set(present)
+                        or not all(math.isfinite(w) and w > 0 for _, w in weights)):
+            raise ExchangeError(f"round decision with weights {dict(weights)} for present "
+                                f"{list(present)}")
+        if d.next_h is not None and d.next_h < 1:
+            raise ExchangeError(f"round decision with next_h {d.next_h}")
+        return d
+
+
+@dataclass
+class _Collection:
+    deadline: float
+    ready: dict[str, tuple[bool, int, str]] = field(default_factory=dict)  # ok, numel, reason
+    lineage: dict[str, str] = field(default_factory=dict)
+    info: dict[str, RoundInfo] = field(default_factory=dict)
+
+
+class Coordinator:
+    """Collects READY(round, attempt) messages and decides who is present.
+
+    A round is decided as soon as every cluster of the job that is still reachable is ready, or
+    ``round_timeout`` after the first READY of that round arrived. Readiness of a round that
+    some relay has already completed (``newest_done``) but which this coordinator has no
+    decision for is answered with :data:`BEHIND`: that cluster catches up instead.
+    """
+
+    KEEP = 16
+    """Decisions remembered (a late READY gets the decision again)."""
+
+    def __init__(self, me: str, clusters: Sequence[str], round_timeout: float,
+                 auto: AutoSteps | None = None) -> None:
+        self.me = me
+        self.auto = auto
+        """``inner_steps: auto``: decisions carry the next H (relay.cadence)."""
+        self.clusters = list(clusters)
+        self.round_timeout = round_timeout
+        self._open: dict[tuple[int, int], _Collection] = {}
+        self._decided: dict[int, Decision] = {}
+        self._lock = threading.Lock()
+
+    def ready(
+        self, round_id: int, attempt: int, cluster: str, *, ok: bool, numel: int, reason: str = "",
+        now: float, newest_done: int, lineage: str = GENESIS,
+        expected: Sequence[str] | None = None, info: RoundInfo | None = None,
+    ) -> Decision | str | None:
+        """Record a READY; returns a Decision (new or remembered), BEHIND, or None (wait).
+
+        ``expected``: the clusters that can still be ready (this relay and its connected peers;
+        default every cluster of the job): once they all are, the round is decided without
+        waiting for the others. A READY for a later attempt of an open round carries the
+        collection over to that attempt (a cluster that never saw the failed attempt's decision
+        and one that retries it end up in the same decision)."""
+        with self._lock:
+            old = self._decided.get(round_id)
+            if old is not None and attempt <= old.attempt:
+                return old
+            if old is None and round_id <= newest_done:
+                return BEHIND
+            key = next((k for k in self._open if k[0] == round_id), None)
+            if key is None:
+                key = (round_id, attempt)
+                self._open[key] = _Collection(now + self.round_timeout)
+            elif attempt > key[1]:
+                self._open[(round_id, attempt)] = self._open.pop(key)
+                key = (round_id, attempt)
+            col = self._open[key]
+            col.ready[cluster] = (ok, numel, reason)
+            col.lineage[cluster] = lineage
+            col.info[cluster] = info or RoundInfo()
+            if set(col.ready) >= set(self.clusters if expected is None else expected):
+                return self._decide(*key)
+            return None
+
+    def complete(self, expected: Sequence[str]) -> list[Decision]:
+        """Decide the open rounds in which every cluster of ``expected`` is ready (called when
+        a peer is gone: nobody waits for it until the deadline)."""
+        with self._lock:
+            keys = [k for k, col in self._open.items() if col.ready
+                    and set(col.ready) >= set(expected)]
+            return [self._decide(*key) for key in sorted(keys)]
+
+    def due(self, now: float) -> list[Decision]:
+        """Decide every collection whose deadline has passed."""
+        with self._lock:
+            keys = [key for key, col in self._open.items() if col.deadline <= now]
+            return [self._decide(*key) for key in sorted(keys)]
+
+    def behind(self, newest_done: int) -> list[tuple[int, list[str]]]:
+        """Close undecided collections of rounds some relay has already completed."""
+        with self._lock:
+            out = []
+            for key in [k for k in self._open if k[0] <= newest_done]:
+                if key[0] in self._decided:
+                    continue
+                out.append((key[0], list(self._open.pop(key).ready)))
+            return out
+
+    def drop_open(self) -> None:
+        """Forget undecided collections (this relay is no longer the coordinator)."""
+        with self._lock:
+            self._open.clear()
+
+    def next_deadline(self) -> float | None:
+        with self._lock:
+            return min((c.deadline for c in self._open.values()), default=None)
+
+    def decision(self, round_id: int) -> Decision | None:
+        with self._lock:
+            return self._decided.get(round_id)
+
+    def _decide(self, round_id: int, attempt: int) -> Decision:
+        col = self._open.pop((round_id, attempt))
+        order = [c for c in self.clusters if c in col.ready]
+        ok = [c for c in order if col.ready[c][0]]
+        numel = col.ready[ok[0]][1] if ok else 0
+        fitting = [c for c in ok if col.ready[c][1] == numel]
+        lost = diverged({c: col.lineage[c] for c in fitting}, self.clusters)
+        present = [c for c in fitting if c not in lost]
+        rejected = [c for c in order if c not in fitting]
+        missing = [c for c in self.clusters if c not in col.ready]
+        chosen = choose_inner_steps(self.auto, col.info) if self.auto else None
+        d = Decision(round_id, attempt, self.me, tuple(sorted(present)), tuple(sorted(rejected)),
+                     tuple(sorted(missing)), numel, tuple(sorted(lost)),
+                     tuple(sorted(round_weights(present, col.info).items())),
+                     chosen[0] if chosen else None)
+        if chosen:
+            log.info("round %d: next H %d (%s)", round_id, *chosen)
+        self._decided[round_id] = d
+        for old in sorted(self._decided)[: -self.KEEP]:
+            del self._decided[old]
+        for key in [k for k in self._open if k[0] == round_id and k[1] < attempt]:
+            del self._open[key]
+        return d

@@ -1,0 +1,89 @@
+"""How often clusters sync, decided by the relays: what each cluster tells about its round
+(:class:`RoundInfo`), the weights of an average, and the next round's H with
+``inner_steps: auto`` (:func:`choose_inner_steps`). Pure functions of what the READYs carried.
+
+Each worker's contribution carries a :class:`RoundInfo`: the samples it trained on since its
+last round (the weight of its delta in the average: a cluster that did twice the work counts
+twice, as Decoupled DiLoCo's token-weighted merge does), its mean seconds per optimizer step
+over those steps (compute only), and how long its previous round kept it from training. The
+relay forwards it in its READY; the coordinator puts the present clusters' weights and, with
+``inner_steps: auto``, the next H into its decision, so every relay averages with the same
+weights and every cluster trains the same H next (agreed, not guessed).
+
+Choosing H: let ``t`` be the slowest cluster's step time (with a fixed H every cluster waits for
+it) and ``c`` the cheapest cluster's round cost (the cluster that arrived last waited least:
+its cost is the round itself, not waiting for others). Without overlap the share of time spent
+training is ``H t / (H t + c)``, so the smallest H that reaches the target ``u`` is
+``ceil(u / (1 - u) * c / t)``. With overlap the round runs during the next H steps and costs
+nothing once ``H t`` covers it; H is then ``ceil(c / (u t))`` (a margin of 1/u). The result is
+clamped to [min_steps, max_steps]; without measurements (the first round) there is no choice and
+clusters keep their H.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from nebula_cli.config.relay_config import AutoSteps
+
+
+@dataclass(frozen=True)
+class RoundInfo:
+    """What a cluster says about its round (each value None when it did not say)."""
+
+    weight: float | None = None
+    """Samples trained on since the cluster's previous round (> 0)."""
+    step_s: float | None = None
+    """Mean seconds per optimizer step over those steps, training only (> 0)."""
+    comm_s: float | None = None
+    """Seconds the cluster's previous round kept it from training (>= 0)."""
+
+    @classmethod
+    def from_meta(cls, meta: Any) -> RoundInfo:
+        """From a worker's or a peer's ``info`` mapping; values that are not finite numbers in
+        range are dropped (a missing value only disables what needs it)."""
+        if not isinstance(meta, Mapping):
+            return cls()
+
+        def number(name: str, low: float, strict: bool) -> float | None:
+            v = meta.get(name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+                return None
+            return float(v) if (v > low if strict else v >= low) else None
+
+        return cls(number("weight", 0.0, True), number("step_s", 0.0, True),
+                   number("comm_s", 0.0, False))
+
+    def to_meta(self) -> dict[str, float]:
+        return {k: v for k, v in (("weight", self.weight), ("step_s", self.step_s),
+                                  ("comm_s", self.comm_s)) if v is not None}
+
+
+def round_weights(present: list[str] | tuple[str, ...], infos: Mapping[str, RoundInfo]
+                  ) -> dict[str, float]:
+    """The weights of the present clusters' contributions: their samples when every one of them
+    said how many, else none (an equal average)."""
+    weights = {c: infos[c].weight for c in present if c in infos}
+    if len(weights) != len(present) or any(w is None for w in weights.values()):
+        return {}
+    return {c: float(w) for c, w in weights.items() if w is not None}
+
+
+def choose_inner_steps(auto: AutoSteps, infos: Mapping[str, RoundInfo]
+                       ) -> tuple[int, str] | None:
+    """The next round's H and why, from the READYs of this round; None without measurements."""
+    steps = [i.step_s for i in infos.values() if i.step_s is not None]
+    costs = [i.comm_s for i in infos.values() if i.comm_s is not None]
+    if not steps or not costs:
+        return None
+    t, c, u = max(steps), min(costs), auto.target_utilization
+    want = c / (u * t) if auto.overlap else u / (1.0 - u) * c / t
+    h = min(auto.max_steps, max(auto.min_steps, math.ceil(want - 1e-9)))
+    why = (f"step {t:.3f} s (slowest), round {c:.3f} s (cheapest): "
+           f"{'overlapped, ' if auto.overlap else ''}H {h} for {u:.0%} utilisation")
+    if h == auto.max_steps and want > h:
+        why += f" (capped at max_inner_steps; {math.ceil(want)} wanted)"
+    return h, why

@@ -1,0 +1,98 @@
+"""When a cluster's next outer round is due, and what the cluster tells its relay about it.
+
+Three cadences (spec: ``relay.sync``):
+
+- every ``inner_steps`` optimizer steps (a fixed H);
+- ``inner_steps: auto``: H starts at ``min_inner_steps`` and each round's result says the H
+  for the next round (chosen by the relays from what every cluster reported, the same for all
+  of them: `nebula_cli.relay.cadence`);
+- ``every: 60s``: after that much training time, however many steps it took (a faster cluster
+  does more steps; the relays weight the average by the samples each cluster trained on).
+  The cluster's rank 0 keeps the time and tells the other ranks by a one-value broadcast per
+  step, so every rank of the cluster stops at the same step.
+
+With every round the cluster reports (`RoundInfo` on the relay's side) the samples since its
+previous round (the weight of its delta), its mean seconds per step over those steps (training
+only) and how long its previous round kept it from training.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from nebula_cli.runtime.cluster_share import ClusterShare
+
+
+class Cadence:
+    """One cluster's round clock (on every rank; only rank 0's clock decides)."""
+
+    def __init__(self, share: ClusterShare, *, inner_steps: int, every_s: float | None = None,
+                 auto: bool = False, clock: Callable[[], float] = time.monotonic) -> None:
+        if inner_steps < 1:
+            raise ValueError(f"inner_steps must be at least 1, got {inner_steps}")
+        if every_s is not None and not every_s > 0:
+            raise ValueError(f"every must be a positive number of seconds, got {every_s}")
+        self.inner_steps = inner_steps
+        """H: steps between rounds (with ``auto``, the one the last result said)."""
+        self.every_s = every_s
+        self.auto = auto
+        self._share, self._clock = share, clock
+        self._since = clock()
+        self._paused = 0.0
+        self._last_cost: float | None = None
+
+    def due(self, since: int) -> bool:
+        """Whether a round is due after ``since`` steps since the last one. Time-based: a
+        collective (call it on every rank after every step)."""
+        if self.every_s is None:
+            return since >= self.inner_steps
+        flag = torch.zeros(1, dtype=torch.int32)
+        if self._share.rank == 0:
+            flag[0] = int(since >= 1 and self._training_s() >= self.every_s)
+        self._share.broadcast(flag)
+        return bool(flag.item())
+
+    def info(self, since: int, samples_per_step: int) -> dict[str, float]:
+        """What the cluster tells the relay with the contribution of a round due now."""
+        out: dict[str, float] = {"weight": float(max(1, since) * max(1, samples_per_step))}
+        if since > 0:
+            out["step_s"] = max(self._training_s(), 1e-6) / since
+        if self._last_cost is not None:
+            out["comm_s"] = self._last_cost
+        return out
+
+    def pause(self, seconds: float) -> None:
+        """``seconds`` since the last round were not training (overlap: a wait for a merge)."""
+        self._paused += max(0.0, seconds)
+
+    def restart(self, *, cost: float | None = None, next_h: int | None = None) -> None:
+        """Training goes on from now; ``cost``: what the round just ended kept the cluster from
+        training; ``next_h``: the H the round's result says (auto only)."""
+        self._since, self._paused = self._clock(), 0.0
+        if cost is not None:
+            self._last_cost = max(0.0, cost)
+        self.adopt(next_h)
+
+    def adopt(self, next_h: int | None) -> None:
+        """Take the H a round's result said (auto only; None: keep H)."""
+        if self.auto and next_h is not None and next_h >= 1:
+            self.inner_steps = int(next_h)
+
+    def note_cost(self, cost: float) -> None:
+        """Overlap: a round in flight cost ``cost`` seconds end to end (reported next round)."""
+        self._last_cost = max(0.0, cost)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"inner_steps": self.inner_steps}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        h = state.get("inner_steps")
+        if self.auto and isinstance(h, int) and h >= 1:
+            self.inner_steps = h
+
+    def _training_s(self) -> float:
+        return self._clock() - self._since - self._paused

@@ -20,7 +20,7 @@ from nebula_cli import __version__, pki
 from nebula_cli.cli.live import print_line, watch
 from nebula_cli.cli.netbench_render import bench_matrix, bench_progress
 from nebula_cli.cli.planner_render import advisor_table, placement_progress, placement_table
-from nebula_cli.cli.report import EXTRA, write_html, write_tensorboard
+from nebula_cli.cli.report import copy_tensorboard, make_report
 from nebula_cli.cli.ui import (
     cluster_colors,
     host_checks_table,
@@ -34,7 +34,6 @@ from nebula_cli.config.spec import JobSpec, load_spec
 from nebula_cli.control.dryrun import measure
 from nebula_cli.control.netbench import run_bench, write_report
 from nebula_cli.control.orchestrator import Orchestrator
-from nebula_cli.control.records import fetch_records
 from nebula_cli.control.state import END_STATES, StateStore
 from nebula_cli.errors import (
     EXIT_FAILED,
@@ -270,6 +269,8 @@ def logs(
                 time.sleep(1.0)
         except KeyboardInterrupt:
             return
+        for line in copy_tensorboard(orch, job.id):
+            err.print(escape(line))
         if not follower.read_any:
             raise typer.Exit(EXIT_FAILED)
 
@@ -279,31 +280,20 @@ def logs(
 def report(
     job_ref: Annotated[str, typer.Argument(metavar="JOB", help="Job id, prefix or name.")],
     output: Annotated[Path | None, typer.Option(
-        help="The HTML page. Default: $NEBULA_HOME/jobs/<id>/report.html.")] = None,
+        help="report.html (one self-contained page) or report.png. Default: "
+             "$NEBULA_HOME/jobs/<id>/report.html.")] = None,
 ) -> None:
-    """The job's metrics as one HTML page (loss by step and wall time, samples/s, round time,
-    WAN bytes; restarts marked) and TensorBoard runs in $NEBULA_HOME/jobs/<id>/tb."""
+    """The job's metrics as one HTML page or PNG (loss by step and wall time, samples/s, round
+    time, WAN bytes; restarts and missed rounds marked) and TensorBoard runs in
+    $NEBULA_HOME/jobs/<id>/tb."""
     with _store() as store, Orchestrator(store) as orch:
-        job = store.get_job(job_ref)
-        found = fetch_records(orch, job.id)
-        for where, why in found.unreachable.items():
-            err.print(f"[yellow]warning:[/] {escape(where)}: {escape(why)} (its last copy used)")
-        if not found.workers():
-            raise NebulaError(f"no metrics recorded yet for {job.id}")
-        page = output or store.job_dir(job.id) / "report.html"
-        made = 0
-        for what, draw in (("HTML page", lambda: write_html(found.records, page, job.id)),
-                           ("TensorBoard runs", lambda: write_tensorboard(
-                               found.records, store.job_dir(job.id) / "tb"))):
-            try:
-                draw()
-                made += 1
-            except ImportError as exc:
-                err.print(f"[yellow]no {what}:[/] {escape(str(exc))}; {escape(EXTRA)}")
-        if not made:
-            raise typer.Exit(EXIT_FAILED)
-        out.print(f"{len(found.records)} records; report: {page}; TensorBoard: "
-                  f"tensorboard --logdir {store.job_dir(job.id) / 'tb'}")
+        made = make_report(orch, store.get_job(job_ref).id, output)
+    for warning in made.warnings:
+        err.print(f"[yellow]warning:[/] {escape(warning)}")
+    if made.page is None and made.tensorboard is None:
+        raise typer.Exit(EXIT_FAILED)
+    tb = f"tensorboard --logdir {made.tensorboard}" if made.tensorboard else "none"
+    out.print(f"{made.records} records; report: {made.page or 'none'}; TensorBoard: {tb}")
 
 
 @app.command()

@@ -22,7 +22,9 @@ from nebula_cli.config.checkpoint_paths import checkpoint_host as checkpoint_hos
 from nebula_cli.config.checkpoint_paths import (
     checkpoint_settings as checkpoint_settings,
 )
+from nebula_cli.config.metrics_plan import METRICS_FILE, metrics_config
 from nebula_cli.config.parts import (
+    METRICS_CONFIG_ENV,
     SYNC_CONFIG_ENV,
     AgentConfig,
     CheckpointSettings,
@@ -108,6 +110,8 @@ class AgentPlan:
     """Files to write beside agent.json (mode 0600), relative to the agent's directory."""
     uploads: dict[str, str] = field(default_factory=dict)
     """Local directory -> where it goes on the host (empty when the host shares our files)."""
+    tensorboard: str | None = None
+    """Where this host writes its cluster's TensorBoard run (spec: metrics.tensorboard)."""
 
     @property
     def agent_dir(self) -> str:
@@ -313,6 +317,9 @@ def _worker_agents(spec: JobSpec, job_id: str, sites: dict[str, Site], ports: Po
                 cert, key = certs.workers[site_key(cluster, host)]
                 files = {"sync.json": strict.dumps(sync),
                          **dict(zip(cert_names(WORKER), (certs.ca, cert, key), strict=True))}
+            sinks = metrics_config(spec, job_id, cluster, node_rank, adir)
+            if sinks is not None:
+                files[METRICS_FILE] = strict.dumps(sinks)
             processes = []
             for local_rank in range(host.slots):
                 device = device_id(cluster.name, host.host, local_rank)
@@ -325,6 +332,8 @@ def _worker_agents(spec: JobSpec, job_id: str, sites: dict[str, Site], ports: Po
                 name = proc_env["RANK"]
                 proc_env["NEBULA_METRICS_FILE"] = posixpath.join(
                     adir, "metrics", f"rank{name}.jsonl")
+                if sinks is not None and local_rank == 0:  # the cluster's writer
+                    proc_env[METRICS_CONFIG_ENV] = posixpath.join(adir, METRICS_FILE)
                 processes.append(ProcessConfig(
                     name=name, argv=["/bin/sh", "-c", spec.run], env=proc_env,
                     log=f"logs/rank{name}.log", metrics=f"metrics/rank{name}.jsonl"))
@@ -340,7 +349,8 @@ def _worker_agents(spec: JobSpec, job_id: str, sites: dict[str, Site], ports: Po
             plans.append(AgentPlan(
                 cluster=cluster.name, host=host.host, role=WORKER, node_rank=node_rank,
                 slots=host.slots, conn=_conn(site, job_root), job_root=job_root,
-                config=config, files=files, uploads=uploads))
+                config=config, files=files, uploads=uploads,
+                tensorboard=sinks.tensorboard_dir if sinks is not None else None))
     return plans
 
 

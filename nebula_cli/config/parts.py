@@ -109,3 +109,41 @@ class SyncConfig:
     @classmethod
     def load(cls, path: str | Path) -> SyncConfig:
         return strict.load(cls, path)
+
+
+METRICS_CONFIG_ENV = "NEBULA_METRICS_CONFIG"
+"""The environment variable that names metrics.json: set only for the process that writes its
+cluster's runs (the cluster's first rank)."""
+
+
+@dataclass(frozen=True)
+class WandbSettings:
+    """Where a cluster's W&B run goes (spec: metrics.wandb)."""
+
+    project: str
+    mode: str
+    """"online" or "offline"."""
+    entity: str | None
+    name: str
+    """The run's name (the cluster's)."""
+    group: str
+    """The runs' group (the job id): one W&B group per job, one run per cluster."""
+    dir: str
+    """Absolute path on the host under which W&B keeps its files (in dir/wandb)."""
+
+
+@dataclass(frozen=True)
+class MetricsConfig:
+    """`metrics.json`: the optional metrics sinks of the process that writes its cluster's runs
+    (spec: metrics); read by `nebula_cli.runtime.sinks`. metrics.jsonl is always written."""
+
+    job_id: str
+    cluster: str
+    tensorboard_dir: str | None
+    """Absolute path on the host of the cluster's TensorBoard run; None: no TensorBoard."""
+    wandb: WandbSettings | None
+    """None: no W&B."""
+
+    @classmethod
+    def load(cls, path: str | Path) -> MetricsConfig:
+        return strict.load(cls, path)

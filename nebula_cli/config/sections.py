@@ -201,3 +201,29 @@ class ParallelismSpec(SpecModel):
     cleartext_wan: bool = False
     """Accept that a pipeline across clusters sends activations and gradients over the WAN
     unencrypted (the relay's TLS does not carry them). Required for such a pipeline."""
+
+
+class WandbSpec(SpecModel):
+    """Weights & Biases: one run per cluster (named after it, grouped by the job id), written by
+    the cluster's first rank. Needs `wandb` on the hosts (`pip install 'nebula-cli[wandb]'`);
+    without it the worker says so once in its log and trains on."""
+
+    project: str = Field(min_length=1, max_length=128)
+    """The W&B project the runs go to."""
+    mode: Literal["online", "offline"] = "online"
+    """'online': sent to W&B as training goes (the hosts need its API key, e.g. WANDB_API_KEY
+    in the spec's `env`); 'offline': kept in the job directory on the host, for `wandb sync`."""
+    entity: str | None = Field(None, min_length=1, max_length=128)
+    """The W&B team or user. Default: the API key's own."""
+
+
+class MetricsSpec(SpecModel):
+    """Where the workers' metrics go besides `metrics.jsonl` (always written): each cluster's
+    first rank (rank 0 of its DeepSpeed world) writes the cluster's run."""
+
+    tensorboard: bool = False
+    """Write TensorBoard event files per cluster in the job directory on the hosts (`nebula
+    report` and `nebula logs` fetch them to $NEBULA_HOME/jobs/<id>/tb). Needs `tensorboard` on
+    the hosts (`pip install 'nebula-cli[tb]'`)."""
+    wandb: WandbSpec | None = None
+    """Log to Weights & Biases. Default: none."""

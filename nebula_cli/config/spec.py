@@ -38,6 +38,7 @@ from nebula_cli.config.scheduler import SlurmSpec
 from nebula_cli.config.sections import (
     CheckpointSpec,
     CompressionSpec,
+    MetricsSpec,
     ParallelismSpec,
     RelaySpec,
     ShapingSpec,
@@ -49,8 +50,8 @@ from nebula_cli.errors import SpecError
 
 __all__ = [
     "MAX_PROCESSES", "MAX_SLOTS", "CheckpointSpec", "ClusterSpec", "CompressionSpec", "HostSpec",
-    "JobSpec", "ParallelismSpec", "RelaySpec", "RuntimeSpec", "ShapingSpec", "SlurmSpec",
-    "SpecModel", "SyncSpec", "load_spec", "parse_spec", "redact_env",
+    "JobSpec", "MetricsSpec", "ParallelismSpec", "RelaySpec", "RuntimeSpec", "ShapingSpec",
+    "SlurmSpec", "SpecModel", "SyncSpec", "load_spec", "parse_spec", "redact_env",
 ]
 
 MAX_PROCESSES = 65536
@@ -211,6 +212,8 @@ class JobSpec(SpecModel):
     """Pipeline parallelism across the clusters. Default: none (data parallel, per cluster)."""
     runtime: RuntimeSpec = Field(default_factory=RuntimeSpec)
     """The worker runtime: the automatic hook for unmodified scripts (on by default)."""
+    metrics: MetricsSpec = Field(default_factory=MetricsSpec)
+    """Metrics sinks besides metrics.jsonl: TensorBoard, Weights & Biases. Default: none."""
     placement: str | None = None
     """Which device holds which stage: the JSON of `nebula plan placement --json`, relative to
     the spec file; stored as an absolute path. Default: ranks in the spec's host order."""

@@ -368,7 +368,8 @@ class Orchestrator(JobOps):
             job_id=job_id, cluster=agent.cluster, host=agent.host, role=agent.role,
             node_rank=agent.node_rank, slots=agent.slots, agent_dir=agent.agent_dir,
             state=state, pid=pid,
-            detail={"conn": agent.conn, "logs": agent.logs, "metrics": agent.metrics},
+            detail={"conn": agent.conn, "logs": agent.logs, "metrics": agent.metrics,
+                    "tensorboard": agent.tensorboard},
         ))
 
     def check_hosts(self, spec: JobSpec) -> list[HostCheck]:

@@ -202,6 +202,18 @@ def _finish(reason: str) -> None:
         print(f"nebula: finishing training failed: {exc!r}", file=sys.stderr, flush=True)
 
 
+def register_exit_again() -> None:
+    """Register this hook's exit handlers again, so that they run before every handler
+    registered so far (atexit runs the latest first): a metrics sink opened since, which
+    closes at exit (W&B finishes its run), still gets the end of training's records."""
+    if _state.installed:
+        atexit.unregister(_at_exit_without_engine)
+        atexit.register(_at_exit_without_engine)
+    if _state.driver is not None:
+        atexit.unregister(_at_exit_with_engine)
+        atexit.register(_at_exit_with_engine)
+
+
 def _at_exit_with_engine() -> None:
     if not _state.crashed:
         _finish("exit")

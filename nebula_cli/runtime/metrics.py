@@ -10,6 +10,12 @@ environment. Floats that are not finite become ``null``.
 (``script_logged``: the automatic hook then writes none of its own); nebula's own records go
 through ``emit``, which writes the same way without that note.
 
+Every record goes to the process's sinks (``Sink``: ``write(rec)``, ``close()``): ``JsonlSink``
+always (the file and the tagged line above); in the process that writes its cluster's runs
+(the plan names its ``metrics.json`` in ``$NEBULA_METRICS_CONFIG``), TensorBoard and W&B as the
+spec's ``metrics:`` asks (``runtime.sinks``, loaded on the first record; a sink that fails is
+named once in the log and dropped, training goes on).
+
 ``read_metrics(path, offset)`` reads complete records from a byte offset and returns the
 offset to continue from, for tailing a file that is still being written.
 
@@ -18,6 +24,7 @@ This module imports only the standard library: the CLI uses it without torch.
 
 from __future__ import annotations
 
+import atexit
 import json
 import math
 import os
@@ -26,8 +33,9 @@ import threading
 import time
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
+from nebula_cli.config.parts import METRICS_CONFIG_ENV
 from nebula_cli.errors import NebulaError
 
 METRICS_TAG = "[nebula-metrics]"
@@ -39,6 +47,71 @@ RESERVED_KEYS = frozenset({"ts", "step", "cluster", "host", "rank"})
 
 _lock = threading.Lock()
 _script = {"calls": 0, "step": 0}  # the script's own `log` calls, and the last step it gave
+
+
+class Sink(Protocol):
+    """Where this process's records go."""
+
+    def write(self, rec: Mapping[str, Any]) -> None:
+        """One record (its values already JSON-able, as ``record`` made them)."""
+
+    def close(self) -> None:
+        """No more records (safe to call twice)."""
+
+
+class JsonlSink:
+    """``$NEBULA_METRICS_FILE`` (when set) and a tagged line on stdout: always on."""
+
+    def write(self, rec: Mapping[str, Any]) -> None:
+        line = format_record(rec)
+        path = os.environ.get(METRICS_FILE_ENV)
+        if path:
+            target = Path(path)
+            target.parent.mkdir(parents=True, exist_ok=True)
+            data = (line + "\n").encode("utf-8")
+            # One write on an O_APPEND descriptor: whole lines, even with several writers.
+            fd = os.open(target, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+            try:
+                os.write(fd, data)
+            finally:
+                os.close(fd)
+        sys.stdout.write(f"{METRICS_TAG} {line}\n")
+        sys.stdout.flush()
+
+    def close(self) -> None:
+        pass
+
+
+class _Sinks:
+    jsonl = JsonlSink()
+    optional: list[Sink] | None = None  # opened on the first record
+
+
+_sinks = _Sinks()
+
+
+def sinks() -> list[Sink]:
+    """This process's sinks: jsonl, then those its metrics.json asks for (opened once)."""
+    if _sinks.optional is None:
+        _sinks.optional = []
+        config = os.environ.get(METRICS_CONFIG_ENV)
+        if config:
+            from nebula_cli.runtime.sinks import open_sinks
+
+            _sinks.optional = open_sinks(config)
+            if _sinks.optional:
+                atexit.register(_close_optional)
+                hook = sys.modules.get("nebula_cli.runtime.hook")
+                if hook is not None:  # the end of training writes its last records first
+                    hook.register_exit_again()
+    return [_sinks.jsonl, *_sinks.optional]
+
+
+def _close_optional() -> None:
+    with _lock:
+        optional, _sinks.optional = _sinks.optional or [], []
+    for sink in optional:
+        sink.close()
 
 
 def _clean(value: Any) -> Any:
@@ -109,21 +182,9 @@ def script_logged() -> tuple[int, int]:
 def emit(step: int, **values: Any) -> dict[str, Any]:
     """Write a record as ``log`` does, for nebula's own records (not counted as the script's)."""
     rec = record(step, **values)
-    line = format_record(rec)
     with _lock:
-        path = os.environ.get(METRICS_FILE_ENV)
-        if path:
-            target = Path(path)
-            target.parent.mkdir(parents=True, exist_ok=True)
-            data = (line + "\n").encode("utf-8")
-            # One write on an O_APPEND descriptor: whole lines, even with several writers.
-            fd = os.open(target, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-            try:
-                os.write(fd, data)
-            finally:
-                os.close(fd)
-        sys.stdout.write(f"{METRICS_TAG} {line}\n")
-        sys.stdout.flush()
+        for sink in sinks():
+            sink.write(rec)
     return rec
 
 

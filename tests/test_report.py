@@ -1,12 +1,18 @@
 """`nebula report`: every record fetched from the hosts, one self-contained HTML page whose
-image is a real, non-blank plot, and TensorBoard runs that tensorboard's own reader parses."""
+image is a real, non-blank plot (also as rendered by headless Chromium), the figure as a PNG,
+restarts and missed rounds marked, and TensorBoard runs that tensorboard's own reader parses."""
 
 from __future__ import annotations
 
 import base64
+import contextlib
 import io
 import json
+import os
 import re
+import shutil
+import signal
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -73,3 +79,114 @@ def test_sparkline_scales_between_the_values_it_shows() -> None:
     line = sparkline([float(v) for v in range(100)], width=8)
     assert len(line) == 8 and line[0] == "▁" and line[-1] == "█"
     assert sparkline([5.0, 5.0]) == "▁▁"  # flat: no division by zero
+
+
+ROUNDS = '''
+"""What nebula's runtime records, logged by a script: loss every step, and per outer round
+(every 10 steps) its stats with the clusters present. west fails once after its round at step
+10 (its agent restarts it: it resumes from step 10, as from a checkpoint) and so misses round 1,
+which east makes alone."""
+import os
+import sys
+from pathlib import Path
+
+from nebula_cli.runtime import log
+
+cluster = os.environ["NEBULA_CLUSTER"]
+failed = Path("west-failed")
+start = 1
+if cluster == "west" and failed.exists():
+    log(step=10, resumed_from_step=10)
+    start = 11
+for step in range(start, 41):
+    log(step=step, loss=8.0 / step, samples_per_s=100.0)
+    if step % 10 == 0:
+        r = step // 10 - 1
+        present = ["east"] if r == 1 else ["east", "west"]
+        if cluster in present:
+            log(step=step, outer_round=r, round_s=0.5 + r, wan_bytes_sent=1000 * (r + 1),
+                clusters_present=len(present), clusters=present)
+    if cluster == "west" and step == 10 and not failed.exists():
+        failed.touch()
+        sys.exit(1)
+'''
+
+
+def test_the_report_marks_restarts_and_the_rounds_a_cluster_missed(
+        cli: CLI, tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib")
+    work = tmp_path / "work"
+    work.mkdir()
+    (work / "rounds.py").write_text(ROUNDS)
+    spec = write_spec(tmp_path, f"""
+        name: rounds
+        workdir: {work}
+        run: python rounds.py
+        max_restarts: 1
+        clusters:
+          - {{name: east, transport: local, hosts: [{{host: e1}}]}}
+          - {{name: west, transport: local, hosts: [{{host: w1}}]}}
+        """)
+    job_id = cli("launch", str(spec), "--detach", check=True).stdout.strip()
+    status = wait_for(lambda: (st := json.loads(cli("status", job_id, "--json").stdout))[
+        "state"] not in ("RUNNING", "STARTING") and st, timeout=90)
+    assert status["state"] == "SUCCEEDED", status
+    assert {h["cluster"]: h["restarts"] for h in status["hosts"]} == {"east": 0, "west": 1}
+    page = tmp_path / "rounds.html"
+    cli("report", job_id, "--output", str(page), check=True)
+    rows = re.findall(r"<tr><td>(\w+)</td><td>(\d+)</td><td>(\d+)</td><td>([\d, ]*)</td></tr>",
+                      page.read_text())
+    assert rows == [("east", "0", "0", ""), ("west", "1", "1", "1")]  # restarts, missed, which
+
+
+def chromium() -> str | None:
+    """Debian's chromium, or None (then skipped, except in CI: .ci/run installs it)."""
+    found = shutil.which("chromium")
+    if found is None and os.environ.get("CI") == "true":
+        pytest.fail("chromium is missing in CI (.ci/run installs Debian's chromium package)")
+    return found
+
+
+def screenshot(browser: str, page: Path, out: Path, profile: Path) -> None:
+    """A headless screenshot of a local page, with nothing that reaches out (no sync, updates,
+    QUIC, background requests); every process it started is ended."""
+    argv = [browser, "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic",
+            "--no-first-run", "--disable-background-networking", "--disable-component-update",
+            "--disable-sync", f"--user-data-dir={profile}", "--window-size=1200,1000",
+            "--hide-scrollbars", f"--screenshot={out}", page.as_uri()]
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            stdin=subprocess.DEVNULL, start_new_session=True)
+    try:
+        output, _ = proc.communicate(timeout=120)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)  # the browser's helpers, if any are left
+        proc.wait()
+    assert proc.returncode == 0 and out.is_file(), output.decode(errors="replace")[-2000:]
+
+
+def test_the_page_renders_in_headless_chromium_and_the_png_is_the_figure(
+        cli: CLI, tmp_path: Path) -> None:
+    image = pytest.importorskip("matplotlib.image")
+    browser = chromium()
+    cli("launch", str(write_spec(tmp_path, LOGGED)), check=True)
+    (job_id,) = cli.job_ids()
+    png = tmp_path / "report.png"
+    cli("report", job_id, "--output", str(png), check=True)
+    figure = image.imread(str(png))
+    assert figure.shape[:2] == (1100, 1200) and figure.std() > 0.05  # 12 x 11 in, 100 dpi
+    bad = cli("report", job_id, "--output", str(tmp_path / "report.txt"))
+    assert bad.returncode == 2 and "written as .html or .png (found .txt)" in bad.stderr
+    if browser is None:
+        pytest.skip("no chromium here (apt-get install chromium); the PNG was checked")
+
+    page = tmp_path / "report.html"
+    cli("report", job_id, "--output", str(page), check=True)
+    shot = tmp_path / "shot.png"
+    screenshot(browser, page, shot, tmp_path / "chromium-profile")
+    pixels = image.imread(str(shot))[:, :, :3]
+    assert pixels.shape[:2] == (1000, 1200)
+    assert pixels.std() > 0.05 and (pixels < 0.9).any(axis=2).mean() > 0.02  # not blank
+    for rgb in ((0x1F, 0x77, 0xB4), (0xFF, 0x7F, 0x0E)):  # east's and west's lines drawn
+        near = (abs(pixels * 255 - rgb) < 30).all(axis=2).sum()
+        assert near > 200, (rgb, near)

@@ -156,3 +156,14 @@ def test_a_loose_home_is_tightened_with_one_warning(tmp_path: Path,
     with caplog.at_level("WARNING", logger="nebula.state"), StateStore(home):
         pass
     assert not [r for r in caplog.records if r.name == "nebula.state"]  # said once
+
+
+def test_a_worker_between_a_failure_and_its_restart_keeps_the_job_running() -> None:
+    from nebula_cli.control.jobs import JobSnapshot, job_state
+
+    hosts = [HostRecord("j", c, "h", "worker", 0, 1, "/d", state)
+             for c, state in (("east", "SUCCEEDED"), ("west", "RESTARTING"))]
+    assert job_state(hosts, "RUNNING") == "RUNNING"  # not SUCCEEDED while west restarts
+    assert JobSnapshot(job=None, hosts=hosts).active  # type: ignore[arg-type]
+    hosts[1].state = "SUCCEEDED"
+    assert job_state(hosts, "RUNNING") == "SUCCEEDED"

@@ -86,8 +86,9 @@ MIGRATIONS: list[str] = [
 SCHEMA_VERSION = len(MIGRATIONS)
 
 # Job and process states. A process is PENDING until its agent runs it, then RUNNING, and ends
-# SUCCEEDED, FAILED or STOPPED. LOST: its agent vanished without recording an end.
-ACTIVE_STATES = frozenset({"PENDING", "QUEUED", "STARTING", "RUNNING", "STOPPING"})
+# SUCCEEDED, FAILED or STOPPED (RESTARTING between a failure and its restart). LOST: its agent
+# vanished without recording an end.
+ACTIVE_STATES = frozenset({"PENDING", "QUEUED", "STARTING", "RUNNING", "RESTARTING", "STOPPING"})
 END_STATES = frozenset({"SUCCEEDED", "FAILED", "STOPPED", "LOST", "CANCELLED"})
 
 

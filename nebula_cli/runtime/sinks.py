@@ -14,6 +14,7 @@ later is named once and dropped. Both libraries are imported only here, only whe
 from __future__ import annotations
 
 import math
+import os
 import sys
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -67,10 +68,14 @@ class TensorBoardSink:
 
 class WandbSink:
     """The cluster's W&B run: named after the cluster, grouped by the job id; the record's
-    step is W&B's step (a step logged again, after a restart, is W&B's to refuse)."""
+    step is W&B's step. A restarted worker starts a new run of the same name in the group.
+    Offline, W&B's error reports are off too (unless $WANDB_ERROR_REPORTING says otherwise)."""
 
     def __init__(self, settings: WandbSettings, config: Mapping[str, Any]) -> None:
         import wandb
+
+        if settings.mode == "offline":  # nothing leaves the host: no error reports either
+            os.environ.setdefault("WANDB_ERROR_REPORTING", "false")
 
         self.run: Any = wandb.init(
             project=settings.project, entity=settings.entity, name=settings.name,

@@ -220,3 +220,31 @@ def test_the_metrics_section_is_typed_and_reaches_only_each_clusters_writer(
     (tmp_path / METRICS_FILE).write_bytes(first.files[METRICS_FILE])
     loaded = MetricsConfig.load(tmp_path / METRICS_FILE)  # what the writer loads
     assert loaded.tensorboard_dir == f"{root}/tb" and loaded.wandb is not None
+
+
+def test_a_sink_that_fails_is_named_once_and_dropped(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    from nebula_cli.runtime import metrics
+    from nebula_cli.runtime.sinks import Guarded
+
+    class Broken:
+        writes = 0
+
+        def write(self, rec: object) -> None:
+            Broken.writes += 1
+            raise OSError("disk full")
+
+        def close(self) -> None:
+            raise AssertionError("a dropped sink is not closed")
+
+    monkeypatch.setenv("NEBULA_METRICS_FILE", str(tmp_path / "m.jsonl"))
+    monkeypatch.setattr(metrics._sinks, "optional", [Guarded("TensorBoard", Broken())])
+    for step in (1, 2, 3):
+        metrics.emit(step=step, loss=1.0 / step)
+    assert Broken.writes == 1
+    err = capsys.readouterr().err
+    assert err == ("nebula: metrics: TensorBoard failed writing (OSError('disk full')); no more "
+                   "records go there\n")
+    assert [json.loads(line)["step"] for line in (tmp_path / "m.jsonl").open()] == [1, 2, 3]
+    metrics._close_optional()

@@ -108,8 +108,13 @@ def sinks() -> list[Sink]:
 
 
 def _close_optional() -> None:
-    with _lock:
+    """At exit: close the optional sinks (a thread still writing gets a few seconds)."""
+    held = _lock.acquire(timeout=5.0)
+    try:
         optional, _sinks.optional = _sinks.optional or [], []
+    finally:
+        if held:
+            _lock.release()
     for sink in optional:
         sink.close()
 

@@ -533,6 +533,28 @@ def test_killed_relay_is_left_out_then_catches_up(
                 p.wait(10)
 
 
+def test_a_small_model_catches_up_with_theta_and_momentum_in_chunks_peers_accept(
+        tmp_path: Path) -> None:
+    """A model smaller than a chunk (the default 1 M elements): a published state of two parts
+    (theta, momentum) is twice the synced size, so it must travel in chunks of at most that
+    size, or the catching-up peer closes the link ("exceeds the cap") and never catches up."""
+    job = Job(tmp_path, ["a", "b"], round_timeout=1.0, heartbeat=0.5, chunk_numel=1 << 20)
+    n = 20_000  # its state, 160 KB, is above any control frame (64 KiB)
+    with running(job) as relays, clients(job) as cls:
+        wait_until(lambda: relays["b"].connected() == ["a"], 20, "b to reach a")
+        together(cls, 0, {c: torch.randn(n) for c in job.clusters})
+        theta = torch.randn(n)
+        for r in (1, 2):  # b alone (a's worker does not come)
+            assert cls["b"].allreduce(r, torch.randn(n)).present == ["b"]
+        momentum = torch.randn(n)
+        cls["b"].publish_state(2, theta, momentum)
+        back = cls["a"].allreduce(1, torch.randn(n))
+        assert back.global_state is not None and back.round_id == 2
+        assert torch.equal(back.global_state, theta)
+        assert back.global_momentum is not None and torch.equal(back.global_momentum, momentum)
+        assert relays["a"].connected() == ["b"]  # the link was never closed over it
+
+
 def test_duplex_tls_carries_both_directions_at_once(tmp_path: Path) -> None:
     """A reader and a writer thread on each end of one TLS connection, both ends sending 24 MB
     at once through 256 KiB socket buffers (the writers block): every byte arrives in order,

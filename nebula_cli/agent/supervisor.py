@@ -35,6 +35,8 @@ POLL_S = 0.2
 LAST_OUTPUT_BYTES = 8192
 LAST_OUTPUT_CHARS = 300
 ENV_MARK = "NEBULA_AGENT_DIR"
+TELL_TIMEOUT = 20.0
+"""Longest wait for the helper that tells the cluster's other hosts a rank failed."""
 
 
 # -- small helpers ---------------------------------------------------------------------------
@@ -229,6 +231,34 @@ class Supervisor:
         first = self.config.processes[0].env if self.config.processes else {}
         return {**os.environ, **first}
 
+    def tell_world(self, reason: str) -> subprocess.Popen[bytes] | None:
+        """A worker rank failed: tell the ranks of the cluster's other hosts to leave the world
+        at once (`nebula_cli.runtime.worldwatch`), so that none waits for this one."""
+        env = self.rank_env()
+        if self.config.role != "worker" or int(env.get("NEBULA_NUM_NODES") or 1) < 2:
+            return None
+        env.pop("RANK", None)
+        try:
+            return subprocess.Popen(
+                [sys.executable, "-m", "nebula_cli.runtime.worldwatch", "abort",
+                 f"host {self.config.host} of cluster {self.config.cluster}: {reason}"],
+                cwd=self.config.cwd or None, env=env, stdin=subprocess.DEVNULL,
+                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        except OSError:
+            return None
+
+    def told(self, teller: subprocess.Popen[bytes] | None) -> None:
+        if teller is None:
+            return
+        try:
+            code = teller.wait(timeout=TELL_TIMEOUT)
+        except subprocess.TimeoutExpired:
+            teller.kill()
+            code = teller.wait()
+        self.event("told-world", "the cluster's other hosts were told to leave the world"
+                   if code == 0 else "the world's store could not be reached (its rank 0 is "
+                   "gone: the other hosts' ranks see that themselves)")
+
     def clear_leftovers(self) -> None:
         """/dev/shm: DeepSpeed's buffers and checkpoint staging, once none of the world is left."""
         if not group_alive(self.pgid):
@@ -274,7 +304,9 @@ class Supervisor:
                 rank, code = next(iter(failed.items()))
                 reason = f"rank {rank} {describe_exit(code)}{self.last_output(rank)}"
                 self.event("failed", reason)
+                teller = self.tell_world(reason)
                 self.end_group(self.config.grace)
+                self.told(teller)
                 codes = self.codes()
                 if self.status["restarts"] < max_restarts and not self.stop_requested:
                     self.save(state="RESTARTING", reason=reason, exit_codes=codes,

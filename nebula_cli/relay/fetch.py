@@ -174,6 +174,9 @@ class Fetcher:
 
     def _serve(self, link: PeerLink, m: dict[str, Any]) -> None:
         req = m.get("req")
+        # chunks the peer accepts (limits.chunk_payload_cap: at most the synced size each),
+        # also for a state of two parts (theta and the outer momentum)
+        chunk = min(self._chunk, self._sync_numel() or self._chunk)
         try:
             frames: list[Frame]
             if m["op"] == "result":
@@ -182,15 +185,14 @@ class Fetcher:
                 frames = [Frame(FrameType.RESULT, {"req": req, "status": "none"})] if avg is None \
                     else tensor_frames(FrameType.RESULT, {
                         "req": req, "status": "ok", "round": avg.round_id,
-                        "present": avg.present, "rejected": avg.rejected}, avg.tensor,
-                        self._chunk)
+                        "present": avg.present, "rejected": avg.rejected}, avg.tensor, chunk)
             else:
                 wait = min(float(m.get("wait", 0)), self.max_wait)
                 st = self._answer_state(int(m.get("min_round", -1)), wait)
                 frames = [Frame(FrameType.STATE, {"req": req, "status": "none"})] if st is None \
                     else tensor_frames(FrameType.STATE, {
                         "req": req, "status": "ok", "round": st.round_id,
-                        "lineage": st.lineage, "parts": st.parts}, st.tensor, self._chunk)
+                        "lineage": st.lineage, "parts": st.parts}, st.tensor, chunk)
             for i, f in enumerate(frames):
                 if i:
                     f.meta["req"] = req

@@ -13,6 +13,9 @@ nothing until the script imports DeepSpeed or torch.distributed:
 - ``torch.distributed.destroy_process_group()`` (the default group) first finishes training:
   the last outer round and the final records, while the ranks can still talk.
 - At exit (not after an uncaught exception) the driver finishes, if it has not yet.
+- In a world of two or more hosts, a rank leaves at once when another host's agent says that
+  one of its ranks failed (``runtime.worldwatch``): nobody waits in a rendezvous or a
+  collective for a rank that is gone.
 - SIGTERM, when the script installs no handler of its own: the ranks agree on it at the next
   optimizer step, finish, and exit with status 0.
 - A process that imported torch but never built a DeepSpeed engine says so once at exit, in
@@ -33,7 +36,7 @@ from types import ModuleType
 from typing import Any
 
 from nebula_cli.config.parts import SYNC_CONFIG_ENV
-from nebula_cli.runtime import metrics
+from nebula_cli.runtime import metrics, worldwatch
 
 
 class _State:
@@ -107,7 +110,9 @@ def patch_deepspeed(module: ModuleType) -> None:
 
 
 def patch_torch_distributed(module: ModuleType) -> None:
-    """``torch.distributed.destroy_process_group`` -> finish training first (default group)."""
+    """``torch.distributed.destroy_process_group`` -> finish training first (default group);
+    and the world's abort watch starts (``runtime.worldwatch``)."""
+    worldwatch.start()
     real = getattr(module, "destroy_process_group", None)
     if real is None or getattr(real, "_nebula_wrapped", False):
         return

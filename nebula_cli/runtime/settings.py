@@ -60,3 +60,22 @@ def relay_client(cfg: SyncConfig | None, shapes: list[torch.Size]) -> Any:
         cfg.relay_addr, ca=cfg.tls.ca, cert=cfg.tls.cert, key=cfg.tls.key,
         job_id=cfg.job_id, cluster=cfg.cluster, round_timeout=cfg.round_timeout,
         layout=sync_layout(shapes))
+
+
+def resolve_settings(given: dict[str, Any], overlap_steps: int | None,
+                     config: SyncConfig | None) -> dict[str, Any]:
+    """OuterSync's settings: each from its argument, else from the plan's sync config (the
+    spec's); SyncError when neither has it."""
+    out = {}
+    for name, value in given.items():
+        if value is None:
+            if config is None:
+                raise SyncError(
+                    f"{name} was not given and there is no sync config "
+                    f"(${SYNC_CONFIG_ENV}): OuterSync takes its settings from the job's "
+                    f"plan under `nebula launch`, or from config=SyncConfig(...)")
+            value = getattr(config, name)
+        out[name] = value
+    out["overlap_steps"] = overlap_steps if overlap_steps is not None else (
+        config.overlap_steps if config else None)
+    return out

@@ -24,8 +24,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from nebula_cli.config.parts import SYNC_CONFIG_ENV, SyncConfig
+from nebula_cli.config.parts import SyncConfig
 from nebula_cli.runtime import checkpoint as checkpoints
+from nebula_cli.runtime import worldwatch
 from nebula_cli.runtime.cadence import Cadence
 from nebula_cli.runtime.cluster_share import (
     AveragedRound,
@@ -44,6 +45,7 @@ from nebula_cli.runtime.settings import (
     LAYOUT_BYTES,
     plan_config,
     relay_client,
+    resolve_settings,
     sync_layout,
     wanted,
 )
@@ -121,6 +123,7 @@ class OuterSync:
     ) -> None:
         self.engine = engine
         note_outer_sync(engine, self)  # the automatic hook stands aside for this engine
+        worldwatch.start()  # (already running when the automatic hook is on)
         self.dry_run = os.environ.get(DRY_RUN_ENV, "").strip().lower() not in (
             "", "0", "false", "no")
         self.config = config if config is not None else plan_config()
@@ -131,7 +134,7 @@ class OuterSync:
             # `nebula plan`'s dry run: no relay and no round; only the parameter count matters
             given = {k: v for k, v in given.items() if v is not None}
             given["mode"] = "dry-run"
-        settings = self._settings(given, overlap_steps)
+        settings = resolve_settings(given, overlap_steps, self.config)
         self.mode = str(settings["mode"]).lower()
         if self.mode not in (*MODES, "dry-run"):
             raise SyncError(f"sync mode {self.mode!r}: expected one of {', '.join(MODES)}")
@@ -189,22 +192,6 @@ class OuterSync:
         self.checkpointer: checkpoints.Checkpointer | None = None  # built by checkpoint()
         if self.dry_run and self.rank == 0:  # what `nebula plan` needs; no round will run
             log_metrics(step=0, dry_run=True, trainable_params=self.numel)
-
-    def _settings(self, given: dict[str, Any], overlap_steps: int | None) -> dict[str, Any]:
-        """Each setting from the arguments, else from the plan's sync config (the spec's)."""
-        out = {}
-        for name, value in given.items():
-            if value is None:
-                if self.config is None:
-                    raise SyncError(
-                        f"{name} was not given and there is no sync config "
-                        f"(${SYNC_CONFIG_ENV}): OuterSync takes its settings from the job's "
-                        f"plan under `nebula launch`, or from config=SyncConfig(...)")
-                value = getattr(self.config, name)
-            out[name] = value
-        out["overlap_steps"] = overlap_steps if overlap_steps is not None else (
-            self.config.overlap_steps if self.config else None)
-        return out
 
     # --- public hooks ---------------------------------------------------------------------
 

@@ -1,10 +1,13 @@
-"""A worker killed on one host of a two-host cluster: the cluster's other host fails out of its
-broken collective at once (no rank hangs), both hosts restart their ranks, the world meets
-again, resumes from the checkpoint every rank has, and the job ends SUCCEEDED with every
-worker identical. The other cluster trains on meanwhile."""
+"""A rank that dies before the rendezvous: the cluster's other host leaves it at once, with
+nobody looking at the job. A worker killed on one host of a two-host cluster: the cluster's
+other host fails out of its broken collective at once (no rank hangs), both hosts restart their
+ranks, the world meets again, resumes from the checkpoint every rank has, and the job ends
+SUCCEEDED with every worker identical. The other cluster trains on meanwhile."""
 
 from __future__ import annotations
 
+import contextlib
+import json
 import time
 from pathlib import Path
 
@@ -12,6 +15,8 @@ import pytest
 import yaml
 from conftest import CLI, job_processes, shm_leftovers, wait_for
 from test_checkpoint import _records, kill_rank, newest_checkpoint, slowed_ds_plain, wait_ended
+
+from nebula_cli.runtime.worldwatch import ABORT_EXIT
 
 STEPS, EVERY = 80, 10  # a round every test_checkpoint.INNER steps
 
@@ -72,3 +77,50 @@ def test_min_clusters_lets_the_others_train_on_without_a_lost_cluster(
     shown = cli("status", job_id, check=True).stdout
     assert "FAILED" in shown and "west" in shown  # the lost cluster stays in view
     assert job_processes(job_id) == []
+
+
+WAITS_FOR_A_DEAD_RANK = """\
+import os
+import sys
+
+import torch.distributed as dist
+
+if os.environ["NEBULA_NODE_RANK"] == "1":  # fails before it ever reaches the master
+    sys.exit("no route to the master")
+dist.init_process_group("gloo")  # without nebula: waits 30 minutes for the rank above
+print("the world met", flush=True)
+"""
+
+
+@pytest.mark.slow
+def test_a_rank_that_dies_before_the_rendezvous_leaves_nobody_waiting(
+        cli: CLI, tmp_path: Path) -> None:
+    """Seen as a new user: two ranks exited 1 and the others waited in the rendezvous for good.
+    Nobody looks at the job here (no status, no live view): the agents alone must end it."""
+    work = tmp_path / "work"
+    work.mkdir()
+    (work / "rendezvous.py").write_text(WAITS_FOR_A_DEAD_RANK)
+    spec = {"name": "deadrank", "workdir": str(work), "run": "python -u rendezvous.py",
+            "clusters": [{"name": "c", "transport": "local",
+                          "hosts": [{"host": "h1"}, {"host": "h2"}]}]}
+    path = tmp_path / "deadrank.yaml"
+    path.write_text(yaml.safe_dump(spec))
+    job_id = cli("launch", str(path), "--detach", check=True).stdout.strip()
+    t0 = time.monotonic()
+
+    def agent_states() -> dict[str, dict]:
+        found = {}
+        for status in (cli.home / "jobs" / job_id).glob("c/*/worker/status.json"):
+            with contextlib.suppress(ValueError):
+                found[status.parent.parent.name] = json.loads(status.read_text())
+        return found
+
+    ended = wait_for(lambda: (s := agent_states()) and len(s) == 2 and all(
+        a["state"] == "FAILED" for a in s.values()) and s, timeout=120)
+    assert time.monotonic() - t0 < 90
+    assert "no route to the master" in ended["h2"]["reason"]
+    assert ended["h1"]["exit_code"] == ABORT_EXIT, ended["h1"]
+    assert "host h2 of cluster c" in ended["h1"]["reason"], ended["h1"]["reason"]
+    wait_for(lambda: job_processes(job_id) == [], timeout=30)
+    st = json.loads(cli("status", job_id, "--json", check=True).stdout)
+    assert st["state"] == "FAILED"

@@ -1,0 +1,169 @@
+"""A cluster's DeepSpeed world ends together: no rank is left waiting for one that is gone.
+
+Inside a cluster the ranks of every host form one collective world. When a rank dies in the
+middle of training, the others leave their collective at once (gloo and NCCL see the closed
+connections). But a rank that dies *before* it has connected (an import error, a host whose
+interface cannot reach the master) leaves the others waiting in the rendezvous for torch's
+default timeout, 30 minutes, and a world whose rank died in a collective with no connection to
+close can wait as long. The host agents cannot reach each other, but every rank can reach the
+world's rendezvous store (the TCPStore that rank 0 serves at MASTER_ADDR:MASTER_PORT), and so
+can the failing host's agent:
+
+- the failing host's agent sets :data:`ABORT_KEY` in that store, the reason as its value
+  with the time the failure was seen (``python -m nebula_cli.runtime.worldwatch abort
+  FAILED_AT REASON``, the world's address from the ranks' environment), before it ends its own
+  ranks and restarts them or gives up;
+- every rank of a world of two or more hosts watches the key from a daemon thread (started by
+  the automatic hook when the script imports ``torch.distributed``, and by ``OuterSync``): once
+  it is set by a failure seen after the rank started (:data:`STALE_S`), the rank prints the
+  reason and exits with :data:`ABORT_EXIT`; its agent then sees a failure like any other and
+  restarts its ranks with the others (``max_restarts``) or records the reason.
+
+The watcher connects as one more client of the store (retrying until rank 0 serves it); it
+reads one key every :data:`POLL_S` seconds, never writes, and stops quietly when the store goes
+away (the world ended). A world of one host has nobody to tell and runs no watcher.
+"""
+
+from __future__ import annotations
+
+import atexit
+import datetime
+import os
+import socket
+import sys
+import threading
+import time
+from collections.abc import Mapping
+
+ABORT_KEY = "nebula/abort"
+ABORT_EXIT = 75
+"""Exit status of a rank that left because another host's rank failed."""
+POLL_S = 1.0
+CONNECT_S = 5.0
+STALE_S = 2.0
+"""An abort that happened more than this before a rank started is not for it: a world restarted
+after a failure (at least the agent's restart backoff, 5 s, later) may meet at the same
+address before the failed host's agent has set its key, and must not be ended by it. Also the
+clock difference between hosts that is tolerated."""
+
+
+def _world(env: Mapping[str, str]) -> tuple[str, int] | None:
+    """(master address, port) of a world of two or more hosts; None otherwise."""
+    try:
+        nodes = int(env.get("NEBULA_NUM_NODES") or env.get("CROSS_SIZE") or 1)
+        addr, port = env["MASTER_ADDR"], int(env["MASTER_PORT"])
+    except (KeyError, ValueError):
+        return None
+    return (addr, port) if nodes > 1 and addr else None
+
+
+def _store(addr: str, port: int, timeout: float):  # noqa: ANN202 - torch's TCPStore
+    from torch.distributed import TCPStore
+
+    return TCPStore(addr, port, is_master=False, wait_for_workers=False,
+                    timeout=datetime.timedelta(seconds=timeout))
+
+
+class _Watch:
+    started = False
+    since = 0.0
+    stop = threading.Event()
+    busy = threading.Lock()
+    """Held during every call into the store: at exit the interpreter waits for it, so that it
+    never finalizes while the watcher is inside torch's C++ (std::terminate, exit 134)."""
+
+
+def start(env: Mapping[str, str] | None = None) -> bool:
+    """Watch this rank's world for an abort (once per process; only ranks of multi-host worlds,
+    RANK set). True when a watcher runs."""
+    env = os.environ if env is None else env
+    world = _world(env)
+    if _Watch.started or world is None or "RANK" not in env:
+        return _Watch.started
+    _Watch.started = True
+    _Watch.since = time.time()
+    thread = threading.Thread(target=_watch, args=world, name="nebula-worldwatch", daemon=True)
+    thread.start()
+    atexit.register(_at_exit)
+    return True
+
+
+def _at_exit() -> None:
+    _Watch.stop.set()  # no new store call; wait (bounded) for the one under way
+    if _Watch.busy.acquire(timeout=CONNECT_S + 1):
+        _Watch.busy.release()
+
+
+def _serving(addr: str, port: int) -> bool:
+    """Whether something accepts connections at the store's address (checked in Python, so that
+    the watcher enters torch only when the store is there)."""
+    try:
+        socket.create_connection((addr, port), timeout=1.0).close()
+    except OSError:
+        return False
+    return True
+
+
+def _watch(addr: str, port: int) -> None:
+    store = None
+    while store is None and not _Watch.stop.wait(POLL_S):
+        if not _serving(addr, port):
+            continue
+        with _Watch.busy:
+            if _Watch.stop.is_set():
+                return
+            try:
+                store = _store(addr, port, CONNECT_S)
+            except Exception:  # not the store yet, or no more: try again
+                store = None
+    while store is not None and not _Watch.stop.wait(POLL_S):
+        with _Watch.busy:
+            if _Watch.stop.is_set():
+                return
+            try:
+                if not store.check([ABORT_KEY]):
+                    continue
+                at, _, reason = store.get(ABORT_KEY).decode(errors="replace").partition(" ")
+            except Exception:  # the store went away: the world has ended
+                return
+        if _at(at) < _Watch.since - STALE_S:
+            continue  # an earlier world's failure
+        print(f"nebula: leaving the cluster's world: {reason}", file=sys.stderr, flush=True)
+        os._exit(ABORT_EXIT)
+
+
+def abort(reason: str, env: Mapping[str, str] | None = None, timeout: float = CONNECT_S,
+          failed_at: float | None = None) -> bool:
+    """Tell every rank of this environment's world to leave (``failed_at``: when the failure
+    was seen, time.time(); default now); False when there is no world of several hosts or its
+    store cannot be reached (rank 0 gone: the others see that anyway)."""
+    world = _world(os.environ if env is None else env)
+    if world is None or not _serving(*world):  # (no torch import when nobody serves it)
+        return False
+    try:
+        _store(*world, timeout).set(ABORT_KEY, f"{failed_at or time.time():.3f} {reason}".encode())
+    except Exception:
+        return False
+    return True
+
+
+def _at(text: str) -> float:
+    try:
+        return float(text)
+    except ValueError:
+        return 0.0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m nebula_cli.runtime.worldwatch abort FAILED_AT REASON``: exit 0 when told, 1
+    if not (FAILED_AT: when the failure was seen, seconds since the epoch)."""
+    args = sys.argv[1:] if argv is None else argv
+    if len(args) != 3 or args[0] != "abort" or not _at(args[1]):
+        print("usage: python -m nebula_cli.runtime.worldwatch abort FAILED_AT REASON",
+              file=sys.stderr)
+        return 2
+    return 0 if abort(args[2], failed_at=_at(args[1])) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,89 @@
+"""runtime.worldwatch against a real TCPStore: a watching process leaves with ABORT_EXIT and the
+reason once the abort key is set; it ends cleanly (exit 0, not 134) when the store never came or
+went away; worlds of one host run no watcher."""
+
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+from torch.distributed import TCPStore
+
+from nebula_cli.runtime import worldwatch
+
+WATCHER = """
+import sys, time
+from nebula_cli.runtime import worldwatch
+assert worldwatch.start()
+time.sleep(float(sys.argv[1]))
+print("the rank ended on its own", flush=True)
+"""
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def world_env(port: int, nodes: int = 2) -> dict[str, str]:
+    return {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": "0",
+            "NEBULA_NUM_NODES": str(nodes)}
+
+
+def watcher(port: int, seconds: float) -> subprocess.Popen[str]:
+    return subprocess.Popen([sys.executable, "-c", WATCHER, str(seconds)], env=world_env(port),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def master(port: int) -> TCPStore:
+    return TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False,
+                    timeout=datetime.timedelta(seconds=10))
+
+
+def test_a_watching_rank_leaves_once_the_abort_key_is_set() -> None:
+    port = free_port()
+    store = master(port)
+    proc = watcher(port, 60)
+    try:
+        time.sleep(2.5)  # it has connected and polls
+        assert proc.poll() is None
+        t0 = time.monotonic()
+        assert worldwatch.abort("host h2 of cluster c: rank 1 exit 1", env=world_env(port))
+        out, err = proc.communicate(timeout=15)
+        assert proc.returncode == worldwatch.ABORT_EXIT
+        assert time.monotonic() - t0 < 5
+        assert "leaving the cluster's world: host h2 of cluster c: rank 1 exit 1" in err
+        assert "ended on its own" not in out
+    finally:
+        proc.kill()
+        del store
+
+
+@pytest.mark.parametrize("store_at_all", [False, True])
+def test_a_rank_ends_cleanly_whatever_the_store_does(store_at_all: bool) -> None:
+    port = free_port()
+    store = master(port) if store_at_all else None
+    proc = watcher(port, 3)
+    try:
+        if store is not None:
+            time.sleep(1.5)
+            del store  # the world's rank 0 ended first
+        out, err = proc.communicate(timeout=30)
+        assert proc.returncode == 0, err
+        assert "ended on its own" in out
+    finally:
+        proc.kill()
+
+
+def test_no_watcher_and_no_abort_without_a_world_of_several_hosts() -> None:
+    port = free_port()
+    assert not worldwatch.abort("x", env=world_env(port, nodes=1))
+    assert not worldwatch.abort("x", env={"NEBULA_NUM_NODES": "2"})
+    assert not worldwatch.abort("x", env=world_env(port))  # nothing serves the store
+    assert worldwatch.main(["bogus"]) == 2

@@ -30,7 +30,6 @@ import json
 import os
 import random
 import signal
-import subprocess
 import sys
 import tempfile
 import threading
@@ -41,8 +40,9 @@ from typing import Any
 
 import yaml
 
-REPO = Path(__file__).resolve().parent.parent
-GPT_DIR = REPO / "examples" / "gpt"
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _local import GPT_DIR, REPO, Cli, records  # noqa: E402
+
 FAULTS = ("kill-worker", "kill-relay", "stall-relay")
 GOAL = 0.85
 JSON_FIELDS = ("goodput_vs_clean", "faults_injected", "lost_steps", "params_identical",
@@ -97,29 +97,6 @@ def write_spec(tmp: Path, name: str, args: argparse.Namespace) -> Path:
     path = tmp / f"{name}.yaml"
     path.write_text(yaml.safe_dump(spec))
     return path
-
-
-class Cli:
-    def __init__(self, home: Path) -> None:
-        self.env = {**os.environ, "NEBULA_HOME": str(home), "COLUMNS": "200", "NO_COLOR": "1"}
-        self.home = home
-
-    def __call__(self, *args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
-        return subprocess.run([sys.executable, "-m", "nebula_cli", *args], env=self.env,
-                              capture_output=True, text=True, timeout=timeout, cwd=REPO,
-                              stdin=subprocess.DEVNULL)
-
-    def status(self, job_id: str) -> dict[str, Any]:
-        return json.loads(self("status", job_id, "--json").stdout or "{}")
-
-
-def records(home: Path, job_id: str) -> list[dict[str, Any]]:
-    out = []
-    for path in sorted((home / "jobs" / job_id).glob("*/*/worker/metrics/*.jsonl")):
-        for line in path.read_text().splitlines():
-            with contextlib.suppress(ValueError):
-                out.append(json.loads(line))
-    return out
 
 
 def process_of(cli: Cli, job_id: str, cluster: str, role: str) -> int | None:

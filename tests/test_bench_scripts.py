@@ -1,6 +1,6 @@
-"""The benchmarks (bench/wan_training.py, bench/relay_goodput.py, bench/chaos.py) without running
-them: their
---help works, and the JSON they print last has the field names the issue asks for."""
+"""The benchmarks (bench/wan_training.py, relay_goodput.py, chaos.py, hetero.py, adaptive.py)
+without running them: their --help works, and the JSON they print last has the field names the
+issue asks for."""
 
 from __future__ import annotations
 
@@ -20,6 +20,9 @@ SCRIPTS = {
     "wan_training": ("speedup_vs_flat", "utilization", "utilization_overlap", "loss_gap",
                      "wan_bytes_reduction", "link_mbit", "rtt_ms"),
     "relay_goodput": ("goodput_vs_iperf3", "tls_vs_plain", "link_mbit"),
+    "hetero": ("fast_cluster_utilization", "fast_cluster_utilization_fixed_h", "loss_gap",
+               "loss_gap_fixed_h", "slowdown"),
+    "adaptive": ("utilization_after_cut", "utilization_after_cut_fixed_h", "h_trace"),
 }
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -423,5 +424,9 @@ def test_a_killed_worker_resumes_from_its_checkpoint_and_the_job_succeeds(
     assert f"nebula: resumed from checkpoint step {resumed[0]} (" in logs
     shown = cli("status", job_id, check=True).stdout  # each cluster's newest checkpoint
     assert f"{STEPS} (resumed {resumed[0]})" in shown, shown
+    page = tmp_path / "report.html"  # the report marks east's restart, and no other
+    cli("report", job_id, "--output", str(page), check=True)
+    restarts = re.findall(r"<tr><td>(\w+)</td><td>(\d+)</td><td>\d+</td>", page.read_text())
+    assert restarts == [("east", "1"), ("west", "0")], restarts
     assert job_processes(job_id) == []
     assert shm_leftovers(cli.home / "jobs" / job_id) == []  # also the killed world's

@@ -101,6 +101,8 @@ class Run:
     wall_s: float
     load: float = 0.0
     """1-minute load average of this machine when the job ended."""
+    timeline: dict[str, float] | None = None
+    """Overlap: where a round's time went, per round (`timeline`)."""
 
     @property
     def bytes_per_token(self) -> float | None:
@@ -220,6 +222,7 @@ def run_job(neb: _bed.Nebula, bed: Any, tmp: Path, args: argparse.Namespace, nam
                    and not r.get("final")] or [0.0])
     s_step = max(float(r["s_per_step"]) for r in finals) + flush_s / (args.steps - 1)
     out = Run(name=name, steps=args.steps, tokens=per_step * args.steps, s_per_step=s_step,
+              timeline=timeline(records),
               tokens_per_s=per_step / s_step,
               eval_loss=sum(float(r["eval_loss"]) for r in finals) / len(finals),
               wan_bytes=wan, relay_bytes=sum(sent.values()) if relay_spec else None,
@@ -228,6 +231,24 @@ def run_job(neb: _bed.Nebula, bed: Any, tmp: Path, args: argparse.Namespace, nam
     print(f"[{time.strftime('%H:%M:%S')}] {name}: {s_step:.3f} s/step, eval loss "
           f"{out.eval_loss:.4f}, {wall:.0f} s", file=sys.stderr, flush=True)
     return out
+
+
+TIMELINE = ("boundary_s", "wait_s", "apply_s", "step_s_idle", "step_s_in_flight")
+
+
+def timeline(records: list[dict[str, Any]]) -> dict[str, float] | None:
+    """Overlap's timeline, from the rank-0 records of every round: the mean seconds a round
+    costs at its boundary (delta, hand-over), in waiting for its average and in applying it,
+    and a step's mean seconds without a round in flight and with one (what the round's work
+    on the same cores costs the steps beside it)."""
+    rounds = [r for r in records if "wait_s" in r]
+    if not rounds:
+        return None
+    starts = [r["boundary_s"] for r in records if "boundary_s" in r]
+    out = {k: sum(r[k] for r in rounds if k in r) / max(1, sum(k in r for r in rounds))
+           for k in TIMELINE[1:]}
+    out["boundary_s"] = sum(starts) / max(1, len(starts))
+    return {k: round(out[k], 4) for k in TIMELINE}
 
 
 def advisor_prediction(runs: dict[str, Run], args: argparse.Namespace, rtt_ms: float
@@ -350,6 +371,14 @@ def report(runs: dict[str, Run], summary: dict[str, Any], args: argparse.Namespa
             ["seed", "flat eval", "nebula eval", "loss gap", "WAN bytes reduction", "same params"],
             [[f["seed"], f["flat_eval"], f["nebula_eval"], f["loss_gap"],
               f["wan_bytes_reduction"], "yes" if f["identical"] else "NO"] for f in seeds]))
+        lines.append("")
+    tl = runs["overlap"].timeline if "overlap" in runs else None
+    if tl:
+        lines.append("overlap timeline (mean per round, rank 0 of each cluster): "
+                     + ", ".join(f"{k} {v:.3f}" for k, v in tl.items())
+                     + f"; a step with a round in flight takes "
+                     f"{_bed.ratio(tl['step_s_in_flight'], tl['step_s_idle']) or 0:.2f}x one "
+                     f"without")
         lines.append("")
     lines.append(
         f"link {args.mbit:g} Mbit/s each way (tc htb); (b) adds {args.delay_ms:g} ms one way in "

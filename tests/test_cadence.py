@@ -296,3 +296,37 @@ def test_time_based_outer_sync_rounds_after_that_much_training() -> None:
     assert sum(i["weight"] for i in averager.infos) <= steps
     assert all(i["weight"] >= 5 for i in averager.infos)  # 0.3 s at >= 0.02 s a step
     sync.close()
+
+
+def test_step_times_split_steps_with_a_round_in_flight_from_the_others() -> None:
+    clock = Clock()
+    cad = Cadence(ClusterShare(0, 1, None, 4), inner_steps=10, clock=clock)
+    cad.step_done(False)  # before the first mark: not counted
+    for dt, in_flight in ((0.2, False), (0.2, False), (0.3, True), (0.5, True)):
+        cad.mark()
+        clock.t += 1.0 if in_flight else 0.0  # the sync's own work between steps: not counted
+        cad.mark()
+        clock.t += dt
+        cad.step_done(in_flight)
+    assert cad.step_times() == pytest.approx({"step_s_idle": 0.2, "step_s_in_flight": 0.4})
+    assert cad.step_times() == {}
+
+
+def test_overlapped_rounds_report_their_timeline() -> None:
+    model = small_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    sync = OuterSync(model, config=dataclasses.replace(CFG, overlap=True, overlap_steps=2),
+                     averager=DecidingAverager([]), inner_steps=3)
+    outs = []
+    for step in range(1, 10):
+        plain_step(model, opt, step)
+        time.sleep(0.01)
+        outs.append(sync.after_step(step))
+    started = [o for o in outs if o and "boundary_s" in o]
+    merged = [o for o in outs if o and "wait_s" in o]
+    assert len(started) == 3 and len(merged) == 2
+    assert all(o["boundary_s"] >= 0 for o in started)
+    for o in merged:
+        assert o["wait_s"] >= 0 and o["apply_s"] >= 0
+        assert o["step_s_in_flight"] >= 0.01 and o["step_s_idle"] >= 0.01
+    sync.close()

@@ -44,6 +44,8 @@ class Cadence:
         self._since = clock()
         self._paused = 0.0
         self._last_cost: float | None = None
+        self._mark: float | None = None
+        self._steps: dict[bool, list[float]] = {True: [0.0, 0], False: [0.0, 0]}
 
     def due(self, since: int) -> bool:
         """Whether a round is due after ``since`` steps since the last one. Time-based: a
@@ -85,6 +87,26 @@ class Cadence:
     def note_cost(self, cost: float) -> None:
         """Overlap: a round in flight cost ``cost`` seconds end to end (reported next round)."""
         self._last_cost = max(0.0, cost)
+
+    def step_done(self, in_flight: bool) -> None:
+        """A training step ended (called first thing after it): its time since :meth:`mark`,
+        counted as a step with a round in flight (overlap) or without."""
+        if self._mark is not None:
+            bucket = self._steps[in_flight]
+            bucket[0] += self._clock() - self._mark
+            bucket[1] += 1
+
+    def mark(self) -> None:
+        """The sync's own work after a step is done: the next step starts now."""
+        self._mark = self._clock()
+
+    def step_times(self) -> dict[str, float]:
+        """Mean seconds per step (training only) with a round in flight and without, since the
+        last call: what a round in flight costs the steps beside it (overlap's timeline)."""
+        out = {f"step_s_{'in_flight' if k else 'idle'}": v[0] / v[1]
+               for k, v in self._steps.items() if v[1]}
+        self._steps = {True: [0.0, 0], False: [0.0, 0]}
+        return out
 
     def state_dict(self) -> dict[str, Any]:
         return {"inner_steps": self.inner_steps}

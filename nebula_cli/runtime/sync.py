@@ -204,12 +204,21 @@ class OuterSync:
         ``clusters``, the names), delta_norm (this cluster's), avg_delta_norm, applied (False
         for a round just started in overlap mode, whose average is applied later; overlap mode
         also returns the stats of a round whose average it applied after a step between
-        boundaries, with ``merged_after_steps``).
+        boundaries, with ``merged_after_steps``). Overlap's timeline: ``boundary_s`` (a round's
+        start), ``wait_s`` and ``apply_s`` (its merge), ``step_s_idle`` / ``step_s_in_flight``
+        (a step's mean time without and with a round in flight).
         """
         self._check_open()
         self._calls += 1
         if self.mode != "diloco" or self.dry_run:
             return None
+        self.cadence.step_done(self._pending is not None)
+        try:
+            return self._after_step()
+        finally:
+            self.cadence.mark()
+
+    def _after_step(self) -> dict[str, Any] | None:
         steps = self._optimizer_steps()
         since = steps - self._last_round_step
         if not self.cadence.due(since):
@@ -353,8 +362,8 @@ class OuterSync:
         return stats
 
     def _overlapped_round(self, since: int, info: dict[str, float]) -> dict[str, Any]:
-        t0 = time.perf_counter()
         merged = self._merge(since) if self._pending is not None else None
+        t0 = time.perf_counter()
         theta_local = self._io.read()
         delta = self.theta_global - theta_local  # everything not yet averaged
         self._anchor = theta_local
@@ -362,10 +371,10 @@ class OuterSync:
         self.round += 1
         self._start_pending(round_id, delta, info)
         self.cadence.restart()
-        if merged is not None:  # the previous round's stats (its average applied just now)
-            return merged
-        shared = Shared(round_id=round_id, avg=None, state=None, present=0)
-        return round_stats(shared, t0, delta)
+        # the previous round's stats (its average applied just now), or this one's start
+        stats = merged or round_stats(Shared(round_id=round_id, avg=None, state=None,
+                                             present=0), t0, delta)
+        return {**stats, "boundary_s": time.perf_counter() - t0}
 
     def _merge_due(self, since: int) -> bool:
         """Whether the round in flight is applied after this step (the same answer on every
@@ -384,10 +393,13 @@ class OuterSync:
         t0 = time.perf_counter()
         progress = self._anchor - self._io.read()  # steps taken since the boundary
         shared = self._finish_pending()
+        t1 = time.perf_counter()
         if self._apply(shared):
             self._io.write(self.theta_global - progress)
         # else: nobody's average; the progress carries into the next delta
         stats = round_stats(shared, t0, progress)
+        stats.update(wait_s=t1 - t0, apply_s=stats["round_s"] - (t1 - t0),
+                     **self.cadence.step_times())  # the overlap's timeline
         self.cadence.pause(stats["round_s"])  # waiting for it and applying it: not training
         self.cadence.note_cost(shared.seconds)
         self.cadence.adopt(shared.next_h)

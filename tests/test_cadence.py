@@ -98,6 +98,7 @@ def test_decisions_carry_weights_and_next_h_and_refuse_forged_ones() -> None:
                     info=RoundInfo(weight=128, step_s=0.1, comm_s=3.0))
     assert isinstance(d, Decision)
     assert dict(d.weights) == {"a": 256.0, "b": 128.0} and d.next_h == 90
+    assert "H 90 for 90% utilisation" in d.why
     assert Decision.from_meta(d.to_meta()) == d
     for forged in ({"weights": {"a": 1.0}}, {"weights": {"a": 1.0, "b": -1.0}},
                    {"weights": {"a": 1.0, "b": float("inf")}}, {"next_h": 0}):
@@ -135,6 +136,7 @@ def test_relays_average_weighted_by_samples_identically(clusters: list[str]) -> 
             assert out[c].weights == {k: weights[k] for k in clusters}
             # the slowest step (0.1 * n) and a 0.5 s round at 90 %: H = ceil(9 * 0.5 / 0.1n)
             assert out[c].next_h == max(5, -(-45 // len(clusters)))
+            assert "slowest" in out[c].next_h_why
         # no info: an equal average, as before
         plain = run_round(hub, 1, xs)
         assert plain["a"].weights == {} and plain["a"].next_h is None

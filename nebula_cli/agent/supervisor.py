@@ -238,10 +238,11 @@ class Supervisor:
         if self.config.role != "worker" or int(env.get("NEBULA_NUM_NODES") or 1) < 2:
             return None
         env.pop("RANK", None)
+        where = f"host {self.config.host} of cluster {self.config.cluster}"
         try:
             return subprocess.Popen(
                 [sys.executable, "-m", "nebula_cli.runtime.worldwatch", "abort",
-                 f"host {self.config.host} of cluster {self.config.cluster}: {reason}"],
+                 f"{time.time():.3f}", f"{where}: {reason}"],
                 cwd=self.config.cwd or None, env=env, stdin=subprocess.DEVNULL,
                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         except OSError:

@@ -26,6 +26,7 @@ from nebula_cli.relay.lineage import GENESIS, diverged
 log = logging.getLogger("nebula.relay")
 
 BEHIND = "behind"
+WHY_CHARS = 200
 
 
 @dataclass(frozen=True)
@@ -47,6 +48,8 @@ class Decision:
     average's weights; empty: an equal average."""
     next_h: int | None = None
     """``inner_steps: auto``: the H every cluster trains before its next round."""
+    why: str = ""
+    """With ``next_h``: what it was chosen from (relay.cadence), for the logs and metrics."""
 
     @property
     def key(self) -> tuple[int, int, str]:
@@ -57,7 +60,7 @@ class Decision:
                 "present": list(self.present), "rejected": list(self.rejected),
                 "missing": list(self.missing), "numel": self.numel,
                 "diverged": list(self.diverged), "weights": dict(self.weights),
-                "next_h": self.next_h}
+                "next_h": self.next_h, "why": self.why}
 
     @classmethod
     def from_meta(cls, meta: Mapping[str, Any]) -> Decision:
@@ -70,7 +73,8 @@ class Decision:
                     present, tuple(map(str, meta["rejected"])),
                     tuple(map(str, meta["missing"])), int(meta["numel"]),
                     tuple(map(str, meta.get("diverged", ()))), weights,
-                    None if next_h is None else int(next_h))
+                    None if next_h is None else int(next_h),
+                    str(meta.get("why") or "")[:WHY_CHARS])
         except (KeyError, TypeError, ValueError) as exc:
             raise ExchangeError(f"malformed round decision {dict(meta)!r}") from exc
         if weights and ({c for c, _ in weights} != set(present)
@@ -197,7 +201,7 @@ class Coordinator:
         d = Decision(round_id, attempt, self.me, tuple(sorted(present)), tuple(sorted(rejected)),
                      tuple(sorted(missing)), numel, tuple(sorted(lost)),
                      tuple(sorted(round_weights(present, col.info).items())),
-                     chosen[0] if chosen else None)
+                     chosen[0] if chosen else None, chosen[1][:WHY_CHARS] if chosen else "")
         if chosen:
             log.info("round %d: next H %d (%s)", round_id, *chosen)
         self._decided[round_id] = d

@@ -28,6 +28,7 @@ class Outcome:
     weights: dict[str, float] = field(default_factory=dict)
     """The present clusters' weights in the average (samples; empty: equal)."""
     next_h: int | None = None
+    next_h_why: str = ""
     """``inner_steps: auto``: the H the round's decision says every cluster trains next."""
 
 

@@ -177,7 +177,8 @@ class Rounds(Recovery):
             if ex.done:
                 return Outcome(ex.result, list(d.present), r, sorted(set(d.rejected) |
                                ex.dropped), list(d.missing), mode=ex.schedule.mode,
-                               weights=dict(d.weights), next_h=d.next_h)
+                               weights=dict(d.weights), next_h=d.next_h,
+                               next_h_why=d.why)
             self._event("round %d attempt %d failed: %s", r, attempt, ex.error)
             got = self._recover(r, [c for c in d.present if c != self.me], numel,
                                 wait=self.grace)

@@ -38,7 +38,7 @@ import torch
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from nebula_cli.config.spec import CompressionSpec  # noqa: E402
+from nebula_cli.config.spec import CompressionSpec, RelaySpec  # noqa: E402
 from nebula_cli.pki import JobPKI, client_context, issue_job_pki, server_context  # noqa: E402
 from nebula_cli.relay.client import RelayClient, tune_buffers  # noqa: E402
 from nebula_cli.relay.config import RelayConfig, ShapingConfig  # noqa: E402
@@ -204,7 +204,8 @@ def relay_rounds(mb: int, repeat: int, tmp: Path, pki: JobPKI) -> tuple[list[flo
                 tls={"ca": str(pki.ca_cert), "cert": str(pair.cert), "key": str(pair.key)},
                 codec="none", error_feedback=False, block_size=CompressionSpec().block_size,
                 round_timeout=120.0,
-                heartbeat=5.0, shaping=ShapingConfig(rate_mbit=None, delay_ms=0.0), auto_steps=None,
+                heartbeat=RelaySpec().heartbeat, dead_after=RelaySpec().dead_after,
+                shaping=ShapingConfig(rate_mbit=None, delay_ms=0.0), auto_steps=None,
                 metrics_file=str(tmp / f"metrics-{c}.jsonl"))
             cfg.dump(tmp / f"relay-{c}.json")
             log = open(tmp / f"relay-{c}.log", "wb")  # noqa: SIM115 (closed with the process)
@@ -220,9 +221,9 @@ def relay_rounds(mb: int, repeat: int, tmp: Path, pki: JobPKI) -> tuple[list[flo
         xs = {c: torch.randn(numel) for c in clusters}
         walls, relay_s = [], []
         with ThreadPoolExecutor(2) as pool:
-            small = {c: pool.submit(clients[c].allreduce, 0, torch.ones(4)) for c in clusters}
-            for f in small.values():
-                f.result(timeout=120)
+            warm = {c: pool.submit(clients[c].allreduce, 0, xs[c]) for c in clusters}
+            for f in warm.values():  # connects, registers the size, warms the allocator
+                f.result(timeout=600)
             for r in range(1, repeat + 1):
                 t0 = time.perf_counter()
                 futs = {c: pool.submit(clients[c].allreduce, r, xs[c]) for c in clusters}

@@ -1,17 +1,29 @@
-"""Relay goodput on loopback: an fp32 model averaged through two relays (mutual TLS, codec none)
-against the same bytes over a raw TCP socket.
+"""Relay goodput on loopback: an fp32 model averaged through two relays (codec none, mutual
+TLS between the relays) against the same bytes over a raw TCP socket, and where a round's time
+goes.
 
-    .venv/bin/python bench/relay_loopback.py [--mb 256] [--repeat 3] [--json]
+    .venv/bin/python bench/relay_loopback.py [--mb 256] [--repeat 3] [--quick] [--json]
 
-Rows (best of --repeat; GB/s of fp32 model bytes; ratio = row / raw TCP):
+Rows (GB/s of fp32 model bytes, best of --repeat, the median beside it; ratio = best / the best
+raw TCP of the same run):
 - raw TCP, 1 stream: --mb one way, sendall of 16 MiB memoryviews, recv_into (threads).
 - TLS 1.3, 1 stream / 2 streams: the same through the job PKI's contexts (what the relay uses).
 - TLS 1.3 duplex, 2 processes: one connection between two processes, each sending --mb while
   receiving --mb (a reader and a writer thread each): the ceiling of the relays' WAN hop.
 - relay WAN hop: two relay processes exchange --mb each way at once (the relays' own round time:
   agreement + encode + send + receive + decode + average).
-- relay end to end: RelayClient.allreduce on both clusters at once, wall time (adds the local
-  TLS hop to and from each relay).
+- relay end to end, worker on the relay's host: RelayClient.allreduce on both clusters at once,
+  wall time, through each relay's Unix socket (tensors as sealed memfds): what rank 0 gets when
+  it runs on its relay's gateway (the default).
+- relay end to end, worker on another host: the same over mutual TLS on the worker port.
+
+Then the stages of a round side by side (seconds, median and min-max over the repeats; the
+slower cluster's): the worker writing its contribution (send), the relay reading it (upload),
+the relay's round (agreement, exchange, average), the worker reading the result (receive).
+--json prints one JSON object last: end_to_end_vs_tcp (the local row / raw TCP),
+end_to_end_tls_vs_tcp, tls_vs_tcp (TLS 1 stream / raw TCP), wan_hop_vs_tcp, duplex_vs_tcp, the
+rows and the stages. --quick: 64 MB, 2 repeats (about 30 s; the ratios move by a few hundredths
+from run to run on a loaded machine).
 """
 
 from __future__ import annotations
@@ -32,6 +44,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -185,56 +198,86 @@ def duplex(total: int, pki: JobPKI) -> float:
     return total / max(times) / 1e9
 
 
-def relay_rounds(mb: int, repeat: int, tmp: Path, pki: JobPKI) -> tuple[list[float], list[float]]:
-    """Two relay processes; ``repeat`` rounds of an ``mb`` MB fp32 model on both clusters."""
+def _relay_config(c: str, clusters: list[str], peer: dict[str, str], work: dict[str, str],
+                  tmp: Path, pki: JobPKI) -> RelayConfig:
+    """Cluster c's relay as the plan would make it (spec defaults), codec none."""
+    pair, relay = pki.relay(c), RelaySpec()
+    return RelayConfig(
+        job_id="bench", cluster=c, clusters=clusters, peer_listen=peer[c],
+        worker_listen=work[c], peers={o: peer[o] for o in clusters if o != c},
+        tls={"ca": str(pki.ca_cert), "cert": str(pair.cert), "key": str(pair.key)},
+        codec="none", error_feedback=False, block_size=CompressionSpec().block_size,
+        round_timeout=120.0, heartbeat=relay.heartbeat, dead_after=relay.dead_after,
+        shaping=ShapingConfig(rate_mbit=None, delay_ms=0.0), auto_steps=None,
+        metrics_file=str(tmp / f"metrics-{c}.jsonl"), worker_socket=_socket(tmp, c))
+
+
+def _socket(tmp: Path, c: str) -> str:
+    return str(tmp / f"worker-{c}.sock")
+
+
+def _rounds(clients: dict[str, RelayClient], xs: dict[str, torch.Tensor], first: int,
+            repeat: int) -> list[dict[str, Any]]:
+    """``repeat`` rounds on both clusters at once (after one to warm up): per round the wall
+    time and each stage (the slower cluster's)."""
+    out = []
+    with ThreadPoolExecutor(len(clients)) as pool:
+        for r in range(first, first + repeat + 1):
+            t0 = time.perf_counter()
+            futs = {c: pool.submit(clients[c].allreduce, r, xs[c]) for c in clients}
+            res = {c: f.result(timeout=600) for c, f in futs.items()}
+            wall = time.perf_counter() - t0
+            if not torch.equal(res["a"].tensor, res["b"].tensor):
+                raise RuntimeError("the two clusters got different averages")
+            if r > first:  # the first connects, registers the size, warms the allocator
+                stages = {k: max(x.stages[k] for x in res.values()) for k in STAGES}
+                out.append({"wall": wall, **stages})
+    return out
+
+
+STAGES = ("send", "upload", "relay", "receive")
+
+
+def relay_rounds(mb: int, repeat: int, tmp: Path, pki: JobPKI) -> dict[str, list[dict[str, Any]]]:
+    """Two relay processes; ``repeat`` rounds of an ``mb`` MB fp32 model on both clusters, with
+    workers on the relays' host (their Unix sockets), then with workers over TLS."""
     clusters = ["a", "b"]
     ports = free_ports(4)
     peer = {c: f"127.0.0.1:{ports[2 * i]}" for i, c in enumerate(clusters)}
     work = {c: f"127.0.0.1:{ports[2 * i + 1]}" for i, c in enumerate(clusters)}
     procs = []
-    clients: dict[str, RelayClient] = {}
+    clients: list[RelayClient] = []
     env = {**os.environ, "PYTHONPATH": str(REPO),
            "NEBULA_RELAY_LOG": os.environ.get("NEBULA_RELAY_LOG", "WARNING")}
+
+    def client(c: str, local: str | None) -> RelayClient:
+        w = pki.worker(c, "h0")
+        clients.append(RelayClient(work[c], ca=pki.ca_cert, cert=w.cert, key=w.key,
+                                   job_id="bench", cluster=c, round_timeout=120.0,
+                                   retry_for=60.0, local=local))
+        return clients[-1]
+
     try:
         for c in clusters:
-            pair = pki.relay(c)
-            cfg = RelayConfig(
-                job_id="bench", cluster=c, clusters=clusters, peer_listen=peer[c],
-                worker_listen=work[c], peers={o: peer[o] for o in clusters if o != c},
-                tls={"ca": str(pki.ca_cert), "cert": str(pair.cert), "key": str(pair.key)},
-                codec="none", error_feedback=False, block_size=CompressionSpec().block_size,
-                round_timeout=120.0,
-                heartbeat=RelaySpec().heartbeat, dead_after=RelaySpec().dead_after,
-                shaping=ShapingConfig(rate_mbit=None, delay_ms=0.0), auto_steps=None,
-                metrics_file=str(tmp / f"metrics-{c}.jsonl"))
-            cfg.dump(tmp / f"relay-{c}.json")
+            _relay_config(c, clusters, peer, work, tmp, pki).dump(tmp / f"relay-{c}.json")
             log = open(tmp / f"relay-{c}.log", "wb")  # noqa: SIM115 (closed with the process)
             procs.append((subprocess.Popen(
                 [sys.executable, "-m", "nebula_cli.relay.server", "--config",
                  str(tmp / f"relay-{c}.json")], stdout=log, stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL, env=env, cwd=REPO), log))
-            w = pki.worker(c, "h0")
-            clients[c] = RelayClient(work[c], ca=pki.ca_cert, cert=w.cert, key=w.key,
-                                     job_id="bench", cluster=c, round_timeout=120.0,
-                                     retry_for=60.0)
         numel = mb * (1 << 20) // 4
         xs = {c: torch.randn(numel) for c in clusters}
-        walls, relay_s = [], []
-        with ThreadPoolExecutor(2) as pool:
-            warm = {c: pool.submit(clients[c].allreduce, 0, xs[c]) for c in clusters}
-            for f in warm.values():  # connects, registers the size, warms the allocator
-                f.result(timeout=600)
-            for r in range(1, repeat + 1):
-                t0 = time.perf_counter()
-                futs = {c: pool.submit(clients[c].allreduce, r, xs[c]) for c in clusters}
-                res = {c: f.result(timeout=600) for c, f in futs.items()}
-                walls.append(time.perf_counter() - t0)
-                relay_s.append(max(x.seconds for x in res.values()))
-                if not torch.equal(res["a"].tensor, res["b"].tensor):
-                    raise RuntimeError("the two clusters got different averages")
-        return walls, relay_s
+        local = {c: client(c, _socket(tmp, c)) for c in clusters}
+        got = {"local": _rounds(local, xs, 0, repeat)}
+        if {cl.transport for cl in local.values()} != {"local"}:
+            raise RuntimeError("the workers did not use the relays' sockets")
+        for cl in local.values():
+            cl.close()
+        tls = {c: client(c, None) for c in clusters}
+        got["tls"] = _rounds(tls, xs, repeat + 1, repeat)
+        return got
     finally:
-        for cl in clients.values():
+        for cl in clients:
             cl.close()
         for p, log in procs:
             p.terminate()
@@ -246,44 +289,82 @@ def relay_rounds(mb: int, repeat: int, tmp: Path, pki: JobPKI) -> tuple[list[flo
             log.close()
 
 
+def _spread(values: list[float]) -> str:
+    return (f"{statistics.median(values):6.3f}  {min(values):6.3f}-{max(values):.3f}"
+            if values else "-")
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--mb", type=int, default=256, help="model size in MB (fp32), >= 256 counts")
     ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--quick", action="store_true", help="64 MB, 2 repeats")
     ap.add_argument("--json", action="store_true", help="print one JSON object last")
     args = ap.parse_args(argv)
+    if args.quick:
+        args.mb, args.repeat = 64, 2
     logging.getLogger("nebula").setLevel(logging.ERROR)  # "relay not up yet, retrying"
     total = args.mb << 20
+    load0 = os.getloadavg()[0]
     with tempfile.TemporaryDirectory(prefix="nebula-bench-") as d:
         tmp = Path(d)
         pki = issue_job_pki("bench", {"a": ["h0"], "b": ["h0"]}, tmp / "pki",
                             valid_for=datetime.timedelta(days=1))
-        rows: list[tuple[str, float, str]] = []
-        best_raw = max(stream(total, None)[0] for _ in range(args.repeat))
-        rows.append(("raw TCP, 1 stream", best_raw, "plain"))
+        rows: list[tuple[str, list[float], str]] = []
+        raw = [stream(total, None)[0] for _ in range(args.repeat)]
+        rows.append(("raw TCP, 1 stream", raw, "plain"))
         tls1 = [stream(total, pki) for _ in range(args.repeat)]
-        rows.append(("TLS 1.3, 1 stream", max(g for g, _ in tls1), tls1[0][1]))
-        tls2 = [stream(total, pki, 2) for _ in range(args.repeat)]
-        rows.append(("TLS 1.3, 2 streams", max(g for g, _ in tls2), tls2[0][1]))
-        both = max(duplex(total, pki) for _ in range(args.repeat))
+        rows.append(("TLS 1.3, 1 stream", [g for g, _ in tls1], tls1[0][1]))
+        tls2 = [stream(total, pki, 2)[0] for _ in range(args.repeat)]
+        rows.append(("TLS 1.3, 2 streams", tls2, ""))
+        both = [duplex(total, pki) for _ in range(args.repeat)]
         rows.append(("TLS 1.3 duplex, 2 processes", both, "per direction, both at once"))
-        walls, relay_s = relay_rounds(args.mb, args.repeat, tmp, pki)
-        rows.append(("relay WAN hop (both ways at once)", total / min(relay_s) / 1e9,
-                     f"median {total / statistics.median(relay_s) / 1e9:.2f}"))
-        rows.append(("relay end to end (allreduce)", total / min(walls) / 1e9,
-                     f"median {total / statistics.median(walls) / 1e9:.2f}"))
+        got = relay_rounds(args.mb, args.repeat, tmp, pki)
+        rows.append(("relay WAN hop (both ways at once)",
+                     [total / r["relay"] / 1e9 for r in got["local"]], "the relays' round"))
+        rows.append(("relay end to end, worker on the relay's host",
+                     [total / r["wall"] / 1e9 for r in got["local"]], "Unix socket, memfds"))
+        rows.append(("relay end to end, worker on another host",
+                     [total / r["wall"] / 1e9 for r in got["tls"]], "mutual TLS"))
+    best_raw = max(raw)
     width = max(len(r[0]) for r in rows)
-    print(f"{'path':<{width}}  {'GB/s':>6}  {'vs raw':>6}  note")
+    print(f"{'path':<{width}}  {'GB/s':>6}  {'median':>6}  {'vs raw':>6}  note")
     for name, gbs, note in rows:
-        print(f"{name:<{width}}  {gbs:6.2f}  {gbs / best_raw:6.2f}  {note}")
-    print(f"({args.mb} MB fp32, best of {args.repeat}; {os.cpu_count()} cores; "
-          f"load average {os.getloadavg()[0]:.2f}; {ssl.OPENSSL_VERSION})")
+        print(f"{name:<{width}}  {max(gbs):6.2f}  {statistics.median(gbs):6.2f}  "
+              f"{max(gbs) / best_raw:6.2f}  {note}")
+    print(f"\nstages of a round, seconds (median  min-max over {args.repeat} rounds):")
+    print(f"{'stage':<34}  {'worker on the relay host':<22}  worker over TLS")
+    for key, what in (("send", "worker writes its contribution"),
+                      ("upload", "relay reads it"),
+                      ("relay", "relay's round (agree, exchange)"),
+                      ("receive", "worker reads the average"), ("wall", "end to end")):
+        print(f"{what:<34}  {_spread([r[key] for r in got['local']]):<22}  "
+              f"{_spread([r[key] for r in got['tls']])}")
+    load1 = os.getloadavg()[0]
+    print(f"({args.mb} MB fp32, best of {args.repeat}; {os.cpu_count()} cores; load average "
+          f"{load0:.2f} before, {load1:.2f} after; {ssl.OPENSSL_VERSION})")
     if args.json:
-        print(json.dumps({"mb": args.mb, "repeat": args.repeat, "cores": os.cpu_count(),
-                          "load_average": os.getloadavg()[0],
-                          "rows": {name: {"gb_s": round(g, 3), "ratio": round(g / best_raw, 3),
-                                          "note": note} for name, g, note in rows}}))
+        ratio = {name: max(g) / best_raw for name, g, _ in rows}
+        summary = {
+            "end_to_end_vs_tcp": round(ratio["relay end to end, worker on the relay's host"], 3),
+            "end_to_end_tls_vs_tcp": round(ratio["relay end to end, worker on another host"], 3),
+            "tls_vs_tcp": round(ratio["TLS 1.3, 1 stream"], 3),
+            "duplex_vs_tcp": round(ratio["TLS 1.3 duplex, 2 processes"], 3),
+            "wan_hop_vs_tcp": round(ratio["relay WAN hop (both ways at once)"], 3),
+            "mb": args.mb, "repeat": args.repeat, "cores": os.cpu_count(),
+            "load_average": [round(load0, 2), round(load1, 2)],
+            "rows": {name: {"gb_s": round(max(g), 3), "median_gb_s": round(statistics.median(g), 3),
+                            "ratio": round(max(g) / best_raw, 3), "note": note}
+                     for name, g, note in rows},
+            "stages": {way: {k: [round(r[k], 4) for r in got[way]] for k in (*STAGES, "wall")}
+                       for way in got},
+        }
+        print(json.dumps(summary))
     return 0
+
+
+JSON_FIELDS = ("end_to_end_vs_tcp", "tls_vs_tcp", "end_to_end_tls_vs_tcp", "wan_hop_vs_tcp",
+               "duplex_vs_tcp", "stages")
 
 
 if __name__ == "__main__":

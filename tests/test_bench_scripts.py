@@ -23,6 +23,8 @@ SCRIPTS = {
     "hetero": ("fast_cluster_utilization", "fast_cluster_utilization_fixed_h", "loss_gap",
                "loss_gap_fixed_h", "slowdown"),
     "adaptive": ("utilization_after_cut", "utilization_after_cut_fixed_h", "h_trace"),
+    "relay_loopback": ("end_to_end_vs_tcp", "tls_vs_tcp", "end_to_end_tls_vs_tcp",
+                       "wan_hop_vs_tcp", "duplex_vs_tcp", "stages"),
 }
 
 
@@ -121,3 +123,19 @@ def test_diloco_schedule_runs_every_mode(capsys: pytest.CaptureFixture[str]) -> 
                                          abs=2e-4)
         assert r["bytes_per_token_reduction"] > 1
     assert out["loss_gap"] == out["medians"][0]["loss_gap"] == out["runs"][0]["gap"]
+
+
+def test_relay_loopback_runs_and_prints_every_ratio_and_stage() -> None:
+    """A tiny real run (8 MB, one round each way): the ratios come from that run, the stages
+    are printed side by side, the worker on the relays' host went through their sockets."""
+    proc = subprocess.run([sys.executable, str(REPO / "bench" / "relay_loopback.py"), "--mb", "8",
+                           "--repeat", "1", "--json"], capture_output=True, text=True,
+                          timeout=600, cwd=REPO, stdin=subprocess.DEVNULL)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = proc.stdout
+    summary = json.loads(out.strip().splitlines()[-1])
+    for key in SCRIPTS["relay_loopback"][:-1]:
+        assert 0 < summary[key] < 5, (key, summary[key])
+    assert set(summary["stages"]) == {"local", "tls"}
+    assert summary["stages"]["local"]["upload"][0] < summary["stages"]["tls"]["upload"][0]
+    assert "relay's round (agree, exchange)" in out and "worker over TLS" in out

@@ -267,3 +267,26 @@ def test_a_clusters_max_restarts_reaches_its_hosts_agents() -> None:
                       + "max_restarts: 1\n", base_dir=Path(__file__).parent)
     got = {a.cluster: a.config.max_restarts for a in _plan(spec).role(jobplan.WORKER)}
     assert got == {"east": 4, "west": 1}
+
+
+def test_rank_0_on_the_relays_host_gets_the_relays_socket(tmp_path: Path) -> None:
+    """The Unix socket travels in the plan: the relay's relay.json names it, sync.json names
+    it on the relay's host (where rank 0 runs when the gateway is the first host), and only
+    there; workers on the other hosts reach the relay with TLS."""
+    two_hosts = MINIMAL.replace("hosts: [e1]", "hosts: [e1, e2]")
+    for text, gateway in ((two_hosts, "e1"),
+                          (two_hosts.replace("hosts: [e1, e2]", "hosts: [e1, e2], gateway: e2"),
+                           "e2")):
+        plan = _plan(parse_spec(text, base_dir=tmp_path))
+        relays = {a.cluster: a for a in plan.role(jobplan.RELAY)}
+        assert (relays["east"].host, relays["west"].host) == (gateway, "w1")
+        sockets = {c: RelayConfig.load(_written(a, tmp_path) / "relay.json").worker_socket
+                   for c, a in relays.items()}
+        assert sockets == {c: f"{a.agent_dir}/worker.sock" for c, a in relays.items()}
+        for agent in plan.role(jobplan.WORKER):
+            sync = SyncConfig.load(_written(agent, tmp_path) / "sync.json")
+            if agent.host == relays[agent.cluster].host:
+                assert sync.relay_socket == sockets[agent.cluster]
+            else:
+                assert sync.relay_socket is None, agent.key
+        assert [a.host for a in plan.role(jobplan.WORKER) if a.node_rank == 0] == ["e1", "w1"]

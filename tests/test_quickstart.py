@@ -41,7 +41,15 @@ def metric_records(home: Path, job_id: str) -> list[dict[str, Any]]:
     return records
 
 
+def relay_logs(root: Path) -> dict[str, str]:
+    """cluster -> its relay's log, under a job's directory."""
+    return {p.parts[-5]: p.read_text() for p in sorted(root.glob("*/*/relay/logs/relay.log"))}
+
+
 def check_finished_job(cli: CLI, job_id: str, workers: int, rounds: int) -> None:
+    logs = relay_logs(cli.home / "jobs" / job_id)  # rank 0 runs on the relay's host: no TLS
+    assert logs and all("connected through the local socket" in t for t in logs.values())
+    assert not any("connected through mutual TLS" in t for t in logs.values())
     records = metric_records(cli.home, job_id)
     finals = [r for r in records if r.get("final")]
     assert len(finals) == workers

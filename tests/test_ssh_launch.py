@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 import yaml
 from conftest import CLI, REMOTE_JOBS, REPO, job_processes
+from test_quickstart import relay_logs
 from testbed import TestBed
 
 pytestmark = [pytest.mark.testbed, pytest.mark.slow]
@@ -49,6 +50,8 @@ def records(job_id: str) -> list[dict[str, Any]]:
 
 
 def test_quickstart_model_over_ssh(ssh_cli: CLI, bed_clean: TestBed, tmp_path: Path) -> None:
+    """East's relay runs on e2 (its rank 0 on e1 reaches it with mutual TLS), west's on w1
+    beside its rank 0 (the relay's Unix socket, no TLS)."""
     quick = yaml.safe_load((REPO / "templates" / "quickstart.yaml").read_text())
     relay = quick["relay"]
     relay["sync"]["inner_steps"] = 10
@@ -56,6 +59,9 @@ def test_quickstart_model_over_ssh(ssh_cli: CLI, bed_clean: TestBed, tmp_path: P
     spec = ssh_spec(tmp_path, bed_clean, clusters={"east": ["e1", "e2"], "west": ["w1", "w2"]},
                     run="python -u train.py --steps 30 --eval-every 10 --log-every 5",
                     relay=relay, workdir=REPO / "examples" / "gpt", deepspeed="ds_config.json")
+    text = yaml.safe_load(spec.read_text())
+    text["clusters"][0]["gateway"] = "e2"
+    spec.write_text(yaml.safe_dump(text))
     proc = ssh_cli("launch", str(spec), timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     (job_id,) = ssh_cli.job_ids()
@@ -69,6 +75,11 @@ def test_quickstart_model_over_ssh(ssh_cli: CLI, bed_clean: TestBed, tmp_path: P
     for path in (REMOTE_JOBS / job_id).glob("*/*/worker/agent.json"):  # found, not given
         env = json.loads(path.read_text())["processes"][0]["env"]
         assert env["GLOO_SOCKET_IFNAME"] == bed_clean.interface(env["NEBULA_HOST"]), path
+    logs = relay_logs(REMOTE_JOBS / job_id)
+    assert "connected through mutual TLS" in logs["east"], logs["east"][-2000:]
+    assert "connected through the local socket" not in logs["east"]
+    assert "connected through the local socket" in logs["west"], logs["west"][-2000:]
+    assert "connected through mutual TLS" not in logs["west"]
     rounds = [r for r in records(job_id) if r.get("outer_round") is not None]
     assert rounds and all(r["clusters_present"] == 2 for r in rounds)
     assert all(r["wan_bytes_sent"] > 100_000 for r in rounds)

@@ -34,6 +34,14 @@ from nebula_cli.config.parts import (
 from nebula_cli.config.pipeline import device_id
 from nebula_cli.config.relay_config import AutoSteps, RelayConfig, ShapingConfig, TlsFiles
 from nebula_cli.config.spec import ClusterSpec, HostSpec, JobSpec
+from nebula_cli.config.worlds import PIPELINE_WORLD as PIPELINE_WORLD
+from nebula_cli.config.worlds import interface_of as interface_of
+from nebula_cli.config.worlds import pipeline_env as pipeline_env
+from nebula_cli.config.worlds import rendezvous_hosts as rendezvous_hosts
+from nebula_cli.config.worlds import route_targets as route_targets
+from nebula_cli.config.worlds import site_key as site_key
+from nebula_cli.config.worlds import world_env as world_env
+from nebula_cli.config.worlds import world_of as world_of
 
 WORKER = "worker"
 RELAY = "relay"
@@ -46,8 +54,8 @@ WORKER_RESTART_BACKOFF = 5.0
 RUNTIME_HOOK_DIR = ("runtime", "autohook")
 """Inside the nebula_cli package: the directory (only a sitecustomize) that a worker's
 PYTHONPATH starts with when the spec's runtime.auto is on (the automatic runtime hook)."""
-PIPELINE_WORLD = "*pipeline*"
-"""The key of the one DeepSpeed world of a pipelined job in `Ports.masters`."""
+WORKER_SOCKET = "worker.sock"
+"""The relay's Unix socket for workers on its own host, in the relay's directory."""
 
 
 @dataclass(frozen=True)
@@ -171,57 +179,6 @@ def lib_dir(job_root: str) -> str:
     return posixpath.join(job_root, "lib")
 
 
-def site_key(cluster: ClusterSpec, host: HostSpec) -> str:
-    return f"{cluster.name}/{host.host}"
-
-
-def world_of(spec: JobSpec, cluster: ClusterSpec) -> str:
-    """The DeepSpeed world a cluster's ranks belong to: its own, or the job-wide pipeline."""
-    return PIPELINE_WORLD if spec.pipeline_layout() is not None else cluster.name
-
-
-def rendezvous_hosts(spec: JobSpec) -> dict[str, tuple[ClusterSpec, HostSpec]]:
-    """world -> the host running its rank 0 (DeepSpeed's master), where its port must be free."""
-    layout = spec.pipeline_layout()
-    if layout is None:
-        return {c.name: (c, c.hosts[0]) for c in spec.clusters}
-    first = layout.stages[0][0]  # rank 0: stage 0 of replica 0
-    for c in spec.clusters:
-        for h in c.hosts:
-            if any(device_id(c.name, h.host, slot) == first for slot in range(h.slots)):
-                return {PIPELINE_WORLD: (c, h)}
-    raise AssertionError(f"device {first} of the layout is not in the spec")  # spec checked it
-
-
-def interface_of(cluster: ClusterSpec, host: HostSpec, site: Site | None = None) -> str | None:
-    """GLOO/NCCL_SOCKET_IFNAME for a host's ranks: the spec's (the host's, else its cluster's),
-    else the one found toward its world's peers (`site.interface`); None: gloo's own choice."""
-    return host.interface or cluster.interface or (site.interface if site else None)
-
-
-def route_targets(spec: JobSpec, sites: dict[str, Site]) -> dict[str, str]:
-    """site key -> the peer address whose route names the host's interface: the world's master
-    (for the master, the next host of the world). Only hosts of worlds of two or more hosts
-    whose spec names no interface (one host talks to itself over loopback)."""
-    members: dict[str, list[str]] = {}
-    named = set()
-    for cluster in spec.clusters:
-        for host in cluster.hosts:
-            members.setdefault(world_of(spec, cluster), []).append(site_key(cluster, host))
-            if interface_of(cluster, host):
-                named.add(site_key(cluster, host))
-    targets = {}
-    for world, (c, h) in rendezvous_hosts(spec).items():
-        keys = members.get(world, [])
-        master = site_key(c, h)
-        others = [k for k in keys if k != master]
-        for key in keys:
-            if key not in named and others:
-                peer = master if key != master else others[0]
-                targets[key] = sites[peer].address
-    return targets
-
-
 def _conn(site: Site, job_root: str) -> dict[str, Any]:
     """The site's connection, with where nebula_cli lives when it is uploaded."""
     if site.shares_files:
@@ -296,7 +253,7 @@ def _worker_agents(spec: JobSpec, job_id: str, sites: dict[str, Site], ports: Po
             adir = agent_dir(job_root, cluster.name, host.host, WORKER)
             cwd = spec.workdir if site.shares_files else posixpath.join(job_root, "work")
             env = {**spec.env, **cluster.env, **base_env(site, job_root)}
-            env.update(_world_env(spec, job_id, ci, node_rank, ports.masters[world],
+            env.update(world_env(spec, job_id, ci, node_rank, ports.masters[world],
                                   masters[world], interface_of(cluster, host, site)))
             if layout is not None:
                 env.update(pipeline_env(spec, layout.world_size, layout.num_stages),
@@ -311,6 +268,7 @@ def _worker_agents(spec: JobSpec, job_id: str, sites: dict[str, Site], ports: Po
                 assert certs is not None  # build_plan's contract
                 sync = sync_config(spec, job_id, cluster, adir,
                                    relay_addr=_relay_addr(spec, cluster, sites, ports),
+                                   relay_socket=relay_socket(job_root, cluster, host),
                                    checkpoint=checkpoint_settings(spec, job_id, job_root,
                                                                   cluster, host))
                 env[SYNC_CONFIG_ENV] = posixpath.join(adir, "sync.json")
@@ -354,40 +312,6 @@ def _worker_agents(spec: JobSpec, job_id: str, sites: dict[str, Site], ports: Po
     return plans
 
 
-def _world_env(spec: JobSpec, job_id: str, cluster_index: int, node_rank: int,
-               master_port: int, master_addr: str, interface: str | None) -> dict[str, str]:
-    """The variables every rank of one host shares (rank-specific ones excluded)."""
-    cluster = spec.clusters[cluster_index]
-    host = cluster.hosts[node_rank]
-    env = {
-        "NEBULA_JOB_ID": job_id,
-        "NEBULA_CLUSTER": cluster.name,
-        "NEBULA_HOST": host.host,
-        "NEBULA_NODE_RANK": str(node_rank),
-        "NEBULA_NUM_NODES": str(len(cluster.hosts)),
-        "NEBULA_NUM_CLUSTERS": str(len(spec.clusters)),
-        "NEBULA_CLUSTER_INDEX": str(cluster_index),
-        "WORLD_SIZE": str(sum(h.slots for h in cluster.hosts)),
-        "LOCAL_SIZE": str(host.slots),
-        "CROSS_RANK": str(node_rank),
-        "CROSS_SIZE": str(len(cluster.hosts)),
-        "MASTER_ADDR": master_addr,
-        "MASTER_PORT": str(master_port),
-    }
-    if interface:
-        env["GLOO_SOCKET_IFNAME"] = interface
-        env["NCCL_SOCKET_IFNAME"] = interface
-    return env
-
-
-def pipeline_env(spec: JobSpec, world_size: int, stages: int) -> dict[str, str]:
-    """What every rank of a pipelined job shares: the job-wide world and the stage count."""
-    hosts = [h for c in spec.clusters for h in c.hosts]
-    return {"WORLD_SIZE": str(world_size), "NEBULA_PIPELINE_STAGES": str(stages),
-            "NEBULA_PIPELINE_REPLICAS": str(world_size // stages),
-            "CROSS_SIZE": str(len(hosts))}
-
-
 def _gateway_site(cluster: ClusterSpec, sites: dict[str, Site]) -> Site:
     return sites[site_key(cluster, cluster.gateway_host)]
 
@@ -398,25 +322,34 @@ def _relay_addr(spec: JobSpec, cluster: ClusterSpec, sites: dict[str, Site],
     return f"{_gateway_site(cluster, sites).address}:{ports.relays[cluster.name][1]}"
 
 
+def relay_socket(job_root: str, cluster: ClusterSpec, host: HostSpec) -> str | None:
+    """The Unix socket where workers on `host` reach their relay without TLS when `host` runs
+    it (the cluster's gateway; `job_root`: the job's directory there), else None."""
+    gateway = cluster.gateway_host.host
+    return (posixpath.join(agent_dir(job_root, cluster.name, gateway, RELAY), WORKER_SOCKET)
+            if host.host == gateway else None)
+
+
 def job_root_of(site: Site, job_id: str) -> str:
     """The job's directory on a host."""
     return posixpath.join(site.home, "jobs", job_id)
 
 
 def sync_config(spec: JobSpec, job_id: str, cluster: ClusterSpec, adir: str, *,
-                relay_addr: str, checkpoint: CheckpointSettings | None) -> SyncConfig:
-    """The runtime's part: how a worker of `cluster` reaches its relay and runs the outer loop."""
+                relay_addr: str, checkpoint: CheckpointSettings | None,
+                relay_socket: str | None = None) -> SyncConfig:
+    """The runtime's part: how a worker of `cluster` reaches its relay (`relay_socket`: on the
+    relay's own host, see `relay_socket()`) and runs the outer loop."""
     relay = spec.relay
     assert relay is not None  # only for a spec with a relay
     sync, comp = relay.sync, relay.compression
     return SyncConfig(
-        job_id=job_id, cluster=cluster.name, relay_addr=relay_addr, tls=_tls(adir, WORKER),
-        mode=sync.mode, inner_steps=sync.first_inner_steps, every_s=sync.every,
-        auto_steps=auto_steps(spec), outer_lr=sync.outer_lr,
+        job_id=job_id, cluster=cluster.name, relay_addr=relay_addr, relay_socket=relay_socket,
+        tls=_tls(adir, WORKER), mode=sync.mode, inner_steps=sync.first_inner_steps,
+        every_s=sync.every, auto_steps=auto_steps(spec), outer_lr=sync.outer_lr,
         outer_momentum=sync.outer_momentum, nesterov=sync.nesterov, overlap=sync.overlap,
         overlap_steps=sync.overlap_steps, codec=comp.codec,
-        error_feedback=comp.error_feedback, round_timeout=relay.timeout,
-        checkpoint=checkpoint)
+        error_feedback=comp.error_feedback, round_timeout=relay.timeout, checkpoint=checkpoint)
 
 
 def auto_steps(spec: JobSpec) -> AutoSteps | None:
@@ -481,6 +414,7 @@ def relay_config(spec: JobSpec, job_id: str, cluster: ClusterSpec, adir: str, po
         clusters=spec.dial_order,
         peer_listen=f"{bind}:{peer_port}",
         worker_listen=f"{bind}:{worker_port}",
+        worker_socket=posixpath.join(adir, WORKER_SOCKET),
         peers={c.name: f"{dial_address(c)}:{ports.relays[c.name][0]}"
                for c in spec.clusters if c.name != cluster.name},
         tls=_tls(adir, RELAY),

@@ -83,7 +83,11 @@ class SyncConfig:
     job_id: str
     cluster: str
     relay_addr: str
-    """host:port of the cluster's relay (its worker port)."""
+    """host:port of the cluster's relay (its worker port, mutual TLS)."""
+    relay_socket: str | None
+    """The relay's Unix socket when this host runs the cluster's relay (`RelayConfig.
+    worker_socket`): rank 0 connects there without TLS, and to relay_addr when it is not there;
+    None on the other hosts."""
     tls: TlsFiles
     mode: str
     """"diloco" or "gradient"."""

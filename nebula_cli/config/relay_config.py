@@ -80,7 +80,7 @@ class RelayConfig:
     peer_listen: str
     """host:port where relays of later clusters dial this relay (the WAN side)."""
     worker_listen: str
-    """host:port where this cluster's workers (RelayClient) connect."""
+    """host:port where this cluster's workers (RelayClient) connect with mutual TLS."""
     peers: dict[str, str]
     """cluster -> host:port of its peer_listen, for every other cluster."""
     tls: TlsFiles
@@ -111,6 +111,10 @@ class RelayConfig:
     """topk: fraction of the elements kept per block of 256."""
     bits: int = TOPK_BITS
     """topk: bits per kept value (2, 4 or 8)."""
+    worker_socket: str | None = None
+    """Unix socket (in the relay's private directory) where workers on the relay's own host
+    connect without TLS (peer uid checked, tensors in sealed shared memory:
+    `nebula_cli.relay.local`); None: the TLS port only."""
 
     def __post_init__(self) -> None:
         if isinstance(self.tls, dict):
@@ -144,6 +148,10 @@ class RelayConfig:
             )
         for addr in [self.peer_listen, self.worker_listen, *self.peers.values()]:
             parse_addr(addr)
+        if self.worker_socket is not None and not (isinstance(self.worker_socket, str)
+                                                   and os.path.isabs(self.worker_socket)):
+            raise RelayConfigError(
+                f"worker_socket: expected an absolute path or null, got {self.worker_socket!r}")
         for name in ("round_timeout", "heartbeat", "dead_after"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:

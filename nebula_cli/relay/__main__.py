@@ -4,11 +4,14 @@ SIGINT; exit 0 on a clean stop, 1 if it cannot start (a port taken), 2 on a bad 
 from __future__ import annotations
 
 import argparse
+import gc
 import logging
 import os
 import signal
 import threading
 from typing import Any
+
+import torch
 
 from nebula_cli.errors import NebulaError
 from nebula_cli.relay.config import RelayConfig
@@ -32,6 +35,10 @@ def main(argv: list[str] | None = None, prog: str = "python -m nebula_cli.relay"
     except NebulaError as exc:
         log.error("%s", exc)
         return 2
+    torch.set_num_threads(1)  # the relay's threads (links, encoder, rounds) are its parallelism:
+    # torch's own pool on top of them oversubscribes the cores (an add ran 4x slower with it)
+    gc.collect()
+    gc.freeze()  # the modules' objects (torch's many) are never scanned again by a collection
     stop = threading.Event()
 
     def on_signal(signum: int, _frame: Any) -> None:

@@ -80,11 +80,18 @@ def ordered_mean(parts: Mapping[str, torch.Tensor], out: torch.Tensor | None = N
     return out.div_(len(names))
 
 
+def _empty(numel: int) -> torch.Tensor:
+    return torch.empty(numel, dtype=torch.float32)
+
+
 def is_finite(t: torch.Tensor) -> bool:
-    """No NaN and no infinity (two reductions, no temporary the size of ``t``)."""
-    if not t.numel():
+    """No NaN and no infinity. A finite sum says so in one fast pass (NaN and inf propagate into
+    any sum); only a sum that is not (an overflow, or a non-finite value) is checked exactly
+    (aminmax). No temporary the size of ``t``."""
+    if not t.numel() or math.isfinite(float(t.sum())):
         return True
-    return math.isfinite(float(t.amin())) and math.isfinite(float(t.amax()))
+    lo, hi = torch.aminmax(t)
+    return math.isfinite(float(lo)) and math.isfinite(float(hi))
 
 
 @dataclass(frozen=True)
@@ -161,6 +168,7 @@ class RoundExchange:
         decode: Callable[[Any], torch.Tensor],
         send: Send,
         weights: Mapping[str, float] | None = None,
+        empty: Callable[[int], torch.Tensor] | None = None,
     ) -> None:
         if len(bounds) != schedule.num_chunks:
             raise ValueError("bounds and schedule disagree on the number of chunks")
@@ -172,7 +180,9 @@ class RoundExchange:
         self.weights = dict(weights or {})
         """Each present cluster's weight in the average (empty: equal weights)."""
         numel = self.bounds[-1][1] if self.bounds else 0
-        self.result = torch.empty(numel, dtype=torch.float32)
+        self.result = (empty or _empty)(numel)
+        """The average, built in place (``empty(numel)`` makes it: memory a local worker can
+        map, see relay.local.shared_empty)."""
         self.dropped: set[str] = set()
         """Clusters with a non-finite decoded chunk (left out of that chunk's average)."""
         self.zeroed = 0
@@ -270,30 +280,34 @@ class RoundExchange:
             self._reduce(k, parts)
 
     def _mean(self, k: int, parts: dict[str, torch.Tensor], out: torch.Tensor | None
-              ) -> torch.Tensor:
-        """ordered_mean of the finite parts. A finite mean means every part was finite (NaN and
-        inf propagate), so the parts are only checked one by one when it is not."""
+              ) -> tuple[torch.Tensor, bool]:
+        """ordered_mean of the finite parts, and whether it is finite. A finite mean means every
+        part was finite (NaN and inf propagate), so the parts are only checked one by one when
+        it is not (the mean of finite parts can still overflow)."""
         avg = ordered_mean(parts, out=out, weights=self.weights)
         if is_finite(avg):
-            return avg
+            return avg, True
         good = {c: t for c, t in parts.items() if is_finite(t)}
         with self._cv:
             self.dropped.update(set(parts) - set(good))
-        return ordered_mean(good, out=out, weights=self.weights) if good else self._zeros(k)
+        if not good:
+            return self._zeros(k), True
+        avg = ordered_mean(good, out=out, weights=self.weights)
+        return avg, is_finite(avg)
 
     def _reduce(self, k: int, parts: dict[str, torch.Tensor]) -> None:
         lo, hi = self.bounds[k]
         targets = self.schedule.avg_targets(k)
         if not targets:  # averaged here, used as is: straight into the result
-            avg = self._mean(k, parts, self.result[lo:hi])
-            if not is_finite(avg):
+            avg, finite = self._mean(k, parts, self.result[lo:hi])
+            if not finite:
                 avg = self._zeros(k)
                 with self._cv:
                     self.zeroed += 1
             self._finish(k, avg)
             return
-        avg = self._mean(k, parts, None)
-        enc: Any = self._encode(avg) if is_finite(avg) else None
+        avg, finite = self._mean(k, parts, None)
+        enc: Any = self._encode(avg) if finite else None
         avg = self._decoded(k, enc) if enc is not None else self._zeros(k)
         if not is_finite(avg):
             enc, avg = None, self._zeros(k)

@@ -1,7 +1,10 @@
-"""RelayClient: the worker side of the local hop to this cluster's relay (mutual TLS).
+"""RelayClient: the worker side of the hop to this cluster's relay.
 
-Only the cluster's rank 0 talks to the relay. The local hop carries raw fp32 (it is local and
-fast); the relay compresses for the WAN. Protocol (frames of :mod:`nebula_cli.relay.wire`)::
+Only the cluster's rank 0 talks to the relay: on the relay's own host through its Unix socket
+(``local``, from the plan: no TLS, the kernel tells the relay this process's uid, tensors in
+sealed shared memory: :mod:`nebula_cli.relay.local`), else, or when that socket is not there,
+with mutual TLS on its worker port. The hop carries raw fp32; the relay compresses for the WAN.
+Protocol (frames of :mod:`nebula_cli.relay.wire`)::
 
     HELLO {role: worker, cluster[, layout]}         -> WELCOME {cluster, codec, clusters}
     CONTRIB {op: allreduce, round, numel} + chunks  -> RESULT {round_id, present, ...} + chunks
@@ -10,7 +13,8 @@ fast); the relay compresses for the WAN. Protocol (frames of :mod:`nebula_cli.re
     STATE_REQUEST {op: fetch}                       -> STATE {op: state, round|null, numel} + chunks
     BYE
 
-Tensors travel as :mod:`nebula_cli.relay.framing` lays them out (a header frame, then chunks).
+Tensors travel as :mod:`nebula_cli.relay.framing` lays them out (a header frame, then chunks;
+on the Unix socket a header frame with a memfd).
 """
 
 from __future__ import annotations
@@ -27,18 +31,23 @@ import torch
 
 from nebula_cli.errors import NebulaError
 from nebula_cli.pki import CertPair, PeerRejected, client_context, wrap_client
+from nebula_cli.relay import local as local_hop
 from nebula_cli.relay.config import parse_addr
 from nebula_cli.relay.framing import (
     CHUNK_NUMEL,
     SOCKET_BUFFER,
     recv_tensor,
     send_frames,
+    send_tensor,
     tensor_frames,
     tune_buffers,
 )
 from nebula_cli.relay.wire import ConnectionClosed, Frame, FrameType, WireError, recv_frame
 
 log = logging.getLogger("nebula.relay.client")
+
+Conn = ssl.SSLSocket | local_hop.LocalConn
+"""A connection to the relay: mutual TLS, or its Unix socket on this host."""
 
 __all__ = ["CHUNK_NUMEL", "SOCKET_BUFFER", "RelayClient", "RelayError", "RoundResult",
            "recv_tensor", "send_frames", "tensor_frames", "tune_buffers"]
@@ -77,6 +86,10 @@ class RoundResult:
     next_h: int | None = None
     """``inner_steps: auto``: the H every cluster trains before its next round (agreed by the
     relays); None: keep the current one."""
+    stages: dict[str, float] = field(default_factory=dict)
+    """Where the call's time went (seconds): ``send`` (this side writing the contribution),
+    ``upload`` (the relay reading it), ``relay`` (the relay's round: agreement, exchange),
+    ``receive`` (this side reading the result, once its header arrived), ``total``."""
 
 
 def _positive_int(value: Any) -> int | None:
@@ -104,9 +117,14 @@ class RelayClient:
         retry_for: float = 120.0,
         result_timeout: float | None = None,
         layout: dict[str, list[Any]] | None = None,
+        local: str | None = None,
     ) -> None:
         self.host, self.port = parse_addr(addr)
         self.addr = addr
+        self.local = local if local is not None and local_hop.supported() else None
+        """The relay's Unix socket (SyncConfig.relay_socket), tried before ``addr``."""
+        self.transport = ""
+        """How the current connection reaches the relay: "local" or "tls" ("" when none)."""
         self.job_id = job_id
         self.cluster = cluster
         self.round_timeout = round_timeout
@@ -115,7 +133,7 @@ class RelayClient:
         self.result_timeout = result_timeout or max(600.0, 10 * round_timeout)
         """Longest wait for a round's result (a slow WAN and a large model take a while)."""
         self._ctx = client_context(CertPair(Path(cert), Path(key)), Path(ca))
-        self._sock: ssl.SSLSocket | None = None
+        self._sock: Conn | None = None
         self.relay_info: dict[str, Any] = {}
         self.layout = layout
         """What this cluster syncs ({shapes, dtypes}), told to the relay at HELLO: it fixes the
@@ -134,12 +152,14 @@ class RelayClient:
         meta: dict[str, Any] = {"op": "allreduce", "round": round_id}
         if info:
             meta["info"] = dict(info)
-        frames = tensor_frames(FrameType.CONTRIB, meta, tensor)
 
-        def call(sock: ssl.SSLSocket) -> RoundResult:
-            send_frames(sock, frames)
+        def call(sock: Conn) -> RoundResult:
+            t0 = time.perf_counter()
+            send_tensor(sock, FrameType.CONTRIB, meta, tensor)
+            t1 = time.perf_counter()
             sock.settimeout(self.result_timeout)
             head = self._expect(sock, FrameType.RESULT)
+            t2 = time.perf_counter()
             m = head.meta
             avg = recv_tensor(sock, FrameType.RESULT, m.get("numel"))
             state = momentum = None
@@ -156,6 +176,9 @@ class RelayClient:
                 global_momentum=momentum,
                 rejected=list(m.get("rejected", [])), missing=list(m.get("missing", [])),
                 next_h=_positive_int(m.get("next_h")),
+                stages={"send": t1 - t0, "upload": float(m.get("upload_s", 0.0)),
+                        "relay": float(m.get("seconds", 0.0)),
+                        "receive": time.perf_counter() - t2, "total": time.perf_counter() - t0},
             )
 
         return self._call(call, f"round {round_id}")
@@ -167,11 +190,9 @@ class RelayClient:
         parts = 1 if momentum is None else 2
         if momentum is not None:
             tensor = torch.cat([tensor.reshape(-1), momentum.reshape(-1).to(tensor.dtype)])
-        frames = tensor_frames(FrameType.STATE, {"op": "publish", "round": round_id,
-                                                 "parts": parts}, tensor)
-
-        def call(sock: ssl.SSLSocket) -> None:
-            send_frames(sock, frames)
+        def call(sock: Conn) -> None:
+            send_tensor(sock, FrameType.STATE, {"op": "publish", "round": round_id,
+                                                "parts": parts}, tensor)
             sock.settimeout(max(60.0, self.connect_timeout))
             self._expect(sock, FrameType.STATE)
 
@@ -184,7 +205,7 @@ class RelayClient:
     def fetch_state_with_round(self) -> tuple[int | None, torch.Tensor | None]:
         """(round, state) of the newest global state known to the relay and its peers."""
 
-        def call(sock: ssl.SSLSocket) -> tuple[int | None, torch.Tensor | None]:
+        def call(sock: Conn) -> tuple[int | None, torch.Tensor | None]:
             send_frames(sock, [Frame(FrameType.STATE_REQUEST, {"op": "fetch"})])
             sock.settimeout(self.result_timeout)
             head = self._expect(sock, FrameType.STATE)
@@ -204,7 +225,7 @@ class RelayClient:
         momentum) of the state every cluster should end with when it is not this one's, else
         (None, None, None)."""
 
-        def call(sock: ssl.SSLSocket) -> tuple[int | None, torch.Tensor | None,
+        def call(sock: Conn) -> tuple[int | None, torch.Tensor | None,
                                                torch.Tensor | None]:
             send_frames(sock, [Frame(FrameType.STATE_REQUEST, {"op": "final", "wait": wait})])
             sock.settimeout(None if wait is None else wait + self.result_timeout)
@@ -247,22 +268,37 @@ class RelayClient:
                 return fn(self._connect())
             except (ConnectionClosed, OSError, PeerRejected) as exc:
                 self._drop()
+                where = self.addr if self.local is None else f"{self.local} or {self.addr}"
                 if time.monotonic() + delay > give_up:
-                    raise RelayError(f"{what}: relay at {self.addr} unreachable: {exc}") from exc
-                log.warning("%s: relay at %s: %s; retrying in %.1fs", what, self.addr, exc, delay)
+                    raise RelayError(f"{what}: relay at {where} unreachable: {exc}") from exc
+                log.warning("%s: relay at %s: %s; retrying in %.1fs", what, where, exc, delay)
                 time.sleep(delay)
                 delay = min(delay * 2, 5.0)
             except WireError as exc:
                 self._drop()
                 raise RelayError(f"{what}: {exc}") from exc
 
-    def _connect(self) -> ssl.SSLSocket:
-        if self._sock is not None:
-            return self._sock
+    def _open(self) -> Conn:
+        """The relay's Unix socket when the plan names one and it is there, else mutual TLS."""
+        if self.local is not None:
+            try:
+                conn = local_hop.connect(self.local, self.connect_timeout)
+                self.transport = "local"
+                return conn
+            except OSError as exc:
+                log.info("relay socket %s: %s; using TLS to %s", self.local,
+                         exc.strerror or exc, self.addr)
         raw = socket.create_connection((self.host, self.port), timeout=self.connect_timeout)
         tune_buffers(raw)
         sock, _ = wrap_client(raw, self._ctx, job_id=self.job_id, roles={"relay"},
                               cluster=self.cluster, timeout=self.connect_timeout)
+        self.transport = "tls"
+        return sock
+
+    def _connect(self) -> Conn:
+        if self._sock is not None:
+            return self._sock
+        sock = self._open()
         try:
             sock.settimeout(self.connect_timeout)
             hello = {"role": "worker", "cluster": self.cluster, "job_id": self.job_id}
@@ -282,7 +318,7 @@ class RelayClient:
             sock.close()
 
     @staticmethod
-    def _expect(sock: ssl.SSLSocket, ftype: FrameType) -> Frame:
+    def _expect(sock: Conn, ftype: FrameType) -> Frame:
         frame = recv_frame(sock)
         if frame.type == FrameType.ERROR:
             raise RelayError(f"relay refused: {frame.meta.get('reason', frame.meta)}")

@@ -70,13 +70,16 @@ def prepare(x: object) -> torch.Tensor:
 
 
 def extremes(x: torch.Tensor) -> tuple[float, float]:
-    """(min, max) of a non-empty tensor; NaN propagates into both (amin/amax do)."""
-    return float(x.amin()), float(x.amax())
+    """(min, max) of a non-empty tensor in one pass; NaN propagates into both (as aminmax
+    does)."""
+    lo, hi = torch.aminmax(x)
+    return float(lo), float(hi)
 
 
 def all_finite(x: torch.Tensor) -> bool:
-    """True when no element is NaN or infinite (two fast reductions, no elementwise temp)."""
-    if x.numel() == 0:
+    """True when no element is NaN or infinite: a finite sum says so in one fast pass (NaN and
+    inf propagate into it), else (an overflow, or a non-finite value) the exact extremes."""
+    if x.numel() == 0 or math.isfinite(float(x.sum())):
         return True
     lo, hi = extremes(x)
     return math.isfinite(lo) and math.isfinite(hi)

@@ -3,18 +3,23 @@ fetches) use, on top of :mod:`nebula_cli.relay.wire`.
 
 A tensor travels as a header frame (meta with ``numel``, no payload) and then frames of the
 same type with meta ``{"lo": offset}`` and up to ``CHUNK_NUMEL`` fp32 elements each, in order.
-The receiver states the largest tensor it accepts (``max_numel``) before anything is allocated.
+On the relay's own host (a :class:`~nebula_cli.relay.local.LocalConn`) the header frame
+carries a sealed memfd with the tensor's bytes instead, and no chunk frame follows
+(:func:`send_tensor` and :func:`recv_tensor` choose by the connection). The receiver states the
+largest tensor it accepts (``max_numel``) before anything is allocated or mapped.
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
 import socket
 import ssl
 from typing import Any
 
 import torch
 
+from nebula_cli.relay.local import LocalConn, from_memfd, to_memfd
 from nebula_cli.relay.wire import (
     HEADER_SIZE,
     Frame,
@@ -35,10 +40,15 @@ MAX_TENSOR_NUMEL = 1 << 34
 its own relay sends); the relay always passes the size it syncs instead."""
 
 
+def flat_fp32(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` as one flat, contiguous fp32 CPU tensor (itself when it already is one)."""
+    return tensor.detach().to(device="cpu", dtype=torch.float32).reshape(-1).contiguous()
+
+
 def tensor_frames(ftype: FrameType, meta: dict[str, Any], tensor: torch.Tensor,
                   chunk_numel: int = CHUNK_NUMEL) -> list[Frame]:
     """A header frame carrying ``meta`` + ``numel``, then the tensor's bytes in chunk frames."""
-    flat = tensor.detach().to(device="cpu", dtype=torch.float32).reshape(-1).contiguous()
+    flat = flat_fp32(tensor)
     frames = [Frame(ftype, {**meta, "numel": flat.numel()})]
     data = memoryview(flat.numpy()).cast("B")
     for lo in range(0, flat.numel(), chunk_numel):
@@ -57,6 +67,25 @@ def send_frames(sock: socket.socket, frames: list[Frame]) -> int:
     return total
 
 
+def send_tensor(conn: Any, ftype: FrameType, meta: dict[str, Any], tensor: torch.Tensor) -> int:
+    """Send ``tensor`` as :func:`tensor_frames` lays it out, or on a LocalConn as one header
+    frame with a sealed memfd of its bytes attached (no memfd for an empty tensor). Returns the
+    bytes written to the connection."""
+    if not isinstance(conn, LocalConn):
+        return send_frames(conn, tensor_frames(ftype, meta, tensor))
+    flat = flat_fp32(tensor)
+    head = b"".join(encode_frame(Frame(ftype, {**meta, "numel": flat.numel()})))
+    if not flat.numel():
+        conn.sendall(head)
+        return len(head)
+    fd = to_memfd(flat)
+    try:
+        conn.send_with_fd(head, fd)
+    finally:
+        os.close(fd)
+    return len(head)
+
+
 def check_numel(numel: Any, max_numel: int) -> int:
     """``numel`` if it is an int in [0, max_numel], else WireError saying what was declared."""
     if not isinstance(numel, int) or isinstance(numel, bool) or not 0 <= numel <= max_numel:
@@ -66,9 +95,12 @@ def check_numel(numel: Any, max_numel: int) -> int:
 
 def recv_tensor(sock: socket.socket, ftype: FrameType, numel: int,
                 max_numel: int = MAX_TENSOR_NUMEL) -> torch.Tensor:
-    """Read the chunk frames of a tensor of ``numel`` elements announced by a header frame;
-    nothing is allocated unless ``numel <= max_numel``."""
+    """Read the chunk frames of a tensor of ``numel`` elements announced by a header frame
+    (on a LocalConn: map the memfd that came with it); nothing is allocated or mapped unless
+    ``numel <= max_numel``."""
     numel = check_numel(numel, max_numel)
+    if isinstance(sock, LocalConn):
+        return from_memfd(sock.take_fd(), numel, sock.seals) if numel else torch.empty(0)
     out = torch.empty(numel, dtype=torch.float32)
     dest = memoryview(out.numpy()).cast("B") if numel else memoryview(b"")
     head = bytearray(HEADER_SIZE)

@@ -213,6 +213,8 @@ def opt_int(v: Any) -> int | None:
 
 def peer_addr(sock: socket.socket) -> str:
     """host:port of the other end ("<unknown>" once it is gone)."""
+    if sock.family == socket.AF_UNIX:
+        return "local socket"
     try:
         host, port = sock.getpeername()[:2]
     except (OSError, ValueError):

@@ -43,23 +43,28 @@ COMPATIBLE = ("protocol", "job_id", "codec", "block_size", "chunk_numel", "densi
 
 
 class Listener:
-    """A listening socket whose connections are handed to ``handshake(sock, addr)`` on a
-    thread each, at most MAX_HANDSHAKES at once; ``handshake`` returns what to run once the
-    slot is given back (a worker's session), or None."""
+    """A listening socket (TCP on ``addr``, or the given ``sock``: the local Unix socket) whose
+    connections are handed to ``handshake(sock, addr)`` on a thread each, at most
+    MAX_HANDSHAKES at once; ``handshake`` returns what to run once the slot is given back (a
+    worker's session), or None."""
 
     def __init__(self, addr: str, handshake: Callable[[socket.socket, str],
                                                       Callable[[], None] | None],
-                 refusals: Refusals, stopping: threading.Event) -> None:
-        host, port = parse_addr(addr)
-        try:
-            self.sock = socket.create_server((host, port), backlog=64)
-        except OSError as exc:
-            raise NebulaError(f"relay cannot listen on {addr}: {exc.strerror or exc}") from exc
+                 refusals: Refusals, stopping: threading.Event, *,
+                 sock: socket.socket | None = None) -> None:
+        if sock is None:
+            host, port = parse_addr(addr)
+            try:
+                sock = socket.create_server((host, port), backlog=64)
+            except OSError as exc:
+                raise NebulaError(f"relay cannot listen on {addr}: {exc.strerror or exc}"
+                                  ) from exc
+        self.sock = sock
         self.sock.settimeout(0.5)
         self.addr = addr
         self._handshake, self._refusals, self._stopping = handshake, refusals, stopping
         self.gate = Gate(MAX_HANDSHAKES, MAX_HANDSHAKES_PER_ADDRESS)
-        self.thread = threading.Thread(target=self._loop, name=f"relay-accept-{port}",
+        self.thread = threading.Thread(target=self._loop, name=f"relay-accept-{addr}",
                                        daemon=True)
 
     def start(self) -> None:
@@ -81,7 +86,7 @@ class Listener:
                     return
                 time.sleep(0.1)
                 continue
-            ip = str(where[0])
+            ip = str(where[0]) if isinstance(where, tuple) else "local"  # AF_UNIX: no address
             if not self.gate.enter(ip):
                 self._refusals.refuse("connection", ip,  # one line per address, not port
                                       f"{self.gate.held} handshakes in progress on "

@@ -87,9 +87,11 @@ class Rounds(Recovery):
 
     def __init__(self, cfg: RelayConfig, codec: Codec, net: Net, *,
                  event: Callable[..., None], finished: Callable[[int, Outcome], None],
-                 refusals: Refusals, clock: Callable[[], float] = time.monotonic) -> None:
+                 refusals: Refusals, clock: Callable[[], float] = time.monotonic,
+                 empty: Callable[[int], torch.Tensor] | None = None) -> None:
         super().__init__()
         self.cfg, self.me, self.codec, self.net = cfg, cfg.cluster, codec, net
+        self.empty = empty  # makes a round's average (None: torch.empty)
         self.feedback = ErrorFeedback(codec) if cfg.error_feedback else None
         self.order = {c: i for i, c in enumerate(cfg.clusters)}
         self.coordinator = Coordinator(self.me, cfg.clusters, cfg.round_timeout,
@@ -239,7 +241,7 @@ class Rounds(Recovery):
 
         ex = RoundExchange(sched, spans, encode=self.codec.encode,
                            decode=lambda enc: decode(self.codec, enc), send=send,
-                           weights=dict(d.weights))
+                           weights=dict(d.weights), empty=self.empty)
         ex_ref.append(ex)
         with self.lock:
             self.exchanges[key] = ex

@@ -5,7 +5,9 @@
 - :mod:`~nebula_cli.relay.rounds`: the round driver (agreement, exchange, catch-up), which
   only sees the network through a small interface and opens no socket;
 - :mod:`~nebula_cli.relay.fetch`: catch-up transfers (a round's average, a global state);
-- :mod:`~nebula_cli.relay.workers`: the worker port;
+- :mod:`~nebula_cli.relay.workers`: the worker port (mutual TLS), and the Unix socket for
+  workers on this host (:mod:`~nebula_cli.relay.local`: uid checked, tensors in sealed shared
+  memory);
 - :mod:`~nebula_cli.relay.status`: the status file and metrics lines (one writer thread);
 - :mod:`~nebula_cli.relay.limits`: every cap on what peers and workers can make it hold.
 
@@ -26,12 +28,15 @@ runs a relay until SIGTERM (exit 0).
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
 import threading
 from pathlib import Path
 from typing import Any
 
 from nebula_cli.pki import CertPair, client_context, server_context
+from nebula_cli.relay import local
 from nebula_cli.relay.codecs import get_codec
 from nebula_cli.relay.config import RelayConfig
 from nebula_cli.relay.fetch import Fetcher
@@ -90,13 +95,17 @@ class Relay:
                                answer_state=self._answer_state,
                                max_wait=max(120.0, 10 * cfg.round_timeout),
                                refusals=self.refusals)
+        # averages in memory a worker on this host maps (no copy on the way back)
+        shared = local.shared_empty if cfg.worker_socket and local.supported() else None
         self.rounds = Rounds(cfg, self.codec, _Net(self.peers, self.fetcher),
                              event=self.status.event, finished=self._finished,
-                             refusals=self.refusals)
+                             refusals=self.refusals, empty=shared)
         self.workers = WorkerPort(self.me, cfg.job_id, server_ctx, self.rounds,
                                   welcome=self._welcome, published=self._broadcast_progress,
                                   refusals=self.refusals, stopping=self.stopping)
         self.listeners: list[Listener] = []
+        self.local_socket: str | None = None
+        """The Unix socket workers on this host use, once it listens."""
         self._ticker = threading.Thread(target=self._tick_loop, name="relay-tick", daemon=True)
 
     # ------------------------------------------------------------------ lifecycle
@@ -107,6 +116,7 @@ class Relay:
             for addr, handshake in ((self.cfg.peer_listen, self._accept_peer),
                                     (self.cfg.worker_listen, self.workers.handshake)):
                 self.listeners.append(Listener(addr, handshake, self.refusals, self.stopping))
+            self._listen_locally()
         except BaseException:
             self.stop()
             raise
@@ -115,16 +125,40 @@ class Relay:
         self.peers.start_dialing()
         self._ticker.start()
         self.status.start()
+        local = f" and {self.local_socket}" if self.local_socket else ""
         log.info(
-            "relay %s of job %s: peers on %s, workers on %s, codec %s, dials %s", self.me,
-            self.cfg.job_id, self.cfg.peer_listen, self.cfg.worker_listen, self.codec.name,
-            self.cfg.dials or "nobody")
+            "relay %s of job %s: peers on %s, workers on %s%s, codec %s, dials %s", self.me,
+            self.cfg.job_id, self.cfg.peer_listen, self.cfg.worker_listen, local,
+            self.codec.name, self.cfg.dials or "nobody")
+
+    def _listen_locally(self) -> None:
+        """The Unix socket for workers on this host, when the plan has one and the system
+        allows it; otherwise (logged) they use the TLS port."""
+        path = self.cfg.worker_socket
+        if path is None:
+            return
+        if not local.supported():
+            log.warning("no local worker socket on this system (needs Linux); workers on "
+                        "this host use the TLS port %s", self.cfg.worker_listen)
+            return
+        try:
+            sock = local.listen(path)
+        except local.LocalError as exc:
+            log.warning("%s; workers on this host use the TLS port %s", exc,
+                        self.cfg.worker_listen)
+            return
+        self.local_socket = path
+        self.listeners.append(Listener(path, self.workers.local_handshake, self.refusals,
+                                       self.stopping, sock=sock))
 
     def stop(self) -> None:
         """Close everything this relay opened; bounded waits."""
         self.stopping.set()
         for ls in self.listeners:
             ls.close()
+        if self.local_socket is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(self.local_socket)
         self.rounds.stop()
         links = self.peers.stop()
         self.workers.close_all()

@@ -1,9 +1,11 @@
 """The worker port: this cluster's rank 0 (a :class:`nebula_cli.relay.client.RelayClient`)
-connects with a worker certificate of this job and cluster and asks for rounds.
+connects with a worker certificate of this job and cluster and asks for rounds; on the relay's
+own host it connects to the relay's Unix socket instead (no TLS: the kernel says its uid, which
+must be the relay's; tensors travel as sealed memfds, :mod:`nebula_cli.relay.local`).
 
     HELLO {role: worker, cluster[, layout]}         -> WELCOME {cluster, codec, clusters, ...}
     CONTRIB {op: allreduce, round, numel[, info]}   -> RESULT {round_id, present, weights,
-             + chunks                                  next_h, ...} + chunks
+             + chunks                                  next_h, seconds, upload_s, ...} + chunks
                                                        [+ STATE chunks when catching up]
     STATE {op: publish, round, numel, parts} + chunks -> STATE {op: stored, round}
     STATE_REQUEST {op: fetch}                       -> STATE {op: state, round|null, numel,
@@ -28,9 +30,11 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import socket
 import ssl
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -38,7 +42,7 @@ import torch
 
 from nebula_cli.pki import PeerRejected, wrap_server
 from nebula_cli.relay.cadence import RoundInfo
-from nebula_cli.relay.framing import check_numel, recv_tensor, send_frames, tensor_frames
+from nebula_cli.relay.framing import check_numel, recv_tensor, send_frames, send_tensor
 from nebula_cli.relay.limits import (
     HANDSHAKE_TIMEOUT,
     MAX_SYNC_NUMEL,
@@ -49,11 +53,15 @@ from nebula_cli.relay.limits import (
     Refusals,
     SyncSize,
 )
+from nebula_cli.relay.local import FROZEN, LocalConn, SharedMemoryError, peer_uid
 from nebula_cli.relay.results import STATE_PARTS, GlobalState
 from nebula_cli.relay.rounds import Rounds
 from nebula_cli.relay.wire import ConnectionClosed, Frame, FrameType, WireError, recv_frame
 
 log = logging.getLogger("nebula.relay")
+
+Conn = ssl.SSLSocket | LocalConn
+"""A worker's connection: mutual TLS, or the local Unix socket."""
 
 
 class _Refused(Exception):
@@ -88,7 +96,7 @@ class WorkerPort:
         self._welcome, self._published = welcome, published
         self.refusals, self.stopping = refusals, stopping
         self.sessions = Gate(MAX_WORKER_CONNECTIONS)
-        self.socks: set[ssl.SSLSocket] = set()
+        self.socks: set[Conn] = set()
         self._lock = threading.Lock()
 
     def handshake(self, sock: socket.socket, addr: str) -> Callable[[], None] | None:
@@ -106,19 +114,44 @@ class WorkerPort:
             return None
         return lambda: self._session(tls, ident.name, addr)
 
+    def local_handshake(self, sock: socket.socket, addr: str) -> Callable[[], None] | None:
+        """A connection on the Unix socket: a process of this relay's own uid (SO_PEERCRED),
+        the session to run; else refused and closed before a byte is read."""
+        conn = LocalConn(sock, seals=FROZEN)
+        try:
+            uid = peer_uid(sock)
+        except OSError:
+            uid = -1
+        if uid != os.geteuid():
+            self.refusals.refuse("worker connection", f"uid {uid} on the local socket",
+                                 f"only processes of the relay's own uid ({os.geteuid()}) "
+                                 "may use it")
+            conn.close()
+            return None
+        if not self.sessions.enter("workers"):
+            self.refusals.refuse("worker connection", "the local socket",
+                                 f"{MAX_WORKER_CONNECTIONS} workers are connected already")
+            conn.close()
+            return None
+        return lambda: self._session(conn, "local worker", addr)
+
     def close_all(self) -> None:
         with self._lock:
             socks = list(self.socks)
         for s in socks:
             with contextlib.suppress(OSError):
-                socket.socket.shutdown(s, socket.SHUT_RDWR)
+                socket.socket.shutdown(s.sock if isinstance(s, LocalConn) else s,
+                                       socket.SHUT_RDWR)
 
-    def _session(self, tls: ssl.SSLSocket, name: str, addr: str) -> None:
+    def _session(self, tls: Conn, name: str, addr: str) -> None:
         with self._lock:
             self.socks.add(tls)
         try:
+            how = "the local socket" if isinstance(tls, LocalConn) else f"mutual TLS ({addr})"
+            log.info("worker %s connected through %s", name, how)
             tls.settimeout(None)  # a worker may be quiet for many inner steps: no timeout,
-            keep_alive(tls)  # but a worker gone without a word frees its slot in ~a minute
+            if not isinstance(tls, LocalConn):  # (the kernel ends a local one at once)
+                keep_alive(tls)  # but a worker gone without a word frees its slot in ~a minute
             self._serve(tls, name, addr)
         except ConnectionClosed:
             pass
@@ -131,19 +164,22 @@ class WorkerPort:
             self.sessions.leave("workers")
             tls.close()
 
-    def _serve(self, sock: ssl.SSLSocket, name: str, addr: str) -> None:
+    def _serve(self, sock: Conn, name: str, addr: str) -> None:
         while not self.stopping.is_set():
             frame = recv_frame(sock, max_payload=0)
             try:
                 if not self._handle(sock, frame):
                     return
+                if isinstance(sock, LocalConn) and sock.pending_fds:
+                    raise _Refused("a file descriptor sent with a frame that carries no tensor",
+                                   close=True)
             except _Refused as exc:
                 self.refusals.refuse("worker request", f"{name} ({addr})", str(exc))
                 send_frames(sock, [Frame(FrameType.ERROR, {"reason": str(exc)})])
                 if exc.close:
                     return
 
-    def _tensor(self, sock: ssl.SSLSocket, ftype: FrameType, numel: Any,
+    def _tensor(self, sock: Conn, ftype: FrameType, numel: Any,
                 parts: Any = 1) -> torch.Tensor:
         """Read a worker's tensor of this cluster's sync size times ``parts`` (registering the
         size the first time); _Refused otherwise."""
@@ -155,7 +191,10 @@ class WorkerPort:
             numel = check_numel(numel, cap)
         except WireError as exc:
             raise _Refused(f"{exc}: this relay syncs {cap // parts} elements", close=True) from None
-        x = recv_tensor(sock, ftype, numel, max_numel=cap)
+        try:
+            x = recv_tensor(sock, ftype, numel, max_numel=cap)
+        except SharedMemoryError as exc:
+            raise _Refused(str(exc), close=True) from None
         size = numel // parts
         try:
             if numel % parts:
@@ -168,10 +207,14 @@ class WorkerPort:
             raise _Refused(str(exc)) from None
         return x
 
-    def _handle(self, sock: ssl.SSLSocket, frame: Frame) -> bool:
+    def _handle(self, sock: Conn, frame: Frame) -> bool:
         """Answer one request; False when the worker said goodbye."""
         m, t = frame.meta, frame.type
         if t == FrameType.HELLO:
+            for key, mine in (("cluster", self.me), ("job_id", self.job_id)):
+                if m.get(key, mine) != mine:
+                    raise _Refused(f"a worker of {key} {m.get(key)!r} at the relay of "
+                                   f"{key} {mine!r}", close=True)
             if m.get("layout") is not None:
                 try:
                     self.rounds.register(SyncSize.from_layout(m["layout"]))
@@ -179,7 +222,9 @@ class WorkerPort:
                     raise _Refused(str(exc), close=True) from None
             send_frames(sock, [Frame(FrameType.WELCOME, self._welcome())])
         elif t == FrameType.CONTRIB and m.get("op") == "allreduce":
+            t0 = time.perf_counter()
             x = self._tensor(sock, FrameType.CONTRIB, m.get("numel"))
+            upload = time.perf_counter() - t0
             round_id = m.get("round")
             if not isinstance(round_id, int) or isinstance(round_id, bool) or round_id < 0:
                 raise _Refused("bad round id")
@@ -188,14 +233,13 @@ class WorkerPort:
                     "weights": out.weights,
                     "rejected": out.rejected, "missing": out.missing,
                     "seconds": out.seconds, "bytes_sent": out.bytes_sent,
-                    "bytes_received": out.bytes_received,
+                    "bytes_received": out.bytes_received, "upload_s": upload,
                     "has_state": out.global_state is not None, "mode": out.mode}
-            frames = tensor_frames(FrameType.RESULT, meta, out.tensor)
+            send_tensor(sock, FrameType.RESULT, meta, out.tensor)
             if out.global_state is not None:
-                frames += tensor_frames(FrameType.STATE, {
+                send_tensor(sock, FrameType.STATE, {
                     "round": out.round_id, "parts": out.global_state.numel() // out.tensor.numel()},
                     out.global_state)
-            send_frames(sock, frames)
         elif t == FrameType.STATE and m.get("op") == "publish":
             parts = m.get("parts", 1)
             x = self._tensor(sock, FrameType.STATE, m.get("numel"), parts)
@@ -215,15 +259,15 @@ class WorkerPort:
             if st is None:
                 send_frames(sock, [Frame(FrameType.STATE, {"op": "final", "round": None})])
             else:
-                send_frames(sock, tensor_frames(FrameType.STATE, {
-                    "op": "final", "round": st.round_id, "parts": st.parts}, st.tensor))
+                send_tensor(sock, FrameType.STATE, {
+                    "op": "final", "round": st.round_id, "parts": st.parts}, st.tensor)
         elif t == FrameType.STATE_REQUEST and m.get("op") == "fetch":
             st = self.rounds.best_state()
             if st is None:
                 send_frames(sock, [Frame(FrameType.STATE, {"op": "state", "round": None})])
             else:
-                send_frames(sock, tensor_frames(FrameType.STATE, {
-                    "op": "state", "round": st.round_id, "parts": st.parts}, st.tensor))
+                send_tensor(sock, FrameType.STATE, {
+                    "op": "state", "round": st.round_id, "parts": st.parts}, st.tensor)
         elif t == FrameType.BYE:  # rank 0 closed its client: its training is over
             self.rounds.mark_finished()
             self._published()

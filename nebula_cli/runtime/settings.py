@@ -49,8 +49,8 @@ def plan_config() -> SyncConfig | None:
 
 
 def relay_client(cfg: SyncConfig | None, shapes: list[torch.Size]) -> Any:
-    """The averager of rank 0: a RelayClient to the relay the plan names (SyncError without a
-    plan)."""
+    """The averager of rank 0: a RelayClient to the relay the plan names, through its Unix
+    socket when the plan names one for this host (SyncError without a plan)."""
     if cfg is None:
         raise SyncError(f"no relay to average with: ${SYNC_CONFIG_ENV} is not set "
                         f"(run under `nebula launch` with a relay, or pass averager=)")
@@ -59,7 +59,7 @@ def relay_client(cfg: SyncConfig | None, shapes: list[torch.Size]) -> Any:
     return RelayClient(
         cfg.relay_addr, ca=cfg.tls.ca, cert=cfg.tls.cert, key=cfg.tls.key,
         job_id=cfg.job_id, cluster=cfg.cluster, round_timeout=cfg.round_timeout,
-        layout=sync_layout(shapes))
+        layout=sync_layout(shapes), local=cfg.relay_socket)
 
 
 def resolve_settings(given: dict[str, Any], overlap_steps: int | None,

@@ -1,0 +1,296 @@
+"""The worker hop on the relay's own host: a Unix socket in the relay's private directory, and
+tensors handed over in sealed shared memory instead of being copied through a socket.
+
+Who may connect. The socket file (``RelayConfig.worker_socket``, mode 0600) lies in the job's
+directory on the host (mode 0700), and the relay reads the connecting process's uid from the
+kernel (SO_PEERCRED) and refuses any other uid than its own before it reads a byte. On one host
+that is what mutual TLS proves across hosts (a process of the job's user, see
+:meth:`nebula_cli.relay.workers.WorkerPort.local_handshake`), without encrypting what never
+leaves the host's memory. Workers on another host keep mutual TLS on the worker port.
+
+Tensors. Frames are those of the TLS hop (:mod:`nebula_cli.relay.wire`); a tensor's header
+frame carries one file descriptor (SCM_RIGHTS) instead of being followed by chunk frames: a
+memfd of exactly ``4 * numel`` bytes (fp32), sealed against shrinking and growing (F_SEAL_SHRINK,
+F_SEAL_GROW, F_SEAL_SEAL). A worker's memfd is also sealed against writes (F_SEAL_WRITE) before
+it is sent: the relay must see the same bytes from its check to the last chunk it sends (every
+relay averages the same bits). The receiver checks the declared size against its cap first, then
+the memfd's size and seals, and maps it copy-on-write: the sender can neither make the
+receiver's mapping fault by truncating it nor (worker to relay) change the bytes under it, and
+the receiver's own writes stay its own. Worker to relay costs one copy (into the memfd); the
+relay averages straight into memory of a memfd (:func:`shared_empty`) and hands that over
+without a copy; the receiver reads in place. A memfd has no name: nothing is left in /dev/shm
+when a process dies.
+
+Linux only (memfd, SO_PEERCRED, SCM_RIGHTS); elsewhere :func:`supported` is False and workers
+use the TLS port.
+"""
+
+from __future__ import annotations
+
+import array
+import contextlib
+import fcntl
+import mmap
+import os
+import socket
+import stat
+import struct
+import sys
+import threading
+import weakref
+from typing import Any
+
+import torch
+
+from nebula_cli.errors import NebulaError
+from nebula_cli.relay.wire import WireError
+
+MAX_FDS = 2
+"""File descriptors read with one message; more (or a second one pending) end the session."""
+FIXED_SIZE = getattr(fcntl, "F_SEAL_SHRINK", 0) | getattr(fcntl, "F_SEAL_GROW", 0)
+"""Seals every memfd has before it is sent: its size cannot change under a mapping."""
+FROZEN = FIXED_SIZE | getattr(fcntl, "F_SEAL_WRITE", 0)
+"""Seals of a worker's memfd: its bytes cannot change either."""
+SHORT_PATH = 100
+"""Socket paths longer than this (sun_path holds 108 bytes) are bound and dialled through
+/proc/self/fd/N of their directory."""
+_WRITE_PIECE = 1 << 30  # os.write moves at most ~2 GiB per call on Linux
+
+
+class LocalError(NebulaError):
+    """The local socket cannot be bound."""
+
+
+class SharedMemoryError(WireError):
+    """A descriptor sent for a tensor is not a sealed memfd of the declared size (or none came,
+    or more than one did)."""
+
+
+def supported() -> bool:
+    """Unix sockets with SO_PEERCRED, SCM_RIGHTS and sealed memfds (Linux)."""
+    return (sys.platform.startswith("linux") and hasattr(socket, "AF_UNIX")
+            and hasattr(socket, "SO_PEERCRED") and hasattr(os, "memfd_create")
+            and hasattr(fcntl, "F_ADD_SEALS"))
+
+
+# ---------------------------------------------------------------------- the socket
+
+
+class _ShortPath:
+    """A path usable with bind/connect: itself, or /proc/self/fd/N/<name> of its directory
+    opened O_PATH (held open until ``close``)."""
+
+    def __init__(self, path: str) -> None:
+        self.dirfd: int | None = None
+        self.path = path
+        if len(os.fsencode(path)) > SHORT_PATH:
+            head, name = os.path.split(path)
+            self.dirfd = os.open(head or ".", os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+            self.path = f"/proc/self/fd/{self.dirfd}/{name}"
+
+    def close(self) -> None:
+        if self.dirfd is not None:
+            os.close(self.dirfd)
+            self.dirfd = None
+
+    def __enter__(self) -> str:
+        return self.path
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def listen(path: str, backlog: int = 16) -> socket.socket:
+    """A listening Unix socket at ``path`` (mode 0600). A socket file left there by a relay
+    that died is replaced; any other file is refused (LocalError)."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        pass
+    else:
+        if not stat.S_ISSOCK(st.st_mode):
+            raise LocalError(f"{path} exists and is not a socket: remove it")
+        os.unlink(path)
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        with _ShortPath(path) as where:
+            sock.bind(where)
+        os.chmod(path, 0o600)
+        sock.listen(backlog)
+    except OSError as exc:
+        sock.close()
+        raise LocalError(f"cannot listen on {path}: {exc.strerror or exc}") from exc
+    return sock
+
+
+def connect(path: str, timeout: float) -> LocalConn:
+    """A connection to the relay's socket at ``path`` (OSError when it is not there)."""
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        sock.settimeout(timeout)
+        with _ShortPath(path) as where:
+            sock.connect(where)
+    except BaseException:
+        sock.close()
+        raise
+    return LocalConn(sock)
+
+
+def peer_uid(sock: socket.socket) -> int:
+    """The uid of the process at the other end of a Unix socket (from the kernel)."""
+    creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    return struct.unpack("3i", creds)[1]
+
+
+class LocalConn:
+    """A connected Unix socket that carries frames and file descriptors: ``recv_into`` and
+    ``sendall`` as a socket's (what :mod:`nebula_cli.relay.wire` uses), ``send_with_fd`` to
+    attach one descriptor to a message, ``take_fd`` to claim the one that arrived. ``seals``:
+    what a memfd from the other end must be sealed against (:data:`FROZEN` from a worker)."""
+
+    def __init__(self, sock: socket.socket, seals: int = FIXED_SIZE) -> None:
+        self.sock = sock
+        self.seals = seals
+        self._fds: list[int] = []
+        self._space = socket.CMSG_SPACE(MAX_FDS * array.array("i").itemsize)
+
+    def recv_into(self, buf: Any, nbytes: int = 0) -> int:
+        view = memoryview(buf).cast("B")
+        if nbytes:
+            view = view[:nbytes]
+        n, ancdata, flags, _ = self.sock.recvmsg_into([view], self._space)
+        fds: list[int] = []
+        for level, kind, data in ancdata:
+            if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+                ints = array.array("i")
+                ints.frombytes(data[: len(data) - len(data) % ints.itemsize])
+                fds.extend(ints)
+        if fds or flags & socket.MSG_CTRUNC:
+            self._fds.extend(fds)
+            if flags & socket.MSG_CTRUNC or len(self._fds) > 1:
+                self.drop_fds()
+                raise SharedMemoryError("more than one file descriptor arrived with a message")
+        return n
+
+    def sendall(self, data: Any) -> None:
+        self.sock.sendall(data)
+
+    def send_with_fd(self, data: bytes, fd: int) -> None:
+        """``data`` (a whole frame without payload) with ``fd`` attached to its first byte."""
+        fds = array.array("i", [fd])
+        sent = self.sock.sendmsg([data], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, fds)])
+        if sent < len(data):
+            self.sock.sendall(memoryview(data)[sent:])
+
+    def take_fd(self) -> int:
+        """The descriptor that arrived with the last frame (SharedMemoryError if none did)."""
+        if not self._fds:
+            raise SharedMemoryError("a tensor header arrived without its shared memory")
+        return self._fds.pop()
+
+    @property
+    def pending_fds(self) -> int:
+        return len(self._fds)
+
+    def drop_fds(self) -> None:
+        fds, self._fds = self._fds, []
+        for fd in fds:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+
+    def settimeout(self, timeout: float | None) -> None:
+        self.sock.settimeout(timeout)
+
+    def gettimeout(self) -> float | None:
+        return self.sock.gettimeout()
+
+    def fileno(self) -> int:
+        return self.sock.fileno()
+
+    def shutdown(self, how: int) -> None:
+        self.sock.shutdown(how)
+
+    def close(self) -> None:
+        self.drop_fds()
+        self.sock.close()
+
+
+# ---------------------------------------------------------------------- shared memory
+
+
+_shared: dict[int, tuple[int, int]] = {}  # data_ptr -> (memfd, bytes) of shared_empty's tensors
+_shared_lock = threading.Lock()
+
+
+def shared_empty(numel: int) -> torch.Tensor:
+    """A new fp32 tensor of ``numel`` elements in the memory of a memfd sealed against resizing:
+    :func:`to_memfd` hands that memfd over without a copy. The memfd is closed when the last
+    tensor over that memory is gone."""
+    if not numel:
+        return torch.empty(0)
+    fd = os.memfd_create("nebula-result", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    try:
+        os.ftruncate(fd, 4 * numel)
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, FIXED_SIZE | fcntl.F_SEAL_SEAL)
+        mm = mmap.mmap(fd, 4 * numel, flags=mmap.MAP_SHARED,
+                       prot=mmap.PROT_READ | mmap.PROT_WRITE)
+    except BaseException:
+        os.close(fd)
+        raise
+    tensor = torch.frombuffer(mm, dtype=torch.float32)  # keeps the mapping alive
+    with _shared_lock:
+        _shared[tensor.data_ptr()] = (fd, 4 * numel)
+    weakref.finalize(mm, _unshare, tensor.data_ptr(), fd)  # runs before the unmap
+    return tensor
+
+
+def _unshare(ptr: int, fd: int) -> None:
+    with _shared_lock:
+        _shared.pop(ptr, None)
+    os.close(fd)
+
+
+def to_memfd(tensor: torch.Tensor) -> int:
+    """A memfd holding ``tensor`` (flat, contiguous fp32 CPU) as its bytes, to send and close:
+    a duplicate of its own when :func:`shared_empty` made it, else a new one (one copy), sealed
+    as :data:`FROZEN` says."""
+    with _shared_lock:
+        fd, nbytes = _shared.get(tensor.data_ptr(), (-1, -1))
+        if nbytes == 4 * tensor.numel():
+            return os.dup(fd)
+    data = memoryview(tensor.numpy()).cast("B")
+    fd = os.memfd_create("nebula-tensor", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    try:
+        os.ftruncate(fd, data.nbytes)
+        off = 0
+        while off < data.nbytes:
+            off += os.pwrite(fd, data[off : off + _WRITE_PIECE], off)
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, FROZEN | fcntl.F_SEAL_SEAL)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def from_memfd(fd: int, numel: int, seals: int = FROZEN) -> torch.Tensor:
+    """The fp32 tensor of ``numel`` elements in memfd ``fd`` (mapped copy-on-write; ``fd`` is
+    closed). SharedMemoryError unless it is a memfd of exactly that size with ``seals`` set
+    (``numel`` is the receiver's checked size: the mapping is never larger)."""
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_size != 4 * numel:
+            raise SharedMemoryError(f"shared memory of {st.st_size} bytes for a tensor of {numel} "
+                            f"elements ({4 * numel} bytes)")
+        try:
+            fcntl.fcntl(fd, fcntl.F_GET_SEALS)
+        except OSError:
+            raise SharedMemoryError("the file descriptor sent for a tensor is not a memfd"
+                                    ) from None
+        if fcntl.fcntl(fd, fcntl.F_GET_SEALS) & seals != seals:
+            raise SharedMemoryError("shared memory that is not sealed against " + (
+                "writes and resizing" if seals & fcntl.F_SEAL_WRITE else "resizing"))
+        mm = mmap.mmap(fd, 4 * numel, flags=mmap.MAP_PRIVATE,
+                       prot=mmap.PROT_READ | mmap.PROT_WRITE)
+    finally:
+        os.close(fd)
+    return torch.frombuffer(mm, dtype=torch.float32)  # keeps the mapping alive

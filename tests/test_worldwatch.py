@@ -87,3 +87,19 @@ def test_no_watcher_and_no_abort_without_a_world_of_several_hosts() -> None:
     assert not worldwatch.abort("x", env={"NEBULA_NUM_NODES": "2"})
     assert not worldwatch.abort("x", env=world_env(port))  # nothing serves the store
     assert worldwatch.main(["bogus"]) == 2
+    assert worldwatch.main(["abort", "not-a-time", "x"]) == 2
+
+
+def test_an_earlier_worlds_abort_is_not_for_a_restarted_rank() -> None:
+    port = free_port()
+    store = master(port)
+    env = world_env(port)
+    assert worldwatch.abort("the old world's rank", env=env, failed_at=time.time() - 6)
+    proc = watcher(port, 4)  # started after that failure (a restarted world at the same port)
+    try:
+        out, err = proc.communicate(timeout=30)
+        assert proc.returncode == 0, err
+        assert "ended on its own" in out and "leaving" not in err
+    finally:
+        proc.kill()
+        del store

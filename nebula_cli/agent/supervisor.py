@@ -27,7 +27,7 @@ from typing import Any
 
 from nebula_cli.agent.leftovers import clear_world, remove_stale_locks
 from nebula_cli.agent.procs import pid_alive
-from nebula_cli.config.parts import AgentConfig
+from nebula_cli.config.parts import ABORT_EXIT, AgentConfig
 from nebula_cli.errors import NebulaError
 
 ACTIVE = ("STARTING", "RUNNING", "RESTARTING", "STOPPING")
@@ -35,8 +35,8 @@ POLL_S = 0.2
 LAST_OUTPUT_BYTES = 8192
 LAST_OUTPUT_CHARS = 300
 ENV_MARK = "NEBULA_AGENT_DIR"
-TELL_TIMEOUT = 20.0
-"""Longest wait for the helper that tells the cluster's other hosts a rank failed."""
+TELLER_MARK = "NEBULA_AGENT_TELLER"
+"""Marks the helper that tells a cluster's other hosts that a rank failed (agent dir)."""
 
 
 # -- small helpers ---------------------------------------------------------------------------
@@ -101,9 +101,9 @@ def signal_group(pgid: int | None, sig: int) -> bool:
     return True
 
 
-def marked_pids(agent_dir: Path) -> list[int]:
+def marked_pids(agent_dir: Path, name: str = ENV_MARK) -> list[int]:
     """Processes whose environment carries this agent's mark (escaped groups included)."""
-    mark = f"{ENV_MARK}={agent_dir}".encode()
+    mark = f"{name}={agent_dir}".encode()
     me = os.getpid()
     found = []
     for entry in Path("/proc").glob("[0-9]*"):
@@ -118,10 +118,10 @@ def marked_pids(agent_dir: Path) -> list[int]:
     return found
 
 
-def sweep(agent_dir: Path) -> list[int]:
-    """SIGKILL every process still carrying this agent's mark; the pids killed."""
+def sweep(agent_dir: Path, name: str = ENV_MARK) -> list[int]:
+    """SIGKILL every process still carrying this agent's mark (``name``); the pids killed."""
     killed = []
-    for pid in marked_pids(agent_dir):
+    for pid in marked_pids(agent_dir, name):
         try:
             os.kill(pid, signal.SIGKILL)
             killed.append(pid)
@@ -150,6 +150,7 @@ class Supervisor:
         self.config = AgentConfig.load(agent_dir / "agent.json")
         self.status_path = agent_dir / "status.json"
         self.procs: list[subprocess.Popen[bytes]] = []
+        self.tellers: list[subprocess.Popen[bytes]] = []
         self.pgid: int | None = None
         self.stop_requested = False
         self.status: dict[str, Any] = {
@@ -231,34 +232,35 @@ class Supervisor:
         first = self.config.processes[0].env if self.config.processes else {}
         return {**os.environ, **first}
 
-    def tell_world(self, reason: str) -> subprocess.Popen[bytes] | None:
+    def tell_world(self, reason: str) -> None:
         """A worker rank failed: tell the ranks of the cluster's other hosts to leave the world
-        at once (`nebula_cli.runtime.worldwatch`), so that none waits for this one."""
+        at once (`nebula_cli.runtime.worldwatch`), so that none waits for this one. The helper
+        runs on its own (it may have to wait for a slow rank 0 to serve the world's store, at
+        most worldwatch.TELL_WITHIN) and carries a mark of its own: `stop` ends it with the
+        rest, restarting the ranks does not."""
         env = self.rank_env()
-        if self.config.role != "worker" or int(env.get("NEBULA_NUM_NODES") or 1) < 2:
-            return None
+        if (self.config.role != "worker" or int(env.get("NEBULA_NUM_NODES") or 1) < 2
+                or env.get("NEBULA_NODE_RANK", "0") == "0"):
+            return  # no other host; or this host's rank 0 served the world's store, and the
+            # other hosts' ranks lose their connections to it when this host's ranks end
         env.pop("RANK", None)
+        env[TELLER_MARK] = str(self.dir)
         where = f"host {self.config.host} of cluster {self.config.cluster}"
         try:
-            return subprocess.Popen(
+            self.tellers.append(subprocess.Popen(
                 [sys.executable, "-m", "nebula_cli.runtime.worldwatch", "abort",
                  f"{time.time():.3f}", f"{where}: {reason}"],
                 cwd=self.config.cwd or None, env=env, stdin=subprocess.DEVNULL,
-                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        except OSError:
-            return None
+                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True))
+        except OSError as exc:
+            self.event("told-world", f"cannot tell the cluster's other hosts: {exc}")
 
-    def told(self, teller: subprocess.Popen[bytes] | None) -> None:
-        if teller is None:
-            return
-        try:
-            code = teller.wait(timeout=TELL_TIMEOUT)
-        except subprocess.TimeoutExpired:
-            teller.kill()
-            code = teller.wait()
-        self.event("told-world", "the cluster's other hosts were told to leave the world"
-                   if code == 0 else "the world's store could not be reached (its rank 0 is "
-                   "gone: the other hosts' ranks see that themselves)")
+    def reap_tellers(self) -> None:
+        for teller in [t for t in self.tellers if t.poll() is not None]:
+            self.tellers.remove(teller)
+            self.event("told-world", "the cluster's other hosts were told to leave the world"
+                       if teller.returncode == 0 else "the world's store was not reached (its "
+                       "rank 0 is gone: the other hosts' ranks see that themselves)")
 
     def clear_leftovers(self) -> None:
         """/dev/shm: DeepSpeed's buffers and checkpoint staging, once none of the world is left."""
@@ -305,9 +307,9 @@ class Supervisor:
                 rank, code = next(iter(failed.items()))
                 reason = f"rank {rank} {describe_exit(code)}{self.last_output(rank)}"
                 self.event("failed", reason)
-                teller = self.tell_world(reason)
+                if code != ABORT_EXIT:  # (a rank told to leave: its world knows)
+                    self.tell_world(reason)
                 self.end_group(self.config.grace)
-                self.told(teller)
                 codes = self.codes()
                 if self.status["restarts"] < max_restarts and not self.stop_requested:
                     self.save(state="RESTARTING", reason=reason, exit_codes=codes,
@@ -325,6 +327,7 @@ class Supervisor:
                 self.save(state="SUCCEEDED", exit_code=0, exit_codes=codes, ended=time.time())
                 self.event("succeeded", "all processes exited 0")
                 return 0
+            self.reap_tellers()
             time.sleep(POLL_S)
 
     def _sleep(self, seconds: float) -> bool:
@@ -434,7 +437,7 @@ def stop_all(agent_dirs: list[Path], grace: float | None, force: bool) -> list[d
         if is_agent_of(status.get("agent_pid"), d):
             os.kill(status["agent_pid"], signal.SIGKILL)
         signal_group(status.get("pgid"), signal.SIGKILL)
-        killed = sweep(d)
+        killed = sweep(d) + sweep(d, TELLER_MARK)
         with contextlib.suppress(NebulaError, OSError, ValueError):  # agent killed first
             config = AgentConfig.load(d / "agent.json")
             if config.processes and not group_alive(status.get("pgid")):

@@ -15,6 +15,9 @@ from pathlib import Path
 from nebula_cli.config import strict
 from nebula_cli.config.relay_config import AutoSteps, TlsFiles
 
+ABORT_EXIT = 75
+"""Exit status of a rank that left its world because another host's rank failed
+(`nebula_cli.runtime.worldwatch`); its agent does not tell the world again."""
 SYNC_CONFIG_ENV = "NEBULA_SYNC_CONFIG"
 """The environment variable that names a worker's sync.json."""
 SHM = Path("/dev/shm")

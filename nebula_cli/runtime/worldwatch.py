@@ -9,10 +9,11 @@ close can wait as long. The host agents cannot reach each other, but every rank 
 world's rendezvous store (the TCPStore that rank 0 serves at MASTER_ADDR:MASTER_PORT), and so
 can the failing host's agent:
 
-- the failing host's agent sets :data:`ABORT_KEY` in that store, the reason as its value
-  with the time the failure was seen (``python -m nebula_cli.runtime.worldwatch abort
-  FAILED_AT REASON``, the world's address from the ranks' environment), before it ends its own
-  ranks and restarts them or gives up;
+- the failing host's agent (unless it is the world's first host: its rank 0 served the store,
+  and the others lose their connections to it) sets :data:`ABORT_KEY` in that store, the reason
+  as its value with the time the failure was seen (``python -m nebula_cli.runtime.worldwatch
+  abort FAILED_AT REASON``, the world's address from the ranks' environment), before it ends its
+  own ranks and restarts them or gives up;
 - every rank of a world of two or more hosts watches the key from a daemon thread (started by
   the automatic hook when the script imports ``torch.distributed``, and by ``OuterSync``): once
   it is set by a failure seen after the rank started (:data:`STALE_S`), the rank prints the
@@ -35,11 +36,14 @@ import threading
 import time
 from collections.abc import Mapping
 
+from nebula_cli.config.parts import ABORT_EXIT
+
 ABORT_KEY = "nebula/abort"
-ABORT_EXIT = 75
-"""Exit status of a rank that left because another host's rank failed."""
 POLL_S = 1.0
 CONNECT_S = 5.0
+TELL_WITHIN = 60.0
+"""How long the failed host's agent keeps trying to reach a store that nobody serves yet (a
+rank that died at once, before rank 0 of a slower host started serving it)."""
 STALE_S = 2.0
 """An abort that happened more than this before a rank started is not for it: a world restarted
 after a failure (at least the agent's restart backoff, 5 s, later) may meet at the same
@@ -132,19 +136,27 @@ def _watch(addr: str, port: int) -> None:
         os._exit(ABORT_EXIT)
 
 
-def abort(reason: str, env: Mapping[str, str] | None = None, timeout: float = CONNECT_S,
+def abort(reason: str, env: Mapping[str, str] | None = None, *, within: float = 0.0,
           failed_at: float | None = None) -> bool:
     """Tell every rank of this environment's world to leave (``failed_at``: when the failure
-    was seen, time.time(); default now); False when there is no world of several hosts or its
-    store cannot be reached (rank 0 gone: the others see that anyway)."""
+    was seen, time.time(); default now), trying for ``within`` seconds while nothing serves the
+    store yet (rank 0 may still be starting). False when there is no world of several hosts or
+    its store could not be reached (rank 0 gone: the others see that anyway)."""
     world = _world(os.environ if env is None else env)
-    if world is None or not _serving(*world):  # (no torch import when nobody serves it)
+    if world is None:
         return False
-    try:
-        _store(*world, timeout).set(ABORT_KEY, f"{failed_at or time.time():.3f} {reason}".encode())
-    except Exception:
-        return False
-    return True
+    value = f"{failed_at or time.time():.3f} {reason}".encode()
+    deadline = time.monotonic() + within
+    while True:
+        if _serving(*world):  # (no torch import while nobody serves it)
+            try:
+                _store(*world, CONNECT_S).set(ABORT_KEY, value)
+                return True
+            except Exception:
+                pass
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(POLL_S)
 
 
 def _at(text: str) -> float:
@@ -162,7 +174,7 @@ def main(argv: list[str] | None = None) -> int:
         print("usage: python -m nebula_cli.runtime.worldwatch abort FAILED_AT REASON",
               file=sys.stderr)
         return 2
-    return 0 if abort(args[2], failed_at=_at(args[1])) else 1
+    return 0 if abort(args[2], failed_at=_at(args[1]), within=TELL_WITHIN) else 1
 
 
 if __name__ == "__main__":

@@ -27,6 +27,7 @@ from typing import Any
 
 from nebula_cli.agent.leftovers import clear_world, remove_stale_locks
 from nebula_cli.agent.procs import pid_alive
+from nebula_cli.agent.tunnel import revoke_dir
 from nebula_cli.config.parts import ABORT_EXIT, AgentConfig
 from nebula_cli.errors import NebulaError
 
@@ -438,6 +439,8 @@ def stop_all(agent_dirs: list[Path], grace: float | None, force: bool) -> list[d
             os.kill(status["agent_pid"], signal.SIGKILL)
         signal_group(status.get("pgid"), signal.SIGKILL)
         killed = sweep(d) + sweep(d, TELLER_MARK)
+        with contextlib.suppress(NebulaError, OSError):  # keys a killed relay left granted
+            revoke_dir(d)
         with contextlib.suppress(NebulaError, OSError, ValueError):  # agent killed first
             config = AgentConfig.load(d / "agent.json")
             if config.processes and not group_alive(status.get("pgid")):

@@ -123,21 +123,26 @@ def sync_summary(spec: JobSpec) -> str:
 
 
 def spec_summary(path: object, spec: JobSpec) -> str:
-    """What `validate` says of a valid spec: its size, which relay dials which (clusters with
-    `relay_reach: outbound` dial the others) and what each Slurm cluster asks for."""
+    """What `validate` says of a valid spec: its size, which relay dials which and through
+    what (`relay_reach`: an SSH tunnel to which host) and what each Slurm cluster asks for."""
     hosts = sum(c.node_count for c in spec.clusters)
     slots = sum(c.process_count for c in spec.clusters)
     lines = [f"[green]✓[/] {path} is valid: job [bold]{spec.name}[/], {len(spec.clusters)} "
              f"clusters, {hosts} hosts, {slots} processes"]
-    order = spec.dial_order
-    if spec.relay is not None and len(order) > 1:
-        lines.append("relays: " + ", ".join(f"{later} dials {earlier}" for i, later in
-                                            enumerate(order) for earlier in order[:i]))
+    if links := spec.links():
+        by_name = {c.name: c for c in spec.clusters}
+        lines.append("relays: " + ", ".join(
+            f"{link.dialer} dials {link.dialled}" + (
+                f" through an SSH tunnel to {by_name[link.dialled].ssh_host.host}"
+                if link.tunnel else "") for link in links))
         lines.append("sync: " + sync_summary(spec))
     for c in spec.clusters:
         if (request := c.slurm_request) is not None:
+            relay = "" if spec.relay is None else (
+                ", relay on the login node" if c.relay_on == "login" else
+                ", relay on the first node")
             lines.append(f"{c.name}: one Slurm job through {c.hosts[0].host}: {request.nodes} "
-                         f"node(s) x {request.ntasks_per_node} rank(s)")
+                         f"node(s) x {request.ntasks_per_node} rank(s){relay}")
     return "\n".join(lines)
 
 

@@ -12,9 +12,7 @@ defaults live.
 from __future__ import annotations
 
 import posixpath
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 from nebula_cli.config import strict
 from nebula_cli.config.checkpoint_paths import checkpoint_dir as checkpoint_dir
@@ -32,8 +30,28 @@ from nebula_cli.config.parts import (
     SyncConfig,
 )
 from nebula_cli.config.pipeline import device_id
-from nebula_cli.config.relay_config import AutoSteps, RelayConfig, ShapingConfig, TlsFiles
-from nebula_cli.config.spec import ClusterSpec, HostSpec, JobSpec
+from nebula_cli.config.plan_model import RELAY as RELAY  # re-exported: the plan's data
+from nebula_cli.config.plan_model import RELAY_RESTARTS as RELAY_RESTARTS
+from nebula_cli.config.plan_model import RUNTIME_HOOK_DIR as RUNTIME_HOOK_DIR
+from nebula_cli.config.plan_model import WORKER as WORKER
+from nebula_cli.config.plan_model import WORKER_RESTART_BACKOFF as WORKER_RESTART_BACKOFF
+from nebula_cli.config.plan_model import AgentPlan as AgentPlan
+from nebula_cli.config.plan_model import Certs as Certs
+from nebula_cli.config.plan_model import JobPlan as JobPlan
+from nebula_cli.config.plan_model import Ports as Ports
+from nebula_cli.config.plan_model import Site as Site
+from nebula_cli.config.plan_model import SshLogin as SshLogin
+from nebula_cli.config.plan_model import agent_dir as agent_dir
+from nebula_cli.config.plan_model import base_env as base_env
+from nebula_cli.config.plan_model import cert_names as cert_names
+from nebula_cli.config.plan_model import conn_of as conn_of
+from nebula_cli.config.plan_model import job_root_of as job_root_of
+from nebula_cli.config.plan_model import lib_dir as lib_dir
+from nebula_cli.config.plan_model import tls_files as tls_files
+from nebula_cli.config.relay_plan import auto_steps as auto_steps
+from nebula_cli.config.relay_plan import relay_addr, relay_agents, relay_socket
+from nebula_cli.config.relay_plan import relay_config as relay_config
+from nebula_cli.config.spec import ClusterSpec, JobSpec
 from nebula_cli.config.worlds import PIPELINE_WORLD as PIPELINE_WORLD
 from nebula_cli.config.worlds import interface_of as interface_of
 from nebula_cli.config.worlds import pipeline_env as pipeline_env
@@ -42,160 +60,6 @@ from nebula_cli.config.worlds import route_targets as route_targets
 from nebula_cli.config.worlds import site_key as site_key
 from nebula_cli.config.worlds import world_env as world_env
 from nebula_cli.config.worlds import world_of as world_of
-
-WORKER = "worker"
-RELAY = "relay"
-RELAY_RESTARTS = 3
-"""A relay is restarted this often at least: a cluster whose relay died rejoins and catches up."""
-RELAY_GRACE = 5.0
-"""Seconds a relay gets between SIGTERM and SIGKILL (it has no state worth saving)."""
-RELAY_RESTART_BACKOFF = 1.0
-WORKER_RESTART_BACKOFF = 5.0
-RUNTIME_HOOK_DIR = ("runtime", "autohook")
-"""Inside the nebula_cli package: the directory (only a sitecustomize) that a worker's
-PYTHONPATH starts with when the spec's runtime.auto is on (the automatic runtime hook)."""
-WORKER_SOCKET = "worker.sock"
-"""The relay's Unix socket for workers on its own host, in the relay's directory."""
-
-
-@dataclass(frozen=True)
-class Site:
-    """What a host's transport reports about it (see `Transport`)."""
-
-    conn: dict[str, Any]
-    """How to reach the host (`transport.describe`); kept in the state store."""
-    home: str
-    """Absolute path of nebula's directory on the host (jobs live in home/jobs)."""
-    address: str
-    """The address other hosts use for this one."""
-    bind: str
-    """The address services on this host listen on."""
-    python: str
-    """The interpreter processes run under."""
-    shares_files: bool
-    """The host sees this machine's files at the same paths: the workdir is used in place."""
-    interface: str | None = None
-    """The interface the host reaches the rest of its DeepSpeed world through (asked of hosts
-    of multi-host worlds whose spec names none: see `route_targets`); GLOO/NCCL_SOCKET_IFNAME."""
-
-
-@dataclass(frozen=True)
-class Ports:
-    """Ports found free on the hosts that listen."""
-
-    masters: dict[str, int]
-    """DeepSpeed world (a cluster's name, or PIPELINE_WORLD) -> rendezvous port of its rank 0."""
-    relays: dict[str, tuple[int, int]]
-    """cluster -> (peer port, worker port) of its relay."""
-
-
-@dataclass(frozen=True)
-class Certs:
-    """The job's PEM files, as bytes: the CA certificate and one pair per relay and host."""
-
-    ca: bytes
-    relays: dict[str, tuple[bytes, bytes]]
-    """cluster -> (certificate, key) of its relay."""
-    workers: dict[str, tuple[bytes, bytes]]
-    """"cluster/host" -> (certificate, key) of that host's workers."""
-
-
-@dataclass(frozen=True, eq=False)
-class AgentPlan:
-    """One agent to start: a role (worker or relay) on one host of one cluster (hashed by
-    identity: fan-outs key their results by it)."""
-
-    cluster: str
-    host: str
-    role: str
-    node_rank: int
-    slots: int
-    conn: dict[str, Any]
-    job_root: str
-    """The job's directory on that host."""
-    config: AgentConfig
-    files: dict[str, bytes] = field(default_factory=dict)
-    """Files to write beside agent.json (mode 0600), relative to the agent's directory."""
-    uploads: dict[str, str] = field(default_factory=dict)
-    """Local directory -> where it goes on the host (empty when the host shares our files)."""
-    tensorboard: str | None = None
-    """Where this host writes its cluster's TensorBoard run (spec: metrics.tensorboard)."""
-
-    @property
-    def agent_dir(self) -> str:
-        return agent_dir(self.job_root, self.cluster, self.host, self.role)
-
-    @property
-    def key(self) -> str:
-        return f"{self.cluster}/{self.host}/{self.role}"
-
-    def __str__(self) -> str:
-        return self.key
-
-    @property
-    def logs(self) -> dict[str, str]:
-        """rank (or role name) -> log path relative to the agent dir."""
-        return {p.name: p.log for p in self.config.processes}
-
-    @property
-    def metrics(self) -> dict[str, str]:
-        """rank (or role name) -> metrics path relative to the agent dir."""
-        return {p.name: p.metrics for p in self.config.processes if p.metrics}
-
-
-@dataclass(frozen=True)
-class JobPlan:
-    """Every agent of a job, relays first (workers find them running)."""
-
-    job_id: str
-    agents: tuple[AgentPlan, ...]
-
-    def role(self, role: str) -> list[AgentPlan]:
-        return [a for a in self.agents if a.role == role]
-
-    @property
-    def hosts(self) -> list[AgentPlan]:
-        """One agent per host that runs workers: where provisioning happens."""
-        return self.role(WORKER)
-
-
-def agent_dir(job_root: str, cluster: str, host: str, role: str) -> str:
-    return posixpath.join(job_root, cluster, host, role)
-
-
-def cert_names(role: str) -> tuple[str, str, str]:
-    """Where a role's PEM files go, relative to its agent dir: the job's CA certificate, the
-    role's certificate and key (the plan writes them there; its TLS paths point there)."""
-    return "certs/ca.pem", f"certs/{role}.pem", f"certs/{role}.key"
-
-
-def _tls(adir: str, role: str) -> TlsFiles:
-    ca, cert, key = (posixpath.join(adir, name) for name in cert_names(role))
-    return TlsFiles(ca=ca, cert=cert, key=key)
-
-
-def lib_dir(job_root: str) -> str:
-    """Where the nebula_cli package is uploaded on a host that does not share our files."""
-    return posixpath.join(job_root, "lib")
-
-
-def _conn(site: Site, job_root: str) -> dict[str, Any]:
-    """The site's connection, with where nebula_cli lives when it is uploaded."""
-    if site.shares_files:
-        return dict(site.conn)
-    return {**site.conn, "pythonpath": lib_dir(job_root)}
-
-
-def base_env(site: Site, job_root: str) -> dict[str, str]:
-    """So that `python` in a command is the site's, and nebula_cli is importable there; a
-    process that dies in native code (SIGSEGV, SIGABRT) leaves every thread's Python stack in
-    its log (the spec's `env` can say otherwise)."""
-    env: dict[str, str] = {"PYTHONUNBUFFERED": "1", "PYTHONFAULTHANDLER": "1"}
-    if posixpath.isabs(site.python):  # the agent puts it first on PATH
-        env["NEBULA_PATH_PREPEND"] = posixpath.dirname(site.python)
-    if not site.shares_files:
-        env["PYTHONPATH"] = lib_dir(job_root)
-    return env
 
 
 def runtime_hook_dir(site: Site, job_root: str) -> str:
@@ -228,7 +92,7 @@ def without_runtime_hook(env: dict[str, str]) -> dict[str, str]:
 def build_plan(spec: JobSpec, job_id: str, *, sites: dict[str, Site], ports: Ports,
                certs: Certs | None) -> JobPlan:
     """The whole plan of a job (pure). `certs` is required when the spec has a relay."""
-    relays = _relay_agents(spec, job_id, sites, ports, certs)
+    relays = relay_agents(spec, job_id, sites, ports, certs)
     workers = _worker_agents(spec, job_id, sites, ports, certs)
     return JobPlan(job_id=job_id, agents=tuple(relays + workers))
 
@@ -267,7 +131,7 @@ def _worker_agents(spec: JobSpec, job_id: str, sites: dict[str, Site], ports: Po
             if spec.relay is not None:
                 assert certs is not None  # build_plan's contract
                 sync = sync_config(spec, job_id, cluster, adir,
-                                   relay_addr=_relay_addr(spec, cluster, sites, ports),
+                                   relay_addr=relay_addr(spec, cluster, sites, ports),
                                    relay_socket=relay_socket(job_root, cluster, host),
                                    checkpoint=checkpoint_settings(spec, job_id, job_root,
                                                                   cluster, host))
@@ -306,33 +170,10 @@ def _worker_agents(spec: JobSpec, job_id: str, sites: dict[str, Site], ports: Po
             uploads = {} if site.shares_files or shared else {spec.workdir: cwd}
             plans.append(AgentPlan(
                 cluster=cluster.name, host=host.host, role=WORKER, node_rank=node_rank,
-                slots=host.slots, conn=_conn(site, job_root), job_root=job_root,
+                slots=host.slots, conn=conn_of(site, job_root), job_root=job_root,
                 config=config, files=files, uploads=uploads,
                 tensorboard=sinks.tensorboard_dir if sinks is not None else None))
     return plans
-
-
-def _gateway_site(cluster: ClusterSpec, sites: dict[str, Site]) -> Site:
-    return sites[site_key(cluster, cluster.gateway_host)]
-
-
-def _relay_addr(spec: JobSpec, cluster: ClusterSpec, sites: dict[str, Site],
-                ports: Ports) -> str:
-    """host:port where the cluster's workers reach their relay."""
-    return f"{_gateway_site(cluster, sites).address}:{ports.relays[cluster.name][1]}"
-
-
-def relay_socket(job_root: str, cluster: ClusterSpec, host: HostSpec) -> str | None:
-    """The Unix socket where workers on `host` reach their relay without TLS when `host` runs
-    it (the cluster's gateway; `job_root`: the job's directory there), else None."""
-    gateway = cluster.gateway_host.host
-    return (posixpath.join(agent_dir(job_root, cluster.name, gateway, RELAY), WORKER_SOCKET)
-            if host.host == gateway else None)
-
-
-def job_root_of(site: Site, job_id: str) -> str:
-    """The job's directory on a host."""
-    return posixpath.join(site.home, "jobs", job_id)
 
 
 def sync_config(spec: JobSpec, job_id: str, cluster: ClusterSpec, adir: str, *,
@@ -345,87 +186,8 @@ def sync_config(spec: JobSpec, job_id: str, cluster: ClusterSpec, adir: str, *,
     sync, comp = relay.sync, relay.compression
     return SyncConfig(
         job_id=job_id, cluster=cluster.name, relay_addr=relay_addr, relay_socket=relay_socket,
-        tls=_tls(adir, WORKER), mode=sync.mode, inner_steps=sync.first_inner_steps,
+        tls=tls_files(adir, WORKER), mode=sync.mode, inner_steps=sync.first_inner_steps,
         every_s=sync.every, auto_steps=auto_steps(spec), outer_lr=sync.outer_lr,
         outer_momentum=sync.outer_momentum, nesterov=sync.nesterov, overlap=sync.overlap,
         overlap_steps=sync.overlap_steps, codec=comp.codec,
         error_feedback=comp.error_feedback, round_timeout=relay.timeout, checkpoint=checkpoint)
-
-
-def auto_steps(spec: JobSpec) -> AutoSteps | None:
-    """How the relays choose H with ``inner_steps: auto`` (None: a fixed H, or time-based)."""
-    sync = spec.relay.sync if spec.relay is not None else None
-    if sync is None or not sync.auto:
-        return None
-    return AutoSteps(target_utilization=sync.target_utilization,
-                     min_steps=sync.min_inner_steps, max_steps=sync.max_inner_steps,
-                     overlap=sync.overlap)
-
-
-def _relay_agents(spec: JobSpec, job_id: str, sites: dict[str, Site], ports: Ports,
-                  certs: Certs | None) -> list[AgentPlan]:
-    """One relay agent per cluster, on its gateway, with relay.json and its certificates."""
-    if spec.relay is None:
-        return []
-    assert certs is not None  # build_plan's contract
-    plans = []
-    for cluster in spec.clusters:
-        gateway = cluster.gateway_host
-        site = _gateway_site(cluster, sites)
-        job_root = job_root_of(site, job_id)
-        adir = agent_dir(job_root, cluster.name, gateway.host, RELAY)
-        node_rank = [h.host for h in cluster.hosts].index(gateway.host)
-        env = {"NEBULA_JOB_ID": job_id, "NEBULA_CLUSTER": cluster.name,
-               "NEBULA_HOST": gateway.host, **base_env(site, job_root)}
-        config = AgentConfig(
-            job_id=job_id, cluster=cluster.name, host=gateway.host, role=RELAY, cwd=adir,
-            grace=RELAY_GRACE, max_restarts=max(spec.max_restarts, RELAY_RESTARTS),
-            restart_backoff=RELAY_RESTART_BACKOFF,
-            processes=[ProcessConfig(
-                name="relay",
-                argv=[site.python, "-m", "nebula_cli.relay",
-                      "--config", posixpath.join(adir, "relay.json")],
-                env=env, log="logs/relay.log", metrics="metrics/relay.jsonl")])
-        cert, key = certs.relays[cluster.name]
-        relay_json = relay_config(spec, job_id, cluster, adir, ports, sites)
-        files = {"relay.json": strict.dumps(relay_json),
-                 **dict(zip(cert_names(RELAY), (certs.ca, cert, key), strict=True))}
-        plans.append(AgentPlan(
-            cluster=cluster.name, host=gateway.host, role=RELAY, node_rank=node_rank, slots=1,
-            conn=_conn(site, job_root), job_root=job_root, config=config, files=files))
-    return plans
-
-
-def relay_config(spec: JobSpec, job_id: str, cluster: ClusterSpec, adir: str, ports: Ports,
-                 sites: dict[str, Site]) -> RelayConfig:
-    """The relay's part of the plan (relay.json) for `cluster`."""
-    relay = spec.relay
-    assert relay is not None
-
-    def dial_address(c: ClusterSpec) -> str:
-        return c.relay_address or _gateway_site(c, sites).address
-
-    bind = _gateway_site(cluster, sites).bind
-    peer_port, worker_port = ports.relays[cluster.name]
-    shaping = relay.shaping
-    return RelayConfig(
-        job_id=job_id,
-        cluster=cluster.name,
-        clusters=spec.dial_order,
-        peer_listen=f"{bind}:{peer_port}",
-        worker_listen=f"{bind}:{worker_port}",
-        worker_socket=posixpath.join(adir, WORKER_SOCKET),
-        peers={c.name: f"{dial_address(c)}:{ports.relays[c.name][0]}"
-               for c in spec.clusters if c.name != cluster.name},
-        tls=_tls(adir, RELAY),
-        codec=relay.compression.codec,
-        error_feedback=relay.compression.error_feedback,
-        block_size=relay.compression.block_size,
-        density=relay.compression.density, bits=relay.compression.bits,
-        auto_steps=auto_steps(spec), round_timeout=relay.timeout,
-        heartbeat=relay.heartbeat, dead_after=relay.dead_after,
-        shaping=ShapingConfig(rate_mbit=shaping.rate_mbit if shaping else None,
-                              delay_ms=shaping.delay_ms if shaping else 0.0),
-        status_file=posixpath.join(adir, "relay-status.json"),
-        metrics_file=posixpath.join(adir, "metrics", "relay.jsonl"),
-    )

@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 import copy
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import yaml
 from pydantic import (
@@ -22,15 +22,12 @@ from pydantic import (
     model_validator,
 )
 
-from nebula_cli.config import pipeline, specfile
+from nebula_cli.config import pipeline, reach, specfile
 from nebula_cli.config import yaml_positions as yp
+from nebula_cli.config.cluster import ClusterSpec
 from nebula_cli.config.fields import (
     EnvDict,
-    HostName,
-    Interface,
-    Jump,
     Name,
-    Program,
     redact_env,
 )
 from nebula_cli.config.hosts import MAX_SLOTS, HostSpec
@@ -56,118 +53,6 @@ __all__ = [
 
 MAX_PROCESSES = 65536
 """Most processes (slots) of one job."""
-
-
-RESERVED_CLUSTER_NAMES = frozenset({"lib", "work", "pki"})
-"""Names of what a job's directory holds beside its clusters' directories."""
-
-
-class ClusterSpec(SpecModel):
-    """A group of hosts with a fast network between them: one DeepSpeed world, one relay."""
-
-    name: Name
-    """Cluster name: 1-32 of a-z, 0-9, '-', '_', starting with a letter or digit."""
-    transport: Literal["local", "ssh"] = "ssh"
-    """How commands reach the hosts: 'ssh', or 'local' (processes on this machine)."""
-    hosts: list[HostSpec]
-    """The cluster's hosts; at least one."""
-    gateway: HostName | None = None
-    """The `host` of the host that runs the cluster's relay. Default: the first host."""
-    jump: Jump | None = None
-    """Bastion for SSH: [user@]host[:port] or an ssh_config alias. Default: none."""
-    python: Program = "python3"
-    """Interpreter on the hosts (local transport: sys.executable unless set explicitly)."""
-    interface: Interface | None = None
-    """Network interface for GLOO_SOCKET_IFNAME/NCCL_SOCKET_IFNAME on every host."""
-    env: EnvDict = Field(default_factory=dict, repr=False)
-    """Environment merged over the job's `env` for this cluster."""
-    relay_address: HostName | None = None
-    """Address other clusters' relays dial. Default: the gateway's address, else its host."""
-    max_restarts: int | None = Field(None, ge=0)
-    """Restarts after a failure for this cluster's hosts (a flaky or preemptible site may
-    need more). Default: the job's `max_restarts`."""
-    relay_reach: Literal["inbound", "outbound"] = "inbound"
-    """'inbound': other clusters' relays can dial this one. 'outbound': its relay can only
-    dial out (compute nodes, VMs behind a firewall or NAT): it dials every other cluster."""
-    scheduler: Literal["none", "slurm"] = "none"
-    """'none': the hosts run the workers. 'slurm': the one host is the login node of a Slurm
-    cluster; one batch job (see `slurm`) holds the nodes that run the workers."""
-    slurm: SlurmSpec | None = None
-    """What to ask Slurm for (scheduler: slurm)."""
-
-    @field_validator("name")
-    @classmethod
-    def _not_reserved(cls, name: str) -> str:
-        if name in RESERVED_CLUSTER_NAMES:
-            raise ValueError(f"cluster name {name!r} is reserved (a job directory on each host "
-                             f"holds {', '.join(sorted(RESERVED_CLUSTER_NAMES))} beside the "
-                             "clusters' directories); choose another")
-        return name
-
-    @field_validator("hosts")
-    @classmethod
-    def _some_hosts(cls, hosts: list[HostSpec]) -> list[HostSpec]:
-        if not hosts:
-            raise ValueError("a cluster needs at least one host")
-        return hosts
-
-    @model_validator(mode="after")
-    def _check_hosts(self) -> ClusterSpec:
-        problems: list[tuple[PathKey, str]] = []
-        seen: dict[tuple[str, int | None], int] = {}
-        for i, host in enumerate(self.hosts):
-            first = seen.setdefault((host.host, host.port), i)
-            if first != i:
-                port = f" port {host.port}" if host.port else ""
-                problems.append((("hosts", i), f"duplicate host {host.host!r}{port} "
-                                               f"(already hosts[{first}])"))
-        names = [h.host for h in self.hosts]
-        if self.scheduler == "slurm" and len(self.hosts) > 1:
-            problems.append((("hosts",), f"a Slurm cluster has one host, its login node "
-                                         f"(the nodes come from the allocation): found "
-                                         f"{len(self.hosts)} ({', '.join(names)})"))
-        if self.scheduler == "slurm" and self.gateway is not None:
-            problems.append((("gateway",), "a Slurm cluster's relay runs on the first node of "
-                                           "its allocation: remove `gateway`"))
-        if self.slurm is not None and self.scheduler != "slurm":
-            problems.append((("slurm",), "`slurm:` needs `scheduler: slurm` in this cluster"))
-        if self.gateway is not None and self.gateway not in names:
-            problems.append((("gateway",), f"gateway {self.gateway!r} is not one of this "
-                                           f"cluster's hosts: {', '.join(names)}"))
-        if problems:
-            raise problems_error(problems)
-        return self
-
-    @property
-    def node_count(self) -> int:
-        """The hosts that run workers: the allocation's nodes on a Slurm cluster."""
-        request = self.slurm_request
-        return len(self.hosts) if request is None else request.nodes
-
-    @property
-    def process_count(self) -> int:
-        """The cluster's DeepSpeed ranks."""
-        request = self.slurm_request
-        return sum(h.slots for h in self.hosts) if request is None else \
-            request.nodes * request.ntasks_per_node
-
-    @property
-    def slurm_request(self) -> SlurmSpec | None:
-        """What to ask Slurm for (its defaults when `slurm:` is absent), or None."""
-        if self.scheduler != "slurm":
-            return None
-        return self.slurm or SlurmSpec()
-
-    @property
-    def gateway_host(self) -> HostSpec:
-        """The host that runs this cluster's relay."""
-        wanted = self.gateway or self.hosts[0].host
-        return next(h for h in self.hosts if h.host == wanted)
-
-    @property
-    def effective_relay_address(self) -> str:
-        """The address other clusters' relays dial."""
-        return self.relay_address or self.gateway_host.reach_address
 
 
 class RuntimeSpec(SpecModel):
@@ -293,13 +178,8 @@ class JobSpec(SpecModel):
             problems += self._check_pipeline()
         if self.min_clusters is not None:
             problems += self._check_min_clusters()
-        outbound = [i for i, c in enumerate(self.clusters) if c.relay_reach == "outbound"]
-        if self.relay is not None and len(outbound) > 1:
-            names = " and ".join(self.clusters[i].name for i in outbound[:2])
-            problems.append((("clusters", outbound[1], "relay_reach"), f"{names} both have "
-                             "relay_reach: outbound: neither relay can dial the other (relays "
-                             "cannot meet through an SSH tunnel yet); give one of them an "
-                             "address the other can reach (relay_address)"))
+        if self.relay is not None and len(self.clusters) > 1:
+            problems += reach.problems(self.clusters)
         if problems:
             raise problems_error(problems)
         return self
@@ -381,9 +261,12 @@ class JobSpec(SpecModel):
 
     @property
     def dial_order(self) -> list[str]:
-        """The clusters as their relays connect: each dials those before it, so clusters
-        that accept connections come first (spec order otherwise)."""
-        return [c.name for c in sorted(self.clusters, key=lambda c: c.relay_reach == "outbound")]
+        """The clusters as their relays connect: each dials those before it (`reach`)."""
+        return reach.dial_order(self.clusters)
+
+    def links(self) -> list[reach.Link]:
+        """Which relay dials which, and whether through an SSH tunnel (`reach.links`)."""
+        return reach.links(self.clusters) if self.relay is not None else []
 
     def problem_at(self, path: tuple[str | int, ...], message: str) -> SpecError:
         """A SpecError at `path` of the spec file (where it was written, when the file is

@@ -12,7 +12,7 @@ from nebula_cli.config.pipeline import device_id
 from nebula_cli.config.spec import ClusterSpec, HostSpec, JobSpec
 
 if TYPE_CHECKING:
-    from nebula_cli.config.jobplan import Site
+    from nebula_cli.config.plan_model import Site
 
 PIPELINE_WORLD = "*pipeline*"
 """The key of the one DeepSpeed world of a pipelined job in `Ports.masters`."""

@@ -167,7 +167,7 @@ def expand(spec: JobSpec, allocs: dict[str, Allocation]) -> JobSpec:
             continue
         hosts = [HostSpec(host=n, address=a, slots=request.ntasks_per_node)
                  for n, a in alloc.nodes.items()]
-        clusters.append(c.model_copy(update={"hosts": hosts}))
+        clusters.append(c.with_nodes(hosts))
     return spec.model_copy(update={"clusters": clusters})
 
 

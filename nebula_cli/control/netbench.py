@@ -61,7 +61,8 @@ from nebula_cli.transport import Transport
 
 VERSION = 1
 PACKAGE_DIR = Path(__file__).resolve().parent.parent
-PROBE_FILES = ("__init__.py", "errors.py", "pki/__init__.py", "pki/certs.py", "pki/tls.py",
+PROBE_FILES = ("__init__.py", "errors.py", "pki/__init__.py", "pki/certs.py", "pki/sshkeys.py",
+               "pki/tls.py",
                "relay/__init__.py", "relay/wire.py",
                "relay/probe.py")  # what `python -m nebula_cli.relay.probe` imports
 PINGS = 200

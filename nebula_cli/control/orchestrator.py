@@ -7,8 +7,6 @@ transport); it never signals a worker itself. Status, stop and logs live in `job
 from __future__ import annotations
 
 import contextlib
-import dataclasses
-import datetime as dt
 import json
 import posixpath
 import signal
@@ -19,15 +17,15 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from nebula_cli import pki
 from nebula_cli.config import jobplan, strict
 from nebula_cli.config.jobplan import AgentPlan, JobPlan
-from nebula_cli.config.spec import ClusterSpec, HostSpec, JobSpec, spec_of_record
+from nebula_cli.config.spec import HostSpec, JobSpec, spec_of_record
 from nebula_cli.control import allocations
 from nebula_cli.control.allocations import Allocation
 from nebula_cli.control.fanout import GroupError, fanout
 from nebula_cli.control.hostcheck import HostCheck, bootstrap, check_host, require_python
 from nebula_cli.control.jobs import JobOps, JobSnapshot, StopReport, job_state
+from nebula_cli.control.planning import AGENT_TIMEOUT, HostFacts, describe_host
 from nebula_cli.control.state import END_STATES, HostRecord, JobRecord
 from nebula_cli.errors import (
     LaunchError,
@@ -37,13 +35,12 @@ from nebula_cli.errors import (
     UsageError,
 )
 from nebula_cli.scheduler import slurm
-from nebula_cli.transport import Transport, describe, machine_key
+from nebula_cli.transport import Transport, machine_key
 
 __all__ = ["JobSnapshot", "Orchestrator", "StopReport", "job_state"]
 
 SETUP_TIMEOUT = 3600.0
 PACKAGE_DIR = Path(__file__).resolve().parent.parent
-AGENT_TIMEOUT = 60.0
 CANCEL_STOP_TIMEOUT = 6.0
 """Seconds a cancelled launch gives its hosts' agents to stop (the command ends within 10 s)."""
 
@@ -58,7 +55,7 @@ def _quiet(_: str) -> None:
     pass
 
 
-class Orchestrator(JobOps):
+class Orchestrator(JobOps, HostFacts):
     """Carries out commands on a job's hosts. Close it to release its connections."""
 
     # -- launch -----------------------------------------------------------------------------
@@ -231,7 +228,7 @@ class Orchestrator(JobOps):
 
         def submit(name: str) -> Allocation:
             c = clusters[name]
-            login = _describe(c, c.hosts[0], home)
+            login = describe_host(c, c.hosts[0], home)
             t = self.transport(login)
             require_python(t, c.name, c.hosts[0].host)
             return allocations.submit(t, login, spec, c, job_id, lambda root: _upload_lib(
@@ -249,68 +246,6 @@ class Orchestrator(JobOps):
         allocations.record(job_dir, running)
         self.store.set_job_state(job_id, "PENDING", reason="")
         return running
-
-    def sites(self, spec: JobSpec, conns: dict[str, dict[str, Any]] | None = None
-              ) -> dict[str, jobplan.Site]:
-        """What every host's transport reports (connecting to remote hosts to learn it);
-        `conns`: how to reach hosts the spec does not say (a Slurm allocation's nodes)."""
-        home = str(self.store.home)
-        entries = {jobplan.site_key(c, h): (c, h) for c in spec.clusters for h in c.hosts}
-
-        def site(key: str) -> jobplan.Site:
-            cluster, host = entries[key]
-            conn = (conns or {}).get(key) or _describe(cluster, host, home)
-            t = self.transport(conn)
-            require_python(t, cluster.name, host.host)
-            return jobplan.Site(conn=conn, home=t.home, address=host.address or t.address,
-                                bind=t.bind_address, python=t.python,
-                                shares_files=t.shares_files)
-
-        return fanout(list(entries), site, timeout=AGENT_TIMEOUT, cancel=self.abort)
-
-    def routes(self, spec: JobSpec, sites: dict[str, jobplan.Site]) -> dict[str, jobplan.Site]:
-        """The sites, with the interface each host of a multi-host world reaches its peers
-        through where the spec names none (asked of the hosts: `Transport.route_interface`)."""
-        targets = jobplan.route_targets(spec, sites)
-        found = fanout(list(targets), lambda k: self.transport(sites[k].conn).route_interface(
-            targets[k]), timeout=AGENT_TIMEOUT, cancel=self.abort) if targets else {}
-        return {k: dataclasses.replace(s, interface=found[k]) if k in found else s
-                for k, s in sites.items()}
-
-    def ports(self, spec: JobSpec, sites: dict[str, jobplan.Site]) -> jobplan.Ports:
-        """Rendezvous ports of every DeepSpeed world and the relays' ports, from the hosts."""
-        def port(c: ClusterSpec, h: HostSpec, preferred: int | None) -> int:
-            return self.transport(sites[jobplan.site_key(c, h)].conn).listen_port(preferred)
-
-        masters = {world: port(c, h, None)
-                   for world, (c, h) in jobplan.rendezvous_hosts(spec).items()}
-        relays = {}
-        if spec.relay is not None:
-            for c in spec.clusters:
-                relays[c.name] = (port(c, c.gateway_host, spec.relay.port),
-                                  port(c, c.gateway_host, spec.relay.effective_worker_port))
-        return jobplan.Ports(masters=masters, relays=relays)
-
-    def plan(self, spec: JobSpec, job_id: str, *, renew: bool = False,
-             conns: dict[str, dict[str, Any]] | None = None) -> JobPlan:
-        """The job's plan: what the hosts report, the job's certificates (issued, or with
-        ``renew`` re-issued from the job's CA key when it has one), then `build_plan`."""
-        sites = self.routes(spec, self.sites(spec, conns))
-        ports = self.ports(spec, sites)
-        certs = None
-        if spec.relay is not None:
-            pki_dir = self.store.job_dir(job_id) / "pki"
-            valid_for = dt.timedelta(days=spec.lifetime_days)
-            issued = pki.renew_job_pki(pki_dir, valid_for=valid_for) \
-                if renew and (pki_dir / "ca.key").is_file() else pki.issue_job_pki(
-                    job_id, {c.name: [h.host for h in c.hosts] for c in spec.clusters},
-                    pki_dir, valid_for=valid_for)
-            certs = jobplan.Certs(
-                ca=issued.ca_cert.read_bytes(),
-                relays={c.name: _pair(issued.relay(c.name)) for c in spec.clusters},
-                workers={jobplan.site_key(c, h): _pair(issued.worker(c.name, h.host))
-                         for c in spec.clusters for h in c.hosts})
-        return jobplan.build_plan(spec, job_id, sites=sites, ports=ports, certs=certs)
 
     def _provision_host(self, spec: JobSpec, agent: AgentPlan, progress: Progress,
                         transfer: Transfer | None = None) -> None:
@@ -380,7 +315,7 @@ class Orchestrator(JobOps):
         def check(key: str) -> HostCheck:
             cluster, host = entries[key]
             try:
-                t = self.transport(_describe(cluster, host, home))
+                t = self.transport(describe_host(cluster, host, home))
             except NebulaError as exc:
                 return HostCheck(cluster.name, host.host, host.slots, error=str(exc))
             found = check_host(t, cluster.name, host.host, host.slots)
@@ -417,13 +352,6 @@ class Orchestrator(JobOps):
             fanout(list(groups), stop_group, timeout=grace + timeout, cancel=self.abort)
 
 
-def _describe(cluster: ClusterSpec, host: HostSpec, home: str) -> dict[str, Any]:
-    """The spec's way to reach `host`, as transport data."""
-    return describe(cluster.transport, name=host.host, home=home, host=host.host,
-                    user=host.user, port=host.port, key=host.key, jump=cluster.jump,
-                    python=cluster.python)
-
-
 @contextlib.contextmanager
 def _sigint_deferred() -> Iterator[None]:
     """Ctrl-C ignored meanwhile (main thread only): a cleanup cut short leaves processes
@@ -455,10 +383,6 @@ def _upload_lib(t: Transport, job_root: str, bar: Callable[[str], Any],
     lib = posixpath.join(jobplan.lib_dir(job_root), "nebula_cli")
     n, _ = t.upload_tree(str(PACKAGE_DIR), lib, ["__pycache__", "*.pyc"], bar("nebula_cli"))
     progress(f"{t.name}: nebula_cli uploaded ({n} files changed)")
-
-
-def _pair(pair: pki.CertPair) -> tuple[bytes, bytes]:
-    return pair.cert.read_bytes(), pair.key.read_bytes()
 
 
 def _logged(progress: Progress, path: Path) -> Progress:

@@ -6,6 +6,7 @@ signed by it whose SAN URI ``nebula://<job_id>/<role>/<cluster>/<name>`` says wh
 
 - `certs`: issuing, reopening, renewing and dating a job's certificates (files 0600/0700;
   ``ca.key`` never leaves the launching machine).
+- `sshkeys`: the SSH keys of the relays' tunnels (one per tunnel and attempt).
 - `tls`: TLS 1.3 contexts with mutual authentication, and the peer checks after a handshake.
 """
 
@@ -27,6 +28,7 @@ from nebula_cli.pki.certs import (
     needs_renewal_warning,
     renew_job_pki,
 )
+from nebula_cli.pki.sshkeys import ssh_keypair
 from nebula_cli.pki.tls import (
     HANDSHAKE_TIMEOUT,
     check_peer,
@@ -59,6 +61,7 @@ __all__ = [
     "peer_identity",
     "renew_job_pki",
     "server_context",
+    "ssh_keypair",
     "wrap_client",
     "wrap_server",
 ]

@@ -170,6 +170,11 @@ class Transport(ABC):
     def exists(self, remote: str) -> bool:
         """Whether a path exists on the host."""
 
+    def ssh_login(self) -> tuple[str, int, str] | None:
+        """(user, port, "<key type> <base64>") of the host's sshd as this transport reached
+        and verified it, for SSH tunnels other hosts open to it; None when not over SSH."""
+        return None
+
     def route_interface(self, address: str) -> str:
         """The network interface this host reaches `address` through (see `routes`)."""
         result = self.run([self.python, "-c", ROUTE_PY, address], timeout=60)

@@ -191,6 +191,10 @@ class SSHTransport(SFTPFiles, Transport):
         except ValueError as exc:
             raise TransportError(f"cannot find a free port: {result}", host=self.name) from exc
 
+    def ssh_login(self) -> tuple[str, int, str]:
+        key = self._connection().get_remote_server_key()  # verified at the handshake
+        return self.target.user, self.target.port, f"{key.get_name()} {key.get_base64()}"
+
     @property
     def connection(self) -> paramiko.Transport | None:
         """The open paramiko connection, or None before first use / after close()."""

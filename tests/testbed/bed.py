@@ -562,7 +562,7 @@ class TestBed:
             f"ListenAddress {host.address}:{host.ssh_port}",
             f"HostKey {hdir / 'ssh_host_ed25519_key'}",
             f"PidFile {hdir / 'sshd.pid'}",
-            f"AuthorizedKeysFile {self.user_key}.pub",
+            f"AuthorizedKeysFile {self.user_key}.pub {self.authorized_keys(host.name)}",
             "StrictModes no", "PermitRootLogin prohibit-password", "PubkeyAuthentication yes",
             "PasswordAuthentication no", "KbdInteractiveAuthentication no", "UsePAM no",
             "X11Forwarding no", "AllowTcpForwarding yes", "PrintMotd no", "PrintLastLog no",
@@ -572,6 +572,11 @@ class TestBed:
                if self.slurm and host.name == self.slurm.login.name else ""),
             "Subsystem sftp internal-sftp", "",
         ]))
+
+    def authorized_keys(self, host: str) -> Path:
+        """A second AuthorizedKeysFile of the host's sshd, empty unless a test writes it (all
+        hosts share root's home: a spec's `authorized_keys` names this file instead)."""
+        return self.dir / host / "authorized_keys"
 
     def _sshd_pid(self, host: Host) -> int | None:
         with contextlib.suppress(OSError, ValueError):
@@ -748,6 +753,11 @@ class TestBed:
                   self._rates.items() if rate != self.rate_mbit]
         if self.slurm is not None and not self._cut:
             found += self.slurm.leaks()
+        for host in self.hosts.values():
+            with contextlib.suppress(FileNotFoundError):
+                if lines := self.authorized_keys(host.name).read_text().splitlines():
+                    found.append(f"{len(lines)} key line(s) left in {host.name}'s "
+                                 f"{self.authorized_keys(host.name).name}")
         return found
 
     def reset(self) -> None:
@@ -761,6 +771,8 @@ class TestBed:
             self.restore(host)
         for host in sorted(self._stopped):
             self.start_sshd(host)
+        for name in self.hosts:
+            self.authorized_keys(name).unlink(missing_ok=True)
         changed = {c for pair, r in self._rates.items() if r != self.rate_mbit for c in pair}
         for pair in self._rates:
             self._rates[pair] = self.rate_mbit

@@ -1,0 +1,184 @@
+"""A cluster in the spec: its hosts, how they are reached, and how its relay meets the others'.
+
+Re-exported by `nebula_cli.config.spec`; each field's default is defined here, once.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Annotated, Literal
+
+from pydantic import AfterValidator, Field, PrivateAttr, field_validator, model_validator
+
+from nebula_cli.config.fields import EnvDict, HostName, Interface, Jump, Name, Program
+from nebula_cli.config.hosts import HostSpec
+from nebula_cli.config.scheduler import SlurmSpec
+from nebula_cli.config.sections import SpecModel
+from nebula_cli.config.yaml_positions import PathKey, problems_error
+
+RESERVED_CLUSTER_NAMES = frozenset({"lib", "work", "pki"})
+"""Names of what a job's directory holds beside its clusters' directories."""
+_REMOTE_PATH = re.compile(r"^(?:~/|/)[A-Za-z0-9._/+@%-]{0,1000}$")
+
+
+def _remote_path(value: str) -> str:
+    if not _REMOTE_PATH.match(value) or "/../" in f"{value}/":
+        raise ValueError(f"expected an absolute path or one starting with ~/ (letters, digits, "
+                         f"'.', '_', '/', '+', '@', '%', '-'; no '..'), found {value!r}")
+    return value
+
+
+RemotePath = Annotated[str, AfterValidator(_remote_path)]
+
+
+class ClusterSpec(SpecModel):
+    """A group of hosts with a fast network between them: one DeepSpeed world, one relay."""
+
+    name: Name
+    """Cluster name: 1-32 of a-z, 0-9, '-', '_', starting with a letter or digit."""
+    transport: Literal["local", "ssh"] = "ssh"
+    """How commands reach the hosts: 'ssh', or 'local' (processes on this machine)."""
+    hosts: list[HostSpec]
+    """The cluster's hosts; at least one."""
+    gateway: HostName | None = None
+    """The `host` of the host that runs the cluster's relay. Default: the first host."""
+    jump: Jump | None = None
+    """Bastion for SSH: [user@]host[:port] or an ssh_config alias. Default: none."""
+    python: Program = "python3"
+    """Interpreter on the hosts (local transport: sys.executable unless set explicitly)."""
+    interface: Interface | None = None
+    """Network interface for GLOO_SOCKET_IFNAME/NCCL_SOCKET_IFNAME on every host."""
+    env: EnvDict = Field(default_factory=dict, repr=False)
+    """Environment merged over the job's `env` for this cluster."""
+    relay_address: HostName | None = None
+    """Address other clusters' relays dial (with relay_reach: ssh, the address their hosts SSH
+    to). Default: the gateway's address, else its host."""
+    max_restarts: int | None = Field(None, ge=0)
+    """Restarts after a failure for this cluster's hosts (a flaky or preemptible site may
+    need more). Default: the job's `max_restarts`."""
+    relay_reach: Literal["inbound", "outbound", "ssh"] = "inbound"
+    """How the relays meet this cluster's. 'inbound': other clusters' relays can dial its relay
+    port. 'outbound': nothing reaches its relay port, but it can dial out (compute nodes, VMs
+    behind a firewall or NAT): it dials every other cluster. 'ssh': its relay can neither be
+    dialled nor dial out, but its host accepts SSH (only port 22 open): the other relays reach
+    it through an SSH tunnel to that host (see `authorized_keys`)."""
+    relay_on: Literal["node", "login"] = "node"
+    """Slurm clusters: where the relay runs: 'node' (the allocation's first node) or 'login'
+    (the login node, usually reachable where compute nodes are not)."""
+    authorized_keys: RemotePath = "~/.ssh/authorized_keys"
+    """The file this cluster's sshd reads its user's keys from (its AuthorizedKeysFile; on a
+    Slurm cluster, on the shared home). Only used when other relays reach this one through an
+    SSH tunnel: each tunnel's key is added there for as long as the relay runs, limited to
+    forwarding to the relay's port, with the job's certificates' expiry time."""
+    scheduler: Literal["none", "slurm"] = "none"
+    """'none': the hosts run the workers. 'slurm': the one host is the login node of a Slurm
+    cluster; one batch job (see `slurm`) holds the nodes that run the workers."""
+    slurm: SlurmSpec | None = None
+    """What to ask Slurm for (scheduler: slurm)."""
+
+    _login: HostSpec | None = PrivateAttr(None)
+
+    @field_validator("name")
+    @classmethod
+    def _not_reserved(cls, name: str) -> str:
+        if name in RESERVED_CLUSTER_NAMES:
+            raise ValueError(f"cluster name {name!r} is reserved (a job directory on each host "
+                             f"holds {', '.join(sorted(RESERVED_CLUSTER_NAMES))} beside the "
+                             "clusters' directories); choose another")
+        return name
+
+    @field_validator("hosts")
+    @classmethod
+    def _some_hosts(cls, hosts: list[HostSpec]) -> list[HostSpec]:
+        if not hosts:
+            raise ValueError("a cluster needs at least one host")
+        return hosts
+
+    @model_validator(mode="after")
+    def _check_hosts(self) -> ClusterSpec:
+        problems: list[tuple[PathKey, str]] = []
+        seen: dict[tuple[str, int | None], int] = {}
+        for i, host in enumerate(self.hosts):
+            first = seen.setdefault((host.host, host.port), i)
+            if first != i:
+                port = f" port {host.port}" if host.port else ""
+                problems.append((("hosts", i), f"duplicate host {host.host!r}{port} "
+                                               f"(already hosts[{first}])"))
+        names = [h.host for h in self.hosts]
+        if self.scheduler == "slurm" and len(self.hosts) > 1:
+            problems.append((("hosts",), f"a Slurm cluster has one host, its login node "
+                                         f"(the nodes come from the allocation): found "
+                                         f"{len(self.hosts)} ({', '.join(names)})"))
+        if self.scheduler == "slurm" and self.gateway is not None:
+            problems.append((("gateway",), "a Slurm cluster's relay runs on the first node of "
+                                           "its allocation (or, with relay_on: login, on its "
+                                           "login node): remove `gateway`"))
+        if self.relay_on == "login" and self.scheduler != "slurm":
+            problems.append((("relay_on",), "relay_on: login is for Slurm clusters (scheduler: "
+                                            "slurm); here the relay runs on the `gateway` host"))
+        if self.relay_reach == "ssh" and self.transport != "ssh":
+            problems.append((("relay_reach",), "relay_reach: ssh needs transport: ssh (the other "
+                                               "relays reach this one through its host's sshd)"))
+        if self.slurm is not None and self.scheduler != "slurm":
+            problems.append((("slurm",), "`slurm:` needs `scheduler: slurm` in this cluster"))
+        if self.gateway is not None and self.gateway not in names:
+            problems.append((("gateway",), f"gateway {self.gateway!r} is not one of this "
+                                           f"cluster's hosts: {', '.join(names)}"))
+        if problems:
+            raise problems_error(problems)
+        return self
+
+    @property
+    def node_count(self) -> int:
+        """The hosts that run workers: the allocation's nodes on a Slurm cluster."""
+        request = self.slurm_request
+        return len(self.hosts) if request is None else request.nodes
+
+    @property
+    def process_count(self) -> int:
+        """The cluster's DeepSpeed ranks."""
+        request = self.slurm_request
+        return sum(h.slots for h in self.hosts) if request is None else \
+            request.nodes * request.ntasks_per_node
+
+    @property
+    def slurm_request(self) -> SlurmSpec | None:
+        """What to ask Slurm for (its defaults when `slurm:` is absent), or None."""
+        if self.scheduler != "slurm":
+            return None
+        return self.slurm or SlurmSpec()
+
+    @property
+    def login_host(self) -> HostSpec | None:
+        """A Slurm cluster's login node (its one host as written, kept by `with_nodes`);
+        None for other clusters."""
+        if self.scheduler != "slurm":
+            return None
+        return self._login or self.hosts[0]
+
+    def with_nodes(self, hosts: list[HostSpec]) -> ClusterSpec:
+        """This Slurm cluster with an allocation's nodes as its hosts, its login node kept."""
+        out = self.model_copy(update={"hosts": hosts})
+        out._login = self.login_host
+        return out
+
+    @property
+    def gateway_host(self) -> HostSpec:
+        """The host that runs this cluster's relay: `gateway` (default: the first host); on a
+        Slurm cluster the allocation's first node, or with relay_on: login the login node."""
+        login = self.login_host
+        if login is not None and self.relay_on == "login":
+            return login
+        wanted = self.gateway or self.hosts[0].host
+        return next(h for h in self.hosts if h.host == wanted)
+
+    @property
+    def ssh_host(self) -> HostSpec:
+        """The host other relays open an SSH tunnel to (relay_reach: ssh): a Slurm cluster's
+        login node, else the relay's host."""
+        return self.login_host or self.gateway_host
+
+    @property
+    def effective_relay_address(self) -> str:
+        """The address other clusters' relays dial."""
+        return self.relay_address or self.gateway_host.reach_address

@@ -159,13 +159,13 @@ def test_cluster_behind_a_firewall_dials_out_and_trains(ssh_cli: CLI, bed_clean:
 
 
 def quick_spec(tmp_path: Path, bed: TestBed, clusters: dict[str, list[str]],
-               **changes: dict[str, Any]) -> Path:
+               name: str = "sshjob", **changes: dict[str, Any]) -> Path:
     """The quickstart model over the bed's SSH hosts, 20 steps, a sync every 10; `changes`
     are set on the named clusters."""
     quick = yaml.safe_load((REPO / "templates" / "quickstart.yaml").read_text())
     relay = {**quick["relay"], "shaping": {"rate_mbit": None, "delay_ms": 10}}
     relay["sync"]["inner_steps"] = 10
-    path = ssh_spec(tmp_path, bed, clusters=clusters, relay=relay,
+    path = ssh_spec(tmp_path, bed, clusters=clusters, relay=relay, name=name,
                     run="python -u train.py --steps 20 --eval-every 10 --log-every 5",
                     workdir=REPO / "examples" / "gpt", deepspeed="ds_config.json")
     spec = yaml.safe_load(path.read_text())
@@ -215,6 +215,43 @@ def test_a_cluster_reached_only_by_ssh_trains_through_a_tunnel(
     wait_for(lambda: not _ssh_clients(bed, "e1") and "nebula-tunnel" not in keys.read_text(),
              timeout=60)
     wait_for(lambda: job_processes(job_id) == [], timeout=30)
+
+
+@pytest.mark.testbed
+def test_validate_hosts_says_which_way_each_pair_connects(
+        ssh_cli: CLI, bed_clean: TestBed, tmp_path: Path) -> None:
+    bed = bed_clean
+    clusters = {"west": ["w1"], "east": ["e1"], "north": ["n1"]}
+    plain = quick_spec(tmp_path, bed, clusters)  # east dials west directly: the firewall drops it
+    fixed = quick_spec(tmp_path, bed, clusters, "fixed", west={
+        "relay_reach": "ssh", "authorized_keys": str(bed.authorized_keys("w1"))})
+    with firewall(bed, "w1", outbound=True):
+        refused = ssh_cli("validate", "--hosts", str(plain), timeout=300)
+        accepted = ssh_cli("validate", "--hosts", str(fixed), timeout=300)
+    assert refused.returncode == 1, refused.stdout + refused.stderr
+    rows = _rows(refused.stdout)
+    assert rows["west - east"][:4] == ["✗ no answer in 5 s", "✗ no answer in 5 s",
+                                       "✗ no answer in 5 s", "✓ sshd OpenSSH_9.2p1"]
+    assert rows["west - east"][4] == "east dials west: fails"
+    assert rows["east - north"][:2] == ["✓ connected", "✓ connected"]
+    err = " ".join(refused.stderr.split())
+    assert ("east cannot reach west to west's relay port: no answer in 5 s" in err
+            and "every pair would connect with west: relay_reach: ssh" in err), err
+    assert accepted.returncode == 0, accepted.stdout + accepted.stderr
+    assert _rows(accepted.stdout)["west - east"][4] == \
+        "east dials west through an SSH tunnel: works"
+    assert "all 3 hosts ready, every pair of relays can connect" in accepted.stdout
+    assert not bed.authorized_keys("w1").exists()  # nothing granted by a check
+
+
+def _rows(table: str) -> dict[str, list[str]]:
+    """The reach table's rows: pair -> its cells."""
+    rows = {}
+    for line in table.splitlines():
+        cells = [c.strip() for c in line.split("│")]
+        if len(cells) == 6 and " - " in cells[0]:
+            rows[cells[0]] = cells[1:]
+    return rows
 
 
 def _ended(cli: CLI, job_id: str) -> str | None:

@@ -20,6 +20,7 @@ from nebula_cli import __version__, pki
 from nebula_cli.cli.live import print_line, watch
 from nebula_cli.cli.netbench_render import bench_matrix, bench_progress
 from nebula_cli.cli.planner_render import advisor_table, placement_progress, placement_table
+from nebula_cli.cli.reach_render import reach_problems, reach_table
 from nebula_cli.cli.report import copy_tensorboard, make_report
 from nebula_cli.cli.ui import (
     cluster_colors,
@@ -34,6 +35,7 @@ from nebula_cli.config.spec import JobSpec, load_spec
 from nebula_cli.control.dryrun import measure
 from nebula_cli.control.netbench import run_bench, write_report
 from nebula_cli.control.orchestrator import Orchestrator
+from nebula_cli.control.reachcheck import check_reach
 from nebula_cli.control.state import END_STATES, StateStore
 from nebula_cli.errors import (
     EXIT_FAILED,
@@ -125,14 +127,19 @@ def validate(
         return
     with _store() as store, Orchestrator(store, accept_new_host_keys=accept_new) as orch:
         checks = orch.check_hosts(spec)
+        ready = all(c.ok for c in checks)
+        reach = check_reach(orch, spec) if ready and spec.links() else None
     out.print(host_checks_table(checks))
-    bad = [c for c in checks if not c.ok]
+    bad = [f"{c.cluster}/{c.host}: {'; '.join(c.problems)}" for c in checks if not c.ok]
+    if reach is not None:
+        out.print(reach_table(reach), *(f"[dim]{note}[/]" for note in reach.notes))
+        bad += reach_problems(reach)
+    for problem in bad:
+        err.print(f"[bold red]error:[/] {problem}", markup=True)
     if bad:
-        for c in bad:
-            err.print(f"[bold red]{c.cluster}/{c.host}:[/] {'; '.join(c.problems)}",
-                      markup=True)
         raise typer.Exit(EXIT_FAILED)
-    out.print(f"[green]✓[/] all {len(checks)} hosts ready")
+    out.print(f"[green]✓[/] all {len(checks)} hosts ready"
+              + (", every pair of relays can connect" if reach is not None else ""))
 
 
 @app.command()

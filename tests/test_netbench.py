@@ -256,7 +256,7 @@ def refused(port: int) -> bool:
 def test_plain_probe_opens_only_with_a_ticket_from_tls(tmp_path: Path) -> None:
     """The plain port is bound only while a TLS-authenticated measurement holds it open; a
     plain connection needs a one-time ticket, and before it nothing large is read."""
-    from nebula_cli.relay import probe as probe_mod
+    from nebula_cli.relay import probe_client as probe_mod
     from nebula_cli.relay.wire import HEADER, MAGIC, WIRE_VERSION, Frame, FrameType, send_frame
 
     issued = pki.issue_job_pki("netbench-t", {"east": [], "west": []}, tmp_path / "pki",

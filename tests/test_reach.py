@@ -254,6 +254,31 @@ def _rows(table: str) -> dict[str, list[str]]:
     return rows
 
 
+@pytest.mark.testbed
+@pytest.mark.slow
+def test_bench_network_measures_through_the_tunnel(
+        ssh_cli: CLI, bed_clean: TestBed, tmp_path: Path) -> None:
+    bed = bed_clean
+    keys = bed.authorized_keys("w1")
+    spec_path = quick_spec(tmp_path, bed, {"west": ["w1"], "east": ["e1"]},
+                           west={"relay_reach": "ssh", "authorized_keys": str(keys)})
+    out = tmp_path / "net.json"
+    with firewall(bed, "w1", outbound=True):
+        proc = ssh_cli("bench-network", str(spec_path), "--duration", "1", "--streams", "2",
+                       "--output", str(out), timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    report = json.loads(out.read_text())
+    assert [(p["a"], p["b"]) for p in report["pairs"]] == [("west", "east"), ("east", "west")]
+    for pair in report["pairs"]:  # both ways over connections east opens, through the tunnel
+        assert "error" not in pair and pair["dialer"] == "east", pair
+        assert pair["path"] == "ssh tunnel" and pair["throughput_mbit"] > 1, pair
+        assert pair["plain_throughput_mbit"] > 1 and 0 < pair["rtt_ms"] < 50, pair
+    assert "dialled by east, through an SSH tunnel" in proc.stdout
+    assert "w1: the run's tunnel keys let in" in proc.stderr
+    assert not keys.read_text().strip() and not _ssh_clients(bed, "e1")
+    assert not (REMOTE_JOBS.parent / "netbench" / report["run"]).exists()
+
+
 def _ended(cli: CLI, job_id: str) -> str | None:
     state = json.loads(cli("status", job_id, "--json", check=True).stdout)["state"]
     return state if state not in ("PENDING", "QUEUED", "RUNNING") else None

@@ -21,7 +21,6 @@ from test_ssh_transport import SSHD, Sshd, descendants, free_port, start_sshd
 
 from nebula_cli.agent import authkeys
 from nebula_cli.config import strict
-from nebula_cli.config.plan_model import Certs
 from nebula_cli.config.relay_plan import grant_line
 from nebula_cli.config.tunnel_config import TunnelConfig, TunnelDial, TunnelGrant
 from nebula_cli.pki import ssh_keypair
@@ -116,8 +115,8 @@ def _config(tmp_path: Path, server: Sshd, keys: Path, targets: dict[str, int]
         key.chmod(0o600)
         local[peer] = free_port()
         tag = f"nebula-tunnel:job-t:{peer}>here"
-        grant.append(TunnelGrant(peer=peer, authorized_keys=str(keys), tag=tag, line=grant_line(
-            f"127.0.0.1:{port}", public, tag, Certs(ca=b"", relays={}, workers={}))))
+        grant.append(TunnelGrant(peer=peer, authorized_keys=str(keys), tag=tag,
+                                 line=grant_line([f"127.0.0.1:{port}"], public, tag, None)))
         dial.append(TunnelDial(peer=peer, listen=f"127.0.0.1:{local[peer]}",
                                target=f"127.0.0.1:{port}", host="127.0.0.1", port=server.port,
                                user="root", key=str(key), known_hosts=str(tmp_path /

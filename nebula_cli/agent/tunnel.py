@@ -1,6 +1,7 @@
 """A relay with its SSH tunnels: relays that cannot dial each other meet through `ssh -N -L`.
 
     python -m nebula_cli.agent.tunnel run --config tunnels.json -- CMD...   # the relay inside
+    python -m nebula_cli.agent.tunnel grant AGENT_DIR...                    # keys in (bench)
     python -m nebula_cli.agent.tunnel revoke AGENT_DIR...                   # a job's keys out
 
 Where `reach` says that a pair of clusters' relays meets through a tunnel (the dialled one has
@@ -158,6 +159,11 @@ def revoke(cfg: TunnelConfig) -> list[str]:
     return changed
 
 
+def grant_dir(agent_dir: Path) -> None:
+    """What `grant` adds for a directory's tunnels.json (bench-network's probe servers)."""
+    grant(TunnelConfig.load(agent_dir / "tunnels.json"))
+
+
 def revoke_dir(agent_dir: Path) -> list[str]:
     """What `revoke` removes for a relay's agent directory (nothing when it has no tunnels)."""
     path = agent_dir / "tunnels.json"
@@ -214,9 +220,19 @@ def main(argv: list[str] | None = None) -> int:
     start = sub.add_parser("run", help="run CMD with the config's tunnels and grants")
     start.add_argument("--config", type=Path, required=True)
     start.add_argument("cmd", nargs=argparse.REMAINDER)
+    add = sub.add_parser("grant", help="add the tunnel keys of each directory's tunnels.json")
+    add.add_argument("dirs", type=Path, nargs="+")
     out = sub.add_parser("revoke", help="remove the tunnel keys of each agent directory")
     out.add_argument("dirs", type=Path, nargs="+")
     args = parser.parse_args(argv)
+    if args.command == "grant":
+        try:
+            for d in args.dirs:
+                grant_dir(d)
+        except (NebulaError, OSError) as exc:
+            say(f"cannot add tunnel keys: {exc}")
+            return 1
+        return 0
     if args.command == "revoke":
         for d in args.dirs:
             for path in revoke_dir(d):

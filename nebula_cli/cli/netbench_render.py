@@ -75,10 +75,18 @@ def bench_matrix(report: dict[str, Any]) -> Group:
         table.add_row(Text(a, style=colors[a]), *(_cell(cells.get((a, b))) for b in names))
     hosts = Text("\n".join(
         f"{r['a']} -> {r['b']}: {r['src_host']} ({r['src_addr']}) -> {r['dst_host']} "
-        f"({r['dst_addr']})" + (f"  failed: {r['error']}" if r.get("error") else "")
+        f"({r['dst_addr']})" + _path(r) + (f"  failed: {r['error']}" if r.get("error") else "")
         for r in [*report["pairs"], *(i["intra"] for i in report["clusters"].values()
                                        if i.get("intra"))]), style="dim")
     return Group(table, hosts)
+
+
+def _path(row: dict[str, Any]) -> str:
+    """How the connections went: opened by the receiving side, through an SSH tunnel."""
+    by = row.get("dialer")
+    how = [f"dialled by {by}"] if by and by != row["a"] else []
+    how += ["through an SSH tunnel"] if row.get("path") == "ssh tunnel" else []
+    return f" ({', '.join(how)})" if how else ""
 
 
 @contextmanager

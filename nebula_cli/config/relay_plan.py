@@ -5,6 +5,7 @@ and, for pairs of clusters whose relays meet through an SSH tunnel (`reach`), th
 
 from __future__ import annotations
 
+import datetime as dt
 import posixpath
 
 from nebula_cli.config import strict
@@ -177,14 +178,15 @@ def tunnel_links(spec: JobSpec) -> list[Link]:
     return [link for link in spec.links() if link.tunnel]
 
 
-def grant_line(target: str, public_key: str, tag: str, certs: Certs) -> str:
-    """The authorized_keys line of one tunnel: forwarding to `target` and nothing else (no
-    shell, no pty, no agent or X11 forwarding, no remote listening), refused after the job's
-    certificates expire."""
-    options = ["restrict", "port-forwarding", f'permitopen="{target}"',
+def grant_line(targets: list[str], public_key: str, tag: str,
+               expires: dt.datetime | None) -> str:
+    """The authorized_keys line of one tunnel: forwarding to `targets` and nothing else (no
+    shell, no pty, no agent or X11 forwarding, no remote listening), refused after `expires`
+    (the job's certificates' end)."""
+    options = ["restrict", "port-forwarding", *(f'permitopen="{t}"' for t in targets),
                f'permitlisten="{TUNNEL_LISTEN_LOCK}"', 'command="/bin/false"']
-    if certs.expires is not None:
-        options.append(f'expiry-time="{certs.expires:%Y%m%d%H%M}Z"')
+    if expires is not None:
+        options.append(f'expiry-time="{expires.astimezone(dt.UTC):%Y%m%d%H%M}Z"')
     return f"{','.join(options)} {public_key} {tag}"
 
 
@@ -215,7 +217,8 @@ def tunnel_config(spec: JobSpec, job_id: str, cluster: ClusterSpec, adir: str,
             tag = f"{job_tag(job_id)}{link.key}"
             grant.append(TunnelGrant(
                 peer=link.dialer, authorized_keys=cluster.authorized_keys,
-                line=grant_line(tunnel_target(cluster, sites, ports), public, tag, certs),
+                line=grant_line([tunnel_target(cluster, sites, ports)], public, tag,
+                                certs.expires),
                 tag=tag))
     if not dial and not grant:
         return None, {}

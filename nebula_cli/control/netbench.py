@@ -1,13 +1,18 @@
 """`nebula bench-network`: latency and throughput between clusters, as the relay would see them.
 
-For every ordered pair of clusters (gateway to gateway, both directions) and, with `intra`, from
-the first to the second host of each cluster: round trips of small frames (median and p95) and
+For every pair of clusters (gateway to gateway, both directions) and, with `intra`, from the
+first to the second host of each cluster: round trips of small frames (median and p95) and
 `streams` parallel connections sending for `duration` seconds, over the relay's transport (wire
 frames on mutual TLS 1.3 with a throwaway per-run PKI, sockets tuned as the relay tunes them)
-and over plain TCP for comparison. Probes (`python -m nebula_cli.relay.probe`) run on the hosts
-through their transports: a server on each destination, the measurer on the source; pairs run
-one after another so that they do not share a link. Every probe is ended and every file removed
-afterwards, also when something failed.
+and over plain TCP for comparison. Both directions go over connections opened the way the
+job's relays open theirs (`reach.links`): the cluster that dials runs the measurer, which
+sends (one direction) or has the server send (`--reverse`, the other); where the relays meet
+through an SSH tunnel, so does the measurer (`netbench_tunnels`: a throwaway key let into the
+dialled host for the probe's two ports while the run lasts). Probes (`python -m
+nebula_cli.relay.probe`) run on the hosts through their transports: a server on each dialled
+gateway, the measurer on the dialling one; pairs run one after another so that they do not
+share a link. Every probe, tunnel and key is ended and every file removed afterwards, also when
+something failed.
 
 On each host the run lives in `<nebula home>/netbench/<run id>/<cluster>/<host>/`: the probe's
 few modules (lib/nebula_cli), ca.pem, cert.pem and key.pem (0600; the relay pair on a gateway, a
@@ -24,8 +29,10 @@ Report (`run_bench` returns it, `write_report` writes it as JSON, `load_report` 
      "clusters": {"<name>": {"intra": PAIR | null}},   # null: not asked, or one host only
      "errors": ["east/e1: ...", ...]}           # empty when every measurement succeeded
 
-    PAIR = {"a": src cluster, "b": dst cluster, "src_host", "dst_host",
-            "src_addr", "dst_addr",             # the source's address; the address dialed
+    PAIR = {"a": src cluster, "b": dst cluster, "src_host", "dst_host",   # the data's way
+            "src_addr", "dst_addr",             # their addresses (the dialled one: as dialled)
+            "dialer": cluster,                  # whose side opened the connections
+            "path": "direct" | "ssh tunnel",
             "measured": ISO 8601 time,
             "rtt_ms", "rtt_p95_ms",             # TLS round trip of a 64-byte frame: median, p95
             "throughput_mbit",                  # TLS, all streams, bytes as received, Mbit/s
@@ -47,13 +54,24 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
-from itertools import permutations
 from pathlib import Path
 from typing import Any
 
 from nebula_cli import pki
+from nebula_cli.config import reach, strict
 from nebula_cli.config.spec import ClusterSpec, JobSpec
 from nebula_cli.control.fanout import GroupError, fanout
+from nebula_cli.control.netbench_tunnels import (
+    TUNNEL_FILES,
+    TUNNEL_MODULE,
+    WAIT,
+    BenchTunnel,
+    dial_files,
+    grant_config,
+    new_tunnel,
+    two_free_ports,
+    wrap,
+)
 from nebula_cli.control.orchestrator import Orchestrator
 from nebula_cli.errors import NebulaError, TransportError, UsageError
 from nebula_cli.relay.probe import MODULE as PROBE_MODULE
@@ -64,7 +82,7 @@ PACKAGE_DIR = Path(__file__).resolve().parent.parent
 PROBE_FILES = ("__init__.py", "errors.py", "pki/__init__.py", "pki/certs.py", "pki/sshkeys.py",
                "pki/tls.py",
                "relay/__init__.py", "relay/wire.py",
-               "relay/probe.py")  # what `python -m nebula_cli.relay.probe` imports
+               "relay/probe.py", "relay/probe_client.py")  # what the probe imports
 PINGS = 200
 PROBE_CERT_LIFETIME = dt.timedelta(days=1)
 """The probes' certificates: a measurement lasts minutes."""
@@ -106,16 +124,30 @@ class Node:
 
 @dataclass(frozen=True)
 class Pair:
+    """One measurement: `src` (the dialling side, where the measurer runs) dials `dst` (the
+    probe server) as its relay would; data flows src -> dst, or dst -> src when `reverse`."""
+
     src: Node
     dst: Node
     intra: bool
+    reverse: bool = False
+    tunnel: bool = False
+    """Through an SSH tunnel to dst's host (`reach`)."""
 
     @property
     def target(self) -> str:
         return self.dst.address if self.intra else self.dst.dial
 
+    @property
+    def flow(self) -> tuple[Node, Node]:
+        """(sender, receiver)."""
+        return (self.dst, self.src) if self.reverse else (self.src, self.dst)
+
     def __str__(self) -> str:
-        return f"{self.src} -> {self.dst}"
+        a, b = self.flow
+        how = " through an SSH tunnel" if self.tunnel else ""
+        return f"{a} -> {b}" + (f" (dialled by {self.src.cluster}{how})" if self.reverse or
+                                self.tunnel else "")
 
 
 def _quiet(*_: object) -> None:
@@ -126,17 +158,28 @@ def run_id() -> str:
     return f"netbench-{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(2)}"
 
 
-def plan_pairs(spec: JobSpec, intra: bool) -> tuple[list[tuple[str, str, str, str]], list[str]]:
-    """[(src cluster, src host, dst cluster, dst host)] to measure, and notes on what is not."""
+Planned = tuple[str, str, str, str, bool, bool]
+"""(dialling cluster, its host, dialled cluster, its host, reverse, tunnel)."""
+
+
+def plan_pairs(spec: JobSpec, intra: bool) -> tuple[list[Planned], list[str]]:
+    """What to measure, and notes on what is not: both directions of every pair of clusters'
+    gateways, over a connection the side that dials (`reach.links`) opens, directly or
+    through an SSH tunnel, in the order of the clusters' pairs; with `intra`, the first to
+    the second host of each cluster."""
     gates = {c.name: c.gateway_host.host for c in spec.clusters}
-    pairs = [(a, gates[a], b, gates[b]) for a, b in permutations(gates, 2)]
+    order = list(gates)
+    pairs: list[Planned] = sorted(
+        [(lk.dialer, gates[lk.dialer], lk.dialled, gates[lk.dialled], reverse, lk.tunnel)
+         for lk in reach.links(spec.clusters) for reverse in (False, True)],
+        key=lambda p: [order.index(c) for c in ((p[2], p[0]) if p[4] else (p[0], p[2]))])
     notes = []
     if intra:
         for c in spec.clusters:
             if len(c.hosts) < 2:
                 notes.append(f"{c.name}: one host, nothing to measure inside it")
             else:
-                pairs.append((c.name, c.hosts[0].host, c.name, c.hosts[1].host))
+                pairs.append((c.name, c.hosts[0].host, c.name, c.hosts[1].host, False, False))
     if not pairs:
         raise UsageError("nothing to measure: the spec has one cluster"
                          + ("" if intra else " (add --intra to measure inside it)"))
@@ -151,7 +194,7 @@ def _nodes(orch: Orchestrator, spec: JobSpec, wanted: set[tuple[str, str]],
     for c in spec.clusters:
         hosts = [h for h in c.hosts if (c.name, h.host) in wanted]
         if hosts:
-            clusters.append(c.model_copy(update={"hosts": hosts}))
+            clusters.append(c.model_copy(update={"hosts": hosts, "gateway": None}))
     sites = orch.sites(spec.model_copy(update={"clusters": clusters}))
     nodes = {}
     for c in clusters:
@@ -175,20 +218,26 @@ class Bench:
         self.run = run_id()
         self.errors: list[str] = []
         self.servers: dict[Node, dict[str, int]] = {}
+        self.tunnels: dict[tuple[Node, Node], BenchTunnel] = {}
+        self.server_ports: dict[Node, tuple[int, int]] = {}
+        """Fixed (TLS, plain) ports of probe servers that tunnels lead to."""
 
     def transport(self, node: Node) -> Transport:
         return self.orch.transport(node.conn)
 
-    def probe(self, node: Node, *args: str, timeout: float) -> dict[str, Any]:
-        """Run the probe on `node`; its one JSON line, or TransportError naming the host."""
+    def probe(self, node: Node, *args: str, timeout: float,
+              tunnel: BenchTunnel | None = None) -> dict[str, Any]:
+        """Run the probe on `node` (inside `tunnel`'s keeper when given); its JSON line, or
+        TransportError naming the host."""
         t = self.transport(node)
         argv = [node.conn["python"], "-m", PROBE_MODULE, args[0], "--run", self.run, *args[1:]]
+        if tunnel is not None:
+            argv = wrap(node.conn["python"], node.dir, tunnel, argv)
         result = t.run(argv, env={"PYTHONPATH": posixpath.join(node.dir, "lib")}, cwd=node.dir,
                        timeout=timeout)
-        lines = result.stdout.strip().splitlines()
-        if result.ok and lines:
+        for line in reversed(result.stdout.strip().splitlines() if result.ok else []):
             with contextlib.suppress(ValueError):
-                reply = json.loads(lines[-1])
+                reply = json.loads(line)
                 if isinstance(reply, dict):
                     return reply
         raise TransportError(f"probe {args[0]} failed: {result}", host=str(node))
@@ -199,17 +248,48 @@ class Bench:
         pair = issued.relay(node.cluster) if node.relay else issued.worker(node.cluster,
                                                                              node.host)
         lib = posixpath.join(node.dir, "lib", "nebula_cli")
-        for rel in PROBE_FILES:
+        for rel in (*PROBE_FILES, *TUNNEL_FILES):
             t.put_bytes((PACKAGE_DIR / rel).read_bytes(), posixpath.join(lib, rel))
         t.put_bytes(issued.ca_cert.read_bytes(), posixpath.join(node.dir, "ca.pem"))
         t.put_bytes(pair.cert.read_bytes(), posixpath.join(node.dir, "cert.pem"))
         t.put_bytes(pair.key.read_bytes(), posixpath.join(node.dir, "key.pem"), mode=0o600)
 
+    def tunnel_up(self, pairs: list[Pair]) -> None:
+        """Keys, ports and files of every tunnel a pair measures through; the dialled hosts'
+        grants added (see `netbench_tunnels`)."""
+        for p in pairs:
+            if p.tunnel and (p.src, p.dst) not in self.tunnels:
+                if p.dst not in self.server_ports:
+                    t = self.transport(p.dst)
+                    self.server_ports[p.dst] = (self.port, self.port + 1) if self.port else \
+                        two_free_ports(t)
+                self.tunnels[(p.src, p.dst)] = new_tunnel(
+                    p.src.cluster, p.dst.cluster, server=self.transport(p.dst),
+                    client=self.transport(p.src), address=p.dst.dial,
+                    ports=self.server_ports[p.dst])
+        by_name = {c.name: c for c in self.spec.clusters}
+        for (src, _), tunnel in self.tunnels.items():
+            for name, data in dial_files(self.run, tunnel, src.dir).items():
+                self.transport(src).put_bytes(data, posixpath.join(src.dir, name), mode=0o600)
+        expires = datetime.now(UTC) + PROBE_CERT_LIFETIME
+        for dst in self.server_ports:
+            cfg = grant_config(self.run, dst.cluster, by_name[dst.cluster].authorized_keys,
+                               [t for (_, d), t in self.tunnels.items() if d == dst], expires)
+            self.transport(dst).put_bytes(strict.dumps(cfg),
+                                          posixpath.join(dst.dir, "tunnels.json"), mode=0o600)
+            self.transport(dst).run_checked(
+                [dst.conn["python"], "-m", TUNNEL_MODULE, "grant", dst.dir], timeout=STOP_TIMEOUT,
+                env={"PYTHONPATH": posixpath.join(dst.dir, "lib")})
+            self.note(f"{dst}: the run's tunnel keys let in for ports "
+                      f"{', '.join(map(str, self.server_ports[dst]))}")
+
     def serve(self, node: Node, lifetime: float) -> dict[str, int]:
         # the transport knows whether hosts share this machine's ports (then: a free one)
-        port = self.orch.transport(node.conn).listen_port(self.port)
+        port, plain = self.server_ports.get(node) or (
+            self.orch.transport(node.conn).listen_port(self.port), 0)
         reply = self.probe(node, "serve", "--certs", node.dir, "--bind", node.bind,
-                           "--port", str(port), "--lifetime", f"{lifetime:.0f}",
+                           "--port", str(port), "--plain-port", str(plain),
+                           "--lifetime", f"{lifetime:.0f}",
                            "--log", posixpath.join(node.dir, "serve.log"), timeout=START_TIMEOUT)
         self.note(f"{node}: probe server pid {reply['pid']}, TLS port {reply['tls_port']} "
                   "(plain TCP opens per measurement, with one-time tickets)")
@@ -217,19 +297,24 @@ class Bench:
 
     def measure(self, pair: Pair) -> dict[str, Any]:
         server = self.servers[pair.dst]
-        budget = 2 * self.duration + MEASURE_SLACK
+        budget = 2 * self.duration + MEASURE_SLACK + (WAIT if pair.tunnel else 0)
+        (a, b), addr = pair.flow, {pair.src: pair.src.address, pair.dst: pair.target}
         row: dict[str, Any] = {
-            "a": pair.src.cluster, "b": pair.dst.cluster, "src_host": pair.src.host,
-            "dst_host": pair.dst.host, "src_addr": pair.src.address, "dst_addr": pair.target,
+            "a": a.cluster, "b": b.cluster, "src_host": a.host, "dst_host": b.host,
+            "src_addr": addr[a], "dst_addr": addr[b], "dialer": pair.src.cluster,
+            "path": "ssh tunnel" if pair.tunnel else "direct",
             "measured": _now(), **dict.fromkeys(FIGURES),
         }
+        tunnel = self.tunnels.get((pair.src, pair.dst)) if pair.tunnel else None
+        host, port = ("127.0.0.1", tunnel.local[0]) if tunnel else (pair.target,
+                                                                    server["tls_port"])
         try:
             figures = self.probe(
-                pair.src, "measure", "--certs", pair.src.dir, "--host", pair.target,
-                "--tls-port", str(server["tls_port"]),
+                pair.src, "measure", "--certs", pair.src.dir, "--host", host,
+                "--tls-port", str(port), *(["--reverse"] if pair.reverse else []),
                 "--peer-cluster", pair.dst.cluster, "--duration", str(self.duration),
                 "--streams", str(self.streams), "--pings", str(PINGS),
-                "--deadline", f"{budget:.0f}", timeout=budget + 15)
+                "--deadline", f"{budget:.0f}", timeout=budget + 15, tunnel=tunnel)
             row.update({k: figures.get(k) for k in FIGURES})
         except NebulaError as exc:
             row["error"] = f"{pair}: {exc}"
@@ -246,6 +331,13 @@ class Bench:
             except GroupError as exc:
                 self.errors += [f"{n}: probes may be left running: {e}"
                                 for n, e in exc.failures.items()]
+        for node in self.server_ports:  # the run's keys out, before its files go
+            try:
+                self.transport(node).run_checked(
+                    [node.conn["python"], "-m", TUNNEL_MODULE, "revoke", node.dir],
+                    env={"PYTHONPATH": posixpath.join(node.dir, "lib")}, timeout=STOP_TIMEOUT)
+            except NebulaError as exc:
+                self.errors.append(f"{node}: the run's tunnel keys may be left: {exc}")
 
         def remove(node: Node) -> None:
             if f"/netbench/{self.run}" not in node.root:  # never anything but this run's dir
@@ -268,8 +360,9 @@ class Bench:
         created = _now()
         self.step("connecting", 0, len(plan))
         nodes = _nodes(self.orch, self.spec, {(a, h) for a, h, *_ in plan}
-                       | {(b, h) for _, _, b, h in plan}, self.run)
-        pairs = [Pair(nodes[(a, ha)], nodes[(b, hb)], a == b) for a, ha, b, hb in plan]
+                       | {(b, h) for _, _, b, h, *_ in plan}, self.run)
+        pairs = [Pair(nodes[(a, ha)], nodes[(b, hb)], a == b, reverse, tunnel)
+                 for a, ha, b, hb, reverse, tunnel in plan]
         rows: list[dict[str, Any]] = []
         installed = False
         try:
@@ -282,14 +375,15 @@ class Bench:
                 fanout(list(nodes.values()), lambda n: self.install(n, issued),
                        timeout=SETUP_TIMEOUT, cancel=self.orch.abort)
             installed = True
+            self.tunnel_up(pairs)
             lifetime = len(pairs) * (2 * self.duration + MEASURE_SLACK) + 2 * SETUP_TIMEOUT
             dsts = list(dict.fromkeys(p.dst for p in pairs))
             self.step("starting probe servers", 0, len(pairs))
             self.servers = fanout(dsts, lambda n: self.serve(n, lifetime),
                                   timeout=START_TIMEOUT + 10, cancel=self.orch.abort)
             for i, pair in enumerate(pairs):
-                self.step(f"{pair.src.cluster} -> {pair.dst.cluster} "
-                          f"({pair.src.host} -> {pair.dst.host})", i, len(pairs))
+                a, b = pair.flow
+                self.step(f"{a.cluster} -> {b.cluster} ({a.host} -> {b.host})", i, len(pairs))
                 rows.append(self.measure(pair))
             self.step("done", len(pairs), len(pairs))
         finally:

@@ -6,23 +6,27 @@
 
 `serve` listens on a TLS port (mutual TLS with the run's certificates, as the relay does),
 detaches (own session, stdio closed) and prints one JSON line ``{"pid", "tls_port"}``; it exits
-by itself after ``--lifetime`` seconds. `measure` dials a server: round trips of small frames
-(latency), then ``--streams`` connections sending frames for ``--duration`` seconds
-(throughput, counted by the server as it receives), over plain TCP and over TLS; prints one
-JSON line of figures. `stop` ends this run's probes on the host (SIGTERM, then SIGKILL) and
-prints ``{"stopped", "left"}``.
+by itself after ``--lifetime`` seconds. `measure` (`probe_client`) dials a server: round trips
+of small frames (latency), then ``--streams`` connections sending frames for ``--duration``
+seconds (throughput, counted by the server as it receives; with ``--reverse`` the server sends
+and the measurer counts), over plain TCP and over TLS; prints one JSON line of figures. `stop`
+ends this run's probes on the host (SIGTERM, then SIGKILL) and prints ``{"stopped", "left"}``.
 
 Plain TCP is open only while a measurement needs it: over TLS, HELLO {op: plain, count} binds
-the plain port (``--port`` + 1, or any) -> WELCOME {port, tickets} (one-time tokens, one per
+the plain port (``--plain-port``, else ``--port`` + 1, else any) -> WELCOME {port, tickets}
+(one-time tokens, one per
 plain connection); a plain connection's first frame, at most PLAIN_HELLO_BYTES, must carry an
 unused ticket, else it is closed. The plain port closes when that TLS connection ends.
 
-On a connection: HELLO {op: echo|sink|report} -> WELCOME, then
+On a connection: HELLO {op: echo|sink|source|report} -> WELCOME, then
 - echo: HEARTBEAT frames are sent back as they are, until BYE.
 - sink (meta token): PEER_CHUNK frames from the measurer; the server counts the bytes as it
   reads them, and when (its monotonic clock) the first and the last arrived. At the end of the
   duration the measurer resets the connection (SO_LINGER 0): what its buffers still held is
   dropped, so a test lasts its duration however slow the link and however large the buffers.
+- source (meta seconds): once the measurer sends a HEARTBEAT (it reads from then on: nothing
+  waits in buffers to be counted late), PEER_CHUNK frames to it for that long (at most
+  MAX_DURATION), or until it resets the connection.
 - report: STATE_REQUEST {tokens} -> RESULT {streams: [[bytes, first, last], ...]} once those
   sinks have ended (the control connection is not queued behind the data, as in iperf3).
 
@@ -36,23 +40,30 @@ import argparse
 import contextlib
 import json
 import logging
-import math
 import os
 import secrets
 import signal
 import socket
 import ssl
-import statistics
-import struct
 import sys
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from nebula_cli import pki
 from nebula_cli.errors import NebulaError
+from nebula_cli.relay.probe_client import (
+    CHUNK,
+    IO_TIMEOUT,
+    MAX_DURATION,
+    ROLES,
+    ProbeError,
+    _contexts,
+    _tune,
+    measure,
+)
 from nebula_cli.relay.wire import (
     ConnectionClosed,
     Frame,
@@ -61,43 +72,16 @@ from nebula_cli.relay.wire import (
     recv_frame,
     recv_small_frame,
     send_frame,
-    tune_socket,
 )
 
 MODULE = "nebula_cli.relay.probe"
-ROLES = {"relay", "worker"}
-SOCKET_BUFFER = 4 << 20  # as the relay sets its sockets (relay.client.tune_buffers)
-CHUNK = 256 * 1024  # payload bytes per frame in throughput tests
-PING_BYTES = 64
-WARMUP_PINGS = 5
-IO_TIMEOUT = 30.0  # any single socket operation
 REPORT_WAIT = 10.0  # how long the server waits for the sinks of a report to end
-MAX_DURATION = 600.0
 MAX_PAYLOAD = 16 << 20
 PLAIN_HELLO_BYTES = 1024  # the most read from a plain connection before its ticket is checked
 MAX_TICKETS = 256  # plain connections one measurement may ask for
 MAX_UNAUTHENTICATED = 16  # plain connections before their ticket, and TLS ones before HELLO
 
 log = logging.getLogger("nebula.probe")
-
-
-class ProbeError(NebulaError):
-    """A measurement could not be made."""
-
-
-# ------------------------------------------------------------------------------- sockets
-
-
-def _tune(sock: socket.socket) -> None:
-    tune_socket(sock)
-    for opt in (socket.SO_SNDBUF, socket.SO_RCVBUF):
-        with contextlib.suppress(OSError):
-            sock.setsockopt(socket.SOL_SOCKET, opt, SOCKET_BUFFER)
-
-
-def _contexts(certs: Path) -> tuple[ssl.SSLContext, ssl.SSLContext]:
-    pair = pki.CertPair(certs / "cert.pem", certs / "key.pem")
-    return pki.server_context(pair, certs / "ca.pem"), pki.client_context(pair, certs / "ca.pem")
 
 
 # -------------------------------------------------------------------------------- server
@@ -138,6 +122,20 @@ def _report(sock: socket.socket) -> None:
                                 timeout=REPORT_WAIT)
         streams = [_sinks.pop(t, [0, None, None])[:3] for t in tokens]
     send_frame(sock, Frame(FrameType.RESULT, {"streams": streams}))
+
+
+def _source(sock: socket.socket, seconds: Any) -> None:
+    """On the measurer's word (a HEARTBEAT, once it reads), send frames for `seconds`
+    (bounded), or until the measurer resets the connection."""
+    if isinstance(seconds, bool) or not isinstance(seconds, (int, float)):
+        raise WireError("source: expected the seconds to send")
+    if recv_frame(sock, max_payload=0).type != FrameType.HEARTBEAT:
+        raise WireError("source: expected the measurer's HEARTBEAT before sending")
+    frame = Frame(FrameType.PEER_CHUNK, {}, os.urandom(CHUNK))
+    end = time.monotonic() + min(float(seconds), MAX_DURATION)
+    with contextlib.suppress(OSError, ConnectionClosed, WireError):  # the reset that ends it
+        while time.monotonic() < end:
+            send_frame(sock, frame)
 
 
 def _echo(sock: socket.socket) -> None:
@@ -218,13 +216,16 @@ def _handle(sock: socket.socket, tls: ssl.SSLContext | None, run: str,
         if tls is not None and op == "plain" and serve_args is not None:
             _plain_session(sock, hello, serve_args.bind, serve_args.plain_port, run)
             return
-        if hello.type != FrameType.HELLO or op not in ("echo", "sink", "report") or (
+        if hello.type != FrameType.HELLO or op not in ("echo", "sink", "source", "report") or (
                 op == "sink" and not isinstance(token, str)):
-            send_frame(sock, Frame(FrameType.ERROR, {"reason": "expected HELLO echo|sink|report"}))
+            send_frame(sock, Frame(FrameType.ERROR, {
+                "reason": "expected HELLO echo|sink|source|report"}))
             return
         send_frame(sock, Frame(FrameType.WELCOME, {"op": op}))
         if op == "sink":
             _sink(sock, token)
+        elif op == "source":
+            _source(sock, hello.meta.get("seconds"))
         else:
             (_echo if op == "echo" else _report)(sock)
     except ConnectionClosed:
@@ -269,7 +270,7 @@ def _listen(bind: str, port: int) -> socket.socket:
 def serve(args: argparse.Namespace) -> int:
     server_ctx, _ = _contexts(Path(args.certs))
     listener = _listen(args.bind, args.port)
-    args.plain_port = args.port and args.port + 1
+    args.plain_port = args.plain_port or (args.port and args.port + 1)
     pid = os.fork()
     if pid:  # the parent reports and leaves; the child serves on, detached
         print(json.dumps({"pid": pid, "tls_port": listener.getsockname()[1]}), flush=True)
@@ -285,144 +286,6 @@ def serve(args: argparse.Namespace) -> int:
                      daemon=True).start()
     time.sleep(args.lifetime)
     os._exit(0)
-
-
-# ------------------------------------------------------------------------------- measure
-
-
-def _dial(host: str, port: int, tls: ssl.SSLContext | None, run: str, cluster: str | None,
-          welcome: dict[str, Any] | None = None, **hello: Any) -> socket.socket:
-    """Connect, send HELLO ``hello``, expect WELCOME (its meta into ``welcome``)."""
-    try:
-        sock = socket.create_connection((host, port), timeout=IO_TIMEOUT)
-    except OSError as exc:
-        raise ProbeError(f"cannot connect to {host}:{port}: {exc.strerror or exc}") from exc
-    _tune(sock)
-    if tls is not None:
-        sock, _ = pki.wrap_client(sock, tls, job_id=run, roles=ROLES, cluster=cluster,
-                                  timeout=IO_TIMEOUT)
-    send_frame(sock, Frame(FrameType.HELLO, hello))
-    answer = recv_frame(sock)
-    if answer.type != FrameType.WELCOME:
-        sock.close()
-        raise ProbeError(f"{host}:{port} answered {answer.type.name} {answer.meta}")
-    if welcome is not None:
-        welcome.update(answer.meta)
-    return sock
-
-
-def percentile(values: Sequence[float], q: float) -> float:
-    """The nearest-rank q-th percentile (0 < q <= 100) of non-empty values."""
-    ordered = sorted(values)
-    return ordered[max(math.ceil(q / 100 * len(ordered)) - 1, 0)]
-
-
-def ping(sock: socket.socket, count: int) -> dict[str, float]:
-    """Round trips of PING_BYTES-byte frames: median and p95 in ms (after a short warm-up)."""
-    frame = Frame(FrameType.HEARTBEAT, {}, os.urandom(PING_BYTES))
-    rtts = []
-    for i in range(WARMUP_PINGS + count):
-        t0 = time.perf_counter()
-        send_frame(sock, frame)
-        echo = recv_frame(sock)
-        if i >= WARMUP_PINGS:
-            rtts.append((time.perf_counter() - t0) * 1e3)
-        if echo.type != FrameType.HEARTBEAT or bytes(echo.payload) != frame.payload:
-            raise ProbeError("the echo differs from the frame sent")
-    send_frame(sock, Frame(FrameType.BYE))
-    return {"median": statistics.median(rtts), "p95": percentile(rtts, 95)}
-
-
-def _abort(sock: socket.socket) -> None:
-    """Reset the connection now: unsent data is dropped, a blocked sender wakes up."""
-    with contextlib.suppress(OSError):
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
-        socket.socket.shutdown(sock, socket.SHUT_RDWR)  # the TCP socket under TLS as well
-
-
-def throughput(dial: Callable[..., socket.socket], streams: int,
-               duration: float) -> dict[str, float]:
-    """`streams` connections each sending frames for `duration` s; Mbit/s as the server
-    received them (all streams: bytes / from the first arrival to the last)."""
-    tokens = [os.urandom(8).hex() for _ in range(streams)]
-    with dial(op="report") as control:
-        socks: list[socket.socket] = []
-        try:
-            for token in tokens:
-                socks.append(dial(op="sink", token=token))
-            stop = threading.Event()
-            errors: list[BaseException] = []
-            frame = Frame(FrameType.PEER_CHUNK, {}, os.urandom(CHUNK))
-
-            def send(sock: socket.socket) -> None:
-                try:
-                    while not stop.is_set():
-                        send_frame(sock, frame)
-                except (OSError, NebulaError) as exc:
-                    if not stop.is_set():
-                        errors.append(exc)
-
-            threads = [threading.Thread(target=send, args=(s,), daemon=True) for s in socks]
-            for t in threads:
-                t.start()
-            stop.wait(duration)
-            stop.set()
-            for sock in socks:
-                _abort(sock)
-            for t in threads:
-                t.join(IO_TIMEOUT)
-        finally:
-            for sock in socks:
-                sock.close()
-        if errors:
-            raise ProbeError(f"{len(errors)} of {streams} streams failed: {errors[0]}")
-        send_frame(control, Frame(FrameType.STATE_REQUEST, {"tokens": tokens}))
-        answer = recv_frame(control)
-    if answer.type != FrameType.RESULT or len(answer.meta.get("streams", ())) != streams:
-        raise ProbeError(f"expected RESULT of {streams} streams, got {answer.type.name}")
-    got = [s for s in answer.meta["streams"] if s[0]]
-    total = sum(s[0] for s in got)
-    seconds = max((s[2] for s in got), default=0) - min((s[1] for s in got), default=0)
-    if total <= 0 or seconds <= 0:
-        raise ProbeError("the server received nothing")
-    return {"mbit": total * 8 / seconds / 1e6, "bytes": total, "seconds": seconds}
-
-
-def measure(args: argparse.Namespace) -> int:
-    signal.alarm(max(math.ceil(args.deadline), 1))  # never outlive the caller's wait
-    _, client_ctx = _contexts(Path(args.certs))
-
-    def tls(**hello: Any) -> socket.socket:
-        return _dial(args.host, args.tls_port, client_ctx, args.run, args.peer_cluster, **hello)
-
-    # the plain port opens for this measurement only: one ticket per plain connection
-    opened: dict[str, Any] = {}
-    with _dial(args.host, args.tls_port, client_ctx, args.run, args.peer_cluster, opened,
-               op="plain", count=2 + args.streams) as control:
-        tickets = iter(opened.get("tickets", []))
-
-        def plain(**hello: Any) -> socket.socket:
-            return _dial(args.host, int(opened["port"]), None, args.run, None,
-                         ticket=next(tickets, ""), **hello)
-
-        ways: dict[str, Callable[..., socket.socket]] = {"plain": plain, "tls": tls}
-        rtt, tput, cipher = {}, {}, None
-        for way, dial in ways.items():  # round trips first, on an idle link
-            with dial(op="echo") as sock:
-                if isinstance(sock, ssl.SSLSocket):
-                    cipher = (sock.cipher() or ("?",))[0]
-                rtt[way] = ping(sock, args.pings)
-        tput["plain"] = throughput(plain, args.streams, args.duration)
-        with contextlib.suppress(OSError, NebulaError):
-            send_frame(control, Frame(FrameType.BYE))
-    tput["tls"] = throughput(tls, args.streams, args.duration)
-    print(json.dumps({
-        "rtt_ms": rtt["tls"]["median"], "rtt_p95_ms": rtt["tls"]["p95"],
-        "plain_rtt_ms": rtt["plain"]["median"], "plain_rtt_p95_ms": rtt["plain"]["p95"],
-        "throughput_mbit": tput["tls"]["mbit"], "plain_throughput_mbit": tput["plain"]["mbit"],
-        "bytes": tput["tls"]["bytes"], "plain_bytes": tput["plain"]["bytes"], "cipher": cipher,
-    }), flush=True)
-    return 0
 
 
 # ---------------------------------------------------------------------------------- stop
@@ -475,6 +338,7 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--bind", default="0.0.0.0")
     s.add_argument("--port", type=int, default=0,
                    help="TLS port; plain, while a measurement needs it, is port+1 (0: any)")
+    s.add_argument("--plain-port", type=int, default=0, help="the plain port (0: as above)")
     s.add_argument("--lifetime", type=float, default=600.0, help="exit after this many s")
     s.add_argument("--log", default=None, help="append the server's log here")
     m.add_argument("--host", required=True)
@@ -484,6 +348,11 @@ def parser() -> argparse.ArgumentParser:
     m.add_argument("--streams", type=int, default=4)
     m.add_argument("--pings", type=int, default=200)
     m.add_argument("--deadline", type=float, default=120.0, help="give up after this many s")
+    m.add_argument("--reverse", action="store_true", help="the server sends, this counts")
+    m.add_argument("--plain-port", type=int, default=0,
+                   help="dial this plain port (a tunnel's local end), not the server's")
+    m.add_argument("--wait", type=float, default=0.0,
+                   help="retry refused connections this many s (a tunnel coming up)")
     return p
 
 

@@ -1,0 +1,261 @@
+"""The measuring side of bench-network's probe (`python -m nebula_cli.relay.probe measure`), and
+what both sides share: the run's TLS contexts, socket tuning, frame sizes.
+
+`measure` dials a server: round trips of small frames (latency), then ``--streams`` connections
+for ``--duration`` seconds (throughput), over plain TCP and over TLS. The measurer sends and the
+server counts (``sink``), or with ``--reverse`` the server sends and the measurer counts
+(``source``): both directions of a link are measured over connections one side dials, as a
+relay's link is. ``--plain-port`` dials the plain port there instead of the one the server
+names (the local end of an SSH tunnel to it); ``--wait`` retries refused connections that long
+(a tunnel still coming up).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import math
+import os
+import signal
+import socket
+import ssl
+import statistics
+import struct
+import threading
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from nebula_cli import pki
+from nebula_cli.errors import NebulaError
+from nebula_cli.relay.wire import Frame, FrameType, recv_frame, send_frame, tune_socket
+
+ROLES = {"relay", "worker"}
+SOCKET_BUFFER = 4 << 20  # as the relay sets its sockets (relay.client.tune_buffers)
+CHUNK = 256 * 1024  # payload bytes per frame in throughput tests
+PING_BYTES = 64
+WARMUP_PINGS = 5
+IO_TIMEOUT = 30.0  # any single socket operation
+MAX_DURATION = 600.0
+
+
+class ProbeError(NebulaError):
+    """A measurement could not be made."""
+
+
+# ------------------------------------------------------------------------------- sockets
+
+
+def _tune(sock: socket.socket) -> None:
+    tune_socket(sock)
+    for opt in (socket.SO_SNDBUF, socket.SO_RCVBUF):
+        with contextlib.suppress(OSError):
+            sock.setsockopt(socket.SOL_SOCKET, opt, SOCKET_BUFFER)
+
+
+def _contexts(certs: Path) -> tuple[ssl.SSLContext, ssl.SSLContext]:
+    pair = pki.CertPair(certs / "cert.pem", certs / "key.pem")
+    return pki.server_context(pair, certs / "ca.pem"), pki.client_context(pair, certs / "ca.pem")
+
+
+# ------------------------------------------------------------------------------- measure
+
+
+def _connect(host: str, port: int, wait: float) -> socket.socket:
+    """A TCP connection; refusals retried for `wait` seconds."""
+    deadline = time.monotonic() + wait
+    while True:
+        try:
+            return socket.create_connection((host, port), timeout=IO_TIMEOUT)
+        except ConnectionRefusedError as exc:
+            if time.monotonic() >= deadline:
+                raise ProbeError(f"cannot connect to {host}:{port}: {exc.strerror}") from exc
+            time.sleep(0.2)
+        except OSError as exc:
+            raise ProbeError(f"cannot connect to {host}:{port}: {exc.strerror or exc}") from exc
+
+
+def _dial(host: str, port: int, tls: ssl.SSLContext | None, run: str, cluster: str | None,
+          welcome: dict[str, Any] | None = None, wait: float = 0.0,
+          **hello: Any) -> socket.socket:
+    """Connect, send HELLO ``hello``, expect WELCOME (its meta into ``welcome``)."""
+    sock = _connect(host, port, wait)
+    _tune(sock)
+    if tls is not None:
+        sock, _ = pki.wrap_client(sock, tls, job_id=run, roles=ROLES, cluster=cluster,
+                                  timeout=IO_TIMEOUT)
+    send_frame(sock, Frame(FrameType.HELLO, hello))
+    answer = recv_frame(sock)
+    if answer.type != FrameType.WELCOME:
+        sock.close()
+        raise ProbeError(f"{host}:{port} answered {answer.type.name} {answer.meta}")
+    if welcome is not None:
+        welcome.update(answer.meta)
+    return sock
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """The nearest-rank q-th percentile (0 < q <= 100) of non-empty values."""
+    ordered = sorted(values)
+    return ordered[max(math.ceil(q / 100 * len(ordered)) - 1, 0)]
+
+
+def ping(sock: socket.socket, count: int) -> dict[str, float]:
+    """Round trips of PING_BYTES-byte frames: median and p95 in ms (after a short warm-up)."""
+    frame = Frame(FrameType.HEARTBEAT, {}, os.urandom(PING_BYTES))
+    rtts = []
+    for i in range(WARMUP_PINGS + count):
+        t0 = time.perf_counter()
+        send_frame(sock, frame)
+        echo = recv_frame(sock)
+        if i >= WARMUP_PINGS:
+            rtts.append((time.perf_counter() - t0) * 1e3)
+        if echo.type != FrameType.HEARTBEAT or bytes(echo.payload) != frame.payload:
+            raise ProbeError("the echo differs from the frame sent")
+    send_frame(sock, Frame(FrameType.BYE))
+    return {"median": statistics.median(rtts), "p95": percentile(rtts, 95)}
+
+
+def _abort(sock: socket.socket) -> None:
+    """Reset the connection now: unsent data is dropped, a blocked sender wakes up."""
+    with contextlib.suppress(OSError):
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        socket.socket.shutdown(sock, socket.SHUT_RDWR)  # the TCP socket under TLS as well
+
+
+def throughput(dial: Callable[..., socket.socket], streams: int,
+               duration: float) -> dict[str, float]:
+    """`streams` connections each sending frames for `duration` s; Mbit/s as the server
+    received them (all streams: bytes / from the first arrival to the last)."""
+    tokens = [os.urandom(8).hex() for _ in range(streams)]
+    with dial(op="report") as control:
+        socks: list[socket.socket] = []
+        try:
+            for token in tokens:
+                socks.append(dial(op="sink", token=token))
+            stop = threading.Event()
+            errors: list[BaseException] = []
+            frame = Frame(FrameType.PEER_CHUNK, {}, os.urandom(CHUNK))
+
+            def send(sock: socket.socket) -> None:
+                try:
+                    while not stop.is_set():
+                        send_frame(sock, frame)
+                except (OSError, NebulaError) as exc:
+                    if not stop.is_set():
+                        errors.append(exc)
+
+            threads = [threading.Thread(target=send, args=(s,), daemon=True) for s in socks]
+            for t in threads:
+                t.start()
+            stop.wait(duration)
+            stop.set()
+            for sock in socks:
+                _abort(sock)
+            for t in threads:
+                t.join(IO_TIMEOUT)
+        finally:
+            for sock in socks:
+                sock.close()
+        if errors:
+            raise ProbeError(f"{len(errors)} of {streams} streams failed: {errors[0]}")
+        send_frame(control, Frame(FrameType.STATE_REQUEST, {"tokens": tokens}))
+        answer = recv_frame(control)
+    if answer.type != FrameType.RESULT or len(answer.meta.get("streams", ())) != streams:
+        raise ProbeError(f"expected RESULT of {streams} streams, got {answer.type.name}")
+    got = [s for s in answer.meta["streams"] if s[0]]
+    total = sum(s[0] for s in got)
+    seconds = max((s[2] for s in got), default=0) - min((s[1] for s in got), default=0)
+    if total <= 0 or seconds <= 0:
+        raise ProbeError("the server received nothing")
+    return {"mbit": total * 8 / seconds / 1e6, "bytes": total, "seconds": seconds}
+
+
+def throughput_from(dial: Callable[..., socket.socket], streams: int,
+                    duration: float) -> dict[str, float]:
+    """`streams` connections on which the server sends frames for `duration` s; Mbit/s as
+    received here (all streams: bytes / from the first arrival to the last)."""
+    socks = [dial(op="source", seconds=duration + IO_TIMEOUT) for _ in range(streams)]
+    stats: list[list[Any]] = [[0, None, None] for _ in socks]
+    stop = threading.Event()
+    errors: list[BaseException] = []
+
+    def receive(sock: socket.socket, counts: list[Any]) -> None:
+        buf = memoryview(bytearray(CHUNK))
+        try:
+            while not stop.is_set() and (n := sock.recv_into(buf)):
+                now = time.monotonic()
+                counts[0] += n
+                counts[1] = counts[1] or now
+                counts[2] = now
+        except OSError as exc:  # ssl.SSLError too
+            if not stop.is_set():
+                errors.append(exc)
+
+    threads = [threading.Thread(target=receive, args=(s, c), daemon=True)
+               for s, c in zip(socks, stats, strict=True)]
+    try:
+        for sock, t in zip(socks, threads, strict=True):  # the server sends once told
+            send_frame(sock, Frame(FrameType.HEARTBEAT, {"op": "go"}))
+            t.start()
+        stop.wait(duration)
+        stop.set()
+        for sock in socks:
+            _abort(sock)
+        for t in threads:
+            t.join(IO_TIMEOUT)
+    finally:
+        for sock in socks:
+            sock.close()
+    if errors:
+        raise ProbeError(f"{len(errors)} of {streams} streams failed: {errors[0]}")
+    got = [c for c in stats if c[0]]
+    total = sum(c[0] for c in got)
+    seconds = max((c[2] for c in got), default=0) - min((c[1] for c in got), default=0)
+    if total <= 0 or seconds <= 0:
+        raise ProbeError("nothing was received from the server")
+    return {"mbit": total * 8 / seconds / 1e6, "bytes": total, "seconds": seconds}
+
+
+def measure(args: argparse.Namespace) -> int:
+    signal.alarm(max(math.ceil(args.deadline), 1))  # never outlive the caller's wait
+    _, client_ctx = _contexts(Path(args.certs))
+
+    def tls(**hello: Any) -> socket.socket:
+        return _dial(args.host, args.tls_port, client_ctx, args.run, args.peer_cluster,
+                     wait=args.wait, **hello)
+
+    rate = throughput_from if args.reverse else throughput
+
+    # the plain port opens for this measurement only: one ticket per plain connection
+    opened: dict[str, Any] = {}
+    with _dial(args.host, args.tls_port, client_ctx, args.run, args.peer_cluster, opened,
+               wait=args.wait, op="plain", count=2 + args.streams) as control:
+        tickets = iter(opened.get("tickets", []))
+
+        def plain(**hello: Any) -> socket.socket:
+            return _dial(args.host, args.plain_port or int(opened["port"]), None, args.run, None,
+                         wait=args.wait, ticket=next(tickets, ""), **hello)
+
+        ways: dict[str, Callable[..., socket.socket]] = {"plain": plain, "tls": tls}
+        rtt, tput, cipher = {}, {}, None
+        for way, dial in ways.items():  # round trips first, on an idle link
+            with dial(op="echo") as sock:
+                if isinstance(sock, ssl.SSLSocket):
+                    cipher = (sock.cipher() or ("?",))[0]
+                rtt[way] = ping(sock, args.pings)
+        tput["plain"] = rate(plain, args.streams, args.duration)
+        with contextlib.suppress(OSError, NebulaError):
+            send_frame(control, Frame(FrameType.BYE))
+    tput["tls"] = rate(tls, args.streams, args.duration)
+    print(json.dumps({
+        "rtt_ms": rtt["tls"]["median"], "rtt_p95_ms": rtt["tls"]["p95"],
+        "plain_rtt_ms": rtt["plain"]["median"], "plain_rtt_p95_ms": rtt["plain"]["p95"],
+        "throughput_mbit": tput["tls"]["mbit"], "plain_throughput_mbit": tput["plain"]["mbit"],
+        "bytes": tput["tls"]["bytes"], "plain_bytes": tput["plain"]["bytes"], "cipher": cipher,
+    }), flush=True)
+    return 0
+
+

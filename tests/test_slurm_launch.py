@@ -37,13 +37,14 @@ def slurm_of(bed: TestBed) -> SlurmCluster:
 
 
 def slurm_spec(tmp_path: Path, *, steps: int, slurm: dict[str, Any] | None = None,
-               with_ssh: bool = True, checkpoint: dict[str, Any] | None = None) -> Path:
+               with_ssh: bool = True, checkpoint: dict[str, Any] | None = None,
+               relay_on: str = "node") -> Path:
     quick = yaml.safe_load((REPO / "templates" / "quickstart.yaml").read_text())
     relay = quick["relay"]
     relay["sync"]["inner_steps"] = 10
     relay["shaping"] = {"rate_mbit": None, "delay_ms": 10}
     clusters: list[dict[str, Any]] = [{
-        "name": "hpc", "scheduler": "slurm", "python": sys.executable,
+        "name": "hpc", "scheduler": "slurm", "python": sys.executable, "relay_on": relay_on,
         "hosts": [{"host": "login"}],
         "slurm": {"nodes": 2, "ntasks_per_node": 1, "time": "00:20:00", **(slurm or {})}}]
     if with_ssh:
@@ -114,19 +115,23 @@ def test_queued_job_shows_slurms_reason_and_ctrl_c_cancels_it(
     assert slurm_of(slurm_bed).active_jobs() == []
 
 
-def test_stop_mid_run_leaves_no_slurm_job_and_no_process(
+def test_relay_on_login_and_stop_mid_run_leave_no_slurm_job_and_no_process(
         slurm_cli: CLI, slurm_bed: TestBed, tmp_path: Path) -> None:
-    spec = slurm_spec(tmp_path, steps=100_000, with_ssh=False)
+    spec = slurm_spec(tmp_path, steps=100_000, relay_on="login")
     slurm_cli("launch", "--detach", str(spec), check=True, timeout=600)
     (job_id,) = slurm_cli.job_ids()
-    wait_for(lambda: any("loss" in r for r in records(job_id)), timeout=300)
+    # the login node's relay joins the nodes' workers and the SSH cluster's relay in rounds
+    wait_for(lambda: any(r.get("clusters_present") == 2 and r["cluster"] == "hpc"
+                         for r in records(job_id)), timeout=400, every=2)
+    hosts = {(h["cluster"], h["role"]): h["host"] for h in status(slurm_cli, job_id)["hosts"]}
+    assert hosts[("hpc", "relay")] == "login" and hosts[("hpc", "worker")] in ("c1", "c2")
     (active,) = slurm_of(slurm_bed).active_jobs()
     assert active[1] == "RUNNING"
     out = slurm_cli("stop", job_id, check=True, timeout=300)
     assert f"Slurm job {active[0]}" in out.stdout, out.stdout
     assert status(slurm_cli, job_id)["state"] == "STOPPED"
     wait_for(lambda: not slurm_of(slurm_bed).active_jobs(), timeout=60)
-    assert job_processes(job_id) == []
+    assert job_processes(job_id) == []  # the login node's relay too
 
 
 def test_slurm_refusal_names_the_spec_field_and_nothing_is_submitted(

@@ -3,6 +3,7 @@ reason, nothing submitted), and the batch script rendered from launchers/slurm.s
 
 from __future__ import annotations
 
+import json
 import shutil
 import subprocess
 from pathlib import Path
@@ -11,8 +12,10 @@ import pytest
 from conftest import CLI
 from test_spec import one, write
 
-from nebula_cli.config.spec import load_spec
+from nebula_cli.config import jobplan
+from nebula_cli.config.spec import HostSpec, JobSpec, load_spec
 from nebula_cli.control.allocations import template_of
+from nebula_cli.control.planning import site_entries
 from nebula_cli.errors import UsageError
 from nebula_cli.scheduler import batch
 
@@ -141,3 +144,44 @@ def test_only_an_ended_slurm_allocation_counts_as_ended() -> None:
     assert not ended_state("Slurm job 12 PENDING (BeginTime)")
     assert not ended_state("Slurm job 12 COMPLETING (TimeLimit) on c1")
     assert not ended_state(None) and not ended_state("")  # no allocation: not ended
+
+
+def _planned(spec: JobSpec) -> jobplan.JobPlan:
+    """The plan of `spec` once hpc's allocation runs on nodes n1 and n2."""
+    hpc = spec.clusters[0]
+    nodes = [HostSpec(host=n, address=f"10.1.0.{i}", slots=4) for i, n in
+             enumerate(("n1", "n2"), start=1)]
+    expanded = spec.model_copy(update={"clusters": [hpc.with_nodes(nodes),
+                                                    *spec.clusters[1:]]})
+    sites = {key: jobplan.Site(
+        conn={"transport": "slurm-node" if h.host.startswith("n") else "ssh", "name": h.host},
+        home="/home/u/.nebula", address=h.address or f"{h.host}.example", bind="0.0.0.0",
+        python="python3", shares_files=False)
+        for key, (c, h) in site_entries(expanded).items()}
+    ports = jobplan.Ports(masters={c.name: 29500 for c in spec.clusters},
+                          relays={c.name: (29400, 29401) for c in spec.clusters})
+    certs = jobplan.Certs(ca=b"CA", relays={c.name: (b"c", b"k") for c in spec.clusters},
+                          workers={k: (b"c", b"k") for k in sites})
+    return jobplan.build_plan(expanded, "job-1", sites=sites, ports=ports, certs=certs)
+
+
+def test_relay_on_login_runs_the_relay_on_the_login_node(tmp_path: Path, cli: CLI) -> None:
+    text = SLURM + "relay: {}\n"
+    on_node = {a.cluster: a for a in _planned(load_spec(write(tmp_path, text))).role("relay")}
+    assert on_node["hpc"].host == "n1" and on_node["hpc"].conn["transport"] == "slurm-node"
+    spec = load_spec(write(tmp_path, text.replace("    scheduler: slurm\n",
+                                                  "    scheduler: slurm\n    relay_on: login\n")))
+    plan = _planned(spec)
+    (relay,) = plan.role("relay")
+    assert (relay.host, relay.node_rank, relay.conn["transport"]) == (
+        "login.hpc.example.edu", -1, "ssh")
+    assert relay.agent_dir == "/home/u/.nebula/jobs/job-1/hpc/login.hpc.example.edu/relay"
+    assert [w.host for w in plan.hosts] == ["n1", "n2"]  # the workers stay on the nodes
+    for worker in plan.hosts:  # and reach their relay on the login node
+        sync = json.loads(worker.files["sync.json"])
+        assert sync["relay_addr"] == "login.hpc.example.edu.example:29401"
+    out = " ".join(cli("validate", str(write(tmp_path, text.replace(
+        "    scheduler: slurm\n", "    scheduler: slurm\n    relay_on: login\n"))),
+        check=True).stdout.split())
+    assert "hpc: one Slurm job through login.hpc.example.edu: 2 node(s) x 4 rank(s), relay on " \
+        "the login node" in out

@@ -63,6 +63,12 @@ class Allocation:
                           keeper=self.keeper, pythonpath=jobplan.lib_dir(self.job_root))
 
 
+def in_allocation(conn: dict[str, Any]) -> bool:
+    """Whether an agent's machine is a node of a Slurm allocation (gone when it ends), not a
+    login node (a relay there with `relay_on: login` outlives the allocation)."""
+    return conn.get("transport") == "slurm-node"
+
+
 def slurm_clusters(spec: JobSpec) -> list[ClusterSpec]:
     return [c for c in spec.clusters if c.scheduler == "slurm"]
 

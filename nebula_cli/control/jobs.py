@@ -210,7 +210,8 @@ class JobOps(Session):
         What Slurm said of each cluster's allocation (`allocations.queue_states`)."""
         said = allocations.queue_states(self.store.job_dir(job_id), self.transport,
                                         {h.cluster for h in hosts}) if hosts else {}
-        for rec in (h for h in hosts if h.cluster in said):
+        for rec in (h for h in hosts if h.cluster in said
+                    and allocations.in_allocation(h.detail["conn"])):
             rec.detail["slurm"] = said[rec.cluster]
             if not allocations.ended_state(said[rec.cluster]):
                 self.store.upsert_host(rec)
@@ -256,7 +257,8 @@ class JobOps(Session):
         said = allocations.queue_states(self.store.job_dir(snap.job.id), self.transport,
                                         {h.cluster for h in snap.hosts})
         for rec in snap.hosts:  # one agent call per machine and role
-            if allocations.ended_state(said.get(rec.cluster)):
+            if allocations.ended_state(said.get(rec.cluster)) and \
+                    allocations.in_allocation(rec.detail["conn"]):
                 report.already_ended.append(rec)  # gone with its Slurm allocation
                 continue
             groups[(rec.role, *machine_key(rec.detail["conn"]))].append(rec)

@@ -38,13 +38,13 @@ def slurm_of(bed: TestBed) -> SlurmCluster:
 
 def slurm_spec(tmp_path: Path, *, steps: int, slurm: dict[str, Any] | None = None,
                with_ssh: bool = True, checkpoint: dict[str, Any] | None = None,
-               relay_on: str = "node") -> Path:
+               **hpc: Any) -> Path:
     quick = yaml.safe_load((REPO / "templates" / "quickstart.yaml").read_text())
     relay = quick["relay"]
     relay["sync"]["inner_steps"] = 10
     relay["shaping"] = {"rate_mbit": None, "delay_ms": 10}
     clusters: list[dict[str, Any]] = [{
-        "name": "hpc", "scheduler": "slurm", "python": sys.executable, "relay_on": relay_on,
+        "name": "hpc", "scheduler": "slurm", "python": sys.executable, **hpc,
         "hosts": [{"host": "login"}],
         "slurm": {"nodes": 2, "ntasks_per_node": 1, "time": "00:20:00", **(slurm or {})}}]
     if with_ssh:
@@ -115,23 +115,30 @@ def test_queued_job_shows_slurms_reason_and_ctrl_c_cancels_it(
     assert slurm_of(slurm_bed).active_jobs() == []
 
 
-def test_relay_on_login_and_stop_mid_run_leave_no_slurm_job_and_no_process(
+def test_relay_on_login_behind_a_tunnel_and_stop_mid_run_leave_nothing(
         slurm_cli: CLI, slurm_bed: TestBed, tmp_path: Path) -> None:
-    spec = slurm_spec(tmp_path, steps=100_000, relay_on="login")
+    keys = slurm_bed.authorized_keys("login")  # on the "shared home": the bed's own file
+    spec = slurm_spec(tmp_path, steps=100_000, relay_on="login", relay_reach="ssh",
+                      authorized_keys=str(keys))
     slurm_cli("launch", "--detach", str(spec), check=True, timeout=600)
     (job_id,) = slurm_cli.job_ids()
-    # the login node's relay joins the nodes' workers and the SSH cluster's relay in rounds
+    # the login node's relay joins the nodes' workers and, through east's SSH tunnel to the
+    # login node, the SSH cluster's relay in rounds
     wait_for(lambda: any(r.get("clusters_present") == 2 and r["cluster"] == "hpc"
                          for r in records(job_id)), timeout=400, every=2)
     hosts = {(h["cluster"], h["role"]): h["host"] for h in status(slurm_cli, job_id)["hosts"]}
     assert hosts[("hpc", "relay")] == "login" and hosts[("hpc", "worker")] in ("c1", "c2")
+    assert f"nebula-tunnel:{job_id}:east>hpc" in keys.read_text()
+    relay_log = REMOTE_JOBS / job_id / "east" / "e1" / "relay" / "logs" / "relay.log"
+    assert "tunnel to hpc up: 127.0.0.1:" in relay_log.read_text()
     (active,) = slurm_of(slurm_bed).active_jobs()
     assert active[1] == "RUNNING"
     out = slurm_cli("stop", job_id, check=True, timeout=300)
     assert f"Slurm job {active[0]}" in out.stdout, out.stdout
     assert status(slurm_cli, job_id)["state"] == "STOPPED"
     wait_for(lambda: not slurm_of(slurm_bed).active_jobs(), timeout=60)
-    assert job_processes(job_id) == []  # the login node's relay too
+    assert job_processes(job_id) == []  # the login node's relay and the tunnel too
+    assert "nebula-tunnel" not in keys.read_text()
 
 
 def test_slurm_refusal_names_the_spec_field_and_nothing_is_submitted(

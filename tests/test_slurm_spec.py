@@ -185,3 +185,35 @@ def test_relay_on_login_runs_the_relay_on_the_login_node(tmp_path: Path, cli: CL
         check=True).stdout.split())
     assert "hpc: one Slurm job through login.hpc.example.edu: 2 node(s) x 4 rank(s), relay on " \
         "the login node" in out
+
+
+def test_a_tunnel_to_a_slurm_cluster_ends_at_its_login_node(tmp_path: Path) -> None:
+    text = SLURM.replace("    scheduler: slurm\n", "    scheduler: slurm\n    relay_reach: ssh\n") \
+        + "  - name: lab\n    hosts: [lab1]\nrelay: {}\n"
+    spec = load_spec(write(tmp_path, text))
+    assert [str(link) for link in spec.links()] == [
+        "lab dials hpc through an SSH tunnel"]
+    hpc = spec.clusters[0]
+    nodes = [HostSpec(host="n1", address="10.1.0.1", slots=4)]
+    expanded = spec.model_copy(update={"clusters": [hpc.with_nodes(nodes), spec.clusters[1]]})
+    sites = {key: jobplan.Site(
+        conn={"transport": "ssh", "name": h.host}, home="/home/u/.nebula",
+        address=h.address or f"{h.host}.example", bind="0.0.0.0", python="python3",
+        shares_files=False, ssh=jobplan.SshLogin("jdoe", 22, "ssh-ed25519 AAAAlogin"))
+        for key, (c, h) in site_entries(expanded).items()}
+    ports = jobplan.Ports(masters={"hpc": 29500, "lab": 29500},
+                          relays={"hpc": (29400, 29401), "lab": (29400, 29401)},
+                          tunnels={"lab>hpc": 41000})
+    certs = jobplan.Certs(ca=b"CA", relays={"hpc": (b"c", b"k"), "lab": (b"c", b"k")},
+                          workers={k: (b"c", b"k") for k in sites},
+                          tunnel_keys={"lab>hpc": (b"PRIVATE", "ssh-ed25519 AAAApub")})
+    plan = jobplan.build_plan(expanded, "job-1", sites=sites, ports=ports, certs=certs)
+    relays = {a.cluster: a for a in plan.role("relay")}
+    # lab's ssh goes to the login node and forwards to the relay on the allocation's node
+    (dial,) = json.loads(relays["lab"].files["tunnels.json"])["dial"]
+    assert (dial["host"], dial["target"]) == ("login.hpc.example.edu.example", "10.1.0.1:29400")
+    assert relays["hpc"].host == "n1"
+    (grant,) = json.loads(relays["hpc"].files["tunnels.json"])["grant"]
+    assert 'permitopen="10.1.0.1:29400"' in grant["line"]  # the login node may open only that
+    relay = json.loads(relays["hpc"].files["relay.json"])
+    assert relay["peer_listen"] == "0.0.0.0:29400"  # the login node reaches it over the network

@@ -62,14 +62,20 @@ def base_rtt_ms(bed: Any, src: str, dst: str) -> float:
 
 def link_bytes(bed: Any) -> int:
     """Bytes (IP packets with their link headers) routed between clusters so far: the sum of the
-    router's htb class counters on every `r<i>` (egress into cluster i, one class per source
-    cluster). Management traffic (SSH from this namespace) is unclassified and not counted; an
-    unshaped pair (rate None) has no class and counts 0. `set_rate` resets the counters."""
+    router's htb leaf class counters on every `r<i>` (egress into cluster i, one leaf class per
+    source cluster; a "cluster" bed's parent class, the line, is not counted twice). Management
+    traffic (SSH from this namespace) is unclassified and not counted; an unshaped pair or line
+    (rate None) has no class and counts 0. `set_rate` resets the counters."""
     total = 0
     for i in range(len(bed.clusters)):
         out = bed.run("router", ["tc", "-s", "class", "show", "dev", f"r{i}"],
                       check=True).stdout  # htb classes have no JSON output in tc
-        total += sum(int(n) for n in re.findall(r"^\s*Sent (\d+) bytes", out, re.M))
+        blocks = [b for b in re.split(r"^(?=class )", out, flags=re.M) if b.strip()]
+        parents = {m.group(1) for b in blocks if (m := re.match(r"class \S+ \S+ parent (\S+)", b))}
+        for block in blocks:
+            sent = re.search(r"^\s*Sent (\d+) bytes", block, re.M)
+            if sent and block.split()[2] not in parents:
+                total += int(sent.group(1))
     return total
 
 

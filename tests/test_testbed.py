@@ -113,6 +113,61 @@ def test_iperf_between_clusters_matches_the_shaped_rate(bed_clean: TestBed) -> N
     assert 27 <= backward <= 31.5
 
 
+def concurrent_iperf_mbit(bed: TestBed, flows: list[tuple[str, str]], seconds: int = 3
+                          ) -> list[float]:
+    """Mbit/s received by each (client, server) flow, all running at once (one port each);
+    each flow's first second is left out (-O 1), so the figures cover the seconds they share."""
+    servers, clients = [], []
+    try:
+        for n, (_, server) in enumerate(flows):
+            port = 5301 + n
+            servers.append(bed.popen(server, ["iperf3", "-s", "-1", "-p", str(port), "-B",
+                                              bed.hosts[server].address],
+                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+            bed.wait_listening(server, port)
+        for n, (client, server) in enumerate(flows):
+            clients.append(bed.popen(client, ["iperf3", "-c", bed.hosts[server].address, "-p",
+                                              str(5301 + n), "-t", str(seconds), "-O", "1",
+                                              "-J"],
+                                     stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                                     text=True))
+        outs = [c.communicate(timeout=seconds + 30)[0] for c in clients]
+    finally:
+        for proc in [*servers, *clients]:
+            if proc.poll() is None:
+                proc.kill()
+            proc.wait()
+    return [json.loads(o)["end"]["sum_received"]["bits_per_second"] / 1e6 for o in outs]
+
+
+def test_one_line_per_cluster_is_shared_by_its_peers(make_testbed) -> None:
+    """link="cluster": two flows into one cluster share its downlink, two flows out of one
+    cluster share its uplink; a pair bed gives each pair its own rate."""
+    three = {"a": ["a1"], "b": ["b1"], "c": ["c1"]}
+    bed = make_testbed(three, rate_mbit=30, bastion=False, link="cluster")
+    assert bed.rate("a", "b") == 30 and bed.cluster_rate("c") == 30
+    with pytest.raises(TestBedError, match="set_cluster_rate"):
+        bed.set_rate("a", "b", 10)
+    into = concurrent_iperf_mbit(bed, [("a1", "c1"), ("b1", "c1")])
+    out_of = concurrent_iperf_mbit(bed, [("c1", "a1"), ("c1", "b1")])
+    alone = concurrent_iperf_mbit(bed, [("a1", "b1")])
+    print(f"into c {into}, out of c {out_of}, a->b alone {alone} (Mbit/s at 30 per line)")
+    assert 25 <= sum(into) <= 32 and 25 <= sum(out_of) <= 32  # a link per pair: about 60
+    assert min(into + out_of) >= 6  # shared, not starved
+    assert 27 <= alone[0] <= 31.5
+    bed.set_cluster_rate("c", 10)
+    assert bed.rate("a", "c") == 10 and bed.leaks() == ["rate of c is 10"]
+    slow = concurrent_iperf_mbit(bed, [("a1", "c1"), ("b1", "c1")])
+    assert 8 <= sum(slow) <= 10.7
+    bed.reset()
+    assert bed.leaks() == []
+
+    pair = make_testbed(three, rate_mbit=30, bastion=False)
+    both = concurrent_iperf_mbit(pair, [("a1", "c1"), ("b1", "c1")])
+    print(f"pair bed: into c {both}")
+    assert all(27 <= m <= 31.5 for m in both)
+
+
 def test_delay_proxy_adds_the_delay_and_keeps_the_throughput(bed_clean: TestBed) -> None:
     bed = bed_clean
     w1 = bed.hosts["w1"].address

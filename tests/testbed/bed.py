@@ -26,13 +26,25 @@ clusters is routed by the router (ping TTL 63). ProxyJump is meaningful through 
 address: `ssh -F ssh_config e1` arrives from the root's mgmt address, `ssh -F ssh_config e1-jump`
 (ProxyJump bastion) arrives from the bastion's address (see SSH_CONNECTION on the host).
 
-Shaping: per pair of clusters, an htb class with rate = ceil = R Mbit/s (burst 64 KiB) on the
-router's two sides of each cluster link: `r<i>` egress (into cluster i) classifies by source
-net, `s<i>` egress (out of cluster i) by destination net; unclassified traffic (mgmt, bastion,
-inside a cluster) is not shaped. htb instead of a bare `tbf` so that every pair can have its own
-rate with three or more clusters. netem does not exist on this kernel: latency comes from
-`delayed_endpoint()` (a user-space delay proxy in the router, see delay_proxy.py; its traffic is
-shaped like the pair's) or from the relay's own shaping (nebula_cli/relay/shaping.py).
+Shaping, htb classes with rate = ceil = R Mbit/s (burst 64 KiB) on the router's two sides of
+each cluster link: `r<i>` egress (into cluster i) classifies by source net, `s<i>` egress (out of
+cluster i) by destination net; unclassified traffic (mgmt, bastion, inside a cluster) is not
+shaped. Two topologies (`link=`):
+- "pair" (the default): one class per pair of clusters on each side, so every pair is its own
+  link of R each way (a full mesh of independent links; `set_rate(a, b, R)`).
+- "cluster": one class of R per side (class 1:1) shared by the traffic to and from every other
+  cluster, so each cluster has one uplink and one downlink of R, as a site behind its WAN line
+  has (`set_cluster_rate(c, R)`); traffic between a and b is bounded by a's uplink and b's
+  downlink. The line is shared fairly between the peer clusters: a child class per peer with
+  rate R/(N-1) and ceil R (what a peer leaves idle the others borrow). Without it one TCP flow
+  starved another in the line's single FIFO (4 against 25 Mbit/s of 30 in a 3 s test), and
+  this kernel has no fq_codel or sfq to queue per flow. With two clusters both modes shape
+  alike. Delay-proxied traffic (below) leaves the source cluster towards the router itself, so
+  in this mode only the destination cluster's link shapes it.
+htb instead of a bare `tbf` so that every pair can have its own rate with three or more
+clusters. netem does not exist on this kernel: latency comes from `delayed_endpoint()` (a
+user-space delay proxy in the router, see delay_proxy.py; its traffic is shaped like the
+pair's) or from the relay's own shaping (nebula_cli/relay/shaping.py).
 
 Files: keys, sshd configs, logs, known_hosts and ssh_config live in `<workdir>/<id>/` (default
 workdir /tmp/nebula-testbed; it must outlive the bed, as sshd re-reads its config and host key on
@@ -85,6 +97,7 @@ RESERVED_NAMES = {"r", "bastion", "router"}
 SSHD = "/usr/sbin/sshd"
 DEFAULT_CLUSTERS = {"east": ["e1", "e2"], "west": ["w1", "w2"]}
 HOST_IFACE = "eth0"
+LINK_MODES = ("pair", "cluster")
 
 
 class TestBedError(RuntimeError):
@@ -253,7 +266,8 @@ class TestBed:
 
     def __init__(self, clusters: dict[str, list[str]] | None = None, *,
                  rate_mbit: float | None = 100, bastion: bool = True,
-                 workdir: Path | None = None, slurm: dict[str, str] | None = None) -> None:
+                 workdir: Path | None = None, slurm: dict[str, str] | None = None,
+                 link: str = "pair") -> None:
         clusters = {c: list(hs) for c, hs in (clusters or DEFAULT_CLUSTERS).items()}
         names = [h for hs in clusters.values() for h in hs]
         bad = [n for n in [*clusters, *names] if not HOST_NAME.match(n) or n in RESERVED_NAMES]
@@ -264,6 +278,8 @@ class TestBed:
             raise TestBedError("at most 32 clusters of 1..253 hosts")
         if rate_mbit is not None and rate_mbit <= 0:
             raise TestBedError(f"rate_mbit must be positive or None, got {rate_mbit}")
+        if link not in LINK_MODES:
+            raise TestBedError(f"link must be one of {LINK_MODES}, got {link!r}")
         slurm = dict(slurm or {})
         if len(slurm) > 1 or any(c not in clusters or login not in clusters[c]
                                  or len(clusters[c]) < 2 for c, login in slurm.items()):
@@ -271,6 +287,8 @@ class TestBed:
                                f"hosts or more; got {slurm}")
         self.clusters = clusters
         self.rate_mbit = rate_mbit
+        self.link = link
+        """"pair": a link per pair of clusters; "cluster": one link per cluster (module doc)."""
         self.id = "nb" + secrets.token_hex(2)
         self.dir = Path(workdir or STATE_ROOT) / self.id
         self.router_ns = f"{self.id}-r"
@@ -278,7 +296,8 @@ class TestBed:
         self.hosts: dict[str, Host] = {}
         self.bastion: Host | None = None
         self._want_bastion = bastion
-        self._rates: dict[frozenset[str], float | None] = {}
+        self._rates: dict[frozenset[str], float | None] = {}  # link "pair"
+        self._cluster_rates: dict[str, float | None] = {}  # link "cluster"
         self._host_index: dict[str, int] = {}
         self._cut: set[str] = set()
         self._stopped: set[str] = set()
@@ -394,8 +413,8 @@ class TestBed:
 
     def _build(self) -> None:
         assert self.slot is not None
-        for state in (self.hosts, self.compute, self._rates, self._host_index, self._cut,
-                      self._stopped):
+        for state in (self.hosts, self.compute, self._rates, self._cluster_rates,
+                      self._host_index, self._cut, self._stopped):
             state.clear()
         self.bastion = None
         compute = {h for c, login in self._slurm_spec.items() for h in self.clusters[c]
@@ -440,8 +459,11 @@ class TestBed:
             self._ip_r("addr", "add", f"{_addr(net, 254)}/24", "dev", "rb")
             self.bastion = host
 
-        for a, b in combinations(self.clusters, 2):
-            self._rates[frozenset((a, b))] = self.rate_mbit
+        if self.link == "pair":
+            for a, b in combinations(self.clusters, 2):
+                self._rates[frozenset((a, b))] = self.rate_mbit
+        else:
+            self._cluster_rates.update(dict.fromkeys(self.clusters, self.rate_mbit))
         for cluster in self.clusters:
             self._shape(cluster)
         self._write_ssh_files()
@@ -493,27 +515,45 @@ class TestBed:
     # ------------------------------------------------------------------------ shaping
 
     def _shape(self, cluster: str) -> None:
-        """(Re)build the htb qdiscs on both router sides of `cluster`'s link from self._rates."""
+        """(Re)build the htb qdiscs on both router sides of `cluster`'s link from the rates."""
         names = list(self.clusters)
         i = names.index(cluster)
         for dev, direction in ((f"r{i}", "src"), (f"s{i}", "dst")):
             tc = ["ip", "netns", "exec", self.router_ns, "tc"]
             _sh([*tc, "qdisc", "del", "dev", dev, "root"], check=False)
             _sh([*tc, "qdisc", "add", "dev", dev, "root", "handle", "1:", "htb"])
+            line = self._cluster_rates.get(cluster) if self.link == "cluster" else None
+            if line is not None:  # this cluster's line, shared fairly by its peers
+                self._htb_class(dev, "1:1", "1:", line, line)
             for j, other in enumerate(names):
-                rate = self._rates.get(frozenset((cluster, other)))
-                if other == cluster or rate is None:
-                    continue
                 classid = f"1:{10 + j:x}"
-                _sh([*tc, "class", "add", "dev", dev, "parent", "1:", "classid", classid, "htb",
-                     "rate", f"{rate}mbit", "ceil", f"{rate}mbit", "burst", "64k",
-                     "cburst", "64k", "quantum", "60000"])
+                if other == cluster:
+                    continue
+                if self.link == "cluster":
+                    if line is None:
+                        continue
+                    self._htb_class(dev, classid, "1:1", line / (len(names) - 1), line)
+                else:
+                    rate = self._rates.get(frozenset((cluster, other)))
+                    if rate is None:
+                        continue
+                    self._htb_class(dev, classid, "1:", rate, rate)
                 _sh([*tc, "filter", "add", "dev", dev, "parent", "1:", "protocol", "ip",
                      "prio", "1", "u32", "match", "ip", direction,
                      str(subnet(self.slot or 0, j)), "flowid", classid])
 
+    def _htb_class(self, dev: str, classid: str, parent: str, mbit: float, ceil: float
+                   ) -> None:
+        _sh(["ip", "netns", "exec", self.router_ns, "tc", "class", "add", "dev", dev,
+             "parent", parent, "classid", classid, "htb", "rate", f"{mbit}mbit",
+             "ceil", f"{ceil}mbit", "burst", "64k", "cburst", "64k", "quantum", "60000"])
+
     def set_rate(self, cluster_a: str, cluster_b: str, mbit: float | None) -> None:
-        """Shape traffic between two clusters to `mbit` Mbit/s each way (None: unshaped)."""
+        """Shape traffic between two clusters to `mbit` Mbit/s each way (None: unshaped);
+        link "pair" only (a "cluster" bed has `set_cluster_rate`)."""
+        if self.link != "pair":
+            raise TestBedError("set_rate is for link='pair' beds; this bed has one link per "
+                               "cluster: use set_cluster_rate(cluster, mbit)")
         if cluster_a == cluster_b or {cluster_a, cluster_b} - set(self.clusters):
             raise TestBedError(f"need two different clusters of {list(self.clusters)}")
         if mbit is not None and mbit <= 0:
@@ -522,8 +562,33 @@ class TestBed:
         self._shape(cluster_a)
         self._shape(cluster_b)
 
+    def set_cluster_rate(self, cluster: str, mbit: float | None) -> None:
+        """Shape `cluster`'s line (its traffic to all other clusters, and from them) to `mbit`
+        Mbit/s each way (None: unshaped); link "cluster" only."""
+        if self.link != "cluster":
+            raise TestBedError("set_cluster_rate is for link='cluster' beds; this bed has a "
+                               "link per pair: use set_rate(a, b, mbit)")
+        if cluster not in self.clusters:
+            raise TestBedError(f"unknown cluster {cluster!r} (of {list(self.clusters)})")
+        if mbit is not None and mbit <= 0:
+            raise TestBedError(f"rate must be positive or None, got {mbit}")
+        self._cluster_rates[cluster] = mbit
+        self._shape(cluster)
+
     def rate(self, cluster_a: str, cluster_b: str) -> float | None:
-        return self._rates[frozenset((cluster_a, cluster_b))]
+        """Mbit/s between two clusters each way (None: unshaped); link "cluster": the slower of
+        the two clusters' lines (what one flow between them alone gets)."""
+        if self.link == "pair":
+            return self._rates[frozenset((cluster_a, cluster_b))]
+        rates = [r for r in (self._cluster_rates[cluster_a], self._cluster_rates[cluster_b])
+                 if r is not None]
+        return min(rates) if rates else None
+
+    def cluster_rate(self, cluster: str) -> float | None:
+        """Mbit/s of a cluster's line each way (link "cluster" beds)."""
+        if self.link != "cluster":
+            raise TestBedError("cluster_rate is for link='cluster' beds")
+        return self._cluster_rates[cluster]
 
     # --------------------------------------------------------------------------- ssh
 
@@ -751,6 +816,8 @@ class TestBed:
         found += [f"sshd of {h} stopped" for h in sorted(self._stopped)]
         found += [f"rate {'-'.join(sorted(pair))} is {rate}" for pair, rate in
                   self._rates.items() if rate != self.rate_mbit]
+        found += [f"rate of {c} is {rate}" for c, rate in self._cluster_rates.items()
+                  if rate != self.rate_mbit]
         if self.slurm is not None and not self._cut:
             found += self.slurm.leaks()
         for host in self.hosts.values():
@@ -774,8 +841,11 @@ class TestBed:
         for name in self.hosts:
             self.authorized_keys(name).unlink(missing_ok=True)
         changed = {c for pair, r in self._rates.items() if r != self.rate_mbit for c in pair}
+        changed |= {c for c, r in self._cluster_rates.items() if r != self.rate_mbit}
         for pair in self._rates:
             self._rates[pair] = self.rate_mbit
+        for c in self._cluster_rates:
+            self._cluster_rates[c] = self.rate_mbit
         for cluster in changed:
             self._shape(cluster)
         failed: SlurmError | None = None
@@ -799,7 +869,9 @@ class TestBed:
                 "compute": {h.name: {"cluster": h.cluster, "ns": h.ns, "address": h.address}
                             for h in self.compute.values()},
                 **({"slurm": self.slurm.describe()} if self.slurm else {}),
-                "rates_mbit": {"-".join(sorted(p)): r for p, r in self._rates.items()}}
+                "link": self.link,
+                "rates_mbit": {"-".join(sorted(p)): r for p, r in self._rates.items()}
+                if self.link == "pair" else dict(self._cluster_rates)}
 
     def _host(self, name: str) -> Host:
         if name == "bastion" and self.bastion:

@@ -173,6 +173,8 @@ def test_a_tunnel_reaches_its_target_only_and_leaves_nothing(
     said = json.loads(next(line for line in out.splitlines() if line.startswith("{")))
     assert said == {"east": "ping", "denied": ""}, out
     assert "tunnel keys removed from" in out
+    assert "tunnel to denied: ssh: channel" in out and "administratively prohibited" in out
+    assert "tunnel to east: ssh:" not in out, out  # a working tunnel says nothing
     assert keys.read_text() == before  # the grants went away, the site's own line stayed
     assert "Accepted publickey" in server.log.read_text()
     assert not [p for p in descendants(os.getpid()) if _cmd(p).startswith("ssh ")]

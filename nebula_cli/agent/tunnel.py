@@ -21,7 +21,8 @@ Where `reach` says that a pair of clusters' relays meets through a tunnel (the d
   no ssh_config, no agent, the job's key only, the SSH host's key pinned: StrictHostKeyChecking
   against the key nebula verified in known_hosts when it reached that host, under a
   HostKeyAlias of the job), and starts it again when it exits (backoff 1 s, doubling to 30 s,
-  back to 1 s after a minute up); ssh's last words go into the relay's log. The relay dials
+  back to 1 s after a minute up); ssh's messages (a forwarding refused, a connection lost) go
+  into the relay's log. The relay dials
   the tunnel's local end instead of the peer's address.
 
 Everything runs host to host: the launching machine makes the keys and writes the files, then
@@ -79,24 +80,13 @@ def ssh_argv(dial: TunnelDial, keepalive: int, count: int) -> list[str]:
         "ExitOnForwardFailure": "yes", "ServerAliveInterval": str(keepalive),
         "ServerAliveCountMax": str(count), "ConnectTimeout": str(keepalive * count),
         "ControlMaster": "no", "ControlPath": "none", "PermitLocalCommand": "no",
-        "ForwardAgent": "no", "ForwardX11": "no", "LogLevel": "ERROR",
+        "ForwardAgent": "no", "ForwardX11": "no", "LogLevel": "INFO",
     }
     argv = ["ssh", "-N", "-T", "-F", "/dev/null"]
     for key, value in options.items():
         argv += ["-o", f"{key}={value}"]
     return [*argv, "-p", str(dial.port), "-l", dial.user, "-L", f"{dial.listen}:{dial.target}",
             "--", dial.host]
-
-
-def _last_words(path: str) -> str:
-    try:
-        with open(path, "rb") as fh:
-            fh.seek(max(0, fh.seek(0, os.SEEK_END) - 4096))
-            lines = [x.strip() for x in fh.read().decode(errors="replace").splitlines()]
-    except OSError:
-        return ""
-    last = next((x for x in reversed(lines) if x), "")
-    return f": {last[:LAST_WORDS]}" if last else ""
 
 
 class Tunnel:
@@ -108,6 +98,11 @@ class Tunnel:
         self.started = self.next_start = 0.0
         self.backoff = BACKOFF_FIRST
         self.where = f"{dial.user}@{dial.host}:{dial.port}"
+        try:  # what earlier runs of the relay left in the log is not repeated
+            self.seen = os.path.getsize(dial.log)
+        except OSError:
+            self.seen = 0
+        self.said = ""
 
     def start(self) -> None:
         Path(self.dial.log).parent.mkdir(parents=True, exist_ok=True)
@@ -118,16 +113,39 @@ class Tunnel:
         say(f"tunnel to {self.dial.peer} up: {self.dial.listen} -> {self.dial.target} through "
             f"{self.where} (ssh pid {self.proc.pid})")
 
+    def echo(self) -> None:
+        """ssh's new messages (a refused forwarding, a lost connection) into the relay's log,
+        a message repeated only when another came between."""
+        try:
+            size = os.path.getsize(self.dial.log)
+            if size <= self.seen:
+                self.seen = min(self.seen, size)
+                return
+            with open(self.dial.log, "rb") as fh:
+                fh.seek(self.seen)
+                data = fh.read(min(size - self.seen, 1 << 16))
+        except OSError:
+            return
+        cut = data.rfind(b"\n") + 1
+        if not cut and len(data) == 1 << 16:  # a line longer than what is read at once
+            cut = len(data)
+        self.seen += cut
+        for line in data[:cut].decode(errors="replace").splitlines():
+            if (line := line.strip()) and line != self.said:
+                self.said = line
+                say(f"tunnel to {self.dial.peer}: ssh: {line[:LAST_WORDS]}")
+
     def poll(self, stopping: bool) -> None:
         now = time.monotonic()
+        self.echo()
         if self.proc is not None and (code := self.proc.poll()) is not None:
             if now - self.started >= STABLE_AFTER:
                 self.backoff = BACKOFF_FIRST
             delay, self.backoff = self.backoff, min(self.backoff * 2, BACKOFF_MAX)
             self.proc, self.next_start = None, now + delay
             if not stopping:
-                say(f"tunnel to {self.dial.peer} through {self.where} ended (ssh exit {code})"
-                    f"{_last_words(self.dial.log)}; again in {delay:g} s")
+                say(f"tunnel to {self.dial.peer} through {self.where} ended (ssh exit {code}); "
+                    f"again in {delay:g} s")
         if self.proc is None and not stopping and now >= self.next_start:
             self.start()
 
@@ -202,6 +220,7 @@ def run(cfg: TunnelConfig, command: list[str]) -> int:
             time.sleep(POLL)
     finally:
         for t in tunnels:
+            t.echo()  # what ssh said since the last look
             t.close()
         with contextlib.suppress(OSError):
             if (changed := revoke(cfg)):

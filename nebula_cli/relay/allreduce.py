@@ -20,6 +20,11 @@ winning lineage: see :mod:`nebula_cli.relay.lineage`). Every relay then runs a
   n - 1 peers costs (n - 1) contributions per relay, which are small, and the average is exact
   (the sum of every coordinate any cluster sent, divided by n).
 
+Where the work runs: a relay's own chunks are averaged by the round's thread as they are added;
+with ``worker=True`` a peer's chunk is only queued by the link that received it, and one thread
+per exchange decodes and averages the queued chunks, so a link's receiver keeps reading (and
+decrypting) while the averaging runs on another core.
+
 Identical results everywhere: a contribution is only ever used as decoded from its encoded form
 (also by its own relay), decoding is deterministic, and :func:`ordered_mean` sums the parts in
 sorted cluster-name order and then divides by their count (or, when the decision weights the
@@ -34,6 +39,7 @@ from __future__ import annotations
 import math
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -169,6 +175,7 @@ class RoundExchange:
         send: Send,
         weights: Mapping[str, float] | None = None,
         empty: Callable[[int], torch.Tensor] | None = None,
+        worker: bool = False,
     ) -> None:
         if len(bounds) != schedule.num_chunks:
             raise ValueError("bounds and schedule disagree on the number of chunks")
@@ -192,6 +199,11 @@ class RoundExchange:
         self._parts: dict[int, dict[str, torch.Tensor]] = {}
         self._left = set(range(len(self.bounds)))
         self._cv = threading.Condition()
+        self._queue: deque[tuple[bool, str, int, Any]] = deque()  # (is average, src, k, enc)
+        self._worker: threading.Thread | None = None
+        if worker and self._left:
+            self._worker = threading.Thread(target=self._work, name="relay-average", daemon=True)
+            self._worker.start()
 
     # ------------------------------------------------------------------ inputs
 
@@ -207,7 +219,8 @@ class RoundExchange:
         self._check_k(k)
         if src not in self.schedule.contrib_sources(k):
             raise ExchangeError(f"{src} sent contribution chunk {k}, not averaged here")
-        self._add_part(src, k, enc)
+        if not self._queued(False, src, k, enc):
+            self._add_part(src, k, enc)
 
     def add_avg(self, src: str, k: int, enc: Any) -> None:
         """The owner's encoded average of chunk ``k`` (None = zeros)."""
@@ -215,6 +228,10 @@ class RoundExchange:
         if src != self.schedule.avg_source(k):
             raise ExchangeError(f"{src} sent the average of chunk {k}, owned by "
                                 f"{self.schedule.owner(k)}")
+        if not self._queued(True, src, k, enc):
+            self._use_avg(k, enc)
+
+    def _use_avg(self, k: int, enc: Any) -> None:
         t = self._zeros(k) if enc is None else self._decoded(k, enc)
         if not is_finite(t):
             t = self._zeros(k)
@@ -241,6 +258,37 @@ class RoundExchange:
         with self._cv:
             self._cv.wait_for(lambda: not self._left or self.error is not None, timeout)
             return not self._left
+
+    # ------------------------------------------------------------------ the worker
+
+    def _queued(self, avg: bool, src: str, k: int, enc: Any) -> bool:
+        """With a worker: queue a peer's chunk for it (the caller, a link's receiver, goes back
+        to reading at once) and say so."""
+        if self._worker is None:
+            return False
+        with self._cv:
+            self._queue.append((avg, src, k, enc))
+            self.progress_at = time.monotonic()
+            self._cv.notify_all()
+        return True
+
+    def _work(self) -> None:
+        """The worker: decode and average the peers' chunks as they are queued, until the
+        exchange is complete or failed."""
+        while True:
+            with self._cv:
+                self._cv.wait_for(lambda: self._queue or not self._left or self.error is not None)
+                if not self._queue or self.error is not None:
+                    self._queue.clear()
+                    return
+                avg, src, k, enc = self._queue.popleft()
+            try:
+                if avg:
+                    self._use_avg(k, enc)
+                else:
+                    self._add_part(src, k, enc)
+            except Exception as exc:  # noqa: BLE001 (the exchange fails and says why)
+                self.fail(f"bad chunk {k} from {src}: {exc}")
 
     # ------------------------------------------------------------------ internals
 

@@ -241,7 +241,7 @@ class Rounds(Recovery):
 
         ex = RoundExchange(sched, spans, encode=self.codec.encode,
                            decode=lambda enc: decode(self.codec, enc), send=send,
-                           weights=dict(d.weights), empty=self.empty)
+                           weights=dict(d.weights), empty=self.empty, worker=True)
         ex_ref.append(ex)
         with self.lock:
             self.exchanges[key] = ex

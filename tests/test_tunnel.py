@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import pwd
 import signal
 import socket
 import subprocess
@@ -52,6 +53,10 @@ def test_key_lines_are_added_and_removed_beside_the_others(tmp_path: Path) -> No
     authkeys.remove_tagged(str(path), ["nebula-tunnel:job2:x>y"])
     assert path.read_text() == mine + "\n"
     assert sorted(p.name for p in path.parent.iterdir()) == ["authorized_keys"]
+    # sshd_config's tokens, as a site's AuthorizedKeysFile may use them
+    (tmp_path / "keys" / pwd.getpwuid(os.getuid()).pw_name).mkdir(parents=True)
+    authkeys.add_lines(str(tmp_path / "keys" / "%u" / "ak%%1"), [a])
+    assert (tmp_path / "keys" / pwd.getpwuid(os.getuid()).pw_name / "ak%1").read_text() == a + "\n"
 
 
 @contextlib.contextmanager

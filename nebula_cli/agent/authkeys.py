@@ -12,6 +12,8 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import os
+import pwd
+import re
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
@@ -20,7 +22,11 @@ DIR_MODE = 0o700
 
 
 def resolve(path: str) -> Path:
-    """The file `path` names on this host (~ expanded, symlinks followed)."""
+    """The file `path` names on this host: ~, and sshd_config's %h (home), %u (user) and %%
+    expanded; symlinks followed."""
+    home = os.path.expanduser("~")
+    tokens = {"%%": "%", "%h": home, "%u": pwd.getpwuid(os.getuid()).pw_name}
+    path = re.sub(r"%[%hu]", lambda m: tokens[m.group()], path)
     return Path(os.path.realpath(os.path.expanduser(path)))
 
 

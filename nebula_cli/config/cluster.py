@@ -66,10 +66,11 @@ class ClusterSpec(SpecModel):
     """Slurm clusters: where the relay runs: 'node' (the allocation's first node) or 'login'
     (the login node, usually reachable where compute nodes are not)."""
     authorized_keys: RemotePath = "~/.ssh/authorized_keys"
-    """The file this cluster's sshd reads its user's keys from (its AuthorizedKeysFile; on a
-    Slurm cluster, on the shared home). Only used when other relays reach this one through an
-    SSH tunnel: each tunnel's key is added there for as long as the relay runs, limited to
-    forwarding to the relay's port, with the job's certificates' expiry time."""
+    """The file this cluster's sshd reads its user's keys from (its AuthorizedKeysFile: ~, %h
+    and %u as there; on a Slurm cluster, on the shared home). Only used when other relays
+    reach this one through an SSH tunnel: each tunnel's key is added there for as long as the
+    relay runs, limited to forwarding to the relay's port, with the job's certificates'
+    expiry time."""
     scheduler: Literal["none", "slurm"] = "none"
     """'none': the hosts run the workers. 'slurm': the one host is the login node of a Slurm
     cluster; one batch job (see `slurm`) holds the nodes that run the workers."""

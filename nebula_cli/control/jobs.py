@@ -3,6 +3,7 @@ and metrics. `JobOps` is the part of the orchestrator that works on recorded job
 
 from __future__ import annotations
 
+import contextlib
 import json
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -184,7 +185,17 @@ class JobOps(Session):
                         grace=FAILURE_STOP_GRACE)
         self._stop_recs([h for h in active if h.role == jobplan.RELAY], why,
                         grace=FAILURE_STOP_GRACE)
+        self._sweep_recs(failed)  # what a failed agent left running (its world's teller)
         return True
+
+    def _sweep_recs(self, recs: list[HostRecord]) -> None:
+        """`stop --force` on agents that have ended, for what they may have left behind; their
+        recorded state and reason stay as they are (best effort)."""
+        groups = self._by_machine(recs)
+        with contextlib.suppress(GroupError):
+            fanout(list(groups), lambda k: self._agent_call(groups[k], "stop", "--force",
+                                                            timeout=60),
+                   timeout=90, cancel=self.abort)
 
     def _stop_recs(self, recs: list[HostRecord], reason: str, grace: float | None) -> None:
         """Stop these agents (best effort: an unreachable host keeps its last state)."""

@@ -473,3 +473,23 @@ def test_clusters_that_end_at_different_rounds_end_with_the_same_state() -> None
         assert hub.rounds["a"].lineage == hub.rounds["b"].lineage
     finally:
         hub.close()
+
+
+def test_resumed_workers_ahead_of_fresh_relays_meet_at_once() -> None:
+    """After `nebula resume` every relay starts at round -1 while the workers go on from their
+    checkpoint's round: a peer's READY for round 7 that comes before this relay's own worker
+    asked for it is held, not refused, and the round is joint without waiting for the deadline
+    (seen: every resumed job stalled its first round for the whole round timeout)."""
+    hub = Hub(["a", "b"], round_timeout=60.0)
+    try:
+        gen = torch.Generator().manual_seed(5)
+        xs = {c: torch.randn(300, generator=gen) for c in hub.order}
+        t0 = time.monotonic()
+        out = run_round(hub, 7, xs, delays={"a": 1.0})  # a's worker comes a second later
+        assert time.monotonic() - t0 < 15
+        for c in hub.order:
+            assert out[c].present == ["a", "b"] and out[c].round_id == 7
+        assert torch.equal(out["a"].tensor, out["b"].tensor)
+        assert torch.allclose(out["a"].tensor, (xs["a"] + xs["b"]) / 2, atol=1e-6)
+    finally:
+        hub.close()

@@ -39,26 +39,21 @@ import torch
 from nebula_cli.relay.agreement import BEHIND, Coordinator, Decision
 from nebula_cli.relay.allreduce import ExchangeError, RoundExchange, Schedule
 from nebula_cli.relay.cadence import RoundInfo
-from nebula_cli.relay.codecs import Codec, CodecError, Encoded, ErrorFeedback, chunk_spans
+from nebula_cli.relay.codecs import Codec, Encoded, ErrorFeedback, chunk_spans
 from nebula_cli.relay.config import RelayConfig
 from nebula_cli.relay.contribution import OwnChunks, check_contribution, decode
 from nebula_cli.relay.limits import (
-    MAX_OPEN_ROUNDS,
-    MAX_ROUNDS_AHEAD,
     EarlyChunks,
-    LimitExceeded,
     Refusals,
     SyncSize,
 )
-from nebula_cli.relay.lineage import UNKNOWN
-from nebula_cli.relay.recovery import Recovery
 from nebula_cli.relay.results import Average, GlobalState, Outcome
+from nebula_cli.relay.round_control import MAX_ATTEMPTS, RoundControl
 from nebula_cli.relay.round_state import EMPTY, EXCHANGE, RESYNC, after_decision
 from nebula_cli.relay.wire import Frame, FrameType
 
 log = logging.getLogger("nebula.relay")
 
-MAX_ATTEMPTS = 3
 STARTUP_GRACE = 6.0
 """After a (re)start, a round waits up to this long (from the start) for peers that have not
 been connected yet, so that a restarted relay learns how far its peers are first."""
@@ -81,7 +76,7 @@ class Net(Protocol):
     def finish_view(self) -> dict[str, tuple[int | None, str | None, int]]: ...
 
 
-class Rounds(Recovery):
+class Rounds(RoundControl):
     """One relay's rounds. ``event(msg, *args)`` reports a warning-worthy event;
     ``finished(request_round, outcome)`` runs after each round."""
 
@@ -105,6 +100,8 @@ class Rounds(Recovery):
         self._event, self._finished, self._refusals = event, finished, refusals
         self.clock = clock
         self.started = clock()
+        self.floor = -1
+        self.held: dict[str, list[dict[str, Any]]] = {}
 
     # ------------------------------------------------------------------ the worker's round
 
@@ -115,6 +112,7 @@ class Rounds(Recovery):
         registers the sync size if the worker did not."""
         if self.sync is None:
             self.register(SyncSize.flat(x.numel()))
+        self.raise_floor(round_id)
         with self.lock:
             self.finished = None  # a worker that said goodbye came back (restarted)
         with self.round_lock:
@@ -306,165 +304,6 @@ class Rounds(Recovery):
                      set(out.weights.values())) > 1 else "",
                  "" if out.next_h is None else f", next H {out.next_h}")
         self._finished(r, out)
-
-    # ------------------------------------------------------------------ from peers
-
-    def on_control(self, src: str, m: dict[str, Any]) -> None:
-        """A ROUND frame from peer ``src`` (KeyError/ValueError on a malformed one)."""
-        op, r = m.get("op"), int(m["round"])
-        newest = self.newest_done()
-        if op in ("ready", "behind", "start") and r > newest + MAX_ROUNDS_AHEAD:
-            self._refusals.refuse("round control", src, f"{op} for round {r}, this relay and "
-                                  f"its peers are at round {newest}")
-            return
-        if op == "ready":
-            self._on_ready(src, m)
-        elif op == "start":
-            d = Decision.from_meta(m)
-            if d.coordinator != src:
-                self._refusals.refuse("round control", src,
-                                      f"a decision of {d.coordinator} relayed by {src}")
-                return
-            self._on_decision(d)
-        elif op == "behind":
-            with self.lock:
-                self.behind_rounds = {b for b in self.behind_rounds
-                                      if b > self.done_round - MAX_OPEN_ROUNDS} | {r}
-                self.cv.notify_all()
-        elif op == "abort":
-            with self.lock:
-                ex = self.exchanges.get((r, int(m["attempt"]), str(m["coord"])))
-            if ex is not None:
-                ex.fail(f"{src} aborted: {m.get('reason')}")
-        else:
-            raise ValueError(f"unknown ROUND op {op!r}")
-
-    def on_chunk(self, src: str, frame: Frame) -> None:
-        """A PEER_CHUNK frame from ``src``: fed to its round's exchange, held briefly if that
-        has not started yet (within limits), else refused."""
-        m = frame.meta
-        key = (int(m["round"]), int(m["attempt"]), str(m["coord"]))
-        with self.lock:
-            ex = self.exchanges.get(key)
-            if ex is None:
-                numel = self.sync.numel if self.sync else None
-                spans = 0 if numel is None else len(chunk_spans(
-                    numel, self.cfg.chunk_numel, align=self.cfg.block_size))
-                try:
-                    self.early.add(key, src, m.get("k"), frame, done=self.done_round,
-                                   sync_numel=numel, num_chunks=spans)
-                except LimitExceeded as exc:
-                    if key[0] > self.done_round:
-                        self._refusals.refuse("chunk", src, str(exc))
-                return
-        self._feed(ex, src, frame)
-
-    def on_progress(self) -> None:
-        """A peer's progress changed (or a link came up): close collections of rounds some
-        relay has already completed, wake waiting rounds."""
-        for round_id, clusters in self.coordinator.behind(self.newest_done()):
-            for c in clusters:
-                self._tell_behind(c, round_id)
-        self._decide_without_the_gone()
-        self.poke()
-
-    def on_link_down(self, cluster: str, reason: str) -> None:
-        with self.lock:
-            for ex in self.exchanges.values():
-                if cluster in ex.schedule.present:
-                    ex.fail(f"lost the link to {cluster}: {reason}")
-            self.cv.notify_all()
-        self._decide_without_the_gone()
-
-    def _decide_without_the_gone(self) -> None:
-        """As coordinator, decide the open rounds that wait only for peers that are gone or
-        whose workers have finished."""
-        if self.net.coordinator() == self.me:
-            for d in self.coordinator.complete(self._reachable()):
-                self._announce(d)
-
-    def _reachable(self) -> list[str]:
-        """The clusters that can still be ready for a round: this one and its connected
-        peers whose workers have not finished."""
-        done = {c for c, (finished, _, _) in self.net.finish_view().items()
-                if finished is not None}
-        with self.lock:
-            if self.finished is not None:
-                done.add(self.me)
-        return [c for c in [self.me, *self.net.connected()] if c not in done]
-
-    def on_link_up(self) -> None:
-        if self.net.coordinator() != self.me:
-            self.coordinator.drop_open()  # the clusters waiting on it re-send READY
-        self.on_progress()
-
-    def tick(self) -> float | None:
-        """Decide the rounds whose deadline passed; the next deadline (monotonic) or None."""
-        for d in self.coordinator.due(self.clock()):
-            if d.missing or d.rejected:
-                log.info("round %d attempt %d decided: present %s, missing %s, rejected %s",
-                         d.round, d.attempt, list(d.present), list(d.missing), list(d.rejected))
-            self._announce(d)
-        return self.coordinator.next_deadline()
-
-    def _feed(self, ex: RoundExchange, src: str, frame: Frame) -> None:
-        m = frame.meta
-        if src not in ex.schedule.present:  # not in this round: refused, the round goes on
-            self._refusals.refuse("chunk", src, f"round {m.get('round')} is not its round")
-            return
-        try:
-            k = int(m["k"])
-            enc = None if m.get("zero") else Encoded.from_wire(m, frame.payload)
-            if enc is not None and enc.codec != self.codec.name:
-                raise ExchangeError(f"chunk encoded with {enc.codec}, expected "
-                                    f"{self.codec.name}")
-            if m["op"] == "contrib":
-                ex.add_contrib(src, k, enc)
-            else:
-                ex.add_avg(src, k, enc)
-        except (ExchangeError, CodecError, KeyError, ValueError) as exc:
-            log.warning("round %s: bad chunk from %s: %s", m.get("round"), src, exc)
-            ex.fail(f"bad chunk from {src}: {exc}")
-
-    def _tell_behind(self, cluster: str, round_id: int) -> None:
-        if cluster == self.me:
-            with self.lock:
-                self.behind_rounds.add(round_id)
-                self.cv.notify_all()
-        else:
-            self.net.send(cluster, Frame(FrameType.ROUND, {"op": "behind", "round": round_id}))
-
-    def _on_ready(self, cluster: str, m: dict[str, Any]) -> None:
-        attempt = int(m["attempt"])
-        if not 0 <= attempt < MAX_ATTEMPTS:
-            raise ValueError(f"READY for attempt {attempt}")
-        res = self.coordinator.ready(
-            int(m["round"]), attempt, cluster, ok=bool(m["ok"]), numel=int(m["numel"]),
-            reason=str(m.get("reason", "")), now=self.clock(), newest_done=self.newest_done(),
-            lineage=str(m.get("lineage", UNKNOWN)), expected=self._reachable(),
-            info=RoundInfo.from_meta(m.get("info")))
-        if res == BEHIND:
-            self._tell_behind(cluster, int(m["round"]))
-        elif isinstance(res, Decision):
-            self._announce(res)
-
-    def _announce(self, d: Decision) -> None:
-        """Send a decision to every connected peer and apply it here."""
-        frame = Frame(FrameType.ROUND, {"op": "start", **d.to_meta()})
-        for c in self.net.connected():
-            self.net.send(c, frame)
-        self._on_decision(d)
-
-    def _on_decision(self, d: Decision) -> None:
-        with self.lock:
-            key = (d.round, d.coordinator)
-            old = self.decisions.get(key)
-            if old is None or d.attempt >= old.attempt:
-                self.decisions[key] = d
-            newest = max(k[0] for k in self.decisions)
-            for k in [k for k in self.decisions if k[0] <= newest - MAX_OPEN_ROUNDS]:
-                del self.decisions[k]
-            self.cv.notify_all()
 
     # ------------------------------------------------------------------ for peers and workers
 

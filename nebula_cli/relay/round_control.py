@@ -1,0 +1,238 @@
+"""What a relay's rounds take from its peers: round control (READY, START, BEHIND, ABORT),
+chunks, progress, links going up and down, and the coordinator's deadlines. Part of
+:class:`nebula_cli.relay.rounds.Rounds` (the attributes are set there).
+
+Round control for a round too far ahead of this relay and its peers is not acted on at once:
+after a resume every relay starts fresh (round -1) while the workers go on from their
+checkpoint's round, so a peer's READY or START may come before this relay's own worker has said
+which round it is at. The newest of those per peer (at most :data:`HELD_PER_PEER`) are held and
+handled once this relay's worker asks for a round close enough (see :meth:`raise_floor`);
+other control for rounds too far ahead is refused (logged), as chunks for them are.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from nebula_cli.relay.agreement import BEHIND, Coordinator, Decision
+from nebula_cli.relay.allreduce import ExchangeError, RoundExchange
+from nebula_cli.relay.cadence import RoundInfo
+from nebula_cli.relay.codecs import Codec, CodecError, Encoded, chunk_spans
+from nebula_cli.relay.limits import (
+    MAX_OPEN_ROUNDS,
+    MAX_ROUNDS_AHEAD,
+    EarlyChunks,
+    LimitExceeded,
+    Refusals,
+)
+from nebula_cli.relay.lineage import UNKNOWN
+from nebula_cli.relay.recovery import Recovery
+from nebula_cli.relay.wire import Frame, FrameType
+
+if TYPE_CHECKING:
+    from nebula_cli.relay.rounds import Net
+
+log = logging.getLogger("nebula.relay")
+
+MAX_ATTEMPTS = 3
+"""Attempts of one round (a present peer gone mid-exchange: the survivors redo it)."""
+HELD_PER_PEER = 2
+"""Round control frames held per peer for a round ahead of this relay's own worker."""
+
+
+class RoundControl(Recovery):
+    """The peer side of a relay's rounds."""
+
+    codec: Codec
+    net: Net
+    coordinator: Coordinator
+    early: EarlyChunks
+    exchanges: dict[tuple[int, int, str], RoundExchange]
+    decisions: dict[tuple[int, str], Decision]
+    behind_rounds: set[int]
+    _refusals: Refusals
+    clock: Callable[[], float]
+    floor: int
+    """The round before the newest one this relay's own worker asked for (-1: none yet)."""
+    held: dict[str, list[dict[str, Any]]]
+
+    def horizon(self) -> int:
+        """The round control and chunks are measured against: this relay's and its peers'
+        newest completed round, or the one before what its own worker asked for."""
+        with self.lock:
+            floor = self.floor
+        return max(self.newest_done(), floor)
+
+    def raise_floor(self, round_id: int) -> None:
+        """This relay's worker asked for ``round_id``: handle what peers sent for it early."""
+        with self.lock:
+            self.floor = max(self.floor, round_id - 1)
+            held, self.held = self.held, {}
+        for src, frames in held.items():
+            for m in frames:
+                self.on_control(src, m)
+
+    def on_control(self, src: str, m: dict[str, Any]) -> None:
+        """A ROUND frame from peer ``src`` (KeyError/ValueError on a malformed one)."""
+        op, r = m.get("op"), int(m["round"])
+        newest = self.horizon()
+        if op in ("ready", "behind", "start") and r > newest + MAX_ROUNDS_AHEAD:
+            if op in ("ready", "start"):  # perhaps a resumed peer ahead of our own worker
+                with self.lock:
+                    self.held[src] = [*self.held.get(src, []), m][-HELD_PER_PEER:]
+                return
+            self._refusals.refuse("round control", src, f"{op} for round {r}, this relay and "
+                                  f"its peers are at round {newest}")
+            return
+        if op == "ready":
+            self._on_ready(src, m)
+        elif op == "start":
+            d = Decision.from_meta(m)
+            if d.coordinator != src:
+                self._refusals.refuse("round control", src,
+                                      f"a decision of {d.coordinator} relayed by {src}")
+                return
+            self._on_decision(d)
+        elif op == "behind":
+            with self.lock:
+                self.behind_rounds = {b for b in self.behind_rounds
+                                      if b > self.done_round - MAX_OPEN_ROUNDS} | {r}
+                self.cv.notify_all()
+        elif op == "abort":
+            with self.lock:
+                ex = self.exchanges.get((r, int(m["attempt"]), str(m["coord"])))
+            if ex is not None:
+                ex.fail(f"{src} aborted: {m.get('reason')}")
+        else:
+            raise ValueError(f"unknown ROUND op {op!r}")
+
+    def on_chunk(self, src: str, frame: Frame) -> None:
+        """A PEER_CHUNK frame from ``src``: fed to its round's exchange, held briefly if that
+        has not started yet (within limits), else refused."""
+        m = frame.meta
+        key = (int(m["round"]), int(m["attempt"]), str(m["coord"]))
+        with self.lock:
+            ex = self.exchanges.get(key)
+            if ex is None:
+                numel = self.sync.numel if self.sync else None
+                spans = 0 if numel is None else len(chunk_spans(
+                    numel, self.cfg.chunk_numel, align=self.cfg.block_size))
+                try:
+                    done = max(self.done_round, self.floor)
+                    self.early.add(key, src, m.get("k"), frame, done=done,
+                                   sync_numel=numel, num_chunks=spans)
+                except LimitExceeded as exc:
+                    if key[0] > done:
+                        self._refusals.refuse("chunk", src, str(exc))
+                return
+        self._feed(ex, src, frame)
+
+    def on_progress(self) -> None:
+        """A peer's progress changed (or a link came up): close collections of rounds some
+        relay has already completed, wake waiting rounds."""
+        for round_id, clusters in self.coordinator.behind(self.newest_done()):
+            for c in clusters:
+                self._tell_behind(c, round_id)
+        self._decide_without_the_gone()
+        self.poke()
+
+    def on_link_down(self, cluster: str, reason: str) -> None:
+        with self.lock:
+            for ex in self.exchanges.values():
+                if cluster in ex.schedule.present:
+                    ex.fail(f"lost the link to {cluster}: {reason}")
+            self.cv.notify_all()
+        self._decide_without_the_gone()
+
+    def _decide_without_the_gone(self) -> None:
+        """As coordinator, decide the open rounds that wait only for peers that are gone or
+        whose workers have finished."""
+        if self.net.coordinator() == self.me:
+            for d in self.coordinator.complete(self._reachable()):
+                self._announce(d)
+
+    def _reachable(self) -> list[str]:
+        """The clusters that can still be ready for a round: this one and its connected
+        peers whose workers have not finished."""
+        done = {c for c, (finished, _, _) in self.net.finish_view().items()
+                if finished is not None}
+        with self.lock:
+            if self.finished is not None:
+                done.add(self.me)
+        return [c for c in [self.me, *self.net.connected()] if c not in done]
+
+    def on_link_up(self) -> None:
+        if self.net.coordinator() != self.me:
+            self.coordinator.drop_open()  # the clusters waiting on it re-send READY
+        self.on_progress()
+
+    def tick(self) -> float | None:
+        """Decide the rounds whose deadline passed; the next deadline (monotonic) or None."""
+        for d in self.coordinator.due(self.clock()):
+            if d.missing or d.rejected:
+                log.info("round %d attempt %d decided: present %s, missing %s, rejected %s",
+                         d.round, d.attempt, list(d.present), list(d.missing), list(d.rejected))
+            self._announce(d)
+        return self.coordinator.next_deadline()
+
+    def _feed(self, ex: RoundExchange, src: str, frame: Frame) -> None:
+        m = frame.meta
+        if src not in ex.schedule.present:  # not in this round: refused, the round goes on
+            self._refusals.refuse("chunk", src, f"round {m.get('round')} is not its round")
+            return
+        try:
+            k = int(m["k"])
+            enc = None if m.get("zero") else Encoded.from_wire(m, frame.payload)
+            if enc is not None and enc.codec != self.codec.name:
+                raise ExchangeError(f"chunk encoded with {enc.codec}, expected "
+                                    f"{self.codec.name}")
+            if m["op"] == "contrib":
+                ex.add_contrib(src, k, enc)
+            else:
+                ex.add_avg(src, k, enc)
+        except (ExchangeError, CodecError, KeyError, ValueError) as exc:
+            log.warning("round %s: bad chunk from %s: %s", m.get("round"), src, exc)
+            ex.fail(f"bad chunk from {src}: {exc}")
+
+    def _tell_behind(self, cluster: str, round_id: int) -> None:
+        if cluster == self.me:
+            with self.lock:
+                self.behind_rounds.add(round_id)
+                self.cv.notify_all()
+        else:
+            self.net.send(cluster, Frame(FrameType.ROUND, {"op": "behind", "round": round_id}))
+
+    def _on_ready(self, cluster: str, m: dict[str, Any]) -> None:
+        attempt = int(m["attempt"])
+        if not 0 <= attempt < MAX_ATTEMPTS:
+            raise ValueError(f"READY for attempt {attempt}")
+        res = self.coordinator.ready(
+            int(m["round"]), attempt, cluster, ok=bool(m["ok"]), numel=int(m["numel"]),
+            reason=str(m.get("reason", "")), now=self.clock(), newest_done=self.newest_done(),
+            lineage=str(m.get("lineage", UNKNOWN)), expected=self._reachable(),
+            info=RoundInfo.from_meta(m.get("info")))
+        if res == BEHIND:
+            self._tell_behind(cluster, int(m["round"]))
+        elif isinstance(res, Decision):
+            self._announce(res)
+
+    def _announce(self, d: Decision) -> None:
+        """Send a decision to every connected peer and apply it here."""
+        frame = Frame(FrameType.ROUND, {"op": "start", **d.to_meta()})
+        for c in self.net.connected():
+            self.net.send(c, frame)
+        self._on_decision(d)
+
+    def _on_decision(self, d: Decision) -> None:
+        with self.lock:
+            key = (d.round, d.coordinator)
+            old = self.decisions.get(key)
+            if old is None or d.attempt >= old.attempt:
+                self.decisions[key] = d
+            newest = max(k[0] for k in self.decisions)
+            for k in [k for k in self.decisions if k[0] <= newest - MAX_OPEN_ROUNDS]:
+                del self.decisions[k]
+            self.cv.notify_all()
+

@@ -47,6 +47,7 @@ from typing import Any
 import torch
 
 from nebula_cli.errors import NebulaError
+from nebula_cli.relay.codec_base import all_finite
 
 ALONE, DIRECT, SHARD = "alone", "direct", "shard"
 
@@ -88,16 +89,6 @@ def ordered_mean(parts: Mapping[str, torch.Tensor], out: torch.Tensor | None = N
 
 def _empty(numel: int) -> torch.Tensor:
     return torch.empty(numel, dtype=torch.float32)
-
-
-def is_finite(t: torch.Tensor) -> bool:
-    """No NaN and no infinity. A finite sum says so in one fast pass (NaN and inf propagate into
-    any sum); only a sum that is not (an overflow, or a non-finite value) is checked exactly
-    (aminmax). No temporary the size of ``t``."""
-    if not t.numel() or math.isfinite(float(t.sum())):
-        return True
-    lo, hi = torch.aminmax(t)
-    return math.isfinite(float(lo)) and math.isfinite(float(hi))
 
 
 @dataclass(frozen=True)
@@ -233,7 +224,7 @@ class RoundExchange:
 
     def _use_avg(self, k: int, enc: Any) -> None:
         t = self._zeros(k) if enc is None else self._decoded(k, enc)
-        if not is_finite(t):
+        if not all_finite(t):
             t = self._zeros(k)
             with self._cv:
                 self.zeroed += 1
@@ -333,15 +324,15 @@ class RoundExchange:
         part was finite (NaN and inf propagate), so the parts are only checked one by one when
         it is not (the mean of finite parts can still overflow)."""
         avg = ordered_mean(parts, out=out, weights=self.weights)
-        if is_finite(avg):
+        if all_finite(avg):
             return avg, True
-        good = {c: t for c, t in parts.items() if is_finite(t)}
+        good = {c: t for c, t in parts.items() if all_finite(t)}
         with self._cv:
             self.dropped.update(set(parts) - set(good))
         if not good:
             return self._zeros(k), True
         avg = ordered_mean(good, out=out, weights=self.weights)
-        return avg, is_finite(avg)
+        return avg, all_finite(avg)
 
     def _reduce(self, k: int, parts: dict[str, torch.Tensor]) -> None:
         lo, hi = self.bounds[k]
@@ -357,7 +348,7 @@ class RoundExchange:
         avg, finite = self._mean(k, parts, None)
         enc: Any = self._encode(avg) if finite else None
         avg = self._decoded(k, enc) if enc is not None else self._zeros(k)
-        if not is_finite(avg):
+        if not all_finite(avg):
             enc, avg = None, self._zeros(k)
         if enc is None:
             with self._cv:

@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 
 from nebula_cli.errors import NebulaError
+from nebula_cli.relay.codec_base import all_finite
 from nebula_cli.runtime.outer import SyncError
 from nebula_cli.runtime.settle import keep
 
@@ -125,7 +126,7 @@ class ClusterShare:
             return None, False, SyncError(f"outer round {round_id}: the averager returned a "
                                           f"{what} of {got} values, expected {self.numel}")
         flat = tensor.detach().to("cpu", torch.float32).reshape(-1).contiguous()
-        if not bool(torch.isfinite(flat).all()):
+        if not all_finite(flat):
             return None, False, SyncError(f"outer round {round_id}: the {what} is not finite")
         return flat, state is not None, None
 
@@ -136,7 +137,7 @@ class ClusterShare:
         if not isinstance(m, torch.Tensor) or m.numel() != self.numel:
             return None
         flat = m.detach().to("cpu", torch.float32).reshape(-1).contiguous()
-        return flat if bool(torch.isfinite(flat).all()) else None
+        return flat if all_finite(flat) else None
 
     def broadcast(self, tensor: torch.Tensor) -> None:
         if self.world_size > 1:

@@ -555,6 +555,23 @@ def test_a_small_model_catches_up_with_theta_and_momentum_in_chunks_peers_accept
         assert relays["a"].connected() == ["b"]  # the link was never closed over it
 
 
+def test_relays_end_once_every_cluster_has_finished(tmp_path: Path) -> None:
+    """Nobody looks at the job: once every cluster's workers said goodbye, the relays end by
+    themselves (after their linger), not while a cluster still trains."""
+    job = Job(tmp_path, ["a", "b"], round_timeout=5.0, heartbeat=0.5)
+    with running(job) as relays:
+        for r in relays.values():
+            r.linger = 0.5
+        wait_until(lambda: relays["b"].connected() == ["a"], 20, "b to reach a")
+        with clients(job, ["a"]) as ca, clients(job, ["b"]) as cb:
+            together({**ca, **cb}, 0, {c: torch.randn(100) for c in job.clusters})
+            ca["a"].close()  # a's workers are done; b's still train
+            time.sleep(2.0)
+            assert not relays["a"].ended.is_set() and not relays["b"].ended.is_set()
+        wait_until(lambda: all(r.ended.is_set() for r in relays.values()), 20,
+                   "both relays to end")
+
+
 def test_duplex_tls_carries_both_directions_at_once(tmp_path: Path) -> None:
     """A reader and a writer thread on each end of one TLS connection, both ends sending 24 MB
     at once through 256 KiB socket buffers (the writers block): every byte arrives in order,

@@ -1,5 +1,6 @@
 """``python -m nebula_cli.relay --config relay.json``: run this cluster's relay until SIGTERM or
-SIGINT; exit 0 on a clean stop, 1 if it cannot start (a port taken), 2 on a bad config."""
+SIGINT, or until every cluster's workers have finished (`Relay.ended`); exit 0 on a clean stop,
+1 if it cannot start (a port taken), 2 on a bad config."""
 
 from __future__ import annotations
 
@@ -53,7 +54,7 @@ def main(argv: list[str] | None = None, prog: str = "python -m nebula_cli.relay"
         log.error("%s", exc)
         return 1
     try:
-        while not stop.wait(0.5):
+        while not stop.wait(0.5) and not relay.ended.is_set():
             pass
     finally:
         relay.stop()

@@ -53,6 +53,10 @@ __all__ = ["PROTOCOL", "Relay", "main"]
 
 log = logging.getLogger("nebula.relay")
 
+ALL_DONE_LINGER = 30.0
+"""Seconds a relay stays up once every cluster's workers have finished (late state requests,
+a peer's last look) before it ends by itself."""
+
 
 class _Net:
     """The network as the round driver sees it: the peer links, and fetches over them."""
@@ -84,6 +88,10 @@ class Relay:
         server_ctx.num_tickets = 0  # no post-handshake writes on the reader thread
         self.chunk_elems = max(cfg.block_size, cfg.chunk_numel - cfg.chunk_numel % cfg.block_size)
         self.stopping = threading.Event()
+        self.ended = threading.Event()
+        """Set once every cluster's workers have finished (for ``linger`` s): the relay's work
+        is over, whoever looks at the job (its process then exits 0)."""
+        self.linger = ALL_DONE_LINGER
         self.refusals = Refusals()
         self.status = Status(cfg.status_file, cfg.metrics_file, self._view)
         self.peers = Peers(cfg, server_ctx, client_context(pair, ca), hello=self._progress,
@@ -271,10 +279,26 @@ class Relay:
                 "bytes_received": recv, "refused": self.refusals.total,
                 "sync": self._progress()["sync"]}
 
+    def all_done(self) -> bool:
+        """This cluster's workers and every other cluster's (all connected) have finished."""
+        with self.rounds.lock:
+            mine = self.rounds.finished
+        view = self.peers.finish_view()
+        return mine is not None and set(view) == set(self.cfg.peers) and all(
+            finished is not None for finished, _, _ in view.values())
+
     def _tick_loop(self) -> None:
         silent = self.cfg.dead_after
+        done_since: float | None = None
         while not self.stopping.is_set():
             self.peers.close_silent(silent)
+            if not self.all_done():
+                done_since = None
+            elif done_since is None:
+                done_since = self.rounds.clock()
+            elif self.rounds.clock() - done_since >= self.linger and not self.ended.is_set():
+                log.info("every cluster's workers have finished: relay %s ends", self.me)
+                self.ended.set()
             nxt = self.rounds.tick()
             wait = 0.2 if nxt is None else min(0.2, max(0.0, nxt - self.rounds.clock()))
             self.stopping.wait(wait)

@@ -45,9 +45,12 @@ def require_bed() -> None:
         raise SystemExit(2)
 
 
-def make_bed(clusters: dict[str, list[str]], rate_mbit: float | None) -> Any:
-    """A TestBed (not yet up: use it as `with make_bed(...) as bed:`)."""
-    return testbed_module().TestBed(clusters, rate_mbit=rate_mbit, bastion=False)
+def make_bed(clusters: dict[str, list[str]], rate_mbit: float | None, *, link: str = "pair",
+             tcp: str | None = None) -> Any:
+    """A TestBed (not yet up: use it as `with make_bed(...) as bed:`); `link` and `tcp` as in
+    tests/testbed (a link per pair or a line per cluster; the hosts' congestion control)."""
+    return testbed_module().TestBed(clusters, rate_mbit=rate_mbit, bastion=False, link=link,
+                                    tcp=tcp)
 
 
 def base_rtt_ms(bed: Any, src: str, dst: str) -> float:

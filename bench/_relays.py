@@ -1,6 +1,6 @@
 """Relays on the test bed for bench/relay_goodput.py: one real relay process per cluster, and
-beside each a worker side (a RelayClient in that host's namespace) that runs rounds in step
-with the other clusters.
+beside each a worker side (a RelayClient in that host's namespace, on the relay's Unix socket
+as a job's worker on the gateway is) that runs rounds in step with the other clusters.
 
 - `relays(bed, tmp, pki, gateway, codec)`: a context manager; a relay (nebula_cli.relay.server,
   the job PKI, the spec's defaults for everything the bench does not set) on each gateway host.
@@ -45,6 +45,11 @@ def env() -> dict[str, str]:
             "OMP_NUM_THREADS": "1"}
 
 
+def socket_path(tmp: Path, cluster: str) -> Path:
+    """The relay's Unix socket for workers on its host (what a job's plan gives a gateway)."""
+    return tmp / f"relay-{cluster}.sock"
+
+
 @contextlib.contextmanager
 def relays(bed: Any, tmp: Path, pki_dir: Path, gateway: dict[str, str], codec: str
            ) -> Iterator[None]:
@@ -70,6 +75,7 @@ def relays(bed: Any, tmp: Path, pki_dir: Path, gateway: dict[str, str], codec: s
                 density=comp.density, bits=comp.bits, round_timeout=900.0,
                 heartbeat=spec.heartbeat, dead_after=spec.dead_after,
                 shaping=ShapingConfig(rate_mbit=None, delay_ms=0.0), auto_steps=None,
+                worker_socket=str(socket_path(tmp, cluster)),
                 status_file=str(tmp / f"relay-{cluster}.status.json"),
                 metrics_file=str(tmp / f"relay-{cluster}-{codec}.jsonl"))
             cfg.dump(tmp / f"relay-{cluster}.json")
@@ -127,7 +133,8 @@ def client_side(args: argparse.Namespace) -> None:
     client = RelayClient(args.addr, ca=pki / "ca.pem",
                          cert=pki / args.cluster / f"worker-{args.host}.pem",
                          key=pki / args.cluster / f"worker-{args.host}.key", job_id=JOB,
-                         cluster=args.cluster, round_timeout=900.0, retry_for=60.0)
+                         cluster=args.cluster, round_timeout=900.0, retry_for=60.0,
+                         local=str(socket_path(Path(args.tmp), args.cluster)))
     _say("READY", {"encoded_bytes": encoded, "numel": numel})
     try:
         for line in sys.stdin:
@@ -147,7 +154,8 @@ def client_side(args: argparse.Namespace) -> None:
                 raise SystemExit(f"round {r}: not the exact average (relative error {err:.3g})")
             _say("DONE", {"round": r, "start": t0, "end": t1, "bytes_sent": res.bytes_sent,
                           "bytes_received": res.bytes_received, "relay_s": res.seconds,
-                          "error": err,
+                          "error": err, "transport": client.transport,
+                          "stages": res.stages,
                           "sha256": hashlib.sha256(avg.numpy().tobytes()).hexdigest()})
     finally:
         client.close()
@@ -209,6 +217,7 @@ def run_rounds(bed: Any, tmp: Path, pki_dir: Path, gateway: dict[str, str], *, c
                                             f"127.0.0.1:{WORKER_PORT}", "--cluster", cluster,
                                             "--host", host, "--pki", str(pki_dir),
                                             "--bytes", str(nbytes), "--codec", codec,
+                                            "--tmp", str(tmp),
                                             "--clusters-list", ",".join(gateway)],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=f,
                                      text=True, cwd=_bed.REPO, env=env())
@@ -233,7 +242,13 @@ def run_rounds(bed: Any, tmp: Path, pki_dir: Path, gateway: dict[str, str], *, c
                 if s.proc.poll() is None:
                     s.proc.kill()
                     s.proc.wait(10)
-    return {"encoded_bytes": max(r["encoded_bytes"] for r in ready.values()), "rounds": out}
+    warnings = [line for c in gateway for line in
+                (tmp / f"relay-{c}-{codec}.log").read_text().splitlines()
+                if " WARNING " in line and "cannot reach peer" not in line]  # but at start-up
+    for line in warnings[:5]:
+        print(f"relay warning ({codec}): {line}", file=sys.stderr)
+    return {"encoded_bytes": max(r["encoded_bytes"] for r in ready.values()), "rounds": out,
+            "relay_warnings": len(warnings)}
 
 
 def round_figures(run: dict[str, Any], rate_mbit: float, clusters: int) -> dict[str, Any]:
@@ -250,6 +265,8 @@ def round_figures(run: dict[str, Any], rate_mbit: float, clusters: int) -> dict[
         busiest = max(max(d["bytes_sent"], d["bytes_received"]) for d in done)
         seconds = max(d["end"] for d in done) - rnd["start"]
         bound = busiest * 8 / (rate_mbit * 1e6)
+        if {d["transport"] for d in done} != {"local"}:
+            raise RuntimeError("a worker side did not reach its relay through its Unix socket")
         rows.append({"round_s": seconds, "bound_s": bound, "ratio": seconds / bound,
                      "busiest_bytes": busiest,
                      "relay_s": max(d["relay_s"] for d in done),
@@ -260,6 +277,8 @@ def round_figures(run: dict[str, Any], rate_mbit: float, clusters: int) -> dict[
     return {"round_vs_bound": total / bound, "round_vs_bound_max": max(r["ratio"] for r in rows),
             "round_s": total / len(rows), "bound_s": bound / len(rows),
             "encoded_mb": enc / 1e6,
+            "busiest_bytes": sum(r["busiest_bytes"] for r in rows) / len(rows),
             "busiest_vs_encoded": sum(r["busiest_bytes"] for r in rows) / len(rows) / enc,
             "relay_s": sum(r["relay_s"] for r in rows) / len(rows),
-            "error": max(r["error"] for r in rows), "rounds": rows, "clusters": clusters}
+            "error": max(r["error"] for r in rows), "rounds": rows, "clusters": clusters,
+            "relay_warnings": run.get("relay_warnings", 0)}

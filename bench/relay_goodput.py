@@ -38,6 +38,12 @@ rounds of an fp32 vector of --mb MiB per cluster, all clusters starting a round 
 instant, --gap seconds after every cluster had the previous one (the link idles as during
 inner steps). Round time = from that instant to the moment the last cluster has the average
 (its contribution's hop to the relay, the agreement, the WAN exchange, the average back).
+TCP: the hosts run reno unless --tcp says otherwise (--tcp system: this machine's default, bbr
+here). With no base delay on the bed BBR sizes its window from a min RTT of microseconds while
+the lines' queues hold its ACKs behind the other direction's data for hundreds of ms, and a
+connection crawls for seconds; shard mode then waits for it (tests/testbed/bed.py). Users' hosts
+run Linux's default cubic, which these namespaces do not allow; reno is loss-based like it (a
+run with cubic set on the relays' sockets gave the same round times as reno).
 Algorithms (nebula_cli/relay/allreduce.py): dense codecs (none, int8) use "shard" (each relay
 owns 1/N of the chunks: reduce-scatter then all-gather), each relay sending and receiving about
 2(N-1)/N of the encoded vector; sparse topk uses "all-to-all", each relay sending its whole
@@ -46,7 +52,11 @@ round (the larger of sent and received, as the relays count them: encoded payloa
 headers) at the line's rate, so round_vs_bound = round time / bound cannot go below 1 (TLS,
 TCP/IP and Ethernet headers cross the line too and are not in the bound). round_vs_bound in
 the JSON is the worst of the shard-mode codecs run (over all timed rounds: total time / total
-bound); round_vs_bound_all_to_all is topk's.
+bound); round_vs_bound_all_to_all is topk's. Beside each codec, plain TCP between the same hosts
+(bench/_mesh.py: one connection per pair, the relay's socket options, every pair exchanging the
+busiest relay's bytes per peer both ways at once): tcp_vs_bound is what TCP itself makes of the
+lines for those bytes, round_vs_tcp the relay's round against it. The workers reach their relay
+through its Unix socket, as a job's worker on the gateway does.
 """
 
 from __future__ import annotations
@@ -69,23 +79,21 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _bed  # noqa: E402
+import _clusters  # noqa: E402
+import _mesh  # noqa: E402
 import _relays  # noqa: E402
 
 JSON_FIELDS = ("goodput_vs_iperf3", "tls_vs_plain", "link_mbit", "clusters")
 """Keys of the JSON object printed first with --json, two clusters (plus "goodput_vs_iperf3_runs",
 "goodput_vs_iperf3_spread", "goals_met", "mbit", "settings")."""
-JSON_FIELDS_N = ("round_vs_bound", "clusters", "round_vs_bound_all_to_all", "link_mbit")
-"""The same with --clusters 3 or more (plus "topology", "bound", "codecs", "goals_met")."""
+JSON_FIELDS_N = _clusters.JSON_FIELDS
+"""The same with --clusters 3 or more (bench/_clusters.py)."""
 GOALS = {"goodput_vs_iperf3": (">=", 0.9)}
-GOALS_N = {"round_vs_bound": ("<=", 1.25)}
 CLUSTERS = {"east": ["e1"], "west": ["w1"]}
 STREAM_PORT, IPERF_PORT = 29500, 5201
 PIECE = 1 << 20
 QUICK = {"mb": 100, "rounds": 4, "iperf_s": 10}
-QUICK_N = {"mb": 32, "rounds": 2}
-SHARD_CODECS = ("none", "int8")
-"""Codecs that average in shard mode with 3 clusters or more (dense); topk is all-to-all."""
-TOPOLOGY = "one line per cluster (tc htb, --mbit each way, shared fairly by its peers)"
+QUICK_N = _clusters.QUICK
 
 
 # ------------------------------------------------------------------ sides (in a namespace)
@@ -227,86 +235,6 @@ def relay(bed: Any, tmp: Path, nbytes: int, rounds: int, pki_dir: Path) -> dict[
             "bytes": per_round * rounds, "wan_bytes_sent": sum(sent) // 2}
 
 
-def gateways(n: int) -> dict[str, list[str]]:
-    """Cluster c<i> of one host g<i>, for i = 1..n."""
-    return {f"c{i}": [f"g{i}"] for i in range(1, n + 1)}
-
-
-def measure_clusters(args: argparse.Namespace) -> dict[str, Any]:
-    """--clusters N >= 3: round time against the bound, per codec (module docstring)."""
-    from nebula_cli.pki import issue_job_pki
-
-    clusters = gateways(args.clusters)
-    nbytes = (args.mb << 20) // 4 * 4
-    tmp = Path(tempfile.mkdtemp(prefix="nebula-bench-rounds-"))
-    out: dict[str, Any] = {}
-    try:
-        pki = tmp / "pki"
-        issue_job_pki(_relays.JOB, clusters, pki, valid_for=datetime.timedelta(days=1))
-        with _bed.testbed_module().TestBed(clusters, rate_mbit=args.mbit, bastion=False,
-                                            link="cluster") as bed:
-            gateway = {c: hosts[0] for c, hosts in clusters.items()}
-            for codec in args.codec_list:
-                _step(f"{args.clusters} clusters, codec {codec}: {args.mb} MiB per cluster, "
-                      f"warm-up + {args.rounds} rounds")
-                run = _relays.run_rounds(bed, tmp, pki, gateway, codec=codec, nbytes=nbytes,
-                                         rounds=args.rounds, gap=args.gap,
-                                         round_timeout=600 + nbytes * 8 * args.clusters
-                                         / 1e6 / args.mbit * 3)
-                out[codec] = _relays.round_figures(run, args.mbit, args.clusters)
-                out[codec]["mode"] = "shard" if codec in SHARD_CODECS else "all-to-all"
-                _step(f"codec {codec}: round {out[codec]['round_s']:.2f} s, bound "
-                      f"{out[codec]['bound_s']:.2f} s, ratio {out[codec]['round_vs_bound']:.3f}")
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return out
-
-
-def summarize_clusters(per_codec: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
-    """The JSON object (JSON_FIELDS_N first) of a --clusters N >= 3 run."""
-    shard = [per_codec[c]["round_vs_bound"] for c in per_codec if c in SHARD_CODECS]
-    a2a = [per_codec[c]["round_vs_bound"] for c in per_codec if c not in SHARD_CODECS]
-    out: dict[str, Any] = {
-        "round_vs_bound": round(max(shard), 4) if shard else None,
-        "clusters": args.clusters,
-        "round_vs_bound_all_to_all": round(max(a2a), 4) if a2a else None,
-        "link_mbit": args.mbit,
-        "topology": TOPOLOGY,
-        "bound": "busiest relay's WAN bytes per round (max of sent, received) / line rate; "
-                 "shard: ~2(N-1)/N of the encoded vector, all-to-all: (N-1) contributions",
-    }
-    out["goals_met"] = {k: out[k] is not None and out[k] <= v for k, (_, v) in GOALS_N.items()}
-    out["codecs"] = {c: {k: (round(v, 4) if isinstance(v, float) else v)
-                         for k, v in f.items() if k != "rounds"} | {
-                             "round_s_each": [round(r["round_s"], 3) for r in f["rounds"]],
-                             "bound_s_each": [round(r["bound_s"], 3) for r in f["rounds"]]}
-                     for c, f in per_codec.items()}
-    out["settings"] = {"mb": args.mb, "rounds": args.rounds, "gap": args.gap,
-                       "quick": args.quick, "codecs": args.codec_list}
-    return out
-
-
-def print_clusters(summary: dict[str, Any], args: argparse.Namespace) -> None:
-    rows = [[c, f["mode"], f["encoded_mb"], f["busiest_vs_encoded"], f["round_s"], f["bound_s"],
-             f["round_vs_bound"], f["round_vs_bound_max"], f["relay_s"], f["error"]]
-            for c, f in summary["codecs"].items()]
-    print(_bed.table(["codec", "algorithm", "encoded MB", "busiest/encoded", "round s",
-                      "bound s", "round/bound", "worst round", "relay's round s",
-                      "rel. error"], rows))
-    print()
-    goal = summary["goals_met"]["round_vs_bound"]
-    print(_bed.table(["ratio", "value", "goal", ""], [
-        ["round_vs_bound (none, int8: shard)", summary["round_vs_bound"], "<= 1.25",
-         "met" if goal else "NOT met"],
-        ["round_vs_bound_all_to_all (topk)", summary["round_vs_bound_all_to_all"], "", ""]]))
-    print(f"\n{args.clusters} clusters, {TOPOLOGY}, {args.mbit:g} Mbit/s, no added delay; "
-          f"{args.mb} MiB of fp32 per cluster per round; bound = {summary['bound']}. "
-          f"busiest/encoded: the busiest relay's bytes per round / one encoded contribution "
-          f"(shard {2 * (args.clusters - 1) / args.clusters:.2f}, all-to-all "
-          f"{args.clusters - 1}). {os.cpu_count()} cores, load average "
-          f"{os.getloadavg()[0]:.2f}.")
-
-
 # ------------------------------------------------------------------ main
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -327,14 +255,19 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--codecs", default="none,int8,topk", help="3+ clusters: codecs to run")
     p.add_argument("--gap", type=float, default=2.0,
                    help="3+ clusters: idle seconds between rounds")
+    p.add_argument("--tcp", default=None,
+                   help="the bed hosts' TCP congestion control, or 'system' for this machine's "
+                        "(default: reno with 3+ clusters, see above; system with 2)")
     p.add_argument("--quick", action="store_true",
                    help=f"CI-sized: 2 clusters {QUICK['mb']} MiB in {QUICK['rounds']} rounds, "
                         f"iperf3 {QUICK['iperf_s']} s (about 3 minutes at 20 Mbit/s per "
                         f"repeat); 3+ clusters {QUICK_N['mb']} MiB, {QUICK_N['rounds']} rounds")
     p.add_argument("--json", action="store_true", help="print one JSON object as the last line")
     # the sides, run by the driver inside a host's namespace
-    p.add_argument("--side", choices=["server", "client", "relay"], help=argparse.SUPPRESS)
-    for name in ("--addr", "--pki", "--cluster", "--host", "--codec", "--clusters-list"):
+    p.add_argument("--side", choices=["server", "client", "relay", "mesh"],
+                   help=argparse.SUPPRESS)
+    for name in ("--addr", "--pki", "--cluster", "--host", "--codec", "--clusters-list",
+                 "--tmp", "--index", "--addrs"):
         p.add_argument(name, help=argparse.SUPPRESS)
     p.add_argument("--bytes", type=int, help=argparse.SUPPRESS)
     p.add_argument("--tls", action="store_true", help=argparse.SUPPRESS)
@@ -345,6 +278,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args.rounds = args.rounds or (quick["rounds"] if args.quick else 3 if many else 4)
     args.iperf_s = args.iperf_s or (QUICK["iperf_s"] if args.quick else 10)
     args.codec_list = [c for c in args.codecs.split(",") if c]
+    args.tcp = args.tcp or (_clusters.TCP if many else "system")
+    args.tcp_label = args.tcp if args.tcp != "system" else f"system ({_clusters.system_tcp()})"
+    args.tcp = None if args.tcp == "system" else args.tcp
     from nebula_cli.relay.codecs import KNOWN_CODECS
 
     if args.mb < 1 or args.rounds < 1 or args.iperf_s < 1 or args.mbit <= 0 or args.repeat < 1:
@@ -401,7 +337,7 @@ def measure_two(args: argparse.Namespace) -> tuple[dict[str, float], list[dict[s
     try:
         pki = tmp / "pki"
         issue_job_pki(_relays.JOB, CLUSTERS, pki, valid_for=datetime.timedelta(days=1))
-        with _bed.make_bed(CLUSTERS, args.mbit) as bed:
+        with _bed.make_bed(CLUSTERS, args.mbit, tcp=args.tcp) as bed:
             _step("iperf3 one way")
             mbit["iperf3"], _ = iperf3(bed, args.iperf_s, bidir=False)
             _step(f"plain TCP, {args.mb} MiB each way")
@@ -453,7 +389,8 @@ def print_two(summary: dict[str, Any], mbit: dict[str, float], runs: list[dict[s
         ["goodput_vs_iperf3" + (" (lowest run)" if len(runs) > 1 else ""),
          summary["goodput_vs_iperf3"], ">= 0.9", "met" if goal else "NOT met"],
         ["tls_vs_plain", summary["tls_vs_plain"], "", ""]]))
-    print(f"\nlink {args.mbit:g} Mbit/s each way (tc htb, no added delay); {args.mb} MiB of "
+    print(f"\nlink {args.mbit:g} Mbit/s each way (tc htb, no added delay), hosts' TCP "
+          f"{args.tcp_label}; {args.mb} MiB of "
           f"fp32 each way per transfer; Mbit/s of payload (iperf3: TCP payload; relay: model "
           f"bytes, frame headers and TLS not counted). {os.cpu_count()} cores, load average "
           f"{os.getloadavg()[0]:.2f}.")
@@ -467,15 +404,19 @@ def main(argv: list[str] | None = None) -> int:
     if args.side == "relay":
         _relays.client_side(args)
         return 0
+    if args.side == "mesh":
+        print(json.dumps(_mesh.side(args)))
+        return 0
     _bed.require_bed()
     if args.clusters >= 3:
-        summary = summarize_clusters(measure_clusters(args), args)
-        print_clusters(summary, args)
+        summary = _clusters.summarize(_clusters.measure(args), args)
+        _clusters.show(summary, args)
     else:
         mbit, runs, notes = measure_two(args)
         summary = summarize(mbit, args.mbit, runs)
         summary["settings"] = {"mb": args.mb, "rounds": args.rounds, "iperf_s": args.iperf_s,
-                               "repeat": args.repeat, "quick": args.quick}
+                               "repeat": args.repeat, "quick": args.quick,
+                               "tcp": args.tcp_label}
         print_two(summary, mbit, runs, notes, args)
     if args.json:
         _bed.emit_json(summary)

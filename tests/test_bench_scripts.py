@@ -119,7 +119,7 @@ def test_relay_goodput_round_bound_is_the_busiest_relay_at_the_line_rate() -> No
 
     def done(end: float, sent: float, received: float) -> dict[str, float]:
         return {"end": end, "bytes_sent": sent, "bytes_received": received, "relay_s": 1.0,
-                "error": 0.0}
+                "error": 0.0, "transport": "local"}
 
     run = {"encoded_bytes": 20 * mb, "rounds": [
         {"start": 100.0, "done": {"a": done(103.0, 30 * mb, 29 * mb),
@@ -132,14 +132,16 @@ def test_relay_goodput_round_bound_is_the_busiest_relay_at_the_line_rate() -> No
     assert fig["round_vs_bound_max"] == pytest.approx(4.0 / 3.0)
     assert fig["busiest_vs_encoded"] == pytest.approx(30.5 / 20)
     args = mod.parse_args(["--clusters", "4"])
-    worse = {**fig, "round_vs_bound": 1.3, "mode": "shard"}
-    out = mod.summarize_clusters({"none": {**fig, "mode": "shard"}, "int8": worse,
-                                  "topk": {**fig, "round_vs_bound": 3.0,
-                                           "mode": "all-to-all"}}, args)
+    fig.update(tcp_s=6.5, tcp_vs_bound=1.1, round_vs_tcp=3.5 / 6.5, mode="shard")
+    worse = {**fig, "round_vs_bound": 1.3}
+    out = load("_clusters").summarize({"none": fig, "int8": worse,
+                                       "topk": {**fig, "round_vs_bound": 3.0,
+                                                "mode": "all-to-all"}}, args)
     assert tuple(out)[:2] == ("round_vs_bound", "clusters") and out["clusters"] == 4
     assert out["round_vs_bound"] == 1.3 and out["round_vs_bound_all_to_all"] == 3.0
     assert out["goals_met"] == {"round_vs_bound": False}
-    assert "one line per cluster" in out["topology"]
+    assert "one line per cluster" in out["topology"] and out["tcp"] == "reno"
+    assert out["tcp_vs_bound"] == 1.1
 
 
 def test_diloco_schedule_runs_every_mode(capsys: pytest.CaptureFixture[str]) -> None:

@@ -142,10 +142,13 @@ def concurrent_iperf_mbit(bed: TestBed, flows: list[tuple[str, str]], seconds: i
 
 def test_one_line_per_cluster_is_shared_by_its_peers(make_testbed) -> None:
     """link="cluster": two flows into one cluster share its downlink, two flows out of one
-    cluster share its uplink; a pair bed gives each pair its own rate."""
+    cluster share its uplink; a pair bed gives each pair its own rate. tcp= sets the hosts'
+    congestion control."""
     three = {"a": ["a1"], "b": ["b1"], "c": ["c1"]}
-    bed = make_testbed(three, rate_mbit=30, bastion=False, link="cluster")
+    bed = make_testbed(three, rate_mbit=30, bastion=False, link="cluster", tcp="reno")
     assert bed.rate("a", "b") == 30 and bed.cluster_rate("c") == 30
+    cc = bed.run("a1", ["cat", "/proc/sys/net/ipv4/tcp_congestion_control"], check=True)
+    assert cc.stdout.strip() == "reno"
     with pytest.raises(TestBedError, match="set_cluster_rate"):
         bed.set_rate("a", "b", 10)
     into = concurrent_iperf_mbit(bed, [("a1", "c1"), ("b1", "c1")])

@@ -1,7 +1,7 @@
 """Manual use: `python -m tests.testbed up|down|status` (as root, from the repository root).
 
     up [--clusters east=e1,e2 west=w1,w2] [--north] [--rate MBIT|none] [--link pair|cluster]
-       [--no-bastion]
+       [--tcp reno] [--no-bastion]
         build a bed that outlives this command and print how to log in
     down [ID ...]   tear down the given beds (default: every bed, manual or stale)
     status          list the beds recorded under /tmp/nebula-testbed
@@ -41,7 +41,8 @@ def cmd_up(args: argparse.Namespace) -> int:
     if args.north:
         clusters["north"] = ["n1", "n2"]
     rate = None if args.rate.lower() == "none" else float(args.rate)
-    bed = TestBed(clusters, rate_mbit=rate, bastion=not args.no_bastion, link=args.link).up()
+    bed = TestBed(clusters, rate_mbit=rate, bastion=not args.no_bastion, link=args.link,
+                  tcp=args.tcp).up()
     bed.keep_after_exit()
     print(json.dumps(bed.status(), indent=1))
     first = next(iter(bed.hosts))
@@ -90,6 +91,8 @@ def main(argv: list[str] | None = None) -> int:
     up.add_argument("--rate", default="100", help="Mbit/s between clusters, or none")
     up.add_argument("--link", choices=["pair", "cluster"], default="pair",
                     help="a shaped link per pair of clusters, or one line per cluster")
+    up.add_argument("--tcp", default=None,
+                    help="the hosts' TCP congestion control (default: this machine's)")
     up.add_argument("--no-bastion", action="store_true")
     down = sub.add_parser("down", help="tear beds down")
     down.add_argument("ids", nargs="*")

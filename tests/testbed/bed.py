@@ -41,6 +41,13 @@ shaped. Two topologies (`link=`):
   this kernel has no fq_codel or sfq to queue per flow. With two clusters both modes shape
   alike. Delay-proxied traffic (below) leaves the source cluster towards the router itself, so
   in this mode only the destination cluster's link shapes it.
+TCP: the hosts use this machine's congestion control unless `tcp=` names another (one of
+tcp_allowed_congestion_control, e.g. "reno"). Here the machine's default is bbr, and the bed adds
+no delay: BBR then sizes its window (2 x bandwidth x min RTT) from a min RTT of microseconds
+while the shared lines' queues hold a connection's ACKs behind the other direction's data for
+hundreds of ms, and a connection can crawl for seconds (1.3 Mbit/s of a 20 Mbit/s line seen,
+bench/relay_goodput.py --clusters 4). Linux's default cubic is not allowed inside these
+namespaces; "reno", loss-based like cubic, stands in for it (both gave the same round times).
 htb instead of a bare `tbf` so that every pair can have its own rate with three or more
 clusters. netem does not exist on this kernel: latency comes from `delayed_endpoint()` (a
 user-space delay proxy in the router, see delay_proxy.py; its traffic is shaped like the
@@ -267,7 +274,7 @@ class TestBed:
     def __init__(self, clusters: dict[str, list[str]] | None = None, *,
                  rate_mbit: float | None = 100, bastion: bool = True,
                  workdir: Path | None = None, slurm: dict[str, str] | None = None,
-                 link: str = "pair") -> None:
+                 link: str = "pair", tcp: str | None = None) -> None:
         clusters = {c: list(hs) for c, hs in (clusters or DEFAULT_CLUSTERS).items()}
         names = [h for hs in clusters.values() for h in hs]
         bad = [n for n in [*clusters, *names] if not HOST_NAME.match(n) or n in RESERVED_NAMES]
@@ -280,6 +287,11 @@ class TestBed:
             raise TestBedError(f"rate_mbit must be positive or None, got {rate_mbit}")
         if link not in LINK_MODES:
             raise TestBedError(f"link must be one of {LINK_MODES}, got {link!r}")
+        allowed = Path("/proc/sys/net/ipv4/tcp_allowed_congestion_control")
+        if tcp is not None and tcp not in (allowed.read_text().split() if allowed.exists()
+                                           else []):
+            raise TestBedError(f"tcp {tcp!r} is not allowed here (tcp_allowed_congestion_control:"
+                               f" {allowed.read_text().strip() if allowed.exists() else '?'})")
         slurm = dict(slurm or {})
         if len(slurm) > 1 or any(c not in clusters or login not in clusters[c]
                                  or len(clusters[c]) < 2 for c, login in slurm.items()):
@@ -288,6 +300,8 @@ class TestBed:
         self.clusters = clusters
         self.rate_mbit = rate_mbit
         self.link = link
+        self.tcp = tcp
+        """The hosts' TCP congestion control (None: this machine's default), see module doc."""
         """"pair": a link per pair of clusters; "cluster": one link per cluster (module doc)."""
         self.id = "nb" + secrets.token_hex(2)
         self.dir = Path(workdir or STATE_ROOT) / self.id
@@ -486,8 +500,11 @@ class TestBed:
         _sh(["ip", "netns", "add", ns])
         _sh(["ip", "-n", ns, "link", "set", "lo", "up"])
         # /proc/sys/net shows the writer's namespace; no sysctl(8) needed (procps may be absent).
-        sysctls = {"ipv6/conf/all/disable_ipv6": 1, "ipv6/conf/default/disable_ipv6": 1,
-                   "ipv4/ip_forward": int(forward)}
+        sysctls: dict[str, str | int] = {"ipv6/conf/all/disable_ipv6": 1,
+                                         "ipv6/conf/default/disable_ipv6": 1,
+                                         "ipv4/ip_forward": int(forward)}
+        if self.tcp is not None and not forward:
+            sysctls["ipv4/tcp_congestion_control"] = self.tcp
         script = "; ".join(f"echo {v} > /proc/sys/net/{k}" for k, v in sysctls.items())
         _sh(["ip", "netns", "exec", ns, "sh", "-ec", script])
 
@@ -869,7 +886,7 @@ class TestBed:
                 "compute": {h.name: {"cluster": h.cluster, "ns": h.ns, "address": h.address}
                             for h in self.compute.values()},
                 **({"slurm": self.slurm.describe()} if self.slurm else {}),
-                "link": self.link,
+                "link": self.link, "tcp": self.tcp,
                 "rates_mbit": {"-".join(sorted(p)): r for p, r in self._rates.items()}
                 if self.link == "pair" else dict(self._cluster_rates)}
 

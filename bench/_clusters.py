@@ -1,0 +1,142 @@
+"""bench/relay_goodput.py --clusters N (N >= 3): one outer round's time against its bandwidth
+bound on the test bed's per-cluster lines, per codec, beside plain TCP moving the same bytes
+between the same hosts at once (bench/_mesh.py). The bench's docstring says what is measured;
+this module runs it, summarises it (the JSON) and prints it."""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import _bed
+import _mesh
+import _relays
+
+JSON_FIELDS = ("round_vs_bound", "clusters", "round_vs_bound_all_to_all", "link_mbit")
+"""Keys of the JSON object printed first (plus "tcp_vs_bound", "topology", "tcp", "bound",
+"goals_met", "codecs", "settings")."""
+GOALS = {"round_vs_bound": ("<=", 1.25)}
+QUICK = {"mb": 32, "rounds": 2}
+SHARD_CODECS = ("none", "int8")
+"""Codecs that average in shard mode with 3 clusters or more (dense); topk is all-to-all."""
+TOPOLOGY = "one line per cluster (tc htb, --mbit each way, shared fairly by its peers)"
+TCP = "reno"
+"""The hosts' TCP by default: loss-based, as Linux's default cubic (the bench's docstring)."""
+
+
+def system_tcp() -> str:
+    """This machine's default TCP congestion control."""
+    try:
+        return Path("/proc/sys/net/ipv4/tcp_congestion_control").read_text().strip()
+    except OSError:
+        return "?"
+
+
+def step(name: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {name} ...", file=sys.stderr, flush=True)
+
+
+def gateways(n: int) -> dict[str, list[str]]:
+    """Cluster c<i> of one host g<i>, for i = 1..n."""
+    return {f"c{i}": [f"g{i}"] for i in range(1, n + 1)}
+
+
+def measure(args: argparse.Namespace) -> dict[str, Any]:
+    """Round time against the bound, per codec (relay_goodput.py's docstring)."""
+    from nebula_cli.pki import issue_job_pki
+
+    clusters = gateways(args.clusters)
+    nbytes = (args.mb << 20) // 4 * 4
+    tmp = Path(tempfile.mkdtemp(prefix="nebula-bench-rounds-"))
+    out: dict[str, Any] = {}
+    try:
+        pki = tmp / "pki"
+        issue_job_pki(_relays.JOB, clusters, pki, valid_for=datetime.timedelta(days=1))
+        with _bed.make_bed(clusters, args.mbit, link="cluster", tcp=args.tcp) as bed:
+            gateway = {c: hosts[0] for c, hosts in clusters.items()}
+            for codec in args.codec_list:
+                step(f"{args.clusters} clusters, codec {codec}: {args.mb} MiB per cluster, "
+                      f"warm-up + {args.rounds} rounds")
+                run = _relays.run_rounds(bed, tmp, pki, gateway, codec=codec, nbytes=nbytes,
+                                         rounds=args.rounds, gap=args.gap,
+                                         round_timeout=600 + nbytes * 8 * args.clusters
+                                         / 1e6 / args.mbit * 3)
+                out[codec] = _relays.round_figures(run, args.mbit, args.clusters)
+                fig = out[codec]
+                fig["mode"] = "shard" if codec in SHARD_CODECS else "all-to-all"
+                per_pair = round(fig["busiest_bytes"] / (args.clusters - 1))
+                step(f"codec {codec}: plain TCP, {per_pair / 1e6:.1f} MB each way between every "
+                     f"two hosts at once")
+                fig["tcp_s"] = _mesh.run(bed, tmp, list(gateway.values()), per_pair,
+                                         timeout=300 + 3 * fig["bound_s"])
+                fig["tcp_vs_bound"] = fig["tcp_s"] / (per_pair * (args.clusters - 1) * 8
+                                                      / (args.mbit * 1e6))
+                fig["round_vs_tcp"] = fig["round_s"] / fig["tcp_s"]
+                step(f"codec {codec}: round {fig['round_s']:.2f} s, bound {fig['bound_s']:.2f} s "
+                     f"(ratio {fig['round_vs_bound']:.3f}); plain TCP {fig['tcp_s']:.2f} s "
+                     f"(ratio {fig['tcp_vs_bound']:.3f})")
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+def summarize(per_codec: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
+    """The JSON object (JSON_FIELDS first) of a --clusters N >= 3 run."""
+    shard = [per_codec[c]["round_vs_bound"] for c in per_codec if c in SHARD_CODECS]
+    a2a = [per_codec[c]["round_vs_bound"] for c in per_codec if c not in SHARD_CODECS]
+    out: dict[str, Any] = {
+        "round_vs_bound": round(max(shard), 4) if shard else None,
+        "clusters": args.clusters,
+        "round_vs_bound_all_to_all": round(max(a2a), 4) if a2a else None,
+        "link_mbit": args.mbit,
+        "tcp_vs_bound": round(max(per_codec[c]["tcp_vs_bound"] for c in per_codec
+                                  if c in SHARD_CODECS), 4) if shard else None,
+        "topology": TOPOLOGY,
+        "tcp": args.tcp_label,
+        "bound": "busiest relay's WAN bytes per round (max of sent, received) / line rate; "
+                 "shard: ~2(N-1)/N of the encoded vector, all-to-all: (N-1) contributions",
+    }
+    out["goals_met"] = {k: out[k] is not None and out[k] <= v for k, (_, v) in GOALS.items()}
+    out["codecs"] = {c: {k: (round(v, 4) if isinstance(v, float) else v)
+                         for k, v in f.items() if k != "rounds"} | {
+                             "round_s_each": [round(r["round_s"], 3) for r in f["rounds"]],
+                             "bound_s_each": [round(r["bound_s"], 3) for r in f["rounds"]]}
+                     for c, f in per_codec.items()}
+    out["settings"] = {"mb": args.mb, "rounds": args.rounds, "gap": args.gap, "tcp": args.tcp,
+                       "quick": args.quick, "codecs": args.codec_list}
+    return out
+
+
+def show(summary: dict[str, Any], args: argparse.Namespace) -> None:
+    rows = [[c, f["mode"], f["encoded_mb"], f["busiest_vs_encoded"], f["round_s"], f["bound_s"],
+             f["round_vs_bound"], f["round_vs_bound_max"], f["relay_s"], f["tcp_s"],
+             f["tcp_vs_bound"], f["round_vs_tcp"], f["error"]]
+            for c, f in summary["codecs"].items()]
+    print(_bed.table(["codec", "algorithm", "encoded MB", "busiest/enc.", "round s",
+                      "bound s", "round/bound", "worst round", "relay's s", "TCP s",
+                      "TCP/bound", "round/TCP", "rel. error"], rows))
+    print()
+    goal = summary["goals_met"]["round_vs_bound"]
+    print(_bed.table(["ratio", "value", "goal", ""], [
+        ["round_vs_bound (none, int8: shard)", summary["round_vs_bound"], "<= 1.25",
+         "met" if goal else "NOT met"],
+        ["round_vs_bound_all_to_all (topk)", summary["round_vs_bound_all_to_all"], "", ""],
+        ["tcp_vs_bound (plain TCP, same bytes)", summary["tcp_vs_bound"], "", ""]]))
+    print(f"\n{args.clusters} clusters, {TOPOLOGY}, {args.mbit:g} Mbit/s, no added delay, "
+          f"hosts' TCP {args.tcp_label}; "
+          f"{args.mb} MiB of fp32 per cluster per round; bound = {summary['bound']}. "
+          f"busiest/encoded: the busiest relay's bytes per round / one encoded contribution "
+          f"(shard {2 * (args.clusters - 1) / args.clusters:.2f}, all-to-all "
+          f"{args.clusters - 1}). TCP s: plain TCP moving the busiest relay's bytes per peer "
+          f"between every two hosts at once (TCP/bound: against the bound of those bytes). "
+          f"{os.cpu_count()} cores, load average "
+          f"{os.getloadavg()[0]:.2f}.")
+
+

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import json
 import os
 import shutil
 import sys
@@ -19,9 +20,10 @@ import _bed
 import _mesh
 import _relays
 
-JSON_FIELDS = ("round_vs_bound", "clusters", "round_vs_bound_all_to_all", "link_mbit")
+JSON_FIELDS = ("round_vs_bound", "clusters", "round_vs_bound_all_to_all", "link_mbit",
+               "params_identical")
 """Keys of the JSON object printed first (plus "tcp_vs_bound", "topology", "tcp", "bound",
-"goals_met", "codecs", "settings")."""
+"goals_met", "training", "codecs", "settings"); params_identical is None without the job."""
 GOALS = {"round_vs_bound": ("<=", 1.25)}
 QUICK = {"mb": 32, "rounds": 2}
 SHARD_CODECS = ("none", "int8")
@@ -82,6 +84,8 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
                 step(f"codec {codec}: round {fig['round_s']:.2f} s, bound {fig['bound_s']:.2f} s "
                      f"(ratio {fig['round_vs_bound']:.3f}); plain TCP {fig['tcp_s']:.2f} s "
                      f"(ratio {fig['tcp_vs_bound']:.3f})")
+            if args.train_steps:
+                out["_train"] = train(bed, tmp, args)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return out
@@ -89,6 +93,8 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
 
 def summarize(per_codec: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
     """The JSON object (JSON_FIELDS first) of a --clusters N >= 3 run."""
+    per_codec = dict(per_codec)
+    job = per_codec.pop("_train", None)
     shard = [per_codec[c]["round_vs_bound"] for c in per_codec if c in SHARD_CODECS]
     a2a = [per_codec[c]["round_vs_bound"] for c in per_codec if c not in SHARD_CODECS]
     out: dict[str, Any] = {
@@ -96,6 +102,7 @@ def summarize(per_codec: dict[str, Any], args: argparse.Namespace) -> dict[str, 
         "clusters": args.clusters,
         "round_vs_bound_all_to_all": round(max(a2a), 4) if a2a else None,
         "link_mbit": args.mbit,
+        "params_identical": job["params_identical"] if job else None,
         "tcp_vs_bound": round(max(per_codec[c]["tcp_vs_bound"] for c in per_codec
                                   if c in SHARD_CODECS), 4) if shard else None,
         "topology": TOPOLOGY,
@@ -104,13 +111,17 @@ def summarize(per_codec: dict[str, Any], args: argparse.Namespace) -> dict[str, 
                  "shard: ~2(N-1)/N of the encoded vector, all-to-all: (N-1) contributions",
     }
     out["goals_met"] = {k: out[k] is not None and out[k] <= v for k, (_, v) in GOALS.items()}
+    if job:
+        out["goals_met"]["trained"] = job["job_state"] == "SUCCEEDED" and job["params_identical"]
+    out["training"] = job
     out["codecs"] = {c: {k: (round(v, 4) if isinstance(v, float) else v)
                          for k, v in f.items() if k != "rounds"} | {
                              "round_s_each": [round(r["round_s"], 3) for r in f["rounds"]],
                              "bound_s_each": [round(r["bound_s"], 3) for r in f["rounds"]]}
                      for c, f in per_codec.items()}
     out["settings"] = {"mb": args.mb, "rounds": args.rounds, "gap": args.gap, "tcp": args.tcp,
-                       "quick": args.quick, "codecs": args.codec_list}
+                       "quick": args.quick, "codecs": args.codec_list,
+                       "train_steps": args.train_steps, "train_h": args.train_h}
     return out
 
 
@@ -129,6 +140,14 @@ def show(summary: dict[str, Any], args: argparse.Namespace) -> None:
          "met" if goal else "NOT met"],
         ["round_vs_bound_all_to_all (topk)", summary["round_vs_bound_all_to_all"], "", ""],
         ["tcp_vs_bound (plain TCP, same bytes)", summary["tcp_vs_bound"], "", ""]]))
+    job = summary["training"]
+    if job:
+        print(f"\n{args.clusters}-cluster job (examples/gpt, one worker per cluster, over SSH, "
+              f"{args.train_steps} steps, H={args.train_h}, default compression, modes "
+              f"{job['modes']}): {job['job_state']}, {job['workers_final']} workers ended, "
+              f"parameters {'identical' if job['params_identical'] else 'DIFFERENT'}, "
+              f"{job['rounds_all_present']} rounds with every cluster, eval loss "
+              f"{job['eval_loss']}, {job['wall_s']} s.")
     print(f"\n{args.clusters} clusters, {TOPOLOGY}, {args.mbit:g} Mbit/s, no added delay, "
           f"hosts' TCP {args.tcp_label}; "
           f"{args.mb} MiB of fp32 per cluster per round; bound = {summary['bound']}. "
@@ -140,3 +159,37 @@ def show(summary: dict[str, Any], args: argparse.Namespace) -> None:
           f"{os.getloadavg()[0]:.2f}.")
 
 
+
+
+def train(bed: Any, tmp: Path, args: argparse.Namespace) -> dict[str, Any]:
+    """The small GPT of examples/gpt trained by every cluster of the bed (one worker each, over
+    SSH, `nebula launch` as a user runs it, the spec's default compression): the job's state,
+    whether every worker ended with the same parameters, the rounds all clusters were in."""
+    clusters = gateways(args.clusters)
+    neb = _bed.Nebula(bed, tmp / "home")
+    cfg = json.loads((_bed.GPT_DIR / "ds_config.json").read_text())
+    cfg["train_micro_batch_size_per_gpu"] = 4
+    spec = _bed.ssh_spec(
+        tmp / "train.yaml", bed, name="bench-clusters", clusters=clusters,
+        run=f"python -u train.py --steps {args.train_steps} --eval-every {args.train_steps} "
+            f"--log-every 5 --seed 1234 --context 128",
+        relay={"sync": {"mode": "diloco", "inner_steps": args.train_h}, "timeout": 300},
+        deepspeed=cfg)
+    step(f"{args.clusters}-cluster job: {args.train_steps} steps, a round every "
+         f"{args.train_h} (nebula launch over SSH)")
+    t0 = time.monotonic()
+    try:
+        job_id = neb.run_job(spec, timeout=900 + 30 * args.train_steps, log=tmp / "train.log")
+        status = json.loads(neb("status", job_id, "--json", timeout=120).stdout)
+        finals = [r for r in _bed.worker_records(job_id) if r.get("final")]
+        rounds = _bed.relay_records(job_id)
+    finally:
+        neb.cleanup()
+    full = {r["round"] for r in rounds if len(r.get("present", [])) == args.clusters}
+    return {"job_state": status.get("state"),
+            "params_identical": len(finals) == args.clusters
+            and len({r["param_sha256"] for r in finals}) == 1,
+            "workers_final": len(finals), "rounds_all_present": len(full),
+            "modes": sorted({r.get("mode") for r in rounds}),
+            "eval_loss": [round(float(r["eval_loss"]), 4) for r in finals],
+            "wall_s": round(time.monotonic() - t0, 1)}

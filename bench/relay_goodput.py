@@ -255,6 +255,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--codecs", default="none,int8,topk", help="3+ clusters: codecs to run")
     p.add_argument("--gap", type=float, default=2.0,
                    help="3+ clusters: idle seconds between rounds")
+    p.add_argument("--train-steps", type=int, default=20,
+                   help="3+ clusters: steps of the training job at the end (0: none)")
+    p.add_argument("--train-h", type=int, default=10,
+                   help="3+ clusters: inner steps between the training job's rounds")
     p.add_argument("--tcp", default=None,
                    help="the bed hosts' TCP congestion control, or 'system' for this machine's "
                         "(default: reno with 3+ clusters, see above; system with 2)")

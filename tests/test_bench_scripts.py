@@ -137,7 +137,12 @@ def test_relay_goodput_round_bound_is_the_busiest_relay_at_the_line_rate() -> No
     out = load("_clusters").summarize({"none": fig, "int8": worse,
                                        "topk": {**fig, "round_vs_bound": 3.0,
                                                 "mode": "all-to-all"}}, args)
-    assert tuple(out)[:2] == ("round_vs_bound", "clusters") and out["clusters"] == 4
+    assert tuple(out)[:5] == load("_clusters").JSON_FIELDS and out["clusters"] == 4
+    assert out["params_identical"] is None  # no training job in this summary
+    job = {"job_state": "SUCCEEDED", "params_identical": True, "workers_final": 4}
+    trained = load("_clusters").summarize({"int8": worse, "_train": job}, args)
+    assert trained["params_identical"] is True and trained["training"] == job
+    assert trained["goals_met"] == {"round_vs_bound": False, "trained": True}
     assert out["round_vs_bound"] == 1.3 and out["round_vs_bound_all_to_all"] == 3.0
     assert out["goals_met"] == {"round_vs_bound": False}
     assert "one line per cluster" in out["topology"] and out["tcp"] == "reno"

@@ -1,5 +1,5 @@
 """The quickstart end to end: two clusters of DeepSpeed workers joined by the relay, through the
-real CLI, with a short schedule. And the same with three clusters."""
+real CLI, with a short schedule. And the same with three and four clusters."""
 
 from __future__ import annotations
 
@@ -89,14 +89,24 @@ def test_quickstart_two_clusters_overlapped(cli: CLI, tmp_path: Path) -> None:
     assert all(0 <= r["merged_after_steps"] <= 10 for r in merged)  # 0: the final flush
 
 
-def test_three_clusters_end_identical(cli: CLI, tmp_path: Path) -> None:
-    spec = short_spec(tmp_path, clusters={"a": ["a1"], "b": ["b1"], "c": ["c1"]},
-                      steps=20, inner=10, name="three")
+@pytest.mark.parametrize("n", [3, 4])
+def test_three_and_four_clusters_end_identical(cli: CLI, tmp_path: Path, n: int) -> None:
+    """n clusters of one worker each (int8: shard mode, each relay averaging the chunks it
+    owns): SUCCEEDED, every worker with the same parameters, every round with all clusters."""
+    clusters = {c: [f"{c}1"] for c in "abcd"[:n]}
+    spec = short_spec(tmp_path, clusters=clusters, steps=20, inner=10, name=f"n{n}")
     job_id = cli("launch", str(spec), "--detach", check=True).stdout.strip()
     follow = cli("logs", job_id, "-f", timeout=900)
     assert follow.returncode == 0
     assert "gpt: final" in follow.stdout
-    check_finished_job(cli, job_id, workers=3, rounds=2)
+    check_finished_job(cli, job_id, workers=n, rounds=2)
+    synced = [r for r in metric_records(cli.home, job_id) if r.get("outer_round") is not None
+              and "round_s" in r]
+    assert synced and all(r["clusters_present"] == n for r in synced)
+    relay_rounds = [json.loads(line) for path in
+                    (cli.home / "jobs" / job_id).glob("*/*/relay/metrics/*.jsonl")
+                    for line in path.read_text().splitlines() if line]
+    assert len(relay_rounds) == 2 * n and {r["mode"] for r in relay_rounds} == {"shard"}
 
 
 

@@ -1,6 +1,6 @@
 """Plain TCP between N bed hosts in the pattern of a relay round, for bench/relay_goodput.py
 --clusters N: one connection per pair of hosts (the later host dials the earlier, as relays
-do), socket options as the relay's (relay.framing.tune_buffers), and at one instant every
+do), socket options as the relay's (relay.wire.tune_socket), and at one instant every
 host sends `nbytes` to every other while receiving as much from each (a thread per direction
 per connection). What TCP itself makes of the lines for the same bytes, without TLS, framing,
 codecs or the round's dependencies: the reference beside the relay's round time.
@@ -26,7 +26,7 @@ PIECE = 1 << 20
 
 def side(args: argparse.Namespace) -> dict[str, Any]:
     """One host: connect to every other, wait for --start, send and receive --bytes each."""
-    from nebula_cli.relay.framing import tune_buffers
+    from nebula_cli.relay.wire import tune_socket
 
     addrs = args.addrs.split(",")
     me, n = int(args.index), len(addrs)
@@ -43,12 +43,12 @@ def side(args: argparse.Namespace) -> dict[str, Any]:
                     if time.monotonic() > deadline:
                         raise
                     time.sleep(0.1)
-            tune_buffers(sock)
+            tune_socket(sock)
             sock.sendall(bytes([me]))
             conns[j] = sock
         for _ in range(n - 1 - me):  # the later hosts dial us
             sock, _ = srv.accept()
-            tune_buffers(sock)
+            tune_socket(sock)
             conns[sock.recv(1)[0]] = sock
     for sock in conns.values():
         sock.settimeout(120)

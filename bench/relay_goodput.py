@@ -104,7 +104,7 @@ def _stream_side(args: argparse.Namespace) -> dict[str, Any]:
     One thread, non-blocking socket: OpenSSL does not allow SSL_read and SSL_write on one
     connection from two threads at once (seen here as SSLEOFError mid-transfer)."""
     from nebula_cli.pki import client_context, load_pki, server_context
-    from nebula_cli.relay.client import tune_buffers
+    from nebula_cli.relay.client import tune_socket
 
     host, port = args.addr.rsplit(":", 1)
     if args.side == "server":
@@ -113,7 +113,7 @@ def _stream_side(args: argparse.Namespace) -> dict[str, Any]:
             sock, _ = ls.accept()
     else:
         sock = socket.create_connection((host, int(port)), timeout=30)
-    tune_buffers(sock)
+    tune_socket(sock)
     sock.settimeout(30)
     if args.tls:
         pki = load_pki(Path(args.pki))

@@ -53,7 +53,7 @@ sys.path.insert(0, str(REPO))
 
 from nebula_cli.config.spec import CompressionSpec, RelaySpec  # noqa: E402
 from nebula_cli.pki import JobPKI, client_context, issue_job_pki, server_context  # noqa: E402
-from nebula_cli.relay.client import RelayClient, tune_buffers  # noqa: E402
+from nebula_cli.relay.client import RelayClient, tune_socket  # noqa: E402
 from nebula_cli.relay.config import RelayConfig, ShapingConfig  # noqa: E402
 
 PIECE = 16 << 20
@@ -98,7 +98,7 @@ def stream(total: int, pki: JobPKI | None, streams: int = 1) -> tuple[float, str
     def accept() -> None:
         for _ in range(streams):
             conn, _ = ls.accept()
-            tune_buffers(conn)
+            tune_socket(conn)
             threading.Thread(target=receive, args=(conn,), daemon=True).start()
 
     acceptor = threading.Thread(target=accept, daemon=True)
@@ -107,7 +107,7 @@ def stream(total: int, pki: JobPKI | None, streams: int = 1) -> tuple[float, str
     try:
         for _ in range(streams):
             s = socket.create_connection(ls.getsockname(), timeout=30)
-            tune_buffers(s)
+            tune_socket(s)
             if cctx is not None:
                 s = cctx.wrap_socket(s)
                 cipher[0] = s.cipher()[0]
@@ -146,11 +146,11 @@ def _duplex_side(server: bool, port: int, pki_dir: str, total: int, q: mp.Queue)
         q.put("listening")
         raw, _ = ls.accept()
         ls.close()
-        tune_buffers(raw)
+        tune_socket(raw)
         sock = server_context(pki.relay("a"), pki.ca_cert).wrap_socket(raw, server_side=True)
     else:
         raw = socket.create_connection(("127.0.0.1", port), timeout=30)
-        tune_buffers(raw)
+        tune_socket(raw)
         sock = client_context(pki.relay("b"), pki.ca_cert).wrap_socket(raw)
     sock.settimeout(None)
     data = memoryview(bytearray(PIECE))

@@ -39,6 +39,7 @@ from nebula_cli.relay.wire import (
     encode_frame,
     recv_frame,
     send_frame,
+    tune_socket,
 )
 
 SMALL_CAP = 4096  # max_payload used by the property tests
@@ -326,6 +327,40 @@ def test_decoder_is_spent_after_an_error() -> None:
 
 
 # ---------------------------------------------------------------------------- timeouts, TLS
+
+
+def test_tuned_sockets_keep_the_kernels_buffer_autotuning() -> None:
+    """Relay, client and probe sockets go through tune_socket: NODELAY on, buffer sizes left to
+    TCP's autotuning (a fixed SO_RCVBUF would cap a long fat WAN link's window on stock hosts),
+    so a slow reader's receive buffer grows during a bulk transfer."""
+    srv = socket.create_server(("127.0.0.1", 0))
+    sender = socket.create_connection(srv.getsockname(), timeout=10)
+    receiver, _ = srv.accept()
+    srv.close()
+    try:
+        for sock in (sender, receiver):
+            tune_socket(sock)
+        assert sender.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY)
+        start = receiver.getsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF)
+        total = 64 << 20
+
+        def send() -> None:
+            sender.sendall(bytes(total))
+            sender.shutdown(socket.SHUT_WR)
+
+        thread = threading.Thread(target=send, daemon=True)
+        thread.start()
+        receiver.settimeout(10)
+        got = 0
+        while chunk := receiver.recv(1 << 16):
+            got += len(chunk)
+            time.sleep(0.0005)  # a reader slower than the writer: the window must grow
+        thread.join(10)
+        assert got == total
+        assert receiver.getsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF) > start
+    finally:
+        sender.close()
+        receiver.close()
 
 
 def test_idle_timeout_leaves_the_stream_usable_but_a_stall_mid_frame_does_not() -> None:

@@ -35,22 +35,27 @@ from nebula_cli.relay import local as local_hop
 from nebula_cli.relay.config import parse_addr
 from nebula_cli.relay.framing import (
     CHUNK_NUMEL,
-    SOCKET_BUFFER,
     recv_tensor,
     send_frames,
     send_tensor,
     tensor_frames,
-    tune_buffers,
 )
-from nebula_cli.relay.wire import ConnectionClosed, Frame, FrameType, WireError, recv_frame
+from nebula_cli.relay.wire import (
+    ConnectionClosed,
+    Frame,
+    FrameType,
+    WireError,
+    recv_frame,
+    tune_socket,
+)
 
 log = logging.getLogger("nebula.relay.client")
 
 Conn = ssl.SSLSocket | local_hop.LocalConn
 """A connection to the relay: mutual TLS, or its Unix socket on this host."""
 
-__all__ = ["CHUNK_NUMEL", "SOCKET_BUFFER", "RelayClient", "RelayError", "RoundResult",
-           "recv_tensor", "send_frames", "tensor_frames", "tune_buffers"]
+__all__ = ["CHUNK_NUMEL", "RelayClient", "RelayError", "RoundResult",
+           "recv_tensor", "send_frames", "tensor_frames", "tune_socket"]
 
 
 class RelayError(NebulaError):
@@ -289,7 +294,7 @@ class RelayClient:
                 log.info("relay socket %s: %s; using TLS to %s", self.local,
                          exc.strerror or exc, self.addr)
         raw = socket.create_connection((self.host, self.port), timeout=self.connect_timeout)
-        tune_buffers(raw)
+        tune_socket(raw)
         sock, _ = wrap_client(raw, self._ctx, job_id=self.job_id, roles={"relay"},
                               cluster=self.cluster, timeout=self.connect_timeout)
         self.transport = "tls"

@@ -11,7 +11,6 @@ largest tensor it accepts (``max_numel``) before anything is allocated or mapped
 
 from __future__ import annotations
 
-import contextlib
 import os
 import socket
 import ssl
@@ -28,13 +27,10 @@ from nebula_cli.relay.wire import (
     decode_meta,
     encode_frame,
     parse_header,
-    tune_socket,
 )
 
 CHUNK_NUMEL = 4 << 20
 """fp32 elements per frame on the local hop (16 MiB)."""
-SOCKET_BUFFER = 4 << 20
-"""Kernel send and receive buffers of relay sockets (bulk transfers of many MB)."""
 MAX_TENSOR_NUMEL = 1 << 34
 """The largest tensor a receiver accepts when it knows nothing smaller (a client reading what
 its own relay sends); the relay always passes the size it syncs instead."""
@@ -132,11 +128,3 @@ def recv_exact(sock: socket.socket, view: memoryview) -> memoryview:
             raise WireError(f"connection closed after {n} of {len(view)} bytes of a frame")
         n += k
     return view
-
-
-def tune_buffers(sock: socket.socket, size: int = SOCKET_BUFFER) -> None:
-    """TCP_NODELAY and large kernel buffers (bulk transfers of many MB)."""
-    tune_socket(sock)
-    for opt in (socket.SO_SNDBUF, socket.SO_RCVBUF):
-        with contextlib.suppress(OSError):
-            sock.setsockopt(socket.SOL_SOCKET, opt, size)

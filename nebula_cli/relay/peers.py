@@ -24,7 +24,7 @@ from typing import Any
 from nebula_cli.errors import NebulaError
 from nebula_cli.pki import PeerRejected, wrap_client, wrap_server
 from nebula_cli.relay.config import RelayConfig, parse_addr
-from nebula_cli.relay.framing import send_frames, tune_buffers
+from nebula_cli.relay.framing import send_frames
 from nebula_cli.relay.limits import (
     HANDSHAKE_TIMEOUT,
     MAX_HANDSHAKES,
@@ -33,7 +33,7 @@ from nebula_cli.relay.limits import (
     Refusals,
 )
 from nebula_cli.relay.link import LinkDown, PeerLink, peer_addr, refuse
-from nebula_cli.relay.wire import Frame, FrameType, WireError, recv_frame
+from nebula_cli.relay.wire import Frame, FrameType, WireError, recv_frame, tune_socket
 
 log = logging.getLogger("nebula.relay")
 
@@ -97,7 +97,7 @@ class Listener:
                 sock.close()
                 continue
             sock.settimeout(None)
-            tune_buffers(sock)
+            tune_socket(sock)
             threading.Thread(target=self._run, args=(sock, ip), name="relay-conn",
                              daemon=True).start()
 
@@ -198,7 +198,7 @@ class Peers:
                     continue
             try:
                 raw = socket.create_connection((host, port), timeout=HANDSHAKE_TIMEOUT)
-                tune_buffers(raw)
+                tune_socket(raw)
                 tls, _ = wrap_client(raw, self.client_ctx, job_id=self.cfg.job_id,
                                      roles={"relay"}, cluster=peer, timeout=HANDSHAKE_TIMEOUT)
                 try:

@@ -61,7 +61,6 @@ from nebula_cli.relay.probe_client import (
     ROLES,
     ProbeError,
     _contexts,
-    _tune,
     measure,
 )
 from nebula_cli.relay.wire import (
@@ -72,6 +71,7 @@ from nebula_cli.relay.wire import (
     recv_frame,
     recv_small_frame,
     send_frame,
+    tune_socket,
 )
 
 MODULE = "nebula_cli.relay.probe"
@@ -202,7 +202,7 @@ def _handle(sock: socket.socket, tls: ssl.SSLContext | None, run: str,
     held = True
     try:
         sock.settimeout(IO_TIMEOUT)
-        _tune(sock)
+        tune_socket(sock)
         if tls is not None:
             sock, _ = pki.wrap_server(sock, tls, job_id=run, roles=ROLES, timeout=IO_TIMEOUT)
             hello = recv_frame(sock, max_payload=0)

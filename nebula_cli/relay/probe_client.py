@@ -33,7 +33,6 @@ from nebula_cli.errors import NebulaError
 from nebula_cli.relay.wire import Frame, FrameType, recv_frame, send_frame, tune_socket
 
 ROLES = {"relay", "worker"}
-SOCKET_BUFFER = 4 << 20  # as the relay sets its sockets (relay.client.tune_buffers)
 CHUNK = 256 * 1024  # payload bytes per frame in throughput tests
 PING_BYTES = 64
 WARMUP_PINGS = 5
@@ -46,13 +45,6 @@ class ProbeError(NebulaError):
 
 
 # ------------------------------------------------------------------------------- sockets
-
-
-def _tune(sock: socket.socket) -> None:
-    tune_socket(sock)
-    for opt in (socket.SO_SNDBUF, socket.SO_RCVBUF):
-        with contextlib.suppress(OSError):
-            sock.setsockopt(socket.SOL_SOCKET, opt, SOCKET_BUFFER)
 
 
 def _contexts(certs: Path) -> tuple[ssl.SSLContext, ssl.SSLContext]:
@@ -82,7 +74,7 @@ def _dial(host: str, port: int, tls: ssl.SSLContext | None, run: str, cluster: s
           **hello: Any) -> socket.socket:
     """Connect, send HELLO ``hello``, expect WELCOME (its meta into ``welcome``)."""
     sock = _connect(host, port, wait)
-    _tune(sock)
+    tune_socket(sock)
     if tls is not None:
         sock, _ = pki.wrap_client(sock, tls, job_id=run, roles=ROLES, cluster=cluster,
                                   timeout=IO_TIMEOUT)

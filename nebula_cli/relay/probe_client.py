@@ -117,52 +117,73 @@ def _abort(sock: socket.socket) -> None:
         socket.socket.shutdown(sock, socket.SHUT_RDWR)  # the TCP socket under TLS as well
 
 
+def _run_streams(socks: list[socket.socket], work: Callable[..., None], args: list[tuple[Any, ...]],
+                 duration: float, start: Callable[[socket.socket], None] | None = None) -> None:
+    """Run `work(stop, errors, *a)` in a thread per stream for `duration` s, then reset the
+    streams and close them (also on failure); ProbeError if any stream failed meanwhile."""
+    stop = threading.Event()
+    errors: list[BaseException] = []
+    threads = [threading.Thread(target=work, args=(stop, errors, *a), daemon=True) for a in args]
+    try:
+        for sock, t in zip(socks, threads, strict=True):
+            if start is not None:
+                start(sock)
+            t.start()
+        stop.wait(duration)
+    finally:
+        stop.set()
+        for sock in socks:
+            _abort(sock)
+        for t in threads:
+            if t.ident is not None:  # started
+                t.join(IO_TIMEOUT)
+        for sock in socks:
+            sock.close()
+    if errors:
+        raise ProbeError(f"{len(errors)} of {len(socks)} streams failed: {errors[0]}")
+
+
+def _rate(spans: list[Any], nothing: str) -> dict[str, float]:
+    """Mbit/s of streams given as [bytes, first arrival, last arrival]: all their bytes over
+    the time from the first arrival to the last."""
+    got = [s for s in spans if s[0]]
+    total = sum(s[0] for s in got)
+    seconds = max((s[2] for s in got), default=0) - min((s[1] for s in got), default=0)
+    if total <= 0 or seconds <= 0:
+        raise ProbeError(nothing)
+    return {"mbit": total * 8 / seconds / 1e6, "bytes": total, "seconds": seconds}
+
+
 def throughput(dial: Callable[..., socket.socket], streams: int,
                duration: float) -> dict[str, float]:
     """`streams` connections each sending frames for `duration` s; Mbit/s as the server
     received them (all streams: bytes / from the first arrival to the last)."""
     tokens = [os.urandom(8).hex() for _ in range(streams)]
+    frame = Frame(FrameType.PEER_CHUNK, {}, os.urandom(CHUNK))
+
+    def send(stop: threading.Event, errors: list[BaseException], sock: socket.socket) -> None:
+        try:
+            while not stop.is_set():
+                send_frame(sock, frame)
+        except (OSError, NebulaError) as exc:
+            if not stop.is_set():
+                errors.append(exc)
+
     with dial(op="report") as control:
         socks: list[socket.socket] = []
         try:
             for token in tokens:
                 socks.append(dial(op="sink", token=token))
-            stop = threading.Event()
-            errors: list[BaseException] = []
-            frame = Frame(FrameType.PEER_CHUNK, {}, os.urandom(CHUNK))
-
-            def send(sock: socket.socket) -> None:
-                try:
-                    while not stop.is_set():
-                        send_frame(sock, frame)
-                except (OSError, NebulaError) as exc:
-                    if not stop.is_set():
-                        errors.append(exc)
-
-            threads = [threading.Thread(target=send, args=(s,), daemon=True) for s in socks]
-            for t in threads:
-                t.start()
-            stop.wait(duration)
-            stop.set()
-            for sock in socks:
-                _abort(sock)
-            for t in threads:
-                t.join(IO_TIMEOUT)
-        finally:
+        except BaseException:
             for sock in socks:
                 sock.close()
-        if errors:
-            raise ProbeError(f"{len(errors)} of {streams} streams failed: {errors[0]}")
+            raise
+        _run_streams(socks, send, [(s,) for s in socks], duration)
         send_frame(control, Frame(FrameType.STATE_REQUEST, {"tokens": tokens}))
         answer = recv_frame(control)
     if answer.type != FrameType.RESULT or len(answer.meta.get("streams", ())) != streams:
         raise ProbeError(f"expected RESULT of {streams} streams, got {answer.type.name}")
-    got = [s for s in answer.meta["streams"] if s[0]]
-    total = sum(s[0] for s in got)
-    seconds = max((s[2] for s in got), default=0) - min((s[1] for s in got), default=0)
-    if total <= 0 or seconds <= 0:
-        raise ProbeError("the server received nothing")
-    return {"mbit": total * 8 / seconds / 1e6, "bytes": total, "seconds": seconds}
+    return _rate(answer.meta["streams"], "the server received nothing")
 
 
 def throughput_from(dial: Callable[..., socket.socket], streams: int,
@@ -171,10 +192,9 @@ def throughput_from(dial: Callable[..., socket.socket], streams: int,
     received here (all streams: bytes / from the first arrival to the last)."""
     socks = [dial(op="source", seconds=duration + IO_TIMEOUT) for _ in range(streams)]
     stats: list[list[Any]] = [[0, None, None] for _ in socks]
-    stop = threading.Event()
-    errors: list[BaseException] = []
 
-    def receive(sock: socket.socket, counts: list[Any]) -> None:
+    def receive(stop: threading.Event, errors: list[BaseException], sock: socket.socket,
+                counts: list[Any]) -> None:
         buf = memoryview(bytearray(CHUNK))
         try:
             while not stop.is_set() and (n := sock.recv_into(buf)):
@@ -186,29 +206,11 @@ def throughput_from(dial: Callable[..., socket.socket], streams: int,
             if not stop.is_set():
                 errors.append(exc)
 
-    threads = [threading.Thread(target=receive, args=(s, c), daemon=True)
-               for s, c in zip(socks, stats, strict=True)]
-    try:
-        for sock, t in zip(socks, threads, strict=True):  # the server sends once told
-            send_frame(sock, Frame(FrameType.HEARTBEAT, {"op": "go"}))
-            t.start()
-        stop.wait(duration)
-        stop.set()
-        for sock in socks:
-            _abort(sock)
-        for t in threads:
-            t.join(IO_TIMEOUT)
-    finally:
-        for sock in socks:
-            sock.close()
-    if errors:
-        raise ProbeError(f"{len(errors)} of {streams} streams failed: {errors[0]}")
-    got = [c for c in stats if c[0]]
-    total = sum(c[0] for c in got)
-    seconds = max((c[2] for c in got), default=0) - min((c[1] for c in got), default=0)
-    if total <= 0 or seconds <= 0:
-        raise ProbeError("nothing was received from the server")
-    return {"mbit": total * 8 / seconds / 1e6, "bytes": total, "seconds": seconds}
+    def go(sock: socket.socket) -> None:  # the server sends once told
+        send_frame(sock, Frame(FrameType.HEARTBEAT, {"op": "go"}))
+
+    _run_streams(socks, receive, list(zip(socks, stats, strict=True)), duration, start=go)
+    return _rate(stats, "nothing was received from the server")
 
 
 def measure(args: argparse.Namespace) -> int:

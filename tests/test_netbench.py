@@ -152,19 +152,20 @@ def test_probe_refuses_a_certificate_of_another_run(tmp_path: Path) -> None:
         assert served.returncode == 0, served.stderr
         ports = json.loads(served.stdout)
 
-        def measure(run: str, peer: str) -> subprocess.CompletedProcess[str]:
+        def measure(run: str, peer: str, *more: str) -> subprocess.CompletedProcess[str]:
             return probe("measure", "--run", run, "--certs", str(dirs[(run, "east")]),
                          "--host", "127.0.0.1", "--tls-port", str(ports["tls_port"]),
                          "--peer-cluster", peer,
-                         "--duration", "0.3", "--streams", "1", "--pings", "20")
+                         "--duration", "0.3", "--streams", "1", "--pings", "20", *more)
 
         foreign = measure("netbench-b", "west")
         assert foreign.returncode == 1 and "rejected" in foreign.stderr, foreign.stderr
         wrong_cluster = measure("netbench-a", "north")
         assert "certificate of cluster west, expected north" in wrong_cluster.stderr
-        good = measure("netbench-a", "west")
-        assert good.returncode == 0, good.stderr
-        assert json.loads(good.stdout)["throughput_mbit"] > 0
+        for direction in ((), ("--reverse", "--streams", "2")):  # we send; the server sends
+            good = measure("netbench-a", "west", *direction)
+            assert good.returncode == 0, good.stderr
+            assert json.loads(good.stdout)["throughput_mbit"] > 0
     finally:
         stopped = probe("stop", "--run", "netbench-a")
     assert stopped.returncode == 0 and json.loads(stopped.stdout)["stopped"] == [ports["pid"]]

@@ -150,7 +150,7 @@ def test_jobs_left_running_are_leaks_and_reset_cancels_them(slurm_bed: TestBed,
 
 def _slurm_processes(bed_id: str) -> list[str]:
     """Slurm and munge processes of one bed: in its namespaces, or naming its slurm dir."""
-    from testbed.bed import _cmdline, list_namespaces, namespace_pids
+    from testbed.system import _cmdline, list_namespaces, namespace_pids
 
     pids = {p for ns in list_namespaces() if ns.startswith(f"{bed_id}-")
             for p in namespace_pids(ns)}
@@ -168,7 +168,7 @@ def test_down_and_cleanup_stale_end_every_slurm_process(make_testbed, tmp_path: 
     import json
 
     from testbed import cleanup_stale
-    from testbed.bed import STATE_ROOT
+    from testbed.registry import STATE_ROOT
 
     ok, reason = TestBed.slurm_available()
     if not ok:

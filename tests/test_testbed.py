@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 from testbed import TestBed, TestBedError, cleanup_stale
-from testbed.bed import STATE_ROOT, list_namespaces, namespace_pids
+from testbed.registry import STATE_ROOT
+from testbed.system import list_namespaces, namespace_pids
 
 pytestmark = pytest.mark.testbed
 

@@ -6,6 +6,8 @@ for the pytest fixtures, and `python -m tests.testbed up|down|status` for manual
 
 from __future__ import annotations
 
-from .bed import Host, TestBed, TestBedError, cleanup_stale
+from .bed import Host, TestBed
+from .registry import cleanup_stale
+from .system import TestBedError
 
 __all__ = ["Host", "TestBed", "TestBedError", "cleanup_stale"]

@@ -13,17 +13,9 @@ import argparse
 import json
 import sys
 
-from .bed import (
-    DEFAULT_CLUSTERS,
-    STATE_ROOT,
-    TestBed,
-    TestBedError,
-    cleanup_stale,
-    destroy,
-    is_stale,
-    list_namespaces,
-    read_states,
-)
+from .bed import DEFAULT_CLUSTERS, TestBed
+from .registry import STATE_ROOT, cleanup_stale, destroy, is_stale, read_states
+from .system import TestBedError, list_namespaces
 
 
 def parse_clusters(items: list[str]) -> dict[str, list[str]]:

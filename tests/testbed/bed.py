@@ -13,104 +13,67 @@ Topology of one bed (`<id>` is `nb` + 4 random hex digits, e.g. `nb3f0a`; needs 
       route <slot net> via <cluster net>.254, its own sshd on <address>:22.
     bastion namespace `<id>-bastion` (when bastion=True): `eth0` = bastion net .1.
 
-Addresses, all inside 198.18.0.0/15 (nothing else is ever configured or targeted): each live bed
-holds one of 8 slots (a /18, slot s starts at 198.18.0.0 + s * 16384); within it /24 number i is
-cluster i (in dict order), /24 number 32 the bastion net, /24 number 33 the mgmt net. For slot 0:
-east 198.18.0.0/24 (e1 .1, e2 .2, router .254), west 198.18.1.0/24, north 198.18.2.0/24,
-bastion 198.18.32.1, root 198.18.33.1, router 198.18.33.2. The root namespace reaches every host
-and the bastion directly through the router (route <slot /18> via mgmt .2); hosts have no default
-route, so nothing they send can leave the slot.
+Addresses (all inside 198.18.0.0/15, a /18 slot per live bed): system.py.
 
 Reachability: the hosts of a cluster share a bridge (one L2 hop, ping TTL 64); traffic between
-clusters is routed by the router (ping TTL 63). ProxyJump is meaningful through the source
-address: `ssh -F ssh_config e1` arrives from the root's mgmt address, `ssh -F ssh_config e1-jump`
-(ProxyJump bastion) arrives from the bastion's address (see SSH_CONNECTION on the host).
+clusters is routed by the router (ping TTL 63). ProxyJump: sshd.py.
 
-Shaping, htb classes with rate = ceil = R Mbit/s (burst 64 KiB) on the router's two sides of
-each cluster link: `r<i>` egress (into cluster i) classifies by source net, `s<i>` egress (out of
-cluster i) by destination net; unclassified traffic (mgmt, bastion, inside a cluster) is not
-shaped. Two topologies (`link=`):
-- "pair" (the default): one class per pair of clusters on each side, so every pair is its own
-  link of R each way (a full mesh of independent links; `set_rate(a, b, R)`).
-- "cluster": one class of R per side (class 1:1) shared by the traffic to and from every other
-  cluster, so each cluster has one uplink and one downlink of R, as a site behind its WAN line
-  has (`set_cluster_rate(c, R)`); traffic between a and b is bounded by a's uplink and b's
-  downlink. The line is shared fairly between the peer clusters: a child class per peer with
-  rate R/(N-1) and ceil R (what a peer leaves idle the others borrow). Without it one TCP flow
-  starved another in the line's single FIFO (4 against 25 Mbit/s of 30 in a 3 s test), and
-  this kernel has no fq_codel or sfq to queue per flow. With two clusters both modes shape
-  alike. Delay-proxied traffic (below) leaves the source cluster towards the router itself, so
-  in this mode only the destination cluster's link shapes it.
-TCP: the hosts use this machine's congestion control unless `tcp=` names another (one of
-tcp_allowed_congestion_control, e.g. "reno"). Here the machine's default is bbr, and the bed adds
-no delay: BBR then sizes its window (2 x bandwidth x min RTT) from a min RTT of microseconds
-while the shared lines' queues hold a connection's ACKs behind the other direction's data for
-hundreds of ms, and a connection can crawl for seconds (1.3 Mbit/s of a 20 Mbit/s line seen,
-bench/relay_goodput.py --clusters 4). Linux's default cubic is not allowed inside these
-namespaces; "reno", loss-based like cubic, stands in for it (both gave the same round times).
-htb instead of a bare `tbf` so that every pair can have its own rate with three or more
-clusters. netem does not exist on this kernel: latency comes from `delayed_endpoint()` (a
-user-space delay proxy in the router, see delay_proxy.py; its traffic is shaped like the
-pair's) or from the relay's own shaping (nebula_cli/relay/shaping.py).
+Shaping and latency: see links.py. SSH: sshd.py. Processes, namespaces, addresses: system.py;
+the beds recorded on this machine and their removal: registry.py.
 
 Files: keys, sshd configs, logs, known_hosts and ssh_config live in `<workdir>/<id>/` (default
 workdir /tmp/nebula-testbed; it must outlive the bed, as sshd re-reads its config and host key on
-every connection: not pytest's tmp_path, which concurrent sessions prune); the state
-file (creator pid, slot) in /tmp/nebula-testbed/<id>/state.json. `down()` ends every process in
-the bed's namespaces (sshd, proxies, whatever tests started there), deletes the namespaces (and so
-every veth and bridge) and the root veth, and removes both directories. `cleanup_stale()` does the
-same for beds whose creator process is gone (unless started with `python -m tests.testbed up`).
+every connection: not pytest's tmp_path, which concurrent sessions prune). `down()` ends every
+process in the bed's namespaces (sshd, proxies, whatever tests started there), deletes the
+namespaces (and so every veth and bridge) and the root veth, and removes both directories.
 
-Slurm (optional, slurm.py): `slurm={"hpc": "login"}` makes `login` the login node and controller
-of cluster hpc and its other hosts compute nodes: they run slurmd and no sshd, are not in `hosts`,
-ssh_config or known_hosts, but in `compute` (and `run`/`popen`/`cut` accept them). `bed.slurm`
-then describes the cluster (conf path, nodes, partitions); its munged is killed by `down()` and
-`cleanup_stale()` like the processes in the namespaces.
+Slurm (optional): `slurm={"hpc": "login"}`, see slurm.py; its compute nodes are in `compute`, not
+`hosts` (`run`/`popen`/`cut` accept them).
 """
 
 from __future__ import annotations
 
 import contextlib
-import fcntl
-import ipaddress
 import json
 import os
 import re
 import secrets
 import shlex
 import shutil
-import signal
-import socket
 import subprocess
-import sys
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from itertools import combinations
 from pathlib import Path
 
 from . import slurm as slurm_mod
+from .links import Links
+from .registry import STATE_ROOT, _state_lock, cleanup_stale, destroy, read_states
 from .slurm import SlurmCluster, SlurmError
+from .sshd import SSHD, SshHosts
+from .system import (
+    HOST_IFACE,
+    SLOTS,
+    TestBedError,
+    _addr,
+    _cmdline,
+    _sh,
+    _start_time,
+    _stop_popen,
+    kill_pids,
+    list_namespaces,
+    namespace_pids,
+    slot_net,
+    subnet,
+)
 
-STATE_ROOT = Path("/tmp/nebula-testbed")
-BENCH_NET = ipaddress.IPv4Network("198.18.0.0/15")
-SLOTS = 8
-SLOT_SIZE = 1 << 14  # a /18
 MAX_CLUSTERS = 32
 BASTION_INDEX, MGMT_INDEX = 32, 33
-BED_ID = re.compile(r"^nb[0-9a-f]{4}$")
 HOST_NAME = re.compile(r"^[a-z][a-z0-9-]{0,30}$")
 RESERVED_NAMES = {"r", "bastion", "router"}
-SSHD = "/usr/sbin/sshd"
 DEFAULT_CLUSTERS = {"east": ["e1", "e2"], "west": ["w1", "w2"]}
-HOST_IFACE = "eth0"
 LINK_MODES = ("pair", "cluster")
-
-
-class TestBedError(RuntimeError):
-    """The test bed could not be built or driven (missing tools, a failed `ip`/`tc` command)."""
-
-    __test__ = False
 
 
 @dataclass(frozen=True)
@@ -126,147 +89,8 @@ class Host:
     sshd: bool = True
 
 
-def _sh(cmd: Sequence[str], *, check: bool = True, timeout: float = 30,
-        input: str | None = None) -> subprocess.CompletedProcess[str]:
-    try:
-        proc = subprocess.run(list(cmd), capture_output=True, text=True, timeout=timeout,
-                              input=input, stdin=None if input is not None else subprocess.DEVNULL)
-    except subprocess.TimeoutExpired as exc:
-        raise TestBedError(f"timed out after {timeout}s: {shlex.join(cmd)}") from exc
-    if check and proc.returncode != 0:
-        raise TestBedError(f"{shlex.join(cmd)} exited {proc.returncode}: {proc.stderr.strip()}")
-    return proc
 
-
-def slot_net(slot: int) -> ipaddress.IPv4Network:
-    """The /18 of addresses that bed slot `slot` owns (inside 198.18.0.0/15)."""
-    net = ipaddress.IPv4Network((int(BENCH_NET.network_address) + slot * SLOT_SIZE, 18))
-    if not 0 <= slot < SLOTS or not net.subnet_of(BENCH_NET):
-        raise TestBedError(f"slot {slot} outside 198.18.0.0/15")
-    return net
-
-
-def subnet(slot: int, index: int) -> ipaddress.IPv4Network:
-    """/24 number `index` of a slot: clusters 0..31, bastion 32, mgmt 33."""
-    return list(slot_net(slot).subnets(new_prefix=24))[index]
-
-
-def _addr(net: ipaddress.IPv4Network, host: int) -> str:
-    return str(net.network_address + host)
-
-
-# ---------------------------------------------------------------- namespaces and processes
-
-def list_namespaces() -> list[str]:
-    out = _sh(["ip", "netns", "list"], check=False).stdout
-    return [line.split()[0] for line in out.splitlines() if line.strip()]
-
-
-def namespace_pids(ns: str) -> list[int]:
-    out = _sh(["ip", "netns", "pids", ns], check=False).stdout
-    return [int(p) for p in out.split() if p.isdigit()]
-
-
-def _alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return False
-    return state != "Z"
-
-
-def _start_time(pid: int) -> str | None:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19]
-    except (OSError, IndexError):
-        return None
-
-
-def kill_pids(pids: Sequence[int], *, grace: float = 3.0) -> None:
-    """SIGTERM, wait up to `grace` seconds, then SIGKILL whatever is left (bounded)."""
-    pids = [p for p in pids if p != os.getpid()]
-    for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, 3.0)):
-        for pid in pids:
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.kill(pid, sig)
-        deadline = time.monotonic() + wait
-        while (pids := [p for p in pids if _alive(p)]) and time.monotonic() < deadline:
-            time.sleep(0.02)
-        if not pids:
-            return
-
-
-def destroy(bed_id: str, *, dirs: Sequence[Path] = ()) -> None:
-    """Remove everything bed `bed_id` may have made: processes, namespaces, root veth, dirs."""
-    if not BED_ID.match(bed_id):
-        raise TestBedError(f"not a test bed id: {bed_id!r}")
-    namespaces = [ns for ns in list_namespaces() if ns.startswith(f"{bed_id}-")]
-    pids = [pid for ns in namespaces for pid in namespace_pids(ns)]
-    kill_pids([pid for pid in pids if _cmdline(pid).startswith("slurmstepd")], grace=0.2)
-    kill_pids(pids)
-    state = None
-    with contextlib.suppress(OSError, ValueError):
-        state = json.loads((STATE_ROOT / bed_id / "state.json").read_text())
-    slurm_mod.kill_root_daemons(bed_id, state)  # munged, in the root namespace
-    for ns in namespaces:
-        _sh(["ip", "netns", "del", ns], check=False)
-    if Path(f"/sys/class/net/{bed_id}").exists():
-        _sh(["ip", "link", "del", bed_id], check=False)
-    for directory in (*dirs, STATE_ROOT / bed_id):
-        shutil.rmtree(directory, ignore_errors=True)
-
-
-@contextlib.contextmanager
-def _state_lock() -> Iterator[None]:
-    STATE_ROOT.mkdir(parents=True, exist_ok=True)
-    with open(STATE_ROOT / ".lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(lock, fcntl.LOCK_UN)
-
-
-def read_states() -> dict[str, dict]:
-    """State of every bed recorded under /tmp/nebula-testbed (id -> state dict)."""
-    states = {}
-    for path in sorted(STATE_ROOT.glob("nb*/state.json")):
-        with contextlib.suppress(OSError, ValueError):
-            states[path.parent.name] = json.loads(path.read_text())
-    return states
-
-
-def is_stale(state: dict) -> bool:
-    """Whether a recorded bed's creator is gone (dead, a zombie, or its pid reused)."""
-    if state.get("manual"):
-        return False
-    pid = state.get("pid")
-    return not (isinstance(pid, int) and _alive(pid) and _start_time(pid) == state.get("pid_start"))
-
-
-def cleanup_stale(*, include_manual: bool = False) -> list[str]:
-    """Destroy beds whose creator process is gone, and `nb<4hex>` leftovers with no state.
-
-    Beds made by `python -m tests.testbed up` are kept unless include_manual. Returns their ids.
-    """
-    removed = []
-    with _state_lock():
-        states = read_states()
-        for bed_id, state in states.items():
-            if is_stale(state) or (include_manual and state.get("manual")):
-                destroy(bed_id, dirs=[Path(state["dir"])] if state.get("dir") else [])
-                removed.append(bed_id)
-        orphans = {ns.split("-", 1)[0] for ns in list_namespaces() if "-" in ns}
-        orphans |= {p.name for p in Path("/sys/class/net").iterdir()}
-        for bed_id in sorted(o for o in orphans if BED_ID.match(o) and o not in states):
-            destroy(bed_id)
-            removed.append(bed_id)
-    return removed
-
-
-# ---------------------------------------------------------------------------- the bed
-
-class TestBed:
+class TestBed(Links, SshHosts):
     """Clusters of SSH hosts in network namespaces, joined by a shaped router. See module doc."""
 
     __test__ = False  # not a pytest test class
@@ -529,189 +353,7 @@ class TestBed:
     def _all_hosts(self) -> list[Host]:
         return [*self.hosts.values(), *([self.bastion] if self.bastion else [])]
 
-    # ------------------------------------------------------------------------ shaping
-
-    def _shape(self, cluster: str) -> None:
-        """(Re)build the htb qdiscs on both router sides of `cluster`'s link from the rates."""
-        names = list(self.clusters)
-        i = names.index(cluster)
-        for dev, direction in ((f"r{i}", "src"), (f"s{i}", "dst")):
-            tc = ["ip", "netns", "exec", self.router_ns, "tc"]
-            _sh([*tc, "qdisc", "del", "dev", dev, "root"], check=False)
-            _sh([*tc, "qdisc", "add", "dev", dev, "root", "handle", "1:", "htb"])
-            line = self._cluster_rates.get(cluster) if self.link == "cluster" else None
-            if line is not None:  # this cluster's line, shared fairly by its peers
-                self._htb_class(dev, "1:1", "1:", line, line)
-            for j, other in enumerate(names):
-                classid = f"1:{10 + j:x}"
-                if other == cluster:
-                    continue
-                if self.link == "cluster":
-                    if line is None:
-                        continue
-                    self._htb_class(dev, classid, "1:1", line / (len(names) - 1), line)
-                else:
-                    rate = self._rates.get(frozenset((cluster, other)))
-                    if rate is None:
-                        continue
-                    self._htb_class(dev, classid, "1:", rate, rate)
-                _sh([*tc, "filter", "add", "dev", dev, "parent", "1:", "protocol", "ip",
-                     "prio", "1", "u32", "match", "ip", direction,
-                     str(subnet(self.slot or 0, j)), "flowid", classid])
-
-    def _htb_class(self, dev: str, classid: str, parent: str, mbit: float, ceil: float
-                   ) -> None:
-        _sh(["ip", "netns", "exec", self.router_ns, "tc", "class", "add", "dev", dev,
-             "parent", parent, "classid", classid, "htb", "rate", f"{mbit}mbit",
-             "ceil", f"{ceil}mbit", "burst", "64k", "cburst", "64k", "quantum", "60000"])
-
-    def set_rate(self, cluster_a: str, cluster_b: str, mbit: float | None) -> None:
-        """Shape traffic between two clusters to `mbit` Mbit/s each way (None: unshaped);
-        link "pair" only (a "cluster" bed has `set_cluster_rate`)."""
-        if self.link != "pair":
-            raise TestBedError("set_rate is for link='pair' beds; this bed has one link per "
-                               "cluster: use set_cluster_rate(cluster, mbit)")
-        if cluster_a == cluster_b or {cluster_a, cluster_b} - set(self.clusters):
-            raise TestBedError(f"need two different clusters of {list(self.clusters)}")
-        if mbit is not None and mbit <= 0:
-            raise TestBedError(f"rate must be positive or None, got {mbit}")
-        self._rates[frozenset((cluster_a, cluster_b))] = mbit
-        self._shape(cluster_a)
-        self._shape(cluster_b)
-
-    def set_cluster_rate(self, cluster: str, mbit: float | None) -> None:
-        """Shape `cluster`'s line (its traffic to all other clusters, and from them) to `mbit`
-        Mbit/s each way (None: unshaped); link "cluster" only."""
-        if self.link != "cluster":
-            raise TestBedError("set_cluster_rate is for link='cluster' beds; this bed has a "
-                               "link per pair: use set_rate(a, b, mbit)")
-        if cluster not in self.clusters:
-            raise TestBedError(f"unknown cluster {cluster!r} (of {list(self.clusters)})")
-        if mbit is not None and mbit <= 0:
-            raise TestBedError(f"rate must be positive or None, got {mbit}")
-        self._cluster_rates[cluster] = mbit
-        self._shape(cluster)
-
-    def rate(self, cluster_a: str, cluster_b: str) -> float | None:
-        """Mbit/s between two clusters each way (None: unshaped); link "cluster": the slower of
-        the two clusters' lines (what one flow between them alone gets)."""
-        if self.link == "pair":
-            return self._rates[frozenset((cluster_a, cluster_b))]
-        rates = [r for r in (self._cluster_rates[cluster_a], self._cluster_rates[cluster_b])
-                 if r is not None]
-        return min(rates) if rates else None
-
-    def cluster_rate(self, cluster: str) -> float | None:
-        """Mbit/s of a cluster's line each way (link "cluster" beds)."""
-        if self.link != "cluster":
-            raise TestBedError("cluster_rate is for link='cluster' beds")
-        return self._cluster_rates[cluster]
-
-    # --------------------------------------------------------------------------- ssh
-
-    def _write_ssh_files(self) -> None:
-        lines = []
-        for host in self._all_hosts():
-            key = self.dir / host.name / "ssh_host_ed25519_key"
-            key.parent.mkdir(mode=0o700, exist_ok=True)
-            _sh(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", f"{self.id}-{host.name}",
-                 "-f", str(key)])
-            kind, blob = key.with_suffix(".pub").read_text().split()[:2]
-            lines.append(f"{host.address} {kind} {blob}\n")
-        self.known_hosts.write_text("".join(lines))
-
-        def block(alias: str, host: Host, jump: bool) -> str:
-            return "\n".join([
-                f"Host {alias}", f"  HostName {host.address}", "  User root",
-                f"  Port {host.ssh_port}", f"  IdentityFile {self.user_key}",
-                "  IdentitiesOnly yes", f"  UserKnownHostsFile {self.known_hosts}",
-                "  GlobalKnownHostsFile /dev/null", "  StrictHostKeyChecking yes",
-                "  BatchMode yes", "  ConnectTimeout 10", "  LogLevel ERROR",
-                *(["  ProxyJump bastion"] if jump else []), "", ""])
-
-        text = f"# nebula test bed {self.id}: ssh -F {self.ssh_config} <alias>\n\n"
-        for host in self._all_hosts():
-            text += block(host.name, host, jump=False)
-        if self.bastion:
-            for host in self.hosts.values():
-                text += block(f"{host.name}-jump", host, jump=True)
-        self.ssh_config.write_text(text)
-
-    def _write_sshd_config(self, host: Host) -> None:
-        hdir = self.dir / host.name
-        (hdir / "sshd_config").write_text("\n".join([
-            f"# nebula test bed {self.id}: sshd of {host.name}",
-            f"ListenAddress {host.address}:{host.ssh_port}",
-            f"HostKey {hdir / 'ssh_host_ed25519_key'}",
-            f"PidFile {hdir / 'sshd.pid'}",
-            f"AuthorizedKeysFile {self.user_key}.pub {self.authorized_keys(host.name)}",
-            "StrictModes no", "PermitRootLogin prohibit-password", "PubkeyAuthentication yes",
-            "PasswordAuthentication no", "KbdInteractiveAuthentication no", "UsePAM no",
-            "X11Forwarding no", "AllowTcpForwarding yes", "PrintMotd no", "PrintLastLog no",
-            "UseDNS no", "LoginGraceTime 30",  # MaxSessions, MaxStartups: stock (10, 10:30:100)
-            f"SetEnv NEBULA_TESTBED_HOST={host.name} NEBULA_TESTBED_CLUSTER={host.cluster}"
-            + (f" SLURM_CONF={self.slurm.conf}"
-               if self.slurm and host.name == self.slurm.login.name else ""),
-            "Subsystem sftp internal-sftp", "",
-        ]))
-
-    def authorized_keys(self, host: str) -> Path:
-        """A second AuthorizedKeysFile of the host's sshd, empty unless a test writes it (all
-        hosts share root's home: a spec's `authorized_keys` names this file instead)."""
-        return self.dir / host / "authorized_keys"
-
-    def _sshd_pid(self, host: Host) -> int | None:
-        with contextlib.suppress(OSError, ValueError):
-            pid = int((self.dir / host.name / "sshd.pid").read_text().strip())
-            if _alive(pid):
-                return pid
-        return None
-
-    def start_sshd(self, host: str) -> None:
-        """Start the host's sshd and wait until it accepts connections."""
-        h = self._host(host)
-        if not h.sshd:
-            raise TestBedError(f"{host} is a Slurm compute node: it has no sshd")
-        if self._sshd_pid(h) is None:
-            hdir = self.dir / h.name
-            _sh(["ip", "netns", "exec", h.ns, SSHD, "-f", str(hdir / "sshd_config"),
-                 "-E", str(hdir / "sshd.log")])
-        self._stopped.discard(h.name)
-        if h.name not in self._cut:
-            self.wait_listening(h.name, h.ssh_port)
-
-    def stop_sshd(self, host: str) -> None:
-        """Stop the host's listening sshd (sessions already open keep running)."""
-        h = self._host(host)
-        pid = self._sshd_pid(h)
-        if pid is not None:
-            kill_pids([pid])
-        self._stopped.add(h.name)
-
-    # ---------------------------------------------------------------- faults and access
-
-    def cut(self, host: str) -> None:
-        """Take the host's link down: it keeps running but nothing reaches it and it reaches
-        nothing (connections to it hang rather than being refused)."""
-        h = self._host(host)
-        _sh(["ip", "-n", h.ns, "link", "set", HOST_IFACE, "down"])
-        self._ip_r("link", "set", self._router_if(h), "down")
-        self._cut.add(h.name)
-
-    def partition(self, host: str) -> None:
-        """Cut the host off at the router: it still reaches itself (its own address), but
-        nothing crosses between it and any other host (a WAN link cut). `restore` heals it."""
-        h = self._host(host)
-        self._ip_r("link", "set", self._router_if(h), "down")
-        self._cut.add(h.name)
-
-    def restore(self, host: str) -> None:
-        """Bring a cut host's link (and its route) back."""
-        h = self._host(host)
-        self._ip_r("link", "set", self._router_if(h), "up")
-        net = ipaddress.IPv4Network(f"{h.address}/24", strict=False)
-        self._link_up(h, _addr(net, 254))
-        self._cut.discard(h.name)
+    # ------------------------------------------------------------------------- access
 
     def interface(self, host: str) -> str:
         """The interface inside the host's namespace that reaches its peers (GLOO_SOCKET_IFNAME)."""
@@ -763,53 +405,7 @@ class TestBed:
         """`ssh -F <ssh_config> <alias> [command...]`, for subprocess."""
         return ["ssh", "-F", str(self.ssh_config), alias, *command]
 
-    # -------------------------------------------------------------------- delay proxies
-
-    def delayed_endpoint(self, src_cluster: str, dst_host: str, dst_port: int,
-                         delay_ms: float) -> tuple[str, int]:
-        """Start a delay proxy in the router that hosts of `src_cluster` dial instead of
-        dst_host:dst_port; each direction gets `delay_ms` more one-way delay (a round trip
-        2 x delay_ms). Returns the (address, port) to dial. The proxy's traffic is shaped like
-        direct traffic between src_cluster and dst_host's cluster. Stopped by down()."""
-        if src_cluster not in self.clusters:
-            raise TestBedError(f"unknown cluster {src_cluster!r}")
-        dst = self._host(dst_host)
-        i = list(self.clusters).index(src_cluster)
-        listen = _addr(subnet(self.slot or 0, i), 254)
-        script = Path(__file__).with_name("delay_proxy.py")
-        with open(self.dir / "delay_proxy.log", "a") as log:
-            proc = subprocess.Popen(
-                [*self.exec_prefix("router"), sys.executable, str(script),
-                 "--listen", f"{listen}:0", "--target", f"{dst.address}:{dst_port}",
-                 "--delay-ms", str(delay_ms), "--source", listen],
-                stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=log, text=True)
-        line = _readline(proc, timeout=10)
-        parts = line.split()
-        if len(parts) != 3 or parts[0] != "LISTENING":
-            _stop_popen(proc)
-            raise TestBedError(f"delay proxy did not start (said {line!r}); "
-                               f"see {self.dir / 'delay_proxy.log'}")
-        endpoint = (parts[1], int(parts[2]))
-        self._proxies[endpoint] = proc
-        return endpoint
-
-    def close_endpoint(self, endpoint: tuple[str, int]) -> None:
-        """Stop the delay proxy behind an endpoint from delayed_endpoint()."""
-        proc = self._proxies.pop((endpoint[0], endpoint[1]), None)
-        if proc is not None:
-            _stop_popen(proc)
-
     # --------------------------------------------------------------------- inspection
-
-    def end_stale_sessions(self, host: str) -> list[int]:
-        """Kill the sshd session processes of `host` (not its listener): after a cut, the
-        sessions of the dead connections linger until sshd notices, which is not a leak of the
-        code under test."""
-        listener = self._sshd_pid(self._host(host))
-        stale = [pid for pid in namespace_pids(self._host(host).ns)
-                 if pid != listener and _cmdline(pid).startswith("sshd: ")]
-        kill_pids(stale)
-        return stale
 
     def _daemon_pids(self) -> set[int]:
         """The bed's own processes in its namespaces: sshd listeners, Slurm's daemons."""
@@ -901,47 +497,3 @@ class TestBed:
 
     def _router_if(self, host: Host) -> str:
         return "rb" if host is self.bastion else f"h{self._host_index[host.name]}"
-
-
-def _cmdline(pid: int) -> str:
-    try:
-        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()[:120]
-    except OSError:
-        return "?"
-
-
-def _stop_popen(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        with contextlib.suppress(ProcessLookupError):
-            proc.terminate()
-        try:
-            proc.wait(timeout=3)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout=3)
-    for stream in (proc.stdout, proc.stderr):
-        if stream is not None:
-            stream.close()
-
-
-def _readline(proc: subprocess.Popen, *, timeout: float) -> str:
-    """One line of proc's stdout, waiting at most `timeout` seconds ("" on timeout or EOF)."""
-    import selectors
-
-    assert proc.stdout is not None
-    with selectors.DefaultSelector() as sel:
-        sel.register(proc.stdout, selectors.EVENT_READ)
-        if not sel.select(timeout):
-            return ""
-    return proc.stdout.readline().strip()
-
-
-def port_open(address: str, port: int, timeout: float = 1.0) -> bool:
-    """Whether a TCP connect from this namespace to address:port succeeds (198.18/15 only)."""
-    if ipaddress.IPv4Address(address) not in BENCH_NET:
-        raise TestBedError(f"{address} is outside 198.18.0.0/15")
-    try:
-        with socket.create_connection((address, port), timeout=timeout):
-            return True
-    except OSError:
-        return False

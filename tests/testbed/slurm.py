@@ -2,7 +2,9 @@
 
 `TestBed(..., slurm={"hpc": "login"})` makes host `login` of cluster `hpc` the login node and
 controller (slurmctld runs in its namespace, its sshd stays) and every other host of `hpc` a
-compute node (slurmd in its namespace, no sshd: compute nodes are not reachable by SSH).
+compute node (slurmd in its namespace, no sshd: compute nodes are not reachable by SSH, not in
+the bed's `hosts`, ssh_config or known_hosts). `bed.slurm` describes the cluster (conf path,
+nodes, partitions); its munged is killed by `down()` and `cleanup_stale()`.
 
 Everything lives in `<bed dir>/slurm/`: slurm.conf, the controller's state, one spool dir and
 pid file per node, the logs, the job completion log (jobcomp.txt), and a munge key with a
@@ -107,7 +109,7 @@ def _marked_pids(bed_id: str) -> list[int]:
 def kill_root_daemons(bed_id: str, state: dict | None) -> None:
     """End the bed's daemons that live outside its namespaces (munged): the pid recorded in the
     state file, and any process whose command line names the bed's slurm dir."""
-    from .bed import _start_time, kill_pids
+    from .system import _start_time, kill_pids
 
     pids = set(_marked_pids(bed_id))
     recorded = (state or {}).get("slurm", {}).get("munged")
@@ -175,7 +177,7 @@ class SlurmCluster:
 
     def service_pids(self) -> set[int]:
         """The daemons and their helpers (slurmctld's child `slurmctld: slurmscriptd`)."""
-        from .bed import _cmdline, namespace_pids
+        from .system import _cmdline, namespace_pids
 
         daemons = {p for p in self.daemon_pids().values() if p}
         helpers = {p for p in namespace_pids(self.login.ns) if _ppid(p) in daemons
@@ -184,7 +186,7 @@ class SlurmCluster:
 
     def state(self) -> dict:
         """What the bed's state file records, so that cleanup_stale() finds munged."""
-        from .bed import _start_time
+        from .system import _start_time
 
         pid = self.daemon_pids()["munged"]
         return {"conf": str(self.conf), "login": self.login.name,
@@ -310,7 +312,7 @@ class SlurmCluster:
 
     def stop(self) -> None:
         """End every daemon (slurmds first, munged last) and the job steps they left."""
-        from .bed import kill_pids, namespace_pids
+        from .system import kill_pids, namespace_pids
 
         pids = self.daemon_pids()
         kill_pids([p for d, p in pids.items() if p and d != "munged"])

@@ -14,7 +14,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from test_relay import JOB, Job, clients, running, start_relay_process, together, wait_until
+from test_relay import JOB, Job, clients, running, together, wait_until
+from test_relay_recovery import start_relay_process
 
 from nebula_cli.pki import client_context, wrap_client
 from nebula_cli.relay.peers import PROTOCOL

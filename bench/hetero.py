@@ -8,7 +8,8 @@ one thread, so that a slowed cluster does not lend its core to the other) train 
 examples/gpt through the relays, which emulate a WAN (20 Mbit/s, 25 ms each way). West is made
 ``--slowdown`` times slower honestly: after each step its worker waits (slowdown - 1) times that
 step's own compute time (`train.py --slowdown`), as an older GPU would take longer.
-Codec, H and outer settings are the codec's benchmark schedule (bench/_schedules.py).
+Codec, H and outer settings are the codec's benchmark schedule (bench/_schedules.py); --inner-steps
+sets H.
 
   (a) both fast, a round every H steps, --steps each: the fast cluster's tokens/s alone
   (b) west slower, a round every H steps, --steps each: east waits for west at every round
@@ -63,9 +64,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=None, help="the fast cluster's steps (200)")
     p.add_argument("--slowdown", type=float, default=2.0, help="how much slower west is")
     p.add_argument("--codec", default=CompressionSpec.model_fields["codec"].default)
+    p.add_argument("--inner-steps", type=int, default=None,
+                   help="H, and the time-based rounds' interval in (a)'s steps (default: the "
+                        "codec's schedule, bench/_schedules.py)")
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--json", action="store_true", help="print one JSON object as the last line")
     args = p.parse_args(argv)
+    args.inner_steps = args.inner_steps or schedule(args.codec)[0]
+    if args.inner_steps < 1:
+        p.error("--inner-steps must be at least 1")
     args.steps = args.steps or (QUICK["steps"] if args.quick else 200)
     if args.slowdown < 1:
         p.error("--slowdown must be at least 1")
@@ -76,7 +83,8 @@ def spec_of(tmp: Path, name: str, args: argparse.Namespace, *, sync: dict[str, A
             steps: dict[str, int], slow: bool) -> Path:
     """A job of two one-worker clusters (``sync``: relay.sync; None: flat DeepSpeed, one
     cluster with a host of two slots)."""
-    h, lr, momentum = schedule(args.codec)
+    _, lr, momentum = schedule(args.codec)
+    h = args.inner_steps
     run = (f"python -u train.py --eval-every 1000000 --log-every 10 --seed {args.seed}")
     spec: dict[str, Any] = {"name": name, "workdir": str(GPT_DIR), "run": run,
                             "deepspeed": "ds_config.json", "env": {"OMP_NUM_THREADS": "1"}}
@@ -131,7 +139,7 @@ def run_job(cli: Cli, spec: Path) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     n, s = args.steps, args.slowdown
-    h = schedule(args.codec)[0]
+    h = args.inner_steps
     started = datetime.datetime.now().isoformat(timespec="seconds")
     runs: dict[str, dict[str, Any]] = {}
     with tempfile.TemporaryDirectory(prefix="nebula-hetero-") as tmp:

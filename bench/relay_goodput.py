@@ -41,9 +41,12 @@ inner steps). Round time = from that instant to the moment the last cluster has 
 TCP: the hosts run reno unless --tcp says otherwise (--tcp system: this machine's default, bbr
 here). With no base delay on the bed BBR sizes its window from a min RTT of microseconds while
 the lines' queues hold its ACKs behind the other direction's data for hundreds of ms, and a
-connection crawls for seconds; shard mode then waits for it (tests/testbed/bed.py). Users' hosts
+connection crawls for seconds; shard mode then waits for it (tests/testbed/links.py). Users' hosts
 run Linux's default cubic, which these namespaces do not allow; reno is loss-based like it (a
-run with cubic set on the relays' sockets gave the same round times as reno).
+run with cubic set on the relays' sockets gave the same round times as reno). The same holds for
+two clusters: with bbr the relay's goodput varied from 0.77 to 0.94 of iperf3 both ways across
+runs of one hour (the relay's one duplex connection suffers more from it than iperf3's two),
+with reno 0.99-1.01 (docs/benchmarks.md).
 Algorithms (nebula_cli/relay/allreduce.py): dense codecs (none, int8) use "shard" (each relay
 owns 1/N of the chunks: reduce-scatter then all-gather), each relay sending and receiving about
 2(N-1)/N of the encoded vector; sparse topk uses "all-to-all", each relay sending its whole
@@ -261,7 +264,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="3+ clusters: inner steps between the training job's rounds")
     p.add_argument("--tcp", default=None,
                    help="the bed hosts' TCP congestion control, or 'system' for this machine's "
-                        "(default: reno with 3+ clusters, see above; system with 2)")
+                        "(default: reno, see above)")
     p.add_argument("--quick", action="store_true",
                    help=f"CI-sized: 2 clusters {QUICK['mb']} MiB in {QUICK['rounds']} rounds, "
                         f"iperf3 {QUICK['iperf_s']} s (about 3 minutes at 20 Mbit/s per "
@@ -282,7 +285,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args.rounds = args.rounds or (quick["rounds"] if args.quick else 3 if many else 4)
     args.iperf_s = args.iperf_s or (QUICK["iperf_s"] if args.quick else 10)
     args.codec_list = [c for c in args.codecs.split(",") if c]
-    args.tcp = args.tcp or (_clusters.TCP if many else "system")
+    args.tcp = args.tcp or _clusters.TCP
     args.tcp_label = args.tcp if args.tcp != "system" else f"system ({_clusters.system_tcp()})"
     args.tcp = None if args.tcp == "system" else args.tcp
     from nebula_cli.relay.codecs import KNOWN_CODECS

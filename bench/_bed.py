@@ -8,7 +8,7 @@
 - `ssh_spec`: a job spec whose clusters are bed hosts reached by SSH.
 - `worker_records` / `relay_records`: the metrics JSON lines the job wrote on the hosts.
 - `link_bytes`: bytes that crossed between clusters, from the router's htb class counters.
-- `table`, `emit_json`, `require_bed`: output and the root check.
+- `say`, `table`, `emit_json`, `require_bed`: output and the root check.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ import re
 import shutil
 import subprocess
 import sys
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -172,6 +173,11 @@ def worker_records(job_id: str) -> list[dict[str, Any]]:
 def relay_records(job_id: str) -> list[dict[str, Any]]:
     """Every per-round record of the job's relays."""
     return _jsonl(sorted((REMOTE_JOBS / job_id).glob("*/*/relay/metrics/*.jsonl")))
+
+
+def say(text: str, indent: str = "") -> None:
+    """A progress line on stderr, stamped with the time of day."""
+    print(f"{indent}[{time.strftime('%H:%M:%S')}] {text}", file=sys.stderr, flush=True)
 
 
 def table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:

@@ -10,7 +10,6 @@ import datetime
 import json
 import os
 import shutil
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -41,10 +40,6 @@ def system_tcp() -> str:
         return "?"
 
 
-def step(name: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {name} ...", file=sys.stderr, flush=True)
-
-
 def gateways(n: int) -> dict[str, list[str]]:
     """Cluster c<i> of one host g<i>, for i = 1..n."""
     return {f"c{i}": [f"g{i}"] for i in range(1, n + 1)}
@@ -64,8 +59,8 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         with _bed.make_bed(clusters, args.mbit, link="cluster", tcp=args.tcp) as bed:
             gateway = {c: hosts[0] for c, hosts in clusters.items()}
             for codec in args.codec_list:
-                step(f"{args.clusters} clusters, codec {codec}: {args.mb} MiB per cluster, "
-                      f"warm-up + {args.rounds} rounds")
+                _bed.say(f"{args.clusters} clusters, codec {codec}: {args.mb} MiB per "
+                         f"cluster, warm-up + {args.rounds} rounds ...")
                 run = _relays.run_rounds(bed, tmp, pki, gateway, codec=codec, nbytes=nbytes,
                                          rounds=args.rounds, gap=args.gap,
                                          round_timeout=600 + nbytes * 8 * args.clusters
@@ -74,16 +69,16 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
                 fig = out[codec]
                 fig["mode"] = "shard" if codec in SHARD_CODECS else "all-to-all"
                 per_pair = round(fig["busiest_bytes"] / (args.clusters - 1))
-                step(f"codec {codec}: plain TCP, {per_pair / 1e6:.1f} MB each way between every "
-                     f"two hosts at once")
+                _bed.say(f"codec {codec}: plain TCP, {per_pair / 1e6:.1f} MB each way "
+                         f"between every two hosts at once ...")
                 fig["tcp_s"] = _mesh.run(bed, tmp, list(gateway.values()), per_pair,
                                          timeout=300 + 3 * fig["bound_s"])
                 fig["tcp_vs_bound"] = fig["tcp_s"] / (per_pair * (args.clusters - 1) * 8
                                                       / (args.mbit * 1e6))
                 fig["round_vs_tcp"] = fig["round_s"] / fig["tcp_s"]
-                step(f"codec {codec}: round {fig['round_s']:.2f} s, bound {fig['bound_s']:.2f} s "
-                     f"(ratio {fig['round_vs_bound']:.3f}); plain TCP {fig['tcp_s']:.2f} s "
-                     f"(ratio {fig['tcp_vs_bound']:.3f})")
+                _bed.say(f"codec {codec}: round {fig['round_s']:.2f} s, bound "
+                         f"{fig['bound_s']:.2f} s (ratio {fig['round_vs_bound']:.3f}); plain TCP "
+                         f"{fig['tcp_s']:.2f} s (ratio {fig['tcp_vs_bound']:.3f}) ...")
             if args.train_steps:
                 out["_train"] = train(bed, tmp, args)
     finally:
@@ -159,8 +154,6 @@ def show(summary: dict[str, Any], args: argparse.Namespace) -> None:
           f"{os.getloadavg()[0]:.2f}.")
 
 
-
-
 def train(bed: Any, tmp: Path, args: argparse.Namespace) -> dict[str, Any]:
     """The small GPT of examples/gpt trained by every cluster of the bed (one worker each, over
     SSH, `nebula launch` as a user runs it, the spec's default compression): the job's state,
@@ -175,8 +168,8 @@ def train(bed: Any, tmp: Path, args: argparse.Namespace) -> dict[str, Any]:
             f"--log-every 5 --seed 1234 --context 128",
         relay={"sync": {"mode": "diloco", "inner_steps": args.train_h}, "timeout": 300},
         deepspeed=cfg)
-    step(f"{args.clusters}-cluster job: {args.train_steps} steps, a round every "
-         f"{args.train_h} (nebula launch over SSH)")
+    _bed.say(f"{args.clusters}-cluster job: {args.train_steps} steps, a round every "
+             f"{args.train_h} (nebula launch over SSH) ...")
     t0 = time.monotonic()
     try:
         job_id = neb.run_job(spec, timeout=900 + 30 * args.train_steps, log=tmp / "train.log")

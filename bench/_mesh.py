@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import _bed
+import _relays
 
 PORT = 29600
 PIECE = 1 << 20
@@ -102,7 +103,7 @@ def run(bed: Any, tmp: Path, hosts: list[str], nbytes: int, timeout: float) -> f
                                           "--bytes", str(nbytes)],
                                    stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err,
                                    text=True,
-                                   cwd=_bed.REPO, env=_relay_env()))
+                                   cwd=_bed.REPO, env=_relays.env()))
     ends = []
     try:
         for host, proc in zip(hosts, procs, strict=True):
@@ -129,8 +130,3 @@ def run(bed: Any, tmp: Path, hosts: list[str], nbytes: int, timeout: float) -> f
                 proc.wait(10)
     return max(ends) - start
 
-
-def _relay_env() -> dict[str, str]:
-    import _relays
-
-    return _relays.env()

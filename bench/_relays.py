@@ -3,7 +3,8 @@ beside each a worker side (a RelayClient in that host's namespace, on the relay'
 as a job's worker on the gateway is) that runs rounds in step with the other clusters.
 
 - `relays(bed, tmp, pki, gateway, codec)`: a context manager; a relay (nebula_cli.relay.server,
-  the job PKI, the spec's defaults for everything the bench does not set) on each gateway host.
+  the job PKI, the spec's defaults for everything the bench does not set) on each gateway host;
+  `stop(proc)` ends a relay process.
 - `client_side(args)`: runs inside a host's namespace (`relay_goodput.py --side relay ...`). It
   says READY (with its contribution's encoded size), then for every `GO <round> <start>` line on
   stdin waits until `start` (wall clock, shared by every namespace of this machine), runs that
@@ -89,13 +90,18 @@ def relays(bed: Any, tmp: Path, pki_dir: Path, gateway: dict[str, str], codec: s
         yield
     finally:
         for proc in procs:
-            if proc.poll() is None:
-                proc.terminate()
-                try:
-                    proc.wait(15)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
-                    proc.wait(10)
+            stop(proc)
+
+
+def stop(proc: subprocess.Popen) -> None:
+    """End a relay process: SIGTERM, up to 15 s for its clean stop, then SIGKILL."""
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(10)
 
 
 # ------------------------------------------------------------------ the side (in a namespace)

@@ -31,7 +31,6 @@ import os
 import sys
 import tempfile
 import threading
-import time
 from pathlib import Path
 from typing import Any
 
@@ -114,19 +113,16 @@ def run_job(neb: _bed.Nebula, bed: Any, tmp: Path, args: argparse.Namespace, kin
             if "cut" not in marks and step >= args.steps // 3:
                 bed.set_rate("east", "west", args.mbit / args.cut)
                 marks["cut"] = step
-                print(f"  [{time.strftime('%H:%M:%S')}] step {step}: link cut to "
-                      f"{args.mbit / args.cut:g} Mbit/s", file=sys.stderr, flush=True)
+                _bed.say(f"step {step}: link cut to {args.mbit / args.cut:g} Mbit/s", "  ")
             elif "cut" in marks and "restore" not in marks and step >= 2 * args.steps // 3:
                 bed.set_rate("east", "west", args.mbit)
                 marks["restore"] = step
-                print(f"  [{time.strftime('%H:%M:%S')}] step {step}: link restored",
-                      file=sys.stderr, flush=True)
+                _bed.say(f"step {step}: link restored", "  ")
 
     thread = threading.Thread(target=cutter, daemon=True)
     if kind != "reference":
         thread.start()
-    print(f"[{time.strftime('%H:%M:%S')}] {kind}: {args.steps} steps ...", file=sys.stderr,
-          flush=True)
+    _bed.say(f"{kind}: {args.steps} steps ...")
     try:
         job_id = neb.run_job(spec, timeout=600 + 10 * args.steps, log=tmp / f"{kind}.log")
     finally:

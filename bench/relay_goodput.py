@@ -327,10 +327,6 @@ def summarize(mbit: dict[str, float], link_mbit: float, runs: list[dict[str, flo
     return out
 
 
-def _step(name: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {name} ...", file=sys.stderr, flush=True)
-
-
 def measure_two(args: argparse.Namespace) -> tuple[dict[str, float], list[dict[str, float]],
                                                     dict[str, str]]:
     """Two clusters: the one-off paths (Mbit/s), each repetition's iperf3 both ways and relay."""
@@ -345,27 +341,27 @@ def measure_two(args: argparse.Namespace) -> tuple[dict[str, float], list[dict[s
         pki = tmp / "pki"
         issue_job_pki(_relays.JOB, CLUSTERS, pki, valid_for=datetime.timedelta(days=1))
         with _bed.make_bed(CLUSTERS, args.mbit, tcp=args.tcp) as bed:
-            _step("iperf3 one way")
+            _bed.say("iperf3 one way ...")
             mbit["iperf3"], _ = iperf3(bed, args.iperf_s, bidir=False)
-            _step(f"plain TCP, {args.mb} MiB each way")
+            _bed.say(f"plain TCP, {args.mb} MiB each way ...")
             mbit["plain"] = stream(bed, tmp, nbytes, False, pki)
-            _step(f"TLS 1.3, {args.mb} MiB each way")
+            _bed.say(f"TLS 1.3, {args.mb} MiB each way ...")
             mbit["tls"] = stream(bed, tmp, nbytes, True, pki)
             for i in range(args.repeat):
                 run = {}
-                _step(f"run {i + 1}/{args.repeat}: iperf3 both ways")
+                _bed.say(f"run {i + 1}/{args.repeat}: iperf3 both ways ...")
                 fwd, back = iperf3(bed, args.iperf_s, bidir=True)
                 run["iperf3_bidir"] = (fwd + back) / 2
                 notes.setdefault("iperf3_bidir", f"e1->w1 {fwd:.2f}, w1->e1 {back:.2f}")
-                _step(f"run {i + 1}/{args.repeat}: relay, {args.mb} MiB each way in "
-                      f"{args.rounds} rounds")
+                _bed.say(f"run {i + 1}/{args.repeat}: relay, {args.mb} MiB each way in "
+                         f"{args.rounds} rounds ...")
                 rel = relay(bed, tmp, nbytes, args.rounds, pki)
                 run["relay"] = rel["mbit"]
                 notes.setdefault("relay", f"{rel['bytes'] / 1e6:.0f} MB model each way in "
                                           f"{rel['seconds']:.1f} s; "
                                           f"{rel['wan_bytes_sent'] / 1e6:.1f} MB sent per relay")
-                _step(f"run {i + 1}: relay / iperf3 both ways = "
-                      f"{run['relay'] / run['iperf3_bidir']:.3f}")
+                _bed.say(f"run {i + 1}: relay / iperf3 both ways = "
+                         f"{run['relay'] / run['iperf3_bidir']:.3f} ...")
                 runs.append(run)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

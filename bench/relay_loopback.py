@@ -56,6 +56,9 @@ from nebula_cli.pki import JobPKI, client_context, issue_job_pki, server_context
 from nebula_cli.relay.client import RelayClient, tune_socket  # noqa: E402
 from nebula_cli.relay.config import RelayConfig, ShapingConfig  # noqa: E402
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _relays  # noqa: E402
+
 PIECE = 16 << 20
 
 
@@ -280,12 +283,7 @@ def relay_rounds(mb: int, repeat: int, tmp: Path, pki: JobPKI) -> dict[str, list
         for cl in clients:
             cl.close()
         for p, log in procs:
-            p.terminate()
-            try:
-                p.wait(15)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait(10)
+            _relays.stop(p)
             log.close()
 
 

@@ -200,8 +200,7 @@ def run_job(neb: _bed.Nebula, bed: Any, tmp: Path, args: argparse.Namespace, nam
     workers = sum(len(h) for h in clusters.values())
     per_step = workers * cfg["train_micro_batch_size_per_gpu"] * context * cfg.get(
         "gradient_accumulation_steps", 1)
-    print(f"[{time.strftime('%H:%M:%S')}] {name}: launching ({args.steps} steps) ...",
-          file=sys.stderr, flush=True)
+    _bed.say(f"{name}: launching ({args.steps} steps) ...")
     before = _bed.link_bytes(bed)
     t0 = time.monotonic()
     job_id = neb.run_job(spec, timeout=600 + 60 * args.steps, log=tmp / f"{name}.log")
@@ -231,8 +230,7 @@ def run_job(neb: _bed.Nebula, bed: Any, tmp: Path, args: argparse.Namespace, nam
               wan_bytes=wan, relay_bytes=sum(sent.values()) if relay_spec else None,
               identical=len({r["param_sha256"] for r in finals}) == 1, wall_s=wall,
               load=os.getloadavg()[0])
-    print(f"[{time.strftime('%H:%M:%S')}] {name}: {s_step:.3f} s/step, eval loss "
-          f"{out.eval_loss:.4f}, {wall:.0f} s", file=sys.stderr, flush=True)
+    _bed.say(f"{name}: {s_step:.3f} s/step, eval loss {out.eval_loss:.4f}, {wall:.0f} s")
     return out
 
 

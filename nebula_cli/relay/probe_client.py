@@ -117,6 +117,20 @@ def _abort(sock: socket.socket) -> None:
         socket.socket.shutdown(sock, socket.SHUT_RDWR)  # the TCP socket under TLS as well
 
 
+def _dial_all(dial: Callable[..., socket.socket], hellos: list[dict[str, Any]]
+              ) -> list[socket.socket]:
+    """One connection per HELLO; if one cannot be opened, those already open are closed."""
+    socks: list[socket.socket] = []
+    try:
+        for hello in hellos:
+            socks.append(dial(**hello))
+    except BaseException:
+        for sock in socks:
+            sock.close()
+        raise
+    return socks
+
+
 def _run_streams(socks: list[socket.socket], work: Callable[..., None], args: list[tuple[Any, ...]],
                  duration: float, start: Callable[[socket.socket], None] | None = None) -> None:
     """Run `work(stop, errors, *a)` in a thread per stream for `duration` s, then reset the
@@ -170,14 +184,7 @@ def throughput(dial: Callable[..., socket.socket], streams: int,
                 errors.append(exc)
 
     with dial(op="report") as control:
-        socks: list[socket.socket] = []
-        try:
-            for token in tokens:
-                socks.append(dial(op="sink", token=token))
-        except BaseException:
-            for sock in socks:
-                sock.close()
-            raise
+        socks = _dial_all(dial, [{"op": "sink", "token": token} for token in tokens])
         _run_streams(socks, send, [(s,) for s in socks], duration)
         send_frame(control, Frame(FrameType.STATE_REQUEST, {"tokens": tokens}))
         answer = recv_frame(control)
@@ -190,7 +197,7 @@ def throughput_from(dial: Callable[..., socket.socket], streams: int,
                     duration: float) -> dict[str, float]:
     """`streams` connections on which the server sends frames for `duration` s; Mbit/s as
     received here (all streams: bytes / from the first arrival to the last)."""
-    socks = [dial(op="source", seconds=duration + IO_TIMEOUT) for _ in range(streams)]
+    socks = _dial_all(dial, [{"op": "source", "seconds": duration + IO_TIMEOUT}] * streams)
     stats: list[list[Any]] = [[0, None, None] for _ in socks]
 
     def receive(stop: threading.Event, errors: list[BaseException], sock: socket.socket,

@@ -13,7 +13,7 @@ import argparse
 import json
 import sys
 
-from .bed import DEFAULT_CLUSTERS, TestBed
+from .bed import DEFAULT_CLUSTERS, LINK_MODES, TestBed
 from .registry import STATE_ROOT, cleanup_stale, destroy, is_stale, read_states
 from .system import TestBedError, list_namespaces
 
@@ -33,8 +33,8 @@ def cmd_up(args: argparse.Namespace) -> int:
     if args.north:
         clusters["north"] = ["n1", "n2"]
     rate = None if args.rate.lower() == "none" else float(args.rate)
-    bed = TestBed(clusters, rate_mbit=rate, bastion=not args.no_bastion, link=args.link,
-                  tcp=args.tcp).up()
+    bed = TestBed(clusters, rate_mbit=rate, bastion=not args.no_bastion, tcp=args.tcp,
+                  **({"link": args.link} if args.link else {})).up()
     bed.keep_after_exit()
     print(json.dumps(bed.status(), indent=1))
     first = next(iter(bed.hosts))
@@ -81,8 +81,9 @@ def main(argv: list[str] | None = None) -> int:
     up.add_argument("--clusters", nargs="+", metavar="NAME=H1,H2")
     up.add_argument("--north", action="store_true", help="add cluster north (n1, n2)")
     up.add_argument("--rate", default="100", help="Mbit/s between clusters, or none")
-    up.add_argument("--link", choices=["pair", "cluster"], default="pair",
-                    help="a shaped link per pair of clusters, or one line per cluster")
+    up.add_argument("--link", choices=LINK_MODES, default=None,
+                    help="a shaped link per pair of clusters (the default), or one line per "
+                         "cluster")
     up.add_argument("--tcp", default=None,
                     help="the hosts' TCP congestion control (default: this machine's)")
     up.add_argument("--no-bastion", action="store_true")

@@ -18,18 +18,20 @@ from pathlib import Path
 import pytest
 from conftest import CLI, wait_for, write_spec
 
+LOSS_SCALE = {"east": 8.0, "west": 12.0}  # apart, so neither line hides the other
 LOGGED = """
 name: reported
 workdir: .
 run: >-
-  python -c "from nebula_cli.runtime import log;
-  [log(step=i, loss=8.0 / i, samples_per_s=100.0 + i) for i in range(1, 41)];
+  python -c "import os; from nebula_cli.runtime import log;
+  scale = SCALE[os.environ['NEBULA_CLUSTER']];
+  [log(step=i, loss=scale / i, samples_per_s=10 * scale + i) for i in range(1, 41)];
   log(step=40, eval_loss=0.5);
   log(step=40, final=True, param_sha256='ab' * 32)"
 clusters:
   - {name: east, transport: local, hosts: [{host: e1}]}
   - {name: west, transport: local, hosts: [{host: w1}]}
-"""
+""".replace("SCALE", repr(LOSS_SCALE))
 
 
 def test_report_draws_every_cluster_and_writes_tensorboard_runs(cli: CLI,
@@ -54,7 +56,7 @@ def test_report_draws_every_cluster_and_writes_tensorboard_runs(cli: CLI,
         run.Reload()
         loss = run.Scalars("loss")
         assert [e.step for e in loss] == list(range(1, 41))
-        assert loss[-1].value == pytest.approx(8.0 / 40)
+        assert loss[-1].value == pytest.approx(LOSS_SCALE[cluster] / 40)
         assert [e.value for e in run.Scalars("eval_loss")] == [0.5]
     copies = sorted((cli.home / "jobs" / job_id / "metrics").glob("*/*/worker-*.jsonl"))
     assert [p.parent.parent.name for p in copies] == ["east", "west"]  # kept locally

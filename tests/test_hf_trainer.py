@@ -28,7 +28,11 @@ def launch_to_identical(cli: CLI, tmp_path: Path, spec: dict[str, Any]
     spec_path = tmp_path / f"{spec['name']}.yaml"
     spec_path.write_text(yaml.safe_dump(spec))
     proc = cli("launch", str(spec_path), timeout=600)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    if proc.returncode != 0:
+        ranks = "".join(f"--- {p}\n{p.read_text()[-3000:]}\n" for p in sorted(
+            (cli.home / "jobs").glob("*/*/*/worker/logs/rank*.log")))
+        pytest.fail(f"launch exit {proc.returncode}\n{proc.stdout[-3000:]}{proc.stderr[-3000:]}"
+                    f"\n{ranks}")
     assert "all 3 workers hold identical parameters" in proc.stdout
     (job_id,) = cli.job_ids()
     return job_id, _records(cli, job_id)

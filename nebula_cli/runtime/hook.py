@@ -12,7 +12,10 @@ nothing until the script imports DeepSpeed or torch.distributed:
   are left alone; a second engine with an optimizer is not synced (said once in the log).
 - ``torch.distributed.destroy_process_group()`` (the default group) first finishes training:
   the last outer round and the final records, while the ranks can still talk.
-- At exit (not after an uncaught exception) the driver finishes, if it has not yet.
+- At exit (not after an uncaught exception) the driver finishes, if it has not yet; last of
+  all, the default process group the script left is destroyed (``settle.release_default_group``:
+  otherwise a backend's or the store's thread can abort the process, exit 134, after training
+  ended well).
 - In a world of two or more hosts, a rank leaves at once when another host's agent says that
   one of its ranks failed (``runtime.worldwatch``): nobody waits in a rendezvous or a
   collective for a rank that is gone.
@@ -41,6 +44,7 @@ from nebula_cli.runtime import metrics, worldwatch
 
 class _State:
     installed = False
+    pid = 0  # the process that installed the hook (a forked child is not it)
     engines = 0  # engines deepspeed.initialize returned in this process
     driver: Any = None
     crashed = False
@@ -137,11 +141,20 @@ def install() -> None:
     if _state.installed:
         return
     _state.installed = True
+    _state.pid = os.getpid()
     sys.meta_path.insert(0, PatchOnImport(PATCHES))
     for name, patch in PATCHES.items():
         if name in sys.modules:  # imported before the hook (not at interpreter start)
             patch(sys.modules[name])
-    atexit.register(_at_exit_without_engine)  # registered first: runs last
+    previous = sys.excepthook
+
+    def excepthook(*exc: Any) -> None:
+        _state.crashed = True  # no final round, nor a group destroyed, after an uncaught exception
+        previous(*exc)
+
+    sys.excepthook = excepthook
+    atexit.register(_at_exit_release_group)  # registered first: runs last
+    atexit.register(_at_exit_without_engine)
 
 
 def on_engine(engine: Any) -> None:
@@ -163,13 +176,6 @@ def on_engine(engine: Any) -> None:
                  "automatic hook")
         return
     _state.driver = EngineDriver(engine, watch_stop=_watch_sigterm())
-    previous = sys.excepthook
-
-    def excepthook(*exc: Any) -> None:
-        _state.crashed = True  # no final round after an uncaught exception
-        previous(*exc)
-
-    sys.excepthook = excepthook
     atexit.register(_at_exit_with_engine)  # after the script's imports: runs before theirs
 
 
@@ -222,6 +228,20 @@ def register_exit_again() -> None:
 def _at_exit_with_engine() -> None:
     if not _state.crashed:
         _finish("exit")
+
+
+def _at_exit_release_group() -> None:
+    """Destroy the default process group the script left (see ``runtime.settle``), in the
+    process that installed the hook, unless it crashed (its peers may be mid-collective)."""
+    if _state.crashed or os.getpid() != _state.pid or "torch.distributed" not in sys.modules:
+        return
+    try:
+        from nebula_cli.runtime import settle
+
+        settle.release_default_group()
+    except Exception as exc:  # the exit goes on
+        print(f"nebula: destroying the process group at exit failed: {exc!r}", file=sys.stderr,
+              flush=True)
 
 
 def _at_exit_without_engine() -> None:

@@ -11,6 +11,13 @@ releases its work the same way. Seen on a restarted two-rank cluster under CPU c
 So nebula's own collectives register their tensors with :func:`keep`, and the end of training
 calls :func:`settle`: it waits (bounded) until only Python holds each tensor, then drops them,
 in the main thread, with the GIL. ``Tensor._use_count()`` is the tensor's C++ reference count.
+
+The script's own collectives (a Trainer's evaluate() after train(), a plain torch.distributed
+loop) leave the same race behind when the script returns without destroying its process group,
+as most do: two gloo ranks that all_gather 50 times and return aborted at exit in 24 of 60
+runs on this 2-core machine under CPU load. :func:`release_default_group`, run by the runtime
+hook at exit, destroys the group the script left: torch joins the backend's threads, without
+the GIL, while the interpreter still runs (0 of 60 aborted).
 """
 
 from __future__ import annotations
@@ -18,6 +25,7 @@ from __future__ import annotations
 import time
 
 import torch
+import torch.distributed as dist
 
 SETTLE_S = 10.0
 _TRIM_AT = 64
@@ -48,3 +56,12 @@ def settle(timeout: float = SETTLE_S) -> bool:
     done = all(_released(t) for t in _kept)
     _kept = []
     return done
+
+
+def release_default_group() -> bool:
+    """Destroy the default process group if the script left it initialized (at exit, before the
+    interpreter finalizes). True when there was one to destroy."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return False
+    dist.destroy_process_group()
+    return True

@@ -2,7 +2,7 @@
 
     .venv/bin/python bench/diloco_schedule.py [--steps 200] [--inner-steps H] [--seeds 1234,1,2]
         [--settings 0.7,0.9 0.6,0.5 1.0,0] [--modes sync overlap late] [--tau 3]
-        [--codec C] [--density D] [--bits B] [--span 16|256] [--json]
+        [--codec C] [--density D] [--bits B] [--span 16|256] [--workers-per-cluster 2] [--json]
 
 H and the outer settings default to the codec's schedule in bench/_schedules.py (the same as
 bench/wan_training.py's).
@@ -10,12 +10,13 @@ bench/wan_training.py's).
 The loss side of bench/wan_training.py without processes, relays or links, so that outer
 settings can be compared in minutes and over several seeds: the same GPT (examples/gpt), corpus,
 optimizer (AdamW 2e-3, betas 0.9/0.95, weight decay 0.01, DeepSpeed's linear WarmupLR over 30
-steps, clipping at 1.0), 4 workers of 4 x 128-token sequences. A world of workers is simulated
+steps, clipping at 1.0), 2 clusters of --workers-per-cluster (2: bench/wan_training.py; 1:
+bench/hetero.py) workers of 4 x 128-token sequences. A world of workers is simulated
 by one model stepping on their concatenated micro-batches (the mean of equal-size means is the
 mean of the workers' averaged gradients).
 
-  flat      4 workers, one world: the baseline (a) of bench/wan_training.py
-  sync      2 clusters x 2 workers, DiLoCo every H steps: delta = theta_global - local, averaged
+  flat      all the workers in one world: the baseline (a) of bench/wan_training.py
+  sync      2 clusters, DiLoCo every H steps: delta = theta_global - local, averaged
             (the relay's codec, --codec, with error feedback), nebula's OuterOptimizer
             (Nesterov), every cluster set to theta_global
   overlap   the same, each average applied --tau steps after its boundary on top of the
@@ -51,7 +52,7 @@ from nebula_cli.relay.codecs import KNOWN_CODECS, ErrorFeedback, get_codec  # no
 from nebula_cli.relay.topk_codec import DEFAULT_BITS, DEFAULT_DENSITY, TopKCodec  # noqa: E402
 from nebula_cli.runtime.sync import OuterOptimizer  # noqa: E402
 
-CONTEXT, MICRO, LR, WARMUP, CLIP, WORKERS, CLUSTERS = 128, 4, 2e-3, 30, 1.0, 4, 2
+CONTEXT, MICRO, LR, WARMUP, CLIP, CLUSTERS = 128, 4, 2e-3, 30, 1.0, 2
 JSON_FIELDS = ("loss_gap", "bytes_per_token_reduction", "medians", "runs")
 DEFAULT_CODEC: str = CompressionSpec.model_fields["codec"].default
 
@@ -93,7 +94,7 @@ class World:
 
 
 def run_flat(args: argparse.Namespace, seed: int, split: Any, held: Any) -> float:
-    world = World(seed, split, cluster=0, ranks=WORKERS)
+    world = World(seed, split, cluster=0, ranks=CLUSTERS * args.workers_per_cluster)
     for _ in range(args.steps):
         world.step()
     return evaluate(world.model, held)
@@ -101,7 +102,7 @@ def run_flat(args: argparse.Namespace, seed: int, split: Any, held: Any) -> floa
 
 def run_diloco(args: argparse.Namespace, seed: int, split: Any, held: Any, lr: float,
                momentum: float, mode: str) -> dict[str, Any]:
-    worlds = [World(seed, split, cluster=c, ranks=WORKERS // CLUSTERS)
+    worlds = [World(seed, split, cluster=c, ranks=args.workers_per_cluster)
               for c in range(CLUSTERS)]
     theta = worlds[0].read()  # theta_global, the same on every cluster
     outer = OuterOptimizer(lr, momentum, nesterov=True)
@@ -178,8 +179,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--bits", type=int, default=DEFAULT_BITS, help="topk: bits per kept value")
     p.add_argument("--span", type=int, choices=[16, 256], default=None,
                    help="topk: elements per top-k span (default: the codec's choice)")
+    p.add_argument("--workers-per-cluster", type=int, default=2,
+                   help="2 as in bench/wan_training.py, 1 as in bench/hetero.py")
     p.add_argument("--json", action="store_true", help="print one JSON object as the last line")
     args = p.parse_args(argv)
+    if args.workers_per_cluster < 1:
+        p.error("--workers-per-cluster must be at least 1")
     h, lr, momentum = schedule(args.codec)
     args.inner_steps = args.inner_steps or h
     args.settings = args.settings or [f"{lr:g},{momentum:g}"]
@@ -216,7 +221,8 @@ def main(argv: list[str] | None = None) -> int:
                       file=sys.stderr, flush=True)
     codec = args.codec + (f" density {args.density} bits {args.bits}" if args.codec == "topk"
                           else "")
-    print(f"{args.steps} steps, H={args.inner_steps}, codec {codec}, seeds {args.seeds}, "
+    print(f"{args.steps} steps, {args.workers_per_cluster} worker(s) per cluster, "
+          f"H={args.inner_steps}, codec {codec}, seeds {args.seeds}, "
           f"tau {args.tau}, {time.monotonic() - t0:.0f} s")
     print(f"{'seed':>5s}  {'mode':8s}  {'outer lr':>8s}  {'momentum':>8s}  {'eval loss':>9s}  "
           f"{'flat':>7s}  {'gap':>7s}  {'bytes/token':>11s}")

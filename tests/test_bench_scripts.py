@@ -149,13 +149,18 @@ def test_relay_goodput_round_bound_is_the_busiest_relay_at_the_line_rate() -> No
     assert out["tcp_vs_bound"] == 1.1
 
 
-def test_diloco_schedule_runs_every_mode(capsys: pytest.CaptureFixture[str]) -> None:
+@pytest.mark.parametrize("per_cluster", [2, 1])
+def test_diloco_schedule_runs_every_mode(capsys: pytest.CaptureFixture[str],
+                                         per_cluster: int) -> None:
     """bench/diloco_schedule.py end to end on a tiny schedule: every mode ends with the
     clusters identical, the JSON carries each run's gap to flat."""
     mod = load("diloco_schedule")
     assert mod.main(["--steps", "4", "--inner-steps", "2", "--settings", "1.0,0", "0.6,0.5",
-                     "--modes", "sync", "overlap", "late", "--tau", "1", "--json"]) == 0
-    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+                     "--modes", "sync", "overlap", "late", "--tau", "1",
+                     "--workers-per-cluster", str(per_cluster), "--json"]) == 0
+    printed = capsys.readouterr().out
+    assert f"{per_cluster} worker(s) per cluster" in printed
+    out = json.loads(printed.strip().splitlines()[-1])
     assert tuple(out)[:4] == mod.JSON_FIELDS
     assert [(r["mode"], r["outer_lr"]) for r in out["runs"]] == [
         ("sync", 1.0), ("sync", 0.6), ("overlap", 1.0), ("overlap", 0.6), ("late", 1.0),

@@ -2,7 +2,8 @@
 
     .venv/bin/python bench/diloco_schedule.py [--steps 200] [--inner-steps H] [--seeds 1234,1,2]
         [--settings 0.7,0.9 0.6,0.5 1.0,0] [--modes sync overlap late] [--tau 3]
-        [--codec C] [--density D] [--bits B] [--span 16|256] [--workers-per-cluster 2] [--json]
+        [--codec C] [--density D] [--bits B] [--span 16|256] [--workers-per-cluster 2]
+        [--micro-batch 4] [--json]
 
 H and the outer settings default to the codec's schedule in bench/_schedules.py (the same as
 bench/wan_training.py's).
@@ -10,8 +11,8 @@ bench/wan_training.py's).
 The loss side of bench/wan_training.py without processes, relays or links, so that outer
 settings can be compared in minutes and over several seeds: the same GPT (examples/gpt), corpus,
 optimizer (AdamW 2e-3, betas 0.9/0.95, weight decay 0.01, DeepSpeed's linear WarmupLR over 30
-steps, clipping at 1.0), 2 clusters of --workers-per-cluster (2: bench/wan_training.py; 1:
-bench/hetero.py) workers of 4 x 128-token sequences. A world of workers is simulated
+steps, clipping at 1.0), 2 clusters of --workers-per-cluster workers of --micro-batch x 128-token
+sequences (2 of 4: bench/wan_training.py; 1 of 16: bench/hetero.py). A world of workers is simulated
 by one model stepping on their concatenated micro-batches (the mean of equal-size means is the
 mean of the workers' averaged gradients).
 
@@ -52,7 +53,8 @@ from nebula_cli.relay.codecs import KNOWN_CODECS, ErrorFeedback, get_codec  # no
 from nebula_cli.relay.topk_codec import DEFAULT_BITS, DEFAULT_DENSITY, TopKCodec  # noqa: E402
 from nebula_cli.runtime.sync import OuterOptimizer  # noqa: E402
 
-CONTEXT, MICRO, LR, WARMUP, CLIP, CLUSTERS = 128, 4, 2e-3, 30, 1.0, 2
+CONTEXT, LR, WARMUP, CLIP, CLUSTERS = 128, 2e-3, 30, 1.0, 2
+EVAL_BATCHES, EVAL_MICRO = 8, 4  # the held-out set, whatever the training batch
 JSON_FIELDS = ("loss_gap", "bytes_per_token_reduction", "medians", "runs")
 DEFAULT_CODEC: str = CompressionSpec.model_fields["codec"].default
 
@@ -65,13 +67,13 @@ def inner_lr(step: int) -> float:
 class World:
     """One DeepSpeed world (a cluster): a model, its AdamW, one sampler per worker."""
 
-    def __init__(self, seed: int, split: Any, cluster: int, ranks: int) -> None:
+    def __init__(self, seed: int, split: Any, cluster: int, ranks: int, micro: int) -> None:
         torch.manual_seed(seed)
         self.model = GPT(GPTConfig(block_size=CONTEXT))
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.opt = torch.optim.AdamW(self.params, lr=LR, betas=(0.9, 0.95), eps=1e-8,
                                      weight_decay=0.01)
-        self.samplers = [BatchSampler(split.train, MICRO, CONTEXT, seed=seed, rank=r,
+        self.samplers = [BatchSampler(split.train, micro, CONTEXT, seed=seed, rank=r,
                                       cluster=cluster) for r in range(ranks)]
         self.steps = 0
 
@@ -94,7 +96,8 @@ class World:
 
 
 def run_flat(args: argparse.Namespace, seed: int, split: Any, held: Any) -> float:
-    world = World(seed, split, cluster=0, ranks=CLUSTERS * args.workers_per_cluster)
+    world = World(seed, split, cluster=0, ranks=CLUSTERS * args.workers_per_cluster,
+                  micro=args.micro_batch)
     for _ in range(args.steps):
         world.step()
     return evaluate(world.model, held)
@@ -102,7 +105,7 @@ def run_flat(args: argparse.Namespace, seed: int, split: Any, held: Any) -> floa
 
 def run_diloco(args: argparse.Namespace, seed: int, split: Any, held: Any, lr: float,
                momentum: float, mode: str) -> dict[str, Any]:
-    worlds = [World(seed, split, cluster=c, ranks=args.workers_per_cluster)
+    worlds = [World(seed, split, cluster=c, ranks=args.workers_per_cluster, micro=args.micro_batch)
               for c in range(CLUSTERS)]
     theta = worlds[0].read()  # theta_global, the same on every cluster
     outer = OuterOptimizer(lr, momentum, nesterov=True)
@@ -181,10 +184,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="topk: elements per top-k span (default: the codec's choice)")
     p.add_argument("--workers-per-cluster", type=int, default=2,
                    help="2 as in bench/wan_training.py, 1 as in bench/hetero.py")
+    p.add_argument("--micro-batch", type=int, default=4,
+                   help="per-worker 128-token sequences: 4 as in bench/wan_training.py, 16 as "
+                        "in bench/hetero.py (examples/gpt's ds_config.json)")
     p.add_argument("--json", action="store_true", help="print one JSON object as the last line")
     args = p.parse_args(argv)
-    if args.workers_per_cluster < 1:
-        p.error("--workers-per-cluster must be at least 1")
+    if args.workers_per_cluster < 1 or args.micro_batch < 1:
+        p.error("--workers-per-cluster and --micro-batch must be at least 1")
     h, lr, momentum = schedule(args.codec)
     args.inner_steps = args.inner_steps or h
     args.settings = args.settings or [f"{lr:g},{momentum:g}"]
@@ -206,7 +212,7 @@ def main(argv: list[str] | None = None) -> int:
     runs: list[dict[str, Any]] = []
     flats = {}
     for seed in args.seed_list:
-        held = eval_batches(split.eval, 8, MICRO, CONTEXT, seed=seed)
+        held = eval_batches(split.eval, EVAL_BATCHES, EVAL_MICRO, CONTEXT, seed=seed)
         flat = flats[seed] = run_flat(args, seed, split, held)
         for mode in args.modes:
             for lr, momentum in args.pairs:
@@ -221,7 +227,8 @@ def main(argv: list[str] | None = None) -> int:
                       file=sys.stderr, flush=True)
     codec = args.codec + (f" density {args.density} bits {args.bits}" if args.codec == "topk"
                           else "")
-    print(f"{args.steps} steps, {args.workers_per_cluster} worker(s) per cluster, "
+    print(f"{args.steps} steps, {args.workers_per_cluster} worker(s) per cluster of "
+          f"{args.micro_batch} x {CONTEXT} tokens, "
           f"H={args.inner_steps}, codec {codec}, seeds {args.seeds}, "
           f"tau {args.tau}, {time.monotonic() - t0:.0f} s")
     print(f"{'seed':>5s}  {'mode':8s}  {'outer lr':>8s}  {'momentum':>8s}  {'eval loss':>9s}  "

@@ -157,9 +157,10 @@ def test_diloco_schedule_runs_every_mode(capsys: pytest.CaptureFixture[str],
     mod = load("diloco_schedule")
     assert mod.main(["--steps", "4", "--inner-steps", "2", "--settings", "1.0,0", "0.6,0.5",
                      "--modes", "sync", "overlap", "late", "--tau", "1",
-                     "--workers-per-cluster", str(per_cluster), "--json"]) == 0
+                     "--workers-per-cluster", str(per_cluster), "--micro-batch", "2",
+                     "--json"]) == 0
     printed = capsys.readouterr().out
-    assert f"{per_cluster} worker(s) per cluster" in printed
+    assert f"{per_cluster} worker(s) per cluster of 2 x 128 tokens" in printed
     out = json.loads(printed.strip().splitlines()[-1])
     assert tuple(out)[:4] == mod.JSON_FIELDS
     assert [(r["mode"], r["outer_lr"]) for r in out["runs"]] == [

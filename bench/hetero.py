@@ -9,7 +9,7 @@ examples/gpt through the relays, which emulate a WAN (20 Mbit/s, 25 ms each way)
 ``--slowdown`` times slower honestly: after each step its worker waits (slowdown - 1) times that
 step's own compute time (`train.py --slowdown`), as an older GPU would take longer.
 Codec, H and outer settings are the codec's benchmark schedule (bench/_schedules.py); --inner-steps
-sets H.
+sets H, --outer-lr and --outer-momentum the outer settings.
 
   (a) both fast, a round every H steps, --steps each: the fast cluster's tokens/s alone
   (b) west slower, a round every H steps, --steps each: east waits for west at every round
@@ -67,10 +67,17 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--inner-steps", type=int, default=None,
                    help="H, and the time-based rounds' interval in (a)'s steps (default: the "
                         "codec's schedule, bench/_schedules.py)")
+    p.add_argument("--outer-lr", type=float, default=None,
+                   help="the outer learning rate (default: the codec's schedule)")
+    p.add_argument("--outer-momentum", type=float, default=None,
+                   help="the outer Nesterov momentum (default: the codec's schedule)")
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--json", action="store_true", help="print one JSON object as the last line")
     args = p.parse_args(argv)
-    args.inner_steps = args.inner_steps or schedule(args.codec)[0]
+    h, lr, momentum = schedule(args.codec)
+    args.inner_steps = args.inner_steps or h
+    args.outer_lr = lr if args.outer_lr is None else args.outer_lr
+    args.outer_momentum = momentum if args.outer_momentum is None else args.outer_momentum
     if args.inner_steps < 1:
         p.error("--inner-steps must be at least 1")
     args.steps = args.steps or (QUICK["steps"] if args.quick else 200)
@@ -83,8 +90,7 @@ def spec_of(tmp: Path, name: str, args: argparse.Namespace, *, sync: dict[str, A
             steps: dict[str, int], slow: bool) -> Path:
     """A job of two one-worker clusters (``sync``: relay.sync; None: flat DeepSpeed, one
     cluster with a host of two slots)."""
-    _, lr, momentum = schedule(args.codec)
-    h = args.inner_steps
+    h, lr, momentum = args.inner_steps, args.outer_lr, args.outer_momentum
     run = (f"python -u train.py --eval-every 1000000 --log-every 10 --seed {args.seed}")
     spec: dict[str, Any] = {"name": name, "workdir": str(GPT_DIR), "run": run,
                             "deepspeed": "ds_config.json", "env": {"OMP_NUM_THREADS": "1"}}
@@ -145,8 +151,9 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="nebula-hetero-") as tmp:
         cli = Cli(Path(tmp) / "home")
         base = Path(tmp)
-        print(f"hetero: codec {args.codec}, H {h}, west {s:g}x slower, {n} steps, seed "
-              f"{args.seed}", flush=True)
+        print(f"hetero: codec {args.codec}, H {h}, outer lr {args.outer_lr:g} momentum "
+              f"{args.outer_momentum:g}, west {s:g}x slower, {n} steps, seed {args.seed}",
+              flush=True)
         runs["a"] = run_job(cli, spec_of(base, "a-both-fast", args, sync={},
                                          steps={"east": n, "west": n}, slow=False))
         every = round(h * runs["a"]["s_per_step"]["east"], 3)
@@ -171,7 +178,8 @@ def main(argv: list[str] | None = None) -> int:
         "loss_gap": round(gap or 0, 4), "loss_gap_fixed_h": round(gap_fixed or 0, 4),
         "slowdown": round(slowdown or 0, 2),
         "params_identical": all(r["identical"] for r in runs.values()),
-        "every_s": every, "inner_steps": h, "codec": args.codec, "seed": args.seed,
+        "every_s": every, "inner_steps": h, "codec": args.codec, "outer_lr": args.outer_lr,
+        "outer_momentum": args.outer_momentum, "seed": args.seed,
         "steps": n, "slow_steps_time_based": slow_steps, "date": started,
         "load": os.getloadavg()[0], "quick": args.quick,
         "goals_met": {"fast_cluster_utilization": (util or 0) >= GOALS[

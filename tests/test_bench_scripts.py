@@ -188,3 +188,13 @@ def test_relay_loopback_runs_and_prints_every_ratio_and_stage() -> None:
     assert set(summary["stages"]) == {"local", "tls"}
     assert summary["stages"]["local"]["upload"][0] < summary["stages"]["tls"]["upload"][0]
     assert "relay's round (agree, exchange)" in out and "worker over TLS" in out
+
+
+def test_hetero_takes_the_codec_schedule_unless_told() -> None:
+    mod = load("hetero")
+    h, lr, momentum = load("_schedules").schedule("int8")
+    args = mod.parse_args(["--codec", "int8"])
+    assert (args.inner_steps, args.outer_lr, args.outer_momentum) == (h, lr, momentum)
+    args = mod.parse_args(["--codec", "int8", "--inner-steps", "10", "--outer-lr", "0.5",
+                           "--outer-momentum", "0"])
+    assert (args.inner_steps, args.outer_lr, args.outer_momentum) == (10, 0.5, 0.0)

@@ -41,6 +41,10 @@ from nebula_cli.config.parts import ABORT_EXIT
 ABORT_KEY = "nebula/abort"
 POLL_S = 1.0
 CONNECT_S = 5.0
+EXIT_WAIT_S = 2 * CONNECT_S + 1.0
+"""How long the exit waits for a store call under way: torch's TCPStore client makes a second
+try after its timeout (seen ending 8 s after a 5 s connect began, the store gone meanwhile);
+an exit while that thread is still inside torch aborts the process (134)."""
 TELL_WITHIN = 60.0
 """How long the failed host's agent keeps trying to reach a store that nobody serves yet (a
 rank that died at once, before rank 0 of a slower host started serving it)."""
@@ -94,7 +98,7 @@ def start(env: Mapping[str, str] | None = None) -> bool:
 
 def _at_exit() -> None:
     _Watch.stop.set()  # no new store call; wait (bounded) for the one under way
-    if _Watch.busy.acquire(timeout=CONNECT_S + 1):
+    if _Watch.busy.acquire(timeout=EXIT_WAIT_S):
         _Watch.busy.release()
 
 

@@ -10,9 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from conftest import REPO
-
-HOOK_DIR = REPO / "nebula_cli" / "runtime" / "autohook"
+from test_runtime_hook import HOOK_DIR
 
 RANK = r"""
 import json, sys, time

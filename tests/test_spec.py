@@ -339,7 +339,7 @@ def test_wrong_types(tmp_path: Path) -> None:
         "relay.sync.outer_momentum": (10, 32, "expected a number < 1, found 1.0"),
         "relay.timeout": (10, 47, "expected a number > 0, found 0"),
         "relay.compression.codec": (
-            10, 71, "expected one of 'none', 'fp16', 'bf16', 'int8', 'topk', found 'int9'"),
+            10, 71, "expected one of 'none', 'fp16', 'bf16', 'int8', 'topk', 'auto', found 'int9'"),
     }
 
 
@@ -411,7 +411,8 @@ def test_bad_host_shorthand(tmp_path: Path) -> None:
 def test_bad_compression_shorthand(tmp_path: Path) -> None:
     p = one(tmp_path, BASE + "relay:\n  compression: zip\n")
     assert where(p) == (10, 16, "relay.compression.codec")
-    assert p.message == "expected one of 'none', 'fp16', 'bf16', 'int8', 'topk', found 'zip'"
+    assert p.message == ("expected one of 'none', 'fp16', 'bf16', 'int8', 'topk', 'auto', "
+                         "found 'zip'")
 
 
 def test_yaml_syntax_errors(tmp_path: Path) -> None:

@@ -113,12 +113,19 @@ def sync_summary(spec: JobSpec) -> str:
                  f"{sync.max_inner_steps}) for {sync.target_utilization:.0%} utilisation")
     else:
         every = f"every {sync.inner_steps} steps"
-    codec = comp.codec + (f" (density {comp.density:g}, {comp.bits} bits)"
-                          if comp.codec == "topk" else "")
+    topk = f"topk (density {comp.density:g}, {comp.bits} bits)"
+    codec = {"topk": topk, "auto": f"codec chosen by the relays each round (int8 or {topk})"
+             }.get(comp.codec, comp.codec)
     feedback = " with error feedback" if comp.error_feedback and comp.codec != "none" else ""
-    momentum = ("no momentum" if not sync.outer_momentum else
-                f"{'Nesterov ' if sync.nesterov else ''}momentum {sync.outer_momentum:g}")
-    return (f"{sync.mode} {every}, outer lr {sync.outer_lr:g} / {momentum}"
+
+    def outer(codec: str) -> str:
+        lr, mom = relay.outer_for(codec)
+        momentum = ("no momentum" if not mom else
+                    f"{'Nesterov ' if sync.nesterov else ''}momentum {mom:g}")
+        return f"outer lr {lr:g} / {momentum}"
+    outers = "; ".join(f"{outer(c)}{f' with {c}' if len(comp.codecs) > 1 else ''}"
+                       for c in comp.codecs)
+    return (f"{sync.mode} {every}, {outers}"
             f"{', overlapped' if sync.overlap else ''}, {codec}{feedback}")
 
 

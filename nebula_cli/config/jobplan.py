@@ -187,7 +187,10 @@ def sync_config(spec: JobSpec, job_id: str, cluster: ClusterSpec, adir: str, *,
     return SyncConfig(
         job_id=job_id, cluster=cluster.name, relay_addr=relay_addr, relay_socket=relay_socket,
         tls=tls_files(adir, WORKER), mode=sync.mode, inner_steps=sync.first_inner_steps,
-        every_s=sync.every, auto_steps=auto_steps(spec), outer_lr=sync.outer_lr,
-        outer_momentum=sync.outer_momentum, nesterov=sync.nesterov, overlap=sync.overlap,
+        every_s=sync.every, auto_steps=auto_steps(spec),
+        outer_lr=relay.outer_for(comp.codecs[0])[0],
+        outer_momentum=relay.outer_for(comp.codecs[0])[1],
+        outer_by_codec={c: list(relay.outer_for(c)) for c in comp.codecs},
+        nesterov=sync.nesterov, overlap=sync.overlap,
         overlap_steps=sync.overlap_steps, codec=comp.codec,
         error_feedback=comp.error_feedback, round_timeout=relay.timeout, checkpoint=checkpoint)

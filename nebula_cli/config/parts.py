@@ -102,11 +102,16 @@ class SyncConfig:
     """``inner_steps: auto``: each round's result says the next H (chosen by the relays)."""
     outer_lr: float
     outer_momentum: float
+    """The first round's outer lr and momentum (its codec's)."""
+    outer_by_codec: dict[str, list[float]]
+    """[outer lr, momentum] of a round by the codec it used (``compression: auto`` changes the
+    codec between rounds; each codec has its own outer settings unless the spec names them)."""
     nesterov: bool
     overlap: bool
     overlap_steps: int | None
     codec: str
-    """The WAN codec (the relay's business; the worker's hop to the relay is fp32)."""
+    """The WAN codec, or "auto" (the relay's business; the worker's hop to the relay is
+    fp32)."""
     error_feedback: bool
     round_timeout: float
     """Seconds a round may take before the relay goes on with the clusters present."""

@@ -16,6 +16,10 @@ TOPK_DENSITY = 0.0625
 TOPK_BITS = 2
 """Default bits per value the topk codec keeps."""
 TOPK_BIT_CHOICES = (2, 4, 8)
+AUTO_CODEC = "auto"
+"""The spec's ``compression: auto``: the relays choose each round's codec among AUTO_CODECS."""
+AUTO_CODECS = ("int8", "topk")
+"""The codecs ``compression: auto`` chooses from, the most faithful first (the first rounds')."""
 
 
 class RelayConfigError(NebulaError):
@@ -66,6 +70,25 @@ class AutoSteps:
     """Rounds overlap the next inner steps: H only has to cover the round's time."""
 
 
+@dataclass(frozen=True)
+class AutoCodec:
+    """``relay.compression: auto``: the round's coordinator picks the codec of the next round
+    from the clusters' measured step and round times (`nebula_cli.relay.codec_choice`)."""
+
+    codecs: list[str]
+    """The codecs to choose from, the most faithful (and largest) first; the first rounds'."""
+    target_utilization: float
+    """Fraction of wall time spent training that the codec (and H) are chosen to reach."""
+    overlap: bool
+    """Rounds overlap the next inner steps (the round only has to fit behind them)."""
+    budget_steps: int | None
+    """A fixed H: the codec is chosen to fit behind that many steps (None: ``inner_steps:
+    auto`` chooses H with the codec, or time-based rounds)."""
+    budget_s: float | None
+    """Time-based rounds (``sync.every``): the codec is chosen to fit behind that many
+    seconds."""
+
+
 @dataclass
 class RelayConfig:
     """One relay's configuration; `load`/`dump` read and write relay.json (unknown keys refused).
@@ -85,7 +108,7 @@ class RelayConfig:
     """cluster -> host:port of its peer_listen, for every other cluster."""
     tls: TlsFiles
     codec: str
-    """Codec of the WAN hop (none, fp16, bf16, int8, topk)."""
+    """Codec of the WAN hop (none, fp16, bf16, int8, topk), or "auto" (see auto_codec)."""
     error_feedback: bool
     """Keep the codec's rounding error and add it to the next round's contribution."""
     block_size: int
@@ -111,6 +134,9 @@ class RelayConfig:
     """topk: fraction of the elements kept per block of 256."""
     bits: int = TOPK_BITS
     """topk: bits per kept value (2, 4 or 8)."""
+    auto_codec: AutoCodec | None = None
+    """Set with ``compression: auto`` (then ``codec`` is "auto"): how the coordinator chooses
+    each round's codec; None: every round uses ``codec``."""
     worker_socket: str | None = None
     """Unix socket (in the relay's private directory) where workers on the relay's own host
     connect without TLS (peer uid checked, tensors in sealed shared memory:
@@ -123,6 +149,8 @@ class RelayConfig:
             self.shaping = _part(ShapingConfig, self.shaping, "shaping")
         if isinstance(self.auto_steps, dict):
             self.auto_steps = _part(AutoSteps, self.auto_steps, "auto_steps")
+        if isinstance(self.auto_codec, dict):
+            self.auto_codec = _part(AutoCodec, self.auto_codec, "auto_codec")
         self.validate()
 
     # ------------------------------------------------------------------ checks
@@ -167,6 +195,13 @@ class RelayConfig:
         if isinstance(density, bool) or not isinstance(density, (int, float)) or not (
                 0 < density <= 1):
             raise RelayConfigError(f"density: expected a number in (0, 1], got {density!r}")
+        choice = self.auto_codec
+        if (self.codec == AUTO_CODEC) != (choice is not None):
+            raise RelayConfigError(f"codec {self.codec!r} and auto_codec {choice!r}: auto_codec "
+                                   f"is set exactly when codec is {AUTO_CODEC!r}")
+        if choice is not None and not (choice.codecs and 0 < choice.target_utilization < 1):
+            raise RelayConfigError(f"auto_codec: expected codecs to choose from and 0 < "
+                                   f"target_utilization < 1, got {choice!r}")
         if isinstance(self.bits, bool) or self.bits not in TOPK_BIT_CHOICES:
             raise RelayConfigError(f"bits: expected one of {TOPK_BIT_CHOICES}, got {self.bits!r}")
         rate = self.shaping.rate_mbit

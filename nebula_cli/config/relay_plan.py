@@ -30,7 +30,7 @@ from nebula_cli.config.plan_model import (
     tls_files,
 )
 from nebula_cli.config.reach import Link
-from nebula_cli.config.relay_config import AutoSteps, RelayConfig, ShapingConfig
+from nebula_cli.config.relay_config import AutoCodec, AutoSteps, RelayConfig, ShapingConfig
 from nebula_cli.config.spec import JobSpec
 from nebula_cli.config.tunnel_config import TunnelConfig, TunnelDial, TunnelGrant, job_tag
 from nebula_cli.config.worlds import site_key
@@ -70,6 +70,19 @@ def auto_steps(spec: JobSpec) -> AutoSteps | None:
     return AutoSteps(target_utilization=sync.target_utilization,
                      min_steps=sync.min_inner_steps, max_steps=sync.max_inner_steps,
                      overlap=sync.overlap)
+
+
+def auto_codec(spec: JobSpec) -> AutoCodec | None:
+    """How the relays choose each round's codec with ``compression: auto`` (None: one codec)."""
+    relay = spec.relay
+    if relay is None or len(relay.compression.codecs) < 2:
+        return None
+    sync = relay.sync
+    return AutoCodec(codecs=list(relay.compression.codecs),
+                     target_utilization=sync.target_utilization, overlap=sync.overlap,
+                     budget_steps=None if sync.auto or sync.every is not None
+                     else sync.first_inner_steps,
+                     budget_s=sync.every)
 
 
 def relay_agents(spec: JobSpec, job_id: str, sites: dict[str, Site], ports: Ports,
@@ -144,7 +157,7 @@ def relay_config(spec: JobSpec, job_id: str, cluster: ClusterSpec, adir: str, po
         error_feedback=relay.compression.error_feedback,
         block_size=relay.compression.block_size,
         density=relay.compression.density, bits=relay.compression.bits,
-        auto_steps=auto_steps(spec), round_timeout=relay.timeout,
+        auto_steps=auto_steps(spec), auto_codec=auto_codec(spec), round_timeout=relay.timeout,
         heartbeat=relay.heartbeat, dead_after=relay.dead_after,
         shaping=ShapingConfig(rate_mbit=shaping.rate_mbit if shaping else None,
                               delay_ms=shaping.delay_ms if shaping else 0.0),

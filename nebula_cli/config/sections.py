@@ -11,7 +11,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from nebula_cli.config.fields import Duration, Port, StepsOrAuto
-from nebula_cli.config.relay_config import TOPK_BITS, TOPK_DENSITY
+from nebula_cli.config.relay_config import AUTO_CODEC, AUTO_CODECS, TOPK_BITS, TOPK_DENSITY
 from nebula_cli.config.yaml_positions import problems_error
 
 
@@ -95,8 +95,11 @@ class CompressionSpec(SpecModel):
     """How tensors are encoded on the WAN; also written as a codec name (``compression: int8``).
     The default, topk, met bench/wan_training.py's goals (docs/benchmarks.md)."""
 
-    codec: Literal["none", "fp16", "bf16", "int8", "topk"] = "topk"
-    """Wire codec: none (fp32), fp16, bf16, int8 (blockwise), topk (sparse, low-bit values)."""
+    codec: Literal["none", "fp16", "bf16", "int8", "topk", "auto"] = "topk"
+    """Wire codec: none (fp32), fp16, bf16, int8 (blockwise), topk (sparse, low-bit values), or
+    auto: the relays choose each round's codec among int8 and topk from the measured round and
+    step times (the most faithful that lets the clusters sync as often as the utilisation
+    target allows; the first rounds use int8), and say why in their log and the metrics."""
     error_feedback: bool = True
     """Carry the quantisation error into the next round."""
     block_size: int = Field(256, ge=16)
@@ -115,11 +118,16 @@ class CompressionSpec(SpecModel):
     def _topk_only(self) -> CompressionSpec:
         fields = type(self).model_fields
         stray = [k for k in ("density", "bits") if getattr(self, k) != fields[k].default]
-        if stray and self.codec != "topk":
+        if stray and "topk" not in self.codecs:
             verb = "apply" if len(stray) > 1 else "applies"
-            raise ValueError(f"{' and '.join(stray)} {verb} to codec topk only, not "
+            raise ValueError(f"{' and '.join(stray)} {verb} to codec topk (or auto) only, not "
                              f"{self.codec} (set codec: topk, or remove them)")
         return self
+
+    @property
+    def codecs(self) -> tuple[str, ...]:
+        """The codecs a round may use: the codec, or auto's candidates (most faithful first)."""
+        return AUTO_CODECS if self.codec == AUTO_CODEC else (self.codec,)
 
 
 class ShapingSpec(SpecModel):
@@ -154,12 +162,20 @@ class RelaySpec(SpecModel):
 
     @model_validator(mode="after")
     def _outer_defaults(self) -> RelaySpec:
-        lr, momentum = OUTER_DEFAULTS.get(self.compression.codec, DENSE_OUTER)
-        if self.sync.outer_lr is None:
-            self.sync.outer_lr = lr
-        if self.sync.outer_momentum is None:
-            self.sync.outer_momentum = momentum
+        """Fill the outer settings in from the codec (with ``compression: auto`` those not
+        given stay unset: each round takes its codec's, see outer_for)."""
+        if len(self.compression.codecs) == 1:
+            self.sync.outer_lr, self.sync.outer_momentum = self.outer_for(
+                self.compression.codec)
         return self
+
+    def outer_for(self, codec: str) -> tuple[float, float]:
+        """Outer lr and momentum of a round that uses ``codec``: the spec's, else the codec's
+        (OUTER_DEFAULTS)."""
+        lr, momentum = OUTER_DEFAULTS.get(codec, DENSE_OUTER)
+        given_lr, given_momentum = self.sync.outer_lr, self.sync.outer_momentum
+        return (lr if given_lr is None else given_lr,
+                momentum if given_momentum is None else given_momentum)
 
     @model_validator(mode="after")
     def _check_ports(self) -> RelaySpec:

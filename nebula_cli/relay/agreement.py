@@ -18,15 +18,16 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from nebula_cli.config.relay_config import AutoSteps
+from nebula_cli.config.relay_config import AutoCodec, AutoSteps
 from nebula_cli.relay.allreduce import ExchangeError
-from nebula_cli.relay.cadence import RoundInfo, choose_inner_steps, round_weights
+from nebula_cli.relay.cadence import CODEC_CHARS, RoundInfo, choose_inner_steps, round_weights
+from nebula_cli.relay.codec_choice import CodecCosts, choose_codec
 from nebula_cli.relay.lineage import GENESIS, diverged
 
 log = logging.getLogger("nebula.relay")
 
 BEHIND = "behind"
-WHY_CHARS = 200
+WHY_CHARS = 400
 
 
 @dataclass(frozen=True)
@@ -49,7 +50,13 @@ class Decision:
     next_h: int | None = None
     """``inner_steps: auto``: the H every cluster trains before its next round."""
     why: str = ""
-    """With ``next_h``: what it was chosen from (relay.cadence), for the logs and metrics."""
+    """With ``next_h`` or ``next_codec``: what they were chosen from (relay.cadence,
+    relay.codec_choice), for the logs and metrics."""
+    codec: str = ""
+    """``compression: auto``: the codec of this round (the one most READYs were encoded with;
+    a cluster that encoded with another is rejected and fetches the average)."""
+    next_codec: str = ""
+    """``compression: auto``: the codec every cluster encodes its next round with."""
 
     @property
     def key(self) -> tuple[int, int, str]:
@@ -60,7 +67,8 @@ class Decision:
                 "present": list(self.present), "rejected": list(self.rejected),
                 "missing": list(self.missing), "numel": self.numel,
                 "diverged": list(self.diverged), "weights": dict(self.weights),
-                "next_h": self.next_h, "why": self.why}
+                "next_h": self.next_h, "why": self.why, "codec": self.codec,
+                "next_codec": self.next_codec}
 
     @classmethod
     def from_meta(cls, meta: Mapping[str, Any]) -> Decision:
@@ -74,7 +82,9 @@ class Decision:
                     tuple(map(str, meta["missing"])), int(meta["numel"]),
                     tuple(map(str, meta.get("diverged", ()))), weights,
                     None if next_h is None else int(next_h),
-                    str(meta.get("why") or "")[:WHY_CHARS])
+                    str(meta.get("why") or "")[:WHY_CHARS],
+                    str(meta.get("codec") or "")[:CODEC_CHARS],
+                    str(meta.get("next_codec") or "")[:CODEC_CHARS])
         except (KeyError, TypeError, ValueError) as exc:
             raise ExchangeError(f"malformed round decision {dict(meta)!r}") from exc
         if weights and ({c for c, _ in weights} != set(present)
@@ -92,6 +102,12 @@ class _Collection:
     ready: dict[str, tuple[bool, int, str]] = field(default_factory=dict)  # ok, numel, reason
     lineage: dict[str, str] = field(default_factory=dict)
     info: dict[str, RoundInfo] = field(default_factory=dict)
+    codec: dict[str, str] = field(default_factory=dict)
+
+
+def _most_common(names: list[str]) -> str:
+    """The name most often in ``names`` (the earliest of those tied); "" for none."""
+    return max(names, key=names.count, default="")
 
 
 class Coordinator:
@@ -107,10 +123,16 @@ class Coordinator:
     """Decisions remembered (a late READY gets the decision again)."""
 
     def __init__(self, me: str, clusters: Sequence[str], round_timeout: float,
-                 auto: AutoSteps | None = None) -> None:
+                 auto: AutoSteps | None = None, auto_codec: AutoCodec | None = None,
+                 nbytes: Mapping[str, float] | None = None) -> None:
         self.me = me
         self.auto = auto
         """``inner_steps: auto``: decisions carry the next H (relay.cadence)."""
+        self.auto_codec = auto_codec
+        """``compression: auto``: decisions carry the round's and the next codec
+        (relay.codec_choice); ``nbytes``: each candidate's payload bytes per element."""
+        self.nbytes = dict(nbytes or {})
+        self.costs = CodecCosts()
         self.clusters = list(clusters)
         self.round_timeout = round_timeout
         self._open: dict[tuple[int, int], _Collection] = {}
@@ -120,7 +142,7 @@ class Coordinator:
     def ready(
         self, round_id: int, attempt: int, cluster: str, *, ok: bool, numel: int, reason: str = "",
         now: float, newest_done: int, lineage: str = GENESIS,
-        expected: Sequence[str] | None = None, info: RoundInfo | None = None,
+        expected: Sequence[str] | None = None, info: RoundInfo | None = None, codec: str = "",
     ) -> Decision | str | None:
         """Record a READY; returns a Decision (new or remembered), BEHIND, or None (wait).
 
@@ -146,6 +168,7 @@ class Coordinator:
             col.ready[cluster] = (ok, numel, reason)
             col.lineage[cluster] = lineage
             col.info[cluster] = info or RoundInfo()
+            col.codec[cluster] = codec
             if set(col.ready) >= set(self.clusters if expected is None else expected):
                 return self._decide(*key)
             return None
@@ -192,18 +215,29 @@ class Coordinator:
         order = [c for c in self.clusters if c in col.ready]
         ok = [c for c in order if col.ready[c][0]]
         numel = col.ready[ok[0]][1] if ok else 0
-        fitting = [c for c in ok if col.ready[c][1] == numel]
+        codec = _most_common([col.codec[c] for c in ok]) if self.auto_codec else ""
+        fitting = [c for c in ok if col.ready[c][1] == numel and col.codec[c] == codec]
         lost = diverged({c: col.lineage[c] for c in fitting}, self.clusters)
         present = [c for c in fitting if c not in lost]
         rejected = [c for c in order if c not in fitting]
         missing = [c for c in self.clusters if c not in col.ready]
-        chosen = choose_inner_steps(self.auto, col.info) if self.auto else None
+        steps = choose_inner_steps(self.auto, col.info) if self.auto else None
+        next_h, why = steps if steps else (None, "")
+        next_codec = codec
+        if self.auto_codec is not None:
+            pick = choose_codec(self.auto_codec, self.auto, codec, col.info, self.costs,
+                                self.nbytes)
+            if pick is not None:
+                next_codec, why = pick.codec, pick.why
+                next_h = pick.h if pick.h is not None else next_h
         d = Decision(round_id, attempt, self.me, tuple(sorted(present)), tuple(sorted(rejected)),
                      tuple(sorted(missing)), numel, tuple(sorted(lost)),
                      tuple(sorted(round_weights(present, col.info).items())),
-                     chosen[0] if chosen else None, chosen[1][:WHY_CHARS] if chosen else "")
-        if chosen:
-            log.info("round %d: next H %d (%s)", round_id, *chosen)
+                     next_h, why[:WHY_CHARS], codec, next_codec)
+        if why:
+            log.info("round %d: next%s%s (%s)", round_id,
+                     "" if next_h is None else f" H {next_h}",
+                     f", codec {next_codec}" if next_codec else "", why)
         self._decided[round_id] = d
         for old in sorted(self._decided)[: -self.KEEP]:
             del self._decided[old]

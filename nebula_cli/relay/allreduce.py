@@ -167,10 +167,13 @@ class RoundExchange:
         weights: Mapping[str, float] | None = None,
         empty: Callable[[int], torch.Tensor] | None = None,
         worker: bool = False,
+        codec: str = "",
     ) -> None:
         if len(bounds) != schedule.num_chunks:
             raise ValueError("bounds and schedule disagree on the number of chunks")
         self.schedule = schedule
+        self.codec = codec
+        """The round's codec by name: chunks encoded with another are refused ("": any)."""
         self.bounds = list(bounds)
         self._encode = encode
         self._decode = decode

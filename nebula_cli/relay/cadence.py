@@ -29,6 +29,9 @@ from typing import Any
 
 from nebula_cli.config.relay_config import AutoSteps
 
+CODEC_CHARS = 16
+"""The longest codec name a READY may carry."""
+
 
 @dataclass(frozen=True)
 class RoundInfo:
@@ -40,6 +43,9 @@ class RoundInfo:
     """Mean seconds per optimizer step over those steps, training only (> 0)."""
     comm_s: float | None = None
     """Seconds the cluster's previous round kept it from training (>= 0)."""
+    codec: str | None = None
+    """The codec of the round ``comm_s`` measured (set by the relay, which knows it; with
+    ``compression: auto`` rounds differ)."""
 
     @classmethod
     def from_meta(cls, meta: Any) -> RoundInfo:
@@ -54,12 +60,15 @@ class RoundInfo:
                 return None
             return float(v) if (v > low if strict else v >= low) else None
 
+        codec = meta.get("codec")
         return cls(number("weight", 0.0, True), number("step_s", 0.0, True),
-                   number("comm_s", 0.0, False))
+                   number("comm_s", 0.0, False),
+                   codec if isinstance(codec, str) and 0 < len(codec) <= CODEC_CHARS else None)
 
-    def to_meta(self) -> dict[str, float]:
+    def to_meta(self) -> dict[str, float | str]:
         return {k: v for k, v in (("weight", self.weight), ("step_s", self.step_s),
-                                  ("comm_s", self.comm_s)) if v is not None}
+                                  ("comm_s", self.comm_s), ("codec", self.codec))
+                if v is not None}
 
 
 def round_weights(present: list[str] | tuple[str, ...], infos: Mapping[str, RoundInfo]
@@ -72,6 +81,12 @@ def round_weights(present: list[str] | tuple[str, ...], infos: Mapping[str, Roun
     return {c: float(w) for c, w in weights.items() if w is not None}
 
 
+def steps_wanted(cost: float, t: float, u: float, overlap: bool) -> float:
+    """Steps of ``t`` seconds that must pass between rounds costing ``cost`` seconds for the
+    clusters to spend ``u`` of their time training (see the module's docstring)."""
+    return cost / (u * t) if overlap else u / (1.0 - u) * cost / t
+
+
 def choose_inner_steps(auto: AutoSteps, infos: Mapping[str, RoundInfo]
                        ) -> tuple[int, str] | None:
     """The next round's H and why, from the READYs of this round; None without measurements."""
@@ -80,7 +95,7 @@ def choose_inner_steps(auto: AutoSteps, infos: Mapping[str, RoundInfo]
     if not steps or not costs:
         return None
     t, c, u = max(steps), min(costs), auto.target_utilization
-    want = c / (u * t) if auto.overlap else u / (1.0 - u) * c / t
+    want = steps_wanted(c, t, u, auto.overlap)
     h = min(auto.max_steps, max(auto.min_steps, math.ceil(want - 1e-9)))
     why = (f"step {t:.3f} s (slowest), round {c:.3f} s (cheapest): "
            f"{'overlapped, ' if auto.overlap else ''}H {h} for {u:.0%} utilisation")

@@ -91,6 +91,8 @@ class RoundResult:
     next_h: int | None = None
     """``inner_steps: auto``: the H every cluster trains before its next round (agreed by the
     relays); None: keep the current one."""
+    codec: str = ""
+    """The codec of the round whose average this is (``compression: auto`` changes it)."""
     stages: dict[str, float] = field(default_factory=dict)
     """Where the call's time went (seconds): ``send`` (this side writing the contribution),
     ``upload`` (the relay reading it), ``relay`` (the relay's round: agreement, exchange),
@@ -180,7 +182,7 @@ class RelayClient:
                 seconds=float(m.get("seconds", 0.0)), global_state=state,
                 global_momentum=momentum,
                 rejected=list(m.get("rejected", [])), missing=list(m.get("missing", [])),
-                next_h=_positive_int(m.get("next_h")),
+                next_h=_positive_int(m.get("next_h")), codec=str(m.get("codec") or ""),
                 stages={"send": t1 - t0, "upload": float(m.get("upload_s", 0.0)),
                         "relay": float(m.get("seconds", 0.0)),
                         "receive": time.perf_counter() - t2, "total": time.perf_counter() - t0},

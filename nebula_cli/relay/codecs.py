@@ -255,6 +255,13 @@ def get_codec(name: str, *, block_size: int = DEFAULT_BLOCK_SIZE,
     return cls()
 
 
+def codecs_of(names: list[str] | tuple[str, ...], *, block_size: int = DEFAULT_BLOCK_SIZE,
+              density: float = DEFAULT_DENSITY, bits: int = DEFAULT_BITS) -> dict[str, Codec]:
+    """name -> codec for each of ``names`` (a relay's candidates with ``compression: auto``,
+    else its one codec), in order."""
+    return {n: get_codec(n, block_size=block_size, density=density, bits=bits) for n in names}
+
+
 def decode(
     enc: Encoded, *, out: torch.Tensor | None = None, check_finite: bool = False
 ) -> torch.Tensor:
@@ -273,9 +280,13 @@ class ErrorFeedback:
         self.codec = codec
         self._residuals: dict[Hashable, torch.Tensor] = {}
 
-    def encode(self, x: torch.Tensor, key: Hashable) -> Encoded:
-        """Encode x + residual[key]; keep residual[key] := (x + residual) - decode(encoding).
-        On a CodecError the residual is left as it was."""
+    def encode(self, x: torch.Tensor, key: Hashable, codec: Codec | None = None) -> Encoded:
+        """Encode x + residual[key] (with ``codec``, default the one given at construction);
+        keep residual[key] := (x + residual) - decode(encoding). The residual is a dense fp32
+        tensor whatever the codec, so a round may change codecs (``compression: auto``): what
+        one codec left out goes into the next codec's input. On a CodecError the residual is
+        left as it was."""
+        codec = codec or self.codec
         x = prepare(x)
         residual = self._residuals.get(key)
         if residual is not None and residual.numel() != x.numel():
@@ -284,8 +295,8 @@ class ErrorFeedback:
                 f"{residual.numel()} (reset() it when the layout changes)"
             )
         target = x if residual is None else x + residual
-        enc = self.codec.encode(target)
-        self._residuals[key] = target - self.codec.decode(enc)
+        enc = codec.encode(target)
+        self._residuals[key] = target - codec.decode(enc)
         return enc
 
     def residual(self, key: Hashable) -> torch.Tensor | None:

@@ -65,7 +65,7 @@ class OwnChunks:
                 if codec.name == "none":  # fp32 as is: the payload is a view, no copy
                     enc = Encoded("none", chunk.numel(), {}, memoryview(chunk.numpy()).cast("B"))
                 elif feedback is not None:
-                    enc = feedback.encode(chunk, key=k)
+                    enc = feedback.encode(chunk, key=k, codec=codec)
                 else:
                     enc = codec.encode(chunk)
                 with self._cv:

@@ -29,7 +29,12 @@ class Outcome:
     """The present clusters' weights in the average (samples; empty: equal)."""
     next_h: int | None = None
     next_h_why: str = ""
-    """``inner_steps: auto``: the H the round's decision says every cluster trains next."""
+    """``inner_steps: auto``: the H the round's decision says every cluster trains next (and
+    with ``compression: auto`` why the next codec was chosen)."""
+    codec: str = ""
+    """The codec of the round whose average this is (the worker's outer settings follow it)."""
+    next_codec: str = ""
+    """``compression: auto``: the codec the round's decision says the next round uses."""
 
 
 @dataclass(frozen=True)

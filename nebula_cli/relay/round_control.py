@@ -46,6 +46,8 @@ class RoundControl(Recovery):
     """The peer side of a relay's rounds."""
 
     codec: Codec
+    codecs: dict[str, Codec]
+    codec_round: int
     net: Net
     coordinator: Coordinator
     early: EarlyChunks
@@ -185,9 +187,8 @@ class RoundControl(Recovery):
         try:
             k = int(m["k"])
             enc = None if m.get("zero") else Encoded.from_wire(m, frame.payload)
-            if enc is not None and enc.codec != self.codec.name:
-                raise ExchangeError(f"chunk encoded with {enc.codec}, expected "
-                                    f"{self.codec.name}")
+            if enc is not None and enc.codec != ex.codec:
+                raise ExchangeError(f"chunk encoded with {enc.codec}, expected {ex.codec}")
             if m["op"] == "contrib":
                 ex.add_contrib(src, k, enc)
             else:
@@ -195,6 +196,15 @@ class RoundControl(Recovery):
         except (ExchangeError, CodecError, KeyError, ValueError) as exc:
             log.warning("round %s: bad chunk from %s: %s", m.get("round"), src, exc)
             ex.fail(f"bad chunk from {src}: {exc}")
+
+    def follow_codec(self, d: Decision) -> None:
+        """``compression: auto``: the newest decision says the codec of the next round (called
+        with the lock held, for every decision this relay sees, its own or a peer's)."""
+        if d.round >= self.codec_round and d.next_codec in self.codecs:
+            self.codec, self.codec_round = self.codecs[d.next_codec], d.round
+        elif d.next_codec and d.next_codec not in self.codecs:
+            log.warning("round %d: the decision names codec %r, not one of %s; ignored",
+                        d.round, d.next_codec, sorted(self.codecs))
 
     def _tell_behind(self, cluster: str, round_id: int) -> None:
         if cluster == self.me:
@@ -231,6 +241,7 @@ class RoundControl(Recovery):
             old = self.decisions.get(key)
             if old is None or d.attempt >= old.attempt:
                 self.decisions[key] = d
+            self.follow_codec(d)
             newest = max(k[0] for k in self.decisions)
             for k in [k for k in self.decisions if k[0] <= newest - MAX_OPEN_ROUNDS]:
                 del self.decisions[k]

@@ -29,9 +29,10 @@ allows is refused (logged, never held).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 
 import torch
@@ -80,17 +81,26 @@ class Rounds(RoundControl):
     """One relay's rounds. ``event(msg, *args)`` reports a warning-worthy event;
     ``finished(request_round, outcome)`` runs after each round."""
 
-    def __init__(self, cfg: RelayConfig, codec: Codec, net: Net, *,
+    def __init__(self, cfg: RelayConfig, codecs: Mapping[str, Codec], net: Net, *,
                  event: Callable[..., None], finished: Callable[[int, Outcome], None],
                  refusals: Refusals, clock: Callable[[], float] = time.monotonic,
                  empty: Callable[[int], torch.Tensor] | None = None) -> None:
         super().__init__()
-        self.cfg, self.me, self.codec, self.net = cfg, cfg.cluster, codec, net
+        self.cfg, self.me, self.net = cfg, cfg.cluster, net
+        self.codecs = dict(codecs)
+        """The codecs a round may use (``compression: auto``'s candidates, else one)."""
+        self.codec: Codec = next(iter(self.codecs.values()))
+        """The codec of this relay's next round (with ``compression: auto``, as the newest
+        decision said)."""
+        self.codec_round = -1  # the round of the decision that set self.codec
+        self.prev_codec: str | None = None  # the codec of this relay's previous round
         self.empty = empty  # makes a round's average (None: torch.empty)
-        self.feedback = ErrorFeedback(codec) if cfg.error_feedback else None
+        self.feedback = ErrorFeedback(self.codec) if cfg.error_feedback else None
         self.order = {c: i for i, c in enumerate(cfg.clusters)}
-        self.coordinator = Coordinator(self.me, cfg.clusters, cfg.round_timeout,
-                                       cfg.auto_steps)
+        n = 1 << 20
+        self.coordinator = Coordinator(
+            self.me, cfg.clusters, cfg.round_timeout, cfg.auto_steps, cfg.auto_codec,
+            {name: c.payload_nbytes(n) / n for name, c in self.codecs.items()})
         self.grace = max(2.0, 2 * cfg.heartbeat)
         self.fetch_timeout = max(120.0, 10 * cfg.round_timeout)
         self.stall_timeout = max(30.0, 3 * cfg.round_timeout)
@@ -121,16 +131,21 @@ class Rounds(RoundControl):
                 return cached
             t0 = self.clock()
             sent0, recv0 = self.net.wan_bytes()
-            out = self._run_round(round_id, x, info or RoundInfo())
+            with self.lock:
+                codec = self.codec
+            info = dataclasses.replace(info or RoundInfo(), codec=self.prev_codec)
+            out = self._run_round(round_id, x, info, codec)
+            out.codec = out.codec or self._codec_of(round_id) or codec.name
+            self.prev_codec = out.codec
             sent1, recv1 = self.net.wan_bytes()
             out.seconds = self.clock() - t0
             out.bytes_sent, out.bytes_received = sent1 - sent0, recv1 - recv0
             self._finish_round(round_id, out)
             return out
 
-    def _run_round(self, r: int, x: torch.Tensor, info: RoundInfo) -> Outcome:
+    def _run_round(self, r: int, x: torch.Tensor, info: RoundInfo, codec: Codec) -> Outcome:
         numel = x.numel()
-        reason = check_contribution(x, self.codec)
+        reason = check_contribution(x, codec)
         if reason:
             self._event("round %d: local contribution rejected (%s); it is not sent", r, reason)
         with self.lock:
@@ -142,11 +157,11 @@ class Rounds(RoundControl):
         if r <= self.newest_done():
             return self._catch_up(r, numel, "a peer has already completed this round")
         own = None if reason else OwnChunks(x, self.cfg.chunk_numel, self.cfg.block_size,
-                                            self.codec, self.feedback)
+                                            codec, self.feedback)
         self.set_phase(r, "agreeing")
         attempt = 0
         while True:
-            d = self._agree(r, attempt, reason, numel, deadline, info)
+            d = self._agree(r, attempt, reason, numel, deadline, info, codec.name)
             if d == BEHIND:
                 return self._catch_up(r, numel, "the coordinator says this round is over")
             if not isinstance(d, Decision):
@@ -173,12 +188,12 @@ class Rounds(RoundControl):
                     return got
                 return self._catch_up(r, numel, "no present peer could hand over the average")
             assert own is not None
-            ex = self._exchange(d, own, numel)
+            ex = self._exchange(d, own, numel, codec)
             if ex.done:
                 return Outcome(ex.result, list(d.present), r, sorted(set(d.rejected) |
                                ex.dropped), list(d.missing), mode=ex.schedule.mode,
                                weights=dict(d.weights), next_h=d.next_h,
-                               next_h_why=d.why)
+                               next_h_why=d.why, codec=codec.name, next_codec=d.next_codec)
             self._event("round %d attempt %d failed: %s", r, attempt, ex.error)
             got = self._recover(r, [c for c in d.present if c != self.me], numel,
                                 wait=self.grace)
@@ -193,12 +208,13 @@ class Rounds(RoundControl):
             deadline = self.clock() + self.cfg.round_timeout
 
     def _agree(self, r: int, attempt: int, reason: str, numel: int, deadline: float,
-               info: RoundInfo) -> Decision | str | None:
+               info: RoundInfo, codec: str) -> Decision | str | None:
         """READY to the coordinator; wait for its decision (or BEHIND); None on time-out."""
         give_up = deadline + self.grace
         sent_to = None
         meta = {"op": "ready", "round": r, "attempt": attempt, "ok": not reason, "numel": numel,
-                "reason": reason, "lineage": self.lineage_before(r), "info": info.to_meta()}
+                "reason": reason, "lineage": self.lineage_before(r), "info": info.to_meta(),
+                "codec": codec}
         while True:
             with self.lock:
                 d = self.decisions.get((r, sent_to)) if sent_to else None
@@ -221,9 +237,10 @@ class Rounds(RoundControl):
                 sent_to = None
                 time.sleep(0.05)
 
-    def _exchange(self, d: Decision, own: OwnChunks, numel: int) -> RoundExchange:
+    def _exchange(self, d: Decision, own: OwnChunks, numel: int, codec: Codec
+                  ) -> RoundExchange:
         spans = chunk_spans(numel, self.cfg.chunk_numel, align=self.cfg.block_size)
-        sched = Schedule(self.me, d.present, len(spans), all_to_all=self.codec.sparse)
+        sched = Schedule(self.me, d.present, len(spans), all_to_all=codec.sparse)
         key = d.key
         ex_ref: list[RoundExchange] = []
 
@@ -237,9 +254,10 @@ class Rounds(RoundControl):
             if not self.net.send(dest, frame, bulk=True):
                 ex_ref[0].fail(f"no link to {dest}")
 
-        ex = RoundExchange(sched, spans, encode=self.codec.encode,
-                           decode=lambda enc: decode(self.codec, enc), send=send,
-                           weights=dict(d.weights), empty=self.empty, worker=True)
+        ex = RoundExchange(sched, spans, encode=codec.encode,
+                           decode=lambda enc: decode(codec, enc), send=send,
+                           weights=dict(d.weights), empty=self.empty, worker=True,
+                           codec=codec.name)
         ex_ref.append(ex)
         with self.lock:
             self.exchanges[key] = ex
@@ -299,11 +317,19 @@ class Rounds(RoundControl):
         if out.missing:
             self._event("round %d: completed without %s (gone, or not ready by the deadline)", r,
                         ", ".join(out.missing))
-        log.info("round %d done in %.2fs (%s): present %s%s%s", r, out.seconds, out.mode,
+        log.info("round %d done in %.2fs (%s%s): present %s%s%s%s", r, out.seconds, out.mode,
+                 f", {out.codec}" if self.cfg.auto_codec else "",
                  out.present, f", weighted by samples {out.weights}" if len(
                      set(out.weights.values())) > 1 else "",
-                 "" if out.next_h is None else f", next H {out.next_h}")
+                 "" if out.next_h is None else f", next H {out.next_h}",
+                 f", next codec {out.next_codec}" if out.next_codec and out.next_codec !=
+                 out.codec else "")
         self._finished(r, out)
+
+    def _codec_of(self, r: int) -> str:
+        """The codec a decision of round ``r`` says that round used ("" if none seen)."""
+        with self.lock:
+            return next((d.codec for (dr, _), d in self.decisions.items() if dr == r), "")
 
     # ------------------------------------------------------------------ for peers and workers
 

@@ -37,7 +37,7 @@ from typing import Any
 
 from nebula_cli.pki import CertPair, client_context, server_context
 from nebula_cli.relay import local
-from nebula_cli.relay.codecs import get_codec
+from nebula_cli.relay.codecs import codecs_of
 from nebula_cli.relay.config import RelayConfig
 from nebula_cli.relay.fetch import Fetcher
 from nebula_cli.relay.limits import Refusals, chunk_payload_cap
@@ -81,8 +81,8 @@ class Relay:
     def __init__(self, cfg: RelayConfig) -> None:
         self.cfg = cfg
         self.me = cfg.cluster
-        self.codec = get_codec(cfg.codec, block_size=cfg.block_size, density=cfg.density,
-                               bits=cfg.bits)
+        self.codecs = codecs_of(cfg.auto_codec.codecs if cfg.auto_codec else [cfg.codec],
+                                block_size=cfg.block_size, density=cfg.density, bits=cfg.bits)
         pair, ca = CertPair(Path(cfg.tls.cert), Path(cfg.tls.key)), Path(cfg.tls.ca)
         server_ctx = server_context(pair, ca)
         server_ctx.num_tickets = 0  # no post-handshake writes on the reader thread
@@ -105,7 +105,7 @@ class Relay:
                                refusals=self.refusals)
         # averages in memory a worker on this host maps (no copy on the way back)
         shared = local.shared_empty if cfg.worker_socket and local.supported() else None
-        self.rounds = Rounds(cfg, self.codec, _Net(self.peers, self.fetcher),
+        self.rounds = Rounds(cfg, self.codecs, _Net(self.peers, self.fetcher),
                              event=self.status.event, finished=self._finished,
                              refusals=self.refusals, empty=shared)
         self.workers = WorkerPort(self.me, cfg.job_id, server_ctx, self.rounds,
@@ -137,7 +137,8 @@ class Relay:
         log.info(
             "relay %s of job %s: peers on %s, workers on %s%s, codec %s, dials %s", self.me,
             self.cfg.job_id, self.cfg.peer_listen, self.cfg.worker_listen, local,
-            self.codec.name, self.cfg.dials or "nobody")
+            self.cfg.codec if not self.cfg.auto_codec else
+            f"auto ({', '.join(self.codecs)})", self.cfg.dials or "nobody")
 
     def _listen_locally(self) -> None:
         """The Unix socket for workers on this host, when the plan has one and the system
@@ -199,7 +200,7 @@ class Relay:
         return self.rounds.progress_meta()
 
     def _welcome(self) -> dict[str, Any]:
-        return {"cluster": self.me, "clusters": self.cfg.clusters, "codec": self.codec.name,
+        return {"cluster": self.me, "clusters": self.cfg.clusters, "codec": self.cfg.codec,
                 "round_timeout": self.cfg.round_timeout, **self._progress()}
 
     def _answer_result(self, round_id: int, wait: float, gone: Any) -> Average | None:

@@ -84,7 +84,8 @@ class Status:
                 "bytes_received_total": recv, "present": out.present, "missing": out.missing,
                 "rejected": out.rejected, "mode": out.mode,
                 "caught_up": out.global_state is not None, "weights": out.weights,
-                "next_h": out.next_h, "next_h_why": out.next_h_why or None})
+                "next_h": out.next_h, "next_h_why": out.next_h_why or None,
+                "codec": out.codec or None, "next_codec": out.next_codec or None})
             self._dirty = True
             self._queued += 1
             gen = self._queued

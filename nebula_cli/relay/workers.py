@@ -230,6 +230,7 @@ class WorkerPort:
                 raise _Refused("bad round id")
             out = self.rounds.local_round(round_id, x, RoundInfo.from_meta(m.get("info")))
             meta = {"round_id": out.round_id, "present": out.present, "next_h": out.next_h,
+                    "codec": out.codec,
                     "weights": out.weights,
                     "rejected": out.rejected, "missing": out.missing,
                     "seconds": out.seconds, "bytes_sent": out.bytes_sent,

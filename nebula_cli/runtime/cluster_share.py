@@ -13,6 +13,7 @@ import torch.distributed as dist
 
 from nebula_cli.errors import NebulaError
 from nebula_cli.relay.codec_base import all_finite
+from nebula_cli.relay.codecs import KNOWN_CODECS
 from nebula_cli.runtime.outer import SyncError
 from nebula_cli.runtime.settle import keep
 
@@ -65,7 +66,7 @@ class Shared:
     clusters: list[str] | None = None  # names, known on rank 0 only
     momentum: torch.Tensor | None = None  # with ``state``: the peer's outer momentum
     next_h: int | None = None  # inner_steps: auto: the H agreed for the next round
-
+    codec: str = ""  # the codec of the round whose average this is ("": not said)
 
 
 class ClusterShare:
@@ -80,7 +81,7 @@ class ClusterShare:
 
     def share(self, round_id: int, result: Any, error: BaseException | None) -> Shared:
         """Rank 0's round outcome (or failure), broadcast to every rank of the cluster."""
-        header = torch.zeros(9, dtype=torch.float64)
+        header = torch.zeros(10, dtype=torch.float64)
         payload = momentum = None
         if self.rank == 0:
             if error is None:
@@ -91,7 +92,8 @@ class ClusterShare:
                     [1.0, len(result.present), result.bytes_sent, result.bytes_received,
                      result.seconds, int(getattr(result, "round_id", round_id)),
                      float(state), float(momentum is not None),
-                     float(getattr(result, "next_h", None) or 0)], dtype=torch.float64)
+                     float(getattr(result, "next_h", None) or 0),
+                     float(_codec_index(getattr(result, "codec", "")))], dtype=torch.float64)
         self.broadcast(header)
         if header[0].item() != 1.0:
             if self.rank == 0:
@@ -113,7 +115,7 @@ class ClusterShare:
             present=int(header[1].item()), bytes_sent=int(header[2].item()),
             bytes_received=int(header[3].item()), seconds=header[4].item(),
             clusters=list(result.present) if self.rank == 0 else None, momentum=momentum,
-            next_h=int(header[8].item()) or None)
+            next_h=int(header[8].item()) or None, codec=_codec_name(int(header[9].item())))
 
     def check_result(self, round_id: int, result: Any
                       ) -> tuple[torch.Tensor | None, bool, BaseException | None]:
@@ -144,6 +146,15 @@ class ClusterShare:
             dist.broadcast(keep(tensor), src=0, group=self.group)
 
 
+def _codec_index(name: object) -> int:
+    """A codec's name as a number a broadcast carries (0: none said)."""
+    return KNOWN_CODECS.index(name) + 1 if name in KNOWN_CODECS else 0
+
+
+def _codec_name(index: int) -> str:
+    return KNOWN_CODECS[index - 1] if 0 < index <= len(KNOWN_CODECS) else ""
+
+
 def round_stats(shared: Shared, t0: float, delta: torch.Tensor) -> dict[str, Any]:
     """What OuterSync returns (and logs) after a round that started at ``t0``
     (``time.perf_counter``); ``delta``: this cluster's contribution."""
@@ -163,4 +174,6 @@ def round_stats(shared: Shared, t0: float, delta: torch.Tensor) -> dict[str, Any
         stats["clusters"] = shared.clusters
     if shared.next_h is not None:
         stats["next_inner_steps"] = shared.next_h
+    if shared.codec:
+        stats["codec"] = shared.codec
     return stats

@@ -62,6 +62,13 @@ def relay_client(cfg: SyncConfig | None, shapes: list[torch.Size]) -> Any:
         layout=sync_layout(shapes), local=cfg.relay_socket)
 
 
+def outer_by_codec(config: SyncConfig | None) -> dict[str, tuple[float, float]]:
+    """(outer lr, momentum) of a round by the codec it used (``compression: auto``)."""
+    if config is None:
+        return {}
+    return {c: (float(v[0]), float(v[1])) for c, v in config.outer_by_codec.items()}
+
+
 def resolve_settings(given: dict[str, Any], overlap_steps: int | None,
                      config: SyncConfig | None) -> dict[str, Any]:
     """OuterSync's settings: each from its argument, else from the plan's sync config (the

@@ -43,6 +43,7 @@ from nebula_cli.runtime.outer import OuterOptimizer, SyncError
 from nebula_cli.runtime.params import ParamIO, check_gradient_mode, full_shape, make_io
 from nebula_cli.runtime.settings import (
     LAYOUT_BYTES,
+    outer_by_codec,
     plan_config,
     relay_client,
     resolve_settings,
@@ -79,12 +80,11 @@ class OuterSync:
     Building an OuterSync on an engine tells the automatic hook (``runtime.engine``) to leave
     that engine to this object.
 
-    DiLoCo: a round happens after every ``inner_steps`` optimizer steps (``engine.global_steps``,
-    so gradient-accumulation micro-steps do not count). All ranks read theta_local from the fp32
-    master, the cluster's rank 0 (torch.distributed rank 0) calls ``averager.allreduce`` and
-    broadcasts the average to the other ranks (gloo, CPU), every rank applies the outer
-    optimizer and writes theta_global into its parameters and fp32 master copy. The inner
-    optimizer state (Adam moments) is kept.
+    DiLoCo: a round happens after every ``inner_steps`` optimizer steps (``engine.global_steps``).
+    All ranks read theta_local from the fp32 master, rank 0 calls ``averager.allreduce`` and
+    broadcasts the average (gloo, CPU), every rank applies the outer optimizer (with the
+    round's codec's settings under ``compression: auto``) and writes theta_global into its
+    parameters and fp32 master copy. The inner optimizer state (Adam moments) is kept.
 
     ``overlap=True`` (as in Streaming DiLoCo): at a boundary the round's delta (everything not
     yet averaged) is sent in a background thread and training goes on; once the average has
@@ -95,15 +95,12 @@ class OuterSync:
     exactly k steps after the boundary, waiting for it if needed (``k >= inner_steps``: at the
     next boundary, one round late).
 
-    A round in which no cluster was present (an empty ``present``) changes nothing: the local
-    progress carries into the next round's delta. A result with ``global_state`` (this cluster
-    was behind) replaces theta_global and the parameters, and the round counter jumps past it.
-
-    Gradient mode (ZeRO stage 0 only): ``after_backward`` replaces the cluster-averaged
-    gradients with the average over clusters at each gradient-accumulation boundary.
-
-    Supported: pure data parallelism inside a cluster (ZeRO 0 fp32, ZeRO 0 bf16/fp16 through
-    DeepSpeed's FP16_(Unfused)Optimizer master copy, ZeRO 1/2/3 in any precision).
+    A round with no cluster present changes nothing (the progress carries into the next delta);
+    one with ``global_state`` (this cluster was behind) replaces theta_global and the
+    parameters, and the round counter jumps past it. Gradient mode (ZeRO stage 0 only):
+    ``after_backward`` replaces the gradients with the average over clusters at each
+    gradient-accumulation boundary. Supported: pure data parallelism inside a cluster (ZeRO 0
+    fp32, ZeRO 0 bf16/fp16 through DeepSpeed's FP16_(Unfused)Optimizer, ZeRO 1/2/3).
     """
 
     def __init__(
@@ -150,6 +147,8 @@ class OuterSync:
         self.outer = OuterOptimizer(settings["outer_lr"], settings["outer_momentum"],
                                     settings["nesterov"]) if self.mode != "dry-run" else None
         self.round_timeout = float(settings.get("round_timeout") or 0.0)
+        explicit = outer_lr is not None or outer_momentum is not None  # then for every round
+        self._by_codec = outer_by_codec(None if explicit else self.config)
 
         self._distributed = dist.is_available() and dist.is_initialized()
         self.rank = dist.get_rank() if self._distributed else 0
@@ -416,6 +415,8 @@ class OuterSync:
             return True
         if shared.present == 0:
             return False
+        if shared.codec in self._by_codec:
+            self.outer.lr, self.outer.momentum = self._by_codec[shared.codec]
         self.outer.step(self.theta_global, shared.avg)
         self._publish(shared.round_id)
         return True

@@ -81,3 +81,36 @@ def test_auto_inner_steps_are_agreed_by_every_cluster(cli: CLI, tmp_path: Path) 
         for r in sorted(steps)[1:]:
             if r - 1 in steps and steps[r - 1][1] is not None:
                 assert steps[r][0] - steps[r - 1][0] == steps[r - 1][1], (cluster, steps)
+
+
+def test_auto_compression_switches_codec_in_every_cluster_at_once(cli: CLI,
+                                                                   tmp_path: Path) -> None:
+    """``compression: auto`` on a slow emulated link: the first rounds in int8 measure it, the
+    relays agree on topk from then on, each worker applies each round with its codec's outer
+    settings, and the clusters end identical."""
+    spec_path = short_spec(tmp_path, clusters={"east": ["e1"], "west": ["w1"]}, steps=60,
+                           inner=10, name="autocodec")
+    spec = yaml.safe_load(spec_path.read_text())
+    spec["relay"]["compression"] = "auto"
+    for name in ("outer_lr", "outer_momentum"):  # each codec's own
+        spec["relay"]["sync"].pop(name)
+    spec["relay"]["shaping"] = {"rate_mbit": 20, "delay_ms": 25}
+    spec_path.write_text(yaml.safe_dump(spec))
+    job_id = launch(cli, spec_path, {"inner_steps": "auto", "min_inner_steps": 3,
+                                     "max_inner_steps": 12, "target_utilization": 0.95})
+    check_finished_job(cli, job_id, workers=2, rounds=4)
+    rounds = {c: {r["round"]: r for r in relay_rounds(cli, job_id, c)
+                  if len(r["present"]) == 2} for c in ("east", "west")}
+    codecs = {c: {k: r["codec"] for k, r in v.items()} for c, v in rounds.items()}
+    assert codecs["east"] == codecs["west"], codecs
+    first, *rest = [codecs["east"][k] for k in sorted(codecs["east"])]
+    # int8 (1.3 MB a round at 20 Mbit/s) cannot reach 95 % within 12 steps; topk can
+    assert first == "int8" and rest and rest[-1] == "topk", codecs
+    switch = next(r for r in rounds["east"].values() if r["next_codec"] == "topk")
+    assert "topk for 95% utilisation" in switch["next_h_why"]
+    log = next((cli.home / "jobs" / job_id).glob("east/*/relay/logs/relay.log")).read_text()
+    assert "codec topk (topk for 95% utilisation" in log
+    applied = {(r["cluster"], r["outer_round"]): r.get("codec")
+               for r in metric_records(cli.home, job_id)
+               if r.get("outer_round") is not None and "round_s" in r}
+    assert {codec for codec in applied.values()} == {"int8", "topk"}, applied

@@ -3,6 +3,7 @@ middle of a run and restored later (test bed, root).
 
     .venv/bin/python bench/adaptive.py [--quick] [--json] [--mbit 20] [--cut 4] [--steps 1500]
                                        [--inner-steps 10] [--codec int8] [--target 0.95]
+                                       [--no-auto-codec]
 
 One test bed: clusters east (e1) and west (w1), one CPU worker each, the east-west link shaped to
 --mbit by the bed's tc, and 25 ms each way added by the relays. Three jobs of the same GPT
@@ -11,13 +12,16 @@ One test bed: clusters east (e1) and west (w1), one CPU worker each, the east-we
   (c) reference  a round only at the end, link unshaped: the seconds per step of training alone
   (f) fixed H    a round every --inner-steps steps
   (a) auto       ``inner_steps: auto`` with target_utilization --target (H from --min-h)
+  (x) auto codec (a) with ``compression: auto`` too (the relays choose int8 or topk each round;
+                 each codec's own outer settings); left out with --no-auto-codec
 
-In (f) and (a) the link is cut to --mbit / --cut when the slower worker reaches 1/3 of the steps
-(tc, while the job runs) and restored at 2/3. Utilisation over a window of steps = that many
+In (f), (a) and (x) the link is cut to --mbit / --cut when the slower worker reaches 1/3 of the
+steps (tc, while the job runs) and restored at 2/3. Utilisation over a window of steps = that many
 steps of (c)'s seconds per step / the window's wall time (the workers' own timestamps, every
 10 steps): ``utilization_after_cut`` is the window from the cut to the end of the run (the issue's
 "rest of the run"), also split into the cut phase and the restored phase; ``h_trace`` the H
-each round of (a) chose (the relays' ``next_h``). The codec defaults to int8 so that a round's
+each round of (a) chose (the relays' ``next_h``); ``codec_trace`` the codec each round of (x)
+used. The codec defaults to int8 so that a round's
 bytes take long enough on the link to matter (topk's 66 KB rounds hardly feel a 5 Mbit/s link
 at this model size). Goal (issue 14): utilization_after_cut >= 0.9 with auto, and H back down
 after the rate is restored.
@@ -37,10 +41,12 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _bed  # noqa: E402
 
-JSON_FIELDS = ("utilization_after_cut", "utilization_after_cut_fixed_h", "h_trace")
+JSON_FIELDS = ("utilization_after_cut", "utilization_after_cut_fixed_h", "h_trace",
+               "utilization_after_cut_auto_codec", "codec_trace")
 """Keys of the JSON object printed last with --json, first (then the detail)."""
 GOAL = 0.9
 QUICK = {"steps": 450}
+AUTO_CODEC = "auto codec"
 CLUSTERS = {"east": ["e1"], "west": ["w1"]}
 
 
@@ -60,6 +66,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="target_utilization of the auto job (default: the spec's)")
     p.add_argument("--codec", default="int8")
     p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--no-auto-codec", action="store_true",
+                   help="leave out the job with compression: auto")
     p.add_argument("--json", action="store_true", help="print one JSON object as the last line")
     args = p.parse_args(argv)
     args.steps = args.steps or (QUICK["steps"] if args.quick else 1500)
@@ -94,8 +102,10 @@ def run_job(neb: _bed.Nebula, bed: Any, tmp: Path, args: argparse.Namespace, kin
     """One job; (f) and (a) with the link cut at 1/3 and restored at 2/3 of the steps."""
     run = (f"python -u train.py --steps {args.steps} --eval-every {args.steps} "
            f"--log-every 10 --seed {args.seed}")
-    relay = {"sync": {"outer_lr": 0.6, "outer_momentum": 0.5, **sync_spec(args, kind)},
-             "compression": {"codec": args.codec}, "timeout": 600,
+    outer = {} if kind == AUTO_CODEC else {"outer_lr": 0.6, "outer_momentum": 0.5}
+    relay = {"sync": {**outer, **sync_spec(args, "auto" if kind == AUTO_CODEC else kind)},
+             "compression": {"codec": "auto" if kind == AUTO_CODEC else args.codec},
+             "timeout": 600,
              "shaping": {"rate_mbit": None,
                          "delay_ms": 0.0 if kind == "reference" else args.delay_ms}}
     spec = _bed.ssh_spec(tmp / f"{kind}.yaml", bed, name=f"adaptive-{kind}", clusters=CLUSTERS,
@@ -165,13 +175,14 @@ def main(argv: list[str] | None = None) -> int:
             _bed.make_bed(CLUSTERS, rate_mbit=args.mbit) as bed:
         neb = _bed.Nebula(bed, Path(tmp) / "home")
         try:
-            for kind in ("reference", "fixed", "auto"):
+            for kind in ("reference", "fixed", "auto", AUTO_CODEC)[
+                    :3 if args.no_auto_codec else 4]:
                 runs[kind] = run_job(neb, bed, Path(tmp), args, kind)
         finally:
             neb.cleanup()
     ref = runs["reference"]["s_per_step"]
     out: dict[str, Any] = {}
-    for kind in ("fixed", "auto"):
+    for kind in [k for k in runs if k != "reference"]:
         job = runs[kind]
         cut, back = job["marks"].get("cut"), job["marks"].get("restore")
         if cut is None or back is None:
@@ -193,10 +204,18 @@ def main(argv: list[str] | None = None) -> int:
             and r.get("next_inner_steps") is not None]
     h_cut = max((h for s, h in h_at if cut_step <= s < back_step), default=None)
     h_end = h_at[-1][1] if h_at else None
+    mixed = runs.get(AUTO_CODEC, {}).get("relays", [])
+    codec_trace = [r.get("codec") for r in mixed if r.get("cluster") == "east"]
     summary = {
         "utilization_after_cut": out["auto"]["after_cut"],
         "utilization_after_cut_fixed_h": out["fixed"]["after_cut"],
         "h_trace": [h for _, h in trace],
+        "utilization_after_cut_auto_codec": out.get(AUTO_CODEC, {}).get("after_cut"),
+        "codec_trace": codec_trace,
+        "h_trace_auto_codec": [r["next_h"] for r in mixed if r.get("cluster") == "east"
+                               and r.get("next_h") is not None],
+        "rounds_per_job": {k: len([r for r in v["relays"] if r.get("cluster") == "east"])
+                           for k, v in runs.items()},
         "h_while_cut_max": h_cut, "h_at_end": h_end,
         "h_came_down": h_cut is not None and h_end is not None and h_end < h_cut,
         "utilization": out, "reference_s_per_step": round(ref, 4),
@@ -218,6 +237,11 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\nutilization after the cut: auto {out['auto']['after_cut']}, fixed H "
           f"{args.inner_steps} {out['fixed']['after_cut']} (goal >= {GOAL} with auto)")
     print(f"H per round (auto): {summary['h_trace']}")
+    if mixed:
+        print(f"with compression: auto: utilization after the cut "
+              f"{summary['utilization_after_cut_auto_codec']}, codec per round "
+              f"{codec_trace}, H per round {summary['h_trace_auto_codec']}")
+    print(f"rounds per job: {summary['rounds_per_job']}")
     print(f"H while cut (max) {h_cut}, at the end {h_end}: "
           f"{'came back down' if summary['h_came_down'] else 'did NOT come down'}")
     if args.quick:

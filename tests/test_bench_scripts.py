@@ -22,7 +22,8 @@ SCRIPTS = {
     "relay_goodput": ("goodput_vs_iperf3", "tls_vs_plain", "link_mbit", "clusters"),
     "hetero": ("fast_cluster_utilization", "fast_cluster_utilization_fixed_h", "loss_gap",
                "loss_gap_fixed_h", "slowdown"),
-    "adaptive": ("utilization_after_cut", "utilization_after_cut_fixed_h", "h_trace"),
+    "adaptive": ("utilization_after_cut", "utilization_after_cut_fixed_h", "h_trace",
+                 "utilization_after_cut_auto_codec", "codec_trace"),
     "relay_loopback": ("end_to_end_vs_tcp", "tls_vs_tcp", "end_to_end_tls_vs_tcp",
                        "wan_hop_vs_tcp", "duplex_vs_tcp", "stages"),
 }

@@ -4,8 +4,11 @@ The coordinator of a round is the first cluster in the job's order among a relay
 connected peers. :class:`Coordinator` collects the READYs of a round (each with the cluster's
 lineage and its :class:`~nebula_cli.relay.cadence.RoundInfo`) and decides a :class:`Decision`
 as soon as every cluster still reachable is ready, or ``round_timeout`` after the first READY:
-who is present, missing, rejected or diverged, the weights of the average, and with
-``inner_steps: auto`` the next round's H. A READY for a round some relay already completed gets
+who is present, missing, rejected or diverged, the weights of the average, with
+``inner_steps: auto`` the next round's H, and with ``compression: auto`` the round's codec (the
+one named by the newest decision any READY knows; a cluster that encoded with another, e.g.
+after its relay restarted, is rejected and fetches the average) and the next round's
+(relay.codec_choice). A READY for a round some relay already completed gets
 :data:`BEHIND` (that cluster catches up instead).
 """
 
@@ -102,11 +105,15 @@ class _Collection:
     ready: dict[str, tuple[bool, int, str]] = field(default_factory=dict)  # ok, numel, reason
     lineage: dict[str, str] = field(default_factory=dict)
     info: dict[str, RoundInfo] = field(default_factory=dict)
-    codec: dict[str, str] = field(default_factory=dict)
+    codec: dict[str, tuple[str, int]] = field(default_factory=dict)
 
 
-def _most_common(names: list[str]) -> str:
-    """The name most often in ``names`` (the earliest of those tied); "" for none."""
+def _round_codec(said: list[tuple[str, int]]) -> str:
+    """A round's codec from what its READYs say (codec, round of the decision that named it):
+    the one named by the newest decision (a relay that restarted, or missed decisions, is the
+    one left out), then the most common, then the earliest in the job's order; "" for none."""
+    newest = max((r for _, r in said), default=-1)
+    names = [c for c, r in said if r == newest]
     return max(names, key=names.count, default="")
 
 
@@ -142,15 +149,18 @@ class Coordinator:
     def ready(
         self, round_id: int, attempt: int, cluster: str, *, ok: bool, numel: int, reason: str = "",
         now: float, newest_done: int, lineage: str = GENESIS,
-        expected: Sequence[str] | None = None, info: RoundInfo | None = None, codec: str = "",
+        expected: Sequence[str] | None = None, info: RoundInfo | None = None,
+        codec: tuple[str, int] = ("", -1),
     ) -> Decision | str | None:
         """Record a READY; returns a Decision (new or remembered), BEHIND, or None (wait).
 
-        ``expected``: the clusters that can still be ready (this relay and its connected peers;
-        default every cluster of the job): once they all are, the round is decided without
-        waiting for the others. A READY for a later attempt of an open round carries the
-        collection over to that attempt (a cluster that never saw the failed attempt's decision
-        and one that retries it end up in the same decision)."""
+        ``codec``: the codec the cluster encoded with and the round of the decision that named
+        it (-1: none since its relay started). ``expected``: the clusters that can still be
+        ready (this relay and its connected peers; default every cluster of the job): once they
+        all are, the round is decided without waiting for the others. A READY for a later
+        attempt of an open round carries the collection over to that attempt (a cluster that
+        never saw the failed attempt's decision and one that retries it end up in the same
+        decision)."""
         with self._lock:
             old = self._decided.get(round_id)
             if old is not None and attempt <= old.attempt:
@@ -215,8 +225,9 @@ class Coordinator:
         order = [c for c in self.clusters if c in col.ready]
         ok = [c for c in order if col.ready[c][0]]
         numel = col.ready[ok[0]][1] if ok else 0
-        codec = _most_common([col.codec[c] for c in ok]) if self.auto_codec else ""
-        fitting = [c for c in ok if col.ready[c][1] == numel and col.codec[c] == codec]
+        codec = _round_codec([col.codec[c] for c in ok]) if self.auto_codec else ""
+        fitting = [c for c in ok if col.ready[c][1] == numel
+                   and (not self.auto_codec or col.codec[c][0] == codec)]
         lost = diverged({c: col.lineage[c] for c in fitting}, self.clusters)
         present = [c for c in fitting if c not in lost]
         rejected = [c for c in order if c not in fitting]

@@ -95,9 +95,11 @@ def choose_codec(auto: AutoCodec, steps: AutoSteps | None, current: str,
     bytes per element. Notes the measurement in ``costs``."""
     timed = [i for i in infos.values() if i.comm_s is not None and i.codec in nbytes]
     step_times = [i.step_s for i in infos.values() if i.step_s is not None]
-    if timed:
-        cheapest = min(timed, key=lambda i: i.comm_s or 0.0)
-        costs.note(str(cheapest.codec), float(cheapest.comm_s or 0.0))
+    if timed:  # the codec most clusters' previous round used (a fetched round may differ)
+        names = [i.codec for i in timed]
+        used = max(names, key=names.count)
+        cheapest = min((i for i in timed if i.codec == used), key=lambda i: i.comm_s or 0.0)
+        costs.note(str(used), float(cheapest.comm_s or 0.0))
     if not step_times or not timed:
         return None
     t, u = max(step_times), auto.target_utilization

@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from nebula_cli.relay.cadence import CODEC_CHARS
 from nebula_cli.relay.framing import tensor_frames
 from nebula_cli.relay.limits import MAX_REQUESTS_PER_LINK, Gate, Refusals
 from nebula_cli.relay.lineage import UNKNOWN
@@ -128,7 +129,8 @@ class Fetcher:
                 return None
             if meta["op"] == "result":
                 return Average(int(m["round"]), [str(c) for c in m.get("present", [])],
-                               [str(c) for c in m.get("rejected", [])], fetch.tensor)
+                               [str(c) for c in m.get("rejected", [])], fetch.tensor,
+                               str(m.get("codec") or "")[:CODEC_CHARS])
             return GlobalState(int(m["round"]), fetch.tensor, str(m.get("lineage", UNKNOWN)),
                                parts)
         except (LinkDown, KeyError, TypeError, ValueError):
@@ -185,7 +187,8 @@ class Fetcher:
                 frames = [Frame(FrameType.RESULT, {"req": req, "status": "none"})] if avg is None \
                     else tensor_frames(FrameType.RESULT, {
                         "req": req, "status": "ok", "round": avg.round_id,
-                        "present": avg.present, "rejected": avg.rejected}, avg.tensor, chunk)
+                        "present": avg.present, "rejected": avg.rejected, "codec": avg.codec},
+                        avg.tensor, chunk)
             else:
                 wait = min(float(m.get("wait", 0)), self.max_wait)
                 st = self._answer_state(int(m.get("min_round", -1)), wait)

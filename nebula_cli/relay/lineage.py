@@ -61,10 +61,12 @@ def tensor_digest(x: torch.Tensor) -> str:
     return h.hexdigest()
 
 
-def advance(prev: str, round_id: int, present: Sequence[str], average: torch.Tensor) -> str:
-    """The lineage after ``round_id`` applied ``average`` (of ``present``) on top of ``prev``."""
+def advance(prev: str, round_id: int, present: Sequence[str], average: torch.Tensor,
+            codec: str = "") -> str:
+    """The lineage after ``round_id`` applied ``average`` (of ``present``, encoded with
+    ``codec``: its workers apply it with that codec's outer settings) on top of ``prev``."""
     h = hashlib.blake2b(digest_size=16)
-    h.update(f"{prev}|{round_id}|{','.join(sorted(present))}|".encode())
+    h.update(f"{prev}|{round_id}|{','.join(sorted(present))}|{codec}|".encode())
     h.update(tensor_digest(average).encode())
     return h.hexdigest()
 

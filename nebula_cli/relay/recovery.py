@@ -58,8 +58,9 @@ class Recovery(RoundState):
                 continue
             missing = sorted(set(self.cfg.clusters) - set(got.present) - set(got.rejected))
             with self.lock:
-                self.average = Average(r, got.present, got.rejected, got.tensor)
-            return Outcome(got.tensor, got.present, r, got.rejected, missing, mode="fetched")
+                self.average = Average(r, got.present, got.rejected, got.tensor, got.codec)
+            return Outcome(got.tensor, got.present, r, got.rejected, missing, mode="fetched",
+                           codec=got.codec)
         return None
 
     def _catch_up(self, r: int, numel: int, why: str) -> Outcome:
@@ -68,7 +69,8 @@ class Recovery(RoundState):
         with self.lock:
             avg = self.average
         if avg is not None and avg.round_id == r:
-            return Outcome(avg.tensor, avg.present, r, avg.rejected, mode="cached")
+            return Outcome(avg.tensor, avg.present, r, avg.rejected, mode="cached",
+                           codec=avg.codec)
         got = self._recover(r, self.net.holders(r), numel)
         if got is not None:
             return got
@@ -162,14 +164,14 @@ class Recovery(RoundState):
         return Outcome(torch.zeros(numel), [], st.round_id, global_state=st.tensor, mode=mode,
                        lineage=st.lineage)
 
-    def _alone(self, r: int, x: torch.Tensor | None, numel: int) -> Outcome:
+    def _alone(self, r: int, x: torch.Tensor | None, numel: int, codec: Codec) -> Outcome:
         others = [c for c in self.cfg.clusters if c != self.me]
         if x is None:
             return Outcome(torch.zeros(numel), [], r, [self.me], others, mode="alone")
-        avg = decode(self.codec, self.codec.encode(x))
+        avg = decode(codec, codec.encode(x))
         with self.lock:
-            self.average = Average(r, [self.me], [], avg)
-        return Outcome(avg, [self.me], r, [], others, mode="alone")
+            self.average = Average(r, [self.me], [], avg, codec.name)
+        return Outcome(avg, [self.me], r, [], others, mode="alone", codec=codec.name)
 
 
 __all__ = ["Recovery"]

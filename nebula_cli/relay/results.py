@@ -45,6 +45,9 @@ class Average:
     present: list[str]
     rejected: list[str]
     tensor: torch.Tensor
+    codec: str = ""
+    """The round's codec (``compression: auto``: the worker applies it with that codec's outer
+    settings; "" for one codec)."""
 
 
 STATE_PARTS = (1, 2)

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 from nebula_cli.relay.agreement import BEHIND, Coordinator, Decision
 from nebula_cli.relay.allreduce import ExchangeError, RoundExchange
-from nebula_cli.relay.cadence import RoundInfo
+from nebula_cli.relay.cadence import CODEC_CHARS, RoundInfo
 from nebula_cli.relay.codecs import Codec, CodecError, Encoded, chunk_spans
 from nebula_cli.relay.limits import (
     MAX_OPEN_ROUNDS,
@@ -222,7 +222,8 @@ class RoundControl(Recovery):
             int(m["round"]), attempt, cluster, ok=bool(m["ok"]), numel=int(m["numel"]),
             reason=str(m.get("reason", "")), now=self.clock(), newest_done=self.newest_done(),
             lineage=str(m.get("lineage", UNKNOWN)), expected=self._reachable(),
-            info=RoundInfo.from_meta(m.get("info")))
+            info=RoundInfo.from_meta(m.get("info")),
+            codec=(str(m.get("codec") or "")[:CODEC_CHARS], int(m.get("codec_round", -1))))
         if res == BEHIND:
             self._tell_behind(cluster, int(m["round"]))
         elif isinstance(res, Decision):

@@ -110,7 +110,7 @@ class RoundState:
             if out.global_state is not None:
                 new = out.lineage or UNKNOWN
             elif out.present:
-                new = advance(prev, out.round_id, out.present, out.tensor)
+                new = advance(prev, out.round_id, out.present, out.tensor, out.codec)
             else:
                 new = prev
             self.lineage = new

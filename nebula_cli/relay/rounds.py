@@ -132,9 +132,9 @@ class Rounds(RoundControl):
             t0 = self.clock()
             sent0, recv0 = self.net.wan_bytes()
             with self.lock:
-                codec = self.codec
+                codec, known = self.codec, self.codec_round
             info = dataclasses.replace(info or RoundInfo(), codec=self.prev_codec)
-            out = self._run_round(round_id, x, info, codec)
+            out = self._run_round(round_id, x, info, codec, known)
             out.codec = out.codec or self._codec_of(round_id) or codec.name
             self.prev_codec = out.codec
             sent1, recv1 = self.net.wan_bytes()
@@ -143,7 +143,9 @@ class Rounds(RoundControl):
             self._finish_round(round_id, out)
             return out
 
-    def _run_round(self, r: int, x: torch.Tensor, info: RoundInfo, codec: Codec) -> Outcome:
+    def _run_round(self, r: int, x: torch.Tensor, info: RoundInfo, codec: Codec,
+                   known: int) -> Outcome:
+        """``known``: the round whose decision named ``codec`` (-1: none seen since start)."""
         numel = x.numel()
         reason = check_contribution(x, codec)
         if reason:
@@ -161,7 +163,7 @@ class Rounds(RoundControl):
         self.set_phase(r, "agreeing")
         attempt = 0
         while True:
-            d = self._agree(r, attempt, reason, numel, deadline, info, codec.name)
+            d = self._agree(r, attempt, reason, numel, deadline, info, (codec.name, known))
             if d == BEHIND:
                 return self._catch_up(r, numel, "the coordinator says this round is over")
             if not isinstance(d, Decision):
@@ -170,7 +172,7 @@ class Rounds(RoundControl):
                 got = self._recover(r, self.net.connected(), numel)
                 if got is not None:
                     return got
-                return self._alone(r, x if own else None, numel)
+                return self._alone(r, x if own else None, numel, codec)
             step = after_decision(self.me, d, own_ok=own is not None)
             if step == RESYNC:
                 return self._resync(r, list(d.present), numel)
@@ -208,13 +210,13 @@ class Rounds(RoundControl):
             deadline = self.clock() + self.cfg.round_timeout
 
     def _agree(self, r: int, attempt: int, reason: str, numel: int, deadline: float,
-               info: RoundInfo, codec: str) -> Decision | str | None:
+               info: RoundInfo, codec: tuple[str, int]) -> Decision | str | None:
         """READY to the coordinator; wait for its decision (or BEHIND); None on time-out."""
         give_up = deadline + self.grace
         sent_to = None
         meta = {"op": "ready", "round": r, "attempt": attempt, "ok": not reason, "numel": numel,
                 "reason": reason, "lineage": self.lineage_before(r), "info": info.to_meta(),
-                "codec": codec}
+                "codec": codec[0], "codec_round": codec[1]}
         while True:
             with self.lock:
                 d = self.decisions.get((r, sent_to)) if sent_to else None
@@ -291,7 +293,8 @@ class Rounds(RoundControl):
             self.phase[d.round] = "done" if ex.done else "recovering"
             if ex.done:
                 self.average = Average(d.round, list(d.present),
-                                       sorted(set(d.rejected) | ex.dropped), ex.result)
+                                       sorted(set(d.rejected) | ex.dropped), ex.result,
+                                       ex.codec)
             self.cv.notify_all()
         if not ex.done:
             for c in sched.others:

@@ -46,7 +46,7 @@ JSON_FIELDS = ("utilization_after_cut", "utilization_after_cut_fixed_h", "h_trac
 """Keys of the JSON object printed last with --json, first (then the detail)."""
 GOAL = 0.9
 QUICK = {"steps": 450}
-AUTO_CODEC = "auto codec"
+AUTO_CODEC = "auto-codec"
 CLUSTERS = {"east": ["e1"], "west": ["w1"]}
 
 

@@ -3,7 +3,7 @@ middle of a run and restored later (test bed, root).
 
     .venv/bin/python bench/adaptive.py [--quick] [--json] [--mbit 20] [--cut 4] [--steps 1500]
                                        [--inner-steps 10] [--codec int8] [--target 0.95]
-                                       [--no-auto-codec]
+                                       [--no-auto-codec] [--tcp reno]
 
 One test bed: clusters east (e1) and west (w1), one CPU worker each, the east-west link shaped to
 --mbit by the bed's tc, and 25 ms each way added by the relays. Three jobs of the same GPT
@@ -23,7 +23,10 @@ steps of (c)'s seconds per step / the window's wall time (the workers' own times
 each round of (a) chose (the relays' ``next_h``); ``codec_trace`` the codec each round of (x)
 used. The codec defaults to int8 so that a round's
 bytes take long enough on the link to matter (topk's 66 KB rounds hardly feel a 5 Mbit/s link
-at this model size). Goal (issue 14): utilization_after_cut >= 0.9 with auto, and H back down
+at this model size). The hosts' TCP is reno unless --tcp says otherwise (as in
+bench/relay_goodput.py: loss-based like Linux's default cubic; --tcp system keeps this machine's
+own, bbr, which on the bed's links without base delay slows the relays' duplex connections).
+Goal (issue 14): utilization_after_cut >= 0.9 with auto, and H back down
 after the rate is restored.
 """
 
@@ -40,6 +43,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _bed  # noqa: E402
+import _clusters  # noqa: E402
 
 JSON_FIELDS = ("utilization_after_cut", "utilization_after_cut_fixed_h", "h_trace",
                "utilization_after_cut_auto_codec", "codec_trace")
@@ -66,11 +70,17 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="target_utilization of the auto job (default: the spec's)")
     p.add_argument("--codec", default="int8")
     p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--tcp", default=None,
+                   help="the bed hosts' TCP congestion control, or 'system' for this machine's "
+                        "(default: reno)")
     p.add_argument("--no-auto-codec", action="store_true",
                    help="leave out the job with compression: auto")
     p.add_argument("--json", action="store_true", help="print one JSON object as the last line")
     args = p.parse_args(argv)
     args.steps = args.steps or (QUICK["steps"] if args.quick else 1500)
+    args.tcp = args.tcp or _clusters.TCP
+    args.tcp_label = args.tcp if args.tcp != "system" else f"system ({_clusters.system_tcp()})"
+    args.tcp = None if args.tcp == "system" else args.tcp
     if args.steps < 30 or args.cut <= 1 or args.mbit <= 0:
         p.error("--steps >= 30, --cut > 1, --mbit > 0")
     return args
@@ -172,7 +182,7 @@ def main(argv: list[str] | None = None) -> int:
     _bed.require_bed()
     runs: dict[str, dict[str, Any]] = {}
     with tempfile.TemporaryDirectory(prefix="nebula-adaptive-") as tmp, \
-            _bed.make_bed(CLUSTERS, rate_mbit=args.mbit) as bed:
+            _bed.make_bed(CLUSTERS, rate_mbit=args.mbit, tcp=args.tcp) as bed:
         neb = _bed.Nebula(bed, Path(tmp) / "home")
         try:
             for kind in ("reference", "fixed", "auto", AUTO_CODEC)[
@@ -224,7 +234,7 @@ def main(argv: list[str] | None = None) -> int:
         "settings": {"steps": args.steps, "mbit": args.mbit, "cut": args.cut,
                      "delay_ms": args.delay_ms, "inner_steps": args.inner_steps,
                      "min_h": args.min_h, "target": args.target, "codec": args.codec,
-                     "seed": args.seed, "quick": args.quick},
+                     "seed": args.seed, "quick": args.quick, "tcp": args.tcp_label},
         "marks": {k: r["marks"] for k, r in runs.items() if k != "reference"},
         "load": [round(r["load"], 2) for r in runs.values()],
         "goals_met": {"utilization_after_cut": (out["auto"]["after_cut"] or 0) >= GOAL},

@@ -17,7 +17,7 @@ import torch
 from plan_defaults import relay_defaults
 
 from nebula_cli.relay.agreement import Decision
-from nebula_cli.relay.codecs import codecs_of, get_codec
+from nebula_cli.relay.codecs import get_codec, relay_codecs
 from nebula_cli.relay.config import RelayConfig
 from nebula_cli.relay.limits import (
     CHUNK_SLACK,
@@ -64,9 +64,7 @@ class Hub:
         self.outcomes: dict[str, list[Outcome]] = {c: [] for c in clusters}
         self.rounds = {
             c: Rounds(cfg := config(c, clusters, **kw),
-                      codecs_of(cfg.auto_codec.codecs if cfg.auto_codec else [cfg.codec],
-                                block_size=cfg.block_size, density=cfg.density,
-                                bits=cfg.bits), FakeNet(self, c),
+                      relay_codecs(cfg), FakeNet(self, c),
                       event=lambda msg, *a, c=c: self.events[c].append(msg % a),
                       finished=lambda r, out, c=c: self.outcomes[c].append(out),
                       refusals=Refusals())

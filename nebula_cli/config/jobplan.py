@@ -184,12 +184,12 @@ def sync_config(spec: JobSpec, job_id: str, cluster: ClusterSpec, adir: str, *,
     relay = spec.relay
     assert relay is not None  # only for a spec with a relay
     sync, comp = relay.sync, relay.compression
+    first_lr, first_momentum = relay.outer_for(comp.codecs[0])
     return SyncConfig(
         job_id=job_id, cluster=cluster.name, relay_addr=relay_addr, relay_socket=relay_socket,
         tls=tls_files(adir, WORKER), mode=sync.mode, inner_steps=sync.first_inner_steps,
         every_s=sync.every, auto_steps=auto_steps(spec),
-        outer_lr=relay.outer_for(comp.codecs[0])[0],
-        outer_momentum=relay.outer_for(comp.codecs[0])[1],
+        outer_lr=first_lr, outer_momentum=first_momentum,
         outer_by_codec={c: list(relay.outer_for(c)) for c in comp.codecs},
         nesterov=sync.nesterov, overlap=sync.overlap,
         overlap_steps=sync.overlap_steps, codec=comp.codec,

@@ -173,7 +173,7 @@ class RoundExchange:
             raise ValueError("bounds and schedule disagree on the number of chunks")
         self.schedule = schedule
         self.codec = codec
-        """The round's codec by name: chunks encoded with another are refused ("": any)."""
+        """The round's codec by name: chunks encoded with another are refused."""
         self.bounds = list(bounds)
         self._encode = encode
         self._decode = decode

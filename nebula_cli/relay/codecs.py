@@ -34,6 +34,7 @@ from typing import Any, ClassVar
 
 import torch
 
+from nebula_cli.config.relay_config import RelayConfig
 from nebula_cli.relay.codec_base import (
     Codec,
     CodecError,
@@ -260,6 +261,12 @@ def codecs_of(names: list[str] | tuple[str, ...], *, block_size: int = DEFAULT_B
     """name -> codec for each of ``names`` (a relay's candidates with ``compression: auto``,
     else its one codec), in order."""
     return {n: get_codec(n, block_size=block_size, density=density, bits=bits) for n in names}
+
+
+def relay_codecs(cfg: RelayConfig) -> dict[str, Codec]:
+    """The codecs a relay's rounds may use: ``compression: auto``'s candidates, else its one."""
+    return codecs_of(cfg.auto_codec.codecs if cfg.auto_codec else [cfg.codec],
+                     block_size=cfg.block_size, density=cfg.density, bits=cfg.bits)
 
 
 def decode(

@@ -135,7 +135,7 @@ class Rounds(RoundControl):
                 codec, known = self.codec, self.codec_round
             info = dataclasses.replace(info or RoundInfo(), codec=self.prev_codec)
             out = self._run_round(round_id, x, info, codec, known)
-            out.codec = out.codec or self._codec_of(round_id) or codec.name
+            out.codec = out.codec or codec.name  # averages carry theirs; the rest apply none
             self.prev_codec = out.codec
             sent1, recv1 = self.net.wan_bytes()
             out.seconds = self.clock() - t0
@@ -328,11 +328,6 @@ class Rounds(RoundControl):
                  f", next codec {out.next_codec}" if out.next_codec and out.next_codec !=
                  out.codec else "")
         self._finished(r, out)
-
-    def _codec_of(self, r: int) -> str:
-        """The codec a decision of round ``r`` says that round used ("" if none seen)."""
-        with self.lock:
-            return next((d.codec for (dr, _), d in self.decisions.items() if dr == r), "")
 
     # ------------------------------------------------------------------ for peers and workers
 

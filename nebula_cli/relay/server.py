@@ -37,7 +37,7 @@ from typing import Any
 
 from nebula_cli.pki import CertPair, client_context, server_context
 from nebula_cli.relay import local
-from nebula_cli.relay.codecs import codecs_of
+from nebula_cli.relay.codecs import relay_codecs
 from nebula_cli.relay.config import RelayConfig
 from nebula_cli.relay.fetch import Fetcher
 from nebula_cli.relay.limits import Refusals, chunk_payload_cap
@@ -81,8 +81,7 @@ class Relay:
     def __init__(self, cfg: RelayConfig) -> None:
         self.cfg = cfg
         self.me = cfg.cluster
-        self.codecs = codecs_of(cfg.auto_codec.codecs if cfg.auto_codec else [cfg.codec],
-                                block_size=cfg.block_size, density=cfg.density, bits=cfg.bits)
+        self.codecs = relay_codecs(cfg)
         pair, ca = CertPair(Path(cfg.tls.cert), Path(cfg.tls.key)), Path(cfg.tls.ca)
         server_ctx = server_context(pair, ca)
         server_ctx.num_tickets = 0  # no post-handshake writes on the reader thread

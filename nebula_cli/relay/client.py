@@ -145,6 +145,9 @@ class RelayClient:
         self.layout = layout
         """What this cluster syncs ({shapes, dtypes}), told to the relay at HELLO: it fixes the
         size that caps what peers can make the relay hold."""
+        self._released: list[int] = []
+        """Tokens of averages the relay lent (shared memory) that nothing here maps any more:
+        the next contribution tells the relay, which then builds averages in them again."""
 
     # ------------------------------------------------------------------ API
 
@@ -162,13 +165,16 @@ class RelayClient:
 
         def call(sock: Conn) -> RoundResult:
             t0 = time.perf_counter()
-            send_tensor(sock, FrameType.CONTRIB, meta, tensor)
+            released = self._take_released()
+            send_tensor(sock, FrameType.CONTRIB, {**meta, "released": released}, tensor)
             t1 = time.perf_counter()
             sock.settimeout(self.result_timeout)
             head = self._expect(sock, FrameType.RESULT)
             t2 = time.perf_counter()
             m = head.meta
-            avg = recv_tensor(sock, FrameType.RESULT, m.get("numel"))
+            token = _positive_int(m.get("shm"))
+            avg = recv_tensor(sock, FrameType.RESULT, m.get("numel"), on_unmap=None if (
+                token is None) else lambda: self._released.append(token))
             state = momentum = None
             if m.get("has_state"):
                 shead = self._expect(sock, FrameType.STATE)
@@ -265,6 +271,12 @@ class RelayClient:
         self.close()
 
     # ------------------------------------------------------------------ internals
+
+    def _take_released(self) -> list[int]:
+        out = []
+        while self._released:  # appended from finalizers, on any thread
+            out.append(self._released.pop())
+        return out
 
     def _call(self, fn: Any, what: str) -> Any:
         """Run ``fn(sock)``; on a lost connection reconnect (backoff) and run it again."""

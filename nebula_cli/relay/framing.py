@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 import socket
 import ssl
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -90,13 +91,15 @@ def check_numel(numel: Any, max_numel: int) -> int:
 
 
 def recv_tensor(sock: socket.socket, ftype: FrameType, numel: int,
-                max_numel: int = MAX_TENSOR_NUMEL) -> torch.Tensor:
+                max_numel: int = MAX_TENSOR_NUMEL,
+                on_unmap: Callable[[], None] | None = None) -> torch.Tensor:
     """Read the chunk frames of a tensor of ``numel`` elements announced by a header frame
-    (on a LocalConn: map the memfd that came with it); nothing is allocated or mapped unless
-    ``numel <= max_numel``."""
+    (on a LocalConn: map the memfd that came with it; ``on_unmap`` runs once nothing maps it
+    any more); nothing is allocated or mapped unless ``numel <= max_numel``."""
     numel = check_numel(numel, max_numel)
     if isinstance(sock, LocalConn):
-        return from_memfd(sock.take_fd(), numel, sock.seals) if numel else torch.empty(0)
+        return (from_memfd(sock.take_fd(), numel, sock.seals, on_unmap) if numel
+                else torch.empty(0))
     out = torch.empty(numel, dtype=torch.float32)
     dest = memoryview(out.numpy()).cast("B") if numel else memoryview(b"")
     head = bytearray(HEADER_SIZE)

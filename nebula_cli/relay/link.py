@@ -1,8 +1,11 @@
-"""One live peer link: a mutually authenticated TLS connection to another cluster's relay,
-with a sender thread and a receiver thread, frame I/O and liveness.
+"""One live peer link: a mutually authenticated connection to another cluster's relay, with a
+sender thread and a receiver thread, frame I/O and liveness.
 
-Both threads use the socket through :class:`DuplexTLS`, which serialises their OpenSSL calls
-(two threads may not be inside SSL_read and SSL_write at once) and waits outside its lock.
+The connection is AES-GCM records keyed inside the link's TLS handshake
+(:class:`~nebula_cli.relay.records.RecordConn`: each thread has its own direction), or TLS
+itself when the peer did not offer records; then both threads use the socket through
+:class:`DuplexTLS`, which serialises their OpenSSL calls (two threads may not be inside
+SSL_read and SSL_write at once) and waits outside its lock.
 Control frames jump ahead of bulk ones; WAN shaping is applied on the sender; an idle link
 carries heartbeats; :attr:`PeerLink.last_rx` tells the relay's ticker whether it is alive.
 What a frame means is not this module's business: received frames go to ``on_frame``.
@@ -20,10 +23,12 @@ from collections.abc import Callable
 from typing import Any
 
 from nebula_cli.errors import NebulaError
+from nebula_cli.relay.buffers import BufferPool
 from nebula_cli.relay.codecs import CodecError
 from nebula_cli.relay.config import ShapingConfig
 from nebula_cli.relay.duplex import DuplexTLS
 from nebula_cli.relay.framing import send_frames
+from nebula_cli.relay.records import RecordConn
 from nebula_cli.relay.shaping import Shaper
 from nebula_cli.relay.wire import (
     HEADER_SIZE,
@@ -35,6 +40,9 @@ from nebula_cli.relay.wire import (
     encode_meta,
     recv_frame,
 )
+
+LinkConn = ssl.SSLSocket | RecordConn
+"""What a link runs on: AES-GCM records after the TLS handshake, or TLS."""
 
 
 class LinkDown(NebulaError):
@@ -63,16 +71,25 @@ class PeerLink:
     largest payload accepted in the next frame (checked before it is allocated).
     """
 
-    def __init__(self, cluster: str, sock: ssl.SSLSocket, hello: dict[str, Any], *,
+    def __init__(self, cluster: str, conn: LinkConn, hello: dict[str, Any], *,
                  shaping: ShapingConfig, heartbeat: float,
                  on_frame: Callable[[PeerLink, Frame], None],
                  on_close: Callable[[PeerLink, str], None],
                  beat: Callable[[], dict[str, Any]], payload_cap: Callable[[], int]) -> None:
         self.cluster = cluster
-        self.sock = sock
-        self.io = DuplexTLS(sock)
+        self.io: RecordConn | DuplexTLS
+        if isinstance(conn, RecordConn):
+            self.sock: socket.socket = conn.sock
+            self.io = conn
+            conn.on_recv = self._touch  # a large record on a slow link still shows traffic
+        else:
+            self.sock, self.io = conn, DuplexTLS(conn)
+        self.records = isinstance(conn, RecordConn)
+        """The link runs on AES-GCM records (False: on TLS)."""
+        self.buffers = BufferPool()
+        """Where received payloads land: a round's chunks in the last rounds' memory."""
         self.last_rx = time.monotonic()
-        self.addr = peer_addr(sock)
+        self.addr = peer_addr(self.sock)
         self.shaper = Shaper.from_config(shaping)
         self.heartbeat = heartbeat
         self.hello = hello
@@ -98,6 +115,9 @@ class PeerLink:
             threading.Thread(target=self._send_loop, name=f"relay-send-{cluster}", daemon=True),
             threading.Thread(target=self._recv_loop, name=f"relay-recv-{cluster}", daemon=True),
         ]
+
+    def _touch(self) -> None:
+        self.last_rx = time.monotonic()
 
     def start(self) -> None:
         for t in self._threads:
@@ -187,7 +207,8 @@ class PeerLink:
         watched: Any = _Watched(self)
         try:
             while not self.closed:
-                frame = recv_frame(watched, max_payload=self._payload_cap)
+                frame = recv_frame(watched, max_payload=self._payload_cap,
+                                   alloc=self.buffers.get)
                 self.bytes_received += (HEADER_SIZE + len(encode_meta(frame.meta))
                                         + len(frame.payload))
                 if frame.type == FrameType.BYE:

@@ -30,6 +30,7 @@ from __future__ import annotations
 import array
 import contextlib
 import fcntl
+import itertools
 import mmap
 import os
 import socket
@@ -38,6 +39,8 @@ import struct
 import sys
 import threading
 import weakref
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -55,6 +58,9 @@ SHORT_PATH = 100
 """Socket paths longer than this (sun_path holds 108 bytes) are bound and dialled through
 /proc/self/fd/N of their directory."""
 _WRITE_PIECE = 1 << 30  # os.write moves at most ~2 GiB per call on Linux
+MAX_POOLED_RESULTS = 4
+"""Averages' memfds a relay keeps to use again (:class:`SharedPool`): the two rounds it holds,
+the one its worker maps, and one free."""
 
 
 class LocalError(NebulaError):
@@ -228,6 +234,12 @@ def shared_empty(numel: int) -> torch.Tensor:
     tensor over that memory is gone."""
     if not numel:
         return torch.empty(0)
+    return torch.frombuffer(_shared_map(numel), dtype=torch.float32)  # keeps the mapping alive
+
+
+def _shared_map(numel: int) -> mmap.mmap:
+    """The shared mapping of a new memfd of ``numel`` fp32 elements, registered for
+    :func:`to_memfd` until the mapping is gone."""
     fd = os.memfd_create("nebula-result", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
     try:
         os.ftruncate(fd, 4 * numel)
@@ -237,11 +249,82 @@ def shared_empty(numel: int) -> torch.Tensor:
     except BaseException:
         os.close(fd)
         raise
-    tensor = torch.frombuffer(mm, dtype=torch.float32)  # keeps the mapping alive
+    ptr = _address(mm)
     with _shared_lock:
-        _shared[tensor.data_ptr()] = (fd, 4 * numel)
-    weakref.finalize(mm, _unshare, tensor.data_ptr(), fd)  # runs before the unmap
-    return tensor
+        _shared[ptr] = (fd, 4 * numel)
+    weakref.finalize(mm, _unshare, ptr, fd)  # runs before the unmap
+    return mm
+
+
+def _address(mm: mmap.mmap) -> int:
+    return torch.frombuffer(mm, dtype=torch.uint8, count=1).data_ptr()
+
+
+@dataclass
+class _Pooled:
+    mm: mmap.mmap
+    numel: int
+    ptr: int
+    lent: bool = False
+
+
+class SharedPool:
+    """Memory for the rounds' averages (:func:`shared_empty`'s memfds) used again once nobody
+    holds it: a new memfd costs a page fault and a zeroed page per 4 KiB each round, on a
+    virtual machine that returns freed memory to its host far more (docs/benchmarks.md).
+
+    A relay's own holders (its last rounds, the exchange) are seen from the mapping's reference
+    count; its worker's are not, so an average handed to a worker is *lent* (:meth:`lend` gives
+    a token that goes with it) until the worker says it dropped it (:meth:`release`; its next
+    request carries the tokens of the results it no longer maps). At most ``cap`` memfds are
+    kept: beyond that the oldest is forgotten (it lives as long as whoever maps it)."""
+
+    def __init__(self, cap: int = MAX_POOLED_RESULTS) -> None:
+        self.cap = cap
+        self._lock = threading.Lock()
+        self._entries: dict[int, _Pooled] = {}  # token -> memfd mapping, oldest first
+        self._tokens = itertools.count(1)
+        self.reused = 0
+        """Averages built in memory used before (for tests and the benchmark)."""
+
+    def empty(self, numel: int) -> torch.Tensor:
+        """An fp32 tensor of ``numel`` elements in a free memfd of that size, else a new one."""
+        if not numel:
+            return torch.empty(0)
+        with self._lock:
+            for entry in self._entries.values():
+                # referenced by the entry and getrefcount's argument only: no tensor maps it
+                if entry.numel == numel and not entry.lent and sys.getrefcount(entry.mm) == 2:
+                    self.reused += 1
+                    return torch.frombuffer(entry.mm, dtype=torch.float32)
+            if len(self._entries) >= self.cap:
+                del self._entries[next(iter(self._entries))]
+            mm = _shared_map(numel)
+            self._entries[next(self._tokens)] = _Pooled(mm, numel, _address(mm))
+            return torch.frombuffer(mm, dtype=torch.float32)
+
+    def lend(self, tensor: torch.Tensor) -> int | None:
+        """``tensor`` (a whole average of this pool) goes to a worker: its token, else None."""
+        with self._lock:
+            for token, entry in self._entries.items():
+                if entry.ptr == tensor.data_ptr() and entry.numel == tensor.numel():
+                    entry.lent = True
+                    return token
+        return None
+
+    def release(self, tokens: Iterable[Any]) -> None:
+        """The worker no longer maps these averages (unknown tokens are ignored)."""
+        with self._lock:
+            for token in tokens:
+                entry = self._entries.get(token) if isinstance(token, int) else None
+                if entry is not None:
+                    entry.lent = False
+
+    def forget_lent(self) -> None:
+        """A worker's connection ended: what it was lent is left to it, not used again."""
+        with self._lock:
+            for token in [t for t, e in self._entries.items() if e.lent]:
+                del self._entries[token]
 
 
 def _unshare(ptr: int, fd: int) -> None:
@@ -272,10 +355,12 @@ def to_memfd(tensor: torch.Tensor) -> int:
     return fd
 
 
-def from_memfd(fd: int, numel: int, seals: int = FROZEN) -> torch.Tensor:
+def from_memfd(fd: int, numel: int, seals: int = FROZEN,
+               on_unmap: Callable[[], None] | None = None) -> torch.Tensor:
     """The fp32 tensor of ``numel`` elements in memfd ``fd`` (mapped copy-on-write; ``fd`` is
     closed). SharedMemoryError unless it is a memfd of exactly that size with ``seals`` set
-    (``numel`` is the receiver's checked size: the mapping is never larger)."""
+    (``numel`` is the receiver's checked size: the mapping is never larger). ``on_unmap`` runs
+    once no tensor over the mapping is left."""
     try:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode) or st.st_size != 4 * numel:
@@ -293,4 +378,6 @@ def from_memfd(fd: int, numel: int, seals: int = FROZEN) -> torch.Tensor:
                        prot=mmap.PROT_READ | mmap.PROT_WRITE)
     finally:
         os.close(fd)
+    if on_unmap is not None:
+        weakref.finalize(mm, on_unmap)
     return torch.frombuffer(mm, dtype=torch.float32)  # keeps the mapping alive

@@ -7,6 +7,10 @@ for a cluster that dials this relay, and a HELLO whose protocol, job, codec, blo
 chunk size match. A listener holds at most MAX_HANDSHAKES connections between accept and the
 end of their hello (MAX_HANDSHAKES_PER_ADDRESS from one address); further connections are
 closed at once and logged. A link silent for `dead_after` seconds is closed.
+
+The HELLO and the WELCOME each offer a key for the AES-GCM records the link then uses instead
+of TLS (:mod:`nebula_cli.relay.records`); when both offered one, both ends close TLS and go on
+with records on the same connection, else the link stays on TLS.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from typing import Any
 
 from nebula_cli.errors import NebulaError
 from nebula_cli.pki import PeerRejected, wrap_client, wrap_server
+from nebula_cli.relay import records
 from nebula_cli.relay.config import RelayConfig, parse_addr
 from nebula_cli.relay.framing import send_frames
 from nebula_cli.relay.limits import (
@@ -32,7 +37,7 @@ from nebula_cli.relay.limits import (
     Gate,
     Refusals,
 )
-from nebula_cli.relay.link import LinkDown, PeerLink, peer_addr, refuse
+from nebula_cli.relay.link import LinkConn, LinkDown, PeerLink, peer_addr, refuse
 from nebula_cli.relay.wire import Frame, FrameType, WireError, recv_frame, tune_socket
 
 log = logging.getLogger("nebula.relay")
@@ -117,7 +122,7 @@ class Peers:
 
     def __init__(self, cfg: RelayConfig, server_ctx: ssl.SSLContext,
                  client_ctx: ssl.SSLContext, *, hello: Callable[[], dict[str, Any]],
-                 make_link: Callable[[str, ssl.SSLSocket, dict[str, Any]], PeerLink],
+                 make_link: Callable[[str, LinkConn, dict[str, Any]], PeerLink],
                  on_up: Callable[[PeerLink], None], on_down: Callable[[PeerLink, str], None],
                  refusals: Refusals, stopping: threading.Event) -> None:
         self.cfg, self.me = cfg, cfg.cluster
@@ -180,12 +185,18 @@ class Peers:
                 log.warning("refused peer %s (%s): %s", addr, ident.cluster, reason)
                 refuse(tls, reason)
                 return
-            send_frames(tls, [Frame(FrameType.WELCOME, self.hello_meta())])
+            welcome = self.hello_meta()
+            peer_key = records.accepted(hello.meta.pop("records", None))
+            if peer_key is not None:
+                key, welcome["records"] = records.offer()
+            send_frames(tls, [Frame(FrameType.WELCOME, welcome)])
+            conn: LinkConn = tls if peer_key is None else records.RecordConn(
+                records.unwrap(tls), key, peer_key)
         except (OSError, WireError) as exc:
             log.warning("peer %s (%s) lost during hello: %s", addr, ident.cluster, exc)
             tls.close()
             return
-        self._add(ident.cluster, tls, hello.meta)
+        self._add(ident.cluster, conn, hello.meta)
 
     def _dial_loop(self, peer: str) -> None:
         host, port = parse_addr(self.cfg.peers[peer])
@@ -203,7 +214,9 @@ class Peers:
                                      roles={"relay"}, cluster=peer, timeout=HANDSHAKE_TIMEOUT)
                 try:
                     tls.settimeout(HANDSHAKE_TIMEOUT)
-                    send_frames(tls, [Frame(FrameType.HELLO, self.hello_meta())])
+                    key, offer = records.offer()
+                    send_frames(tls, [Frame(FrameType.HELLO, {**self.hello_meta(),
+                                                              "records": offer})])
                     welcome = recv_frame(tls, max_payload=0)
                     if welcome.type == FrameType.ERROR:
                         raise NebulaError(f"refused: {welcome.meta.get('reason')}")
@@ -212,10 +225,13 @@ class Peers:
                     reason = self.incompatible(welcome.meta)
                     if reason:
                         raise NebulaError(reason)
+                    peer_key = records.accepted(welcome.meta.pop("records", None))
+                    conn: LinkConn = tls if peer_key is None else records.RecordConn(
+                        records.unwrap(tls), key, peer_key)
                 except BaseException:
                     tls.close()
                     raise
-                self._add(peer, tls, welcome.meta)
+                self._add(peer, conn, welcome.meta)
                 delay, failures = 0.1, 0
             except (OSError, NebulaError) as exc:
                 failures += 1
@@ -226,11 +242,11 @@ class Peers:
                 self.stopping.wait(delay)
                 delay = min(delay * 2, BACKOFF_MAX)
 
-    def _add(self, cluster: str, sock: ssl.SSLSocket, hello: dict[str, Any]) -> None:
-        link = self._make_link(cluster, sock, hello)
+    def _add(self, cluster: str, conn: LinkConn, hello: dict[str, Any]) -> None:
+        link = self._make_link(cluster, conn, hello)
         with self.lock:
             if self.stopping.is_set():
-                sock.close()
+                conn.close()
                 return
             old = self.links.get(cluster)
             self.links[cluster] = link
@@ -239,7 +255,8 @@ class Peers:
         if old is not None:
             old.close("replaced by a new connection")
         link.start()
-        log.info("peer %s connected (%s); its round %d", cluster, link.addr, link.done)
+        log.info("peer %s connected (%s, %s); its round %d", cluster, link.addr,
+                 "AES-GCM records" if link.records else "TLS", link.done)
         self._on_up(link)
 
     def closed(self, link: PeerLink, reason: str) -> None:

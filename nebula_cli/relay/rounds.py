@@ -253,7 +253,7 @@ class Rounds(RoundControl):
                 frame = Frame(FrameType.PEER_CHUNK, {**meta, "zero": True})
             else:
                 frame = Frame(FrameType.PEER_CHUNK, {**meta, **enc.wire_meta()}, enc.payload)
-            if not self.net.send(dest, frame, bulk=True):
+            if not self.net.send(dest, frame, bulk=True) and ex_ref:
                 ex_ref[0].fail(f"no link to {dest}")
 
         ex = RoundExchange(sched, spans, encode=codec.encode,
@@ -288,6 +288,7 @@ class Rounds(RoundControl):
                     self.net.flush(c, self.stall_timeout)
         except ExchangeError as exc:
             ex.fail(str(exc))
+        ex_ref.clear()  # no cycle (ex -> send -> ex) keeps the average alive until a collection
         with self.lock:
             del self.exchanges[key]
             self.phase[d.round] = "done" if ex.done else "recovering"

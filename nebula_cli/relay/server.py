@@ -102,14 +102,15 @@ class Relay:
                                answer_state=self._answer_state,
                                max_wait=max(120.0, 10 * cfg.round_timeout),
                                refusals=self.refusals)
-        # averages in memory a worker on this host maps (no copy on the way back)
-        shared = local.shared_empty if cfg.worker_socket and local.supported() else None
+        # averages in memory a worker on this host maps (no copy on the way back), used again
+        shared = local.SharedPool() if cfg.worker_socket and local.supported() else None
         self.rounds = Rounds(cfg, self.codecs, _Net(self.peers, self.fetcher),
                              event=self.status.event, finished=self._finished,
-                             refusals=self.refusals, empty=shared)
+                             refusals=self.refusals, empty=shared and shared.empty)
         self.workers = WorkerPort(self.me, cfg.job_id, server_ctx, self.rounds,
                                   welcome=self._welcome, published=self._broadcast_progress,
-                                  refusals=self.refusals, stopping=self.stopping)
+                                  refusals=self.refusals, stopping=self.stopping,
+                                  shared=shared)
         self.listeners: list[Listener] = []
         self.local_socket: str | None = None
         """The Unix socket workers on this host use, once it listens."""

@@ -236,9 +236,11 @@ def _recv_exact(sock: socket.socket, buf: bytearray, what: str, *, frame_start: 
 
 
 def recv_frame(sock: socket.socket, *,
-               max_payload: int | Callable[[], int] = DEFAULT_MAX_PAYLOAD) -> Frame:
+               max_payload: int | Callable[[], int] = DEFAULT_MAX_PAYLOAD,
+               alloc: Callable[[int], bytearray] = bytearray) -> Frame:
     """Read exactly one frame. Header checked first, then the meta read and parsed, then the
-    payload read into a bytearray of exactly the declared size (recv_into, no extra copies)."""
+    payload read into a bytearray of exactly the declared size (recv_into, no extra copies;
+    ``alloc(n)`` makes it: e.g. a relay.buffers.BufferPool's ``get``)."""
     header = bytearray(HEADER_SIZE)
     _recv_exact(sock, header, "header", frame_start=True)
     if callable(max_payload):  # the cap as of this frame's arrival, not of the wait's start
@@ -247,7 +249,7 @@ def recv_frame(sock: socket.socket, *,
     meta_raw = bytearray(meta_len)
     _recv_exact(sock, meta_raw, "meta", frame_start=False)
     meta = decode_meta(meta_raw)
-    payload = bytearray(payload_len)
+    payload = alloc(payload_len)
     _recv_exact(sock, payload, "payload", frame_start=False)
     return Frame(ftype, meta, payload)
 

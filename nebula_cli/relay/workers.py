@@ -53,7 +53,7 @@ from nebula_cli.relay.limits import (
     Refusals,
     SyncSize,
 )
-from nebula_cli.relay.local import FROZEN, LocalConn, SharedMemoryError, peer_uid
+from nebula_cli.relay.local import FROZEN, LocalConn, SharedMemoryError, SharedPool, peer_uid
 from nebula_cli.relay.results import STATE_PARTS, GlobalState
 from nebula_cli.relay.rounds import Rounds
 from nebula_cli.relay.wire import ConnectionClosed, Frame, FrameType, WireError, recv_frame
@@ -91,8 +91,11 @@ class WorkerPort:
 
     def __init__(self, cluster: str, job_id: str, server_ctx: ssl.SSLContext, rounds: Rounds,
                  *, welcome: Callable[[], dict[str, Any]], published: Callable[[], None],
-                 refusals: Refusals, stopping: threading.Event) -> None:
+                 refusals: Refusals, stopping: threading.Event,
+                 shared: SharedPool | None = None) -> None:
         self.me, self.job_id, self.server_ctx, self.rounds = cluster, job_id, server_ctx, rounds
+        self.shared = shared
+        """Where the averages a local worker maps are built (None: not on this host)."""
         self._welcome, self._published = welcome, published
         self.refusals, self.stopping = refusals, stopping
         self.sessions = Gate(MAX_WORKER_CONNECTIONS)
@@ -162,6 +165,8 @@ class WorkerPort:
             with self._lock:
                 self.socks.discard(tls)
             self.sessions.leave("workers")
+            if self.shared is not None and isinstance(tls, LocalConn):
+                self.shared.forget_lent()
             tls.close()
 
     def _serve(self, sock: Conn, name: str, addr: str) -> None:
@@ -228,6 +233,9 @@ class WorkerPort:
             round_id = m.get("round")
             if not isinstance(round_id, int) or isinstance(round_id, bool) or round_id < 0:
                 raise _Refused("bad round id")
+            released = m.get("released")
+            if self.shared is not None and isinstance(released, list):
+                self.shared.release(released)
             out = self.rounds.local_round(round_id, x, RoundInfo.from_meta(m.get("info")))
             meta = {"round_id": out.round_id, "present": out.present, "next_h": out.next_h,
                     "codec": out.codec,
@@ -236,6 +244,8 @@ class WorkerPort:
                     "seconds": out.seconds, "bytes_sent": out.bytes_sent,
                     "bytes_received": out.bytes_received, "upload_s": upload,
                     "has_state": out.global_state is not None, "mode": out.mode}
+            if self.shared is not None and isinstance(sock, LocalConn):
+                meta["shm"] = self.shared.lend(out.tensor)  # until the worker releases it
             send_tensor(sock, FrameType.RESULT, meta, out.tensor)
             if out.global_state is not None:
                 send_tensor(sock, FrameType.STATE, {

@@ -1,0 +1,217 @@
+"""The relays' data plane after their mutual-TLS handshake: AES-256-GCM records on the same
+TCP connection, with keys agreed inside TLS.
+
+Why. Python's TLS moves a 16 KiB record per call: a relay exchanging a 256 MB round spends
+most of its CPU in per-record work (a system call or two, the GIL handed back and forth, the
+kernel's acknowledgements) rather than in the cipher (docs/benchmarks.md). Records of up to
+:data:`MAX_RECORD` bytes, encrypted and decrypted by ``cryptography``'s AES-GCM in one call each
+(the GIL released), cost a few calls per chunk instead of hundreds.
+
+How, step by step (:mod:`nebula_cli.relay.peers` drives it):
+
+1. The relays connect and authenticate each other exactly as before: TLS 1.3, certificates of
+   the job's CA, HELLO and WELCOME checked.
+2. Inside that TLS session the HELLO carries the dialer's key for what it sends and the WELCOME
+   the acceptor's (:func:`offer`; 32 random bytes each, one per direction and connection).
+3. Both close TLS cleanly (close_notify both ways, ``SSLSocket.unwrap``) and go on on the same
+   TCP connection with :class:`RecordConn`. A relay that does not offer keys keeps TLS.
+
+A record is a 4-byte big-endian plaintext length, then the ciphertext and its 16-byte tag; the
+length is the associated data. The nonce is the record's number in its direction (never sent):
+a record replayed, reordered, dropped, cut or altered fails to authenticate, and the link
+closes as on any protocol error. Each direction's key is replaced after :data:`REKEY_BYTES` by
+HKDF of the last one (both ends count the same bytes), far below AES-GCM's limits (TLS 1.3
+allows about 2^38 bytes per key). A receiver refuses a length above :data:`MAX_RECORD` before
+it reads or allocates anything.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import struct
+from collections.abc import Callable
+from typing import Any
+
+from cryptography.exceptions import InvalidTag
+from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+from cryptography.hazmat.primitives.hashes import SHA256
+from cryptography.hazmat.primitives.kdf.hkdf import HKDFExpand
+
+from nebula_cli.relay.wire import ConnectionClosed, WireError
+
+CIPHER = "aes-256-gcm"
+"""What a relay offers in its HELLO / WELCOME (the only record cipher there is)."""
+KEY_BYTES = 32
+TAG_BYTES = 16
+MAX_RECORD = 16 << 20
+"""Largest plaintext in one record: a chunk of the default size (4 MiB of fp32) is one record."""
+REKEY_BYTES = 1 << 36
+"""Plaintext bytes one key protects (64 GiB) before the next key is derived from it."""
+_LEN = struct.Struct(">I")
+_REKEY_INFO = b"nebula relay record key update"
+
+
+class RecordError(WireError):
+    """A record that does not authenticate, or is larger than a record may be."""
+
+
+def offer() -> tuple[bytes, dict[str, str]]:
+    """A new key for what this relay sends, and the meta that offers it to the peer."""
+    key = os.urandom(KEY_BYTES)
+    return key, {"cipher": CIPHER, "key": key.hex()}
+
+
+def accepted(meta: Any) -> bytes | None:
+    """The peer's key from the ``records`` meta of its HELLO / WELCOME (None: it keeps TLS)."""
+    if not isinstance(meta, dict) or meta.get("cipher") != CIPHER:
+        return None
+    try:
+        key = bytes.fromhex(str(meta.get("key", "")))
+    except ValueError:
+        return None
+    return key if len(key) == KEY_BYTES else None
+
+
+class _Direction:
+    """One direction's key, record number and bytes under the current key."""
+
+    def __init__(self, key: bytes) -> None:
+        self._use(key)
+
+    def _use(self, key: bytes) -> None:
+        self.key, self.aead, self.seq, self.bytes = key, AESGCM(key), 0, 0
+
+    def nonce(self, nbytes: int) -> bytes:
+        """The next record's nonce (its number), counting its ``nbytes``; the key is updated
+        after the record that reaches REKEY_BYTES."""
+        nonce = self.seq.to_bytes(12, "big")
+        self.seq += 1
+        self.bytes += nbytes
+        return nonce
+
+    def after(self) -> None:
+        if self.bytes >= REKEY_BYTES:
+            self._use(HKDFExpand(SHA256(), KEY_BYTES, _REKEY_INFO).derive(self.key))
+
+
+class RecordConn:
+    """``sendall`` and ``recv_into`` over AES-GCM records for one writer thread and one
+    reader thread (each direction has its own key and state; no lock is shared)."""
+
+    def __init__(self, sock: socket.socket, send_key: bytes, recv_key: bytes) -> None:
+        if send_key == recv_key:
+            raise ValueError("the two directions need different keys")
+        self.sock = sock
+        self.on_recv: Callable[[], None] | None = None
+        """Called after every read from the socket (liveness while a large record arrives)."""
+        self._tx, self._rx = _Direction(send_key), _Direction(recv_key)
+        self._out = bytearray(0)  # length + ciphertext + tag of the record being sent
+        self._in = bytearray(0)  # ciphertext + tag of the record being read
+        self._plain = bytearray(0)  # a record's plaintext when the reader asked for less
+        self._left = memoryview(b"")  # what is left of it
+
+    # ------------------------------------------------------------------ sending
+
+    def sendall(self, data: bytes | bytearray | memoryview) -> None:
+        view = memoryview(data).cast("B")
+        for lo in range(0, len(view), MAX_RECORD):  # nothing to send: no record
+            self._send_record(view[lo : lo + MAX_RECORD])
+
+    def _send_record(self, piece: memoryview) -> None:
+        n = len(piece)
+        need = _LEN.size + n + TAG_BYTES
+        if len(self._out) < need:
+            self._out = bytearray(need)
+        out = memoryview(self._out)
+        head = _LEN.pack(n)
+        out[: _LEN.size] = head
+        self._tx.aead.encrypt_into(self._tx.nonce(n), piece, head, out[_LEN.size : need])
+        self._tx.after()
+        self.sock.sendall(out[:need])
+
+    # ------------------------------------------------------------------ receiving
+
+    def recv_into(self, buf: Any, nbytes: int = 0) -> int:
+        """Plaintext into ``buf`` (at most ``nbytes``; 0: its length): what is left of the last
+        record, else the next record (decrypted straight into ``buf`` when it fits). 0 at the
+        end of the stream between records."""
+        dest = memoryview(buf).cast("B")
+        want = nbytes or len(dest)
+        while not self._left:
+            n = self._read_record(dest, want)
+            if n is None:
+                return 0
+            if n > 0:
+                return n
+        k = min(want, len(self._left))
+        dest[:k] = self._left[:k]
+        self._left = self._left[k:]
+        return k
+
+    def _read_record(self, dest: memoryview, want: int) -> int | None:
+        """Read one record: its length when it went straight into ``dest``, 0 when it was kept
+        in ``_left`` (larger than ``want``; or empty), None at the end of the stream."""
+        head = bytearray(_LEN.size)
+        if not self._fill(memoryview(head), start=True):
+            return None
+        (n,) = _LEN.unpack(head)
+        if n > MAX_RECORD:
+            raise RecordError(f"a record of {n} bytes (at most {MAX_RECORD})")
+        if len(self._in) < n + TAG_BYTES:
+            self._in = bytearray(n + TAG_BYTES)
+        sealed = memoryview(self._in)[: n + TAG_BYTES]
+        self._fill(sealed, start=False)
+        nonce = self._rx.nonce(n)
+        if n <= want:
+            self._open(nonce, sealed, head, dest[:n])
+            return n
+        if len(self._plain) < n:
+            self._plain = bytearray(n)
+        plain = memoryview(self._plain)[:n]
+        self._open(nonce, sealed, head, plain)
+        self._left = plain
+        return 0
+
+    def _open(self, nonce: bytes, sealed: memoryview, head: bytes | bytearray,
+              out: memoryview) -> None:
+        try:
+            self._rx.aead.decrypt_into(nonce, sealed, bytes(head), out)
+        except InvalidTag:
+            raise RecordError("a record failed authentication (altered, replayed or out of "
+                              "order): closing the link") from None
+        self._rx.after()
+
+    def _fill(self, view: memoryview, *, start: bool) -> bool:
+        got = 0
+        while got < len(view):
+            k = self.sock.recv_into(view[got:])
+            if self.on_recv is not None:
+                self.on_recv()
+            if not k:
+                if start and got == 0:
+                    return False
+                raise ConnectionClosed(f"connection closed inside a record ({got} of "
+                                       f"{len(view)} bytes)")
+            got += k
+        return True
+
+    # ------------------------------------------------------------------ the socket
+
+    def fileno(self) -> int:
+        return self.sock.fileno()
+
+    def settimeout(self, timeout: float | None) -> None:
+        self.sock.settimeout(timeout)
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+def unwrap(tls: Any) -> socket.socket:
+    """End TLS on ``tls`` (close_notify both ways) and return the plain TCP socket under it."""
+    plain = tls.unwrap()
+    family, kind, proto = plain.family, plain.type, plain.proto
+    sock = socket.socket(family, kind, proto, fileno=plain.detach())
+    sock.settimeout(None)  # the link's threads block; closing the link shuts the socket down
+    return sock

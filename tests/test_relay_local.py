@@ -310,3 +310,48 @@ def test_a_relay_refused_worker_hears_why(tmp_path: Path) -> None:
                 recv_frame(conn)
         finally:
             conn.close()
+
+
+def test_the_relay_builds_averages_in_memory_it_used_before_but_never_in_one_still_held(
+        tmp_path: Path) -> None:
+    """Results a worker dropped are told to the relay, which builds later averages in their
+    memory (no new pages each round); results the worker still holds keep their values however
+    many rounds follow, and so do the relay's own last rounds."""
+    job = Job(tmp_path, ["a", "b"], chunk_numel=1 << 14)
+    paths = with_sockets(job, tmp_path)
+    with running(job) as relays, local_clients(job, paths) as cls:
+        kept: list[tuple[torch.Tensor, torch.Tensor]] = []  # (a's result, its expected value)
+        for r in range(8):
+            xs = {c: torch.randn(100_000) for c in job.clusters}
+            res = together(cls, r, xs)
+            want = exact_mean(xs)
+            for c in job.clusters:
+                assert torch.equal(res[c].tensor, want), (r, c)
+            if r % 3 == 0:  # the worker keeps some results, drops the others
+                kept.append((res["a"].tensor, want))
+            del res
+            for got, expected in kept:
+                assert torch.equal(got, expected)
+        pools = {c: relays[c].workers.shared for c in job.clusters}
+        assert all(p is not None and p.reused >= 3 for p in pools.values()), pools
+        assert all(p is not None and len(p._entries) <= local.MAX_POOLED_RESULTS
+                   for p in pools.values())
+
+
+def test_buffer_pools_hand_out_only_what_nothing_else_holds() -> None:
+    from nebula_cli.relay.buffers import BufferPool
+
+    pool = BufferPool(max_buffers=2, min_bytes=16)
+    first = pool.get(100)
+    assert pool.get(100) is not first  # still held
+    view = torch.frombuffer(memoryview(first), dtype=torch.uint8)
+    ident = id(first)
+    del first
+    assert id(pool.get(100)) != ident  # a tensor still reads it
+    del view
+    again = pool.get(100)
+    assert id(again) == ident and pool.reused == 2  # the second buffer, then the first
+    assert len(pool.get(8)) == 8 and pool.held_bytes == 200  # small ones are not pooled
+    del again
+    other = pool.get(300)  # full: a free buffer of another size makes room
+    assert len(other) == 300 and pool.held_bytes == 400

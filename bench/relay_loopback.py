@@ -1,6 +1,6 @@
 """Relay goodput on loopback: an fp32 model averaged through two relays (codec none, mutual
-TLS between the relays) against the same bytes over a raw TCP socket, and where a round's time
-goes.
+TLS then AES-GCM records between the relays, as they run) against the same bytes over a raw TCP
+socket, and where a round's time goes.
 
     .venv/bin/python bench/relay_loopback.py [--mb 256] [--repeat 3] [--quick] [--json]
 
@@ -9,11 +9,13 @@ raw TCP of the same run):
 - raw TCP, 1 stream: --mb one way, sendall of 16 MiB memoryviews, recv_into (threads).
 - TLS 1.3, 1 stream / 2 streams: the same through the job PKI's contexts (what the relay uses).
 - TLS 1.3 duplex, 2 processes: one connection between two processes, each sending --mb while
-  receiving --mb (a reader and a writer thread each): the ceiling of the relays' WAN hop.
+  receiving --mb (a reader and a writer thread each): the ceiling of a WAN hop on TLS.
+- records duplex, 2 processes: the same after the relays' switch from TLS to AES-GCM records
+  (relay.records: keys agreed inside TLS, 4 MiB records): the ceiling of the relays' WAN hop.
 - relay WAN hop: two relay processes exchange --mb each way at once (the relays' own round time:
   agreement + encode + send + receive + decode + average).
 - relay end to end, worker on the relay's host: RelayClient.allreduce on both clusters at once,
-  wall time, through each relay's Unix socket (tensors as sealed memfds): what rank 0 gets when
+  wall time, through each relay's Unix socket (tensors in memfds): what rank 0 gets when
   it runs on its relay's gateway (the default).
 - relay end to end, worker on another host: the same over mutual TLS on the worker port.
 
@@ -21,9 +23,9 @@ Then the stages of a round side by side (seconds, median and min-max over the re
 slower cluster's): the worker writing its contribution (send), the relay reading it (upload),
 the relay's round (agreement, exchange, average), the worker reading the result (receive).
 --json prints one JSON object last: end_to_end_vs_tcp (the local row / raw TCP),
-end_to_end_tls_vs_tcp, tls_vs_tcp (TLS 1 stream / raw TCP), wan_hop_vs_tcp, duplex_vs_tcp, the
-rows and the stages. --quick: 64 MB, 2 repeats (about 30 s; the ratios move by a few hundredths
-from run to run on a loaded machine).
+end_to_end_tls_vs_tcp, tls_vs_tcp (TLS 1 stream / raw TCP), wan_hop_vs_tcp, duplex_vs_tcp,
+records_duplex_vs_tcp, the rows and the stages. --quick: 64 MB, 2 repeats (about 30 s; the
+ratios move by a few hundredths from run to run on a loaded machine).
 """
 
 from __future__ import annotations
@@ -140,8 +142,10 @@ def stream(total: int, pki: JobPKI | None, streams: int = 1) -> tuple[float, str
     return sum(got) / dt / 1e9, cipher[0]
 
 
-def _duplex_side(server: bool, port: int, pki_dir: str, total: int, q: mp.Queue) -> None:
+def _duplex_side(server: bool, port: int, pki_dir: str, total: int, q: mp.Queue,
+                 records: bool = False) -> None:
     from nebula_cli.pki import load_pki
+    from nebula_cli.relay import records as rec
 
     pki = load_pki(Path(pki_dir))
     if server:
@@ -156,13 +160,22 @@ def _duplex_side(server: bool, port: int, pki_dir: str, total: int, q: mp.Queue)
         tune_socket(raw)
         sock = client_context(pki.relay("b"), pki.ca_cert).wrap_socket(raw)
     sock.settimeout(None)
+    io: Any = sock
+    if records:  # as two relays do after their HELLO: a key each way inside TLS, then unwrap
+        key, offer = rec.offer()
+        sock.sendall(bytes.fromhex(offer["key"]))
+        peer = bytearray(rec.KEY_BYTES)
+        got = 0
+        while got < len(peer):
+            got += sock.recv_into(memoryview(peer)[got:])
+        io = rec.RecordConn(rec.unwrap(sock), key, bytes(peer))
     data = memoryview(bytearray(PIECE))
 
     def receive() -> None:
         buf = memoryview(bytearray(PIECE))
         n = 0
         while n < total:
-            k = sock.recv_into(buf)
+            k = io.recv_into(buf)
             if not k:
                 break
             n += k
@@ -171,24 +184,27 @@ def _duplex_side(server: bool, port: int, pki_dir: str, total: int, q: mp.Queue)
     reader = threading.Thread(target=receive)
     reader.start()
     for off in range(0, total, PIECE):
-        sock.sendall(data[: min(PIECE, total - off)])
+        io.sendall(data[: min(PIECE, total - off)])
     reader.join()
     q.put(time.perf_counter() - t0)
-    sock.close()
+    io.close()
 
 
-def duplex(total: int, pki: JobPKI) -> float:
-    """GB/s per direction with both directions of one TLS connection busy (two processes)."""
+def duplex(total: int, pki: JobPKI, records: bool = False) -> float:
+    """GB/s per direction with both directions of one TLS connection busy (two processes);
+    ``records``: on AES-GCM records after the handshake, as the relays' link."""
     ctx = mp.get_context("spawn")
     q: mp.Queue = ctx.Queue()
     port = free_ports(1)[0]
-    server = ctx.Process(target=_duplex_side, args=(True, port, str(pki.root), total, q))
+    server = ctx.Process(target=_duplex_side,
+                         args=(True, port, str(pki.root), total, q, records))
     server.start()
     procs = [server]
     try:
         if q.get(timeout=60) != "listening":
             raise RuntimeError("duplex server did not start")
-        client = ctx.Process(target=_duplex_side, args=(False, port, str(pki.root), total, q))
+        client = ctx.Process(target=_duplex_side,
+                             args=(False, port, str(pki.root), total, q, records))
         client.start()
         procs.append(client)
         times = [q.get(timeout=300) for _ in range(2)]
@@ -317,6 +333,8 @@ def main(argv: list[str] | None = None) -> int:
         rows.append(("TLS 1.3, 2 streams", tls2, ""))
         both = [duplex(total, pki) for _ in range(args.repeat)]
         rows.append(("TLS 1.3 duplex, 2 processes", both, "per direction, both at once"))
+        recs = [duplex(total, pki, records=True) for _ in range(args.repeat)]
+        rows.append(("records duplex, 2 processes", recs, "AES-GCM records, as the relays"))
         got = relay_rounds(args.mb, args.repeat, tmp, pki)
         rows.append(("relay WAN hop (both ways at once)",
                      [total / r["relay"] / 1e9 for r in got["local"]], "the relays' round"))
@@ -348,6 +366,7 @@ def main(argv: list[str] | None = None) -> int:
             "end_to_end_tls_vs_tcp": round(ratio["relay end to end, worker on another host"], 3),
             "tls_vs_tcp": round(ratio["TLS 1.3, 1 stream"], 3),
             "duplex_vs_tcp": round(ratio["TLS 1.3 duplex, 2 processes"], 3),
+            "records_duplex_vs_tcp": round(ratio["records duplex, 2 processes"], 3),
             "wan_hop_vs_tcp": round(ratio["relay WAN hop (both ways at once)"], 3),
             "mb": args.mb, "repeat": args.repeat, "cores": os.cpu_count(),
             "load_average": [round(load0, 2), round(load1, 2)],
@@ -362,7 +381,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 JSON_FIELDS = ("end_to_end_vs_tcp", "tls_vs_tcp", "end_to_end_tls_vs_tcp", "wan_hop_vs_tcp",
-               "duplex_vs_tcp", "stages")
+               "duplex_vs_tcp", "records_duplex_vs_tcp", "stages")
 
 
 if __name__ == "__main__":

@@ -25,7 +25,7 @@ SCRIPTS = {
     "adaptive": ("utilization_after_cut", "utilization_after_cut_fixed_h", "h_trace",
                  "utilization_after_cut_auto_codec", "codec_trace"),
     "relay_loopback": ("end_to_end_vs_tcp", "tls_vs_tcp", "end_to_end_tls_vs_tcp",
-                       "wan_hop_vs_tcp", "duplex_vs_tcp", "stages"),
+                       "wan_hop_vs_tcp", "duplex_vs_tcp", "records_duplex_vs_tcp", "stages"),
 }
 
 

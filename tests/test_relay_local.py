@@ -22,7 +22,7 @@ from test_relay import Job, exact_mean, running, together
 
 from nebula_cli.relay import local
 from nebula_cli.relay.client import RelayClient, RelayError
-from nebula_cli.relay.framing import send_tensor
+from nebula_cli.relay.framing import recv_tensor, send_tensor
 from nebula_cli.relay.server import Relay
 from nebula_cli.relay.wire import ConnectionClosed, Frame, FrameType, encode_frame, recv_frame
 
@@ -135,6 +135,37 @@ def _memfd(data: bytes, seals: int) -> int:
     return fd
 
 
+def test_a_contribution_sealed_against_resizing_only_is_taken(tmp_path: Path) -> None:
+    """A worker's staging memory (written again between rounds) is sealed against resizing
+    only: the relay takes it, and the worker's next round in the same memory is read anew."""
+    import fcntl
+
+    job = Job(tmp_path, ["a"])
+    paths = with_sockets(job, tmp_path)
+    with running(job):
+        with local_clients(job, paths) as cls:  # fixes the size this relay syncs: 8
+            for r in range(3):  # the client's own staging memory, used again
+                x = torch.full((8,), float(r))
+                assert torch.equal(cls["a"].allreduce(r, x).tensor, x)
+            assert cls["a"]._staging is not None and cls["a"]._staging_free
+        conn = local.connect(paths["a"], 5.0)
+        try:
+            assert hello(conn, "a", job.cfg["a"].job_id).type == FrameType.WELCOME
+            fd = _memfd(torch.arange(8.0).numpy().tobytes(),
+                        fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW)
+            try:
+                conn.send_with_fd(b"".join(encode_frame(Frame(FrameType.CONTRIB, {
+                    "op": "allreduce", "round": 3, "numel": 8}))), fd)
+            finally:
+                os.close(fd)
+            answer = recv_frame(conn)
+            assert answer.type == FrameType.RESULT and answer.meta["present"] == ["a"]
+            got = recv_tensor(conn, FrameType.RESULT, 8)
+            assert torch.equal(got, torch.arange(8.0))
+        finally:
+            conn.close()
+
+
 def test_shared_memory_must_be_sealed_sized_and_announced(tmp_path: Path) -> None:
     import fcntl
 
@@ -144,7 +175,8 @@ def test_shared_memory_must_be_sealed_sized_and_announced(tmp_path: Path) -> Non
     ok = torch.arange(8, dtype=torch.float32).numpy().tobytes()
     cases = {  # what the worker sends -> what the relay answers
         "unsealed": (ok, 0, 8, "not sealed"),
-        "writable": (ok, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW, 8, "not sealed"),
+        "growable": (ok, fcntl.F_SEAL_SHRINK, 8, "not sealed"),
+        "shrinkable": (ok, fcntl.F_SEAL_GROW | fcntl.F_SEAL_WRITE, 8, "not sealed"),
         "short": (ok[:16], sealed, 8, "shared memory of 16 bytes"),
         "larger": (ok + ok[:4], sealed, 8, "shared memory of 36 bytes"),
         "beyond the cap": (ok, sealed, 9, "at most 8 elements"),  # checked before the fd

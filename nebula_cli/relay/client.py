@@ -35,6 +35,7 @@ from nebula_cli.relay import local as local_hop
 from nebula_cli.relay.config import parse_addr
 from nebula_cli.relay.framing import (
     CHUNK_NUMEL,
+    flat_fp32,
     recv_tensor,
     send_frames,
     send_tensor,
@@ -145,6 +146,10 @@ class RelayClient:
         self.layout = layout
         """What this cluster syncs ({shapes, dtypes}), told to the relay at HELLO: it fixes the
         size that caps what peers can make the relay hold."""
+        self._staging: torch.Tensor | None = None
+        self._staging_free = False
+        """Shared memory this worker's contribution is copied into, used again each round once
+        the relay answered the round that read it (pages already there: one warm copy)."""
         self._released: list[int] = []
         """Tokens of averages the relay lent (shared memory) that nothing here maps any more:
         the next contribution tells the relay, which then builds averages in them again."""
@@ -166,7 +171,8 @@ class RelayClient:
         def call(sock: Conn) -> RoundResult:
             t0 = time.perf_counter()
             released = self._take_released()
-            send_tensor(sock, FrameType.CONTRIB, {**meta, "released": released}, tensor)
+            send_tensor(sock, FrameType.CONTRIB, {**meta, "released": released},
+                        self._staged(tensor) if isinstance(sock, local_hop.LocalConn) else tensor)
             t1 = time.perf_counter()
             sock.settimeout(self.result_timeout)
             head = self._expect(sock, FrameType.RESULT)
@@ -181,6 +187,7 @@ class RelayClient:
                 state = recv_tensor(sock, FrameType.STATE, shead.meta.get("numel"))
                 if shead.meta.get("parts") == 2 and state.numel() == 2 * avg.numel():
                     state, momentum = state[:avg.numel()], state[avg.numel():]
+            self._staging_free = True  # the relay is done with the contribution
             return RoundResult(
                 tensor=avg, present=list(m.get("present", [])), round_id=int(m["round_id"]),
                 bytes_sent=int(m.get("bytes_sent", 0)),
@@ -271,6 +278,16 @@ class RelayClient:
         self.close()
 
     # ------------------------------------------------------------------ internals
+
+    def _staged(self, tensor: torch.Tensor) -> torch.Tensor:
+        """``tensor`` copied into the staging memory (a new one when the last is still read)."""
+        flat = flat_fp32(tensor)
+        if not (self._staging_free and self._staging is not None
+                and self._staging.numel() == flat.numel()):
+            self._staging = local_hop.shared_empty(flat.numel())
+        self._staging_free = False
+        self._staging.copy_(flat)
+        return self._staging
 
     def _take_released(self) -> list[int]:
         out = []

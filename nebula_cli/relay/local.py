@@ -11,15 +11,19 @@ leaves the host's memory. Workers on another host keep mutual TLS on the worker 
 Tensors. Frames are those of the TLS hop (:mod:`nebula_cli.relay.wire`); a tensor's header
 frame carries one file descriptor (SCM_RIGHTS) instead of being followed by chunk frames: a
 memfd of exactly ``4 * numel`` bytes (fp32), sealed against shrinking and growing (F_SEAL_SHRINK,
-F_SEAL_GROW, F_SEAL_SEAL). A worker's memfd is also sealed against writes (F_SEAL_WRITE) before
-it is sent: the relay must see the same bytes from its check to the last chunk it sends (every
-relay averages the same bits). The receiver checks the declared size against its cap first, then
-the memfd's size and seals, and maps it copy-on-write: the sender can neither make the
-receiver's mapping fault by truncating it nor (worker to relay) change the bytes under it, and
-the receiver's own writes stay its own. Worker to relay costs one copy (into the memfd); the
-relay averages straight into memory of a memfd (:func:`shared_empty`) and hands that over
-without a copy; the receiver reads in place. A memfd has no name: nothing is left in /dev/shm
-when a process dies.
+F_SEAL_GROW, F_SEAL_SEAL). The receiver checks the declared size against its cap first, then
+the memfd's size and seals, and maps it copy-on-write: the sender cannot make the receiver's
+mapping fault by truncating it, and the receiver's own writes stay its own.
+
+Both ways the memory is used again rather than new each round (new memory costs a page fault
+and a zeroed page per 4 KiB; docs/benchmarks.md). The worker copies its contribution into its
+staging memfd (one warm copy) and writes there again only once the relay answered the round
+that read it: the relay sees the same bytes from its check to the last chunk it sends (every
+relay averages the same bits) because the worker's client keeps to that order, not because of a
+write seal (a process of the relay's own uid is trusted with its contribution anyway). The
+relay averages straight into memory of a memfd (:class:`SharedPool`) and hands that over without
+a copy; the worker reads in place and tells the relay when it no longer maps it. A memfd has no
+name: nothing is left in /dev/shm when a process dies.
 
 Linux only (memfd, SO_PEERCRED, SCM_RIGHTS); elsewhere :func:`supported` is False and workers
 use the TLS port.
@@ -152,7 +156,7 @@ class LocalConn:
     """A connected Unix socket that carries frames and file descriptors: ``recv_into`` and
     ``sendall`` as a socket's (what :mod:`nebula_cli.relay.wire` uses), ``send_with_fd`` to
     attach one descriptor to a message, ``take_fd`` to claim the one that arrived. ``seals``:
-    what a memfd from the other end must be sealed against (:data:`FROZEN` from a worker)."""
+    what a memfd from the other end must be sealed against (at least :data:`FIXED_SIZE`)."""
 
     def __init__(self, sock: socket.socket, seals: int = FIXED_SIZE) -> None:
         self.sock = sock

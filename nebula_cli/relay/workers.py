@@ -53,7 +53,7 @@ from nebula_cli.relay.limits import (
     Refusals,
     SyncSize,
 )
-from nebula_cli.relay.local import FROZEN, LocalConn, SharedMemoryError, SharedPool, peer_uid
+from nebula_cli.relay.local import FIXED_SIZE, LocalConn, SharedMemoryError, SharedPool, peer_uid
 from nebula_cli.relay.results import STATE_PARTS, GlobalState
 from nebula_cli.relay.rounds import Rounds
 from nebula_cli.relay.wire import ConnectionClosed, Frame, FrameType, WireError, recv_frame
@@ -120,7 +120,7 @@ class WorkerPort:
     def local_handshake(self, sock: socket.socket, addr: str) -> Callable[[], None] | None:
         """A connection on the Unix socket: a process of this relay's own uid (SO_PEERCRED),
         the session to run; else refused and closed before a byte is read."""
-        conn = LocalConn(sock, seals=FROZEN)
+        conn = LocalConn(sock, seals=FIXED_SIZE)
         try:
             uid = peer_uid(sock)
         except OSError:

@@ -202,6 +202,8 @@ class PeerLink:
                         self._cv.notify_all()
         except (OSError, WireError) as exc:
             self.close(f"send failed: {exc}")
+        except Exception as exc:  # noqa: BLE001 (a sender that died would leave the link hung)
+            self.close(f"send failed: {type(exc).__name__}: {exc}")
 
     def _recv_loop(self) -> None:
         watched: Any = _Watched(self)

@@ -49,6 +49,9 @@ MAX_RECORD = 16 << 20
 REKEY_BYTES = 1 << 36
 """Plaintext bytes one key protects (64 GiB) before the next key is derived from it."""
 _LEN = struct.Struct(">I")
+_INTO = hasattr(AESGCM, "encrypt_into") and hasattr(AESGCM, "decrypt_into")
+"""cryptography >= 47 encrypts and decrypts into a given buffer; older versions return new
+bytes (one more copy a record, same records on the wire)."""
 _REKEY_INFO = b"nebula relay record key update"
 
 
@@ -126,7 +129,10 @@ class RecordConn:
         out = memoryview(self._out)
         head = _LEN.pack(n)
         out[: _LEN.size] = head
-        self._tx.aead.encrypt_into(self._tx.nonce(n), piece, head, out[_LEN.size : need])
+        if _INTO:
+            self._tx.aead.encrypt_into(self._tx.nonce(n), piece, head, out[_LEN.size : need])
+        else:
+            out[_LEN.size : need] = self._tx.aead.encrypt(self._tx.nonce(n), bytes(piece), head)
         self._tx.after()
         self.sock.sendall(out[:need])
 
@@ -176,7 +182,10 @@ class RecordConn:
     def _open(self, nonce: bytes, sealed: memoryview, head: bytes | bytearray,
               out: memoryview) -> None:
         try:
-            self._rx.aead.decrypt_into(nonce, sealed, bytes(head), out)
+            if _INTO:
+                self._rx.aead.decrypt_into(nonce, sealed, bytes(head), out)
+            else:
+                out[:] = self._rx.aead.decrypt(nonce, bytes(sealed), bytes(head))
         except InvalidTag:
             raise RecordError("a record failed authentication (altered, replayed or out of "
                               "order): closing the link") from None

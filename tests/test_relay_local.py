@@ -387,3 +387,29 @@ def test_buffer_pools_hand_out_only_what_nothing_else_holds() -> None:
     del again
     other = pool.get(300)  # full: a free buffer of another size makes room
     assert len(other) == 300 and pool.held_bytes == 400
+
+
+def test_an_average_lent_twice_is_used_again_only_once_both_are_released() -> None:
+    """A retried round hands the same average to the worker twice: each time gets its own
+    token, and its memory is built in again only once both came back; a token of another pool
+    (a relay before a restart) frees nothing; what a session did not release is dropped."""
+    pool = local.SharedPool(cap=3)
+    avg = pool.empty(1000)
+    ptr = avg.data_ptr()
+    first, second = pool.lend(avg), pool.lend(avg)
+    assert first is not None and second is not None and first != second
+    del avg
+    other = local.SharedPool(cap=3)
+    other.empty(1000)
+    pool.release([first])
+    assert pool.empty(1000).data_ptr() != ptr  # still mapped by the second result
+    other.release([second])  # another pool's release: nothing changes here
+    assert pool.empty(1000).data_ptr() != ptr
+    pool.release([second])
+    again = pool.empty(1000)
+    assert again.data_ptr() == ptr and pool.reused >= 1
+    token = pool.lend(again)
+    assert token is not None
+    del again
+    pool.forget([token])  # the session ended without releasing it: never used again
+    assert all(e.ptr != ptr for e in pool._entries)

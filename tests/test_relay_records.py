@@ -137,7 +137,7 @@ def test_offers_name_the_cipher_and_a_key_of_the_right_size() -> None:
     assert records.accepted({"cipher": "aes-128-cbc", "key": meta["key"]}) is None
     assert records.accepted({"cipher": records.CIPHER, "key": "00ff"}) is None
     assert records.accepted(None) is None
-    with pytest.raises(ValueError, match="different keys"):
+    with pytest.raises(RecordError, match="different keys"):
         RecordConn(socket.socket(), key, key)
 
 

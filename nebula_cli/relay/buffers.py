@@ -16,12 +16,18 @@ buffer still read anywhere is never handed out twice. One thread (the link's rec
 from __future__ import annotations
 
 import sys
+import sysconfig
 
+POOLING = (sys.implementation.name == "cpython"
+           and not sysconfig.get_config_var("Py_GIL_DISABLED"))
+"""Reference counts say reliably who holds an object (CPython with its GIL); elsewhere the
+pools hand out new memory every time."""
 MIN_POOLED = 64 << 10
 """Buffers smaller than this are allocated each time (a page fault is not worth saving)."""
-MAX_POOLED = 32
+MAX_POOLED = 16
 """Buffers a pool keeps track of: a round's chunks in flight at once on one link (the
-averaging thread consumes them as they arrive), not the whole model."""
+averaging thread consumes them as they arrive), not the whole model. They stay allocated
+while the link lives (64 MiB with the default 4 MiB chunks)."""
 
 _FREE_REFS = 2  # the pool's own list, and getrefcount's argument
 
@@ -38,7 +44,7 @@ class BufferPool:
 
     def get(self, nbytes: int) -> bytearray:
         """A bytearray of ``nbytes`` (its bytes are whatever was received last into it)."""
-        if nbytes < self.min_bytes:
+        if nbytes < self.min_bytes or not POOLING:
             return bytearray(nbytes)
         other = -1
         for i in range(len(self._buffers)):

@@ -34,9 +34,9 @@ from __future__ import annotations
 import array
 import contextlib
 import fcntl
-import itertools
 import mmap
 import os
+import secrets
 import socket
 import stat
 import struct
@@ -44,12 +44,13 @@ import sys
 import threading
 import weakref
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from nebula_cli.errors import NebulaError
+from nebula_cli.relay.buffers import POOLING
 from nebula_cli.relay.wire import WireError
 
 MAX_FDS = 2
@@ -161,6 +162,8 @@ class LocalConn:
     def __init__(self, sock: socket.socket, seals: int = FIXED_SIZE) -> None:
         self.sock = sock
         self.seals = seals
+        self.lent: set[int] = set()
+        """Tokens of the results the relay lent this worker and it has not released."""
         self._fds: list[int] = []
         self._space = socket.CMSG_SPACE(MAX_FDS * array.array("i").itemsize)
 
@@ -269,7 +272,8 @@ class _Pooled:
     mm: mmap.mmap
     numel: int
     ptr: int
-    lent: bool = False
+    lent: set[int] = field(default_factory=set)
+    """Tokens of the times it went to a worker and was not released yet."""
 
 
 class SharedPool:
@@ -278,16 +282,19 @@ class SharedPool:
     virtual machine that returns freed memory to its host far more (docs/benchmarks.md).
 
     A relay's own holders (its last rounds, the exchange) are seen from the mapping's reference
-    count; its worker's are not, so an average handed to a worker is *lent* (:meth:`lend` gives
-    a token that goes with it) until the worker says it dropped it (:meth:`release`; its next
-    request carries the tokens of the results it no longer maps). At most ``cap`` memfds are
-    kept: beyond that the oldest is forgotten (it lives as long as whoever maps it)."""
+    count; its worker's are not, so each time an average is handed to a worker it is *lent*
+    (:meth:`lend` gives a new random token that goes with it) until the worker says it dropped
+    that result (:meth:`release`; its next request carries the tokens of the results it no
+    longer maps). A token of another session or an earlier relay matches nothing; what a
+    session was lent and did not release when it ended is never used again (:meth:`forget`).
+    At most ``cap`` memfds are kept: beyond that the oldest is forgotten (it lives as long as
+    whoever maps it). Without a reliable reference count (:data:`~nebula_cli.relay.buffers.
+    POOLING`) every average gets a new memfd."""
 
     def __init__(self, cap: int = MAX_POOLED_RESULTS) -> None:
         self.cap = cap
         self._lock = threading.Lock()
-        self._entries: dict[int, _Pooled] = {}  # token -> memfd mapping, oldest first
-        self._tokens = itertools.count(1)
+        self._entries: list[_Pooled] = []  # oldest first
         self.reused = 0
         """Averages built in memory used before (for tests and the benchmark)."""
 
@@ -295,40 +302,44 @@ class SharedPool:
         """An fp32 tensor of ``numel`` elements in a free memfd of that size, else a new one."""
         if not numel:
             return torch.empty(0)
+        if not POOLING:
+            return shared_empty(numel)
         with self._lock:
-            for entry in self._entries.values():
+            for entry in self._entries:
                 # referenced by the entry and getrefcount's argument only: no tensor maps it
                 if entry.numel == numel and not entry.lent and sys.getrefcount(entry.mm) == 2:
                     self.reused += 1
                     return torch.frombuffer(entry.mm, dtype=torch.float32)
             if len(self._entries) >= self.cap:
-                del self._entries[next(iter(self._entries))]
+                del self._entries[0]
             mm = _shared_map(numel)
-            self._entries[next(self._tokens)] = _Pooled(mm, numel, _address(mm))
+            self._entries.append(_Pooled(mm, numel, _address(mm)))
             return torch.frombuffer(mm, dtype=torch.float32)
 
     def lend(self, tensor: torch.Tensor) -> int | None:
-        """``tensor`` (a whole average of this pool) goes to a worker: its token, else None."""
+        """``tensor`` (a whole average of this pool) goes to a worker: a new token for this
+        time, else None (not pooled memory)."""
         with self._lock:
-            for token, entry in self._entries.items():
+            for entry in self._entries:
                 if entry.ptr == tensor.data_ptr() and entry.numel == tensor.numel():
-                    entry.lent = True
+                    token = secrets.randbits(62)
+                    entry.lent.add(token)
                     return token
         return None
 
     def release(self, tokens: Iterable[Any]) -> None:
-        """The worker no longer maps these averages (unknown tokens are ignored)."""
+        """The worker no longer maps the results these tokens came with (others are ignored)."""
+        wanted = {t for t in tokens if isinstance(t, int)}
         with self._lock:
-            for token in tokens:
-                entry = self._entries.get(token) if isinstance(token, int) else None
-                if entry is not None:
-                    entry.lent = False
+            for entry in self._entries:
+                entry.lent -= wanted
 
-    def forget_lent(self) -> None:
-        """A worker's connection ended: what it was lent is left to it, not used again."""
+    def forget(self, tokens: Iterable[int]) -> None:
+        """A worker's connection ended without releasing these: their memory is left to it,
+        never used again here."""
+        gone = set(tokens)
         with self._lock:
-            for token in [t for t, e in self._entries.items() if e.lent]:
-                del self._entries[token]
+            self._entries = [e for e in self._entries if not e.lent & gone]
 
 
 def _unshare(ptr: int, fd: int) -> None:

@@ -225,7 +225,11 @@ class Peers:
                     reason = self.incompatible(welcome.meta)
                     if reason:
                         raise NebulaError(reason)
-                    peer_key = records.accepted(welcome.meta.pop("records", None))
+                    offered = welcome.meta.pop("records", None)
+                    peer_key = records.accepted(offered)
+                    if offered is not None and peer_key is None:  # it unwraps; we cannot
+                        raise NebulaError(f"peer offered records this relay cannot use "
+                                          f"({records.describe(offered)})")
                     conn: LinkConn = tls if peer_key is None else records.RecordConn(
                         records.unwrap(tls), key, peer_key)
                 except BaseException:

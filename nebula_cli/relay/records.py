@@ -76,6 +76,12 @@ def accepted(meta: Any) -> bytes | None:
     return key if len(key) == KEY_BYTES else None
 
 
+def describe(meta: Any) -> str:
+    """An offer as a log line may show it: its cipher, never its key."""
+    cipher = meta.get("cipher") if isinstance(meta, dict) else None
+    return f"cipher {cipher!r}" if cipher is not None else f"an offer of type {type(meta).__name__}"
+
+
 class _Direction:
     """One direction's key, record number and bytes under the current key."""
 
@@ -104,10 +110,13 @@ class RecordConn:
 
     def __init__(self, sock: socket.socket, send_key: bytes, recv_key: bytes) -> None:
         if send_key == recv_key:
-            raise ValueError("the two directions need different keys")
+            raise RecordError("the peer offered this relay's own key: the two directions "
+                              "need different keys")
         self.sock = sock
         self.on_recv: Callable[[], None] | None = None
-        """Called after every read from the socket (liveness while a large record arrives)."""
+        """Called after every read from the socket: a large record on a slow link shows
+        traffic before it has all arrived (and been authenticated; a dead link whose bytes
+        someone forges still fails its round at the stall time-out)."""
         self._tx, self._rx = _Direction(send_key), _Direction(recv_key)
         self._out = bytearray(0)  # length + ciphertext + tag of the record being sent
         self._in = bytearray(0)  # ciphertext + tag of the record being read

@@ -166,7 +166,7 @@ class WorkerPort:
                 self.socks.discard(tls)
             self.sessions.leave("workers")
             if self.shared is not None and isinstance(tls, LocalConn):
-                self.shared.forget_lent()
+                self.shared.forget(tls.lent)
             tls.close()
 
     def _serve(self, sock: Conn, name: str, addr: str) -> None:
@@ -234,8 +234,11 @@ class WorkerPort:
             if not isinstance(round_id, int) or isinstance(round_id, bool) or round_id < 0:
                 raise _Refused("bad round id")
             released = m.get("released")
-            if self.shared is not None and isinstance(released, list):
-                self.shared.release(released)
+            if self.shared is not None and isinstance(sock, LocalConn) and isinstance(
+                    released, list):
+                ours = sock.lent & {t for t in released if isinstance(t, int)}
+                sock.lent -= ours
+                self.shared.release(ours)
             out = self.rounds.local_round(round_id, x, RoundInfo.from_meta(m.get("info")))
             meta = {"round_id": out.round_id, "present": out.present, "next_h": out.next_h,
                     "codec": out.codec,
@@ -245,7 +248,9 @@ class WorkerPort:
                     "bytes_received": out.bytes_received, "upload_s": upload,
                     "has_state": out.global_state is not None, "mode": out.mode}
             if self.shared is not None and isinstance(sock, LocalConn):
-                meta["shm"] = self.shared.lend(out.tensor)  # until the worker releases it
+                meta["shm"] = token = self.shared.lend(out.tensor)  # until released
+                if token is not None:
+                    sock.lent.add(token)
             send_tensor(sock, FrameType.RESULT, meta, out.tensor)
             if out.global_state is not None:
                 send_tensor(sock, FrameType.STATE, {

@@ -1,4 +1,5 @@
-"""Relay goodput and round time over shaped links: real relays (mutual TLS) on the test bed.
+"""Relay goodput and round time over shaped links: real relays (mutual TLS, then AES-GCM records)
+on the test bed.
 
     .venv/bin/python bench/relay_goodput.py [--quick] [--json] [--mbit 20] [--mb 256] [--rounds 4]
                                             [--repeat 3]
@@ -23,7 +24,7 @@ Goodput = model bytes delivered per direction / wall time, in Mbit/s: for the re
 start of the first timed round to the end of the last (each round is both clusters' allreduce:
 local TLS hop, WAN exchange, the average back); every result is checked against the exact
 average. Ratios: goodput_vs_iperf3 = relay / iperf3 both ways (per direction); tls_vs_plain =
-relay (TLS on) / plain TCP of the same bytes on the same link (the relay has no plain mode).
+relay (encrypted) / plain TCP of the same bytes on the same link (the relay has no plain mode).
 --repeat N measures iperf3 both ways and the relay N times (one-way iperf3, plain TCP and TLS
 once) and prints each run's goodput_vs_iperf3 beside its own iperf3; goodput_vs_iperf3 is then
 the lowest of the runs (the goal holds for every run) and the spread (min, median, max) is
@@ -372,7 +373,7 @@ def print_two(summary: dict[str, Any], mbit: dict[str, float], runs: list[dict[s
               notes: dict[str, str], args: argparse.Namespace) -> None:
     labels = {"iperf3": "iperf3, one way", "iperf3_bidir": "iperf3, both ways at once",
               "plain": "plain TCP (python), both ways", "tls": "TLS 1.3 (python), both ways",
-              "relay": "relay allreduce (TLS, codec none)"}
+              "relay": "relay allreduce (records, codec none)"}
     paths = {"iperf3": mbit["iperf3"], "iperf3_bidir": runs[0]["iperf3_bidir"],
              "plain": mbit["plain"], "tls": mbit["tls"], "relay": runs[0]["relay"]}
     rows = [[labels[k], v, _bed.ratio(v, paths["iperf3_bidir"]), _bed.ratio(v, paths["plain"]),

@@ -87,6 +87,15 @@ def test_wan_training_summary_has_the_fields_and_ratios() -> None:
     assert out["loss_gap"] == pytest.approx(0.02)
     assert out["wan_bytes_reduction"] == pytest.approx(500.0)  # of 200, 2000, 500
     assert out["goals_met"]["loss_gap"] and not out["goals_met"]["wan_bytes_reduction"]
+    # repetitions: the loss gap with overlap of every run, the goal judged on the worst
+    again = {1: {"nebula": run("nebula", 0.4, 2.04, 10_000_000),
+                 "unshaped": run("unshaped", 0.36, 2.04, None),
+                 "overlap": run("overlap", 0.35, 2.08, 10_000_000)}}
+    mod.spread(out, runs, again)
+    assert out["loss_gap_overlap_runs"] == pytest.approx([0.025, 0.04])
+    assert out["loss_gap_overlap_spread"]["max"] == pytest.approx(0.04)
+    assert not out["goals_met"]["loss_gap_overlap"]
+    assert out["utilization_overlap_runs"] == pytest.approx([0.35 ** -1 * 0.36] * 2, abs=1e-3)
     args = mod.parse_args(["--inner-steps", "25", "--codec", "int8"])
     predicted = mod.advisor_prediction(runs, args, rtt_ms=50.1)
     # the advisor's own model: H t / (H t + bytes * 8 / rate + 3 rtt), t from (c)

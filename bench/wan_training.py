@@ -57,6 +57,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _bed  # noqa: E402
 from _schedules import schedule  # noqa: E402
+from _timeline import timeline  # noqa: E402
 
 sys.path.insert(0, str(_bed.REPO))
 from nebula_cli.config.relay_config import (  # noqa: E402
@@ -232,28 +233,6 @@ def run_job(neb: _bed.Nebula, bed: Any, tmp: Path, args: argparse.Namespace, nam
               load=os.getloadavg()[0])
     _bed.say(f"{name}: {s_step:.3f} s/step, eval loss {out.eval_loss:.4f}, {wall:.0f} s")
     return out
-
-
-TIMELINE = ("boundary_s", "wait_s", "apply_s", "step_s_idle", "step_s_in_flight")
-
-
-def timeline(records: list[dict[str, Any]]) -> dict[str, float] | None:
-    """Overlap's timeline, from the rank-0 records of every round: the mean seconds a round
-    costs at its boundary (delta, hand-over), in waiting for its average and in applying it,
-    and a step's mean seconds without a round in flight and with one (what the round's work
-    on the same cores costs the steps beside it); ``merged_after_steps``: the mean steps
-    between a boundary and its average's merge (how stale an applied average is: the loss with
-    overlap depends on it, bench/diloco_schedule.py --modes overlap --tau N)."""
-    rounds = [r for r in records if "wait_s" in r]
-    if not rounds:
-        return None
-    starts = [r["boundary_s"] for r in records if "boundary_s" in r]
-    out = {k: sum(r[k] for r in rounds if k in r) / max(1, sum(k in r for r in rounds))
-           for k in TIMELINE[1:]}
-    out["boundary_s"] = sum(starts) / max(1, len(starts))
-    stale = [r["merged_after_steps"] for r in rounds if "merged_after_steps" in r]
-    return {**{k: round(out[k], 4) for k in TIMELINE},
-            **({"merged_after_steps": round(sum(stale) / len(stale), 2)} if stale else {})}
 
 
 def advisor_prediction(runs: dict[str, Run], args: argparse.Namespace, rtt_ms: float

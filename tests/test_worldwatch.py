@@ -81,6 +81,27 @@ def test_a_rank_ends_cleanly_whatever_the_store_does(store_at_all: bool) -> None
         proc.kill()
 
 
+def test_a_rank_ends_cleanly_while_torch_still_tries_a_store_that_went_away() -> None:
+    """The store accepted the watcher's probe and went away before torch connected: torch's
+    client tries for 5 s, backs off, tries again (9-15 s in all). The rank's script ends during
+    that: the process waits for the call and ends 0, never in std::terminate (134)."""
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(8)
+    proc = watcher(listener.getsockname()[1], 2.5)
+    try:
+        listener.settimeout(30)
+        listener.accept()[0].close()  # the watcher's probe: something serves the address
+        listener.close()  # ... and no more, before torch connects
+        out, err = proc.communicate(timeout=60)
+        assert proc.returncode == 0, err
+        assert "ended on its own" in out
+        assert "retrying" in err  # the script ended while the watcher was inside torch
+    finally:
+        listener.close()
+        proc.kill()
+
+
 def test_no_watcher_and_no_abort_without_a_world_of_several_hosts() -> None:
     port = free_port()
     assert not worldwatch.abort("x", env=world_env(port, nodes=1))

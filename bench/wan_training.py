@@ -15,8 +15,8 @@ same number of tokens:
                  mesh cannot go through the bed's delay proxy (this only favours (a)).
   (b) nebula     clusters east and west, relay DiLoCo (--inner-steps, --outer-lr,
                  --outer-momentum), --codec + error feedback, the relay's own shaping adding
-                 --delay-ms one way; overlap off, then on (each average applied as soon as it
-                 has arrived, on top of the steps taken meanwhile).
+                 --delay-ms one way; overlap off, then on (each average applied at the step the
+                 relays agreed, on top of the steps taken meanwhile).
   (c) unshaped   (b) with the link unshaped and no delay: the compute-only reference.
 
 Several seeds (--seeds 1234,1,2): the first seed runs all four jobs; every further seed runs (a)

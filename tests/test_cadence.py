@@ -19,7 +19,12 @@ from nebula_cli.config.relay_config import AutoSteps
 from nebula_cli.config.spec import load_spec
 from nebula_cli.relay.agreement import Coordinator, Decision
 from nebula_cli.relay.allreduce import ExchangeError, ordered_mean
-from nebula_cli.relay.cadence import RoundInfo, choose_inner_steps, round_weights
+from nebula_cli.relay.cadence import (
+    RoundInfo,
+    choose_inner_steps,
+    choose_merge_steps,
+    round_weights,
+)
 from nebula_cli.runtime.cadence import Cadence
 from nebula_cli.runtime.cluster_share import ClusterShare
 from nebula_cli.runtime.sync import OuterSync
@@ -55,6 +60,37 @@ def test_no_measurement_no_choice() -> None:
     assert choose_inner_steps(AUTO, {}) is None
     assert choose_inner_steps(AUTO, {"a": RoundInfo(step_s=0.2)}) is None  # the first round
     assert choose_inner_steps(AUTO, {"a": RoundInfo(comm_s=1.0)}) is None
+
+
+def test_the_merge_step_is_the_round_in_the_slowest_steps_plus_a_margin() -> None:
+    # b reached the boundary last: its average came 0.15 s later (the round itself); a waited
+    # for b too (0.6 s). 0.2 s a step (the slowest): 0.75 steps + 0.5 of margin -> 2
+    infos = {"a": RoundInfo(step_s=0.2, arrive_s=0.6), "b": RoundInfo(step_s=0.1, arrive_s=0.15)}
+    k, why = choose_merge_steps(infos) or (0, "")
+    assert k == 2 and "merge after 2 steps" in why and "0.150 s" in why
+    assert choose_merge_steps({"a": RoundInfo(step_s=0.2, arrive_s=0.01)})[0] == 1
+    assert choose_merge_steps({"a": RoundInfo(step_s=0.2, arrive_s=2.0)})[0] == 11
+    # the step in force stays while the round fits with at most a step to spare (jitter)
+    assert choose_merge_steps(infos, current=2) == (2, why.replace("steps", "steps (kept)"))
+    assert choose_merge_steps(infos, current=1)[0] == 1  # 0.75 steps: fits in 1
+    assert choose_merge_steps(infos, current=3)[0] == 2  # 2 to spare: back down
+    assert choose_merge_steps({"a": RoundInfo(step_s=0.2, arrive_s=0.3)}, current=1)[0] == 2
+    assert choose_merge_steps({"a": RoundInfo(step_s=0.2)}) is None  # no overlap, or round 0
+    assert choose_merge_steps({"a": RoundInfo(arrive_s=1.0)}) is None
+
+
+def test_decisions_agree_the_merge_step_and_refuse_a_forged_one() -> None:
+    coord = Coordinator("a", ["a", "b"], 10.0)
+    coord.ready(0, 0, "a", ok=True, numel=8, now=0.0, newest_done=-1,
+                info=RoundInfo(step_s=0.2, arrive_s=0.9))
+    d = coord.ready(0, 0, "b", ok=True, numel=8, now=0.1, newest_done=-1,
+                    info=RoundInfo(step_s=0.2, arrive_s=0.3))
+    assert isinstance(d, Decision) and d.next_merge == 2 and d.next_h is None
+    assert Decision.from_meta(d.to_meta()) == d
+    with pytest.raises(ExchangeError):
+        Decision.from_meta({**d.to_meta(), "next_merge": 0})
+    old = {k: v for k, v in d.to_meta().items() if k != "next_merge"}  # a relay before it
+    assert Decision.from_meta(old).next_merge is None
 
 
 def test_round_info_keeps_only_finite_numbers_in_range() -> None:
@@ -246,15 +282,21 @@ def test_bad_cadences_are_refused_at_their_field(tmp_path: Path, body: str, fiel
 class DecidingAverager(TwoClusterAverager):
     """Records the info of each round and answers with the H a coordinator would choose."""
 
-    def __init__(self, next_h: list[int]) -> None:
+    def __init__(self, next_h: list[int], next_merge: list[int] | None = None,
+                 delay: float = 0.0) -> None:
         super().__init__()
         self.infos: list[dict[str, float]] = []
         self.next_h = next_h
+        self.next_merge = next_merge or []
+        self.delay = delay
 
     def allreduce(self, round_id: int, tensor: torch.Tensor, info: Any = None) -> Any:
         self.infos.append(dict(info or {}))
+        time.sleep(self.delay)
         res = super().allreduce(round_id, tensor)
         res.next_h = self.next_h[round_id] if round_id < len(self.next_h) else None
+        res.next_merge = (self.next_merge[round_id] if round_id < len(self.next_merge)
+                          else None)
         return res
 
 
@@ -331,4 +373,28 @@ def test_overlapped_rounds_report_their_timeline() -> None:
     for o in merged:
         assert o["wait_s"] >= 0 and o["apply_s"] >= 0
         assert o["step_s_in_flight"] >= 0.01 and o["step_s_idle"] >= 0.01
+    sync.close()
+
+
+@pytest.mark.parametrize("delay", [0.0, 0.12])
+def test_overlap_merges_at_the_step_the_last_result_agreed(delay: float) -> None:
+    """Round 0 is merged 1 step after its boundary (nothing agreed yet); its result agrees 3
+    steps for round 1, round 1's 1 for round 2, and later results say nothing (kept): merged
+    exactly there, whether the average came sooner (delay 0) or later (0.12 s, about 4 steps:
+    waited for); every round after the first tells when its last average arrived."""
+    model = small_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    averager = DecidingAverager([], next_merge=[3, 1], delay=delay)
+    sync = OuterSync(model, config=dataclasses.replace(CFG, overlap=True, overlap_steps=None),
+                     averager=averager, inner_steps=6)
+    merged = {}
+    for step in range(1, 30):
+        plain_step(model, opt, step)
+        time.sleep(0.03)
+        out = sync.after_step(step)
+        if out and "merged_after_steps" in out:
+            merged[out["outer_round"]] = out["merged_after_steps"]
+    assert [merged[r] for r in range(4)] == [1, 3, 1, 1]
+    assert "arrive_s" not in averager.infos[0]
+    assert all(i["arrive_s"] >= delay for i in averager.infos[1:])
     sync.close()

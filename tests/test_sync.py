@@ -180,8 +180,9 @@ class SlowAverager(TwoClusterAverager):
 def test_plain_overlap_merges_each_average_once_on_top_of_later_progress(
         overlap_steps: int | None, delay: float) -> None:
     """Streaming merge: the average of round k is applied once, some steps after boundary k
-    (a fixed count, or as soon as it arrived), and the parameters keep the progress made since
-    the boundary; every delta sent is theta_global at its boundary minus the local params."""
+    (a fixed count, or the agreed one: 1 before any), and the parameters keep the progress
+    made since the boundary; every delta sent is theta_global at its boundary minus the local
+    params."""
     model = small_model()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     averager = SlowAverager(delay)

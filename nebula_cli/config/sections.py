@@ -56,11 +56,13 @@ class SyncSpec(SpecModel):
     nesterov: bool = True
     """Nesterov momentum for the outer step."""
     overlap: bool = False
-    """Overlap the outer sync with the next inner steps (the average is applied once it has
-    arrived, on top of the progress made meanwhile)."""
+    """Overlap the outer sync with the next inner steps (the average is applied a few steps
+    after the round started, on top of the progress made meanwhile)."""
     overlap_steps: int | None = Field(None, ge=1)
     """Overlap: apply the average exactly this many inner steps after the round starts (waiting
-    for it if needed; >= inner_steps: one round late). Default: as soon as it has arrived."""
+    for it if needed; >= inner_steps: one round late). Default: the relays agree it from the
+    last rounds' times (the round in the slowest cluster's steps, plus half a step), the same
+    on every cluster; 1 for the first two rounds."""
 
     @model_validator(mode="after")
     def _one_cadence(self) -> SyncSpec:

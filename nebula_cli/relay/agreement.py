@@ -23,7 +23,13 @@ from typing import Any
 
 from nebula_cli.config.relay_config import AutoCodec, AutoSteps
 from nebula_cli.relay.allreduce import ExchangeError
-from nebula_cli.relay.cadence import CODEC_CHARS, RoundInfo, choose_inner_steps, round_weights
+from nebula_cli.relay.cadence import (
+    CODEC_CHARS,
+    RoundInfo,
+    choose_inner_steps,
+    choose_merge_steps,
+    round_weights,
+)
 from nebula_cli.relay.codec_choice import CodecCosts, choose_codec
 from nebula_cli.relay.lineage import GENESIS, diverged
 
@@ -60,6 +66,9 @@ class Decision:
     a cluster that encoded with another is rejected and fetches the average)."""
     next_codec: str = ""
     """``compression: auto``: the codec every cluster encodes its next round with."""
+    next_merge: int | None = None
+    """Overlap: the step after its boundary at which every cluster applies the next round's
+    average (relay.cadence.choose_merge_steps)."""
 
     @property
     def key(self) -> tuple[int, int, str]:
@@ -71,7 +80,7 @@ class Decision:
                 "missing": list(self.missing), "numel": self.numel,
                 "diverged": list(self.diverged), "weights": dict(self.weights),
                 "next_h": self.next_h, "why": self.why, "codec": self.codec,
-                "next_codec": self.next_codec}
+                "next_codec": self.next_codec, "next_merge": self.next_merge}
 
     @classmethod
     def from_meta(cls, meta: Mapping[str, Any]) -> Decision:
@@ -79,7 +88,7 @@ class Decision:
             present = tuple(map(str, meta["present"]))
             weights = tuple(sorted((str(c), float(w))
                                    for c, w in dict(meta.get("weights") or {}).items()))
-            next_h = meta.get("next_h")
+            next_h, next_merge = meta.get("next_h"), meta.get("next_merge")
             d = cls(int(meta["round"]), int(meta["attempt"]), str(meta["coord"]),
                     present, tuple(map(str, meta["rejected"])),
                     tuple(map(str, meta["missing"])), int(meta["numel"]),
@@ -87,7 +96,8 @@ class Decision:
                     None if next_h is None else int(next_h),
                     str(meta.get("why") or "")[:WHY_CHARS],
                     str(meta.get("codec") or "")[:CODEC_CHARS],
-                    str(meta.get("next_codec") or "")[:CODEC_CHARS])
+                    str(meta.get("next_codec") or "")[:CODEC_CHARS],
+                    None if next_merge is None else int(next_merge))
         except (KeyError, TypeError, ValueError) as exc:
             raise ExchangeError(f"malformed round decision {dict(meta)!r}") from exc
         if weights and ({c for c, _ in weights} != set(present)
@@ -96,6 +106,8 @@ class Decision:
                                 f"{list(present)}")
         if d.next_h is not None and d.next_h < 1:
             raise ExchangeError(f"round decision with next_h {d.next_h}")
+        if d.next_merge is not None and d.next_merge < 1:
+            raise ExchangeError(f"round decision with next_merge {d.next_merge}")
         return d
 
 
@@ -241,10 +253,13 @@ class Coordinator:
             if pick is not None:
                 next_codec, why = pick.codec, pick.why
                 next_h = pick.h if pick.h is not None else next_h
+        last = self._decided[max(self._decided)] if self._decided else None
+        merge = choose_merge_steps(col.info, last.next_merge if last else None)
+        next_merge = merge[0] if merge else None
         d = Decision(round_id, attempt, self.me, tuple(sorted(present)), tuple(sorted(rejected)),
                      tuple(sorted(missing)), numel, tuple(sorted(lost)),
                      tuple(sorted(round_weights(present, col.info).items())),
-                     next_h, why[:WHY_CHARS], codec, next_codec)
+                     next_h, why[:WHY_CHARS], codec, next_codec, next_merge)
         if why:
             log.info("round %d: next%s%s (%s)", round_id,
                      "" if next_h is None else f" H {next_h}",

@@ -94,6 +94,9 @@ class RoundResult:
     relays); None: keep the current one."""
     codec: str = ""
     """The codec of the round whose average this is (``compression: auto`` changes it)."""
+    next_merge: int | None = None
+    """Overlap: the step after its boundary at which every cluster applies the next round's
+    average (agreed by the relays); None: when it arrives."""
     stages: dict[str, float] = field(default_factory=dict)
     """Where the call's time went (seconds): ``send`` (this side writing the contribution),
     ``upload`` (the relay reading it), ``relay`` (the relay's round: agreement, exchange),
@@ -196,6 +199,7 @@ class RelayClient:
                 global_momentum=momentum,
                 rejected=list(m.get("rejected", [])), missing=list(m.get("missing", [])),
                 next_h=_positive_int(m.get("next_h")), codec=str(m.get("codec") or ""),
+                next_merge=_positive_int(m.get("next_merge")),
                 stages={"send": t1 - t0, "upload": float(m.get("upload_s", 0.0)),
                         "relay": float(m.get("seconds", 0.0)),
                         "receive": time.perf_counter() - t2, "total": time.perf_counter() - t0},

@@ -35,6 +35,9 @@ class Outcome:
     """The codec of the round whose average this is (the worker's outer settings follow it)."""
     next_codec: str = ""
     """``compression: auto``: the codec the round's decision says the next round uses."""
+    next_merge: int | None = None
+    """Overlap: the step after its boundary at which every cluster applies the next round's
+    average (the round's decision)."""
 
 
 @dataclass(frozen=True)

@@ -195,7 +195,8 @@ class Rounds(RoundControl):
                 return Outcome(ex.result, list(d.present), r, sorted(set(d.rejected) |
                                ex.dropped), list(d.missing), mode=ex.schedule.mode,
                                weights=dict(d.weights), next_h=d.next_h,
-                               next_h_why=d.why, codec=codec.name, next_codec=d.next_codec)
+                               next_h_why=d.why, codec=codec.name, next_codec=d.next_codec,
+                               next_merge=d.next_merge)
             self._event("round %d attempt %d failed: %s", r, attempt, ex.error)
             got = self._recover(r, [c for c in d.present if c != self.me], numel,
                                 wait=self.grace)
@@ -321,13 +322,15 @@ class Rounds(RoundControl):
         if out.missing:
             self._event("round %d: completed without %s (gone, or not ready by the deadline)", r,
                         ", ".join(out.missing))
-        log.info("round %d done in %.2fs (%s%s): present %s%s%s%s", r, out.seconds, out.mode,
+        log.info("round %d done in %.2fs (%s%s): present %s%s%s%s%s", r, out.seconds, out.mode,
                  f", {out.codec}" if self.cfg.auto_codec else "",
                  out.present, f", weighted by samples {out.weights}" if len(
                      set(out.weights.values())) > 1 else "",
                  "" if out.next_h is None else f", next H {out.next_h}",
                  f", next codec {out.next_codec}" if out.next_codec and out.next_codec !=
-                 out.codec else "")
+                 out.codec else "",
+                 "" if out.next_merge is None else
+                 f", next average applied {out.next_merge} steps after its boundary")
         self._finished(r, out)
 
     # ------------------------------------------------------------------ for peers and workers

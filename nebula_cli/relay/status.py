@@ -85,7 +85,8 @@ class Status:
                 "rejected": out.rejected, "mode": out.mode,
                 "caught_up": out.global_state is not None, "weights": out.weights,
                 "next_h": out.next_h, "next_h_why": out.next_h_why or None,
-                "codec": out.codec or None, "next_codec": out.next_codec or None})
+                "codec": out.codec or None, "next_codec": out.next_codec or None,
+                "next_merge": out.next_merge})
             self._dirty = True
             self._queued += 1
             gen = self._queued

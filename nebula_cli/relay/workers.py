@@ -241,6 +241,7 @@ class WorkerPort:
                 self.shared.release(ours)
             out = self.rounds.local_round(round_id, x, RoundInfo.from_meta(m.get("info")))
             meta = {"round_id": out.round_id, "present": out.present, "next_h": out.next_h,
+                    "next_merge": out.next_merge,
                     "codec": out.codec,
                     "weights": out.weights,
                     "rejected": out.rejected, "missing": out.missing,

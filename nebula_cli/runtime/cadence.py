@@ -13,7 +13,9 @@ Three cadences (spec: ``relay.sync``):
 
 With every round the cluster reports (`RoundInfo` on the relay's side) the samples since its
 previous round (the weight of its delta), its mean seconds per step over those steps (training
-only) and how long its previous round kept it from training.
+only) and how long its previous round kept it from training; with overlap, also how long after
+its boundary the previous round's average arrived. From that the relays agree on the step
+after the boundary at which every cluster applies the next average (:attr:`merge_steps`).
 """
 
 from __future__ import annotations
@@ -25,6 +27,11 @@ from typing import Any
 import torch
 
 from nebula_cli.runtime.cluster_share import ClusterShare
+
+FIRST_MERGE_STEPS = 1
+"""Overlap: the merge step until the relays have agreed one (from the second round's READYs
+on): the first rounds' averages are applied one step after their boundary, every cluster
+waiting for its own, so that clusters started seconds apart merge at the same step too."""
 
 
 class Cadence:
@@ -44,6 +51,10 @@ class Cadence:
         self._since = clock()
         self._paused = 0.0
         self._last_cost: float | None = None
+        self._arrive_s: float | None = None
+        self.merge_steps = FIRST_MERGE_STEPS
+        """Overlap: apply a round's average this many steps after its boundary (waiting for it
+        if needed), as the last result that said one said: the same on every cluster."""
         self._mark: float | None = None
         self._steps: dict[bool, list[float]] = {True: [0.0, 0], False: [0.0, 0]}
 
@@ -65,6 +76,8 @@ class Cadence:
             out["step_s"] = max(self._training_s(), 1e-6) / since
         if self._last_cost is not None:
             out["comm_s"] = self._last_cost
+        if self._arrive_s is not None:
+            out["arrive_s"] = self._arrive_s
         return out
 
     def pause(self, seconds: float) -> None:
@@ -83,6 +96,17 @@ class Cadence:
         """Take the H a round's result said (auto only; None: keep H)."""
         if self.auto and next_h is not None and next_h >= 1:
             self.inner_steps = int(next_h)
+
+    def agree_merge(self, next_merge: int | None) -> None:
+        """Overlap: take the step at which the next round's average is applied, as a round's
+        result said (None: keep the current one)."""
+        if next_merge is not None and next_merge >= 1:
+            self.merge_steps = int(next_merge)
+
+    def note_arrival(self, seconds: float) -> None:
+        """Overlap (rank 0): the round in flight's average arrived ``seconds`` after its
+        boundary (reported with the next round)."""
+        self._arrive_s = max(1e-6, seconds)
 
     def note_cost(self, cost: float) -> None:
         """Overlap: a round in flight cost ``cost`` seconds end to end (reported next round)."""

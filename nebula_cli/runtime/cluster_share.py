@@ -22,8 +22,9 @@ class AveragedRound(Protocol):
     """What an averager returns for one round (``relay.client.RoundResult`` has this shape).
 
     Optional attribute ``next_h`` (an int or None): the H to train before the next round
-    (``inner_steps: auto``). Optional attribute ``global_state`` (a tensor or None): set when
-    this cluster was behind; it is then theta_global after round ``round_id`` and replaces
+    (``inner_steps: auto``); ``next_merge`` (an int or None): overlap's agreed step for
+    applying the next round's average. Optional attribute ``global_state`` (a tensor or None):
+    set when this cluster was behind; it is then theta_global after round ``round_id`` and replaces
     ours (no outer step); ``global_momentum`` then the outer momentum that goes with it (or
     None).
     """
@@ -67,6 +68,7 @@ class Shared:
     momentum: torch.Tensor | None = None  # with ``state``: the peer's outer momentum
     next_h: int | None = None  # inner_steps: auto: the H agreed for the next round
     codec: str = ""  # the codec of the round whose average this is ("": not said)
+    next_merge: int | None = None  # overlap: the step the next round's average is applied at
 
 
 class ClusterShare:
@@ -81,7 +83,7 @@ class ClusterShare:
 
     def share(self, round_id: int, result: Any, error: BaseException | None) -> Shared:
         """Rank 0's round outcome (or failure), broadcast to every rank of the cluster."""
-        header = torch.zeros(10, dtype=torch.float64)
+        header = torch.zeros(11, dtype=torch.float64)
         payload = momentum = None
         if self.rank == 0:
             if error is None:
@@ -93,7 +95,8 @@ class ClusterShare:
                      result.seconds, int(getattr(result, "round_id", round_id)),
                      float(state), float(momentum is not None),
                      float(getattr(result, "next_h", None) or 0),
-                     float(_codec_index(getattr(result, "codec", "")))], dtype=torch.float64)
+                     float(_codec_index(getattr(result, "codec", ""))),
+                     float(getattr(result, "next_merge", None) or 0)], dtype=torch.float64)
         self.broadcast(header)
         if header[0].item() != 1.0:
             if self.rank == 0:
@@ -115,7 +118,8 @@ class ClusterShare:
             present=int(header[1].item()), bytes_sent=int(header[2].item()),
             bytes_received=int(header[3].item()), seconds=header[4].item(),
             clusters=list(result.present) if self.rank == 0 else None, momentum=momentum,
-            next_h=int(header[8].item()) or None, codec=_codec_name(int(header[9].item())))
+            next_h=int(header[8].item()) or None, codec=_codec_name(int(header[9].item())),
+            next_merge=int(header[10].item()) or None)
 
     def check_result(self, round_id: int, result: Any
                       ) -> tuple[torch.Tensor | None, bool, BaseException | None]:

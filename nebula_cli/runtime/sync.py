@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import logging
 import os
-import threading
 import time
 from typing import Any
 
@@ -37,6 +36,7 @@ from nebula_cli.runtime.cluster_share import (
 )
 from nebula_cli.runtime.explicit import note_outer_sync
 from nebula_cli.runtime.final import final_agreement
+from nebula_cli.runtime.inflight import InFlight
 from nebula_cli.runtime.metrics import DRY_RUN_ENV
 from nebula_cli.runtime.metrics import emit as log_metrics
 from nebula_cli.runtime.outer import OuterOptimizer, SyncError
@@ -89,11 +89,10 @@ class OuterSync:
     ``overlap=True`` (as in Streaming DiLoCo): at a boundary the round's delta (everything not
     yet averaged) is sent in a background thread and training goes on; once the average has
     arrived the outer step is applied once and the parameters become ``theta_global`` plus the
-    cluster's own progress since the boundary. When: ``overlap_steps=None`` (default) at the
-    first step after it arrived (rank 0 tells the cluster's ranks by a one-value broadcast per
-    step while a round is in flight), at the latest at the next boundary; ``overlap_steps=k``
-    exactly k steps after the boundary, waiting for it if needed (``k >= inner_steps``: at the
-    next boundary, one round late).
+    cluster's own progress since the boundary, waiting for it if needed: ``overlap_steps=k``
+    exactly k steps after the boundary (``k >= inner_steps``: one round late); by default at the
+    step the relays agreed from the last rounds' times (``Cadence.merge_steps``: the same on
+    every cluster; 1 until they have); at the latest at the next boundary.
 
     A round with no cluster present changes nothing (the progress carries into the next delta);
     one with ``global_state`` (this cluster was behind) replaces theta_global and the
@@ -185,8 +184,7 @@ class OuterSync:
         self._calls = 0
         self._last_round_step = self._optimizer_steps()
         self._averager = averager
-        self._thread: threading.Thread | None = None
-        self._pending: dict[str, Any] | None = None
+        self._inflight = InFlight()  # overlap: the round in flight
         self._closed = False
         self.checkpointer: checkpoints.Checkpointer | None = None  # built by checkpoint()
         if self.dry_run and self.rank == 0:  # what `nebula plan` needs; no round will run
@@ -211,7 +209,7 @@ class OuterSync:
         self._calls += 1
         if self.mode != "diloco" or self.dry_run:
             return None
-        self.cadence.step_done(self._pending is not None)
+        self.cadence.step_done(self._inflight.active)
         try:
             return self._after_step()
         finally:
@@ -221,7 +219,7 @@ class OuterSync:
         steps = self._optimizer_steps()
         since = steps - self._last_round_step
         if not self.cadence.due(since):
-            if self.overlap and self._pending is not None and self._merge_due(since):
+            if self.overlap and self._inflight.active and self._merge_due(since):
                 return self._merge(since)
             return None
         self._last_round_step = steps
@@ -263,7 +261,7 @@ class OuterSync:
         """Overlap mode: wait for the round in flight and apply it (call on every rank at the
         end of training, before a final checkpoint). No-op otherwise."""
         self._check_open()
-        if not (self.overlap and self._pending is not None):
+        if not (self.overlap and self._inflight.active):
             return None
         return self._merge(self._optimizer_steps() - self._last_round_step)
 
@@ -290,8 +288,7 @@ class OuterSync:
         if self._closed:
             return
         self._closed = True
-        if self._thread is not None:
-            self._thread.join(timeout=min(self.round_timeout, 30.0))
+        self._inflight.join(timeout=min(self.round_timeout, 30.0))
         for part in (self.checkpointer, self._averager):
             if part is not None:
                 part.close()
@@ -361,14 +358,16 @@ class OuterSync:
         return stats
 
     def _overlapped_round(self, since: int, info: dict[str, float]) -> dict[str, Any]:
-        merged = self._merge(since) if self._pending is not None else None
+        merged = self._merge(since) if self._inflight.active else None
         t0 = time.perf_counter()
         theta_local = self._io.read()
         delta = self.theta_global - theta_local  # everything not yet averaged
         self._anchor = theta_local
         round_id = self.round
         self.round += 1
-        self._start_pending(round_id, delta, info)
+        averager = self._get_averager() if self.rank == 0 else None
+        self._inflight.start(round_id, None if averager is None else
+                             lambda: averager.allreduce(round_id, delta, info))
         self.cadence.restart()
         # the previous round's stats (its average applied just now), or this one's start
         stats = merged or round_stats(Shared(round_id=round_id, avg=None, state=None,
@@ -377,14 +376,8 @@ class OuterSync:
 
     def _merge_due(self, since: int) -> bool:
         """Whether the round in flight is applied after this step (the same answer on every
-        rank of the cluster)."""
-        if self.overlap_steps is not None:
-            return since >= self.overlap_steps
-        arrived = torch.zeros(1, dtype=torch.int32)
-        if self.rank == 0:
-            arrived[0] = int(self._thread is None or not self._thread.is_alive())
-        self._cluster.broadcast(arrived)
-        return bool(arrived.item())
+        rank of the cluster, and on every cluster): a fixed step, or the relays' agreed one."""
+        return since >= (self.overlap_steps or self.cadence.merge_steps)
 
     def _merge(self, since: int) -> dict[str, Any]:
         """Wait for the round in flight, apply its average once, keep the progress made since
@@ -402,6 +395,7 @@ class OuterSync:
         self.cadence.pause(stats["round_s"])  # waiting for it and applying it: not training
         self.cadence.note_cost(shared.seconds)
         self.cadence.adopt(shared.next_h)
+        self.cadence.agree_merge(shared.next_merge)
         stats["merged_after_steps"] = since
         return stats
 
@@ -444,35 +438,11 @@ class OuterSync:
                 error = exc
         return self._cluster.share(round_id, result, error)
 
-    def _start_pending(self, round_id: int, tensor: torch.Tensor,
-                       info: dict[str, float]) -> None:
-        pending: dict[str, Any] = {"round_id": round_id, "result": None, "error": None}
-        self._pending = pending
-        if self.rank != 0:
-            return
-        averager = self._get_averager()
-
-        def run() -> None:
-            try:
-                pending["result"] = averager.allreduce(round_id, tensor, info)
-            except Exception as exc:
-                pending["error"] = exc
-
-        self._thread = threading.Thread(target=run, name=f"nebula-outer-{round_id}", daemon=True)
-        self._thread.start()
-
     def _finish_pending(self) -> Shared:
-        pending, self._pending = self._pending, None
-        if pending is None:  # pragma: no cover - callers check
-            raise SyncError("no outer round in flight")
-        if self.rank == 0 and self._thread is not None:
-            wait = self.round_timeout + 60.0
-            self._thread.join(timeout=wait)
-            if self._thread.is_alive():
-                pending["error"] = SyncError(
-                    f"outer round {pending['round_id']}: no result after {wait:.0f} s")
-            self._thread = None
-        return self._cluster.share(pending["round_id"], pending["result"], pending["error"])
+        out = self._inflight.finish(wait=self.round_timeout + 60.0)
+        if out.arrive_s is not None and self.overlap_steps is None:  # told with the next round
+            self.cadence.note_arrival(out.arrive_s)
+        return self._cluster.share(out.round_id, out.result, out.error)
 
     # --- helpers --------------------------------------------------------------------------
 

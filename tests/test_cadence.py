@@ -64,8 +64,8 @@ def test_no_measurement_no_choice() -> None:
 
 def test_the_merge_step_is_the_round_in_the_slowest_steps_plus_a_margin() -> None:
     # b reached the boundary last: its average came 0.15 s later (the round itself); a waited
-    # for b too (0.6 s). 0.2 s a step (the slowest): 0.75 steps + 0.5 of margin -> 2
-    infos = {"a": RoundInfo(step_s=0.2, arrive_s=0.6), "b": RoundInfo(step_s=0.1, arrive_s=0.15)}
+    # for b too (0.6 s). 0.2 s a step (the fastest): 0.75 steps + 0.5 of margin -> 2
+    infos = {"a": RoundInfo(step_s=0.2, arrive_s=0.6), "b": RoundInfo(step_s=0.4, arrive_s=0.15)}
     k, why = choose_merge_steps(infos) or (0, "")
     assert k == 2 and "merge after 2 steps" in why and "0.150 s" in why
     assert choose_merge_steps({"a": RoundInfo(step_s=0.2, arrive_s=0.01)})[0] == 1

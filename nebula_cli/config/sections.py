@@ -61,7 +61,7 @@ class SyncSpec(SpecModel):
     overlap_steps: int | None = Field(None, ge=1)
     """Overlap: apply the average exactly this many inner steps after the round starts (waiting
     for it if needed; >= inner_steps: one round late). Default: the relays agree it from the
-    last rounds' times (the round in the slowest cluster's steps, plus half a step), the same
+    last rounds' times (the round in the fastest cluster's steps, plus half a step), the same
     on every cluster; 1 for the first two rounds."""
 
     @model_validator(mode="after")

@@ -25,9 +25,10 @@ than as soon as it arrived there. Merging "when it arrived" let each cluster mer
 step: the cluster ahead in steps merged later (it had gone on training while the round waited
 for the one behind), so the model each cluster kept differed from run to run, and with it the
 loss (bench/wan_training.py: 2.6-3.4 % against flat at H 10, against 2.1 % with one agreed step
-in every run). The agreed step is how many of the slowest cluster's steps the round itself
+in every run). The agreed step is how many of the fastest cluster's steps the round itself
 took last time (the cluster that reached the boundary last waited least: its arrival is the
-round), plus half a step of margin; a cluster whose average has not arrived by then waits. The
+round; in the fastest cluster's steps, no cluster waits for an average still on its way), plus
+half a step of margin; a cluster whose average has not arrived by then waits. The
 step in force stays while the round fits in it with at most one step to spare, so that jitter
 around a step's boundary does not move it back and forth.
 """
@@ -135,8 +136,8 @@ def choose_merge_steps(infos: Mapping[str, RoundInfo], current: int | None = Non
     steps = [i.step_s for i in infos.values() if i.step_s is not None]
     if not arrivals or not steps:
         return None
-    x, t = min(arrivals), max(steps)
+    x, t = min(arrivals), min(steps)
     kept = current is not None and math.ceil(x / t) <= current <= math.ceil(x / t + 1)
     k = current if kept and current else max(1, math.ceil(x / t + MERGE_MARGIN_STEPS))
-    return k, (f"round {x:.3f} s (arrived last), step {t:.3f} s (slowest): merge after {k} "
+    return k, (f"round {x:.3f} s (arrived last), step {t:.3f} s (fastest): merge after {k} "
                f"steps{' (kept)' if kept else ''}")

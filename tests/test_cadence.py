@@ -62,7 +62,7 @@ def test_no_measurement_no_choice() -> None:
     assert choose_inner_steps(AUTO, {"a": RoundInfo(comm_s=1.0)}) is None
 
 
-def test_the_merge_step_is_the_round_in_the_slowest_steps_plus_a_margin() -> None:
+def test_the_merge_step_is_the_round_in_the_fastest_steps_plus_a_margin() -> None:
     # b reached the boundary last: its average came 0.15 s later (the round itself); a waited
     # for b too (0.6 s). 0.2 s a step (the fastest): 0.75 steps + 0.5 of margin -> 2
     infos = {"a": RoundInfo(step_s=0.2, arrive_s=0.6), "b": RoundInfo(step_s=0.4, arrive_s=0.15)}
@@ -70,10 +70,13 @@ def test_the_merge_step_is_the_round_in_the_slowest_steps_plus_a_margin() -> Non
     assert k == 2 and "merge after 2 steps" in why and "0.150 s" in why
     assert choose_merge_steps({"a": RoundInfo(step_s=0.2, arrive_s=0.01)})[0] == 1
     assert choose_merge_steps({"a": RoundInfo(step_s=0.2, arrive_s=2.0)})[0] == 11
-    # the step in force stays while the round fits with at most a step to spare (jitter)
+    # the step in force stays while the round fits with its margin and at most a step to
+    # spare (jitter around a step's boundary does not move it)
     assert choose_merge_steps(infos, current=2) == (2, why.replace("steps", "steps (kept)"))
-    assert choose_merge_steps(infos, current=1)[0] == 1  # 0.75 steps: fits in 1
+    assert choose_merge_steps(infos, current=1)[0] == 2  # 0.75 steps: no margin left in 1
     assert choose_merge_steps(infos, current=3)[0] == 2  # 2 to spare: back down
+    lower = {"a": RoundInfo(step_s=0.2, arrive_s=0.09)}  # 0.45 steps: 1 wanted, 2 kept
+    assert choose_merge_steps(lower)[0] == 1 and choose_merge_steps(lower, current=2)[0] == 2
     assert choose_merge_steps({"a": RoundInfo(step_s=0.2, arrive_s=0.3)}, current=1)[0] == 2
     assert choose_merge_steps({"a": RoundInfo(step_s=0.2)}) is None  # no overlap, or round 0
     assert choose_merge_steps({"a": RoundInfo(arrive_s=1.0)}) is None
@@ -320,7 +323,7 @@ def test_auto_outer_sync_trains_the_h_each_result_says() -> None:
     assert [i["weight"] for i in averager.infos] == [3.0, 4.0, 2.0, 2.0, 2.0]  # steps x 1
     assert all(i["step_s"] > 0 for i in averager.infos)
     assert "comm_s" not in averager.infos[0] and averager.infos[1]["comm_s"] >= 0
-    assert sync.state_dict()["cadence"] == {"inner_steps": 2}
+    assert sync.state_dict()["cadence"] == {"inner_steps": 2, "merge_steps": 1}
     sync.close()
 
 
@@ -395,6 +398,7 @@ def test_overlap_merges_at_the_step_the_last_result_agreed(delay: float) -> None
         if out and "merged_after_steps" in out:
             merged[out["outer_round"]] = out["merged_after_steps"]
     assert [merged[r] for r in range(4)] == [1, 3, 1, 1]
+    assert sync.state_dict()["cadence"]["merge_steps"] == 1  # resumed with it
     assert "arrive_s" not in averager.infos[0]
     assert all(i["arrive_s"] >= delay for i in averager.infos[1:])
     sync.close()

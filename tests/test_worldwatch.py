@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -100,6 +101,37 @@ def test_a_rank_ends_cleanly_while_torch_still_tries_a_store_that_went_away() ->
     finally:
         listener.close()
         proc.kill()
+
+
+def test_a_rank_leaves_when_its_store_stops_answering() -> None:
+    """The world's store stops answering (its process frozen: connections are still accepted,
+    calls never answered) while the watcher is inside a call: the rank's script ends, the exit
+    waits EXIT_WAIT_S for the call, then leaves with STUCK_EXIT and says why (no hang, no 134)."""
+    port = free_port()
+    server = subprocess.Popen([sys.executable, "-c", (
+        "import datetime, time\nfrom torch.distributed import TCPStore\n"
+        f"s = TCPStore('127.0.0.1', {port}, is_master=True, wait_for_workers=False, "
+        "timeout=datetime.timedelta(seconds=10))\nprint('serving', flush=True)\n"
+        "time.sleep(120)\n")], stdout=subprocess.PIPE, text=True)
+    proc = None
+    try:
+        assert server.stdout is not None and server.stdout.readline().strip() == "serving"
+        proc = watcher(port, 4)
+        time.sleep(3)  # connected, polling
+        os.kill(server.pid, signal.SIGSTOP)
+        t0 = time.monotonic()
+        out, err = proc.communicate(timeout=worldwatch.EXIT_WAIT_S + 30)
+        assert proc.returncode == worldwatch.STUCK_EXIT, err
+        assert "ended on its own" in out
+        assert "the world's store did not answer" in err
+        assert time.monotonic() - t0 < worldwatch.EXIT_WAIT_S + 15
+    finally:
+        os.kill(server.pid, signal.SIGCONT)
+        server.kill()
+        server.wait()
+        if proc is not None:
+            proc.kill()
+            proc.wait()
 
 
 def test_no_watcher_and_no_abort_without_a_world_of_several_hosts() -> None:

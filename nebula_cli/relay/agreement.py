@@ -254,8 +254,11 @@ class Coordinator:
                 next_codec, why = pick.codec, pick.why
                 next_h = pick.h if pick.h is not None else next_h
         last = self._decided[max(self._decided)] if self._decided else None
-        merge = choose_merge_steps(col.info, last.next_merge if last else None)
+        merge = choose_merge_steps({c: col.info[c] for c in present if c in col.info},
+                                   last.next_merge if last else None)
         next_merge = merge[0] if merge else None
+        if merge and (last is None or last.next_merge != next_merge):
+            log.info("round %d: next %s", round_id, merge[1])
         d = Decision(round_id, attempt, self.me, tuple(sorted(present)), tuple(sorted(rejected)),
                      tuple(sorted(missing)), numel, tuple(sorted(lost)),
                      tuple(sorted(round_weights(present, col.info).items())),

@@ -29,8 +29,8 @@ in every run). The agreed step is how many of the fastest cluster's steps the ro
 took last time (the cluster that reached the boundary last waited least: its arrival is the
 round; in the fastest cluster's steps, no cluster waits for an average still on its way), plus
 half a step of margin; a cluster whose average has not arrived by then waits. The
-step in force stays while the round fits in it with at most one step to spare, so that jitter
-around a step's boundary does not move it back and forth.
+step in force stays while the round fits in it with its margin and at most one step to spare,
+so that jitter around a step's boundary does not move it back and forth.
 """
 
 from __future__ import annotations
@@ -130,14 +130,15 @@ def choose_merge_steps(infos: Mapping[str, RoundInfo], current: int | None = Non
                        ) -> tuple[int, str] | None:
     """Overlap: the step after the next boundary at which every cluster applies that round's
     average, and why; None unless some cluster said when its last average arrived.
-    ``current``: the step in force (kept while the round fits in it with at most one step to
-    spare)."""
+    ``current``: the step in force (kept while the round fits in it with its margin and at
+    most one step to spare)."""
     arrivals = [i.arrive_s for i in infos.values() if i.arrive_s is not None]
     steps = [i.step_s for i in infos.values() if i.step_s is not None]
     if not arrivals or not steps:
         return None
     x, t = min(arrivals), min(steps)
-    kept = current is not None and math.ceil(x / t) <= current <= math.ceil(x / t + 1)
+    kept = current is not None and (math.ceil(x / t + MERGE_MARGIN_STEPS) <= current
+                                    <= math.ceil(x / t + 1))
     k = current if kept and current else max(1, math.ceil(x / t + MERGE_MARGIN_STEPS))
     return k, (f"round {x:.3f} s (arrived last), step {t:.3f} s (fastest): merge after {k} "
                f"steps{' (kept)' if kept else ''}")

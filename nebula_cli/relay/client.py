@@ -96,7 +96,7 @@ class RoundResult:
     """The codec of the round whose average this is (``compression: auto`` changes it)."""
     next_merge: int | None = None
     """Overlap: the step after its boundary at which every cluster applies the next round's
-    average (agreed by the relays); None: when it arrives."""
+    average (agreed by the relays); None: keep the current one."""
     stages: dict[str, float] = field(default_factory=dict)
     """Where the call's time went (seconds): ``send`` (this side writing the contribution),
     ``upload`` (the relay reading it), ``relay`` (the relay's round: agreement, exchange),

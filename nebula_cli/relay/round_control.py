@@ -48,6 +48,10 @@ class RoundControl(Recovery):
     codec: Codec
     codecs: dict[str, Codec]
     codec_round: int
+    merge_in_force: int | None
+    """Overlap: the merge step the newest decision this relay saw named (every outcome carries
+    it, also one recovered without a decision of its own)."""
+    merge_round: int
     net: Net
     coordinator: Coordinator
     early: EarlyChunks
@@ -243,6 +247,8 @@ class RoundControl(Recovery):
             if old is None or d.attempt >= old.attempt:
                 self.decisions[key] = d
             self.follow_codec(d)
+            if d.next_merge is not None and d.round >= self.merge_round:
+                self.merge_in_force, self.merge_round = d.next_merge, d.round
             newest = max(k[0] for k in self.decisions)
             for k in [k for k in self.decisions if k[0] <= newest - MAX_OPEN_ROUNDS]:
                 del self.decisions[k]

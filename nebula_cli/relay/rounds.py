@@ -38,7 +38,7 @@ from typing import Any, Protocol
 import torch
 
 from nebula_cli.relay.agreement import BEHIND, Coordinator, Decision
-from nebula_cli.relay.allreduce import ExchangeError, RoundExchange, Schedule
+from nebula_cli.relay.allreduce import DIRECT, SHARD, ExchangeError, RoundExchange, Schedule
 from nebula_cli.relay.cadence import RoundInfo
 from nebula_cli.relay.codecs import Codec, Encoded, ErrorFeedback, chunk_spans
 from nebula_cli.relay.config import RelayConfig
@@ -93,6 +93,9 @@ class Rounds(RoundControl):
         """The codec of this relay's next round (with ``compression: auto``, as the newest
         decision said)."""
         self.codec_round = -1  # the round of the decision that set self.codec
+        self.merge_in_force: int | None = None
+        self.merge_round = -1  # the round of the decision that set merge_in_force
+        self.prev_exchanged = False  # this relay's previous round was an exchange with peers
         self.prev_codec: str | None = None  # the codec of this relay's previous round
         self.empty = empty  # makes a round's average (None: torch.empty)
         self.feedback = ErrorFeedback(self.codec) if cfg.error_feedback else None
@@ -133,10 +136,15 @@ class Rounds(RoundControl):
             sent0, recv0 = self.net.wan_bytes()
             with self.lock:
                 codec, known = self.codec, self.codec_round
-            info = dataclasses.replace(info or RoundInfo(), codec=self.prev_codec)
+            info = info or RoundInfo()  # an arrival after a fetch or alone is not a round's
+            info = dataclasses.replace(info, codec=self.prev_codec,
+                                       arrive_s=info.arrive_s if self.prev_exchanged else None)
             out = self._run_round(round_id, x, info, codec, known)
             out.codec = out.codec or codec.name  # averages carry theirs; the rest apply none
+            with self.lock:
+                out.next_merge = out.next_merge or self.merge_in_force
             self.prev_codec = out.codec
+            self.prev_exchanged = out.mode in (DIRECT, SHARD) and out.global_state is None
             sent1, recv1 = self.net.wan_bytes()
             out.seconds = self.clock() - t0
             out.bytes_sent, out.bytes_received = sent1 - sent0, recv1 - recv0

@@ -5,7 +5,7 @@ must be the relay's; tensors travel as sealed memfds, :mod:`nebula_cli.relay.loc
 
     HELLO {role: worker, cluster[, layout]}         -> WELCOME {cluster, codec, clusters, ...}
     CONTRIB {op: allreduce, round, numel[, info]}   -> RESULT {round_id, present, weights,
-             + chunks                                  next_h, seconds, upload_s, ...} + chunks
+             + chunks                                  next_h, next_merge, seconds, ...} + chunks
                                                        [+ STATE chunks when catching up]
     STATE {op: publish, round, numel, parts} + chunks -> STATE {op: stored, round}
     STATE_REQUEST {op: fetch}                       -> STATE {op: state, round|null, numel,
@@ -14,9 +14,10 @@ must be the relay's; tensors travel as sealed memfds, :mod:`nebula_cli.relay.loc
         every connected peer's workers finished: the state to end with, or null: keep yours)
     BYE                                             (rank 0 is done: peers stop waiting for it)
 
-``info`` (relay.cadence.RoundInfo: samples, step time, the previous round's cost) goes into
-this relay's READY; ``weights`` and ``next_h`` are the round's decision (the average's weights,
-and with ``inner_steps: auto`` the H to train before the next round).
+``info`` (relay.cadence.RoundInfo: samples, step time, the previous round's cost, with overlap
+when its average arrived) goes into this relay's READY; ``weights``, ``next_h`` and
+``next_merge`` are the round's decision (the average's weights, with ``inner_steps: auto`` the
+H to train before the next round, with overlap the step its average is applied at).
 
 A published state is theta_global (parts 1) or theta_global followed by the outer momentum
 (parts 2); a STATE handed to a worker says which.

@@ -76,8 +76,6 @@ class Cadence:
             out["step_s"] = max(self._training_s(), 1e-6) / since
         if self._last_cost is not None:
             out["comm_s"] = self._last_cost
-        if self._arrive_s is not None:
-            out["arrive_s"] = self._arrive_s
         return out
 
     def pause(self, seconds: float) -> None:
@@ -108,6 +106,12 @@ class Cadence:
         boundary (reported with the next round)."""
         self._arrive_s = max(1e-6, seconds)
 
+    def take_arrival(self) -> dict[str, float]:
+        """Overlap: ``{"arrive_s": ...}`` for the round starting now, once per arrival."""
+        out = {} if self._arrive_s is None else {"arrive_s": self._arrive_s}
+        self._arrive_s = None
+        return out
+
     def note_cost(self, cost: float) -> None:
         """Overlap: a round in flight cost ``cost`` seconds end to end (reported next round)."""
         self._last_cost = max(0.0, cost)
@@ -133,12 +137,14 @@ class Cadence:
         return out
 
     def state_dict(self) -> dict[str, Any]:
-        return {"inner_steps": self.inner_steps}
+        return {"inner_steps": self.inner_steps, "merge_steps": self.merge_steps}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         h = state.get("inner_steps")
         if self.auto and isinstance(h, int) and h >= 1:
             self.inner_steps = h
+        k = state.get("merge_steps")
+        self.agree_merge(k if isinstance(k, int) else None)
 
     def _training_s(self) -> float:
         return self._clock() - self._since - self._paused

@@ -359,15 +359,15 @@ class OuterSync:
 
     def _overlapped_round(self, since: int, info: dict[str, float]) -> dict[str, Any]:
         merged = self._merge(since) if self._inflight.active else None
+        info = {**info, **self.cadence.take_arrival()}  # (also of a round merged just now)
         t0 = time.perf_counter()
         theta_local = self._io.read()
         delta = self.theta_global - theta_local  # everything not yet averaged
         self._anchor = theta_local
         round_id = self.round
         self.round += 1
-        averager = self._get_averager() if self.rank == 0 else None
-        self._inflight.start(round_id, None if averager is None else
-                             lambda: averager.allreduce(round_id, delta, info))
+        self._inflight.start(round_id, None if self.rank else  # (its errors reach every rank)
+                             lambda: self._get_averager().allreduce(round_id, delta, info))
         self.cadence.restart()
         # the previous round's stats (its average applied just now), or this one's start
         stats = merged or round_stats(Shared(round_id=round_id, avg=None, state=None,

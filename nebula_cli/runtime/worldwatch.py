@@ -23,17 +23,11 @@ can the failing host's agent:
 The watcher connects as one more client of the store (retrying until rank 0 serves it); it
 reads one key every :data:`POLL_S` seconds, never writes, and stops quietly when the store goes
 away (the world ended). A world of one host has nobody to tell and runs no watcher.
-
-The watcher is not a daemon thread: a process must never finalize while a thread is inside
-torch's C++ (its return to Python then ends the process in std::terminate, exit 134). When the
-rank's script ends, the interpreter tells the watcher to stop and joins it before it
-finalizes; a store call under way ends first, however long torch's own retries take (a store
-that went away during a connect: its 5 s timeout, a backoff, and one more try, 9-15 s seen).
 """
 
 from __future__ import annotations
 
-import contextlib
+import atexit
 import datetime
 import os
 import socket
@@ -47,6 +41,15 @@ from nebula_cli.config.parts import ABORT_EXIT
 ABORT_KEY = "nebula/abort"
 POLL_S = 1.0
 CONNECT_S = 5.0
+EXIT_WAIT_S = 6 * CONNECT_S
+"""How long the exit waits for a store call under way. A process must not finalize while the
+watcher is inside torch's C++ (its return to Python then ends the process in std::terminate,
+exit 134). torch's TCPStore client, connecting to a store that went away meanwhile, tries for
+its timeout, backs off and tries once more (9-15 s seen, 14 s on CI); a store that stopped
+answering (its host gone without a reset, its process frozen) blocks a call for good. After
+this long the rank leaves without finalizing (:data:`STUCK_EXIT`), saying why."""
+STUCK_EXIT = 1
+"""Exit status of a rank whose script ended while the watcher was stuck in a store call."""
 TELL_WITHIN = 60.0
 """How long the failed host's agent keeps trying to reach a store that nobody serves yet (a
 rank that died at once, before rank 0 of a slower host started serving it)."""
@@ -78,6 +81,9 @@ class _Watch:
     started = False
     since = 0.0
     stop = threading.Event()
+    busy = threading.Lock()
+    """Held during every call into the store: at exit the interpreter waits for it, so that it
+    never finalizes while the watcher is inside torch's C++ (std::terminate, exit 134)."""
 
 
 def start(env: Mapping[str, str] | None = None) -> bool:
@@ -89,20 +95,23 @@ def start(env: Mapping[str, str] | None = None) -> bool:
         return _Watch.started
     _Watch.started = True
     _Watch.since = time.time()
-    thread = threading.Thread(target=_watch, args=world, name="nebula-worldwatch", daemon=False)
+    thread = threading.Thread(target=_watch, args=world, name="nebula-worldwatch", daemon=True)
     thread.start()
-    register = getattr(threading, "_register_atexit", None)  # before non-daemon threads join
-    if register is not None:
-        with contextlib.suppress(RuntimeError):  # the interpreter is already shutting down
-            register(_Watch.stop.set)
+    atexit.register(_at_exit)
     return True
 
 
-def _stopping() -> bool:
-    """Whether the watcher should end: told to, or the rank's main thread has ended (the
-    interpreter is joining its threads; the same check where ``_register_atexit`` is
-    missing)."""
-    return _Watch.stop.wait(POLL_S) or not threading.main_thread().is_alive()
+def _at_exit() -> None:
+    """Registered when the watch starts, so after the script's own exit handlers (the automatic
+    hook's last round runs watched): no new store call; wait (bounded) for the one under way."""
+    _Watch.stop.set()
+    if _Watch.busy.acquire(timeout=EXIT_WAIT_S):
+        _Watch.busy.release()
+        return
+    print(f"nebula: the world's store did not answer for {EXIT_WAIT_S:.0f} s at exit; leaving "
+          f"without waiting for it (exit {STUCK_EXIT})", file=sys.stderr, flush=True)
+    sys.stdout.flush()
+    os._exit(STUCK_EXIT)
 
 
 def _serving(addr: str, port: int) -> bool:
@@ -117,20 +126,26 @@ def _serving(addr: str, port: int) -> bool:
 
 def _watch(addr: str, port: int) -> None:
     store = None
-    while store is None and not _stopping():
+    while store is None and not _Watch.stop.wait(POLL_S):
         if _Watch.stop.is_set() or not _serving(addr, port):
             continue
-        try:
-            store = _store(addr, port, CONNECT_S)
-        except Exception:  # not the store yet, or no more: try again
-            store = None
-    while store is not None and not _stopping():
-        try:
-            if not store.check([ABORT_KEY]):
-                continue
-            at, _, reason = store.get(ABORT_KEY).decode(errors="replace").partition(" ")
-        except Exception:  # the store went away: the world has ended
-            return
+        with _Watch.busy:
+            if _Watch.stop.is_set():
+                return
+            try:
+                store = _store(addr, port, CONNECT_S)
+            except Exception:  # not the store yet, or no more: try again
+                store = None
+    while store is not None and not _Watch.stop.wait(POLL_S):
+        with _Watch.busy:
+            if _Watch.stop.is_set():
+                return
+            try:
+                if not store.check([ABORT_KEY]):
+                    continue
+                at, _, reason = store.get(ABORT_KEY).decode(errors="replace").partition(" ")
+            except Exception:  # the store went away: the world has ended
+                return
         if _at(at) < _Watch.since - STALE_S:
             continue  # an earlier world's failure
         print(f"nebula: leaving the cluster's world: {reason}", file=sys.stderr, flush=True)

@@ -21,7 +21,8 @@ mean of the workers' averaged gradients).
             (the relay's codec, --codec, with error feedback), nebula's OuterOptimizer
             (Nesterov), every cluster set to theta_global
   overlap   the same, each average applied --tau steps after its boundary on top of the
-            progress made meanwhile (nebula's overlapped sync once the transfer has arrived)
+            progress made meanwhile, on every cluster (nebula's overlapped sync at the step
+            the relays agreed)
   late      the same, applied at the next boundary (one round late: overlap_steps >= H)
 
 Prints the final eval loss of each on the same held-out batches and the relative gap to flat.

@@ -24,13 +24,14 @@ it trains applies it at an agreed step after the boundary, the same on every clu
 than as soon as it arrived there. Merging "when it arrived" let each cluster merge at its own
 step: the cluster ahead in steps merged later (it had gone on training while the round waited
 for the one behind), so the model each cluster kept differed from run to run, and with it the
-loss (bench/wan_training.py: 2.6-3.4 % against flat at H 10, against 2.1 % with one agreed step
-in every run). The agreed step is how many of the fastest cluster's steps the round itself
-took last time (the cluster that reached the boundary last waited least: its arrival is the
-round; in the fastest cluster's steps, no cluster waits for an average still on its way), plus
-half a step of margin; a cluster whose average has not arrived by then waits. The
-step in force stays while the round fits in it with its margin and at most one step to spare,
-so that jitter around a step's boundary does not move it back and forth.
+loss (bench/wan_training.py at H 10: 1.8-4.1 % against flat from run to run; with the agreed
+step 2.6-2.7 % in three runs of three, docs/benchmarks.md). The agreed step is how many of
+the fastest cluster's steps the round itself took last time (the cluster that reached the
+boundary last waited least: its arrival is the round; counted in the fastest cluster's steps,
+no cluster waits for an average still on its way), plus half a step of margin; a cluster whose
+average has not arrived by then waits. The step in force stays while the round fits in it
+with its margin and at most one step to spare, so that jitter around a step's boundary does
+not move it back and forth.
 """
 
 from __future__ import annotations

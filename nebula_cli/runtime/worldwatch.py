@@ -127,7 +127,7 @@ def _serving(addr: str, port: int) -> bool:
 def _watch(addr: str, port: int) -> None:
     store = None
     while store is None and not _Watch.stop.wait(POLL_S):
-        if _Watch.stop.is_set() or not _serving(addr, port):
+        if not _serving(addr, port):
             continue
         with _Watch.busy:
             if _Watch.stop.is_set():

@@ -27,7 +27,7 @@ PIECE = 1 << 20
 
 def side(args: argparse.Namespace) -> dict[str, Any]:
     """One host: connect to every other, wait for --start, send and receive --bytes each."""
-    from nebula_cli.relay.wire import tune_socket
+    from nebula_cli.relay.net.wire import tune_socket
 
     addrs = args.addrs.split(",")
     me, n = int(args.index), len(addrs)

@@ -2,9 +2,9 @@
 beside each a worker side (a RelayClient in that host's namespace, on the relay's Unix socket
 as a job's worker on the gateway is) that runs rounds in step with the other clusters.
 
-- `relays(bed, tmp, pki, gateway, codec)`: a context manager; a relay (nebula_cli.relay.server,
-  the job PKI, the spec's defaults for everything the bench does not set) on each gateway host;
-  `stop(proc)` ends a relay process.
+- `relays(bed, tmp, pki, gateway, codec)`: a context manager; a relay
+  (nebula_cli.relay.process.server, the job PKI, the spec's defaults for everything the bench does
+  not set) on each gateway host; `stop(proc)` ends a relay process.
 - `client_side(args)`: runs inside a host's namespace (`relay_goodput.py --side relay ...`). It
   says READY (with its contribution's encoded size), then for every `GO <round> <start>` line on
   stdin waits until `start` (wall clock, shared by every namespace of this machine), runs that
@@ -56,8 +56,8 @@ def relays(bed: Any, tmp: Path, pki_dir: Path, gateway: dict[str, str], codec: s
            ) -> Iterator[None]:
     """A relay per cluster (cluster -> gateway host), codec `codec`, the spec's defaults
     (error feedback, block size, topk's density and bits, heartbeat, dead_after) otherwise."""
+    from nebula_cli.config.relay_config import RelayConfig, ShapingConfig
     from nebula_cli.config.sections import CompressionSpec, RelaySpec
-    from nebula_cli.relay.config import RelayConfig, ShapingConfig
 
     spec = RelaySpec(compression=CompressionSpec(codec=codec))
     comp = spec.compression
@@ -81,10 +81,10 @@ def relays(bed: Any, tmp: Path, pki_dir: Path, gateway: dict[str, str], codec: s
                 metrics_file=str(tmp / f"relay-{cluster}-{codec}.jsonl"))
             cfg.dump(tmp / f"relay-{cluster}.json")
             with open(tmp / f"relay-{cluster}-{codec}.log", "w") as log:
-                procs.append(bed.popen(host, [sys.executable, "-m", "nebula_cli.relay.server",
-                                              "--config", str(tmp / f"relay-{cluster}.json")],
-                                       stdout=log, stderr=subprocess.STDOUT, cwd=_bed.REPO,
-                                       env=env()))
+                procs.append(bed.popen(host, [sys.executable, "-m",
+                                              "nebula_cli.relay.process.server", "--config",
+                                       str(tmp / f"relay-{cluster}.json")], stdout=log,
+                                       stderr=subprocess.STDOUT, cwd=_bed.REPO, env=env()))
         for host in gateway.values():
             bed.wait_listening(host, WORKER_PORT, timeout=60)
         yield
@@ -115,8 +115,8 @@ def client_side(args: argparse.Namespace) -> None:
     import torch
 
     from nebula_cli.config.sections import CompressionSpec
-    from nebula_cli.relay.client import RelayClient
-    from nebula_cli.relay.codecs import get_codec, iter_chunks
+    from nebula_cli.relay.codecs.dense import get_codec, iter_chunks
+    from nebula_cli.relay.process.client import RelayClient
 
     clusters = args.clusters_list.split(",")
     numel = args.bytes // 4

@@ -24,7 +24,7 @@ from rich.console import Console
 from rich.table import Table
 
 from nebula_cli.config.relay_config import TOPK_BITS, TOPK_DENSITY
-from nebula_cli.relay.codecs import DEFAULT_BLOCK_SIZE, KNOWN_CODECS, Codec, get_codec
+from nebula_cli.relay.codecs.dense import DEFAULT_BLOCK_SIZE, KNOWN_CODECS, Codec, get_codec
 
 TOPK_VARIANTS = ((TOPK_DENSITY, 4), (0.125, 2), (0.02, 2))
 """(density, bits) of topk measured besides the default."""

@@ -50,8 +50,8 @@ from data import BatchSampler, eval_batches, evaluate, load_corpus, split_corpus
 from model import GPT, GPTConfig  # noqa: E402
 
 from nebula_cli.config.sections import CompressionSpec  # noqa: E402
-from nebula_cli.relay.codecs import KNOWN_CODECS, ErrorFeedback, get_codec  # noqa: E402
-from nebula_cli.relay.topk_codec import DEFAULT_BITS, DEFAULT_DENSITY, TopKCodec  # noqa: E402
+from nebula_cli.relay.codecs.dense import KNOWN_CODECS, ErrorFeedback, get_codec  # noqa: E402
+from nebula_cli.relay.codecs.topk import DEFAULT_BITS, DEFAULT_DENSITY, TopKCodec  # noqa: E402
 from nebula_cli.runtime.sync import OuterOptimizer  # noqa: E402
 
 CONTEXT, LR, WARMUP, CLIP, CLUSTERS = 128, 2e-3, 30, 1.0, 2

@@ -14,8 +14,8 @@ the two host namespaces, in this order:
   iperf3, both ways         the same with --bidir (the load pattern of an all-reduce)
   plain TCP, both ways      a small Python sender/receiver pair, --mb MiB each way at once
   TLS 1.3, both ways        the same through the job PKI's mutual-TLS contexts
-  relay                     two real relay processes (nebula_cli.relay.server, codec none, the
-                            job PKI) on e1 and w1, one RelayClient per side on the same host;
+  relay                     two real relay processes (nebula_cli.relay.process.server, codec none,
+                            the job PKI) on e1 and w1, one RelayClient per side on the same host;
                             a warm-up round, then --rounds all-reduce rounds of an fp32 model,
                             --mb MiB each way in all, each round started as soon as both
                             clusters had the previous one
@@ -48,9 +48,9 @@ run with cubic set on the relays' sockets gave the same round times as reno). Th
 two clusters: with bbr the relay's goodput varied from 0.77 to 0.94 of iperf3 both ways across
 runs of one hour (the relay's one duplex connection suffers more from it than iperf3's two),
 with reno 0.99-1.01 (docs/benchmarks.md).
-Algorithms (nebula_cli/relay/allreduce.py): dense codecs (none, int8) use "shard" (each relay
-owns 1/N of the chunks: reduce-scatter then all-gather), each relay sending and receiving about
-2(N-1)/N of the encoded vector; sparse topk uses "all-to-all", each relay sending its whole
+Algorithms (nebula_cli/relay/protocol/allreduce.py): dense codecs (none, int8) use "shard" (each
+relay owns 1/N of the chunks: reduce-scatter then all-gather), each relay sending and receiving
+about 2(N-1)/N of the encoded vector; sparse topk uses "all-to-all", each relay sending its whole
 encoded contribution to every other (N-1 of them). Bound = the busiest relay's WAN bytes in the
 round (the larger of sent and received, as the relays count them: encoded payload plus frame
 headers) at the line's rate, so round_vs_bound = round time / bound cannot go below 1 (TLS,
@@ -108,7 +108,7 @@ def _stream_side(args: argparse.Namespace) -> dict[str, Any]:
     One thread, non-blocking socket: OpenSSL does not allow SSL_read and SSL_write on one
     connection from two threads at once (seen here as SSLEOFError mid-transfer)."""
     from nebula_cli.pki import client_context, load_pki, server_context
-    from nebula_cli.relay.client import tune_socket
+    from nebula_cli.relay.process.client import tune_socket
 
     host, port = args.addr.rsplit(":", 1)
     if args.side == "server":
@@ -289,7 +289,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args.tcp = args.tcp or _clusters.TCP
     args.tcp_label = args.tcp if args.tcp != "system" else f"system ({_clusters.system_tcp()})"
     args.tcp = None if args.tcp == "system" else args.tcp
-    from nebula_cli.relay.codecs import KNOWN_CODECS
+    from nebula_cli.relay.codecs.dense import KNOWN_CODECS
 
     if args.mb < 1 or args.rounds < 1 or args.iperf_s < 1 or args.mbit <= 0 or args.repeat < 1:
         p.error("--mb, --rounds, --iperf-s, --repeat >= 1 and --mbit > 0")

@@ -53,10 +53,10 @@ import torch
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from nebula_cli.config.relay_config import RelayConfig, ShapingConfig  # noqa: E402
 from nebula_cli.config.spec import CompressionSpec, RelaySpec  # noqa: E402
 from nebula_cli.pki import JobPKI, client_context, issue_job_pki, server_context  # noqa: E402
-from nebula_cli.relay.client import RelayClient, tune_socket  # noqa: E402
-from nebula_cli.relay.config import RelayConfig, ShapingConfig  # noqa: E402
+from nebula_cli.relay.process.client import RelayClient, tune_socket  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _relays  # noqa: E402
@@ -145,7 +145,7 @@ def stream(total: int, pki: JobPKI | None, streams: int = 1) -> tuple[float, str
 def _duplex_side(server: bool, port: int, pki_dir: str, total: int, q: mp.Queue,
                  records: bool = False) -> None:
     from nebula_cli.pki import load_pki
-    from nebula_cli.relay import records as rec
+    from nebula_cli.relay.net import gcm_records as rec
 
     pki = load_pki(Path(pki_dir))
     if server:
@@ -281,7 +281,7 @@ def relay_rounds(mb: int, repeat: int, tmp: Path, pki: JobPKI) -> dict[str, list
             _relay_config(c, clusters, peer, work, tmp, pki).dump(tmp / f"relay-{c}.json")
             log = open(tmp / f"relay-{c}.log", "wb")  # noqa: SIM115 (closed with the process)
             procs.append((subprocess.Popen(
-                [sys.executable, "-m", "nebula_cli.relay.server", "--config",
+                [sys.executable, "-m", "nebula_cli.relay.process.server", "--config",
                  str(tmp / f"relay-{c}.json")], stdout=log, stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL, env=env, cwd=REPO), log))
         numel = mb * (1 << 20) // 4

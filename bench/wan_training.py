@@ -66,7 +66,7 @@ from nebula_cli.config.relay_config import (  # noqa: E402
     TOPK_DENSITY,
 )
 from nebula_cli.config.sections import CompressionSpec  # noqa: E402
-from nebula_cli.relay.codecs import KNOWN_CODECS  # noqa: E402
+from nebula_cli.relay.codecs.dense import KNOWN_CODECS  # noqa: E402
 
 DEFAULT_CODEC: str = CompressionSpec.model_fields["codec"].default
 

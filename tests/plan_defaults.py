@@ -6,7 +6,7 @@ import dataclasses
 from pathlib import Path
 from typing import Any
 
-from nebula_cli.config import jobplan
+from nebula_cli.config import jobplan, relay_plan
 from nebula_cli.config.parts import CheckpointSettings, SyncConfig
 from nebula_cli.config.spec import JobSpec, parse_spec
 
@@ -51,4 +51,4 @@ def relay_defaults() -> dict[str, Any]:
             "block_size": relay.compression.block_size, "round_timeout": relay.timeout,
             "heartbeat": relay.heartbeat, "dead_after": relay.dead_after,
             "shaping": {"rate_mbit": None, "delay_ms": 0.0},
-            "auto_steps": jobplan.auto_steps(minimal_spec())}
+            "auto_steps": relay_plan.auto_steps(minimal_spec())}

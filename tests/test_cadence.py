@@ -14,12 +14,12 @@ from test_relay_rounds import Hub, run_round
 from test_spec import one, write
 from test_sync import CFG, TwoClusterAverager, plain_step, small_model
 
-from nebula_cli.config import jobplan
+from nebula_cli.config import jobplan, relay_plan
 from nebula_cli.config.relay_config import AutoSteps
 from nebula_cli.config.spec import load_spec
-from nebula_cli.relay.agreement import Coordinator, Decision
-from nebula_cli.relay.allreduce import ExchangeError, ordered_mean
-from nebula_cli.relay.cadence import (
+from nebula_cli.relay.protocol.agreement import Coordinator, Decision
+from nebula_cli.relay.protocol.allreduce import ExchangeError, ordered_mean
+from nebula_cli.relay.protocol.pacing import (
     RoundInfo,
     choose_inner_steps,
     choose_merge_steps,
@@ -260,7 +260,7 @@ def test_auto_reaches_the_workers_and_the_relays(tmp_path: Path) -> None:
                                checkpoint=None)
     want = AutoSteps(target_utilization=0.9, min_steps=4, max_steps=1000, overlap=True)
     assert sync.inner_steps == 4 and sync.auto_steps == want and sync.every_s is None
-    assert jobplan.auto_steps(spec) == want
+    assert relay_plan.auto_steps(spec) == want
 
 
 @pytest.mark.parametrize("body,field,words", [

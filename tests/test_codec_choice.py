@@ -17,11 +17,11 @@ from nebula_cli.config import jobplan
 from nebula_cli.config.relay_config import AutoCodec, AutoSteps, RelayConfigError
 from nebula_cli.config.relay_plan import auto_codec
 from nebula_cli.config.spec import load_spec
-from nebula_cli.relay.agreement import Coordinator, Decision
-from nebula_cli.relay.cadence import RoundInfo
-from nebula_cli.relay.codec_choice import DENSER_MARGIN, SLACK, CodecCosts, choose_codec
-from nebula_cli.relay.codecs import ErrorFeedback, codecs_of
-from nebula_cli.relay.results import Outcome
+from nebula_cli.relay.codecs.choice import DENSER_MARGIN, SLACK, CodecCosts, choose_codec
+from nebula_cli.relay.codecs.dense import ErrorFeedback, codecs_of
+from nebula_cli.relay.protocol.agreement import Coordinator, Decision
+from nebula_cli.relay.protocol.pacing import RoundInfo
+from nebula_cli.relay.protocol.results import RoundOutcome
 
 N = 1 << 20
 NBYTES = {name: c.payload_nbytes(N) / N for name, c in codecs_of(["int8", "topk"]).items()}
@@ -157,7 +157,7 @@ def test_relays_switch_codecs_together_and_average_identically() -> None:
             xs = {c: torch.randn(5000, generator=gen) for c in clusters}
 
             def call(c: str, r: int = r, step_s: float = step_s,
-                     comm_s: float | None = comm_s, xs: dict = xs) -> Outcome:
+                     comm_s: float | None = comm_s, xs: dict = xs) -> RoundOutcome:
                 return hub.rounds[c].local_round(r, xs[c], RoundInfo(step_s=step_s,
                                                                      comm_s=comm_s))
 
@@ -204,7 +204,7 @@ def test_a_relay_on_a_stale_codec_is_left_out_and_fetches_the_average() -> None:
     topk = hub.rounds["a"].codecs["topk"]
     gen = torch.Generator().manual_seed(7)
 
-    def round_(r: int) -> dict[str, Outcome]:
+    def round_(r: int) -> dict[str, RoundOutcome]:
         xs = {c: torch.randn(3000, generator=gen) for c in clusters}
         with ThreadPoolExecutor(len(clusters)) as pool:
             futs = {c: pool.submit(hub.rounds[c].local_round, r, xs[c]) for c in clusters}

@@ -1,5 +1,5 @@
-"""relay/codecs.py: every codec round-trips within its stated bound, refuses poison and corrupt
-encodings, and error feedback keeps the sum of what was sent on track."""
+"""relay/codecs/dense.py: every codec round-trips within its stated bound, refuses poison and
+corrupt encodings, and error feedback keeps the sum of what was sent on track."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from nebula_cli.errors import NebulaError
-from nebula_cli.relay.codecs import (
+from nebula_cli.relay.codecs.dense import (
     CODECS,
     DEFAULT_BLOCK_SIZE,
     INT8_FLUSH_BELOW,

@@ -18,7 +18,7 @@ import yaml
 from conftest import CLI, write_spec
 from test_ds_plain import INNER, copy_example, edited, launched, records, spec_file
 
-from nebula_cli.config import jobplan
+from nebula_cli.config import jobplan, plan_model, worlds
 from nebula_cli.config.metrics_plan import METRICS_FILE
 from nebula_cli.config.parts import METRICS_CONFIG_ENV, MetricsConfig
 from nebula_cli.config.sections import WandbSpec
@@ -201,12 +201,12 @@ def test_the_metrics_section_is_typed_and_reaches_only_each_clusters_writer(
 
     spec = parse_spec(base + "metrics: {tensorboard: true, wandb: {project: p}}",
                       base_dir=Path(__file__).parent)
-    sites = {jobplan.site_key(c, h): jobplan.Site(
+    sites = {worlds.site_key(c, h): plan_model.Site(
         conn={"transport": "ssh", "name": h.host}, home="/home/u/.nebula", address=h.host,
         bind="0.0.0.0", python="/usr/bin/python3", shares_files=False)
         for c in spec.clusters for h in c.hosts}
     plan = jobplan.build_plan(spec, "job-1", sites=sites, certs=None,
-                              ports=jobplan.Ports(masters={"east": 29500}, relays={}))
+                              ports=plan_model.Ports(masters={"east": 29500}, relays={}))
     first, second = plan.hosts
     root = "/home/u/.nebula/jobs/job-1/east/e1/worker"
     assert [METRICS_CONFIG_ENV in p.env for p in first.config.processes] == [True, False]

@@ -19,7 +19,7 @@ from testbed import TestBed
 from nebula_cli import pki
 from nebula_cli.errors import NebulaError
 
-PROBE = b"nebula_cli.relay.probe"
+PROBE = b"nebula_cli.netbench.probe"
 FIGURES = ("rtt_ms", "rtt_p95_ms", "throughput_mbit", "plain_rtt_ms", "plain_rtt_p95_ms",
            "plain_throughput_mbit")
 PAIR_KEYS = {"a", "b", "src_host", "dst_host", "src_addr", "dst_addr", "measured", "cipher",
@@ -141,7 +141,7 @@ def test_probe_refuses_a_certificate_of_another_run(tmp_path: Path) -> None:
                 (d / name).write_bytes(src.read_bytes())
 
     def probe(*args: str) -> subprocess.CompletedProcess[str]:
-        return subprocess.run([sys.executable, "-m", "nebula_cli.relay.probe", *args],
+        return subprocess.run([sys.executable, "-m", "nebula_cli.netbench.probe", *args],
                               capture_output=True, text=True, timeout=60,
                               stdin=subprocess.DEVNULL)
 
@@ -271,8 +271,8 @@ def cut_off(address: tuple[str, int], sent: bytes) -> bool:
 def test_plain_probe_opens_only_with_a_ticket_from_tls(tmp_path: Path) -> None:
     """The plain port is bound only while a TLS-authenticated measurement holds it open; a
     plain connection needs a one-time ticket, and before it nothing large is read."""
-    from nebula_cli.relay import probe_client as probe_mod
-    from nebula_cli.relay.wire import HEADER, MAGIC, WIRE_VERSION, Frame, FrameType, send_frame
+    from nebula_cli.netbench import measure as probe_mod
+    from nebula_cli.relay.net.wire import HEADER, MAGIC, WIRE_VERSION, Frame, FrameType, send_frame
 
     issued = pki.issue_job_pki("netbench-t", {"east": [], "west": []}, tmp_path / "pki",
                                 valid_for=DAY)
@@ -285,7 +285,7 @@ def test_plain_probe_opens_only_with_a_ticket_from_tls(tmp_path: Path) -> None:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     log = tmp_path / "serve.log"
-    served = subprocess.run([sys.executable, "-m", "nebula_cli.relay.probe", "serve", "--run",
+    served = subprocess.run([sys.executable, "-m", "nebula_cli.netbench.probe", "serve", "--run",
                              "netbench-t", "--certs", str(d), "--bind", "127.0.0.1", "--port",
                              str(port), "--lifetime", "60", "--log", str(log)],
                             capture_output=True, text=True, timeout=60, stdin=subprocess.DEVNULL)
@@ -328,7 +328,7 @@ def test_plain_probe_opens_only_with_a_ticket_from_tls(tmp_path: Path) -> None:
         assert "payload of 268435456 bytes exceeds the cap of 0" in text
         assert "without a valid ticket" in text and "from 127.0.0.1:" in text
     finally:
-        stopped = subprocess.run([sys.executable, "-m", "nebula_cli.relay.probe", "stop",
+        stopped = subprocess.run([sys.executable, "-m", "nebula_cli.netbench.probe", "stop",
                                   "--run", "netbench-t"], capture_output=True, text=True,
                                  timeout=60)
     assert stopped.returncode == 0

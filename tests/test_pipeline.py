@@ -13,7 +13,7 @@ from conftest import CLI, REPO
 from rich.console import Console
 
 from nebula_cli.cli.ui import final_summary
-from nebula_cli.config import jobplan
+from nebula_cli.config import jobplan, plan_model, worlds
 from nebula_cli.config.pipeline import (
     PlacementError,
     default_layout,
@@ -151,10 +151,10 @@ def test_plan_workers_gives_every_rank_its_placed_position(tmp_path: Path) -> No
                       file=str(tmp_path / "job.yaml"))
     sites = {"east/e1": _site("/h/east", "198.18.1.1"),
              "west/w1": _site("/h/west", "198.18.2.1")}
-    assert jobplan.rendezvous_hosts(spec) == {
-        jobplan.PIPELINE_WORLD: (spec.clusters[0], spec.clusters[0].hosts[0])}
-    plans = jobplan.build_plan(spec, "job1", sites=sites, certs=None, ports=jobplan.Ports(
-        masters={jobplan.PIPELINE_WORLD: 29555}, relays={})).agents
+    assert worlds.rendezvous_hosts(spec) == {
+        worlds.PIPELINE_WORLD: (spec.clusters[0], spec.clusters[0].hosts[0])}
+    plans = jobplan.build_plan(spec, "job1", sites=sites, certs=None, ports=plan_model.Ports(
+        masters={worlds.PIPELINE_WORLD: 29555}, relays={})).agents
     envs = {p.env["NEBULA_DEVICE"]: p.env for plan in plans for p in plan.config.processes}
     assert set(envs) == set(DEVICES)
     for device, env in envs.items():
@@ -171,7 +171,7 @@ def test_plan_workers_gives_every_rank_its_placed_position(tmp_path: Path) -> No
 def test_data_parallel_jobs_keep_one_world_per_cluster(tmp_path: Path) -> None:
     spec = parse_spec(spec_text(), file=str(tmp_path / "job.yaml"))
     sites = {"east/e1": _site("/h", "a"), "west/w1": _site("/h", "b")}
-    plans = jobplan.build_plan(spec, "job1", sites=sites, certs=None, ports=jobplan.Ports(
+    plans = jobplan.build_plan(spec, "job1", sites=sites, certs=None, ports=plan_model.Ports(
         masters={"east": 1, "west": 2}, relays={})).agents
     for plan, (addr, port) in zip(plans, [("a", "1"), ("b", "2")], strict=True):
         for p in plan.config.processes:
@@ -180,9 +180,9 @@ def test_data_parallel_jobs_keep_one_world_per_cluster(tmp_path: Path) -> None:
         assert [p.name for p in plan.config.processes] == ["0", "1"]
 
 
-def _site(home: str, address: str) -> jobplan.Site:
+def _site(home: str, address: str) -> plan_model.Site:
     """A remote host as its transport would report it."""
-    return jobplan.Site(conn={"transport": "ssh", "name": address}, home=home, address=address,
+    return plan_model.Site(conn={"transport": "ssh", "name": address}, home=home, address=address,
                         bind="0.0.0.0", python="python3", shares_files=False)
 
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from plan_defaults import MINIMAL, minimal_spec
 
-from nebula_cli.config import jobplan, strict
+from nebula_cli.config import jobplan, plan_model, strict, worlds
 from nebula_cli.config.parts import SYNC_CONFIG_ENV, AgentConfig, CheckpointSettings, SyncConfig
 from nebula_cli.config.relay_config import RelayConfig
 from nebula_cli.config.spec import (
@@ -27,21 +27,21 @@ from nebula_cli.config.spec import (
 PACKAGE = Path(__file__).resolve().parent.parent / "nebula_cli"
 
 
-def _plan(spec: JobSpec) -> jobplan.JobPlan:
-    sites = {jobplan.site_key(c, h): jobplan.Site(
+def _plan(spec: JobSpec) -> plan_model.JobPlan:
+    sites = {worlds.site_key(c, h): plan_model.Site(
         conn={"transport": "ssh", "name": h.host}, home=f"/home/u/.nebula-{c.name}",
         address=f"{h.host}.example", bind="0.0.0.0", python="/opt/py/bin/python3",
         shares_files=False) for c in spec.clusters for h in c.hosts}
-    ports = jobplan.Ports(masters={c.name: 29500 + i for i, c in enumerate(spec.clusters)},
+    ports = plan_model.Ports(masters={c.name: 29500 + i for i, c in enumerate(spec.clusters)},
                           relays={c.name: (29400, 29401) for c in spec.clusters})
-    certs = jobplan.Certs(
+    certs = plan_model.Certs(
         ca=b"CA", relays={c.name: (b"cert", b"key") for c in spec.clusters},
-        workers={jobplan.site_key(c, h): (b"cert", b"key")
+        workers={worlds.site_key(c, h): (b"cert", b"key")
                  for c in spec.clusters for h in c.hosts})
     return jobplan.build_plan(spec, "job-1", sites=sites, ports=ports, certs=certs)
 
 
-def _written(agent: jobplan.AgentPlan, tmp_path: Path) -> Path:
+def _written(agent: plan_model.AgentPlan, tmp_path: Path) -> Path:
     """The agent's files as the launch writes them on its host, under tmp_path."""
     root = tmp_path / agent.key
     for rel, data in agent.files.items():
@@ -57,14 +57,14 @@ def test_every_consumer_loads_the_spec_defaults(tmp_path: Path) -> None:
     relay_d, comp_d = RelaySpec(), CompressionSpec()
     sync_d = relay_d.sync  # outer lr and momentum: the default codec's
     assert SyncSpec().outer_lr is None and sync_d.outer_lr is not None
-    relays, workers = plan.role(jobplan.RELAY), plan.role(jobplan.WORKER)
+    relays, workers = plan.role(jobplan.RELAY), plan.role(plan_model.WORKER)
     assert [a.cluster for a in relays] == ["east", "west"] and len(workers) == 2
     for agent in plan.agents:
         root = _written(agent, tmp_path)
         config = AgentConfig.load(root / "agent.json")  # what the agent loads
         assert config == agent.config
         assert (root / "agent.json").stat().st_mode & 0o777 == 0o600
-        if agent.role == jobplan.WORKER:
+        if agent.role == plan_model.WORKER:
             assert config.grace == JobSpec.model_fields["grace"].default
             assert config.max_restarts == JobSpec.model_fields["max_restarts"].default
             (proc,) = config.processes
@@ -86,7 +86,7 @@ def test_every_consumer_loads_the_spec_defaults(tmp_path: Path) -> None:
             assert (relay.round_timeout, relay.heartbeat) == (relay_d.timeout,
                                                               relay_d.heartbeat)
             assert relay.worker_listen == "0.0.0.0:29401"
-            assert config.max_restarts == jobplan.RELAY_RESTARTS
+            assert config.max_restarts == plan_model.RELAY_RESTARTS
 
 
 def test_the_plan_is_frozen_and_built_purely() -> None:
@@ -102,7 +102,7 @@ def test_the_plan_is_frozen_and_built_purely() -> None:
 
 def test_remote_hosts_get_uploads_and_lib_path_local_ones_use_files_in_place() -> None:
     spec = minimal_spec()
-    remote = _plan(spec).role(jobplan.WORKER)[0]
+    remote = _plan(spec).role(plan_model.WORKER)[0]
     assert remote.uploads == {spec.workdir: f"{remote.job_root}/work"}
     assert remote.config.cwd == f"{remote.job_root}/work"
     # nebula_cli from the uploaded lib (after the runtime hook's directory, when it is on)
@@ -191,7 +191,7 @@ def test_plan_parts_have_no_defaults_of_their_own() -> None:
 
 def test_the_setup_command_runs_without_the_runtime_hook() -> None:
     spec = minimal_spec()
-    worker = _plan(spec).role(jobplan.WORKER)[0]
+    worker = _plan(spec).role(plan_model.WORKER)[0]
     env = worker.config.processes[0].env
     assert "autohook" in env["PYTHONPATH"]  # training processes get the hook
     setup = jobplan.without_runtime_hook(env)
@@ -209,7 +209,7 @@ def test_checkpoint_settings_come_from_the_spec_one_directory_per_host(tmp_path:
             ("checkpoint: {dir: /scratch/ck}", "/scratch/ck", defaults.every)):
         spec = parse_spec(MINIMAL + section + "\n", base_dir=base)
         seen = set()
-        for agent in _plan(spec).role(jobplan.WORKER):
+        for agent in _plan(spec).role(plan_model.WORKER):
             sync = SyncConfig.load(_written(agent, tmp_path / section) / "sync.json")
             ck = sync.checkpoint
             assert ck is not None and ck.every == every
@@ -239,22 +239,22 @@ clusters:
   - {name: south, transport: ssh, hosts: [s1, {host: s2, interface: eth9}]}
 """, base_dir=Path(__file__).parent)
     plan = _plan(spec)
-    sites = {jobplan.site_key(c, h): jobplan.Site(
+    sites = {worlds.site_key(c, h): plan_model.Site(
         conn={}, home="/h", address=f"{h.host}.example", bind="0.0.0.0", python="python3",
         shares_files=False) for c in spec.clusters for h in c.hosts}
-    assert jobplan.route_targets(spec, sites) == {
+    assert worlds.route_targets(spec, sites) == {
         "east/e1": "e2.example", "east/e2": "e1.example", "east/e3": "e1.example",
         "south/s1": "s2.example"}
     routed = {k: dataclasses.replace(s, interface="ens5") if k.startswith("east/") else s
               for k, s in sites.items()}
-    ports = jobplan.Ports(masters={c.name: 29500 for c in spec.clusters},
+    ports = plan_model.Ports(masters={c.name: 29500 for c in spec.clusters},
                           relays={c.name: (29400, 29401) for c in spec.clusters})
-    certs = jobplan.Certs(ca=b"CA", relays={c.name: (b"c", b"k") for c in spec.clusters},
+    certs = plan_model.Certs(ca=b"CA", relays={c.name: (b"c", b"k") for c in spec.clusters},
                           workers={k: (b"c", b"k") for k in sites})
     env = {f"{a.cluster}/{a.host}": a.config.processes[0].env for a in jobplan.build_plan(
-        spec, "job-1", sites=routed, ports=ports, certs=certs).role(jobplan.WORKER)}
+        spec, "job-1", sites=routed, ports=ports, certs=certs).role(plan_model.WORKER)}
     unrouted = {f"{a.cluster}/{a.host}": a.config.processes[0].env
-                for a in plan.role(jobplan.WORKER)}
+                for a in plan.role(plan_model.WORKER)}
     for key, ifname in (("east/e1", "ens5"), ("east/e3", "ens5"), ("north/n2", "eth7"),
                         ("south/s2", "eth9")):
         assert env[key]["GLOO_SOCKET_IFNAME"] == env[key]["NCCL_SOCKET_IFNAME"] == ifname
@@ -265,7 +265,7 @@ clusters:
 def test_a_clusters_max_restarts_reaches_its_hosts_agents() -> None:
     spec = parse_spec(MINIMAL.replace("hosts: [e1]}", "hosts: [e1], max_restarts: 4}")
                       + "max_restarts: 1\n", base_dir=Path(__file__).parent)
-    got = {a.cluster: a.config.max_restarts for a in _plan(spec).role(jobplan.WORKER)}
+    got = {a.cluster: a.config.max_restarts for a in _plan(spec).role(plan_model.WORKER)}
     assert got == {"east": 4, "west": 1}
 
 
@@ -283,10 +283,10 @@ def test_rank_0_on_the_relays_host_gets_the_relays_socket(tmp_path: Path) -> Non
         sockets = {c: RelayConfig.load(_written(a, tmp_path) / "relay.json").worker_socket
                    for c, a in relays.items()}
         assert sockets == {c: f"{a.agent_dir}/worker.sock" for c, a in relays.items()}
-        for agent in plan.role(jobplan.WORKER):
+        for agent in plan.role(plan_model.WORKER):
             sync = SyncConfig.load(_written(agent, tmp_path) / "sync.json")
             if agent.host == relays[agent.cluster].host:
                 assert sync.relay_socket == sockets[agent.cluster]
             else:
                 assert sync.relay_socket is None, agent.key
-        assert [a.host for a in plan.role(jobplan.WORKER) if a.node_rank == 0] == ["e1", "w1"]
+        assert [a.host for a in plan.role(plan_model.WORKER) if a.node_rank == 0] == ["e1", "w1"]

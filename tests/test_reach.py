@@ -18,7 +18,7 @@ from test_spec import one, write
 from test_ssh_launch import records, ssh_spec
 from testbed import TestBed
 
-from nebula_cli.config import jobplan, strict
+from nebula_cli.config import jobplan, plan_model, strict, worlds
 from nebula_cli.config.relay_config import RelayConfig
 from nebula_cli.config.spec import JobSpec, load_spec
 from nebula_cli.config.tunnel_config import TunnelConfig
@@ -297,18 +297,18 @@ def test_validate_says_which_relay_dials_which(tmp_path: Path, cli: CLI) -> None
             "2 bits) with error feedback") in out
 
 
-def _tunnel_plan(spec: JobSpec) -> dict[str, jobplan.AgentPlan]:
-    sites = {jobplan.site_key(c, h): jobplan.Site(
+def _tunnel_plan(spec: JobSpec) -> dict[str, plan_model.AgentPlan]:
+    sites = {worlds.site_key(c, h): plan_model.Site(
         conn={"transport": "ssh", "name": h.host}, home="/home/u/.nebula",
         address=f"{h.host}.example", bind="0.0.0.0", python="/usr/bin/python3",
-        shares_files=False, ssh=jobplan.SshLogin("u", 2222, f"ssh-ed25519 AAAA{h.host}"))
+        shares_files=False, ssh=plan_model.SshLogin("u", 2222, f"ssh-ed25519 AAAA{h.host}"))
         for c in spec.clusters for h in c.hosts}
-    ports = jobplan.Ports(masters={c.name: 29500 for c in spec.clusters},
+    ports = plan_model.Ports(masters={c.name: 29500 for c in spec.clusters},
                           relays={c.name: (29400, 29401) for c in spec.clusters},
                           tunnels={"lab>fort": 40001, "cloud>fort": 40002})
-    certs = jobplan.Certs(
+    certs = plan_model.Certs(
         ca=b"CA", relays={c.name: (b"cert", b"key") for c in spec.clusters},
-        workers={jobplan.site_key(c, h): (b"c", b"k") for c in spec.clusters for h in c.hosts},
+        workers={worlds.site_key(c, h): (b"c", b"k") for c in spec.clusters for h in c.hosts},
         tunnel_keys={"lab>fort": (b"PRIVATE-lab", "ssh-ed25519 AAAApublab"),
                      "cloud>fort": (b"PRIVATE-cloud", "ssh-ed25519 AAAApubcloud")},
         expires=dt.datetime(2027, 1, 2, 3, 4, 59, tzinfo=dt.UTC))
@@ -316,7 +316,7 @@ def _tunnel_plan(spec: JobSpec) -> dict[str, jobplan.AgentPlan]:
     return {a.cluster: a for a in plan.role(jobplan.RELAY)}
 
 
-def _part(agent: jobplan.AgentPlan, cls: type[T], name: str) -> T:
+def _part(agent: plan_model.AgentPlan, cls: type[T], name: str) -> T:
     return strict.from_dict(cls, json.loads(agent.files[name]))
 
 

@@ -20,14 +20,14 @@ import pytest
 import torch
 from plan_defaults import relay_defaults
 
+from nebula_cli.config.relay_config import RelayConfig, RelayConfigError
 from nebula_cli.pki import JobPKI, client_context, issue_job_pki
-from nebula_cli.relay.agreement import BEHIND, Coordinator
-from nebula_cli.relay.allreduce import RoundExchange, Schedule, ordered_mean
-from nebula_cli.relay.client import RelayClient
-from nebula_cli.relay.codecs import Encoded, get_codec
-from nebula_cli.relay.config import RelayConfig, RelayConfigError
-from nebula_cli.relay.server import Relay
-from nebula_cli.relay.shaping import Shaper
+from nebula_cli.relay.codecs.dense import Encoded, get_codec
+from nebula_cli.relay.net.shaping import Shaper
+from nebula_cli.relay.process.client import RelayClient
+from nebula_cli.relay.process.server import Relay
+from nebula_cli.relay.protocol.agreement import BEHIND, Coordinator
+from nebula_cli.relay.protocol.allreduce import RoundExchange, Schedule, ordered_mean
 
 REPO = Path(__file__).resolve().parent.parent
 JOB = "job-relay"

@@ -18,8 +18,8 @@ from test_relay import JOB, Job, clients, running, together, wait_until
 from test_relay_recovery import start_relay_process
 
 from nebula_cli.pki import client_context, wrap_client
-from nebula_cli.relay.peers import PROTOCOL
-from nebula_cli.relay.wire import (
+from nebula_cli.relay.net.peers import PROTOCOL
+from nebula_cli.relay.net.wire import (
     HEADER,
     MAGIC,
     WIRE_VERSION,

@@ -20,11 +20,11 @@ import pytest
 import torch
 from test_relay import Job, exact_mean, running, together
 
-from nebula_cli.relay import local
-from nebula_cli.relay.client import RelayClient, RelayError
-from nebula_cli.relay.framing import recv_tensor, send_tensor
-from nebula_cli.relay.server import Relay
-from nebula_cli.relay.wire import ConnectionClosed, Frame, FrameType, encode_frame, recv_frame
+from nebula_cli.relay.net import local_socket as local
+from nebula_cli.relay.net.framing import recv_tensor, send_tensor
+from nebula_cli.relay.net.wire import ConnectionClosed, Frame, FrameType, encode_frame, recv_frame
+from nebula_cli.relay.process.client import RelayClient, RelayError
+from nebula_cli.relay.process.server import Relay
 
 pytestmark = pytest.mark.skipif(not local.supported(), reason="Linux only (memfd, SO_PEERCRED)")
 
@@ -371,7 +371,7 @@ def test_the_relay_builds_averages_in_memory_it_used_before_but_never_in_one_sti
 
 
 def test_buffer_pools_hand_out_only_what_nothing_else_holds() -> None:
-    from nebula_cli.relay.buffers import BufferPool
+    from nebula_cli.relay.net.buffers import BufferPool
 
     pool = BufferPool(max_buffers=2, min_bytes=16)
     first = pool.get(100)

@@ -20,9 +20,9 @@ import pytest
 import torch
 from test_relay import Job, clients, exact_mean, running
 
-from nebula_cli.relay import records
-from nebula_cli.relay.records import MAX_RECORD, RecordConn, RecordError
-from nebula_cli.relay.wire import ConnectionClosed
+from nebula_cli.relay.net import gcm_records as records
+from nebula_cli.relay.net.gcm_records import MAX_RECORD, RecordConn, RecordError
+from nebula_cli.relay.net.wire import ConnectionClosed
 
 
 @contextmanager

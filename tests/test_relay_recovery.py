@@ -22,8 +22,8 @@ import torch
 from test_relay import REPO, Job, clients, exact_mean, read_jsonl, running, together, wait_until
 
 from nebula_cli.pki import client_context, server_context
-from nebula_cli.relay.client import RelayError
-from nebula_cli.relay.duplex import DuplexTLS
+from nebula_cli.relay.net.duplex import DuplexTLS
+from nebula_cli.relay.process.client import RelayError
 
 # ---------------------------------------------------------------------- a relay killed
 
@@ -32,7 +32,7 @@ def start_relay_process(cfg_path: Path, log_path: Path) -> subprocess.Popen[byte
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     with open(log_path, "ab") as log:
         return subprocess.Popen(
-            [sys.executable, "-m", "nebula_cli.relay.server", "--config", str(cfg_path)],
+            [sys.executable, "-m", "nebula_cli.relay.process.server", "--config", str(cfg_path)],
             stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env, cwd=REPO)
 
 
@@ -234,8 +234,8 @@ def test_a_worker_states_what_it_syncs_at_hello(tmp_path: Path) -> None:
 
 
 def test_worker_connections_are_kept_alive_by_tcp() -> None:
-    from nebula_cli.relay.limits import WORKER_KEEPALIVE_IDLE
-    from nebula_cli.relay.workers import keep_alive
+    from nebula_cli.relay.net.limits import WORKER_KEEPALIVE_IDLE
+    from nebula_cli.relay.process.worker_port import keep_alive
 
     with socket.socket() as s:
         keep_alive(s)

@@ -16,10 +16,9 @@ import pytest
 import torch
 from plan_defaults import relay_defaults
 
-from nebula_cli.relay.agreement import Decision
-from nebula_cli.relay.codecs import get_codec, relay_codecs
-from nebula_cli.relay.config import RelayConfig
-from nebula_cli.relay.limits import (
+from nebula_cli.config.relay_config import RelayConfig
+from nebula_cli.relay.codecs.dense import get_codec, relay_codecs
+from nebula_cli.relay.net.limits import (
     CHUNK_SLACK,
     EARLY_COPIES,
     EARLY_FRAME_COST,
@@ -30,10 +29,11 @@ from nebula_cli.relay.limits import (
     SyncSize,
     held_size,
 )
-from nebula_cli.relay.results import Average, GlobalState, Outcome
-from nebula_cli.relay.round_state import EMPTY, EXCHANGE, LEFT_OUT, after_decision
-from nebula_cli.relay.rounds import Rounds
-from nebula_cli.relay.wire import Frame, FrameType
+from nebula_cli.relay.net.wire import Frame, FrameType
+from nebula_cli.relay.protocol.agreement import Decision
+from nebula_cli.relay.protocol.results import Average, GlobalState, RoundOutcome
+from nebula_cli.relay.protocol.round_state import EMPTY, EXCHANGE, LEFT_OUT, after_decision
+from nebula_cli.relay.protocol.rounds import Rounds
 
 
 @pytest.fixture(autouse=True)
@@ -61,7 +61,7 @@ class Hub:
         self.order = clusters
         self.up = set(clusters)
         self.events: dict[str, list[str]] = {c: [] for c in clusters}
-        self.outcomes: dict[str, list[Outcome]] = {c: [] for c in clusters}
+        self.outcomes: dict[str, list[RoundOutcome]] = {c: [] for c in clusters}
         self.rounds = {
             c: Rounds(cfg := config(c, clusters, **kw),
                       relay_codecs(cfg), FakeNet(self, c),
@@ -173,8 +173,8 @@ def hub3() -> Iterator[Hub]:
 
 
 def run_round(hub: Hub, r: int, xs: dict[str, torch.Tensor],
-              delays: dict[str, float] | None = None) -> dict[str, Outcome]:
-    def call(c: str) -> Outcome:
+              delays: dict[str, float] | None = None) -> dict[str, RoundOutcome]:
+    def call(c: str) -> RoundOutcome:
         time.sleep((delays or {}).get(c, 0.0))
         return hub.rounds[c].local_round(r, xs[c])
 
@@ -351,7 +351,7 @@ def publish_after(hub: Hub, cluster: str, round_id: int, theta: torch.Tensor) ->
 
 
 def test_lineage_winner_is_the_majority_then_the_earliest_known() -> None:
-    from nebula_cli.relay.lineage import UNKNOWN, diverged, winner
+    from nebula_cli.relay.protocol.lineage import UNKNOWN, diverged, winner
 
     order = ["a", "b", "c"]
     assert winner({"a": "x", "b": "y", "c": "y"}, order) == "y"

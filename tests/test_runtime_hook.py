@@ -20,7 +20,7 @@ import pytest
 import torch
 from plan_defaults import default_sync_config, minimal_spec
 
-from nebula_cli.config import jobplan
+from nebula_cli.config import jobplan, plan_model, worlds
 from nebula_cli.config.spec import JobSpec, parse_spec
 from nebula_cli.runtime import metrics
 from nebula_cli.runtime.engine import LOG_EVERY, EngineDriver
@@ -34,15 +34,15 @@ CFG = default_sync_config()
 # --- the plan ---------------------------------------------------------------------------------
 
 
-def plan_of(spec: JobSpec, shares_files: bool) -> jobplan.JobPlan:
-    sites = {jobplan.site_key(c, h): jobplan.Site(
+def plan_of(spec: JobSpec, shares_files: bool) -> plan_model.JobPlan:
+    sites = {worlds.site_key(c, h): plan_model.Site(
         conn={"transport": "local"}, home=f"/home/u/.nebula-{c.name}", address="127.0.0.1",
         bind="127.0.0.1", python="/opt/py/bin/python3", shares_files=shares_files)
         for c in spec.clusters for h in c.hosts}
-    ports = jobplan.Ports(masters={c.name: 29500 + i for i, c in enumerate(spec.clusters)},
+    ports = plan_model.Ports(masters={c.name: 29500 + i for i, c in enumerate(spec.clusters)},
                           relays={c.name: (29400, 29401) for c in spec.clusters})
-    certs = jobplan.Certs(ca=b"CA", relays={c.name: (b"c", b"k") for c in spec.clusters},
-                          workers={jobplan.site_key(c, h): (b"c", b"k")
+    certs = plan_model.Certs(ca=b"CA", relays={c.name: (b"c", b"k") for c in spec.clusters},
+                          workers={worlds.site_key(c, h): (b"c", b"k")
                                    for c in spec.clusters for h in c.hosts})
     return jobplan.build_plan(spec, "job-1", sites=sites, ports=ports, certs=certs)
 
@@ -58,7 +58,7 @@ def test_spec_runtime_auto_defaults_on_and_refuses_unknown_keys() -> None:
 @pytest.mark.parametrize("shares_files", [True, False])
 def test_workers_start_with_the_hook_first_on_pythonpath(shares_files: bool) -> None:
     plan = plan_of(minimal_spec(), shares_files)
-    for agent in plan.role(jobplan.WORKER):
+    for agent in plan.role(plan_model.WORKER):
         for proc in agent.config.processes:
             first, *rest = proc.env["PYTHONPATH"].split(":")
             if shares_files:  # this machine's package, which holds only the sitecustomize
@@ -67,7 +67,7 @@ def test_workers_start_with_the_hook_first_on_pythonpath(shares_files: bool) -> 
                               if p.name != "__pycache__") == ["sitecustomize.py"]
                 assert rest == []
             else:  # the uploaded copy, before the uploaded package itself
-                lib = jobplan.lib_dir(agent.job_root)
+                lib = plan_model.lib_dir(agent.job_root)
                 assert first == f"{lib}/nebula_cli/runtime/autohook" and rest == [lib]
     for relay in plan.role(jobplan.RELAY):  # relays never get the hook
         assert "autohook" not in relay.config.processes[0].env.get("PYTHONPATH", "")
@@ -77,11 +77,11 @@ def test_runtime_auto_false_leaves_pythonpath_alone_and_a_users_path_is_kept() -
     base = minimal_spec().model_dump()
     off = JobSpec.model_validate({**base, "runtime": {"auto": False}},
                                  context={"base_dir": REPO})
-    for agent in plan_of(off, True).role(jobplan.WORKER):
+    for agent in plan_of(off, True).role(plan_model.WORKER):
         assert "PYTHONPATH" not in agent.config.processes[0].env
     mine = JobSpec.model_validate({**base, "env": {"PYTHONPATH": "/opt/mine"}},
                                   context={"base_dir": REPO})
-    for agent in plan_of(mine, True).role(jobplan.WORKER):
+    for agent in plan_of(mine, True).role(plan_model.WORKER):
         assert agent.config.processes[0].env["PYTHONPATH"] == f"{HOOK_DIR}:/opt/mine"
 
 

@@ -12,7 +12,7 @@ import pytest
 from conftest import CLI
 from test_spec import one, write
 
-from nebula_cli.config import jobplan
+from nebula_cli.config import jobplan, plan_model
 from nebula_cli.config.spec import HostSpec, JobSpec, load_spec
 from nebula_cli.control.allocations import template_of
 from nebula_cli.control.planning import site_entries
@@ -146,21 +146,21 @@ def test_only_an_ended_slurm_allocation_counts_as_ended() -> None:
     assert not ended_state(None) and not ended_state("")  # no allocation: not ended
 
 
-def _planned(spec: JobSpec) -> jobplan.JobPlan:
+def _planned(spec: JobSpec) -> plan_model.JobPlan:
     """The plan of `spec` once hpc's allocation runs on nodes n1 and n2."""
     hpc = spec.clusters[0]
     nodes = [HostSpec(host=n, address=f"10.1.0.{i}", slots=4) for i, n in
              enumerate(("n1", "n2"), start=1)]
     expanded = spec.model_copy(update={"clusters": [hpc.with_nodes(nodes),
                                                     *spec.clusters[1:]]})
-    sites = {key: jobplan.Site(
+    sites = {key: plan_model.Site(
         conn={"transport": "slurm-node" if h.host.startswith("n") else "ssh", "name": h.host},
         home="/home/u/.nebula", address=h.address or f"{h.host}.example", bind="0.0.0.0",
         python="python3", shares_files=False)
         for key, (c, h) in site_entries(expanded).items()}
-    ports = jobplan.Ports(masters={c.name: 29500 for c in spec.clusters},
+    ports = plan_model.Ports(masters={c.name: 29500 for c in spec.clusters},
                           relays={c.name: (29400, 29401) for c in spec.clusters})
-    certs = jobplan.Certs(ca=b"CA", relays={c.name: (b"c", b"k") for c in spec.clusters},
+    certs = plan_model.Certs(ca=b"CA", relays={c.name: (b"c", b"k") for c in spec.clusters},
                           workers={k: (b"c", b"k") for k in sites})
     return jobplan.build_plan(expanded, "job-1", sites=sites, ports=ports, certs=certs)
 
@@ -196,15 +196,15 @@ def test_a_tunnel_to_a_slurm_cluster_ends_at_its_login_node(tmp_path: Path) -> N
     hpc = spec.clusters[0]
     nodes = [HostSpec(host="n1", address="10.1.0.1", slots=4)]
     expanded = spec.model_copy(update={"clusters": [hpc.with_nodes(nodes), spec.clusters[1]]})
-    sites = {key: jobplan.Site(
+    sites = {key: plan_model.Site(
         conn={"transport": "ssh", "name": h.host}, home="/home/u/.nebula",
         address=h.address or f"{h.host}.example", bind="0.0.0.0", python="python3",
-        shares_files=False, ssh=jobplan.SshLogin("jdoe", 22, "ssh-ed25519 AAAAlogin"))
+        shares_files=False, ssh=plan_model.SshLogin("jdoe", 22, "ssh-ed25519 AAAAlogin"))
         for key, (c, h) in site_entries(expanded).items()}
-    ports = jobplan.Ports(masters={"hpc": 29500, "lab": 29500},
+    ports = plan_model.Ports(masters={"hpc": 29500, "lab": 29500},
                           relays={"hpc": (29400, 29401), "lab": (29400, 29401)},
                           tunnels={"lab>hpc": 41000})
-    certs = jobplan.Certs(ca=b"CA", relays={"hpc": (b"c", b"k"), "lab": (b"c", b"k")},
+    certs = plan_model.Certs(ca=b"CA", relays={"hpc": (b"c", b"k"), "lab": (b"c", b"k")},
                           workers={k: (b"c", b"k") for k in sites},
                           tunnel_keys={"lab>hpc": (b"PRIVATE", "ssh-ed25519 AAAApub")})
     plan = jobplan.build_plan(expanded, "job-1", sites=sites, ports=ports, certs=certs)

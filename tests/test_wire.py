@@ -1,4 +1,4 @@
-"""relay/wire.py: frames round-trip exactly; anything else is refused with a reason, before any
+"""relay/net/wire.py: frames round-trip exactly; anything else is refused with a reason, before any
 large allocation, over plain sockets, socketpairs and TLS."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from nebula_cli.errors import NebulaError
-from nebula_cli.relay.wire import (
+from nebula_cli.relay.net.wire import (
     HEADER,
     HEADER_SIZE,
     MAGIC,

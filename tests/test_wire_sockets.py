@@ -20,7 +20,7 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 from test_wire import header, raw, socket_pair
 
-from nebula_cli.relay.wire import (
+from nebula_cli.relay.net.wire import (
     ConnectionClosed,
     Frame,
     FrameType,

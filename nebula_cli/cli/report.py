@@ -14,7 +14,7 @@ from pathlib import Path
 
 from nebula_cli.cli.report_draw import DPI, EXTRA, figure_png, html_page, write_tensorboard
 from nebula_cli.control.jobs import JobOps
-from nebula_cli.control.records import fetch_records, fetch_tensorboard, tensorboard_hosts
+from nebula_cli.control.metric_records import fetch_records, fetch_tensorboard, tensorboard_hosts
 from nebula_cli.errors import NebulaError, UsageError
 
 FORMATS = {".html": "html", ".htm": "html", ".png": "png"}

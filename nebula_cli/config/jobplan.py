@@ -15,8 +15,6 @@ import posixpath
 from pathlib import Path
 
 from nebula_cli.config import strict
-from nebula_cli.config.checkpoint_paths import checkpoint_dir as checkpoint_dir
-from nebula_cli.config.checkpoint_paths import checkpoint_host as checkpoint_host
 from nebula_cli.config.checkpoint_paths import (
     checkpoint_settings as checkpoint_settings,
 )
@@ -31,35 +29,33 @@ from nebula_cli.config.parts import (
 )
 from nebula_cli.config.pipeline import device_id
 from nebula_cli.config.plan_model import RELAY as RELAY  # re-exported: the plan's data
-from nebula_cli.config.plan_model import RELAY_RESTARTS as RELAY_RESTARTS
-from nebula_cli.config.plan_model import RUNTIME_HOOK_DIR as RUNTIME_HOOK_DIR
-from nebula_cli.config.plan_model import WORKER as WORKER
-from nebula_cli.config.plan_model import WORKER_RESTART_BACKOFF as WORKER_RESTART_BACKOFF
-from nebula_cli.config.plan_model import AgentPlan as AgentPlan
-from nebula_cli.config.plan_model import Certs as Certs
-from nebula_cli.config.plan_model import JobPlan as JobPlan
-from nebula_cli.config.plan_model import Ports as Ports
-from nebula_cli.config.plan_model import Site as Site
-from nebula_cli.config.plan_model import SshLogin as SshLogin
-from nebula_cli.config.plan_model import agent_dir as agent_dir
-from nebula_cli.config.plan_model import base_env as base_env
-from nebula_cli.config.plan_model import cert_names as cert_names
-from nebula_cli.config.plan_model import conn_of as conn_of
-from nebula_cli.config.plan_model import job_root_of as job_root_of
-from nebula_cli.config.plan_model import lib_dir as lib_dir
-from nebula_cli.config.plan_model import tls_files as tls_files
-from nebula_cli.config.relay_plan import auto_steps as auto_steps
-from nebula_cli.config.relay_plan import relay_addr, relay_agents, relay_socket
-from nebula_cli.config.relay_plan import relay_config as relay_config
+from nebula_cli.config.plan_model import (
+    RUNTIME_HOOK_DIR,
+    WORKER,
+    WORKER_RESTART_BACKOFF,
+    AgentPlan,
+    Certs,
+    JobPlan,
+    Ports,
+    Site,
+    agent_dir,
+    base_env,
+    cert_names,
+    conn_of,
+    job_root_of,
+    lib_dir,
+    tls_files,
+)
+from nebula_cli.config.relay_plan import auto_steps, relay_addr, relay_agents, relay_socket
 from nebula_cli.config.spec import ClusterSpec, JobSpec
-from nebula_cli.config.worlds import PIPELINE_WORLD as PIPELINE_WORLD
-from nebula_cli.config.worlds import interface_of as interface_of
-from nebula_cli.config.worlds import pipeline_env as pipeline_env
-from nebula_cli.config.worlds import rendezvous_hosts as rendezvous_hosts
-from nebula_cli.config.worlds import route_targets as route_targets
-from nebula_cli.config.worlds import site_key as site_key
-from nebula_cli.config.worlds import world_env as world_env
-from nebula_cli.config.worlds import world_of as world_of
+from nebula_cli.config.worlds import (
+    interface_of,
+    pipeline_env,
+    rendezvous_hosts,
+    site_key,
+    world_env,
+    world_of,
+)
 
 
 def runtime_hook_dir(site: Site, job_root: str) -> str:

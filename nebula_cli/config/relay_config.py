@@ -58,7 +58,7 @@ class ShapingConfig:
 @dataclass(frozen=True)
 class AutoSteps:
     """``relay.sync.inner_steps: auto``: the round's coordinator picks H for the next round from
-    the clusters' measured step and round times (`nebula_cli.relay.cadence`)."""
+    the clusters' measured step and round times (`nebula_cli.relay.protocol.pacing`)."""
 
     target_utilization: float
     """Fraction of wall time spent training that H is chosen to reach."""
@@ -73,7 +73,7 @@ class AutoSteps:
 @dataclass(frozen=True)
 class AutoCodec:
     """``relay.compression: auto``: the round's coordinator picks the codec of the next round
-    from the clusters' measured step and round times (`nebula_cli.relay.codec_choice`)."""
+    from the clusters' measured step and round times (`nebula_cli.relay.codecs.choice`)."""
 
     codecs: list[str]
     """The codecs to choose from, the most faithful (and largest) first; the first rounds'."""
@@ -140,7 +140,7 @@ class RelayConfig:
     worker_socket: str | None = None
     """Unix socket (in the relay's private directory) where workers on the relay's own host
     connect without TLS (peer uid checked, tensors in sealed shared memory:
-    `nebula_cli.relay.local`); None: the TLS port only."""
+    `nebula_cli.relay.net.local_socket`); None: the TLS port only."""
 
     def __post_init__(self) -> None:
         if isinstance(self.tls, dict):

@@ -17,7 +17,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from nebula_cli.config import jobplan
+from nebula_cli.config import plan_model
 from nebula_cli.config.hosts import HostSpec
 from nebula_cli.config.spec import ClusterSpec, JobSpec
 from nebula_cli.control.launchers import LAUNCHERS_DIR
@@ -60,7 +60,7 @@ class Allocation:
 
     def conn(self, node: str) -> dict[str, Any]:
         return slurm_node(self.login, job=self.job, node=node, address=self.nodes[node],
-                          keeper=self.keeper, pythonpath=jobplan.lib_dir(self.job_root))
+                          keeper=self.keeper, pythonpath=plan_model.lib_dir(self.job_root))
 
 
 def in_allocation(conn: dict[str, Any]) -> bool:
@@ -103,7 +103,7 @@ def submit(t: Transport, login: dict[str, Any], spec: JobSpec, cluster: ClusterS
     out = posixpath.join(job_root, "slurm", f"{cluster.name}-%j.out")
     script = batch.render(template_of(spec, cluster), batch.values(
         request, job_name=f"nebula-{job_id}-{cluster.name}", output=out, job_root=job_root,
-        pythonpath=jobplan.lib_dir(job_root), python=cluster.python))
+        pythonpath=plan_model.lib_dir(job_root), python=cluster.python))
     path = posixpath.join(job_root, "slurm", f"{cluster.name}.sbatch")
     t.put_bytes(script.encode(), path, mode=0o700)
     refused = slurm.test_only(t, path, job_root)

@@ -9,7 +9,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any
 
-from nebula_cli.config import jobplan
+from nebula_cli.config import jobplan, plan_model
 from nebula_cli.control import allocations, summaries
 from nebula_cli.control.fanout import GroupError, fanout
 from nebula_cli.control.follow import LogFollower, MetricsFollower
@@ -47,7 +47,7 @@ most likely blocked in a collective with it; longer would only keep GPUs idle)."
 
 def failed_workers(hosts: list[HostRecord]) -> list[HostRecord]:
     """Worker agents that failed for good (restarts used up) or were lost."""
-    return [h for h in hosts if h.role == jobplan.WORKER and h.state in ("FAILED", "LOST")]
+    return [h for h in hosts if h.role == plan_model.WORKER and h.state in ("FAILED", "LOST")]
 
 
 def survivors(hosts: list[HostRecord], min_clusters: int | None) -> set[str] | None:
@@ -71,7 +71,7 @@ def job_state(hosts: list[HostRecord], current: str, min_clusters: int | None = 
         return "RUNNING"
     if states & {"FAILED", "LOST"}:
         return "FAILED"
-    workers = {h.state for h in hosts if h.role == jobplan.WORKER} or states
+    workers = {h.state for h in hosts if h.role == plan_model.WORKER} or states
     if "STOPPED" in workers:
         return "STOPPED"
     return "SUCCEEDED"
@@ -107,7 +107,7 @@ class JobOps(Session):
         live = [h for h in hosts if h.state not in END_STATES]
         # on Slurm: hosts STOPPED while the job runs were stopped by Slurm's notice (a time
         # limit, preemption): the job waits for the allocation's end to say which
-        noticed = [h for h in hosts if h.state == "STOPPED" and h.role == jobplan.WORKER
+        noticed = [h for h in hosts if h.state == "STOPPED" and h.role == plan_model.WORKER
                    and job.state == "RUNNING"]
         said = self._end_with_allocations(job.id, live + noticed)
         hosts = self.store.hosts(job.id)
@@ -134,7 +134,7 @@ class JobOps(Session):
                 hosts = self.store.hosts(job.id)
             if job.state not in ("PENDING", "QUEUED") and self._end_idle_relays(hosts):
                 hosts = self.store.hosts(job.id)
-        waiting = any(h.role == jobplan.WORKER and h.state == "STOPPED" and h.cluster in said
+        waiting = any(h.role == plan_model.WORKER and h.state == "STOPPED" and h.cluster in said
                       and not allocations.ended_state(said[h.cluster]) for h in hosts)
         if job.state == "RUNNING" and not waiting:  # launching and ended jobs keep theirs
             state = job_state(hosts, job.state, job.spec.get("min_clusters"))
@@ -144,7 +144,7 @@ class JobOps(Session):
                     f"{h.cluster}/{h.host} {h.role}: {h.detail.get('reason') or h.state}"
                     for h in failed
                 ) or None
-                ends = [h.detail.get("ended") for h in hosts if h.role == jobplan.WORKER]
+                ends = [h.detail.get("ended") for h in hosts if h.role == plan_model.WORKER]
                 at = max(ends) if ends and all(ends) and state in END_STATES else None
                 self.store.set_job_state(job.id, state, reason=reason, at=at)
                 self.store.add_event(job.id, "state", f"job {state.lower()}")
@@ -153,7 +153,7 @@ class JobOps(Session):
 
     def _end_idle_relays(self, hosts: list[HostRecord]) -> bool:
         """Once every worker has ended, the relays have nothing left to do: end them."""
-        workers = [h for h in hosts if h.role == jobplan.WORKER]
+        workers = [h for h in hosts if h.role == plan_model.WORKER]
         relays = [h for h in hosts if h.role == jobplan.RELAY and h.state not in END_STATES]
         if not relays or not workers or any(w.state not in END_STATES for w in workers):
             return False
@@ -181,7 +181,7 @@ class JobOps(Session):
                    f"{len({h.cluster for h in hosts})} clusters train on "
                    f"(min_clusters {min_clusters})")
         self.store.add_event(first.job_id, "failure", why)
-        self._stop_recs([h for h in active if h.role == jobplan.WORKER], why,
+        self._stop_recs([h for h in active if h.role == plan_model.WORKER], why,
                         grace=FAILURE_STOP_GRACE)
         self._stop_recs([h for h in active if h.role == jobplan.RELAY], why,
                         grace=FAILURE_STOP_GRACE)
@@ -282,7 +282,7 @@ class JobOps(Session):
         failures: dict[object, object] = {}
         answers: dict[object, list[dict[str, Any]]] = {}
         # workers first, relays after: a last outer round as workers wind down reaches them
-        for role in (jobplan.WORKER, jobplan.RELAY):
+        for role in (plan_model.WORKER, jobplan.RELAY):
             keys = [k for k in groups if k[0] == role]
             try:
                 answers.update(fanout(

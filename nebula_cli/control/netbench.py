@@ -9,7 +9,7 @@ job's relays open theirs (`reach.links`): the cluster that dials runs the measur
 sends (one direction) or has the server send (`--reverse`, the other); where the relays meet
 through an SSH tunnel, so does the measurer (`netbench_tunnels`: a throwaway key let into the
 dialled host for the probe's two ports while the run lasts). Probes (`python -m
-nebula_cli.relay.probe`) run on the hosts through their transports: a server on each dialled
+nebula_cli.netbench.probe`) run on the hosts through their transports: a server on each dialled
 gateway, the measurer on the dialling one; pairs run one after another so that they do not
 share a link. Every probe, tunnel and key is ended and every file removed afterwards, also when
 something failed.
@@ -74,15 +74,16 @@ from nebula_cli.control.netbench_tunnels import (
 )
 from nebula_cli.control.orchestrator import Orchestrator
 from nebula_cli.errors import NebulaError, TransportError, UsageError
-from nebula_cli.relay.probe import MODULE as PROBE_MODULE
+from nebula_cli.netbench.probe import MODULE as PROBE_MODULE
 from nebula_cli.transport import Transport
 
 VERSION = 1
 PACKAGE_DIR = Path(__file__).resolve().parent.parent
 PROBE_FILES = ("__init__.py", "errors.py", "pki/__init__.py", "pki/certs.py", "pki/sshkeys.py",
                "pki/tls.py",
-               "relay/__init__.py", "relay/wire.py",
-               "relay/probe.py", "relay/probe_client.py")  # what the probe imports
+               "relay/__init__.py", "relay/net/__init__.py", "relay/net/wire.py",
+               "netbench/__init__.py", "netbench/probe.py",
+               "netbench/measure.py")  # what the probe imports
 PINGS = 200
 PROBE_CERT_LIFETIME = dt.timedelta(days=1)
 """The probes' certificates: a measurement lasts minutes."""

@@ -17,8 +17,8 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from nebula_cli.config import jobplan, strict
-from nebula_cli.config.jobplan import AgentPlan, JobPlan
+from nebula_cli.config import checkpoint_paths, jobplan, plan_model, strict, worlds
+from nebula_cli.config.plan_model import AgentPlan, JobPlan
 from nebula_cli.config.spec import HostSpec, JobSpec, spec_of_record
 from nebula_cli.control import allocations
 from nebula_cli.control.allocations import Allocation
@@ -107,18 +107,18 @@ class Orchestrator(JobOps, HostFacts):
             """label -> (complete checkpoints, where) of the host (of a Slurm cluster: of
             each of its nodes, seen from its login node)."""
             cluster, host = next((c, h) for c in spec.clusters for h in c.hosts
-                                 if jobplan.site_key(c, h) == key)
+                                 if worlds.site_key(c, h) == key)
             site = sites[key]
             request = cluster.slurm_request
             places: list[HostSpec | int] = list(range(request.nodes)) if request else [host]
             out = {}
             for place in places:
-                where = jobplan.checkpoint_dir(spec, job_id, jobplan.job_root_of(site, job_id),
-                                               cluster, place)
+                root = plan_model.job_root_of(site, job_id)
+                where = checkpoint_paths.checkpoint_dir(spec, job_id, root, cluster, place)
                 assert where is not None
                 found = self.transport(site.conn).run(["/bin/sh", "-c", script, where],
                                                       timeout=60)
-                out[jobplan.checkpoint_host(cluster, place)] = (len(found.stdout.split()),
+                out[checkpoint_paths.checkpoint_host(cluster, place)] = (len(found.stdout.split()),
                                                                 where)
             return out
 
@@ -126,7 +126,7 @@ class Orchestrator(JobOps, HostFacts):
         lost, fresh = [], []
         for c in spec.clusters:
             have = {label: v for h in c.hosts
-                    for label, v in found[jobplan.site_key(c, h)].items()}
+                    for label, v in found[worlds.site_key(c, h)].items()}
             if all(n == 0 for n, _ in have.values()):
                 fresh.append(c.name)
             else:
@@ -172,7 +172,7 @@ class Orchestrator(JobOps, HostFacts):
             fanout(plan.agents, self._write_agent_files, timeout=AGENT_TIMEOUT,
                    cancel=self.abort)
             # relays first, so that workers find them; then workers
-            for role in (jobplan.RELAY, jobplan.WORKER):
+            for role in (jobplan.RELAY, plan_model.WORKER):
                 results = fanout(plan.role(role), self._start, timeout=AGENT_TIMEOUT,
                                  cancel=self.abort)
                 for agent, pid in results.items():
@@ -319,7 +319,7 @@ class Orchestrator(JobOps, HostFacts):
             except NebulaError as exc:
                 return HostCheck(cluster.name, host.host, host.slots, error=str(exc))
             found = check_host(t, cluster.name, host.host, host.slots)
-            found.interface = jobplan.interface_of(cluster, host)  # the spec's, if it names one
+            found.interface = worlds.interface_of(cluster, host)  # the spec's, if it names one
             if cluster.scheduler == "slurm" and found.ok:  # a login node: Slurm's tools too
                 try:
                     slurm.require_commands(t)
@@ -330,7 +330,7 @@ class Orchestrator(JobOps, HostFacts):
         checks = fanout(list(entries), check, timeout=120, cancel=self.abort)
         if all(c.ok for c in checks.values()):  # what the launch would choose
             for key, site in self.routes(spec, self.sites(spec)).items():
-                checks[key].interface = jobplan.interface_of(*entries[key], site)
+                checks[key].interface = worlds.interface_of(*entries[key], site)
         return list(checks.values())
 
     def _stop_agents(self, agents: list[AgentPlan], grace: float, force: bool,
@@ -380,7 +380,7 @@ def _bar(transfer: Transfer | None, where: str
 def _upload_lib(t: Transport, job_root: str, bar: Callable[[str], Any],
                 progress: Progress) -> None:
     """nebula_cli into the job's lib dir on the host (files already there are kept)."""
-    lib = posixpath.join(jobplan.lib_dir(job_root), "nebula_cli")
+    lib = posixpath.join(plan_model.lib_dir(job_root), "nebula_cli")
     n, _ = t.upload_tree(str(PACKAGE_DIR), lib, ["__pycache__", "*.pyc"], bar("nebula_cli"))
     progress(f"{t.name}: nebula_cli uploaded ({n} files changed)")
 

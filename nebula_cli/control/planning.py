@@ -10,7 +10,7 @@ import datetime as dt
 from typing import Any
 
 from nebula_cli import pki
-from nebula_cli.config import jobplan
+from nebula_cli.config import jobplan, plan_model, worlds
 from nebula_cli.config.relay_plan import tunnel_links
 from nebula_cli.config.spec import ClusterSpec, HostSpec, JobSpec
 from nebula_cli.control.fanout import fanout
@@ -32,10 +32,10 @@ def describe_host(cluster: ClusterSpec, host: HostSpec, home: str) -> dict[str, 
 def site_entries(spec: JobSpec) -> dict[str, tuple[ClusterSpec, HostSpec]]:
     """Every host the plan needs a site of: the clusters' hosts, and the hosts of relays and
     of tunnels' SSH ends not among them (a Slurm cluster's login node)."""
-    entries = {jobplan.site_key(c, h): (c, h) for c in spec.clusters for h in c.hosts}
+    entries = {worlds.site_key(c, h): (c, h) for c in spec.clusters for h in c.hosts}
     for c in spec.clusters:
         for h in (c.gateway_host, c.ssh_host):
-            entries.setdefault(jobplan.site_key(c, h), (c, h))
+            entries.setdefault(worlds.site_key(c, h), (c, h))
     return entries
 
 
@@ -43,44 +43,45 @@ class HostFacts(Session):
     """The plan's inputs, learnt from the hosts (see the module docstring)."""
 
     def sites(self, spec: JobSpec, conns: dict[str, dict[str, Any]] | None = None
-              ) -> dict[str, jobplan.Site]:
+              ) -> dict[str, plan_model.Site]:
         """What every host's transport reports (connecting to remote hosts to learn it);
         `conns`: how to reach hosts the spec does not say (a Slurm allocation's nodes)."""
         home = str(self.store.home)
         entries = site_entries(spec)
-        ends = {jobplan.site_key(c, c.ssh_host) for link in tunnel_links(spec)
+        ends = {worlds.site_key(c, c.ssh_host) for link in tunnel_links(spec)
                 for c in spec.clusters if c.name == link.dialled}
 
-        def site(key: str) -> jobplan.Site:
+        def site(key: str) -> plan_model.Site:
             cluster, host = entries[key]
             conn = (conns or {}).get(key) or describe_host(cluster, host, home)
             t = self.transport(conn)
             require_python(t, cluster.name, host.host)
             login = t.ssh_login() if key in ends else None
-            return jobplan.Site(conn=conn, home=t.home, address=host.address or t.address,
+            return plan_model.Site(conn=conn, home=t.home, address=host.address or t.address,
                                 bind=t.bind_address, python=t.python,
                                 shares_files=t.shares_files,
-                                ssh=jobplan.SshLogin(*login) if login else None)
+                                ssh=plan_model.SshLogin(*login) if login else None)
 
         return fanout(list(entries), site, timeout=AGENT_TIMEOUT, cancel=self.abort)
 
-    def routes(self, spec: JobSpec, sites: dict[str, jobplan.Site]) -> dict[str, jobplan.Site]:
+    def routes(self, spec: JobSpec, sites: dict[str, plan_model.Site]
+               ) -> dict[str, plan_model.Site]:
         """The sites, with the interface each host of a multi-host world reaches its peers
         through where the spec names none (asked of the hosts: `Transport.route_interface`)."""
-        targets = jobplan.route_targets(spec, sites)
+        targets = worlds.route_targets(spec, sites)
         found = fanout(list(targets), lambda k: self.transport(sites[k].conn).route_interface(
             targets[k]), timeout=AGENT_TIMEOUT, cancel=self.abort) if targets else {}
         return {k: dataclasses.replace(s, interface=found[k]) if k in found else s
                 for k, s in sites.items()}
 
-    def ports(self, spec: JobSpec, sites: dict[str, jobplan.Site]) -> jobplan.Ports:
+    def ports(self, spec: JobSpec, sites: dict[str, plan_model.Site]) -> plan_model.Ports:
         """Rendezvous ports of every DeepSpeed world, the relays' ports, and a free port on
         each tunnel's dialling relay host for its local end."""
         def port(c: ClusterSpec, h: HostSpec, preferred: int | None) -> int:
-            return self.transport(sites[jobplan.site_key(c, h)].conn).listen_port(preferred)
+            return self.transport(sites[worlds.site_key(c, h)].conn).listen_port(preferred)
 
         masters = {world: port(c, h, None)
-                   for world, (c, h) in jobplan.rendezvous_hosts(spec).items()}
+                   for world, (c, h) in worlds.rendezvous_hosts(spec).items()}
         relays, tunnels = {}, {}
         if spec.relay is not None:
             for c in spec.clusters:
@@ -90,10 +91,10 @@ class HostFacts(Session):
             for link in tunnel_links(spec):
                 dialer = by_name[link.dialer]
                 tunnels[link.key] = port(dialer, dialer.gateway_host, None)
-        return jobplan.Ports(masters=masters, relays=relays, tunnels=tunnels)
+        return plan_model.Ports(masters=masters, relays=relays, tunnels=tunnels)
 
     def plan(self, spec: JobSpec, job_id: str, *, renew: bool = False,
-             conns: dict[str, dict[str, Any]] | None = None) -> jobplan.JobPlan:
+             conns: dict[str, dict[str, Any]] | None = None) -> plan_model.JobPlan:
         """The job's plan: what the hosts report, the job's certificates (issued, or with
         ``renew`` re-issued from the job's CA key when it has one) and a new key per SSH
         tunnel, then `build_plan`."""
@@ -107,10 +108,10 @@ class HostFacts(Session):
                 if renew and (pki_dir / "ca.key").is_file() else pki.issue_job_pki(
                     job_id, {c.name: [h.host for h in c.hosts] for c in spec.clusters},
                     pki_dir, valid_for=valid_for)
-            certs = jobplan.Certs(
+            certs = plan_model.Certs(
                 ca=issued.ca_cert.read_bytes(),
                 relays={c.name: _pair(issued.relay(c.name)) for c in spec.clusters},
-                workers={jobplan.site_key(c, h): _pair(issued.worker(c.name, h.host))
+                workers={worlds.site_key(c, h): _pair(issued.worker(c.name, h.host))
                          for c in spec.clusters for h in c.hosts},
                 tunnel_keys={link.key: pki.ssh_keypair() for link in tunnel_links(spec)},
                 expires=pki.expiry(pki_dir))

@@ -25,7 +25,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from nebula_cli.config import jobplan
+from nebula_cli.config import worlds
 from nebula_cli.config.reach import Link, links, problems
 from nebula_cli.config.spec import ClusterSpec, JobSpec
 from nebula_cli.control.fanout import GroupError, fanout
@@ -157,7 +157,7 @@ def check_reach(facts: HostFacts, spec: JobSpec) -> ReachReport:
     """Try every way between every pair of clusters (see the module docstring)."""
     by_name = {c.name: c for c in spec.clusters}
     sites = facts.sites(spec)
-    gw = {c.name: sites[jobplan.site_key(c, c.gateway_host)] for c in spec.clusters}
+    gw = {c.name: sites[worlds.site_key(c, c.gateway_host)] for c in spec.clusters}
     notes = [f"{c.name}: its relay's node is known once the allocation runs: direct ways not "
              "tried" for c in spec.clusters if not _relay_checkable(c)]
     assert spec.relay is not None
@@ -165,9 +165,9 @@ def check_reach(facts: HostFacts, spec: JobSpec) -> ReachReport:
              for c in spec.clusters if _relay_checkable(c)}
     sshd: dict[str, tuple[str, int]] = {}
     for c in spec.clusters:
-        login = facts.transport(sites[jobplan.site_key(c, c.ssh_host)].conn).ssh_login()
+        login = facts.transport(sites[worlds.site_key(c, c.ssh_host)].conn).ssh_login()
         if login is not None:
-            sshd[c.name] = (c.relay_address or sites[jobplan.site_key(c, c.ssh_host)].address,
+            sshd[c.name] = (c.relay_address or sites[worlds.site_key(c, c.ssh_host)].address,
                             login[1])
     tries: list[tuple[str, ...]] = [("listen", name) for name in ports]
     for a, b in itertools.permutations(by_name, 2):

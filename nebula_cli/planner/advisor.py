@@ -32,7 +32,7 @@ from nebula_cli.planner.costmodel import PlanError
 
 BYTES_PER_PARAM = {"none": 4.0, "fp16": 2.0, "bf16": 2.0, "int8": 1.0 + 4.0 / 256}
 ACCURACY_ORDER = ("none", "fp16", "bf16", "int8")
-"""Most accurate first (relative error bounds of relay/codecs.py)."""
+"""Most accurate first (relative error bounds of relay/codecs/)."""
 DEFAULT_CODECS = ("none", "bf16", "fp16", "int8")
 DEFAULT_H = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000)
 ROUND_RTTS = 3

@@ -14,15 +14,15 @@ from typing import Any
 
 import torch
 
+from nebula_cli.config.relay_config import RelayConfig
 from nebula_cli.errors import NebulaError
-from nebula_cli.relay.config import RelayConfig
 
 log = logging.getLogger("nebula.relay")
 
 
 def main(argv: list[str] | None = None, prog: str = "python -m nebula_cli.relay") -> int:
     """Entry point: run a relay until SIGTERM/SIGINT; 0 on a clean stop, 2 on a bad config."""
-    from nebula_cli.relay.server import Relay
+    from nebula_cli.relay.process.server import Relay
 
     parser = argparse.ArgumentParser(prog=prog, description="nebula gradient relay of one cluster")
     parser.add_argument("--config", required=True, help="path of relay.json")

@@ -5,7 +5,7 @@ Three cadences (spec: ``relay.sync``):
 - every ``inner_steps`` optimizer steps (a fixed H);
 - ``inner_steps: auto``: H starts at ``min_inner_steps`` and each round's result says the H
   for the next round (chosen by the relays from what every cluster reported, the same for all
-  of them: `nebula_cli.relay.cadence`);
+  of them: `nebula_cli.relay.protocol.pacing`);
 - ``every: 60s``: after that much training time, however many steps it took (a faster cluster
   does more steps; the relays weight the average by the samples each cluster trained on).
   The cluster's rank 0 keeps the time and tells the other ranks by a one-value broadcast per

@@ -5,7 +5,7 @@ skipped round ids, and one whose peers had finished made its last round alone. A
 round (``OuterSync.finish``) a cluster's rank 0 asks its relay for the final state
 (``RelayClient.final_state``): the relay waits until every connected peer's workers have
 finished, then hands over the state of the cluster that finished last when it is not this
-cluster's own (see ``nebula_cli.relay.recovery``). Every rank of the cluster takes it (a
+cluster's own (see ``nebula_cli.relay.protocol.recovery``). Every rank of the cluster takes it (a
 broadcast), so that all workers of all clusters hold identical parameters at the end.
 """
 

@@ -14,7 +14,7 @@ from nebula_cli.runtime.outer import SyncError
 
 
 @dataclass
-class Outcome:
+class FlightEnd:
     """What the round in flight ended with (rank 0's result or error; None elsewhere)."""
 
     round_id: int
@@ -56,7 +56,7 @@ class InFlight:
         self._thread = threading.Thread(target=run, name=f"nebula-outer-{round_id}", daemon=True)
         self._thread.start()
 
-    def finish(self, wait: float) -> Outcome:
+    def finish(self, wait: float) -> FlightEnd:
         """Wait (up to ``wait`` s) for the round in flight; nothing is in flight afterwards."""
         if self.round_id is None:  # pragma: no cover - callers check
             raise SyncError("no outer round in flight")
@@ -67,7 +67,7 @@ class InFlight:
                 box["error"] = SyncError(f"outer round {round_id}: no result after {wait:.0f} s")
             self._thread = None
         arrived = box.get("arrived")
-        return Outcome(round_id, box["result"], box["error"],
+        return FlightEnd(round_id, box["result"], box["error"],
                        None if arrived is None or box["error"] else arrived - self._t0)
 
     def join(self, timeout: float) -> None:

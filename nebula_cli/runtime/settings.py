@@ -54,7 +54,7 @@ def relay_client(cfg: SyncConfig | None, shapes: list[torch.Size]) -> Any:
     if cfg is None:
         raise SyncError(f"no relay to average with: ${SYNC_CONFIG_ENV} is not set "
                         f"(run under `nebula launch` with a relay, or pass averager=)")
-    from nebula_cli.relay.client import RelayClient
+    from nebula_cli.relay.process.client import RelayClient
 
     return RelayClient(
         cfg.relay_addr, ca=cfg.tls.ca, cert=cfg.tls.cert, key=cfg.tls.key,

@@ -26,7 +26,7 @@ namespaces; "reno", loss-based like cubic, stands in for it (both gave the same 
 htb instead of a bare `tbf` so that every pair can have its own rate with three or more
 clusters. netem does not exist on this kernel: latency comes from `delayed_endpoint()` (a
 user-space delay proxy in the router, see delay_proxy.py; its traffic is shaped like the
-pair's) or from the relay's own shaping (nebula_cli/relay/shaping.py).
+pair's) or from the relay's own shaping (nebula_cli/relay/net/shaping.py).
 """
 
 from __future__ import annotations

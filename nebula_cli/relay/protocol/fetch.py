@@ -19,13 +19,13 @@ from typing import Any
 
 import torch
 
-from nebula_cli.relay.cadence import CODEC_CHARS
-from nebula_cli.relay.framing import tensor_frames
-from nebula_cli.relay.limits import MAX_REQUESTS_PER_LINK, Gate, Refusals
-from nebula_cli.relay.lineage import UNKNOWN
-from nebula_cli.relay.link import LinkDown, PeerLink
-from nebula_cli.relay.results import STATE_PARTS, Average, GlobalState
-from nebula_cli.relay.wire import Frame, FrameType, WireError
+from nebula_cli.relay.net.framing import tensor_frames
+from nebula_cli.relay.net.limits import MAX_REQUESTS_PER_LINK, Gate, Refusals
+from nebula_cli.relay.net.link import LinkDown, PeerLink
+from nebula_cli.relay.net.wire import Frame, FrameType, WireError
+from nebula_cli.relay.protocol.lineage import UNKNOWN
+from nebula_cli.relay.protocol.pacing import CODEC_CHARS
+from nebula_cli.relay.protocol.results import STATE_PARTS, Average, GlobalState
 
 log = logging.getLogger("nebula.relay")
 

@@ -1,6 +1,6 @@
 """What a relay's rounds take from its peers: round control (READY, START, BEHIND, ABORT),
 chunks, progress, links going up and down, and the coordinator's deadlines. Part of
-:class:`nebula_cli.relay.rounds.Rounds` (the attributes are set there).
+:class:`nebula_cli.relay.protocol.rounds.Rounds` (the attributes are set there).
 
 Round control for a round too far ahead of this relay and its peers is not acted on at once:
 after a resume every relay starts fresh (round -1) while the workers go on from their
@@ -16,23 +16,23 @@ import logging
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from nebula_cli.relay.agreement import BEHIND, Coordinator, Decision
-from nebula_cli.relay.allreduce import ExchangeError, RoundExchange
-from nebula_cli.relay.cadence import CODEC_CHARS, RoundInfo
-from nebula_cli.relay.codecs import Codec, CodecError, Encoded, chunk_spans
-from nebula_cli.relay.limits import (
+from nebula_cli.relay.codecs.dense import Codec, CodecError, Encoded, chunk_spans
+from nebula_cli.relay.net.limits import (
     MAX_OPEN_ROUNDS,
     MAX_ROUNDS_AHEAD,
     EarlyChunks,
     LimitExceeded,
     Refusals,
 )
-from nebula_cli.relay.lineage import UNKNOWN
-from nebula_cli.relay.recovery import Recovery
-from nebula_cli.relay.wire import Frame, FrameType
+from nebula_cli.relay.net.wire import Frame, FrameType
+from nebula_cli.relay.protocol.agreement import BEHIND, Coordinator, Decision
+from nebula_cli.relay.protocol.allreduce import ExchangeError, RoundExchange
+from nebula_cli.relay.protocol.lineage import UNKNOWN
+from nebula_cli.relay.protocol.pacing import CODEC_CHARS, RoundInfo
+from nebula_cli.relay.protocol.recovery import Recovery
 
 if TYPE_CHECKING:
-    from nebula_cli.relay.rounds import Net
+    from nebula_cli.relay.protocol.rounds import Net
 
 log = logging.getLogger("nebula.relay")
 

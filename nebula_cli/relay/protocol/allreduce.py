@@ -1,10 +1,10 @@
 """The averaging schedule of one round, independent of sockets and threads.
 
-A round is decided by a coordinator (:mod:`nebula_cli.relay.agreement`, run by the first cluster
-in the job's order that a relay can reach): the clusters whose contribution is ready (and
+A round is decided by a coordinator (:mod:`nebula_cli.relay.protocol.agreement`, run by the first
+cluster in the job's order that a relay can reach): the clusters whose contribution is ready (and
 finite) by the deadline are *present*, the others are *missing* (not ready), *rejected*
 (non-finite update, wrong size) or *diverged* (ready, but their global state is not the round's
-winning lineage: see :mod:`nebula_cli.relay.lineage`). Every relay then runs a
+winning lineage: see :mod:`nebula_cli.relay.protocol.lineage`). Every relay then runs a
 :class:`RoundExchange` over a :class:`Schedule`:
 
 - 1 present cluster ("alone"): the result is its own contribution as decoded from its encoding.
@@ -47,7 +47,7 @@ from typing import Any
 import torch
 
 from nebula_cli.errors import NebulaError
-from nebula_cli.relay.codec_base import all_finite
+from nebula_cli.relay.codecs.base import all_finite
 
 ALONE, DIRECT, SHARD = "alone", "direct", "shard"
 

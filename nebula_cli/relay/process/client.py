@@ -2,9 +2,9 @@
 
 Only the cluster's rank 0 talks to the relay: on the relay's own host through its Unix socket
 (``local``, from the plan: no TLS, the kernel tells the relay this process's uid, tensors in
-sealed shared memory: :mod:`nebula_cli.relay.local`), else, or when that socket is not there,
-with mutual TLS on its worker port. The hop carries raw fp32; the relay compresses for the WAN.
-Protocol (frames of :mod:`nebula_cli.relay.wire`)::
+sealed shared memory: :mod:`nebula_cli.relay.net.local_socket`), else, or when that socket is not
+there, with mutual TLS on its worker port. The hop carries raw fp32; the relay compresses for the
+WAN. Protocol (frames of :mod:`nebula_cli.relay.net.wire`)::
 
     HELLO {role: worker, cluster[, layout]}         -> WELCOME {cluster, codec, clusters}
     CONTRIB {op: allreduce, round, numel} + chunks  -> RESULT {round_id, present, ...} + chunks
@@ -13,7 +13,7 @@ Protocol (frames of :mod:`nebula_cli.relay.wire`)::
     STATE_REQUEST {op: fetch}                       -> STATE {op: state, round|null, numel} + chunks
     BYE
 
-Tensors travel as :mod:`nebula_cli.relay.framing` lays them out (a header frame, then chunks;
+Tensors travel as :mod:`nebula_cli.relay.net.framing` lays them out (a header frame, then chunks;
 on the Unix socket a header frame with a memfd).
 """
 
@@ -29,11 +29,11 @@ from typing import Any
 
 import torch
 
+from nebula_cli.config.relay_config import parse_addr
 from nebula_cli.errors import NebulaError
 from nebula_cli.pki import CertPair, PeerRejected, client_context, wrap_client
-from nebula_cli.relay import local as local_hop
-from nebula_cli.relay.config import parse_addr
-from nebula_cli.relay.framing import (
+from nebula_cli.relay.net import local_socket as local_hop
+from nebula_cli.relay.net.framing import (
     CHUNK_NUMEL,
     flat_fp32,
     recv_tensor,
@@ -41,7 +41,7 @@ from nebula_cli.relay.framing import (
     send_tensor,
     tensor_frames,
 )
-from nebula_cli.relay.wire import (
+from nebula_cli.relay.net.wire import (
     ConnectionClosed,
     Frame,
     FrameType,

@@ -2,7 +2,7 @@
 :class:`Net` it is handed (the relay's peer links, or an in-memory network in tests): this
 module opens no socket and starts no thread but the contribution's encoder.
 
-A round (see :mod:`nebula_cli.relay.allreduce` for the schedule):
+A round (see :mod:`nebula_cli.relay.protocol.allreduce` for the schedule):
 
 1. The worker's fp32 contribution for round ``r`` arrives (:meth:`Rounds.local_round`); the
    deadline is ``round_timeout`` from now. A non-finite contribution is rejected (never sent).
@@ -15,8 +15,8 @@ A round (see :mod:`nebula_cli.relay.allreduce` for the schedule):
    results are bit-identical on every relay.
 5. A cluster left out (late, or rejected) gets the round's average from a present peer; if
    nobody is present it gets zeros. A cluster whose global state diverged from the others'
-   (its READY carries its lineage, see :mod:`nebula_cli.relay.lineage`) takes a present
-   peer's published global state instead (:mod:`nebula_cli.relay.recovery`). If a present
+   (its READY carries its lineage, see :mod:`nebula_cli.relay.protocol.lineage`) takes a present
+   peer's published global state instead (:mod:`nebula_cli.relay.protocol.recovery`). If a present
    peer disappears mid-exchange, the survivors fetch the result from one that completed, else
    redo the round (at most MAX_ATTEMPTS, then a zero delta). With no peer reachable at all a
    cluster averages alone.
@@ -37,21 +37,27 @@ from typing import Any, Protocol
 
 import torch
 
-from nebula_cli.relay.agreement import BEHIND, Coordinator, Decision
-from nebula_cli.relay.allreduce import DIRECT, SHARD, ExchangeError, RoundExchange, Schedule
-from nebula_cli.relay.cadence import RoundInfo
-from nebula_cli.relay.codecs import Codec, Encoded, ErrorFeedback, chunk_spans
-from nebula_cli.relay.config import RelayConfig
-from nebula_cli.relay.contribution import OwnChunks, check_contribution, decode
-from nebula_cli.relay.limits import (
+from nebula_cli.config.relay_config import RelayConfig
+from nebula_cli.relay.codecs.contribution import OwnChunks, check_contribution, decode
+from nebula_cli.relay.codecs.dense import Codec, Encoded, ErrorFeedback, chunk_spans
+from nebula_cli.relay.net.limits import (
     EarlyChunks,
     Refusals,
     SyncSize,
 )
-from nebula_cli.relay.results import Average, GlobalState, Outcome
-from nebula_cli.relay.round_control import MAX_ATTEMPTS, RoundControl
-from nebula_cli.relay.round_state import EMPTY, EXCHANGE, RESYNC, after_decision
-from nebula_cli.relay.wire import Frame, FrameType
+from nebula_cli.relay.net.wire import Frame, FrameType
+from nebula_cli.relay.protocol.agreement import BEHIND, Coordinator, Decision
+from nebula_cli.relay.protocol.allreduce import (
+    DIRECT,
+    SHARD,
+    ExchangeError,
+    RoundExchange,
+    Schedule,
+)
+from nebula_cli.relay.protocol.pacing import RoundInfo
+from nebula_cli.relay.protocol.results import Average, GlobalState, RoundOutcome
+from nebula_cli.relay.protocol.round_control import MAX_ATTEMPTS, RoundControl
+from nebula_cli.relay.protocol.round_state import EMPTY, EXCHANGE, RESYNC, after_decision
 
 log = logging.getLogger("nebula.relay")
 
@@ -82,7 +88,7 @@ class Rounds(RoundControl):
     ``finished(request_round, outcome)`` runs after each round."""
 
     def __init__(self, cfg: RelayConfig, codecs: Mapping[str, Codec], net: Net, *,
-                 event: Callable[..., None], finished: Callable[[int, Outcome], None],
+                 event: Callable[..., None], finished: Callable[[int, RoundOutcome], None],
                  refusals: Refusals, clock: Callable[[], float] = time.monotonic,
                  empty: Callable[[int], torch.Tensor] | None = None) -> None:
         super().__init__()
@@ -119,7 +125,7 @@ class Rounds(RoundControl):
     # ------------------------------------------------------------------ the worker's round
 
     def local_round(self, round_id: int, x: torch.Tensor,
-                    info: RoundInfo | None = None) -> Outcome:
+                    info: RoundInfo | None = None) -> RoundOutcome:
         """Run (or, for a retried request, return again) round ``round_id`` for this cluster;
         ``info``: what the worker said of its round (relay.cadence). The first contribution
         registers the sync size if the worker did not."""
@@ -152,7 +158,7 @@ class Rounds(RoundControl):
             return out
 
     def _run_round(self, r: int, x: torch.Tensor, info: RoundInfo, codec: Codec,
-                   known: int) -> Outcome:
+                   known: int) -> RoundOutcome:
         """``known``: the round whose decision named ``codec`` (-1: none seen since start)."""
         numel = x.numel()
         reason = check_contribution(x, codec)
@@ -189,7 +195,7 @@ class Rounds(RoundControl):
                 if step == EMPTY:
                     self._event("round %d: this cluster was left out (%s) and nobody is "
                                 "present; zero update", r, why)
-                    return Outcome(torch.zeros(numel), [], r, list(d.rejected),
+                    return RoundOutcome(torch.zeros(numel), [], r, list(d.rejected),
                                    list(d.missing), mode="empty")
                 self._event("round %d: this cluster was left out (%s); fetching the average", r,
                             why)
@@ -200,7 +206,7 @@ class Rounds(RoundControl):
             assert own is not None
             ex = self._exchange(d, own, numel, codec)
             if ex.done:
-                return Outcome(ex.result, list(d.present), r, sorted(set(d.rejected) |
+                return RoundOutcome(ex.result, list(d.present), r, sorted(set(d.rejected) |
                                ex.dropped), list(d.missing), mode=ex.schedule.mode,
                                weights=dict(d.weights), next_h=d.next_h,
                                next_h_why=d.why, codec=codec.name, next_codec=d.next_codec,
@@ -215,7 +221,7 @@ class Rounds(RoundControl):
             attempt += 1
             if attempt >= MAX_ATTEMPTS:
                 self._event("round %d: giving up after %d attempts; zero update", r, attempt)
-                return Outcome(torch.zeros(numel), [], r, mode="failed")
+                return RoundOutcome(torch.zeros(numel), [], r, mode="failed")
             deadline = self.clock() + self.cfg.round_timeout
 
     def _agree(self, r: int, attempt: int, reason: str, numel: int, deadline: float,
@@ -316,7 +322,7 @@ class Rounds(RoundControl):
                         d.round, sorted(ex.dropped), ex.zeroed)
         return ex
 
-    def _finish_round(self, r: int, out: Outcome) -> None:
+    def _finish_round(self, r: int, out: RoundOutcome) -> None:
         self.record_lineage(out)
         with self.lock:
             self.done_round = max(self.done_round, out.round_id)

@@ -5,10 +5,10 @@ Who may connect. The socket file (``RelayConfig.worker_socket``, mode 0600) lies
 directory on the host (mode 0700), and the relay reads the connecting process's uid from the
 kernel (SO_PEERCRED) and refuses any other uid than its own before it reads a byte. On one host
 that is what mutual TLS proves across hosts (a process of the job's user, see
-:meth:`nebula_cli.relay.workers.WorkerPort.local_handshake`), without encrypting what never
-leaves the host's memory. Workers on another host keep mutual TLS on the worker port.
+:meth:`nebula_cli.relay.process.worker_port.WorkerPort.local_handshake`), without encrypting what
+never leaves the host's memory. Workers on another host keep mutual TLS on the worker port.
 
-Tensors. Frames are those of the TLS hop (:mod:`nebula_cli.relay.wire`); a tensor's header
+Tensors. Frames are those of the TLS hop (:mod:`nebula_cli.relay.net.wire`); a tensor's header
 frame carries one file descriptor (SCM_RIGHTS) instead of being followed by chunk frames: a
 memfd of exactly ``4 * numel`` bytes (fp32), sealed against shrinking and growing (F_SEAL_SHRINK,
 F_SEAL_GROW, F_SEAL_SEAL). The receiver checks the declared size against its cap first, then
@@ -50,8 +50,8 @@ from typing import Any
 import torch
 
 from nebula_cli.errors import NebulaError
-from nebula_cli.relay.buffers import POOLING
-from nebula_cli.relay.wire import WireError
+from nebula_cli.relay.net.buffers import POOLING
+from nebula_cli.relay.net.wire import WireError
 
 MAX_FDS = 2
 """File descriptors read with one message; more (or a second one pending) end the session."""
@@ -155,7 +155,7 @@ def peer_uid(sock: socket.socket) -> int:
 
 class LocalConn:
     """A connected Unix socket that carries frames and file descriptors: ``recv_into`` and
-    ``sendall`` as a socket's (what :mod:`nebula_cli.relay.wire` uses), ``send_with_fd`` to
+    ``sendall`` as a socket's (what :mod:`nebula_cli.relay.net.wire` uses), ``send_with_fd`` to
     attach one descriptor to a message, ``take_fd`` to claim the one that arrived. ``seals``:
     what a memfd from the other end must be sealed against (at least :data:`FIXED_SIZE`)."""
 
@@ -288,7 +288,7 @@ class SharedPool:
     longer maps). A token of another session or an earlier relay matches nothing; what a
     session was lent and did not release when it ended is never used again (:meth:`forget`).
     At most ``cap`` memfds are kept: beyond that the oldest is forgotten (it lives as long as
-    whoever maps it). Without a reliable reference count (:data:`~nebula_cli.relay.buffers.
+    whoever maps it). Without a reliable reference count (:data:`~nebula_cli.relay.net.buffers.
     POOLING`) every average gets a new memfd."""
 
     def __init__(self, cap: int = MAX_POOLED_RESULTS) -> None:

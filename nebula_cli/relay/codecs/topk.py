@@ -34,7 +34,7 @@ from typing import Any
 import torch
 
 from nebula_cli.config.relay_config import TOPK_BIT_CHOICES, TOPK_BITS, TOPK_DENSITY
-from nebula_cli.relay.codec_base import (
+from nebula_cli.relay.codecs.base import (
     Codec,
     CodecError,
     Encoded,

@@ -7,7 +7,7 @@ kernel's acknowledgements) rather than in the cipher (docs/benchmarks.md). Recor
 :data:`MAX_RECORD` bytes, encrypted and decrypted by ``cryptography``'s AES-GCM in one call each
 (the GIL released), cost a few calls per chunk instead of hundreds.
 
-How, step by step (:mod:`nebula_cli.relay.peers` drives it):
+How, step by step (:mod:`nebula_cli.relay.net.peers` drives it):
 
 1. The relays connect and authenticate each other exactly as before: TLS 1.3, certificates of
    the job's CA, HELLO and WELCOME checked.
@@ -38,7 +38,7 @@ from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from cryptography.hazmat.primitives.hashes import SHA256
 from cryptography.hazmat.primitives.kdf.hkdf import HKDFExpand
 
-from nebula_cli.relay.wire import ConnectionClosed, WireError
+from nebula_cli.relay.net.wire import ConnectionClosed, WireError
 
 CIPHER = "aes-256-gcm"
 """What a relay offers in its HELLO / WELCOME (the only record cipher there is)."""

@@ -14,7 +14,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable
 
-from nebula_cli.relay.config import ShapingConfig
+from nebula_cli.config.relay_config import ShapingConfig
 
 MIN_BURST = 64 * 1024
 """Smallest bucket (bytes): large enough to keep syscalls few, small enough to pace finely."""

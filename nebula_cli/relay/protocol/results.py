@@ -1,4 +1,4 @@
-"""What a round leaves behind, as named types: the :class:`Outcome` a worker gets, the
+"""What a round leaves behind, as named types: the :class:`RoundOutcome` a worker gets, the
 :class:`Average` a relay keeps (and serves to a peer that missed it), and the
 :class:`GlobalState` a worker published (served to a cluster that catches up)."""
 
@@ -10,7 +10,7 @@ import torch
 
 
 @dataclass
-class Outcome:
+class RoundOutcome:
     """What the relay tells its worker at the end of a round."""
 
     tensor: torch.Tensor

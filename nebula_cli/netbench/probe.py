@@ -1,8 +1,8 @@
 """The network probe that `nebula bench-network` runs on hosts: a server and a measurer.
 
-    python -m nebula_cli.relay.probe serve   --run RUN --certs DIR [--bind A] [--port P] ...
-    python -m nebula_cli.relay.probe measure --run RUN --certs DIR --host A --tls-port P ...
-    python -m nebula_cli.relay.probe stop    --run RUN
+    python -m nebula_cli.netbench.probe serve   --run RUN --certs DIR [--bind A] [--port P] ...
+    python -m nebula_cli.netbench.probe measure --run RUN --certs DIR --host A --tls-port P ...
+    python -m nebula_cli.netbench.probe stop    --run RUN
 
 `serve` listens on a TLS port (mutual TLS with the run's certificates, as the relay does),
 detaches (own session, stdio closed) and prints one JSON line ``{"pid", "tls_port"}``; it exits
@@ -30,7 +30,7 @@ On a connection: HELLO {op: echo|sink|source|report} -> WELCOME, then
 - report: STATE_REQUEST {tokens} -> RESULT {streams: [[bytes, first, last], ...]} once those
   sinks have ended (the control connection is not queued behind the data, as in iperf3).
 
-Only the standard library, nebula_cli.pki and nebula_cli.relay.wire: this runs wherever the
+Only the standard library, nebula_cli.pki and nebula_cli.relay.net.wire: this runs wherever the
 relay runs, without torch. DIR holds ca.pem, cert.pem and key.pem; RUN is the job id in them.
 """
 
@@ -54,7 +54,7 @@ from typing import Any
 
 from nebula_cli import pki
 from nebula_cli.errors import NebulaError
-from nebula_cli.relay.probe_client import (
+from nebula_cli.netbench.measure import (
     CHUNK,
     IO_TIMEOUT,
     MAX_DURATION,
@@ -63,7 +63,7 @@ from nebula_cli.relay.probe_client import (
     _contexts,
     measure,
 )
-from nebula_cli.relay.wire import (
+from nebula_cli.relay.net.wire import (
     ConnectionClosed,
     Frame,
     FrameType,
@@ -74,7 +74,7 @@ from nebula_cli.relay.wire import (
     tune_socket,
 )
 
-MODULE = "nebula_cli.relay.probe"
+MODULE = "nebula_cli.netbench.probe"
 REPORT_WAIT = 10.0  # how long the server waits for the sinks of a report to end
 MAX_PAYLOAD = 16 << 20
 PLAIN_HELLO_BYTES = 1024  # the most read from a plain connection before its ticket is checked

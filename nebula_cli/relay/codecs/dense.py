@@ -1,7 +1,7 @@
 """Codecs for the WAN hop: a flat fp32 tensor to a compact payload and back (hivemind style).
 
 A closed registry of five codecs, each named on the wire (``topk``, the sparse one, is described
-in :mod:`nebula_cli.relay.topk_codec`):
+in :mod:`nebula_cli.relay.codecs.topk`):
 
 ========  =====================================  ===============================================
 name      payload (little-endian)                error bound, per element
@@ -35,7 +35,7 @@ from typing import Any, ClassVar
 import torch
 
 from nebula_cli.config.relay_config import RelayConfig
-from nebula_cli.relay.codec_base import (
+from nebula_cli.relay.codecs.base import (
     Codec,
     CodecError,
     Encoded,
@@ -45,7 +45,7 @@ from nebula_cli.relay.codec_base import (
     is_int,
     prepare,
 )
-from nebula_cli.relay.topk_codec import DEFAULT_BITS, DEFAULT_DENSITY, TopKCodec
+from nebula_cli.relay.codecs.topk import DEFAULT_BITS, DEFAULT_DENSITY, TopKCodec
 
 DEFAULT_BLOCK_SIZE = 256
 MAX_BLOCK_SIZE = 1 << 20

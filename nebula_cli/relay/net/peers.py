@@ -9,8 +9,8 @@ end of their hello (MAX_HANDSHAKES_PER_ADDRESS from one address); further connec
 closed at once and logged. A link silent for `dead_after` seconds is closed.
 
 The HELLO and the WELCOME each offer a key for the AES-GCM records the link then uses instead
-of TLS (:mod:`nebula_cli.relay.records`); when both offered one, both ends close TLS and go on
-with records on the same connection, else the link stays on TLS.
+of TLS (:mod:`nebula_cli.relay.net.gcm_records`); when both offered one, both ends close TLS and go
+on with records on the same connection, else the link stays on TLS.
 """
 
 from __future__ import annotations
@@ -25,20 +25,20 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from nebula_cli.config.relay_config import RelayConfig, parse_addr
 from nebula_cli.errors import NebulaError
 from nebula_cli.pki import PeerRejected, wrap_client, wrap_server
-from nebula_cli.relay import records
-from nebula_cli.relay.config import RelayConfig, parse_addr
-from nebula_cli.relay.framing import send_frames
-from nebula_cli.relay.limits import (
+from nebula_cli.relay.net import gcm_records as records
+from nebula_cli.relay.net.framing import send_frames
+from nebula_cli.relay.net.limits import (
     HANDSHAKE_TIMEOUT,
     MAX_HANDSHAKES,
     MAX_HANDSHAKES_PER_ADDRESS,
     Gate,
     Refusals,
 )
-from nebula_cli.relay.link import LinkConn, LinkDown, PeerLink, peer_addr, refuse
-from nebula_cli.relay.wire import Frame, FrameType, WireError, recv_frame, tune_socket
+from nebula_cli.relay.net.link import LinkConn, LinkDown, PeerLink, peer_addr, refuse
+from nebula_cli.relay.net.wire import Frame, FrameType, WireError, recv_frame, tune_socket
 
 log = logging.getLogger("nebula.relay")
 

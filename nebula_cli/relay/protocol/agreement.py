@@ -2,9 +2,9 @@
 
 The coordinator of a round is the first cluster in the job's order among a relay and its
 connected peers. :class:`Coordinator` collects the READYs of a round (each with the cluster's
-lineage and its :class:`~nebula_cli.relay.cadence.RoundInfo`) and decides a :class:`Decision`
-as soon as every cluster still reachable is ready, or ``round_timeout`` after the first READY:
-who is present, missing, rejected or diverged, the weights of the average, with
+lineage and its :class:`~nebula_cli.relay.protocol.pacing.RoundInfo`) and decides a
+:class:`Decision` as soon as every cluster still reachable is ready, or ``round_timeout`` after the
+first READY: who is present, missing, rejected or diverged, the weights of the average, with
 ``inner_steps: auto`` the next round's H, and with ``compression: auto`` the round's codec (the
 one named by the newest decision any READY knows; a cluster that encoded with another, e.g.
 after its relay restarted, is rejected and fetches the average) and the next round's
@@ -22,16 +22,16 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from nebula_cli.config.relay_config import AutoCodec, AutoSteps
-from nebula_cli.relay.allreduce import ExchangeError
-from nebula_cli.relay.cadence import (
+from nebula_cli.relay.codecs.choice import CodecCosts, choose_codec
+from nebula_cli.relay.protocol.allreduce import ExchangeError
+from nebula_cli.relay.protocol.lineage import GENESIS, diverged
+from nebula_cli.relay.protocol.pacing import (
     CODEC_CHARS,
     RoundInfo,
     choose_inner_steps,
     choose_merge_steps,
     round_weights,
 )
-from nebula_cli.relay.codec_choice import CodecCosts, choose_codec
-from nebula_cli.relay.lineage import GENESIS, diverged
 
 log = logging.getLogger("nebula.relay")
 

@@ -17,7 +17,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from nebula_cli.relay.results import Outcome
+from nebula_cli.relay.protocol.results import RoundOutcome
 
 log = logging.getLogger("nebula.relay")
 
@@ -67,7 +67,7 @@ class Status:
         log.warning(msg, *args)
         self.touch()
 
-    def record_round(self, r: int, out: Outcome, clusters: int, wan: tuple[int, int]) -> None:
+    def record_round(self, r: int, out: RoundOutcome, clusters: int, wan: tuple[int, int]) -> None:
         sent, recv = wan
         with self._cv:
             self.stats["rounds"] += 1

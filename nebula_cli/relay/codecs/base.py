@@ -1,7 +1,7 @@
 """What every WAN codec shares: the encoded form (:class:`Encoded`), the interface
 (:class:`Codec`), its error (:class:`CodecError`) and the helpers codecs build on (input checks,
-zero-copy views of a payload). The codecs themselves are in :mod:`nebula_cli.relay.codecs`
-(dense) and :mod:`nebula_cli.relay.topk_codec` (sparse)."""
+zero-copy views of a payload). The codecs themselves are in :mod:`nebula_cli.relay.codecs.dense`
+(dense) and :mod:`nebula_cli.relay.codecs.topk` (sparse)."""
 
 from __future__ import annotations
 

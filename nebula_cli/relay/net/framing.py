@@ -1,9 +1,9 @@
 """Tensors on a connection: the framing both ends of the worker hop (and the relay's peer
-fetches) use, on top of :mod:`nebula_cli.relay.wire`.
+fetches) use, on top of :mod:`nebula_cli.relay.net.wire`.
 
 A tensor travels as a header frame (meta with ``numel``, no payload) and then frames of the
 same type with meta ``{"lo": offset}`` and up to ``CHUNK_NUMEL`` fp32 elements each, in order.
-On the relay's own host (a :class:`~nebula_cli.relay.local.LocalConn`) the header frame
+On the relay's own host (a :class:`~nebula_cli.relay.net.local_socket.LocalConn`) the header frame
 carries a sealed memfd with the tensor's bytes instead, and no chunk frame follows
 (:func:`send_tensor` and :func:`recv_tensor` choose by the connection). The receiver states the
 largest tensor it accepts (``max_numel``) before anything is allocated or mapped.
@@ -19,8 +19,8 @@ from typing import Any
 
 import torch
 
-from nebula_cli.relay.local import LocalConn, from_memfd, to_memfd
-from nebula_cli.relay.wire import (
+from nebula_cli.relay.net.local_socket import LocalConn, from_memfd, to_memfd
+from nebula_cli.relay.net.wire import (
     HEADER_SIZE,
     Frame,
     FrameType,

@@ -1,7 +1,7 @@
-"""The worker port: this cluster's rank 0 (a :class:`nebula_cli.relay.client.RelayClient`)
+"""The worker port: this cluster's rank 0 (a :class:`nebula_cli.relay.process.client.RelayClient`)
 connects with a worker certificate of this job and cluster and asks for rounds; on the relay's
 own host it connects to the relay's Unix socket instead (no TLS: the kernel says its uid, which
-must be the relay's; tensors travel as sealed memfds, :mod:`nebula_cli.relay.local`).
+must be the relay's; tensors travel as sealed memfds, :mod:`nebula_cli.relay.net.local_socket`).
 
     HELLO {role: worker, cluster[, layout]}         -> WELCOME {cluster, codec, clusters, ...}
     CONTRIB {op: allreduce, round, numel[, info]}   -> RESULT {round_id, present, weights,
@@ -42,9 +42,8 @@ from typing import Any
 import torch
 
 from nebula_cli.pki import PeerRejected, wrap_server
-from nebula_cli.relay.cadence import RoundInfo
-from nebula_cli.relay.framing import check_numel, recv_tensor, send_frames, send_tensor
-from nebula_cli.relay.limits import (
+from nebula_cli.relay.net.framing import check_numel, recv_tensor, send_frames, send_tensor
+from nebula_cli.relay.net.limits import (
     HANDSHAKE_TIMEOUT,
     MAX_SYNC_NUMEL,
     MAX_WORKER_CONNECTIONS,
@@ -54,10 +53,17 @@ from nebula_cli.relay.limits import (
     Refusals,
     SyncSize,
 )
-from nebula_cli.relay.local import FIXED_SIZE, LocalConn, SharedMemoryError, SharedPool, peer_uid
-from nebula_cli.relay.results import STATE_PARTS, GlobalState
-from nebula_cli.relay.rounds import Rounds
-from nebula_cli.relay.wire import ConnectionClosed, Frame, FrameType, WireError, recv_frame
+from nebula_cli.relay.net.local_socket import (
+    FIXED_SIZE,
+    LocalConn,
+    SharedMemoryError,
+    SharedPool,
+    peer_uid,
+)
+from nebula_cli.relay.net.wire import ConnectionClosed, Frame, FrameType, WireError, recv_frame
+from nebula_cli.relay.protocol.pacing import RoundInfo
+from nebula_cli.relay.protocol.results import STATE_PARTS, GlobalState
+from nebula_cli.relay.protocol.rounds import Rounds
 
 log = logging.getLogger("nebula.relay")
 

@@ -1,6 +1,6 @@
 """``compression: auto``: which codec the next round uses, decided by the round's coordinator
-from what the READYs carried (:class:`~nebula_cli.relay.cadence.RoundInfo`). Pure functions of
-those measurements and of :class:`CodecCosts`, the little the coordinator remembers between
+from what the READYs carried (:class:`~nebula_cli.relay.protocol.pacing.RoundInfo`). Pure functions
+of those measurements and of :class:`CodecCosts`, the little the coordinator remembers between
 rounds; unit-tested with made-up figures.
 
 The rule (the Nebula-I paper's "adaptive communication acceleration", made explicit):
@@ -8,8 +8,8 @@ The rule (the Nebula-I paper's "adaptive communication acceleration", made expli
 link allows.** For each candidate codec (``AutoCodec.codecs``, the most faithful first: int8,
 then topk) the coordinator predicts its round cost ``c_x`` and the number of steps that must
 pass between rounds for the clusters to spend ``u`` of their time training
-(:func:`~nebula_cli.relay.cadence.steps_wanted`: ``u / (1 - u) * c_x / t``, or ``c_x / (u t)``
-with overlap; ``t`` the slowest cluster's step time).
+(:func:`~nebula_cli.relay.protocol.pacing.steps_wanted`: ``u / (1 - u) * c_x / t``, or ``c_x / (u
+t)`` with overlap; ``t`` the slowest cluster's step time).
 
 - With ``inner_steps: auto`` each codec gets the H it needs (clamped to min/max_inner_steps);
   the chosen codec is the most faithful one whose H is at most :data:`SLACK` times the
@@ -33,7 +33,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from nebula_cli.config.relay_config import AutoCodec, AutoSteps
-from nebula_cli.relay.cadence import RoundInfo, steps_wanted
+from nebula_cli.relay.protocol.pacing import RoundInfo, steps_wanted
 
 SLACK = 2.0
 """With ``inner_steps: auto``, a more faithful codec is chosen while it needs at most this

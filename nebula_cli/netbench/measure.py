@@ -1,4 +1,4 @@
-"""The measuring side of bench-network's probe (`python -m nebula_cli.relay.probe measure`), and
+"""The measuring side of bench-network's probe (`python -m nebula_cli.netbench.probe measure`), and
 what both sides share: the run's TLS contexts, socket tuning, frame sizes.
 
 `measure` dials a server: round trips of small frames (latency), then ``--streams`` connections
@@ -30,7 +30,7 @@ from typing import Any
 
 from nebula_cli import pki
 from nebula_cli.errors import NebulaError
-from nebula_cli.relay.wire import Frame, FrameType, recv_frame, send_frame, tune_socket
+from nebula_cli.relay.net.wire import Frame, FrameType, recv_frame, send_frame, tune_socket
 
 ROLES = {"relay", "worker"}
 CHUNK = 256 * 1024  # payload bytes per frame in throughput tests

@@ -1,8 +1,8 @@
 """How a relay gets a round's result when it could not compute it with its peers: fetch the
 average from a peer that completed the round, catch up from a peer's published global state
-when it is behind or its state diverged (see :mod:`nebula_cli.relay.lineage`), or average alone
-when nobody can be reached. Part of :class:`nebula_cli.relay.rounds.Rounds`; it talks to peers
-only through the round driver's :class:`~nebula_cli.relay.rounds.Net`."""
+when it is behind or its state diverged (see :mod:`nebula_cli.relay.protocol.lineage`), or average
+alone when nobody can be reached. Part of :class:`nebula_cli.relay.protocol.rounds.Rounds`; it
+talks to peers only through the round driver's :class:`~nebula_cli.relay.protocol.rounds.Net`."""
 
 from __future__ import annotations
 
@@ -12,14 +12,14 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from nebula_cli.relay.codecs import Codec
-from nebula_cli.relay.config import RelayConfig
-from nebula_cli.relay.contribution import decode
-from nebula_cli.relay.results import Average, GlobalState, Outcome
-from nebula_cli.relay.round_state import RoundState
+from nebula_cli.config.relay_config import RelayConfig
+from nebula_cli.relay.codecs.contribution import decode
+from nebula_cli.relay.codecs.dense import Codec
+from nebula_cli.relay.protocol.results import Average, GlobalState, RoundOutcome
+from nebula_cli.relay.protocol.round_state import RoundState
 
 if TYPE_CHECKING:
-    from nebula_cli.relay.rounds import Net
+    from nebula_cli.relay.protocol.rounds import Net
 
 log = logging.getLogger("nebula.relay")
 
@@ -41,7 +41,7 @@ class Recovery(RoundState):
         raise NotImplementedError
 
     def _recover(self, r: int, candidates: list[str], numel: int,
-                 wait: float | None = None) -> Outcome | None:
+                 wait: float | None = None) -> RoundOutcome | None:
         """Fetch round ``r``'s average from a peer that completed it. ``wait``: how long a
         peer still agreeing or exchanging that round may take to answer (default: as long as
         the peer allows; short after a failed exchange, when a peer that never saw the
@@ -59,17 +59,17 @@ class Recovery(RoundState):
             missing = sorted(set(self.cfg.clusters) - set(got.present) - set(got.rejected))
             with self.lock:
                 self.average = Average(r, got.present, got.rejected, got.tensor, got.codec)
-            return Outcome(got.tensor, got.present, r, got.rejected, missing, mode="fetched",
+            return RoundOutcome(got.tensor, got.present, r, got.rejected, missing, mode="fetched",
                            codec=got.codec)
         return None
 
-    def _catch_up(self, r: int, numel: int, why: str) -> Outcome:
+    def _catch_up(self, r: int, numel: int, why: str) -> RoundOutcome:
         """This cluster is behind: a peer's round-r average if one has it, else a global state."""
         self._event("round %d: this cluster is behind (%s); catching up", r, why)
         with self.lock:
             avg = self.average
         if avg is not None and avg.round_id == r:
-            return Outcome(avg.tensor, avg.present, r, avg.rejected, mode="cached",
+            return RoundOutcome(avg.tensor, avg.present, r, avg.rejected, mode="cached",
                            codec=avg.codec)
         got = self._recover(r, self.net.holders(r), numel)
         if got is not None:
@@ -85,12 +85,12 @@ class Recovery(RoundState):
                 best = st
         if best is None:
             self._event("round %d: no global state available to catch up from; zero update", r)
-            return Outcome(torch.zeros(numel), [], r, mode="failed")
+            return RoundOutcome(torch.zeros(numel), [], r, mode="failed")
         log.info("round %d: caught up to round %d from a published global state", r,
                  best.round_id)
         return self._taken(best, numel, "catch-up")
 
-    def _resync(self, r: int, present: list[str], numel: int) -> Outcome:
+    def _resync(self, r: int, present: list[str], numel: int) -> RoundOutcome:
         """This cluster's global state diverged from the round's winning lineage: take the
         state a present peer publishes after round ``r``."""
         self._event("round %d: this cluster's global state differs from that of %s; taking "
@@ -101,7 +101,7 @@ class Recovery(RoundState):
             if st is not None and st.round_id >= r:
                 return self._taken(st, numel, "resync")
         self._event("round %d: no present peer handed over its global state; zero update", r)
-        return Outcome(torch.zeros(numel), [], r, mode="failed")
+        return RoundOutcome(torch.zeros(numel), [], r, mode="failed")
 
     def _fetch_state(self, cluster: str, min_round: int) -> GlobalState | None:
         st = self.net.fetch(cluster, {"op": "state", "min_round": min_round,
@@ -160,18 +160,18 @@ class Recovery(RoundState):
         return st
 
     @staticmethod
-    def _taken(st: GlobalState, numel: int, mode: str) -> Outcome:
-        return Outcome(torch.zeros(numel), [], st.round_id, global_state=st.tensor, mode=mode,
+    def _taken(st: GlobalState, numel: int, mode: str) -> RoundOutcome:
+        return RoundOutcome(torch.zeros(numel), [], st.round_id, global_state=st.tensor, mode=mode,
                        lineage=st.lineage)
 
-    def _alone(self, r: int, x: torch.Tensor | None, numel: int, codec: Codec) -> Outcome:
+    def _alone(self, r: int, x: torch.Tensor | None, numel: int, codec: Codec) -> RoundOutcome:
         others = [c for c in self.cfg.clusters if c != self.me]
         if x is None:
-            return Outcome(torch.zeros(numel), [], r, [self.me], others, mode="alone")
+            return RoundOutcome(torch.zeros(numel), [], r, [self.me], others, mode="alone")
         avg = decode(codec, codec.encode(x))
         with self.lock:
             self.average = Average(r, [self.me], [], avg, codec.name)
-        return Outcome(avg, [self.me], r, [], others, mode="alone", codec=codec.name)
+        return RoundOutcome(avg, [self.me], r, [], others, mode="alone", codec=codec.name)
 
 
 __all__ = ["Recovery"]

@@ -1,17 +1,17 @@
 """The relay process of one cluster: :class:`Relay` builds its parts and wires them.
 
-- :mod:`~nebula_cli.relay.peers`: listening, dialing, hello, the table of live links;
-- :mod:`~nebula_cli.relay.link`: one peer link (duplex TLS, frame I/O, heartbeats);
-- :mod:`~nebula_cli.relay.rounds`: the round driver (agreement, exchange, catch-up), which
+- :mod:`~nebula_cli.relay.net.peers`: listening, dialing, hello, the table of live links;
+- :mod:`~nebula_cli.relay.net.link`: one peer link (duplex TLS, frame I/O, heartbeats);
+- :mod:`~nebula_cli.relay.protocol.rounds`: the round driver (agreement, exchange, catch-up), which
   only sees the network through a small interface and opens no socket;
-- :mod:`~nebula_cli.relay.fetch`: catch-up transfers (a round's average, a global state);
-- :mod:`~nebula_cli.relay.workers`: the worker port (mutual TLS), and the Unix socket for
-  workers on this host (:mod:`~nebula_cli.relay.local`: uid checked, tensors in sealed shared
-  memory);
-- :mod:`~nebula_cli.relay.status`: the status file and metrics lines (one writer thread);
-- :mod:`~nebula_cli.relay.limits`: every cap on what peers and workers can make it hold.
+- :mod:`~nebula_cli.relay.protocol.fetch`: catch-up transfers (a round's average, a global state);
+- :mod:`~nebula_cli.relay.process.worker_port`: the worker port (mutual TLS), and the Unix socket
+  for workers on this host (:mod:`~nebula_cli.relay.net.local_socket`: uid checked, tensors in
+  sealed shared memory);
+- :mod:`~nebula_cli.relay.process.status`: the status file and metrics lines (one writer thread);
+- :mod:`~nebula_cli.relay.net.limits`: every cap on what peers and workers can make it hold.
 
-Frames on a peer link (:mod:`nebula_cli.relay.wire`):
+Frames on a peer link (:mod:`nebula_cli.relay.net.wire`):
 
 - HELLO / WELCOME: cluster, job, protocol, codec, block_size, chunk_numel (must match),
   progress {done, state_round, result_round, sync (the size this relay syncs, or null)}.
@@ -22,8 +22,8 @@ Frames on a peer link (:mod:`nebula_cli.relay.wire`):
   STATE frames (a header, then fp32 chunks {req, lo}).
 - ERROR (refusal, then close), BYE (orderly close).
 
-``python -m nebula_cli.relay --config relay.json`` (or ``python -m nebula_cli.relay.server``)
-runs a relay until SIGTERM (exit 0).
+``python -m nebula_cli.relay --config relay.json`` (or ``python -m
+nebula_cli.relay.process.server``) runs a relay until SIGTERM (exit 0).
 """
 
 from __future__ import annotations
@@ -35,19 +35,19 @@ import threading
 from pathlib import Path
 from typing import Any
 
+from nebula_cli.config.relay_config import RelayConfig
 from nebula_cli.pki import CertPair, client_context, server_context
-from nebula_cli.relay import local
-from nebula_cli.relay.codecs import relay_codecs
-from nebula_cli.relay.config import RelayConfig
-from nebula_cli.relay.fetch import Fetcher
-from nebula_cli.relay.limits import Refusals, chunk_payload_cap
-from nebula_cli.relay.link import PeerLink
-from nebula_cli.relay.peers import PROTOCOL, Listener, Peers
-from nebula_cli.relay.results import Average, GlobalState, Outcome
-from nebula_cli.relay.rounds import Rounds
-from nebula_cli.relay.status import Status
-from nebula_cli.relay.wire import Frame, FrameType, WireError
-from nebula_cli.relay.workers import WorkerPort
+from nebula_cli.relay.codecs.dense import relay_codecs
+from nebula_cli.relay.net import local_socket as local
+from nebula_cli.relay.net.limits import Refusals, chunk_payload_cap
+from nebula_cli.relay.net.link import PeerLink
+from nebula_cli.relay.net.peers import PROTOCOL, Listener, Peers
+from nebula_cli.relay.net.wire import Frame, FrameType, WireError
+from nebula_cli.relay.process.status import Status
+from nebula_cli.relay.process.worker_port import WorkerPort
+from nebula_cli.relay.protocol.fetch import Fetcher
+from nebula_cli.relay.protocol.results import Average, GlobalState, RoundOutcome
+from nebula_cli.relay.protocol.rounds import Rounds
 
 __all__ = ["PROTOCOL", "Relay", "main"]
 
@@ -262,7 +262,7 @@ class Relay:
     def _broadcast_progress(self) -> None:
         self.peers.broadcast(Frame(FrameType.HEARTBEAT, self._progress()))
 
-    def _finished(self, r: int, out: Outcome) -> None:
+    def _finished(self, r: int, out: RoundOutcome) -> None:
         self._broadcast_progress()
         self.status.record_round(r, out, len(self.cfg.clusters), self.peers.wan_bytes())
 
@@ -306,10 +306,10 @@ class Relay:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m nebula_cli.relay.server``: the same as ``python -m nebula_cli.relay``."""
+    """``python -m nebula_cli.relay.process.server``: the same as ``python -m nebula_cli.relay``."""
     from nebula_cli.relay.__main__ import main as run
 
-    return run(argv, prog="python -m nebula_cli.relay.server")
+    return run(argv, prog="python -m nebula_cli.relay.process.server")
 
 
 if __name__ == "__main__":

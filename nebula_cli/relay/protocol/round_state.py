@@ -1,6 +1,6 @@
 """What a relay holds between rounds, and the pure decisions the round driver takes on it.
 
-:class:`RoundState` is the data of :class:`nebula_cli.relay.rounds.Rounds` (one lock, one
+:class:`RoundState` is the data of :class:`nebula_cli.relay.protocol.rounds.Rounds` (one lock, one
 condition): the newest round done, the last average and the published global state (what
 peers may fetch), decisions and exchanges in flight. Its answers to peers' requests wait on
 that condition and never touch the network.
@@ -14,11 +14,11 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from nebula_cli.relay.agreement import Decision
-from nebula_cli.relay.allreduce import RoundExchange
-from nebula_cli.relay.limits import LimitExceeded, SyncSize
-from nebula_cli.relay.lineage import UNKNOWN, advance, initial
-from nebula_cli.relay.results import Average, GlobalState, Outcome
+from nebula_cli.relay.net.limits import LimitExceeded, SyncSize
+from nebula_cli.relay.protocol.agreement import Decision
+from nebula_cli.relay.protocol.allreduce import RoundExchange
+from nebula_cli.relay.protocol.lineage import UNKNOWN, advance, initial
+from nebula_cli.relay.protocol.results import Average, GlobalState, RoundOutcome
 
 log = logging.getLogger("nebula.relay")
 
@@ -49,7 +49,7 @@ class RoundState:
         self.behind_rounds: set[int] = set()
         self.exchanges: dict[tuple[int, int, str], RoundExchange] = {}
         self.phase: dict[int, str] = {}  # round -> agreeing | exchanging | recovering | done
-        self.outcomes: dict[int, Outcome] = {}
+        self.outcomes: dict[int, RoundOutcome] = {}
         self.done_round = -1
         self.average: Average | None = None
         self.state: GlobalState | None = None
@@ -103,7 +103,7 @@ class RoundState:
                 self.lineage = initial(round_id)
             return self.lineage
 
-    def record_lineage(self, out: Outcome) -> str:
+    def record_lineage(self, out: RoundOutcome) -> str:
         """Advance the lineage by what round ``out.round_id`` applied (nothing: unchanged)."""
         with self.lock:
             prev = self.lineage or initial(out.round_id)

@@ -2,7 +2,7 @@
 sender thread and a receiver thread, frame I/O and liveness.
 
 The connection is AES-GCM records keyed inside the link's TLS handshake
-(:class:`~nebula_cli.relay.records.RecordConn`: each thread has its own direction), or TLS
+(:class:`~nebula_cli.relay.net.gcm_records.RecordConn`: each thread has its own direction), or TLS
 itself when the peer did not offer records; then both threads use the socket through
 :class:`DuplexTLS`, which serialises their OpenSSL calls (two threads may not be inside
 SSL_read and SSL_write at once) and waits outside its lock.
@@ -22,15 +22,15 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any
 
+from nebula_cli.config.relay_config import ShapingConfig
 from nebula_cli.errors import NebulaError
-from nebula_cli.relay.buffers import BufferPool
-from nebula_cli.relay.codecs import CodecError
-from nebula_cli.relay.config import ShapingConfig
-from nebula_cli.relay.duplex import DuplexTLS
-from nebula_cli.relay.framing import send_frames
-from nebula_cli.relay.records import RecordConn
-from nebula_cli.relay.shaping import Shaper
-from nebula_cli.relay.wire import (
+from nebula_cli.relay.codecs.dense import CodecError
+from nebula_cli.relay.net.buffers import BufferPool
+from nebula_cli.relay.net.duplex import DuplexTLS
+from nebula_cli.relay.net.framing import send_frames
+from nebula_cli.relay.net.gcm_records import RecordConn
+from nebula_cli.relay.net.shaping import Shaper
+from nebula_cli.relay.net.wire import (
     HEADER_SIZE,
     ConnectionClosed,
     Frame,

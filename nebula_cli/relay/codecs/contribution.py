@@ -11,9 +11,9 @@ from typing import Any
 
 import torch
 
-from nebula_cli.relay.allreduce import ExchangeError
-from nebula_cli.relay.codec_base import all_finite, extremes
-from nebula_cli.relay.codecs import Codec, CodecError, Encoded, ErrorFeedback, iter_chunks
+from nebula_cli.relay.codecs.base import all_finite, extremes
+from nebula_cli.relay.codecs.dense import Codec, CodecError, Encoded, ErrorFeedback, iter_chunks
+from nebula_cli.relay.protocol.allreduce import ExchangeError
 
 
 def check_contribution(x: torch.Tensor, codec: Codec) -> str:

@@ -18,6 +18,8 @@ from pathlib import Path
 import pytest
 from conftest import CLI, wait_for, write_spec
 
+from nebula_cli.cli.palette import cluster_colours
+
 LOSS_SCALE = {"east": 8.0, "west": 12.0}  # apart, so neither line hides the other
 LOGGED = """
 name: reported
@@ -176,7 +178,8 @@ def test_the_page_renders_in_headless_chromium_and_the_png_is_the_figure(
     png = tmp_path / "report.png"
     cli("report", job_id, "--output", str(png), check=True)
     figure = image.imread(str(png))
-    assert figure.shape[:2] == (1100, 1200) and figure.std() > 0.05  # 12 x 11 in, 100 dpi
+    # four panels (train loss by step and time, eval loss, samples/s), two a row: 12 x 7.2 in
+    assert figure.shape[:2] == (720, 1200) and figure.std() > 0.05  # at 100 dpi
     bad = cli("report", job_id, "--output", str(tmp_path / "report.txt"))
     assert bad.returncode == 2 and "written as .html or .png (found .txt)" in bad.stderr
     if browser is None:
@@ -189,6 +192,7 @@ def test_the_page_renders_in_headless_chromium_and_the_png_is_the_figure(
     pixels = image.imread(str(shot))[:, :, :3]
     assert pixels.shape[:2] == (1000, 1200)
     assert pixels.std() > 0.05 and (pixels < 0.9).any(axis=2).mean() > 0.02  # not blank
-    for rgb in ((0x1F, 0x77, 0xB4), (0xFF, 0x7F, 0x0E)):  # east's and west's lines drawn
+    for colour in cluster_colours(["east", "west"]).values():  # both lines, live-view hues
+        rgb = tuple(int(colour.page[i:i + 2], 16) for i in (1, 3, 5))
         near = (abs(pixels * 255 - rgb) < 30).all(axis=2).sum()
         assert near > 200, (rgb, near)

@@ -59,6 +59,7 @@ from nebula_cli.planner import (
 app = typer.Typer(
     help="Train one model on several GPU clusters joined by slow wide-area links.",
     no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False,
+    rich_markup_mode="markdown",  # docstrings' single line breaks reflow at any width
 )
 out = Console(highlight=False)
 err = Console(stderr=True, highlight=False, soft_wrap=True)
@@ -288,15 +289,19 @@ def report(
     job_ref: Annotated[str, typer.Argument(metavar="JOB", help="Job id, prefix or name.")],
     output: Annotated[Path | None, typer.Option(
         help="report.html (one self-contained page) or report.png. Default: "
-             "$NEBULA_HOME/jobs/<id>/report.html.")] = None,
+             "`$NEBULA_HOME/jobs/<id>/report.html`.")] = None,
 ) -> None:
-    """The job's metrics as one HTML page or PNG (loss by step and wall time, samples/s, round
-    time, WAN bytes; restarts and missed rounds marked) and TensorBoard runs in
-    $NEBULA_HOME/jobs/<id>/tb."""
+    """The job's metrics as one HTML page or PNG, and its TensorBoard runs.
+
+    Loss by step and wall time, the throughput the job logged, round time, WAN bytes per round
+    and the clusters present; restarts and missed rounds marked; the TensorBoard runs in
+    `$NEBULA_HOME/jobs/<id>/tb`."""
     with _store() as store, Orchestrator(store) as orch:
         made = make_report(orch, store.get_job(job_ref).id, output)
     for warning in made.warnings:
         err.print(f"[yellow]warning:[/] {escape(warning)}")
+    for note in made.notes:
+        err.print(f"note: {escape(note)}")
     if made.page is None and made.tensorboard is None:
         raise typer.Exit(EXIT_FAILED)
     tb = f"tensorboard --logdir {made.tensorboard}" if made.tensorboard else "none"

@@ -29,6 +29,8 @@ class Report:
     tensorboard: Path | None = None
     """The job's TensorBoard runs (None: none there, tensorboard missing)."""
     warnings: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    """What the PNG left out and why (the HTML page says it in a table of its own)."""
 
 
 def output_format(path: Path) -> str:
@@ -50,11 +52,14 @@ def make_report(ops: JobOps, job_id: str, output: Path | None) -> Report:
                       for where, why in found.unreachable.items()]
     if not found.workers():
         raise NebulaError(f"no metrics recorded yet for {job_id}")
+    order = ops.store.get_job(job_id).clusters  # the live view's order, and so its colours
     try:
         if kind == "png":
-            page.write_bytes(figure_png(found.records, DPI["png"]))
+            png, omitted = figure_png(found.records, DPI["png"], order)
+            page.write_bytes(png)
+            made.notes += [f"panel '{o.title}' left out: {o.reason}" for o in omitted]
         else:
-            page.write_text(html_page(found.records, job_id))
+            page.write_text(html_page(found.records, job_id, order))
         made.page = page
     except ImportError as exc:
         made.warnings.append(f"no {kind.upper()} report: {exc}; {EXTRA}")

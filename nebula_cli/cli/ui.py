@@ -21,6 +21,7 @@ from rich.progress import (
 from rich.table import Table
 from rich.text import Text
 
+from nebula_cli.cli.palette import cluster_colours
 from nebula_cli.config.spec import JobSpec
 from nebula_cli.control.follow import LogLine, finite
 from nebula_cli.control.hostcheck import HostCheck
@@ -28,7 +29,6 @@ from nebula_cli.control.orchestrator import JobSnapshot
 from nebula_cli.control.state import HostRecord, JobRecord
 from nebula_cli.errors import SpecError
 
-PALETTE = ["cyan", "magenta", "green", "yellow", "blue", "red", "bright_cyan", "bright_magenta"]
 STATE_STYLE = {
     "RUNNING": "green", "STARTING": "cyan", "PENDING": "cyan", "QUEUED": "cyan",
     "RESTARTING": "yellow",
@@ -38,7 +38,8 @@ STATE_STYLE = {
 
 
 def cluster_colors(clusters: Iterable[str]) -> dict[str, str]:
-    return {name: PALETTE[i % len(PALETTE)] for i, name in enumerate(clusters)}
+    """Each cluster's terminal colour (the report draws it in the same hue: `palette`)."""
+    return {name: c.terminal for name, c in cluster_colours(clusters).items()}
 
 
 def state_text(state: str) -> Text:

@@ -31,6 +31,7 @@ from nebula_cli.config.fields import (
     redact_env,
 )
 from nebula_cli.config.hosts import MAX_SLOTS, HostSpec
+from nebula_cli.config.run_command import own_launcher
 from nebula_cli.config.scheduler import SlurmSpec
 from nebula_cli.config.sections import (
     CheckpointSpec,
@@ -83,6 +84,10 @@ class JobSpec(SpecModel):
     """Shell run once per host before start (e.g. pip install). Default: none."""
     run: str = Field(min_length=1)
     """Shell command every process (one per slot) runs, in the workdir."""
+    run_launcher: bool = False
+    """`run` starts a launcher of its own (torchrun, deepspeed, accelerate launch) on purpose:
+    run it as written in every slot. Default: such a `run` is refused with what to write
+    instead (nebula already starts one process per slot with the world's variables set)."""
     env: EnvDict = Field(default_factory=dict, repr=False)
     """Environment for every process; numbers and booleans become strings."""
     deepspeed: str | dict[str, Any] | None = None
@@ -166,6 +171,8 @@ class JobSpec(SpecModel):
                     problems.append((("clusters", ci, "hosts", hi), (
                         f"host {host.host!r} is also in cluster {self.clusters[oc].name!r} "
                         f"(clusters[{oc}].hosts[{oh}]); a host belongs to one cluster")))
+        if not self.run_launcher and (found := own_launcher(self.run)) is not None:
+            problems.append((("run",), found.advice()))
         if isinstance(self.deepspeed, str):
             try:
                 _read_ds_config(Path(self.workdir) / self.deepspeed)

@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from nebula_cli.cli.palette import cluster_colours
+from nebula_cli.cli.ui import human_bytes
 
 EXTRA = "pip install 'nebula-cli[report]'"
 SCALARS = ("loss", "eval_loss", "steps_per_s", "samples_per_s", "tokens_per_s", "lr",
@@ -300,6 +301,21 @@ def _latest(recs: list[dict[str, Any]], key: str) -> Any:
     return next((r[key] for r in reversed(recs) if r.get(key) is not None), None)
 
 
+def wan_totals(records: list[dict[str, Any]], cluster: str) -> tuple[float | None, float | None]:
+    """(sent, received) bytes over the WAN by a cluster so far, as the live view shows them:
+    its relay's running totals, else the sum of its workers' per-round figures."""
+    relay = [r for r in records if r.get("role") == "relay" and r.get("cluster") == cluster
+             and _number(r.get("bytes_sent_total"))]
+    if relay:
+        last = relay[-1]
+        return last["bytes_sent_total"], last.get("bytes_received_total")
+    rounds = [r for r in by_cluster(records).get(cluster, []) if r.get("outer_round") is not None]
+    sums = tuple(sum(r[k] for r in rounds if _number(r.get(k))) if any(
+        _number(r.get(k)) for r in rounds) else None for k in ("wan_bytes_sent",
+                                                                "wan_bytes_received"))
+    return sums[0], sums[1]
+
+
 def html_page(records: list[dict[str, Any]], title: str, order: Sequence[str] = ()) -> str:
     """The report page: the figure embedded, the panels left out and why, what the live view
     shows of each cluster at the end, its restarts and missed rounds, and every worker's final
@@ -321,7 +337,8 @@ def html_page(records: list[dict[str, Any]], title: str, order: Sequence[str] = 
         f"<td>{_cell(_latest(recs, 'outer_round'))}</td>"
         f"<td>{_cell(_latest(recs, 'round_s'), '.2f')}</td>"
         f"<td>{_cell(_latest(recs, 'clusters_present'))}</td>"
-        f"<td>{_cell(_latest(recs, 'checkpoint_step'))}</td></tr>"
+        f"<td>{_cell(_latest(recs, 'checkpoint_step'))}</td>"
+        + "".join(f"<td>{human_bytes(v)}</td>" for v in wan_totals(records, c)) + "</tr>"
         for c, recs in clusters.items())
     left = "".join(f"<tr><td>{html.escape(o.title)}</td><td>{html.escape(o.reason)}</td></tr>"
                    for o in omitted)
@@ -343,7 +360,8 @@ def html_page(records: list[dict[str, Any]], title: str, order: Sequence[str] = 
         f"{left_out}"
         "<h2>at the end</h2><table><tr><th>cluster</th><th>step</th><th>loss</th>"
         f"<th>eval loss</th><th>{html.escape(rate[1] if rate else 'throughput')}</th>"
-        "<th>round</th><th>round time (s)</th><th>present</th><th>checkpoint</th></tr>"
+        "<th>round</th><th>round time (s)</th><th>present</th><th>checkpoint</th>"
+        "<th>WAN sent</th><th>WAN received</th></tr>"
         f"{latest}</table>"
         "<h2>per cluster</h2><table><tr><th>cluster</th><th>restarts</th>"
         f"<th>rounds missed</th><th>which</th></tr>{counts}</table>"

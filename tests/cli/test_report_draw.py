@@ -118,6 +118,8 @@ def test_every_panel_is_labelled_absolute_and_drawn(reported) -> None:
         plt.close(fig)
     assert "panels left out" not in page  # every panel had something to draw
     assert "tokens/s" in page and "<th>checkpoint</th>" in page
+    # east made 5 rounds of 1,320,000 + r bytes: 6.6 MB sent in all, as the live view says it
+    assert "<td>6.6 MB</td>" in page and "<th>WAN sent</th>" in page
 
 
 def test_panels_with_nothing_to_draw_are_left_out_and_said_why(cli: CLI,

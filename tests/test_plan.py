@@ -13,7 +13,14 @@ import pytest
 from plan_defaults import MINIMAL, minimal_spec
 
 from nebula_cli.config import jobplan, plan_model, strict, worlds
-from nebula_cli.config.parts import SYNC_CONFIG_ENV, AgentConfig, CheckpointSettings, SyncConfig
+from nebula_cli.config.parts import (
+    METRICS_FILE_ENV,
+    SYNC_CONFIG_ENV,
+    AgentConfig,
+    CheckpointSettings,
+    SyncConfig,
+    helper_env,
+)
 from nebula_cli.config.relay_config import RelayConfig
 from nebula_cli.config.spec import (
     CheckpointSpec,
@@ -57,7 +64,7 @@ def test_every_consumer_loads_the_spec_defaults(tmp_path: Path) -> None:
     relay_d, comp_d = RelaySpec(), CompressionSpec()
     sync_d = relay_d.sync  # outer lr and momentum: the default codec's
     assert SyncSpec().outer_lr is None and sync_d.outer_lr is not None
-    relays, workers = plan.role(jobplan.RELAY), plan.role(plan_model.WORKER)
+    relays, workers = plan.role(plan_model.RELAY), plan.role(plan_model.WORKER)
     assert [a.cluster for a in relays] == ["east", "west"] and len(workers) == 2
     for agent in plan.agents:
         root = _written(agent, tmp_path)
@@ -194,9 +201,11 @@ def test_the_setup_command_runs_without_the_runtime_hook() -> None:
     worker = _plan(spec).role(plan_model.WORKER)[0]
     env = worker.config.processes[0].env
     assert "autohook" in env["PYTHONPATH"]  # training processes get the hook
-    setup = jobplan.without_runtime_hook(env)
+    assert env[METRICS_FILE_ENV].endswith("/metrics/rank0.jsonl")  # the rank's records
+    setup = helper_env(env)
     assert "autohook" not in setup["PYTHONPATH"]
     assert setup["PYTHONPATH"] == f"{worker.job_root}/lib"  # nebula_cli still importable
+    assert METRICS_FILE_ENV not in setup  # a helper never writes into a rank's records
 
 
 def test_checkpoint_settings_come_from_the_spec_one_directory_per_host(tmp_path: Path) -> None:
@@ -278,7 +287,7 @@ def test_rank_0_on_the_relays_host_gets_the_relays_socket(tmp_path: Path) -> Non
                           (two_hosts.replace("hosts: [e1, e2]", "hosts: [e1, e2], gateway: e2"),
                            "e2")):
         plan = _plan(parse_spec(text, base_dir=tmp_path))
-        relays = {a.cluster: a for a in plan.role(jobplan.RELAY)}
+        relays = {a.cluster: a for a in plan.role(plan_model.RELAY)}
         assert (relays["east"].host, relays["west"].host) == (gateway, "w1")
         sockets = {c: RelayConfig.load(_written(a, tmp_path) / "relay.json").worker_socket
                    for c, a in relays.items()}

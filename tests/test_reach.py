@@ -313,7 +313,7 @@ def _tunnel_plan(spec: JobSpec) -> dict[str, plan_model.AgentPlan]:
                      "cloud>fort": (b"PRIVATE-cloud", "ssh-ed25519 AAAApubcloud")},
         expires=dt.datetime(2027, 1, 2, 3, 4, 59, tzinfo=dt.UTC))
     plan = jobplan.build_plan(spec, "job-1", sites=sites, ports=ports, certs=certs)
-    return {a.cluster: a for a in plan.role(jobplan.RELAY)}
+    return {a.cluster: a for a in plan.role(plan_model.RELAY)}
 
 
 def _part(agent: plan_model.AgentPlan, cls: type[T], name: str) -> T:

@@ -69,7 +69,7 @@ def test_workers_start_with_the_hook_first_on_pythonpath(shares_files: bool) -> 
             else:  # the uploaded copy, before the uploaded package itself
                 lib = plan_model.lib_dir(agent.job_root)
                 assert first == f"{lib}/nebula_cli/runtime/autohook" and rest == [lib]
-    for relay in plan.role(jobplan.RELAY):  # relays never get the hook
+    for relay in plan.role(plan_model.RELAY):  # relays never get the hook
         assert "autohook" not in relay.config.processes[0].env.get("PYTHONPATH", "")
 
 
@@ -127,6 +127,33 @@ def test_a_torch_process_without_an_engine_says_so_once(tmp_path: Path) -> None:
     env["RANK"] = "1"  # another rank of the cluster stays quiet
     out = subprocess.run(run, env=env, capture_output=True, text=True, timeout=120, check=True)
     assert "no DeepSpeed engine" not in out.stderr and len(metrics_file.read_text().split()) == 1
+    del env["RANK"]  # a process with no rank of its own (issue 30: the agent's world teller
+    out = subprocess.run(run, env=env, capture_output=True, text=True, timeout=120, check=True)
+    assert "no DeepSpeed engine" not in out.stderr and len(metrics_file.read_text().split()) == 1
+
+
+def test_the_agents_world_teller_neither_loads_the_hook_nor_writes_a_ranks_records(
+        tmp_path: Path) -> None:
+    """Issue 30: the helper a host's agent starts when a rank failed (`python -m
+    nebula_cli.runtime.worldwatch abort`, with the rank's environment) wrote a step-0
+    `no_deepspeed_engine` record into the restarted rank's metrics. Its environment, as the
+    agent makes it, carries neither the hook nor the rank's files; run with it, the teller
+    (here told of a world whose store is gone) writes nothing there."""
+    from nebula_cli.config.parts import helper_env
+
+    metrics_file = tmp_path / "rank1.jsonl"
+    rank_env = {**os.environ, "PYTHONPATH": str(HOOK_DIR), "RANK": "1",
+                "NEBULA_METRICS_FILE": str(metrics_file),
+                "NEBULA_SYNC_CONFIG": str(tmp_path / "sync.json"),
+                "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "9", "WORLD_SIZE": "2"}
+    env = helper_env(rank_env)
+    env.pop("RANK")  # as the agent does
+    assert "PYTHONPATH" not in env and "NEBULA_METRICS_FILE" not in env
+    proc = subprocess.run([sys.executable, "-c", "import torch, sys; "
+                           "print('nebula_cli.runtime.hook' in sys.modules)"],
+                          env=env, capture_output=True, text=True, timeout=120, check=True)
+    assert proc.stdout.strip() == "False"  # the hook was not loaded
+    assert not metrics_file.exists()
 
 
 # --- OuterSync.finish on a plain module --------------------------------------------------------

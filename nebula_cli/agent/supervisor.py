@@ -28,7 +28,7 @@ from typing import Any
 from nebula_cli.agent.leftovers import clear_world, remove_stale_locks
 from nebula_cli.agent.procs import pid_alive
 from nebula_cli.agent.tunnel import revoke_dir
-from nebula_cli.config.parts import ABORT_EXIT, AgentConfig
+from nebula_cli.config.parts import ABORT_EXIT, AgentConfig, helper_env
 from nebula_cli.errors import NebulaError
 
 ACTIVE = ("STARTING", "RUNNING", "RESTARTING", "STOPPING")
@@ -244,6 +244,7 @@ class Supervisor:
                 or env.get("NEBULA_NODE_RANK", "0") == "0"):
             return  # no other host; or this host's rank 0 served the world's store, and the
             # other hosts' ranks lose their connections to it when this host's ranks end
+        env = helper_env(env)  # no runtime hook, and never a rank's records (it is no rank)
         env.pop("RANK", None)
         env[TELLER_MARK] = str(self.dir)
         where = f"host {self.config.host} of cluster {self.config.cluster}"

@@ -21,6 +21,8 @@ from nebula_cli.config.checkpoint_paths import (
 from nebula_cli.config.metrics_plan import METRICS_FILE, metrics_config
 from nebula_cli.config.parts import (
     METRICS_CONFIG_ENV,
+    METRICS_FILE_ENV,
+    RUNTIME_HOOK_DIR,
     SYNC_CONFIG_ENV,
     AgentConfig,
     CheckpointSettings,
@@ -28,9 +30,7 @@ from nebula_cli.config.parts import (
     SyncConfig,
 )
 from nebula_cli.config.pipeline import device_id
-from nebula_cli.config.plan_model import RELAY as RELAY  # re-exported: the plan's data
 from nebula_cli.config.plan_model import (
-    RUNTIME_HOOK_DIR,
     WORKER,
     WORKER_RESTART_BACKOFF,
     AgentPlan,
@@ -72,17 +72,6 @@ def with_runtime_hook(env: dict[str, str], site: Site, job_root: str) -> dict[st
     if env.get("PYTHONPATH"):
         parts.append(env["PYTHONPATH"])
     return {**env, "PYTHONPATH": ":".join(parts)}
-
-
-def without_runtime_hook(env: dict[str, str]) -> dict[str, str]:
-    """`env` for a process that is not a training process (the setup command): the hook's
-    directory left off PYTHONPATH."""
-    hook = posixpath.join(*RUNTIME_HOOK_DIR)
-    parts = [p for p in env.get("PYTHONPATH", "").split(":") if p and not p.endswith(hook)]
-    out = {k: v for k, v in env.items() if k != "PYTHONPATH"}
-    if parts:
-        out["PYTHONPATH"] = ":".join(parts)
-    return out
 
 
 def build_plan(spec: JobSpec, job_id: str, *, sites: dict[str, Site], ports: Ports,
@@ -148,7 +137,7 @@ def _worker_agents(spec: JobSpec, job_id: str, sites: dict[str, Site], ports: Po
                     proc_env.update(RANK=str(layout.rank_of(device)), NEBULA_STAGE=str(stage),
                                     NEBULA_REPLICA=str(replica))
                 name = proc_env["RANK"]
-                proc_env["NEBULA_METRICS_FILE"] = posixpath.join(
+                proc_env[METRICS_FILE_ENV] = posixpath.join(
                     adir, "metrics", f"rank{name}.jsonl")
                 if sinks is not None and local_rank == 0:  # the cluster's writer
                     proc_env[METRICS_CONFIG_ENV] = posixpath.join(adir, METRICS_FILE)

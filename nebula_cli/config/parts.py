@@ -126,6 +126,24 @@ class SyncConfig:
 METRICS_CONFIG_ENV = "NEBULA_METRICS_CONFIG"
 """The environment variable that names metrics.json: set only for the process that writes its
 cluster's runs (the cluster's first rank)."""
+METRICS_FILE_ENV = "NEBULA_METRICS_FILE"
+"""The environment variable that names a rank's metrics.jsonl (set for each rank)."""
+RUNTIME_HOOK_DIR = ("runtime", "autohook")
+"""The automatic hook's directory in the nebula_cli package (first on a rank's PYTHONPATH)."""
+
+
+def helper_env(env: dict[str, str]) -> dict[str, str]:
+    """`env` (a rank's) for a process of the job that is not a training rank: the setup
+    command, the host check, the agent's world teller. The hook's directory is left off
+    PYTHONPATH and the rank's metric files are not named, so that such a process neither
+    loads the runtime hook nor writes into a rank's records."""
+    hook = "/".join(RUNTIME_HOOK_DIR)
+    parts = [p for p in env.get("PYTHONPATH", "").split(":") if p and not p.endswith(hook)]
+    out = {k: v for k, v in env.items()
+           if k not in ("PYTHONPATH", METRICS_FILE_ENV, METRICS_CONFIG_ENV)}
+    if parts:
+        out["PYTHONPATH"] = ":".join(parts)
+    return out
 
 
 @dataclass(frozen=True)

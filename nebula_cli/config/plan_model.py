@@ -22,9 +22,6 @@ RELAY_GRACE = 5.0
 """Seconds a relay gets between SIGTERM and SIGKILL (it has no state worth saving)."""
 RELAY_RESTART_BACKOFF = 1.0
 WORKER_RESTART_BACKOFF = 5.0
-RUNTIME_HOOK_DIR = ("runtime", "autohook")
-"""Inside the nebula_cli package: the directory (only a sitecustomize) that a worker's
-PYTHONPATH starts with when the spec's runtime.auto is on (the automatic runtime hook)."""
 WORKER_SOCKET = "worker.sock"
 """The relay's Unix socket for workers on its own host, in the relay's directory."""
 

@@ -9,7 +9,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any
 
-from nebula_cli.config import jobplan, plan_model
+from nebula_cli.config import plan_model
 from nebula_cli.control import allocations, summaries
 from nebula_cli.control.fanout import GroupError, fanout
 from nebula_cli.control.follow import LogFollower, MetricsFollower
@@ -154,7 +154,7 @@ class JobOps(Session):
     def _end_idle_relays(self, hosts: list[HostRecord]) -> bool:
         """Once every worker has ended, the relays have nothing left to do: end them."""
         workers = [h for h in hosts if h.role == plan_model.WORKER]
-        relays = [h for h in hosts if h.role == jobplan.RELAY and h.state not in END_STATES]
+        relays = [h for h in hosts if h.role == plan_model.RELAY and h.state not in END_STATES]
         if not relays or not workers or any(w.state not in END_STATES for w in workers):
             return False
         self._stop_recs(relays, "ended after the workers finished", grace=None)
@@ -183,7 +183,7 @@ class JobOps(Session):
         self.store.add_event(first.job_id, "failure", why)
         self._stop_recs([h for h in active if h.role == plan_model.WORKER], why,
                         grace=FAILURE_STOP_GRACE)
-        self._stop_recs([h for h in active if h.role == jobplan.RELAY], why,
+        self._stop_recs([h for h in active if h.role == plan_model.RELAY], why,
                         grace=FAILURE_STOP_GRACE)
         self._sweep_recs(failed)  # what a failed agent left running (its world's teller)
         return True
@@ -228,7 +228,7 @@ class JobOps(Session):
                 self.store.upsert_host(rec)
                 continue
             status = allocations.last_status(self.transport_of(rec), rec.agent_dir)
-            done = status.get("state") == "SUCCEEDED" or rec.role == jobplan.RELAY
+            done = status.get("state") == "SUCCEEDED" or rec.role == plan_model.RELAY
             ended = status.get("state") if status.get("state") in END_STATES else "STOPPED"
             self._apply_status(rec, {**status, "reason": None if done else said[rec.cluster],
                                      "state": ended if done else "LOST"})
@@ -282,7 +282,7 @@ class JobOps(Session):
         failures: dict[object, object] = {}
         answers: dict[object, list[dict[str, Any]]] = {}
         # workers first, relays after: a last outer round as workers wind down reaches them
-        for role in (plan_model.WORKER, jobplan.RELAY):
+        for role in (plan_model.WORKER, plan_model.RELAY):
             keys = [k for k in groups if k[0] == role]
             try:
                 answers.update(fanout(

@@ -17,7 +17,8 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from nebula_cli.config import checkpoint_paths, jobplan, plan_model, strict, worlds
+from nebula_cli.config import checkpoint_paths, plan_model, strict, worlds
+from nebula_cli.config.parts import helper_env
 from nebula_cli.config.plan_model import AgentPlan, JobPlan
 from nebula_cli.config.spec import HostSpec, JobSpec, spec_of_record
 from nebula_cli.control import allocations
@@ -172,7 +173,7 @@ class Orchestrator(JobOps, HostFacts):
             fanout(plan.agents, self._write_agent_files, timeout=AGENT_TIMEOUT,
                    cancel=self.abort)
             # relays first, so that workers find them; then workers
-            for role in (jobplan.RELAY, plan_model.WORKER):
+            for role in (plan_model.RELAY, plan_model.WORKER):
                 results = fanout(plan.role(role), self._start, timeout=AGENT_TIMEOUT,
                                  cancel=self.abort)
                 for agent, pid in results.items():
@@ -267,7 +268,7 @@ class Orchestrator(JobOps, HostFacts):
         if spec.setup:
             progress(f"{where}: running setup")
             # marked like the agent's processes, so that stopping the agent sweeps it too
-            env = {**jobplan.without_runtime_hook(agent.config.processes[0].env),
+            env = {**helper_env(agent.config.processes[0].env),
                    "NEBULA_AGENT_DIR": agent.agent_dir}
             result = t.run(["/bin/sh", "-c", spec.setup], cwd=agent.config.cwd,
                            env=env, timeout=SETUP_TIMEOUT,
@@ -276,7 +277,7 @@ class Orchestrator(JobOps, HostFacts):
                 raise TransportError(f"setup failed: {result}", host=agent.host)
         # what the processes will import, found (after setup, which may install it)
         needs = ("nebula_cli.agent", *(("torch", "deepspeed") if spec.deepspeed else ()))
-        bootstrap(t, where, needs, env=jobplan.without_runtime_hook(
+        bootstrap(t, where, needs, env=helper_env(
             agent.config.processes[0].env))
 
     def _write_agent_files(self, agent: AgentPlan) -> None:

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from nebula_cli.agent import summary
-from nebula_cli.config import jobplan
+from nebula_cli.config import plan_model
 from nebula_cli.control.follow import file_sizes, metric_sources
 from nebula_cli.control.state import END_STATES, HostRecord
 from nebula_cli.transport import Transport
@@ -94,7 +94,7 @@ def view(hosts: list[HostRecord]) -> MetricsView:
     out = MetricsView()
     for rec, entry in sorted(entries, key=lambda e: _ts(e[1])):
         latest = entry.get("latest") or {}
-        if rec.role == jobplan.RELAY:
+        if rec.role == plan_model.RELAY:
             out.relay.setdefault(rec.cluster, {}).update(latest)
             continue
         if latest:

@@ -259,9 +259,10 @@ def _at_exit_without_engine() -> None:
 
 
 def _says_for_this_process() -> bool:
-    """A training process (it imported torch), rank 0 of its cluster, and not a helper: a
-    multiprocessing child or DeepSpeed's own launcher."""
-    if "torch" not in sys.modules or os.environ.get("RANK", "0") != "0":
+    """A training process (it imported torch), rank 0 of its cluster (nebula sets RANK for
+    every rank it starts), and not a helper: a multiprocessing child, DeepSpeed's own
+    launcher, or a process with no rank of its own."""
+    if "torch" not in sys.modules or os.environ.get("RANK") != "0":
         return False
     mp = sys.modules.get("multiprocessing")
     if mp is not None and mp.parent_process() is not None:

@@ -35,11 +35,11 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Protocol
 
-from nebula_cli.config.parts import METRICS_CONFIG_ENV
+from nebula_cli.config.parts import METRICS_CONFIG_ENV, METRICS_FILE_ENV
 from nebula_cli.errors import NebulaError
 
 METRICS_TAG = "[nebula-metrics]"
-METRICS_FILE_ENV = "NEBULA_METRICS_FILE"
+
 DRY_RUN_ENV = "NEBULA_DRY_RUN"
 """Set by `nebula plan`'s dry run: OuterSync logs ``trainable_params`` and never syncs; the CLI
 reads that record (here, beside the records' other names, so that it needs no torch)."""

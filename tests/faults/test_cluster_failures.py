@@ -39,6 +39,8 @@ def test_a_rank_killed_on_one_host_restarts_its_whole_cluster(cli: CLI, tmp_path
     resumed = {r["resumed_from_step"] for r in recs if r.get("cluster") == "east"
                and "resumed_from_step" in r and not r.get("final")}
     assert len(resumed) == 1 and seen <= min(resumed), resumed  # one agreed checkpoint
+    # no helper of the restart (the agent's world teller) wrote into a rank's records (#30)
+    assert not [r for r in recs if r.get("no_deepspeed_engine") or r.get("rank") is None]
     finals = [r for r in recs if r.get("final")]
     assert len(finals) == 3 and all(r["step"] == STEPS for r in finals)
     assert len({r["param_sha256"] for r in finals}) == 1, finals

@@ -1,0 +1,282 @@
+"""bench/peers.py's jobs on the test bed: each system trains once and leaves its records.
+
+- `run_nebula`: a nebula job through the real CLI (`nebula launch` over the bed's SSH, as
+  bench/wan_training.py runs it): flat DeepSpeed (one cluster of the four hosts, no relay) or
+  nebula's relay DiLoCo with a codec. Its records are the workers' metrics files.
+- `run_torchft`: torchft's lighthouse on e1, then one `bench/_peers_torchft.py` per host in the
+  torchft venv (a replica group per cluster).
+- `run_hivemind`: a hivemind DHT bootstrap peer on e1, then one `bench/_peers_hivemind.py` per
+  host in the hivemind venv (every worker a peer).
+
+Every job returns a `Job`: the records (nebula's metrics JSON lines, or the same keys from
+bench/_peers_train.Log), the bytes the router counted between the clusters during the job
+(`_bed.link_bytes`), its wall time and the tokens of one step of all workers. Every process a
+job starts runs in a bed host's namespace and is ended before the job returns.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import _bed
+import _peers_train
+
+HERE = Path(__file__).resolve().parent
+LIGHTHOUSE_PORT = 29510
+STORE_PORT = 29620
+
+
+@dataclass
+class Job:
+    """What one system's job left."""
+
+    name: str
+    records: list[dict[str, Any]]
+    wan_bytes: int
+    wall_s: float
+    tokens_per_step: int
+    steps: int
+    workers: int
+    notes: dict[str, Any] = field(default_factory=dict)
+
+
+def tokens_per_step(workers: int, micro_batch: int) -> int:
+    return workers * micro_batch * _peers_train.CONTEXT
+
+
+# --------------------------------------------------------------------------------- nebula
+
+def run_nebula(neb: _bed.Nebula, bed: Any, tmp: Path, *, name: str,
+               clusters: dict[str, list[str]], relay: dict[str, Any] | None, steps: int,
+               eval_every: int, micro_batch: int, seed: int) -> Job:
+    """One nebula job (flat when `relay` is None) until it ends; its records."""
+    cfg = json.loads((_bed.GPT_DIR / "ds_config.json").read_text())
+    cfg["train_micro_batch_size_per_gpu"] = micro_batch
+    run = (f"python -u train.py --steps {steps} --eval-every {eval_every} --log-every 10 "
+           f"--seed {seed} --context {_peers_train.CONTEXT}")
+    spec = _bed.ssh_spec(tmp / f"{name}.yaml", bed, name=f"peers-{name}", clusters=clusters,
+                         run=run, relay=relay, deepspeed=cfg)
+    workers = sum(len(h) for h in clusters.values())
+    before = _bed.link_bytes(bed)
+    t0 = time.monotonic()
+    job_id = neb.run_job(spec, timeout=900 + 60 * steps, log=tmp / f"{name}.log")
+    wall = time.monotonic() - t0
+    wan = _bed.link_bytes(bed) - before
+    records = _bed.worker_records(job_id)
+    relays = _bed.relay_records(job_id)
+    shutil.rmtree(_bed.REMOTE_JOBS / job_id, ignore_errors=True)
+    codecs = sorted({str(r["codec"]) for r in relays if r.get("codec")})
+    return Job(name, records, wan, wall, tokens_per_step(workers, micro_batch), steps, workers,
+               notes={"codecs_used": codecs} if codecs else {})
+
+
+# ----------------------------------------------------------------------------- the peers
+
+def _env(extra: dict[str, str]) -> dict[str, str]:
+    """A clean environment for a peer's process (nothing of nebula's venv)."""
+    keep = {k: os.environ[k] for k in ("HOME", "LANG", "TMPDIR", "HIVEMIND_LOGLEVEL")
+            if k in os.environ}
+    return {**keep, "PATH": "/usr/local/bin:/usr/bin:/bin", "OMP_NUM_THREADS": "1",
+            "PYTHONUNBUFFERED": "1", "GLOO_SOCKET_IFNAME": "eth0", **extra}
+
+
+class Procs:
+    """The processes of one peer job: started in bed hosts, waited for, ended on every path."""
+
+    def __init__(self, bed: Any, tmp: Path, name: str) -> None:
+        self.bed, self.tmp, self.name = bed, tmp, name
+        self.procs: list[tuple[str, subprocess.Popen, Path]] = []
+
+    def start(self, label: str, host: str, argv: list[str], env: dict[str, str],
+              **kwargs: Any) -> subprocess.Popen:
+        log = self.tmp / f"{self.name}-{label}.log"
+        piped = kwargs.pop("stdout", None) is subprocess.PIPE
+        with open(log, "w") as f:  # the child keeps its own descriptor
+            proc = self.bed.popen(host, argv, env=_env(env), cwd=str(_bed.REPO),
+                                  stdout=subprocess.PIPE if piped else f,
+                                  stderr=f if piped else subprocess.STDOUT,
+                                  start_new_session=True, **kwargs)
+        self.procs.append((label, proc, log))
+        return proc
+
+    def tail(self, label: str, lines: int = 25) -> str:
+        for lab, _, log in self.procs:
+            if lab == label and log.exists():
+                return "\n".join(log.read_text(errors="replace").splitlines()[-lines:])
+        return ""
+
+    def wait(self, labels: list[str], timeout: float) -> None:
+        """Wait until every process named exits; RuntimeError naming the first that failed (or
+        that was still running at the deadline), with its log's tail."""
+        deadline = time.monotonic() + timeout
+        for label, proc, _ in self.procs:
+            if label not in labels:
+                continue
+            try:
+                rc = proc.wait(max(1.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                raise RuntimeError(f"{self.name} {label}: still running after {timeout:.0f} s:\n"
+                                   f"{self.tail(label)}") from None
+            if rc != 0:
+                raise RuntimeError(f"{self.name} {label} exited {rc}:\n{self.tail(label)}")
+
+    def stop(self) -> None:
+        """End every process of the job (its whole process group), the helpers included."""
+        for _, proc, _ in self.procs:
+            if proc.poll() is None:
+                try:
+                    os.killpg(proc.pid, signal.SIGTERM)
+                except ProcessLookupError:
+                    continue
+        for _, proc, _ in self.procs:
+            try:
+                proc.wait(10)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait(10)
+
+
+def _records(paths: list[Path]) -> list[dict[str, Any]]:
+    out: list[dict[str, Any]] = []
+    for path in paths:
+        if path.exists():
+            for line in path.read_text().splitlines():
+                if line.strip():
+                    out.append(json.loads(line))
+    return out
+
+
+def run_torchft(bed: Any, tmp: Path, python: Path, *, clusters: dict[str, list[str]],
+                steps: int, sync_every: int, outer_lr: float, outer_momentum: float,
+                micro_batch: int, seed: int) -> Job:
+    """torchft DiLoCo: the lighthouse on the first cluster's first host, a replica group per
+    cluster (its first host holds the group's TCPStore), one worker per host."""
+    procs = Procs(bed, tmp, "torchft")
+    names = list(clusters)
+    first = bed.hosts[clusters[names[0]][0]].address
+    lighthouse = f"http://{first}:{LIGHTHOUSE_PORT}"
+    metrics: list[Path] = []
+    before = _bed.link_bytes(bed)
+    t0 = time.monotonic()
+    try:
+        procs.start("lighthouse", clusters[names[0]][0], [
+            str(python.parent / "torchft_lighthouse"), "--min_replicas", str(len(clusters)),
+            "--bind", f"{first}:{LIGHTHOUSE_PORT}", "--quorum_tick_ms", "100",
+            "--join_timeout_ms", "10000"], {"RUST_BACKTRACE": "1"})
+        bed.wait_listening(clusters[names[0]][0], LIGHTHOUSE_PORT, timeout=30)
+        workers = []
+        for c, cluster in enumerate(names):
+            hosts = clusters[cluster]
+            master = bed.hosts[hosts[0]].address
+            for rank, host in enumerate(hosts):
+                path = tmp / f"torchft-{host}.jsonl"
+                metrics.append(path)
+                label = f"worker-{host}"
+                workers.append(label)
+                procs.start(label, host, [
+                    str(python), "-u", str(HERE / "_peers_torchft.py"), "--cluster", str(c),
+                    "--address", bed.hosts[host].address, "--lighthouse", lighthouse,
+                    "--steps", str(steps), "--sync-every", str(sync_every),
+                    "--outer-lr", str(outer_lr), "--outer-momentum", str(outer_momentum),
+                    "--micro-batch", str(micro_batch), "--seed", str(seed),
+                    "--replicas", str(len(clusters)), "--metrics", str(path)],
+                    {"RANK": str(rank), "LOCAL_RANK": "0", "WORLD_SIZE": str(len(hosts)),
+                     "MASTER_ADDR": master, "MASTER_PORT": str(STORE_PORT)})
+        procs.wait(workers, timeout=600 + 30 * steps)
+    finally:
+        procs.stop()
+    wall = time.monotonic() - t0
+    n = sum(len(h) for h in clusters.values())
+    return Job("torchft", _records(metrics), _bed.link_bytes(bed) - before, wall,
+               tokens_per_step(n, micro_batch), steps, n)
+
+
+def run_hivemind(bed: Any, tmp: Path, python: Path, *, clusters: dict[str, list[str]],
+                 steps: int, sync_every: int, micro_batch: int, seed: int) -> Job:
+    """hivemind: a bootstrap DHT peer on the first host, then every worker a peer whose
+    hivemind.Optimizer averages parameters with the others every `sync_every` steps' worth of
+    samples of all workers (target_batch_size)."""
+    procs = Procs(bed, tmp, "hivemind")
+    hosts = [h for hs in clusters.values() for h in hs]
+    first = hosts[0]
+    metrics: list[Path] = []
+    before = _bed.link_bytes(bed)
+    t0 = time.monotonic()
+    script = str(HERE / "_peers_hivemind.py")
+    try:
+        boot = procs.start("dht", first, [str(python), "-u", script, "--dht-only", "--address",
+                                          bed.hosts[first].address], {},
+                           stdout=subprocess.PIPE, text=True)
+        maddr = _read_maddr(boot, timeout=120)
+        if maddr is None:
+            raise RuntimeError(f"hivemind's bootstrap DHT peer on {first} printed no address:\n"
+                               f"{procs.tail('dht')}")
+        workers = []
+        for c, members in enumerate(clusters.values()):
+            for rank, host in enumerate(members):
+                path = tmp / f"hivemind-{host}.jsonl"
+                metrics.append(path)
+                label = f"worker-{host}"
+                workers.append(label)
+                procs.start(label, host, [
+                    str(python), "-u", script, "--cluster", str(c), "--rank", str(rank),
+                    "--address", bed.hosts[host].address, "--initial-peer", maddr,
+                    "--peers", str(len(hosts)), "--steps", str(steps),
+                    "--sync-every", str(sync_every), "--micro-batch", str(micro_batch),
+                    "--seed", str(seed), "--metrics", str(path)], {})
+        procs.wait(workers, timeout=600 + 30 * steps)
+        rounds = averaging_rounds(procs, workers)
+    finally:
+        procs.stop()
+    wall = time.monotonic() - t0
+    if not rounds["averaged"]:
+        raise RuntimeError(
+            f"hivemind trained but its peers never averaged ({rounds['failed']} failed "
+            f"averaging rounds in the workers' logs, 0 'Averaged parameters with N peers'); "
+            f"the first failures: {' | '.join(rounds['first_failures'])}")
+    return Job("hivemind", _records(metrics), _bed.link_bytes(bed) - before, wall,
+               tokens_per_step(len(hosts), micro_batch), steps, len(hosts), notes=rounds)
+
+
+def averaging_rounds(procs: Procs, labels: list[str]) -> dict[str, Any]:
+    """What hivemind's own log lines (verbose=True) say of its averaging rounds, all workers:
+    rounds that averaged (and with how many peers), rounds that failed, the first failures."""
+    averaged: list[int] = []
+    failed: list[str] = []
+    for label, _, log in procs.procs:
+        if label not in labels or not log.exists():
+            continue
+        for line in log.read_text(errors="replace").splitlines():
+            if "Averaged parameters with" in line:
+                averaged.append(int(line.split("Averaged parameters with")[1].split()[0]))
+            elif "Averaging failed" in line or "Averaging step failed" in line:
+                failed.append(f"{label}: {line.strip()[:160]}")
+    return {"averaged": len(averaged), "peers_per_round": sorted(set(averaged)),
+            "failed": len(failed), "first_failures": failed[:3]}
+
+
+def _read_maddr(proc: subprocess.Popen, timeout: float) -> str | None:
+    """The `MADDR <multiaddr>` line the bootstrap peer prints once its DHT runs."""
+    import selectors
+
+    assert proc.stdout is not None
+    deadline = time.monotonic() + timeout
+    with selectors.DefaultSelector() as sel:
+        sel.register(proc.stdout, selectors.EVENT_READ)
+        while time.monotonic() < deadline:
+            if not sel.select(max(0.1, deadline - time.monotonic())):
+                return None
+            line = proc.stdout.readline()
+            if not line:
+                return None
+            if line.startswith("MADDR "):
+                return line.split()[1]
+    return None

@@ -107,6 +107,9 @@ class Procs:
         self.procs.append((label, proc, log))
         return proc
 
+    def log(self, label: str) -> Path:
+        return self.tmp / f"{self.name}-{label}.log"
+
     def tail(self, label: str, lines: int = 25) -> str:
         for lab, _, log in self.procs:
             if lab == label and log.exists():
@@ -203,7 +206,9 @@ def run_hivemind(bed: Any, tmp: Path, python: Path, *, clusters: dict[str, list[
                  steps: int, sync_every: int, micro_batch: int, seed: int) -> Job:
     """hivemind: a bootstrap DHT peer on the first host, then every worker a peer whose
     hivemind.Optimizer averages parameters with the others every `sync_every` steps' worth of
-    samples of all workers (target_batch_size)."""
+    samples of all workers (target_batch_size). The workers start one after the other, each
+    joining the bootstrap and every worker before it (bench/_peers_hivemind.py says why), and
+    take their first step together once the last one is ready."""
     procs = Procs(bed, tmp, "hivemind")
     hosts = [h for hs in clusters.values() for h in hs]
     first = hosts[0]
@@ -215,23 +220,35 @@ def run_hivemind(bed: Any, tmp: Path, python: Path, *, clusters: dict[str, list[
         boot = procs.start("dht", first, [str(python), "-u", script, "--dht-only", "--address",
                                           bed.hosts[first].address], {},
                            stdout=subprocess.PIPE, text=True)
-        maddr = _read_maddr(boot, timeout=120)
+        maddr = _read_maddr(boot, procs.log("dht"), timeout=120)
         if maddr is None:
             raise RuntimeError(f"hivemind's bootstrap DHT peer on {first} printed no address:\n"
                                f"{procs.tail('dht')}")
-        workers = []
+        workers: list[str] = []
+        joined = [maddr]
+        go = tmp / "hivemind-go"
+        go.unlink(missing_ok=True)
         for c, members in enumerate(clusters.values()):
             for rank, host in enumerate(members):
                 path = tmp / f"hivemind-{host}.jsonl"
                 metrics.append(path)
                 label = f"worker-{host}"
                 workers.append(label)
-                procs.start(label, host, [
+                peers = [x for m in joined for x in ("--initial-peer", m)]
+                proc = procs.start(label, host, [
                     str(python), "-u", script, "--cluster", str(c), "--rank", str(rank),
-                    "--address", bed.hosts[host].address, "--initial-peer", maddr,
+                    "--address", bed.hosts[host].address, *peers,
                     "--peers", str(len(hosts)), "--steps", str(steps),
                     "--sync-every", str(sync_every), "--micro-batch", str(micro_batch),
-                    "--seed", str(seed), "--metrics", str(path)], {})
+                    "--seed", str(seed), "--metrics", str(path), "--go-file", str(go)], {},
+                    stdout=subprocess.PIPE, text=True)
+                # its DHT runs: the next peer joins it too
+                own = _read_maddr(proc, procs.log(label), timeout=120)
+                if own is None:
+                    raise RuntimeError(f"hivemind peer on {host} printed no address:\n"
+                                       f"{procs.tail(label)}")
+                joined.append(own)
+        go.touch()  # every peer is in the swarm: all start their first step now
         procs.wait(workers, timeout=600 + 30 * steps)
         rounds = averaging_rounds(procs, workers)
     finally:
@@ -263,8 +280,24 @@ def averaging_rounds(procs: Procs, labels: list[str]) -> dict[str, Any]:
             "failed": len(failed), "first_failures": failed[:3]}
 
 
-def _read_maddr(proc: subprocess.Popen, timeout: float) -> str | None:
-    """The `MADDR <multiaddr>` line the bootstrap peer prints once its DHT runs."""
+def _drain(proc: subprocess.Popen, log: Path) -> None:
+    """Copy what a piped process still prints into its log, so that it never blocks on a full
+    pipe (a daemon thread; it ends with the process's stdout)."""
+    import threading
+
+    def copy() -> None:
+        assert proc.stdout is not None
+        with open(log, "a") as f:
+            for line in proc.stdout:
+                f.write(line)
+                f.flush()
+
+    threading.Thread(target=copy, daemon=True).start()
+
+
+def _read_maddr(proc: subprocess.Popen, log: Path, timeout: float) -> str | None:
+    """The `MADDR <multiaddr>` line a peer prints once its DHT runs; the rest of its stdout
+    then goes to its log (`_drain`)."""
     import selectors
 
     assert proc.stdout is not None
@@ -278,5 +311,7 @@ def _read_maddr(proc: subprocess.Popen, timeout: float) -> str | None:
             if not line:
                 return None
             if line.startswith("MADDR "):
+                _drain(proc, log)
                 return line.split()[1]
     return None
+

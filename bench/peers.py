@@ -56,6 +56,7 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
+import signal
 import sys
 import tempfile
 import time
@@ -216,9 +217,20 @@ def report(rows: list[figures.Row], summary: dict[str, Any], args: argparse.Name
     return "\n".join(lines)
 
 
+def stop_on_signals() -> None:
+    """SIGTERM (and SIGINT, which a shell's background job ignores) end the run through its
+    `finally` blocks: every job stopped, the proxy and the bed removed."""
+    def interrupt(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, interrupt)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     _bed.require_bed()
+    stop_on_signals()
     tmp = Path(tempfile.mkdtemp(prefix="nebula-bench-peers-"))
     rows: list[figures.Row] = []
     started = time.strftime("%Y-%m-%d %H:%M")

@@ -203,10 +203,22 @@ def hook():
                                         f"python -u train.py --steps {steps}", relay)
     if status.get("state") != "SUCCEEDED":
         raise RuntimeError(f"job {job}: state {status.get('state')}")
-    left = subprocess.run(["pgrep", "-f", f"jobs/{job}/"], capture_output=True, text=True)
     return {"job": job, "state": status.get("state"), "steps": steps,
-            "records": len(records), "processes_left": len(left.stdout.split()),
+            "records": len(records), "processes_left": len(job_processes(job)),
             "wall_s": round(wall, 1)}
+
+
+def job_processes(job):
+    """Processes still running with the job's NEBULA_JOB_ID (workers, relays, agents)."""
+    mark = f"NEBULA_JOB_ID={job}".encode()
+    found = []
+    for env in Path("/proc").glob("[0-9]*/environ"):
+        try:
+            if mark in env.read_bytes().split(b"\0"):
+                found.append(int(env.parent.name))
+        except OSError:  # gone meanwhile, or not ours to read
+            continue
+    return found
 
 
 result["ok"] = not result["errors"] and (result["parts"].get("hook") or {}).get(

@@ -138,7 +138,7 @@ def test_gpu_check_help() -> None:
 def test_gpu_check_dry_run_on_the_cpu() -> None:
     """The whole check on this CPU: two small nebula jobs (gloo) and the codecs."""
     proc = subprocess.run(["bash", str(REPO / "scripts" / "gpu-check.sh"), "--dry-run",
-                           "--steps", "4"], capture_output=True, text=True, timeout=600,
+                           "--steps", "4"], capture_output=True, text=True, timeout=1200,
                           cwd=REPO, stdin=subprocess.DEVNULL)
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     assert proc.returncode == 0, (out, proc.stderr[-3000:])

@@ -150,8 +150,10 @@ def run_system(system: str, neb: _bed.Nebula, bed: Any, tmp: Path, args: argpars
     common = {"steps": args.steps, "micro_batch": args.micro_batch, "seed": seed}
     if system == figures.FLAT:
         flat = {"flat": [h for hs in CLUSTERS.values() for h in hs]}
-        return jobs.run_nebula(neb, bed, tmp, name=f"flat-{seed}", clusters=flat, relay=None,
-                               eval_every=FLAT_EVAL_EVERY, **common)
+        job = jobs.run_nebula(neb, bed, tmp, name=f"flat-{seed}", clusters=flat, relay=None,
+                              eval_every=FLAT_EVAL_EVERY, **common)
+        job.name = system  # the row's name (the job's files are named by seed)
+        return job
     if system in figures.NEBULA:
         codec = system.removeprefix("nebula-")
         job = jobs.run_nebula(neb, bed, tmp, name=f"{system}-{seed}", clusters=CLUSTERS,

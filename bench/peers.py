@@ -33,7 +33,7 @@ gets a row with `error` saying exactly what failed; nothing stands in for it.
 
 The delay, the same for everyone: netem does not exist in this kernel, so every TCP connection
 between the clusters, of every system (gloo's mesh, torchft's lighthouse, managers, stores and
-all-reduces, hivemind's libp2p, nebula's relays and SSH-free data plane), goes through one
+all-reduces, hivemind's libp2p, nebula's relays), goes through one
 transparent delaying proxy in the router (bench/_peers_delay.py: nftables DNAT +
 SO_ORIGINAL_DST, tests/testbed/delay_proxy.Stream's delay line) that adds --delay-ms one way
 in each direction (a round trip of 2 x --delay-ms on top of the bed's ~0.1 ms). nebula's relay
@@ -97,7 +97,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="which rows to run (flat is needed for the target)")
     p.add_argument("--quick", action="store_true",
                    help=f"one seed, {QUICK['steps']} steps, H={QUICK['dense_h']} for int8 and "
-                        "the peers (about 20 minutes on 2 cores, venvs already made)")
+                        "the peers (27 minutes measured on 2 cores shared with other work, "
+                        "load 12, the venvs already made)")
     p.add_argument("--json", action="store_true", help="print one JSON object as the last line")
     p.add_argument("--keep", action="store_true", help="keep the temp dir (logs, records)")
     args = p.parse_args(argv)

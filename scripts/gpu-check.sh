@@ -51,6 +51,7 @@ cleanup() {  # nothing left running: every job of this check stopped, its files 
   rm -rf "$WORK"
 }
 trap cleanup EXIT
+trap 'exit 143' TERM INT  # through cleanup: a killed check leaves no job running
 export NEBULA_HOME="$WORK/home" GPU_CHECK_DRY="$DRY" GPU_CHECK_STEPS="$STEPS" \
   GPU_CHECK_WORK="$WORK" NO_COLOR=1 COLUMNS=200 PYTHONUNBUFFERED=1
 

@@ -76,7 +76,8 @@ result = {"device": None, "dry_run": DRY, "parts": {}, "errors": []}
 
 
 def part(name):
-    """Run one part; its dict, or its error (the part's name and the exception's last lines)."""
+    """Run the decorated function at once as one part: its dict, or its error (the part's name
+    and the exception's last lines). Helpers a part calls are defined above it."""
     def wrap(fn):
         t0 = time.monotonic()
         try:
@@ -195,6 +196,18 @@ def quickstart():
             "wall_s": round(wall, 1)}
 
 
+def job_processes(job):
+    """Processes still running with the job's NEBULA_JOB_ID (workers, relays, agents)."""
+    mark = f"NEBULA_JOB_ID={job}".encode()
+    found = []
+    for env in Path("/proc").glob("[0-9]*/environ"):
+        try:
+            if mark in env.read_bytes().split(b"\0"):
+                found.append(int(env.parent.name))
+        except OSError:  # gone meanwhile, or not ours to read
+            continue
+    return found
+
 @part("hook")
 def hook():
     relay = {"sync": {"mode": "diloco", "inner_steps": H}, "compression": {"codec": "int8"},
@@ -208,18 +221,6 @@ def hook():
             "records": len(records), "processes_left": len(job_processes(job)),
             "wall_s": round(wall, 1)}
 
-
-def job_processes(job):
-    """Processes still running with the job's NEBULA_JOB_ID (workers, relays, agents)."""
-    mark = f"NEBULA_JOB_ID={job}".encode()
-    found = []
-    for env in Path("/proc").glob("[0-9]*/environ"):
-        try:
-            if mark in env.read_bytes().split(b"\0"):
-                found.append(int(env.parent.name))
-        except OSError:  # gone meanwhile, or not ours to read
-            continue
-    return found
 
 
 result["ok"] = not result["errors"] and (result["parts"].get("hook") or {}).get(

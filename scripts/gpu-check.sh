@@ -1,0 +1,230 @@
+#!/usr/bin/env bash
+# The check for one single-GPU Linux machine (issue 28): nebula as it is, on CUDA, in < 8 min.
+#
+#   scripts/gpu-check.sh [--dry-run] [--python PY] [--wheels DIR] [--steps N] [--out FILE]
+#
+# What it runs (each part's figures or its error go into the JSON line printed last):
+#   1. environment: python, torch, CUDA, the GPU's name, deepspeed, nebula.
+#   2. codecs: each WAN codec's (none, fp16, int8, topk) encode and decode GB/s of fp32 input
+#      on the GPU (a CUDA tensor handed to the codec as the runtime hands it) against the CPU.
+#   3. quickstart: examples/gpt on two clusters of one rank each sharing the GPU (`nebula
+#      launch`, local transport, DeepSpeed with NCCL inside each cluster, relays between them,
+#      int8, an outer round every H steps): the job's state, eval loss, s/step, whether both
+#      workers ended with the same parameters, and the relay's round time with CUDA tensors
+#      (the workers' round_s).
+#   4. hook: examples/ds_plain (an unmodified DeepSpeed script, nebula's automatic hook) the
+#      same way: its exit path with NCCL (the job ends SUCCEEDED, no worker left running).
+# --dry-run: the same on this machine's CPU (gloo, smaller sizes) so that CI keeps it working;
+# it says "device": "cpu". Without --dry-run and without CUDA it stops with exit 2.
+# --wheels DIR: `pip install --no-index --find-links DIR nebula-cli deepspeed` first (a machine
+# with no network: bring torch's CUDA wheel, deepspeed, this project's wheel and their deps).
+# Exit status: 0 when every part passed, 1 when one failed (the JSON says which), 2 bad usage.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+DRY=0 PY="" WHEELS="" STEPS="" OUT=""
+usage() { sed -n '2,22p' "$0" | sed 's/^# \{0,1\}//'; }
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --dry-run) DRY=1 ;;
+    --python) PY="$2"; shift ;;
+    --wheels) WHEELS="$2"; shift ;;
+    --steps) STEPS="$2"; shift ;;
+    --out) OUT="$2"; shift ;;
+    -h|--help) usage; exit 0 ;;
+    *) echo "gpu-check: unknown option $1 (see --help)" >&2; exit 2 ;;
+  esac
+  shift
+done
+if [ -z "$PY" ]; then
+  if [ -x .venv/bin/python ]; then PY=.venv/bin/python; else PY=$(command -v python3); fi
+fi
+if [ -n "$WHEELS" ]; then
+  "$PY" -m pip install -q --no-index --find-links "$WHEELS" deepspeed nebula-cli
+fi
+WORK=$(mktemp -d "${TMPDIR:-/tmp}/nebula-gpu-check.XXXXXX")
+cleanup() {  # nothing left running: every job of this check stopped, its files removed
+  for job in "$WORK"/home/jobs/*; do
+    [ -e "$job" ] && NEBULA_HOME="$WORK/home" "$PY" -m nebula_cli stop "$(basename "$job")" \
+      --force >/dev/null 2>&1 || true
+  done
+  rm -rf "$WORK"
+}
+trap cleanup EXIT
+trap 'exit 143' TERM INT  # through cleanup: a killed check leaves no job running
+export NEBULA_HOME="$WORK/home" GPU_CHECK_DRY="$DRY" GPU_CHECK_STEPS="$STEPS" \
+  GPU_CHECK_WORK="$WORK" NO_COLOR=1 COLUMNS=200 PYTHONUNBUFFERED=1
+
+"$PY" - "$@" <<'PYTHON' | tee "${OUT:-/dev/null}"
+"""gpu-check's body: each part below records its figures or its error; one JSON line last."""
+import json
+import os
+import subprocess
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import yaml
+
+REPO = Path.cwd()
+DRY = os.environ["GPU_CHECK_DRY"] == "1"
+WORK = Path(os.environ["GPU_CHECK_WORK"])
+STEPS = int(os.environ.get("GPU_CHECK_STEPS") or (6 if DRY else 40))
+H = 3 if DRY else 10
+result = {"device": None, "dry_run": DRY, "parts": {}, "errors": []}
+
+
+def part(name):
+    """Run the decorated function at once as one part: its dict, or its error (the part's name
+    and the exception's last lines). Helpers a part calls are defined above it."""
+    def wrap(fn):
+        t0 = time.monotonic()
+        try:
+            result["parts"][name] = {**fn(), "s": round(time.monotonic() - t0, 1)}
+        except Exception as exc:  # every part is reported, the next still runs
+            tb = traceback.format_exc().strip().splitlines()[-6:]
+            result["parts"][name] = {"error": f"{type(exc).__name__}: {exc}", "trace": tb}
+            result["errors"].append(name)
+        print(f"gpu-check: {name}: {json.dumps(result['parts'][name])[:300]}", file=sys.stderr,
+              flush=True)
+    return wrap
+
+
+@part("environment")
+def environment():
+    import torch
+    cuda = torch.cuda.is_available()
+    if not DRY and not cuda:
+        print("gpu-check: no CUDA device (torch.cuda.is_available() is False); "
+              "--dry-run runs on the CPU", file=sys.stderr)
+        sys.exit(2)
+    result["device"] = "cpu" if DRY else "cuda"
+    import deepspeed
+    import nebula_cli
+    return {"python": sys.version.split()[0], "torch": torch.__version__,
+            "cuda": torch.version.cuda, "gpu": torch.cuda.get_device_name(0) if cuda else None,
+            "nccl": ".".join(map(str, torch.cuda.nccl.version())) if cuda else None,
+            "deepspeed": deepspeed.__version__,
+            "nebula": getattr(nebula_cli, "__version__", "?")}
+
+
+@part("codecs")
+def codecs():
+    import torch
+    from nebula_cli.relay.codecs.dense import KNOWN_CODECS, get_codec
+    n = (8 if DRY else 64) << 20
+    devices = ["cpu"] + ([] if DRY else ["cuda"])
+    out = {}
+    for name in [c for c in ("none", "fp16", "int8", "topk") if c in KNOWN_CODECS]:
+        codec = get_codec(name)
+        for dev in devices:
+            x = torch.randn(n, device=dev) * 1e-3
+            try:
+                codec.encode(x)  # warm-up
+                if dev == "cuda":
+                    torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                enc = codec.encode(x)
+                t1 = time.perf_counter()
+                y = codec.decode(enc)
+                if dev == "cuda":
+                    y = y.to("cuda")
+                    torch.cuda.synchronize()
+                t2 = time.perf_counter()
+                err = float((y.to(x.device) - x).abs().max())
+                out[f"{name}/{dev}"] = {"encode_gbs": round(n * 4 / (t1 - t0) / 1e9, 3),
+                                        "decode_gbs": round(n * 4 / (t2 - t1) / 1e9, 3),
+                                        "max_abs_error": err}
+            except Exception as exc:
+                out[f"{name}/{dev}"] = {"error": f"{type(exc).__name__}: {exc}"}
+    return {"elements": n, "results": out}
+
+
+def launch(name, workdir, run, relay, deepspeed=None):
+    """`nebula launch` a two-cluster job (one rank each, local transport) until it ends."""
+    spec = {"name": name, "workdir": str(workdir), "run": run, "env": {"OMP_NUM_THREADS": "1"},
+            "clusters": [{"name": c, "transport": "local", "hosts": [{"host": h}]}
+                         for c, h in (("east", "e1"), ("west", "w1"))],
+            "relay": relay}
+    if deepspeed:
+        spec["deepspeed"] = deepspeed
+    path = WORK / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(spec, sort_keys=False))
+    home = Path(os.environ["NEBULA_HOME"])
+    before = set(p.name for p in (home / "jobs").iterdir()) if (home / "jobs").is_dir() else set()
+    t0 = time.monotonic()
+    proc = subprocess.run([sys.executable, "-m", "nebula_cli", "launch", str(path)],
+                          capture_output=True, text=True, timeout=420, stdin=subprocess.DEVNULL)
+    wall = time.monotonic() - t0
+    job = sorted(set(p.name for p in (home / "jobs").iterdir()) - before)
+    if proc.returncode != 0 or len(job) != 1:
+        raise RuntimeError(f"nebula launch exited {proc.returncode}: "
+                           f"{(proc.stdout + proc.stderr)[-1500:]}")
+    status = json.loads(subprocess.run([sys.executable, "-m", "nebula_cli", "status", job[0],
+                                        "--json"], capture_output=True, text=True,
+                                       timeout=120).stdout or "{}")
+    records = []
+    for f in sorted((home / "jobs" / job[0]).glob("*/*/worker/metrics/*.jsonl")):
+        records += [json.loads(x) for x in f.read_text().splitlines() if x.strip()]
+    return job[0], status, records, wall
+
+
+@part("quickstart")
+def quickstart():
+    cfg = json.loads((REPO / "examples/gpt/ds_config.json").read_text())
+    cfg["train_micro_batch_size_per_gpu"] = 4 if DRY else 16
+    (WORK / "ds_config.json").write_text(json.dumps(cfg))
+    relay = {"sync": {"mode": "diloco", "inner_steps": H},
+             "compression": {"codec": "int8"}, "timeout": 120}
+    job, status, records, wall = launch(
+        "gpu-check-gpt", REPO / "examples/gpt",
+        f"python -u train.py --steps {STEPS} --eval-every {STEPS} --log-every 5",
+        relay, deepspeed=str(WORK / "ds_config.json"))
+    finals = [r for r in records if r.get("final")]
+    rounds = [float(r["round_s"]) for r in records if "round_s" in r]
+    if status.get("state") != "SUCCEEDED" or len(finals) != 2:
+        raise RuntimeError(f"job {job}: state {status.get('state')}, {len(finals)} final "
+                           f"records of 2")
+    return {"job": job, "state": status.get("state"), "steps": STEPS, "inner_steps": H,
+            "eval_loss": [round(float(r["eval_loss"]), 4) for r in finals],
+            "s_per_step": max(float(r["s_per_step"]) for r in finals),
+            "identical": len({r["param_sha256"] for r in finals}) == 1,
+            "relay_round_s": {"mean": round(sum(rounds) / len(rounds), 4) if rounds else None,
+                              "max": round(max(rounds), 4) if rounds else None,
+                              "rounds": len(rounds)},
+            "wall_s": round(wall, 1)}
+
+
+def job_processes(job):
+    """Processes still running with the job's NEBULA_JOB_ID (workers, relays, agents)."""
+    mark = f"NEBULA_JOB_ID={job}".encode()
+    found = []
+    for env in Path("/proc").glob("[0-9]*/environ"):
+        try:
+            if mark in env.read_bytes().split(b"\0"):
+                found.append(int(env.parent.name))
+        except OSError:  # gone meanwhile, or not ours to read
+            continue
+    return found
+
+@part("hook")
+def hook():
+    relay = {"sync": {"mode": "diloco", "inner_steps": H}, "compression": {"codec": "int8"},
+             "timeout": 120}
+    steps = STEPS + 1  # not a multiple of H: the hook's last round at exit
+    job, status, records, wall = launch("gpu-check-hook", REPO / "examples/ds_plain",
+                                        f"python -u train.py --steps {steps}", relay)
+    if status.get("state") != "SUCCEEDED":
+        raise RuntimeError(f"job {job}: state {status.get('state')}")
+    return {"job": job, "state": status.get("state"), "steps": steps,
+            "records": len(records), "processes_left": len(job_processes(job)),
+            "wall_s": round(wall, 1)}
+
+
+
+result["ok"] = not result["errors"] and (result["parts"].get("hook") or {}).get(
+    "processes_left", 1) == 0
+print(json.dumps(result), flush=True)
+sys.exit(0 if result["ok"] else 1)
+PYTHON

@@ -19,6 +19,7 @@ from nebula_cli.config.codec_params import (
     CODEC_PARAMS,
     CodecParams,
     CodecParamSet,
+    knob_owner,
     params_from_knobs,
 )
 from nebula_cli.config.fields import Duration, Port, StepsOrAuto
@@ -140,9 +141,7 @@ class _Compression(SpecModel):
     @property
     def params(self) -> CodecParamSet:
         """Every codec's params, from this section's knobs."""
-        return params_from_knobs({name: getattr(self, name)
-                                  for params in CODEC_PARAMS.values()
-                                  for name in (f.name for f in params.knobs())})
+        return params_from_knobs({name: getattr(self, name) for name in knob_owner()})
 
 
 def _knob_field(params: type[CodecParams], knob: dataclasses.Field[Any]) -> tuple[Any, Any]:

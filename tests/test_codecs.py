@@ -1,5 +1,6 @@
-"""relay/codecs/dense.py: every codec round-trips within its stated bound, refuses poison and
-corrupt encodings, and error feedback keeps the sum of what was sent on track."""
+"""relay/codecs/ (dense and topk through the registry, feedback, chunks): every codec
+round-trips within its stated bound, refuses poison and corrupt encodings, and error feedback
+keeps the sum of what was sent on track."""
 
 from __future__ import annotations
 

@@ -72,8 +72,8 @@ def relays(bed: Any, tmp: Path, pki_dir: Path, gateway: dict[str, str], codec: s
                 tls={"ca": str(pki_dir / "ca.pem"),
                      "cert": str(pki_dir / cluster / "relay.pem"),
                      "key": str(pki_dir / cluster / "relay.key")},
-                codec=codec, error_feedback=comp.error_feedback, block_size=comp.block_size,
-                density=comp.density, bits=comp.bits, round_timeout=900.0,
+                codec=codec, error_feedback=comp.error_feedback, codec_params=comp.params,
+                round_timeout=900.0,
                 heartbeat=spec.heartbeat, dead_after=spec.dead_after,
                 shaping=ShapingConfig(rate_mbit=None, delay_ms=0.0), auto_steps=None,
                 worker_socket=str(socket_path(tmp, cluster)),
@@ -115,7 +115,8 @@ def client_side(args: argparse.Namespace) -> None:
     import torch
 
     from nebula_cli.config.sections import CompressionSpec
-    from nebula_cli.relay.codecs.dense import get_codec, iter_chunks
+    from nebula_cli.relay.codecs.chunks import iter_chunks
+    from nebula_cli.relay.codecs.registry import get_codec
     from nebula_cli.relay.process.client import RelayClient
 
     clusters = args.clusters_list.split(",")

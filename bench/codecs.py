@@ -23,10 +23,13 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from nebula_cli.config.relay_config import TOPK_BITS, TOPK_DENSITY
-from nebula_cli.relay.codecs.dense import DEFAULT_BLOCK_SIZE, KNOWN_CODECS, Codec, get_codec
+from nebula_cli.config.codec_params import Int8Params, TopKParams
+from nebula_cli.relay.codecs.base import Codec
+from nebula_cli.relay.codecs.registry import KNOWN_CODECS, get_codec
 
-TOPK_VARIANTS = ((TOPK_DENSITY, 4), (0.125, 2), (0.02, 2))
+TOPK = TopKParams()
+"""topk at its defaults (the spec's)."""
+TOPK_VARIANTS = ((TOPK.density, 4), (0.125, 2), (0.02, 2))
 """(density, bits) of topk measured besides the default."""
 
 
@@ -67,7 +70,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--numel", type=int, default=16 * 1024 * 1024)
     parser.add_argument("--repeat", type=int, default=5)
-    parser.add_argument("--block-size", type=int, default=DEFAULT_BLOCK_SIZE)
+    parser.add_argument("--block-size", type=int, default=Int8Params.block_size)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", action="store_true", help="print one JSON object last")
     args = parser.parse_args(argv)
@@ -76,7 +79,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     x = torch.randn(args.numel, generator=gen) * 1e-2
     codecs = {name: get_codec(name, block_size=args.block_size) for name in KNOWN_CODECS
               if name != "topk"}
-    for density, bits in ((TOPK_DENSITY, TOPK_BITS), *TOPK_VARIANTS):
+    for density, bits in ((TOPK.density, TOPK.bits), *TOPK_VARIANTS):
         codecs[f"topk {density:g} {bits}b"] = get_codec("topk", density=density, bits=bits)
     results = {name: measure(codec, x, args.repeat) for name, codec in codecs.items()}
 

@@ -49,9 +49,11 @@ sys.path.insert(0, str(REPO))
 from data import BatchSampler, eval_batches, evaluate, load_corpus, split_corpus  # noqa: E402
 from model import GPT, GPTConfig  # noqa: E402
 
+from nebula_cli.config.codec_params import TopKParams  # noqa: E402
 from nebula_cli.config.sections import CompressionSpec  # noqa: E402
-from nebula_cli.relay.codecs.dense import KNOWN_CODECS, ErrorFeedback, get_codec  # noqa: E402
-from nebula_cli.relay.codecs.topk import DEFAULT_BITS, DEFAULT_DENSITY, TopKCodec  # noqa: E402
+from nebula_cli.relay.codecs.feedback import ErrorFeedback  # noqa: E402
+from nebula_cli.relay.codecs.registry import KNOWN_CODECS, get_codec  # noqa: E402
+from nebula_cli.relay.codecs.topk import TopKCodec  # noqa: E402
 from nebula_cli.runtime.sync import OuterOptimizer  # noqa: E402
 
 CONTEXT, LR, WARMUP, CLIP, CLUSTERS = 128, 2e-3, 30, 1.0, 2
@@ -179,8 +181,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--tau", type=int, default=3, help="overlap: steps until the average lands")
     p.add_argument("--codec", default=DEFAULT_CODEC, choices=KNOWN_CODECS,
                    help="the relay's WAN codec (with error feedback)")
-    p.add_argument("--density", type=float, default=DEFAULT_DENSITY, help="topk: kept fraction")
-    p.add_argument("--bits", type=int, default=DEFAULT_BITS, help="topk: bits per kept value")
+    p.add_argument("--density", type=float, default=TopKParams.density,
+                   help="topk: kept fraction")
+    p.add_argument("--bits", type=int, default=TopKParams.bits,
+                   help="topk: bits per kept value")
     p.add_argument("--span", type=int, choices=[16, 256], default=None,
                    help="topk: elements per top-k span (default: the codec's choice)")
     p.add_argument("--workers-per-cluster", type=int, default=2,

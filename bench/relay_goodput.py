@@ -289,7 +289,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args.tcp = args.tcp or _clusters.TCP
     args.tcp_label = args.tcp if args.tcp != "system" else f"system ({_clusters.system_tcp()})"
     args.tcp = None if args.tcp == "system" else args.tcp
-    from nebula_cli.relay.codecs.dense import KNOWN_CODECS
+    from nebula_cli.relay.codecs.registry import KNOWN_CODECS
 
     if args.mb < 1 or args.rounds < 1 or args.iperf_s < 1 or args.mbit <= 0 or args.repeat < 1:
         p.error("--mb, --rounds, --iperf-s, --repeat >= 1 and --mbit > 0")

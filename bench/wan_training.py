@@ -60,13 +60,9 @@ from _schedules import schedule  # noqa: E402
 from _timeline import timeline  # noqa: E402
 
 sys.path.insert(0, str(_bed.REPO))
-from nebula_cli.config.relay_config import (  # noqa: E402
-    TOPK_BIT_CHOICES,
-    TOPK_BITS,
-    TOPK_DENSITY,
-)
+from nebula_cli.config.codec_params import TOPK_BIT_CHOICES, TopKParams  # noqa: E402
 from nebula_cli.config.sections import CompressionSpec  # noqa: E402
-from nebula_cli.relay.codecs.dense import KNOWN_CODECS  # noqa: E402
+from nebula_cli.relay.codecs.registry import KNOWN_CODECS  # noqa: E402
 
 DEFAULT_CODEC: str = CompressionSpec.model_fields["codec"].default
 
@@ -133,9 +129,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="outer Nesterov momentum (default: see --outer-lr)")
     p.add_argument("--codec", default=DEFAULT_CODEC, choices=KNOWN_CODECS,
                    help=f"the relays' WAN codec (default: the spec's, {DEFAULT_CODEC})")
-    p.add_argument("--density", type=float, default=TOPK_DENSITY,
+    p.add_argument("--density", type=float, default=TopKParams.density,
                    help="topk: fraction of the elements sent per round")
-    p.add_argument("--bits", type=int, default=TOPK_BITS, choices=TOPK_BIT_CHOICES,
+    p.add_argument("--bits", type=int, default=TopKParams.bits, choices=TOPK_BIT_CHOICES,
                    help="topk: bits per sent value")
     p.add_argument("--repeat", type=int, default=1,
                    help="run (b), (c) and (b) with overlap this many times on the first seed "
@@ -239,17 +235,19 @@ def advisor_prediction(runs: dict[str, Run], args: argparse.Namespace, rtt_ms: f
                        ) -> dict[str, float] | None:
     """What `nebula plan` predicts for (b), from the model's size, (c)'s time per step (the
     compute-only reference) and the link: utilisation without and with overlap."""
-    from nebula_cli.planner.advisor import BYTES_PER_PARAM, predict
+    from nebula_cli.planner.advisor import predict
 
     c = runs.get("unshaped")
-    if c is None or args.codec not in BYTES_PER_PARAM:  # the advisor has no model of topk yet
+    if c is None:
         return None
     sys.path.insert(0, str(_bed.GPT_DIR))
     from model import GPT, GPTConfig
 
     params = GPT(GPTConfig(block_size=128)).num_params()
+    knobs = CompressionSpec(**compression(args)).params[args.codec]  # topk: its density, bits
     pred = predict(args.codec, args.inner_steps, params=params, step_time_s=c.s_per_step,
-                   bandwidth_mbit=args.mbit, rtt_ms=rtt_ms, clusters=len(CLUSTERS))
+                   bandwidth_mbit=args.mbit, rtt_ms=rtt_ms, clusters=len(CLUSTERS),
+                   codec_params=knobs)
     return {"params": params, "step_time_s": c.s_per_step, "wan_s": pred.wan_s,
             "utilization": pred.utilisation_sequential,
             "utilization_overlap": pred.utilisation_overlap}

@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from nebula_cli.config import jobplan, relay_plan
+from nebula_cli.config.codec_params import knob_owner, params_from_knobs
 from nebula_cli.config.parts import CheckpointSettings, SyncConfig
 from nebula_cli.config.spec import JobSpec, parse_spec
 
@@ -42,13 +43,19 @@ def default_checkpoint(directory: str | Path, **overrides: Any) -> CheckpointSet
     return dataclasses.replace(cfg, dir=str(directory), **overrides)
 
 
-def relay_defaults() -> dict[str, Any]:
-    """The settings of relay.json that come from the spec, at the spec's defaults."""
+def relay_defaults(**settings: Any) -> dict[str, Any]:
+    """The settings of relay.json that come from the spec, at the spec's defaults, with
+    `settings` replaced; codec knobs given by name (``block_size=64``, ``density=0.02``) replace
+    those of the codecs' params (`codec_params`)."""
     relay = minimal_spec().relay
     assert relay is not None
+    owners = knob_owner()
+    knobs = {k: settings.pop(k) for k in list(settings) if k in owners}
+    spec_knobs = {k: getattr(relay.compression, k) for k in owners}
     return {"codec": relay.compression.codec,
             "error_feedback": relay.compression.error_feedback,
-            "block_size": relay.compression.block_size, "round_timeout": relay.timeout,
+            "codec_params": params_from_knobs({**spec_knobs, **knobs}),
+            "round_timeout": relay.timeout,
             "heartbeat": relay.heartbeat, "dead_after": relay.dead_after,
             "shaping": {"rate_mbit": None, "delay_ms": 0.0},
-            "auto_steps": relay_plan.auto_steps(minimal_spec())}
+            "auto_steps": relay_plan.auto_steps(minimal_spec()), **settings}

@@ -18,7 +18,8 @@ from nebula_cli.config.relay_config import AutoCodec, AutoSteps, RelayConfigErro
 from nebula_cli.config.relay_plan import auto_codec
 from nebula_cli.config.spec import load_spec
 from nebula_cli.relay.codecs.choice import DENSER_MARGIN, SLACK, CodecCosts, choose_codec
-from nebula_cli.relay.codecs.dense import ErrorFeedback, codecs_of
+from nebula_cli.relay.codecs.feedback import ErrorFeedback
+from nebula_cli.relay.codecs.registry import codecs_of
 from nebula_cli.relay.protocol.agreement import Coordinator, Decision
 from nebula_cli.relay.protocol.pacing import RoundInfo
 from nebula_cli.relay.protocol.results import RoundOutcome

@@ -1,5 +1,6 @@
-"""relay/codecs/dense.py: every codec round-trips within its stated bound, refuses poison and
-corrupt encodings, and error feedback keeps the sum of what was sent on track."""
+"""relay/codecs/ (dense and topk through the registry, feedback, chunks): every codec
+round-trips within its stated bound, refuses poison and corrupt encodings, and error feedback
+keeps the sum of what was sent on track."""
 
 from __future__ import annotations
 
@@ -11,22 +12,15 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from nebula_cli.config.codec_params import Int8Params
 from nebula_cli.errors import NebulaError
-from nebula_cli.relay.codecs.dense import (
-    CODECS,
-    DEFAULT_BLOCK_SIZE,
-    INT8_FLUSH_BELOW,
-    KNOWN_CODECS,
-    Codec,
-    CodecError,
-    Encoded,
-    ErrorFeedback,
-    Int8Codec,
-    chunk_spans,
-    decode,
-    get_codec,
-    iter_chunks,
-)
+from nebula_cli.relay.codecs.base import Codec, CodecError, Encoded
+from nebula_cli.relay.codecs.chunks import chunk_spans, iter_chunks
+from nebula_cli.relay.codecs.dense import INT8_FLUSH_BELOW, Int8Codec
+from nebula_cli.relay.codecs.feedback import ErrorFeedback
+from nebula_cli.relay.codecs.registry import CODECS, KNOWN_CODECS, decode, get_codec
+
+DEFAULT_BLOCK_SIZE = Int8Params.block_size
 
 SIZES = [0, 1, 255, 256, 257, 10_000]
 KINDS = ["randn", "zeros", "wide", "special"]

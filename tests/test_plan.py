@@ -185,8 +185,8 @@ def test_no_module_is_over_500_lines() -> None:
 
 
 def test_plan_parts_have_no_defaults_of_their_own() -> None:
-    spec_backed = {"codec", "error_feedback", "block_size", "round_timeout", "heartbeat",
-                   "dead_after", "shaping"}
+    spec_backed = {"codec", "error_feedback", "codec_params", "block_size", "round_timeout",
+                   "heartbeat", "dead_after", "shaping"}
     for part in (AgentConfig, SyncConfig, RelayConfig, CheckpointSettings):
         defaulted = {f.name for f in dataclasses.fields(part)
                      if f.default is not dataclasses.MISSING

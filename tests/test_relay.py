@@ -22,7 +22,8 @@ from plan_defaults import relay_defaults
 
 from nebula_cli.config.relay_config import RelayConfig, RelayConfigError
 from nebula_cli.pki import JobPKI, client_context, issue_job_pki
-from nebula_cli.relay.codecs.dense import Encoded, get_codec
+from nebula_cli.relay.codecs.base import Encoded
+from nebula_cli.relay.codecs.registry import get_codec
 from nebula_cli.relay.net.shaping import Shaper
 from nebula_cli.relay.process.client import RelayClient
 from nebula_cli.relay.process.server import Relay
@@ -64,8 +65,9 @@ class Job:
         for c in clusters:
             pair = self.pki.relay(c)
             # exact expectations: no error feedback unless a test asks for it
-            opts = {**relay_defaults(), "codec": "none", "error_feedback": False,
-                    "round_timeout": 5.0, "heartbeat": 1.0, "chunk_numel": 1024, **overrides}
+            opts = relay_defaults(**{"codec": "none", "error_feedback": False,
+                                     "round_timeout": 5.0, "heartbeat": 1.0,
+                                     "chunk_numel": 1024, **overrides})
             self.cfg[c] = RelayConfig(
                 job_id=job_id, cluster=c, clusters=clusters, peer_listen=self.peer[c],
                 worker_listen=self.work[c], peers={o: self.peer[o] for o in clusters if o != c},

@@ -49,8 +49,8 @@ def relay_link(job: Job, as_cluster: str, to: str) -> ssl.SSLSocket:
     cfg = job.cfg[to]
     send_frame(tls, Frame(FrameType.HELLO, {
         "role": "relay", "cluster": as_cluster, "job_id": JOB, "protocol": PROTOCOL,
-        "codec": cfg.codec, "block_size": cfg.block_size, "chunk_numel": cfg.chunk_numel,
-        "density": cfg.density, "bits": cfg.bits, "done": -1}))
+        "codec": cfg.codec, "chunk_numel": cfg.chunk_numel, **cfg.codec_params.handshake(),
+        "done": -1}))
     tls.settimeout(5)
     return tls
 

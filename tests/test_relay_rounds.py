@@ -17,7 +17,7 @@ import torch
 from plan_defaults import relay_defaults
 
 from nebula_cli.config.relay_config import RelayConfig
-from nebula_cli.relay.codecs.dense import get_codec, relay_codecs
+from nebula_cli.relay.codecs.registry import get_codec, relay_codecs
 from nebula_cli.relay.net.limits import (
     CHUNK_SLACK,
     EARLY_COPIES,
@@ -50,8 +50,9 @@ def config(me: str, clusters: list[str], **kw: Any) -> RelayConfig:
                        worker_listen="127.0.0.1:2",
                        peers={c: "127.0.0.1:3" for c in clusters if c != me},
                        tls={"ca": "ca", "cert": "cert", "key": "key"},
-                       **{**relay_defaults(), "codec": "none", "round_timeout": 1.0,
-                          "heartbeat": 1.0, "chunk_numel": 256, "block_size": 64, **kw})
+                       **relay_defaults(**{"codec": "none", "round_timeout": 1.0,
+                                           "heartbeat": 1.0, "chunk_numel": 256,
+                                           "block_size": 64, **kw}))
 
 
 class Hub:

@@ -114,10 +114,12 @@ def sync_summary(spec: JobSpec) -> str:
                  f"{sync.max_inner_steps}) for {sync.target_utilization:.0%} utilisation")
     else:
         every = f"every {sync.inner_steps} steps"
-    topk = f"topk (density {comp.density:g}, {comp.bits} bits)"
-    codec = {"topk": topk, "auto": f"codec chosen by the relays each round (int8 or {topk})"
-             }.get(comp.codec, comp.codec)
-    feedback = " with error feedback" if comp.error_feedback and comp.codec != "none" else ""
+    params = comp.params
+    labels = " or ".join(params[c].label() for c in comp.codecs)
+    codec = (labels if len(comp.codecs) == 1
+             else f"codec chosen by the relays each round ({labels})")
+    lossy = any(params[c].rel_error > 0 for c in comp.codecs)  # "none" has nothing to feed back
+    feedback = " with error feedback" if comp.error_feedback and lossy else ""
 
     def outer(codec: str) -> str:
         lr, mom = relay.outer_for(codec)

@@ -6,20 +6,11 @@ import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from nebula_cli.config import strict
+from nebula_cli.config.codec_params import AUTO_CODEC, CodecParamSet, Int8Params
 from nebula_cli.errors import NebulaError
-
-TOPK_DENSITY = 0.0625
-"""Default fraction of elements the topk codec keeps (1 of every 16)."""
-TOPK_BITS = 2
-"""Default bits per value the topk codec keeps."""
-TOPK_BIT_CHOICES = (2, 4, 8)
-AUTO_CODEC = "auto"
-"""The spec's ``compression: auto``: the relays choose each round's codec among AUTO_CODECS."""
-AUTO_CODECS = ("int8", "topk")
-"""The codecs ``compression: auto`` chooses from, the most faithful first (the first rounds')."""
 
 
 class RelayConfigError(NebulaError):
@@ -108,11 +99,13 @@ class RelayConfig:
     """cluster -> host:port of its peer_listen, for every other cluster."""
     tls: TlsFiles
     codec: str
-    """Codec of the WAN hop (none, fp16, bf16, int8, topk), or "auto" (see auto_codec)."""
+    """Codec of the WAN hop (a name of `codec_params.CODEC_PARAMS`), or "auto" (see
+    auto_codec)."""
     error_feedback: bool
     """Keep the codec's rounding error and add it to the next round's contribution."""
-    block_size: int
-    """Block of the int8 codec (one absmax scale per block)."""
+    codec_params: CodecParamSet
+    """Every codec's knobs (codec name -> its params), from the spec: the rounds build their
+    codecs from them, the HELLO carries them all (`CodecParamSet.handshake`)."""
     round_timeout: float
     """Seconds from the arrival of the local contribution until the round goes ahead without
     the clusters not ready by then."""
@@ -129,11 +122,7 @@ class RelayConfig:
     """JSON lines, one per round."""
     chunk_numel: int = 1 << 20
     """Elements per chunk: the unit that is encoded, sent and decoded (pipelined); rounded down
-    to a multiple of block_size."""
-    density: float = TOPK_DENSITY
-    """topk: fraction of the elements kept per block of 256."""
-    bits: int = TOPK_BITS
-    """topk: bits per kept value (2, 4 or 8)."""
+    to a multiple of `block_size`."""
     auto_codec: AutoCodec | None = None
     """Set with ``compression: auto`` (then ``codec`` is "auto"): how the coordinator chooses
     each round's codec; None: every round uses ``codec``."""
@@ -143,31 +132,28 @@ class RelayConfig:
     `nebula_cli.relay.net.local_socket`); None: the TLS port only."""
 
     def __post_init__(self) -> None:
-        if isinstance(self.tls, dict):
-            self.tls = _part(TlsFiles, self.tls, "tls")
-        if isinstance(self.shaping, dict):
-            self.shaping = _part(ShapingConfig, self.shaping, "shaping")
-        if isinstance(self.auto_steps, dict):
-            self.auto_steps = _part(AutoSteps, self.auto_steps, "auto_steps")
-        if isinstance(self.auto_codec, dict):
-            self.auto_codec = _part(AutoCodec, self.auto_codec, "auto_codec")
+        for name, part in (("tls", TlsFiles), ("shaping", ShapingConfig),
+                           ("auto_steps", AutoSteps), ("auto_codec", AutoCodec)):
+            if isinstance(getattr(self, name), dict):
+                setattr(self, name, _part(part, getattr(self, name), name))
+        if not isinstance(self.codec_params, CodecParamSet):  # from_dict loaded it already
+            try:
+                self.codec_params = CodecParamSet.from_plan(self.codec_params, "codec_params")
+            except strict.PlanFileError as exc:
+                raise RelayConfigError(str(exc)) from exc
         self.validate()
 
     # ------------------------------------------------------------------ checks
 
     def validate(self) -> None:
-        """Raise RelayConfigError on anything inconsistent."""
-        _type("job_id", self.job_id, str)
-        _type("cluster", self.cluster, str)
-        if not isinstance(self.clusters, list) or not all(isinstance(c, str)
-                                                          for c in self.clusters):
-            raise RelayConfigError("clusters: expected a list of cluster names")
+        """Raise RelayConfigError unless the fields agree with each other. Types and the ranges
+        the spec holds its fields to are not checked again: `from_dict` loads every field of
+        its type (`config.strict`), and codec knobs are checked by their codec
+        (`CodecParamSet.from_plan`)."""
         if len(set(self.clusters)) != len(self.clusters):
             raise RelayConfigError(f"clusters: a cluster is listed twice: {self.clusters}")
         if self.cluster not in self.clusters:
             raise RelayConfigError(f"cluster {self.cluster!r} is not in clusters {self.clusters}")
-        if not isinstance(self.peers, dict):
-            raise RelayConfigError("peers: expected a mapping cluster -> host:port")
         expected = set(self.clusters) - {self.cluster}
         if set(self.peers) != expected:
             raise RelayConfigError(
@@ -176,47 +162,15 @@ class RelayConfig:
             )
         for addr in [self.peer_listen, self.worker_listen, *self.peers.values()]:
             parse_addr(addr)
-        if self.worker_socket is not None and not (isinstance(self.worker_socket, str)
-                                                   and os.path.isabs(self.worker_socket)):
+        if self.worker_socket is not None and not os.path.isabs(self.worker_socket):
             raise RelayConfigError(
                 f"worker_socket: expected an absolute path or null, got {self.worker_socket!r}")
-        for name in ("round_timeout", "heartbeat", "dead_after"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
-                raise RelayConfigError(
-                    f"{name}: expected a positive number of seconds, got {value!r}")
-        for name in ("block_size", "chunk_numel"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-                raise RelayConfigError(f"{name}: expected a positive integer, got {value!r}")
-        _type("codec", self.codec, str)
-        _type("error_feedback", self.error_feedback, bool)
-        density = self.density
-        if isinstance(density, bool) or not isinstance(density, (int, float)) or not (
-                0 < density <= 1):
-            raise RelayConfigError(f"density: expected a number in (0, 1], got {density!r}")
-        choice = self.auto_codec
-        if (self.codec == AUTO_CODEC) != (choice is not None):
-            raise RelayConfigError(f"codec {self.codec!r} and auto_codec {choice!r}: auto_codec "
-                                   f"is set exactly when codec is {AUTO_CODEC!r}")
-        if choice is not None and not (choice.codecs and 0 < choice.target_utilization < 1):
-            raise RelayConfigError(f"auto_codec: expected codecs to choose from and 0 < "
-                                   f"target_utilization < 1, got {choice!r}")
-        if isinstance(self.bits, bool) or self.bits not in TOPK_BIT_CHOICES:
-            raise RelayConfigError(f"bits: expected one of {TOPK_BIT_CHOICES}, got {self.bits!r}")
-        rate = self.shaping.rate_mbit
-        if rate is not None and (isinstance(rate, bool) or not isinstance(rate, (int, float))
-                                 or rate <= 0):
+        if self.chunk_numel <= 0:
             raise RelayConfigError(
-                f"shaping.rate_mbit: expected a positive number or null, got {rate!r}")
-        delay = self.shaping.delay_ms
-        if isinstance(delay, bool) or not isinstance(delay, (int, float)) or delay < 0:
-            raise RelayConfigError(f"shaping.delay_ms: expected a number >= 0, got {delay!r}")
-        auto = self.auto_steps
-        if auto is not None and not (0 < auto.target_utilization < 1
-                                     and 1 <= auto.min_steps <= auto.max_steps):
-            raise RelayConfigError(f"auto_steps: expected 0 < target_utilization < 1 and "
-                                   f"1 <= min_steps <= max_steps, got {auto!r}")
+                f"chunk_numel: expected a positive integer, got {self.chunk_numel!r}")
+        if (self.codec == AUTO_CODEC) != (self.auto_codec is not None):
+            raise RelayConfigError(f"codec {self.codec!r} and auto_codec {self.auto_codec!r}: "
+                                   f"auto_codec is set exactly when codec is {AUTO_CODEC!r}")
 
     # ------------------------------------------------------------------ derived
 
@@ -224,6 +178,12 @@ class RelayConfig:
     def dials(self) -> list[str]:
         """Peers this relay dials: the clusters listed before it (one connection per pair)."""
         return self.clusters[: self.clusters.index(self.cluster)]
+
+    @property
+    def block_size(self) -> int:
+        """The relays cut every tensor into chunks of whole int8 blocks, whatever the codec (so
+        that ``compression: auto`` switches codecs on the same chunk boundaries)."""
+        return cast(Int8Params, self.codec_params[Int8Params.name]).block_size
 
     @property
     def accepts(self) -> list[str]:
@@ -250,9 +210,10 @@ class RelayConfig:
             raise RelayConfigError(f"cannot read {path}: {exc.strerror or exc}") from exc
         except json.JSONDecodeError as exc:
             raise RelayConfigError(f"{path}:{exc.lineno}:{exc.colno}: {exc.msg}") from exc
-        if not isinstance(data, dict):
-            raise RelayConfigError(f"{path}: expected a JSON object")
-        cfg = cls.from_dict(data)
+        try:
+            cfg = cls.from_dict(data)
+        except RelayConfigError as exc:
+            raise RelayConfigError(f"{path}: {exc}") from exc
         base = path.resolve().parent
         for holder, name in [(cfg.tls, "ca"), (cfg.tls, "cert"), (cfg.tls, "key"),
                              (cfg, "status_file"), (cfg, "metrics_file")]:
@@ -264,11 +225,6 @@ class RelayConfig:
     def dump(self, path: str | Path) -> None:
         """Write relay.json (atomically, readable by its owner only)."""
         strict.write(self, path)
-
-
-def _type(name: str, value: Any, kind: type) -> None:
-    if not isinstance(value, kind):
-        raise RelayConfigError(f"{name}: expected {kind.__name__}, got {value!r}")
 
 
 def _part(cls: type, data: Any, what: str) -> Any:

@@ -1,17 +1,28 @@
 """The spec's sections other than clusters and hosts: relay (sync, compression, shaping),
 checkpoint and parallelism, and `SpecModel`, the strict base of every spec model.
 
-Re-exported by `nebula_cli.config.spec`; each field's default is defined here, once.
+Re-exported by `nebula_cli.config.spec`; each field's default is defined here, once, except the
+codecs' knobs and outer-step defaults: each codec declares its own (`codec_params`), and
+`CompressionSpec` has a field per knob made from that declaration.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, create_model, model_validator
 
+from nebula_cli.config.codec_params import (
+    AUTO_CODEC,
+    AUTO_CODECS,
+    CODEC_PARAMS,
+    CodecParams,
+    CodecParamSet,
+    knob_owner,
+    params_from_knobs,
+)
 from nebula_cli.config.fields import Duration, Port, StepsOrAuto
-from nebula_cli.config.relay_config import AUTO_CODEC, AUTO_CODECS, TOPK_BITS, TOPK_DENSITY
 from nebula_cli.config.yaml_positions import problems_error
 
 
@@ -20,12 +31,6 @@ class SpecModel(BaseModel):
 
     model_config = ConfigDict(extra="forbid", strict=True, use_attribute_docstrings=True,
                               allow_inf_nan=False)
-
-
-OUTER_DEFAULTS: dict[str, tuple[float, float]] = {"topk": (2.5, 0.0)}
-"""Outer lr and momentum per codec when the spec names none; DENSE_OUTER for the others."""
-DENSE_OUTER = (0.7, 0.9)
-"""DiLoCo's outer lr and Nesterov momentum (long runs)."""
 
 
 class SyncSpec(SpecModel):
@@ -48,8 +53,8 @@ class SyncSpec(SpecModel):
     max_inner_steps: int = Field(1000, ge=1)
     """inner_steps: auto: the largest H."""
     outer_lr: float | None = Field(None, gt=0.0)
-    """Outer optimizer learning rate (diloco). Default: the codec's (OUTER_DEFAULTS: 0.7, and
-    2.5 for topk)."""
+    """Outer optimizer learning rate (diloco). Default: the codec's (`CodecParams.outer_lr`:
+    0.7, and 2.5 for topk)."""
     outer_momentum: float | None = Field(None, ge=0.0, lt=1.0)
     """Outer SGD momentum in [0, 1) (diloco). Default: the codec's (0.9, and 0 for topk, whose
     error feedback already carries the past rounds, as in SparseLoCo)."""
@@ -93,23 +98,19 @@ class SyncSpec(SpecModel):
         return self.min_inner_steps if self.inner_steps == "auto" else self.inner_steps
 
 
-class CompressionSpec(SpecModel):
-    """How tensors are encoded on the WAN; also written as a codec name (``compression: int8``).
-    The default, topk, met bench/wan_training.py's goals (docs/benchmarks.md)."""
+CodecName = Literal[(*CODEC_PARAMS, AUTO_CODEC)]  # type: ignore[valid-type]
 
-    codec: Literal["none", "fp16", "bf16", "int8", "topk", "auto"] = "topk"
+
+class _Compression(SpecModel):
+    """CompressionSpec's fields other than the codecs' knobs, and its checks."""
+
+    codec: CodecName = "topk"
     """Wire codec: none (fp32), fp16, bf16, int8 (blockwise), topk (sparse, low-bit values), or
     auto: the relays choose each round's codec among int8 and topk from the measured round and
     step times (the most faithful that lets the clusters sync as often as the utilisation
     target allows; the first rounds use int8), and say why in their log and the metrics."""
     error_feedback: bool = True
     """Carry the quantisation error into the next round."""
-    block_size: int = Field(256, ge=16)
-    """Values per scale for int8."""
-    density: float = Field(TOPK_DENSITY, gt=0.0, le=1.0)
-    """topk: fraction of the elements sent each round (per block of 256, at least one)."""
-    bits: Literal[2, 4, 8] = TOPK_BITS
-    """topk: bits per sent value."""
 
     @model_validator(mode="before")
     @classmethod
@@ -117,19 +118,49 @@ class CompressionSpec(SpecModel):
         return {"codec": value} if isinstance(value, str) else value
 
     @model_validator(mode="after")
-    def _topk_only(self) -> CompressionSpec:
-        fields = type(self).model_fields
-        stray = [k for k in ("density", "bits") if getattr(self, k) != fields[k].default]
-        if stray and "topk" not in self.codecs:
-            verb = "apply" if len(stray) > 1 else "applies"
-            raise ValueError(f"{' and '.join(stray)} {verb} to codec topk (or auto) only, not "
-                             f"{self.codec} (set codec: topk, or remove them)")
+    def _knobs_of_the_codec(self) -> _Compression:
+        """A knob set away from its default belongs to a codec the rounds may use."""
+        messages = []
+        for owner, params in CODEC_PARAMS.items():
+            stray = [f.name for f in params.knobs() if f.metadata["only_this_codec"]
+                     and getattr(self, f.name) != f.default]
+            if stray and owner not in self.codecs:
+                verb = "apply" if len(stray) > 1 else "applies"
+                auto = " (or auto)" if owner in AUTO_CODECS else ""
+                messages.append(f"{' and '.join(stray)} {verb} to codec {owner}{auto} only, "
+                                f"not {self.codec} (set codec: {owner}, or remove them)")
+        if messages:
+            raise ValueError("; ".join(messages))
         return self
 
     @property
     def codecs(self) -> tuple[str, ...]:
         """The codecs a round may use: the codec, or auto's candidates (most faithful first)."""
         return AUTO_CODECS if self.codec == AUTO_CODEC else (self.codec,)
+
+    @property
+    def params(self) -> CodecParamSet:
+        """Every codec's params, from this section's knobs."""
+        return params_from_knobs({name: getattr(self, name) for name in knob_owner()})
+
+
+def _knob_field(params: type[CodecParams], knob: dataclasses.Field[Any]) -> tuple[Any, Any]:
+    """The spec field of a codec's knob: its type (one of its choices, when it has them), its
+    default and its bounds, as the codec declares them."""
+    choices = knob.metadata["choices"]
+    kind = Literal[choices] if choices else params.knob_types()[knob.name]
+    return kind, Field(knob.default, **knob.metadata["limits"])
+
+
+CompressionSpec = create_model(
+    "CompressionSpec", __base__=_Compression, __module__=__name__,
+    __doc__="""How tensors are encoded on the WAN; also written as a codec name (``compression:
+    int8``). The default, topk, met bench/wan_training.py's goals (docs/benchmarks.md). Besides
+    ``codec`` and ``error_feedback``, one field per codec knob, flat (``block_size`` of int8,
+    ``density`` and ``bits`` of topk: see `nebula_cli.config.codec_params`); a knob of a codec
+    the rounds do not use is refused unless left at its default.""",
+    **{knob.name: _knob_field(params, knob)
+       for params in CODEC_PARAMS.values() for knob in params.knobs()})
 
 
 class ShapingSpec(SpecModel):
@@ -173,8 +204,9 @@ class RelaySpec(SpecModel):
 
     def outer_for(self, codec: str) -> tuple[float, float]:
         """Outer lr and momentum of a round that uses ``codec``: the spec's, else the codec's
-        (OUTER_DEFAULTS)."""
-        lr, momentum = OUTER_DEFAULTS.get(codec, DENSE_OUTER)
+        (`CodecParams.outer_lr`, `outer_momentum`)."""
+        params = CODEC_PARAMS[codec]
+        lr, momentum = params.outer_lr, params.outer_momentum
         given_lr, given_momentum = self.sync.outer_lr, self.sync.outer_momentum
         return (lr if given_lr is None else given_lr,
                 momentum if given_momentum is None else given_momentum)

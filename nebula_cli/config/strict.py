@@ -40,6 +40,8 @@ def _check(tp: Any, value: Any, where: str) -> Any:
             except PlanFileError as exc:
                 errors.append(str(exc))
         raise PlanFileError(errors[0] if errors else f"{where}: unexpected {value!r}")
+    if isinstance(tp, type) and hasattr(tp, "from_plan"):  # a part that loads itself
+        return tp.from_plan(value, where)
     if dataclasses.is_dataclass(tp):
         return from_dict(tp, value, where)  # type: ignore[arg-type]
     if origin in (list, tuple):

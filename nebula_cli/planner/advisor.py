@@ -4,21 +4,25 @@ hide behind compute (DiLoCo mode: data parallel across clusters through the rela
 Model, for P trainable parameters, one inner step of t seconds, a WAN link of B Mbit/s and an
 rtt of R seconds between n clusters:
 
-- bytes one cluster sends per round: ``P * bytes_per_param`` with none 4, fp16 2, bf16 2,
-  int8 1 + 4/256 (one float32 scale per block of 256);
+- bytes one cluster sends per round: ``P * bytes_per_param``, what the codec says it costs
+  (`CodecParams.bytes_per_element` in `nebula_cli.config.codec_params`): none 4, fp16 2, bf16 2,
+  int8 1 + 4/256 (one float32 scale per block of 256), topk about 0.051 at its defaults (1 of
+  16 values, 2 bits each, a 4-bit position, two bfloat16 scales per 1024);
 - WAN time of a round: ``T = f(n) * bytes * 8 / (B * 1e6) + 3 * R`` where f(2) = 1 (the two
   relays send their update to each other at the same time: one rtt for the exchange, about two
   for the round's agreement) and f(n) = 2 (n - 1) / n for n >= 3 (shard owners: reduce-scatter
-  then all-gather, 3 rtt in all); T = 0 for one cluster;
+  then all-gather, 3 rtt in all), or f(n) = n - 1 for a sparse codec (topk: every relay sends
+  its encoding to each other one); T = 0 for one cluster;
 - compute a round hides behind: ``C = H * t``;
 - utilisation without overlap ``C / (C + T)``; with overlap (the round runs during the next H
   steps) ``min(1, C / T)``.
 
 The recommendation is the smallest H of the grid at which some codec reaches the target, and at
-that H the most accurate such codec (none, then fp16 — 11 significant bits —, then bf16 — 8 —,
-then int8 — blockwise absmax / 254). If nothing reaches the target, the best utilisation the grid
-offers, marked as not reached. `needed_h` gives, per codec, the exact smallest H that reaches
-the target (not restricted to the grid).
+that H the most accurate such codec (by the codecs' relative error bounds, `rel_error`: none,
+then fp16 — 11 significant bits —, then bf16 — 8 —, then int8 — blockwise absmax / 254 —, then
+topk, which drops most values; topk is compared when asked for, not by default). If nothing
+reaches the target, the best utilisation the grid offers, marked as not reached. `needed_h`
+gives, per codec, the exact smallest H that reaches the target (not restricted to the grid).
 """
 
 from __future__ import annotations
@@ -28,12 +32,13 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from nebula_cli.config.codec_params import CODEC_PARAMS, CodecParams
 from nebula_cli.planner.costmodel import PlanError
 
-BYTES_PER_PARAM = {"none": 4.0, "fp16": 2.0, "bf16": 2.0, "int8": 1.0 + 4.0 / 256}
-ACCURACY_ORDER = ("none", "fp16", "bf16", "int8")
-"""Most accurate first (relative error bounds of relay/codecs/)."""
+ACCURACY_ORDER = tuple(sorted(CODEC_PARAMS, key=lambda name: CODEC_PARAMS[name].rel_error))
+"""Most accurate first (the codecs' relative error bounds)."""
 DEFAULT_CODECS = ("none", "bf16", "fp16", "int8")
+"""The codecs compared unless asked for others."""
 DEFAULT_H = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000)
 ROUND_RTTS = 3
 """Round-trip times a round costs besides the transfer."""
@@ -86,19 +91,39 @@ class Advice:
         return data
 
 
-def wan_seconds(update_bytes: float, bandwidth_mbit: float, rtt_ms: float, clusters: int) -> float:
-    """WAN time of one outer round (see the module docstring)."""
+def wan_seconds(update_bytes: float, bandwidth_mbit: float, rtt_ms: float, clusters: int, *,
+                sparse: bool = False) -> float:
+    """WAN time of one outer round (see the module docstring); ``sparse``: the codec's
+    encodings go to every other relay, never re-encoded."""
     if clusters <= 1:
         return 0.0
-    share = 1.0 if clusters == 2 else 2 * (clusters - 1) / clusters
+    share = (clusters - 1 if sparse else 1.0 if clusters == 2
+             else 2 * (clusters - 1) / clusters)
     return share * update_bytes * 8 / (bandwidth_mbit * 1e6) + ROUND_RTTS * rtt_ms / 1e3
 
 
+def codec_cost(codec: str, codec_params: CodecParams | None = None) -> CodecParams:
+    """The params the advisor prices ``codec`` with: ``codec_params`` (its knobs, e.g. topk's
+    density), else the codec's defaults. PlanError for a codec that is not one, or params of
+    another codec."""
+    cls = CODEC_PARAMS.get(codec)
+    if cls is None:
+        raise PlanError(f"unknown codec {codec!r}; known: {', '.join(ACCURACY_ORDER)}")
+    if codec_params is None:
+        return cls()
+    if not isinstance(codec_params, cls):
+        raise PlanError(f"params {codec_params!r} are not those of codec {codec}")
+    return codec_params
+
+
 def predict(codec: str, h: int, *, params: int, step_time_s: float, bandwidth_mbit: float,
-            rtt_ms: float, clusters: int) -> Prediction:
-    """One (codec, H) prediction."""
-    nbytes = params * BYTES_PER_PARAM[codec]
-    wan = wan_seconds(nbytes, bandwidth_mbit, rtt_ms, clusters)
+            rtt_ms: float, clusters: int, codec_params: CodecParams | None = None
+            ) -> Prediction:
+    """One (codec, H) prediction (``codec_params``: the codec's knobs; default: its
+    defaults)."""
+    cost = codec_cost(codec, codec_params)
+    nbytes = params * cost.bytes_per_element()
+    wan = wan_seconds(nbytes, bandwidth_mbit, rtt_ms, clusters, sparse=cost.sparse)
     compute = h * step_time_s
     sequential = compute / (compute + wan)
     overlap = 1.0 if wan == 0 else min(1.0, compute / wan)
@@ -130,7 +155,9 @@ def advise(params: int, step_time_s: float, bandwidth_mbit: float, rtt_ms: float
 
 def _needed_h(codec: str, overlap: bool, target: float, *, params: int, step_time_s: float,
               bandwidth_mbit: float, rtt_ms: float, clusters: int) -> int | None:
-    wan = wan_seconds(params * BYTES_PER_PARAM[codec], bandwidth_mbit, rtt_ms, clusters)
+    cost = codec_cost(codec)
+    wan = wan_seconds(params * cost.bytes_per_element(), bandwidth_mbit, rtt_ms, clusters,
+                      sparse=cost.sparse)
     if wan == 0:
         return 1
     if overlap:
@@ -160,7 +187,7 @@ def _check(params: int, step_time_s: float, bandwidth_mbit: float, rtt_ms: float
                             f"found {value}")
     if clusters < 1:
         raise PlanError(f"clusters must be >= 1, found {clusters}")
-    unknown = [c for c in codecs if c not in BYTES_PER_PARAM]
+    unknown = [c for c in codecs if c not in CODEC_PARAMS]
     if unknown or not codecs:
         raise PlanError(f"unknown codec(s) {', '.join(unknown) or '(none given)'}; known: "
                         f"{', '.join(ACCURACY_ORDER)}")

@@ -13,7 +13,7 @@ import torch.distributed as dist
 
 from nebula_cli.errors import NebulaError
 from nebula_cli.relay.codecs.base import all_finite
-from nebula_cli.relay.codecs.dense import KNOWN_CODECS
+from nebula_cli.relay.codecs.registry import KNOWN_CODECS
 from nebula_cli.runtime.outer import SyncError
 from nebula_cli.runtime.settle import keep
 

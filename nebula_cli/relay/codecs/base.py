@@ -1,10 +1,14 @@
 """What every WAN codec shares: the encoded form (:class:`Encoded`), the interface
 (:class:`Codec`), its error (:class:`CodecError`) and the helpers codecs build on (input checks,
 zero-copy views of a payload). The codecs themselves are in :mod:`nebula_cli.relay.codecs.dense`
-(dense) and :mod:`nebula_cli.relay.codecs.topk` (sparse)."""
+(dense) and :mod:`nebula_cli.relay.codecs.topk` (sparse), registered by name in
+:mod:`nebula_cli.relay.codecs.registry`; what the plan knows of each (its knobs, its cost, its
+name) is its params class in :mod:`nebula_cli.config.codec_params`, which the codec class names
+as ``Params``."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import sys
 import warnings
@@ -15,6 +19,7 @@ from typing import Any, ClassVar
 
 import torch
 
+from nebula_cli.config.codec_params import CodecParams
 from nebula_cli.errors import NebulaError
 
 Buffer = bytes | bytearray | memoryview
@@ -117,15 +122,31 @@ def buffer_view(buf: Buffer, dtype: torch.dtype, offset: int, count: int) -> tor
 
 
 class Codec(ABC):
-    """Turns a flat fp32 tensor into an Encoded and back. Subclasses name themselves on the
-    wire (``name``), state their error bound (``error_bound``, and ``max_abs_error(x)``) and
-    say how long a valid payload is (``payload_nbytes``)."""
+    """Turns a flat fp32 tensor into an Encoded and back. A codec class names its params class
+    (``Params``: its name on the wire, its knobs, its cost; ``name`` and ``sparse`` are taken
+    from it), states its error bound (``error_bound``, and ``max_abs_error(x)``) and says how
+    long a valid payload is (``payload_nbytes``). Its constructor takes its knobs by name (what
+    :meth:`from_params` passes) and checks what its wire format can carry."""
 
+    Params: ClassVar[type[CodecParams]]
     name: ClassVar[str]
     error_bound: ClassVar[str]
     sparse: ClassVar[bool] = False
     """Encodings keep some coordinates only: averages are summed by every relay, never
-    re-encoded (see relay/allreduce.py)."""
+    re-encoded (see relay/protocol/allreduce.py)."""
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        params = cls.__dict__.get("Params")
+        if params is not None:
+            cls.name, cls.sparse = params.name, params.sparse
+
+    @classmethod
+    def from_params(cls, params: CodecParams) -> Codec:
+        """The codec with these knob values (CodecError if its wire format cannot carry them)."""
+        if not isinstance(params, cls.Params):
+            raise CodecError(f"{cls.name}: expected {cls.Params.__name__}, got {params!r}")
+        return cls(**{f.name: getattr(params, f.name) for f in dataclasses.fields(params)})
 
     def encode(self, x: torch.Tensor) -> Encoded:
         """Encode a floating tensor (flattened; converted to fp32 first). CodecError for

@@ -11,8 +11,9 @@ from typing import Any
 
 import torch
 
-from nebula_cli.relay.codecs.base import all_finite, extremes
-from nebula_cli.relay.codecs.dense import Codec, CodecError, Encoded, ErrorFeedback, iter_chunks
+from nebula_cli.relay.codecs.base import Codec, CodecError, Encoded, all_finite, extremes
+from nebula_cli.relay.codecs.chunks import iter_chunks
+from nebula_cli.relay.codecs.feedback import ErrorFeedback
 from nebula_cli.relay.protocol.allreduce import ExchangeError
 
 

@@ -1,40 +1,24 @@
-"""Codecs for the WAN hop: a flat fp32 tensor to a compact payload and back (hivemind style).
-
-A closed registry of five codecs, each named on the wire (``topk``, the sparse one, is described
-in :mod:`nebula_cli.relay.codecs.topk`):
-
-========  =====================================  ===============================================
-name      payload (little-endian)                error bound, per element
-========  =====================================  ===============================================
-none      numel float32                          exact
-fp16      numel float16                          max(|x| * 2**-11, 2**-25); |x| <= 65504
-bf16      numel bfloat16                         max(|x| * 2**-8, 2**-134); |x| <= 3.39e38
-int8      ceil(numel/B) float32 scales, then     absmax_block/254 * (1 + 2**-12); a block whose
-          numel int8 values                      absmax is below 2**-110 is sent as zeros
-topk      scales, positions, packed values       max(|x|, absmax_group/(2**bits-1)) (1 + 2**-12)
-========  =====================================  ===============================================
+"""The dense WAN codecs: every element is sent, as fp32 (``none``), as a 16-bit float
+(``fp16``, ``bf16``) or as int8 with a scale per block (``int8``); see
+:mod:`nebula_cli.relay.codecs.registry` for every codec's payload and error bound side by side.
 
 int8 is blockwise absmax quantisation: for every block of B (``block_size``, default 256)
 elements, scale = absmax/127 and q = round(x/scale) in [-127, 127]; the last block may be
-partial; an all-zero block has scale 0 and decodes to zeros.
+partial; an all-zero block has scale 0 and decodes to zeros. A block whose absmax is below
+2**-110 is sent as zeros (its scale would underflow).
 
-Encoding refuses (CodecError) input that is not finite or is beyond the codec's range: the relay
-never forwards poison. Decoding checks the codec name, numel, meta and the exact payload length
-before touching the payload; it does not check the decoded values unless asked
-(``check_finite=True``), because the relay decides itself what to do with a non-finite part.
 Everything is vectorised torch on the CPU; no Python loop runs over elements.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Hashable, Iterator, Mapping
-from types import MappingProxyType
+from collections.abc import Mapping
 from typing import Any, ClassVar
 
 import torch
 
-from nebula_cli.config.relay_config import RelayConfig
+from nebula_cli.config.codec_params import Bf16Params, Fp16Params, Int8Params, NoneParams
 from nebula_cli.relay.codecs.base import (
     Codec,
     CodecError,
@@ -45,20 +29,18 @@ from nebula_cli.relay.codecs.base import (
     is_int,
     prepare,
 )
-from nebula_cli.relay.codecs.topk import DEFAULT_BITS, DEFAULT_DENSITY, TopKCodec
 
-DEFAULT_BLOCK_SIZE = 256
 MAX_BLOCK_SIZE = 1 << 20
+"""The largest int8 block the wire format accepts."""
 INT8_FLUSH_BELOW = 2.0**-110
 """int8 blocks whose absmax is below this are sent as zeros (their scale would underflow)."""
 _WORK_ELEMS = 1 << 18  # int8 encode works in pieces of this many elements (temp stays in cache)
 
 
-
 class NoneCodec(Codec):
     """fp32 as is: 4 bytes per element, exact."""
 
-    name = "none"
+    Params = NoneParams
     error_bound = "exact"
 
     def payload_nbytes(self, numel: int, meta: Mapping[str, Any] | None = None) -> int:
@@ -110,7 +92,7 @@ class _CastCodec(Codec):
 class Fp16Codec(_CastCodec):
     """IEEE half: 11 significant bits; refuses |x| > 65504."""
 
-    name = "fp16"
+    Params = Fp16Params
     error_bound = "max(|x| * 2**-11, 2**-25); input limited to |x| <= 65504"
     wire_dtype = torch.float16
     rel = 2.0**-11
@@ -120,7 +102,7 @@ class Fp16Codec(_CastCodec):
 class Bf16Codec(_CastCodec):
     """bfloat16: fp32's exponent range, 8 significant bits."""
 
-    name = "bf16"
+    Params = Bf16Params
     error_bound = "max(|x| * 2**-8, 2**-134); input limited to |x| <= 3.3895e38"
     wire_dtype = torch.bfloat16
     rel = 2.0**-8
@@ -130,13 +112,13 @@ class Bf16Codec(_CastCodec):
 class Int8Codec(Codec):
     """Blockwise absmax int8: one fp32 scale per block_size elements, then one int8 each."""
 
-    name = "int8"
+    Params = Int8Params
     error_bound = (
         "absmax_block/254 * (1 + 2**-12) (half a quantisation step, plus float rounding); "
         "a block with absmax < 2**-110 is sent as zeros (error <= absmax there)"
     )
 
-    def __init__(self, block_size: int = DEFAULT_BLOCK_SIZE) -> None:
+    def __init__(self, block_size: int = Int8Params.block_size) -> None:
         self.block_size = _check_block_size(block_size)
 
     def check_meta(self, meta: Mapping[str, Any]) -> None:
@@ -224,120 +206,3 @@ def _check_block_size(bs: object) -> int:
             f"int8: block_size must be an integer in [1, {MAX_BLOCK_SIZE}], got {bs!r}"
         )
     return bs  # type: ignore[return-value]
-
-
-def _build_registry(*classes: type[Codec]) -> Mapping[str, type[Codec]]:
-    registry: dict[str, type[Codec]] = {}
-    for cls in classes:
-        if cls.name in registry:
-            raise RuntimeError(f"codec name {cls.name!r} registered twice")
-        registry[cls.name] = cls
-    return MappingProxyType(registry)
-
-
-CODECS: Mapping[str, type[Codec]] = _build_registry(
-    NoneCodec, Fp16Codec, Bf16Codec, Int8Codec, TopKCodec
-)
-"""The closed registry: wire name -> codec class."""
-KNOWN_CODECS: tuple[str, ...] = tuple(CODECS)
-
-
-def get_codec(name: str, *, block_size: int = DEFAULT_BLOCK_SIZE,
-              density: float = DEFAULT_DENSITY, bits: int = DEFAULT_BITS) -> Codec:
-    """The codec called name (block_size is int8's; density and bits are topk's). CodecError
-    for unknown names, listing the known ones."""
-    cls = CODECS.get(name) if isinstance(name, str) else None
-    if cls is None:
-        raise CodecError(f"unknown codec {name!r} (known: {', '.join(KNOWN_CODECS)})")
-    if cls is Int8Codec:
-        return Int8Codec(block_size)
-    if cls is TopKCodec:
-        return TopKCodec(density, bits)
-    return cls()
-
-
-def codecs_of(names: list[str] | tuple[str, ...], *, block_size: int = DEFAULT_BLOCK_SIZE,
-              density: float = DEFAULT_DENSITY, bits: int = DEFAULT_BITS) -> dict[str, Codec]:
-    """name -> codec for each of ``names`` (a relay's candidates with ``compression: auto``,
-    else its one codec), in order."""
-    return {n: get_codec(n, block_size=block_size, density=density, bits=bits) for n in names}
-
-
-def relay_codecs(cfg: RelayConfig) -> dict[str, Codec]:
-    """The codecs a relay's rounds may use: ``compression: auto``'s candidates, else its one."""
-    return codecs_of(cfg.auto_codec.codecs if cfg.auto_codec else [cfg.codec],
-                     block_size=cfg.block_size, density=cfg.density, bits=cfg.bits)
-
-
-def decode(
-    enc: Encoded, *, out: torch.Tensor | None = None, check_finite: bool = False
-) -> torch.Tensor:
-    """Decode with the codec enc names (block size, k and bits come from enc.meta)."""
-    if not isinstance(enc, Encoded):
-        raise CodecError(f"expected an Encoded, got {type(enc).__name__}")
-    return get_codec(enc.codec).decode(enc, out=out, check_finite=check_finite)
-
-
-class ErrorFeedback:
-    """Error feedback around a codec: what rounding lost for a key in one round is added to that
-    key's next input, so the sum of decoded values tracks the sum of inputs (their difference is
-    the current residual, bounded by one round's codec error)."""
-
-    def __init__(self, codec: Codec) -> None:
-        self.codec = codec
-        self._residuals: dict[Hashable, torch.Tensor] = {}
-
-    def encode(self, x: torch.Tensor, key: Hashable, codec: Codec | None = None) -> Encoded:
-        """Encode x + residual[key] (with ``codec``, default the one given at construction);
-        keep residual[key] := (x + residual) - decode(encoding). The residual is a dense fp32
-        tensor whatever the codec, so a round may change codecs (``compression: auto``): what
-        one codec left out goes into the next codec's input. On a CodecError the residual is
-        left as it was."""
-        codec = codec or self.codec
-        x = prepare(x)
-        residual = self._residuals.get(key)
-        if residual is not None and residual.numel() != x.numel():
-            raise CodecError(
-                f"error feedback for {key!r}: got {x.numel()} elements, the kept residual has "
-                f"{residual.numel()} (reset() it when the layout changes)"
-            )
-        target = x if residual is None else x + residual
-        enc = codec.encode(target)
-        self._residuals[key] = target - codec.decode(enc)
-        return enc
-
-    def residual(self, key: Hashable) -> torch.Tensor | None:
-        """The residual kept for key (None if there is none)."""
-        return self._residuals.get(key)
-
-    def reset(self, key: Hashable | None = None) -> None:
-        """Forget the residual of key, or of every key when key is None."""
-        if key is None:
-            self._residuals.clear()
-        else:
-            self._residuals.pop(key, None)
-
-
-def chunk_spans(
-    numel: int, chunk_numel: int, *, align: int = DEFAULT_BLOCK_SIZE
-) -> list[tuple[int, int]]:
-    """[(start, stop), ...] covering range(numel) in chunks of chunk_numel rounded down to a
-    multiple of align (at least align), so every chunk but the last is whole int8 blocks."""
-    if not is_int(numel) or numel < 0:
-        raise CodecError(f"numel must be a non-negative integer, got {numel!r}")
-    for label, v in (("chunk_numel", chunk_numel), ("align", align)):
-        if not is_int(v) or v < 1:
-            raise CodecError(f"{label} must be a positive integer, got {v!r}")
-    step = max(align, chunk_numel - chunk_numel % align)
-    return [(lo, min(lo + step, numel)) for lo in range(0, numel, step)]
-
-
-def iter_chunks(
-    x: torch.Tensor, chunk_numel: int, *, align: int = DEFAULT_BLOCK_SIZE
-) -> Iterator[torch.Tensor]:
-    """Contiguous views of a flat contiguous tensor, chunk by chunk (see chunk_spans), so a large
-    tensor can be encoded, sent and decoded piece by piece. An empty tensor yields nothing."""
-    if not isinstance(x, torch.Tensor) or x.dim() != 1 or not x.is_contiguous():
-        raise CodecError("iter_chunks needs a 1-D contiguous tensor")
-    spans = chunk_spans(x.numel(), chunk_numel, align=align)  # checked now, not on first next()
-    return (x[lo:hi] for lo, hi in spans)

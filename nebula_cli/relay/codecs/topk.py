@@ -33,7 +33,13 @@ from typing import Any
 
 import torch
 
-from nebula_cli.config.relay_config import TOPK_BIT_CHOICES, TOPK_BITS, TOPK_DENSITY
+from nebula_cli.config.codec_params import (
+    TOPK_BIT_CHOICES,
+    TOPK_SCALE_BLOCK,
+    TOPK_SPANS,
+    TopKParams,
+)
+from nebula_cli.config.codec_params import topk_position_bits as _pos_bits
 from nebula_cli.relay.codecs.base import (
     Codec,
     CodecError,
@@ -44,37 +50,32 @@ from nebula_cli.relay.codecs.base import (
     prepare,
 )
 
-BLOCK = 1024
+BLOCK = TOPK_SCALE_BLOCK
 """Elements per scale block (one pair of bfloat16 scales)."""
-SPANS = (16, 256)  # both divide BLOCK
+SPANS = TOPK_SPANS
 """Elements per top-k span: a position takes 4 or 8 bits."""
 BITS = TOPK_BIT_CHOICES
-DEFAULT_DENSITY = TOPK_DENSITY
-DEFAULT_BITS = TOPK_BITS
 
 
 def layout_for(density: float) -> tuple[int, int]:
-    """(span, kept per span) for a density: spans of 16 (4-bit positions) once the density keeps
-    at least one of 16, else spans of 256."""
+    """(span, kept per span) for a density (`TopKParams.layout`); CodecError unless the
+    density is in (0, 1]."""
     if not isinstance(density, int | float) or isinstance(density, bool) or not (
         0.0 < density <= 1.0
     ):
         raise CodecError(f"topk: density must be in (0, 1], got {density!r}")
-    if round(density * 16) >= 1:
-        return 16, min(16, round(density * 16))
-    return 256, max(1, round(density * 256))
+    return TopKParams(density=density).layout()
 
 
 class TopKCodec(Codec):
     """Top-k per span; values as sign and ``bits - 1`` magnitude bits between the smallest and
     the largest kept magnitude of each block of 1024 (two bfloat16 scales)."""
 
-    name = "topk"
-    sparse = True
+    Params = TopKParams
     error_bound = ("max(|x|, absmax_block * (1 / (2**bits - 2) + 2**-7)) * (1 + 2**-12) "
                    "(dropped: |x|)")
 
-    def __init__(self, density: float = DEFAULT_DENSITY, bits: int = DEFAULT_BITS, *,
+    def __init__(self, density: float = TopKParams.density, bits: int = TopKParams.bits, *,
                  span: int | None = None) -> None:
         auto_span, k = layout_for(density)
         if span is not None and span != auto_span:
@@ -200,10 +201,6 @@ class TopKCodec(Codec):
 
 def _blocks(numel: int) -> int:
     return -(-numel // BLOCK)
-
-
-def _pos_bits(span: int) -> int:
-    return 4 if span == 16 else 8
 
 
 def _packed_len(count: int, bits: int) -> int:

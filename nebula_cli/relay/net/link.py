@@ -24,7 +24,7 @@ from typing import Any
 
 from nebula_cli.config.relay_config import ShapingConfig
 from nebula_cli.errors import NebulaError
-from nebula_cli.relay.codecs.dense import CodecError
+from nebula_cli.relay.codecs.base import CodecError
 from nebula_cli.relay.net.buffers import BufferPool
 from nebula_cli.relay.net.duplex import DuplexTLS
 from nebula_cli.relay.net.framing import send_frames

@@ -44,7 +44,9 @@ log = logging.getLogger("nebula.relay")
 
 PROTOCOL = 2  # 2: round control in ROUND frames, sync size in HELLO
 BACKOFF_MAX = 5.0
-COMPATIBLE = ("protocol", "job_id", "codec", "block_size", "chunk_numel", "density", "bits")
+COMPATIBLE = ("protocol", "job_id", "codec", "chunk_numel")
+"""HELLO keys two relays must agree on, besides every codec's knobs (`CodecParamSet.handshake`:
+the codecs say what of theirs must match)."""
 
 
 class Listener:
@@ -144,13 +146,13 @@ class Peers:
 
     def hello_meta(self) -> dict[str, Any]:
         return {"role": "relay", "cluster": self.me, "job_id": self.cfg.job_id,
-                "protocol": PROTOCOL, "codec": self.cfg.codec, "block_size": self.cfg.block_size,
-                "chunk_numel": self.cfg.chunk_numel, "density": self.cfg.density,
-                "bits": self.cfg.bits, **self._hello()}
+                "protocol": PROTOCOL, "codec": self.cfg.codec,
+                "chunk_numel": self.cfg.chunk_numel, **self.cfg.codec_params.handshake(),
+                **self._hello()}
 
     def incompatible(self, meta: dict[str, Any]) -> str | None:
         mine = self.hello_meta()
-        for key in COMPATIBLE:
+        for key in (*COMPATIBLE, *self.cfg.codec_params.handshake()):
             if meta.get(key) != mine[key]:
                 return f"{key} {meta.get(key)!r} differs from this relay's {mine[key]!r}"
         return None

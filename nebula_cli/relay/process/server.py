@@ -37,7 +37,7 @@ from typing import Any
 
 from nebula_cli.config.relay_config import RelayConfig
 from nebula_cli.pki import CertPair, client_context, server_context
-from nebula_cli.relay.codecs.dense import relay_codecs
+from nebula_cli.relay.codecs.registry import relay_codecs
 from nebula_cli.relay.net import local_socket as local
 from nebula_cli.relay.net.limits import Refusals, chunk_payload_cap
 from nebula_cli.relay.net.link import PeerLink

@@ -13,8 +13,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from nebula_cli.config.relay_config import RelayConfig
+from nebula_cli.relay.codecs.base import Codec
 from nebula_cli.relay.codecs.contribution import decode
-from nebula_cli.relay.codecs.dense import Codec
 from nebula_cli.relay.protocol.results import Average, GlobalState, RoundOutcome
 from nebula_cli.relay.protocol.round_state import RoundState
 

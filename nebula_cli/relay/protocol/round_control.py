@@ -16,7 +16,8 @@ import logging
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from nebula_cli.relay.codecs.dense import Codec, CodecError, Encoded, chunk_spans
+from nebula_cli.relay.codecs.base import Codec, CodecError, Encoded
+from nebula_cli.relay.codecs.chunks import chunk_spans
 from nebula_cli.relay.net.limits import (
     MAX_OPEN_ROUNDS,
     MAX_ROUNDS_AHEAD,

@@ -38,8 +38,10 @@ from typing import Any, Protocol
 import torch
 
 from nebula_cli.config.relay_config import RelayConfig
+from nebula_cli.relay.codecs.base import Codec, Encoded
+from nebula_cli.relay.codecs.chunks import chunk_spans
 from nebula_cli.relay.codecs.contribution import OwnChunks, check_contribution, decode
-from nebula_cli.relay.codecs.dense import Codec, Encoded, ErrorFeedback, chunk_spans
+from nebula_cli.relay.codecs.feedback import ErrorFeedback
 from nebula_cli.relay.net.limits import (
     EarlyChunks,
     Refusals,

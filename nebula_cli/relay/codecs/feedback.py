@@ -1,0 +1,50 @@
+"""Error feedback around a codec: what one round's encoding lost is added to the next round's
+input (per key), so nothing is lost, only delayed."""
+
+from __future__ import annotations
+
+from collections.abc import Hashable
+
+import torch
+
+from nebula_cli.relay.codecs.base import Codec, CodecError, Encoded, prepare
+
+
+class ErrorFeedback:
+    """Error feedback around a codec: what rounding lost for a key in one round is added to that
+    key's next input, so the sum of decoded values tracks the sum of inputs (their difference is
+    the current residual, bounded by one round's codec error)."""
+
+    def __init__(self, codec: Codec) -> None:
+        self.codec = codec
+        self._residuals: dict[Hashable, torch.Tensor] = {}
+
+    def encode(self, x: torch.Tensor, key: Hashable, codec: Codec | None = None) -> Encoded:
+        """Encode x + residual[key] (with ``codec``, default the one given at construction);
+        keep residual[key] := (x + residual) - decode(encoding). The residual is a dense fp32
+        tensor whatever the codec, so a round may change codecs (``compression: auto``): what
+        one codec left out goes into the next codec's input. On a CodecError the residual is
+        left as it was."""
+        codec = codec or self.codec
+        x = prepare(x)
+        residual = self._residuals.get(key)
+        if residual is not None and residual.numel() != x.numel():
+            raise CodecError(
+                f"error feedback for {key!r}: got {x.numel()} elements, the kept residual has "
+                f"{residual.numel()} (reset() it when the layout changes)"
+            )
+        target = x if residual is None else x + residual
+        enc = codec.encode(target)
+        self._residuals[key] = target - codec.decode(enc)
+        return enc
+
+    def residual(self, key: Hashable) -> torch.Tensor | None:
+        """The residual kept for key (None if there is none)."""
+        return self._residuals.get(key)
+
+    def reset(self, key: Hashable | None = None) -> None:
+        """Forget the residual of key, or of every key when key is None."""
+        if key is None:
+            self._residuals.clear()
+        else:
+            self._residuals.pop(key, None)

@@ -1,0 +1,41 @@
+"""relay/codecs/feedback.py: what one codec left out goes into the next round's input, also
+when the round's codec changes (``compression: auto``), and a refused encoding keeps the
+residual as it was."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from nebula_cli.relay.codecs.base import CodecError
+from nebula_cli.relay.codecs.feedback import ErrorFeedback
+from nebula_cli.relay.codecs.registry import get_codec
+
+
+def test_the_residual_is_what_the_encoding_lost_and_carries_across_codecs() -> None:
+    topk, none = get_codec("topk"), get_codec("none")
+    ef = ErrorFeedback(topk)
+    x = torch.randn(4096, generator=torch.Generator().manual_seed(3))
+    sent = topk.decode(ef.encode(x, "k"))
+    residual = ef.residual("k")
+    assert residual is not None and torch.equal(residual, x - sent)
+    assert int(torch.count_nonzero(sent)) == 4096 // 16  # one of each span of 16
+    # the next round with an exact codec sends the new input and everything topk left out
+    y = torch.randn(4096, generator=torch.Generator().manual_seed(4))
+    assert torch.allclose(none.decode(ef.encode(y, "k", none)), y + residual)
+    assert not ef.residual("k").any()  # type: ignore[union-attr]
+
+
+def test_a_refused_encoding_leaves_the_residual_as_it_was() -> None:
+    fp16 = get_codec("fp16")
+    ef = ErrorFeedback(fp16)
+    ef.encode(torch.full((8,), 1.0 + 2.0**-12), "k")
+    kept = ef.residual("k")
+    assert kept is not None and kept.abs().max() > 0
+    with pytest.raises(CodecError, match="beyond the codec's range"):
+        ef.encode(torch.full((8,), 1e6), "k")
+    with pytest.raises(CodecError, match="NaN or infinite"):
+        ef.encode(torch.full((8,), math.nan), "k")
+    assert torch.equal(ef.residual("k"), kept)  # type: ignore[arg-type]

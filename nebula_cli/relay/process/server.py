@@ -193,21 +193,21 @@ class Relay:
     # ------------------------------------------------------------------ wiring
 
     def _sync_numel(self) -> int | None:
-        sync = self.rounds.sync
+        sync = self.rounds.state.sync
         return None if sync is None else sync.numel
 
     def _progress(self) -> dict[str, Any]:
-        return self.rounds.progress_meta()
+        return self.rounds.state.progress_meta()
 
     def _welcome(self) -> dict[str, Any]:
         return {"cluster": self.me, "clusters": self.cfg.clusters, "codec": self.cfg.codec,
                 "round_timeout": self.cfg.round_timeout, **self._progress()}
 
     def _answer_result(self, round_id: int, wait: float, gone: Any) -> Average | None:
-        return self.rounds.answer_result(round_id, wait, gone)
+        return self.rounds.state.answer_result(round_id, wait, gone)
 
     def _answer_state(self, min_round: int, wait: float) -> GlobalState | None:
-        return self.rounds.answer_state(min_round, wait)
+        return self.rounds.state.answer_state(min_round, wait)
 
     def _accept_peer(self, sock: Any, addr: str) -> None:
         self.peers.accept(sock, addr)
@@ -220,12 +220,12 @@ class Relay:
                                                               self._sync_numel()))
 
     def _link_up(self, link: PeerLink) -> None:
-        self.rounds.on_link_up()
+        self.rounds.control.on_link_up()
         self.status.touch()
 
     def _link_down(self, link: PeerLink, reason: str) -> None:
         self.fetcher.link_down(link)
-        self.rounds.on_link_down(link.cluster, reason)
+        self.rounds.control.on_link_down(link.cluster, reason)
         if self.stopping.is_set():
             return
         if reason == "peer said goodbye":
@@ -245,13 +245,13 @@ class Relay:
                 self.peers.on_pong(m.get("id"))
             else:
                 link.progress(m)
-                self.rounds.on_progress()
+                self.rounds.control.on_progress()
         elif t == FrameType.ROUND:
-            self.rounds.on_control(link.cluster, m)
+            self.rounds.control.on_control(link.cluster, m)
         elif t == FrameType.PEER_CHUNK:
             if m.get("op") not in ("contrib", "avg"):
                 raise WireError(f"unknown PEER_CHUNK op {m.get('op')!r}")
-            self.rounds.on_chunk(link.cluster, frame)
+            self.rounds.control.on_chunk(link.cluster, frame)
         elif t == FrameType.STATE_REQUEST:
             self.fetcher.serve(link, m)
         elif t in (FrameType.RESULT, FrameType.STATE):
@@ -275,15 +275,16 @@ class Relay:
                      "since": links[c].connected_at if c in links else None,
                      "round": links[c].done if c in links else None}
                  for c in self.cfg.peers}
-        return {"job_id": self.cfg.job_id, "cluster": self.me, "round": self.rounds.done_round,
-                "peers": peers, "peers_connected": sorted(links), "bytes_sent": sent,
-                "bytes_received": recv, "refused": self.refusals.total,
+        return {"job_id": self.cfg.job_id, "cluster": self.me,
+                "round": self.rounds.state.done_round, "peers": peers,
+                "peers_connected": sorted(links), "bytes_sent": sent, "bytes_received": recv,
+                "refused": self.refusals.total,
                 "sync": self._progress()["sync"]}
 
     def all_done(self) -> bool:
         """This cluster's workers and every other cluster's (all connected) have finished."""
-        with self.rounds.lock:
-            mine = self.rounds.finished
+        with self.rounds.state.lock:
+            mine = self.rounds.state.finished
         view = self.peers.finish_view()
         return mine is not None and set(view) == set(self.cfg.peers) and all(
             finished is not None for finished, _, _ in view.values())
@@ -300,7 +301,7 @@ class Relay:
             elif self.rounds.clock() - done_since >= self.linger and not self.ended.is_set():
                 log.info("every cluster's workers have finished: relay %s ends", self.me)
                 self.ended.set()
-            nxt = self.rounds.tick()
+            nxt = self.rounds.control.tick()
             wait = 0.2 if nxt is None else min(0.2, max(0.0, nxt - self.rounds.clock()))
             self.stopping.wait(wait)
 

@@ -197,7 +197,7 @@ class WorkerPort:
         size the first time); _Refused otherwise."""
         if parts not in STATE_PARTS:
             raise _Refused(f"a tensor in {parts!r} parts", close=True)
-        sync = self.rounds.sync
+        sync = self.rounds.state.sync
         cap = (sync.numel if sync is not None else MAX_SYNC_NUMEL) * parts
         try:
             numel = check_numel(numel, cap)
@@ -211,7 +211,7 @@ class WorkerPort:
         try:
             if numel % parts:
                 raise LimitExceeded(f"{numel} elements do not split into {parts} parts")
-            self.rounds.register(SyncSize.flat(size) if sync is None else sync)
+            self.rounds.state.register(SyncSize.flat(size) if sync is None else sync)
             if sync is not None and size != sync.numel:
                 raise LimitExceeded(f"a tensor of {size} elements; this relay syncs "
                                     f"{sync.numel} (its workers' first registration)")
@@ -229,7 +229,7 @@ class WorkerPort:
                                    f"{key} {mine!r}", close=True)
             if m.get("layout") is not None:
                 try:
-                    self.rounds.register(SyncSize.from_layout(m["layout"]))
+                    self.rounds.state.register(SyncSize.from_layout(m["layout"]))
                 except LimitExceeded as exc:
                     raise _Refused(str(exc), close=True) from None
             send_frames(sock, [Frame(FrameType.WELCOME, self._welcome())])
@@ -270,30 +270,30 @@ class WorkerPort:
             round_id = m.get("round")
             if not isinstance(round_id, int) or isinstance(round_id, bool):
                 raise _Refused("bad round id")
-            self.rounds.publish(GlobalState(round_id, x, parts=parts))
+            self.rounds.state.publish(GlobalState(round_id, x, parts=parts))
             send_frames(sock, [Frame(FrameType.STATE, {"op": "stored", "round": round_id})])
             self._published()
         elif t == FrameType.STATE_REQUEST and m.get("op") == "final":
             wait = m.get("wait")
             if wait is not None and not isinstance(wait, (int, float)):
                 raise _Refused("bad wait")
-            self.rounds.mark_finished()
+            self.rounds.state.mark_finished()
             self._published()  # peers learn that this cluster has finished
-            st = self.rounds.final_state(None if wait is None else float(wait))
+            st = self.rounds.recovery.final_state(None if wait is None else float(wait))
             if st is None:
                 send_frames(sock, [Frame(FrameType.STATE, {"op": "final", "round": None})])
             else:
                 send_tensor(sock, FrameType.STATE, {
                     "op": "final", "round": st.round_id, "parts": st.parts}, st.tensor)
         elif t == FrameType.STATE_REQUEST and m.get("op") == "fetch":
-            st = self.rounds.best_state()
+            st = self.rounds.recovery.best_state()
             if st is None:
                 send_frames(sock, [Frame(FrameType.STATE, {"op": "state", "round": None})])
             else:
                 send_tensor(sock, FrameType.STATE, {
                     "op": "state", "round": st.round_id, "parts": st.parts}, st.tensor)
         elif t == FrameType.BYE:  # rank 0 closed its client: its training is over
-            self.rounds.mark_finished()
+            self.rounds.state.mark_finished()
             self._published()
             return False
         else:

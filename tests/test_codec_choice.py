@@ -116,12 +116,12 @@ def test_a_round_has_one_codec_and_a_cluster_that_used_another_is_left_out() -> 
                     info=RoundInfo(step_s=0.1, comm_s=3.0, codec="int8"))
     assert isinstance(d, Decision)
     assert d.codec == "int8" and d.present == ("a", "c") and d.rejected == ("b",)
-    assert d.next_codec == "topk" and "topk for 90% utilisation" in d.why
+    assert d.next.codec == "topk" and "topk for 90% utilisation" in d.next.why
     assert Decision.from_meta(d.to_meta()) == d
     fixed = Coordinator("a", ["a", "b"], 10.0)  # one codec: nothing to agree on
     fixed.ready(0, 0, "a", ok=True, numel=8, now=0.0, newest_done=-1)
     d2 = fixed.ready(0, 0, "b", ok=True, numel=8, now=0.0, newest_done=-1)
-    assert isinstance(d2, Decision) and (d2.codec, d2.next_codec) == ("", "")
+    assert isinstance(d2, Decision) and (d2.codec, d2.next.codec) == ("", "")
 
 
 # ---------------------------------------------------------------- error feedback

@@ -49,6 +49,7 @@ from nebula_cli.relay.net.wire import (
     recv_frame,
     tune_socket,
 )
+from nebula_cli.relay.protocol.next_round import NextRound
 
 log = logging.getLogger("nebula.relay.client")
 
@@ -89,14 +90,11 @@ class RoundResult:
     """Clusters whose contribution was refused (non-finite, wrong size)."""
     missing: list[str] = field(default_factory=list)
     """Clusters not ready by the deadline, or unreachable when the round was decided."""
-    next_h: int | None = None
-    """``inner_steps: auto``: the H every cluster trains before its next round (agreed by the
-    relays); None: keep the current one."""
     codec: str = ""
     """The codec of the round whose average this is (``compression: auto`` changes it)."""
-    next_merge: int | None = None
-    """Overlap: the step after its boundary at which every cluster applies the next round's
-    average (agreed by the relays); None: keep the current one."""
+    next: NextRound = NextRound()
+    """What the relays agreed of the next round (``inner_steps: auto``: its H; overlap: the
+    step its average is applied at; ...), whole, for the cluster's cadence to follow."""
     stages: dict[str, float] = field(default_factory=dict)
     """Where the call's time went (seconds): ``send`` (this side writing the contribution),
     ``upload`` (the relay reading it), ``relay`` (the relay's round: agreement, exchange),
@@ -198,8 +196,7 @@ class RelayClient:
                 seconds=float(m.get("seconds", 0.0)), global_state=state,
                 global_momentum=momentum,
                 rejected=list(m.get("rejected", [])), missing=list(m.get("missing", [])),
-                next_h=_positive_int(m.get("next_h")), codec=str(m.get("codec") or ""),
-                next_merge=_positive_int(m.get("next_merge")),
+                codec=str(m.get("codec") or ""), next=NextRound.from_meta(m, "round result"),
                 stages={"send": t1 - t0, "upload": float(m.get("upload_s", 0.0)),
                         "relay": float(m.get("seconds", 0.0)),
                         "receive": time.perf_counter() - t2, "total": time.perf_counter() - t0},

@@ -247,10 +247,8 @@ class WorkerPort:
                 sock.lent -= ours
                 self.shared.release(ours)
             out = self.rounds.local_round(round_id, x, RoundInfo.from_meta(m.get("info")))
-            meta = {"round_id": out.round_id, "present": out.present, "next_h": out.next_h,
-                    "next_merge": out.next_merge,
-                    "codec": out.codec,
-                    "weights": out.weights,
+            meta = {"round_id": out.round_id, "present": out.present, **out.next.to_meta(),
+                    "codec": out.codec, "weights": out.weights,
                     "rejected": out.rejected, "missing": out.missing,
                     "seconds": out.seconds, "bytes_sent": out.bytes_sent,
                     "bytes_received": out.bytes_received, "upload_s": upload,

@@ -20,7 +20,7 @@ from nebula_cli.config.relay_config import RelayConfig
 from nebula_cli.relay.codecs.contribution import decode
 from nebula_cli.relay.codecs.dense import Codec
 from nebula_cli.relay.protocol.network import Net
-from nebula_cli.relay.protocol.results import Average, GlobalState, RoundOutcome
+from nebula_cli.relay.protocol.results import Average, GlobalState, RoundMode, RoundOutcome
 from nebula_cli.relay.protocol.round_state import Phase, RoundState
 
 log = logging.getLogger("nebula.relay")
@@ -58,8 +58,8 @@ class Recovery:
             missing = sorted(set(self.cfg.clusters) - set(got.present) - set(got.rejected))
             with self.state.lock:
                 self.state.average = Average(r, got.present, got.rejected, got.tensor, got.codec)
-            return RoundOutcome(got.tensor, got.present, r, got.rejected, missing, mode="fetched",
-                                codec=got.codec)
+            return RoundOutcome(got.tensor, got.present, r, got.rejected, missing,
+                                mode=RoundMode.FETCHED, codec=got.codec)
         return None
 
     def catch_up(self, r: int, numel: int, why: str) -> RoundOutcome:
@@ -68,7 +68,7 @@ class Recovery:
         with self.state.lock:
             avg = self.state.average
         if avg is not None and avg.round_id == r:
-            return RoundOutcome(avg.tensor, avg.present, r, avg.rejected, mode="cached",
+            return RoundOutcome(avg.tensor, avg.present, r, avg.rejected, mode=RoundMode.CACHED,
                                 codec=avg.codec)
         got = self.recover(r, self.net.holders(r), numel)
         if got is not None:
@@ -84,10 +84,10 @@ class Recovery:
                 best = st
         if best is None:
             self._event("round %d: no global state available to catch up from; zero update", r)
-            return RoundOutcome(torch.zeros(numel), [], r, mode="failed")
+            return RoundOutcome(torch.zeros(numel), [], r, mode=RoundMode.FAILED)
         log.info("round %d: caught up to round %d from a published global state", r,
                  best.round_id)
-        return self._taken(best, numel, "catch-up")
+        return self._taken(best, numel, RoundMode.CATCH_UP)
 
     def resync(self, r: int, present: list[str], numel: int) -> RoundOutcome:
         """This cluster's global state diverged from the round's winning lineage: take the
@@ -98,20 +98,22 @@ class Recovery:
         for c in sorted(present, key=self.order.__getitem__):
             st = self.fetch_state(c, r)
             if st is not None and st.round_id >= r:
-                return self._taken(st, numel, "resync")
+                return self._taken(st, numel, RoundMode.RESYNC)
         self._event("round %d: no present peer handed over its global state; zero update", r)
-        return RoundOutcome(torch.zeros(numel), [], r, mode="failed")
+        return RoundOutcome(torch.zeros(numel), [], r, mode=RoundMode.FAILED)
 
     def alone(self, r: int, x: torch.Tensor | None, numel: int, codec: Codec) -> RoundOutcome:
         """No peer could be reached: this cluster's own contribution (as decoded from its
         encoding, as a round with peers would use it), or zeros when it has none."""
         others = [c for c in self.cfg.clusters if c != self.me]
         if x is None:
-            return RoundOutcome(torch.zeros(numel), [], r, [self.me], others, mode="alone")
+            return RoundOutcome(torch.zeros(numel), [], r, [self.me], others,
+                                mode=RoundMode.ALONE)
         avg = decode(codec, codec.encode(x))
         with self.state.lock:
             self.state.average = Average(r, [self.me], [], avg, codec.name)
-        return RoundOutcome(avg, [self.me], r, [], others, mode="alone", codec=codec.name)
+        return RoundOutcome(avg, [self.me], r, [], others, mode=RoundMode.ALONE,
+                            codec=codec.name)
 
     def fetch_state(self, cluster: str, min_round: int) -> GlobalState | None:
         """A peer's published global state of at least ``min_round`` (waiting up to a round's
@@ -179,6 +181,6 @@ class Recovery:
         return st
 
     @staticmethod
-    def _taken(st: GlobalState, numel: int, mode: str) -> RoundOutcome:
+    def _taken(st: GlobalState, numel: int, mode: RoundMode) -> RoundOutcome:
         return RoundOutcome(torch.zeros(numel), [], st.round_id, global_state=st.tensor,
                             mode=mode, lineage=st.lineage)

@@ -316,10 +316,11 @@ class RoundControl:
         """What the newest decision says of the next round (called with the lock held, for
         every decision this relay sees, its own or a peer's): with ``compression: auto`` its
         codec, with overlap its merge step."""
-        if d.round >= self.codec_round and d.next_codec in self.codecs:
-            self.codec, self.codec_round = self.codecs[d.next_codec], d.round
-        elif d.next_codec and d.next_codec not in self.codecs:
+        nxt = d.next
+        if d.round >= self.codec_round and nxt.codec in self.codecs:
+            self.codec, self.codec_round = self.codecs[nxt.codec], d.round
+        elif nxt.codec and nxt.codec not in self.codecs:
             log.warning("round %d: the decision names codec %r, not one of %s; ignored",
-                        d.round, d.next_codec, sorted(self.codecs))
-        if d.next_merge is not None and d.round >= self.merge_round:
-            self.merge_in_force, self.merge_round = d.next_merge, d.round
+                        d.round, nxt.codec, sorted(self.codecs))
+        if nxt.merge is not None and d.round >= self.merge_round:
+            self.merge_in_force, self.merge_round = nxt.merge, d.round

@@ -47,17 +47,11 @@ from nebula_cli.relay.codecs.dense import Codec, Encoded, ErrorFeedback, chunk_s
 from nebula_cli.relay.net.limits import Refusals, SyncSize
 from nebula_cli.relay.net.wire import Frame, FrameType
 from nebula_cli.relay.protocol.agreement import BEHIND, Decision
-from nebula_cli.relay.protocol.allreduce import (
-    DIRECT,
-    SHARD,
-    ExchangeError,
-    RoundExchange,
-    Schedule,
-)
+from nebula_cli.relay.protocol.allreduce import ExchangeError, RoundExchange, Schedule
 from nebula_cli.relay.protocol.network import Net
 from nebula_cli.relay.protocol.pacing import RoundInfo
 from nebula_cli.relay.protocol.recovery import Recovery
-from nebula_cli.relay.protocol.results import Average, RoundOutcome
+from nebula_cli.relay.protocol.results import Average, RoundMode, RoundOutcome
 from nebula_cli.relay.protocol.round_control import MAX_ATTEMPTS, RoundControl
 from nebula_cli.relay.protocol.round_state import Phase, RoundState, Step, after_decision
 
@@ -125,9 +119,11 @@ class Rounds:
             out = self._run_round(round_id, x, info, codec, known)
             out.codec = out.codec or codec.name  # averages carry theirs; the rest apply none
             with state.lock:
-                out.next_merge = out.next_merge or self.control.merge_in_force
+                if out.next.merge is None and self.control.merge_in_force is not None:
+                    out.next = dataclasses.replace(out.next, merge=self.control.merge_in_force)
             self.prev_codec = out.codec
-            self.prev_exchanged = out.mode in (DIRECT, SHARD) and out.global_state is None
+            self.prev_exchanged = (out.mode in (RoundMode.DIRECT, RoundMode.SHARD)
+                                   and out.global_state is None)
             sent1, recv1 = self.net.wan_bytes()
             out.seconds = self.clock() - t0
             out.bytes_sent, out.bytes_received = sent1 - sent0, recv1 - recv0
@@ -175,7 +171,7 @@ class Rounds:
                     self._event("round %d: this cluster was left out (%s) and nobody is "
                                 "present; zero update", r, why)
                     return RoundOutcome(torch.zeros(numel), [], r, list(d.rejected),
-                                   list(d.missing), mode="empty")
+                                   list(d.missing), mode=RoundMode.EMPTY)
                 self._event("round %d: this cluster was left out (%s); fetching the average", r,
                             why)
                 got = recovery.recover(r, list(d.present), numel)
@@ -187,9 +183,7 @@ class Rounds:
             if ex.done:
                 return RoundOutcome(ex.result, list(d.present), r, sorted(set(d.rejected) |
                                ex.dropped), list(d.missing), mode=ex.schedule.mode,
-                               weights=dict(d.weights), next_h=d.next_h,
-                               next_h_why=d.why, codec=codec.name, next_codec=d.next_codec,
-                               next_merge=d.next_merge)
+                               weights=dict(d.weights), codec=codec.name, next=d.next)
             self._event("round %d attempt %d failed: %s", r, attempt, ex.error)
             got = recovery.recover(r, [c for c in d.present if c != self.me], numel,
                                    wait=self.grace)
@@ -200,7 +194,7 @@ class Rounds:
             attempt += 1
             if attempt >= MAX_ATTEMPTS:
                 self._event("round %d: giving up after %d attempts; zero update", r, attempt)
-                return RoundOutcome(torch.zeros(numel), [], r, mode="failed")
+                return RoundOutcome(torch.zeros(numel), [], r, mode=RoundMode.FAILED)
             deadline = self.clock() + self.cfg.round_timeout
 
     def _exchange(self, d: Decision, own: OwnChunks, numel: int, codec: Codec
@@ -286,14 +280,15 @@ class Rounds:
         if out.missing:
             self._event("round %d: completed without %s (gone, or not ready by the deadline)", r,
                         ", ".join(out.missing))
+        nxt = out.next
         log.info("round %d done in %.2fs (%s%s): present %s%s%s%s%s", r, out.seconds, out.mode,
                  f", {out.codec}" if self.cfg.auto_codec else "",
                  out.present, f", weighted by samples {out.weights}" if len(
                      set(out.weights.values())) > 1 else "",
-                 "" if out.next_h is None else f", next H {out.next_h}",
-                 f", next codec {out.next_codec}" if out.next_codec and out.next_codec !=
+                 "" if nxt.h is None else f", next H {nxt.h}",
+                 f", next codec {nxt.codec}" if nxt.codec and nxt.codec !=
                  out.codec else "",
-                 "" if out.next_merge is None else
-                 f", next average applied {out.next_merge} steps after its boundary")
+                 "" if nxt.merge is None else
+                 f", next average applied {nxt.merge} steps after its boundary")
         self._finished(r, out)
 

@@ -29,8 +29,10 @@ from nebula_cli.relay.net.limits import (
     SyncSize,
     held_size,
 )
+from nebula_cli.relay.net.schema import MessageError
 from nebula_cli.relay.net.wire import Frame, FrameType
 from nebula_cli.relay.protocol.agreement import Decision
+from nebula_cli.relay.protocol.messages import Fetched, FetchRequest, PeerChunk, decode_round
 from nebula_cli.relay.protocol.results import Average, GlobalState, RoundOutcome
 from nebula_cli.relay.protocol.round_state import Step, after_decision
 from nebula_cli.relay.protocol.rounds import Rounds
@@ -95,10 +97,10 @@ class Hub:
     def _deliver(self, c: str) -> None:
         while (item := self.inbox[c].get()) is not None:
             src, frame = item
-            if frame.type == FrameType.ROUND:
-                self.rounds[c].control.on_control(src, frame.meta)
+            if frame.type == FrameType.ROUND:  # decoded at the edge, as the relay does
+                self.rounds[c].control.on_control(src, decode_round(frame.meta))
             else:
-                self.rounds[c].control.on_chunk(src, frame)
+                self.rounds[c].control.on_chunk(src, PeerChunk.from_frame(frame))
 
     def _tick(self) -> None:
         while not self.stop.wait(0.02):
@@ -134,15 +136,15 @@ class FakeNet:
     def flush(self, cluster: str, timeout: float) -> None:
         pass
 
-    def fetch(self, cluster: str, meta: dict[str, Any], timeout: float
+    def fetch(self, cluster: str, ask: FetchRequest, timeout: float
               ) -> Average | GlobalState | None:
         if cluster not in self.connected():
             return None
         other = self.hub.rounds[cluster].state
-        if meta["op"] == "result":
-            return other.answer_result(meta["round"], min(meta.get("wait", 5.0), timeout, 5.0),
-                                       lambda: False)
-        return other.answer_state(meta["min_round"], min(meta["wait"], 5.0))
+        wait = 5.0 if ask.wait is None else ask.wait
+        if ask.what == Fetched.RESULT:
+            return other.answer_result(ask.round, min(wait, timeout, 5.0), lambda: False)
+        return other.answer_state(ask.round, min(wait, 5.0))
 
     def holders(self, round_id: int) -> list[str]:
         return [c for c in self.connected() if (avg := self.hub.rounds[c].state.average) is not None
@@ -263,17 +265,21 @@ def test_after_decision_is_a_pure_choice() -> None:
 def test_control_for_far_rounds_and_forged_decisions_is_refused(
         hub3: Hub, caplog: pytest.LogCaptureFixture) -> None:
     a = hub3.rounds["a"].control
+
+    def control(meta: dict[str, Any]) -> None:  # as a ROUND frame from b comes in
+        a.on_control("b", decode_round(meta))
+
     far = Decision(10**6, 0, "b", ("b",), (), (), 4)
-    a.on_control("b", {"op": "start", **far.to_meta()})
+    control({"op": "start", **far.to_meta()})
     forged = Decision(0, 0, "c", ("c",), (), (), 4)
-    a.on_control("b", {"op": "start", **forged.to_meta()})  # c's decision, sent by b
-    a.on_control("b", {"op": "behind", "round": 10**6})
-    a.on_control("b", {"op": "ready", "round": 10**6, "attempt": 0, "ok": True, "numel": 4})
+    control({"op": "start", **forged.to_meta()})  # c's decision, sent by b
+    control({"op": "behind", "round": 10**6})
+    control({"op": "ready", "round": 10**6, "attempt": 0, "ok": True, "numel": 4})
     assert a.decisions == {} and a.behind_rounds == set()
     assert a.coordinator.next_deadline() is None  # no collection opened
     assert "refused round control from b" in caplog.text
-    with pytest.raises(ValueError):
-        a.on_control("b", {"op": "ready", "round": 0, "attempt": 99, "ok": True, "numel": 4})
+    with pytest.raises(MessageError, match="attempt"):
+        control({"op": "ready", "round": 0, "attempt": 99, "ok": True, "numel": 4})
 
 
 def test_early_chunks_are_held_within_the_sync_size_only(hub3: Hub) -> None:
@@ -284,15 +290,18 @@ def test_early_chunks_are_held_within_the_sync_size_only(hub3: Hub) -> None:
                                             "coord": "a", "k": k, "codec": "none", "numel": n,
                                             "codec_meta": {}}, bytes(4 * n))
 
-    a.on_chunk("b", chunk(0, 0))  # before the workers registered: nothing is held
+    def send(frame: Frame) -> None:  # as a PEER_CHUNK frame from b comes in
+        a.on_chunk("b", PeerChunk.from_frame(frame))
+
+    send(chunk(0, 0))  # before the workers registered: nothing is held
     assert a.early.bytes == 0
     hub3.rounds["a"].state.register(SyncSize.flat(512))  # 2 chunks of 256
-    a.on_chunk("b", chunk(0, 0))
+    send(chunk(0, 0))
     one = held_size(chunk(0, 0))
     assert a.early.bytes == one
-    a.on_chunk("b", chunk(0, 0))  # twice
-    a.on_chunk("b", chunk(0, 7))  # no such chunk
-    a.on_chunk("b", chunk(MAX_ROUNDS_AHEAD + 5, 0))  # far in the future
+    send(chunk(0, 0))  # twice
+    send(chunk(0, 7))  # no such chunk
+    send(chunk(MAX_ROUNDS_AHEAD + 5, 0))  # far in the future
     assert a.early.bytes == one and a.early.keys() == [(0, 0, "a")]
     with pytest.raises(LimitExceeded):
         hub3.rounds["a"].state.register(SyncSize.flat(513))

@@ -5,9 +5,10 @@ sends frames, fetches from peers and asks who is there through this interface.""
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+from typing import Protocol
 
 from nebula_cli.relay.net.wire import Frame
+from nebula_cli.relay.protocol.messages import FetchRequest
 from nebula_cli.relay.protocol.results import Average, GlobalState
 
 
@@ -38,7 +39,7 @@ class Net(Protocol):
         """Wait (at most ``timeout``) until the bulk frames queued for a peer are written."""
         ...
 
-    def fetch(self, cluster: str, meta: dict[str, Any], timeout: float
+    def fetch(self, cluster: str, ask: FetchRequest, timeout: float
               ) -> Average | GlobalState | None:
         """Ask a peer for a round's average or a global state; None when it has none."""
         ...

@@ -22,10 +22,9 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Mapping
-from typing import Any
 
 from nebula_cli.config.relay_config import RelayConfig
-from nebula_cli.relay.codecs.dense import Codec, CodecError, Encoded, chunk_spans
+from nebula_cli.relay.codecs.dense import Codec, CodecError, chunk_spans
 from nebula_cli.relay.net.limits import (
     MAX_OPEN_ROUNDS,
     MAX_ROUNDS_AHEAD,
@@ -33,18 +32,24 @@ from nebula_cli.relay.net.limits import (
     LimitExceeded,
     Refusals,
 )
-from nebula_cli.relay.net.wire import Frame, FrameType
 from nebula_cli.relay.protocol.agreement import BEHIND, Coordinator, Decision
 from nebula_cli.relay.protocol.allreduce import ExchangeError, RoundExchange
-from nebula_cli.relay.protocol.lineage import UNKNOWN
+from nebula_cli.relay.protocol.messages import (
+    MAX_ATTEMPTS,
+    Abort,
+    Behind,
+    ChunkKind,
+    PeerChunk,
+    Ready,
+    RoundMessage,
+    round_frame,
+)
 from nebula_cli.relay.protocol.network import Net
-from nebula_cli.relay.protocol.pacing import CODEC_CHARS, RoundInfo
+from nebula_cli.relay.protocol.pacing import RoundInfo
 from nebula_cli.relay.protocol.round_state import RoundState
 
 log = logging.getLogger("nebula.relay")
 
-MAX_ATTEMPTS = 3
-"""Attempts of one round (a present peer gone mid-exchange: the survivors redo it)."""
 HELD_PER_PEER = 2
 """Round control frames held per peer for a round ahead of this relay's own worker."""
 
@@ -69,14 +74,14 @@ class RoundControl:
         self.coordinator = Coordinator(
             self.me, cfg.clusters, cfg.round_timeout, cfg.auto_steps, cfg.auto_codec,
             {name: c.payload_nbytes(n) / n for name, c in self.codecs.items()})
-        self.early = EarlyChunks(cfg.clusters, MAX_ATTEMPTS)
+        self.early = EarlyChunks(cfg.clusters, MAX_ATTEMPTS, size=PeerChunk.held_size)
         """Chunks that came before their round's exchange started here."""
         self.decisions: dict[tuple[int, str], Decision] = {}  # (round, coordinator) ->
         self.behind_rounds: set[int] = set()
         """Rounds some coordinator said are over (this relay catches up instead)."""
         self.floor = -1
         """The round before the newest one this relay's own worker asked for (-1: none yet)."""
-        self.held: dict[str, list[dict[str, Any]]] = {}
+        self.held: dict[str, list[RoundMessage]] = {}
         self._refusals = refusals
         self.clock = clock
 
@@ -102,9 +107,8 @@ class RoundControl:
         """READY for attempt ``attempt`` of round ``r`` to the coordinator (again to a new one
         when the coordinator changes); its decision, BEHIND, or None at ``give_up``."""
         sent_to = None
-        meta = {"op": "ready", "round": r, "attempt": attempt, "ok": not reason, "numel": numel,
-                "reason": reason, "lineage": self.state.lineage_before(r),
-                "info": info.to_meta(), "codec": codec[0], "codec_round": codec[1]}
+        ready = Ready(r, attempt, not reason, numel, reason, self.state.lineage_before(r), info,
+                      codec[0], codec[1])
         state = self.state
         while True:
             with state.lock:
@@ -123,29 +127,27 @@ class RoundControl:
                     state.cv.wait(min(give_up - now, 0.5))
                     continue
             if coord == self.me:
-                self._on_ready(self.me, meta)
-            elif not self.net.send(coord, Frame(FrameType.ROUND, meta)):
+                self._on_ready(self.me, ready)
+            elif not self.net.send(coord, round_frame(ready)):
                 sent_to = None
                 time.sleep(0.05)
 
-    def feed(self, ex: RoundExchange, src: str, frame: Frame) -> None:
+    def feed(self, ex: RoundExchange, src: str, chunk: PeerChunk) -> None:
         """A peer's chunk for exchange ``ex`` (one that is not the sender's round is refused;
         a bad one fails the exchange)."""
-        m = frame.meta
         if src not in ex.schedule.present:  # not in this round: refused, the round goes on
-            self._refusals.refuse("chunk", src, f"round {m.get('round')} is not its round")
+            self._refusals.refuse("chunk", src, f"round {chunk.round} is not its round")
             return
+        enc = chunk.enc
         try:
-            k = int(m["k"])
-            enc = None if m.get("zero") else Encoded.from_wire(m, frame.payload)
             if enc is not None and enc.codec != ex.codec:
                 raise ExchangeError(f"chunk encoded with {enc.codec}, expected {ex.codec}")
-            if m["op"] == "contrib":
-                ex.add_contrib(src, k, enc)
+            if chunk.kind == ChunkKind.CONTRIB:
+                ex.add_contrib(src, chunk.k, enc)
             else:
-                ex.add_avg(src, k, enc)
-        except (ExchangeError, CodecError, KeyError, ValueError) as exc:
-            log.warning("round %s: bad chunk from %s: %s", m.get("round"), src, exc)
+                ex.add_avg(src, chunk.k, enc)
+        except (ExchangeError, CodecError) as exc:
+            log.warning("round %s: bad chunk from %s: %s", chunk.round, src, exc)
             ex.fail(f"bad chunk from {src}: {exc}")
 
     def round_done(self, r: int) -> None:
@@ -156,45 +158,41 @@ class RoundControl:
 
     # ------------------------------------------------------------------ from peers
 
-    def on_control(self, src: str, m: dict[str, Any]) -> None:
-        """A ROUND frame from peer ``src`` (KeyError/ValueError on a malformed one)."""
-        op, r = m.get("op"), int(m["round"])
+    def on_control(self, src: str, msg: RoundMessage) -> None:
+        """Round control from peer ``src`` (decoded where its frame came in)."""
+        r = msg.round
         newest = self._horizon()
-        if op in ("ready", "behind", "start") and r > newest + MAX_ROUNDS_AHEAD:
-            if op in ("ready", "start"):  # perhaps a resumed peer ahead of our own worker
+        if not isinstance(msg, Abort) and r > newest + MAX_ROUNDS_AHEAD:
+            if isinstance(msg, Ready | Decision):  # perhaps a resumed peer ahead of our worker
                 with self.state.lock:
-                    self.held[src] = [*self.held.get(src, []), m][-HELD_PER_PEER:]
+                    self.held[src] = [*self.held.get(src, []), msg][-HELD_PER_PEER:]
                 return
-            self._refusals.refuse("round control", src, f"{op} for round {r}, this relay and "
-                                  f"its peers are at round {newest}")
+            self._refusals.refuse("round control", src, f"behind for round {r}, this relay "
+                                  f"and its peers are at round {newest}")
             return
-        if op == "ready":
-            self._on_ready(src, m)
-        elif op == "start":
-            d = Decision.from_meta(m)
-            if d.coordinator != src:
+        if isinstance(msg, Ready):
+            self._on_ready(src, msg)
+        elif isinstance(msg, Decision):
+            if msg.coordinator != src:
                 self._refusals.refuse("round control", src,
-                                      f"a decision of {d.coordinator} relayed by {src}")
+                                      f"a decision of {msg.coordinator} relayed by {src}")
                 return
-            self._on_decision(d)
-        elif op == "behind":
+            self._on_decision(msg)
+        elif isinstance(msg, Behind):
             with self.state.lock:
                 self.behind_rounds = {b for b in self.behind_rounds
                                       if b > self.state.done_round - MAX_OPEN_ROUNDS} | {r}
                 self.state.cv.notify_all()
-        elif op == "abort":
-            with self.state.lock:
-                ex = self.state.exchanges.get((r, int(m["attempt"]), str(m["coord"])))
-            if ex is not None:
-                ex.fail(f"{src} aborted: {m.get('reason')}")
         else:
-            raise ValueError(f"unknown ROUND op {op!r}")
+            with self.state.lock:
+                ex = self.state.exchanges.get(msg.key)
+            if ex is not None:
+                ex.fail(f"{src} aborted: {msg.reason}")
 
-    def on_chunk(self, src: str, frame: Frame) -> None:
-        """A PEER_CHUNK frame from ``src``: fed to its round's exchange, held briefly if that
-        has not started yet (within limits), else refused."""
-        m = frame.meta
-        key = (int(m["round"]), int(m["attempt"]), str(m["coord"]))
+    def on_chunk(self, src: str, chunk: PeerChunk) -> None:
+        """A chunk from ``src``: fed to its round's exchange, held briefly if that has not
+        started yet (within limits), else refused."""
+        key = chunk.key
         state = self.state
         with state.lock:
             ex = state.exchanges.get(key)
@@ -204,13 +202,13 @@ class RoundControl:
                     numel, self.cfg.chunk_numel, align=self.cfg.block_size))
                 try:
                     done = max(state.done_round, self.floor)
-                    self.early.add(key, src, m.get("k"), frame, done=done,
+                    self.early.add(key, src, chunk.k, chunk, done=done,
                                    sync_numel=numel, num_chunks=spans)
                 except LimitExceeded as exc:
                     if key[0] > done:
                         self._refusals.refuse("chunk", src, str(exc))
                 return
-        self.feed(ex, src, frame)
+        self.feed(ex, src, chunk)
 
     def on_progress(self) -> None:
         """A peer's progress changed (or a link came up): close collections of rounds some
@@ -275,27 +273,21 @@ class RoundControl:
                 self.behind_rounds.add(round_id)
                 self.state.cv.notify_all()
         else:
-            self.net.send(cluster, Frame(FrameType.ROUND, {"op": "behind", "round": round_id}))
+            self.net.send(cluster, round_frame(Behind(round_id)))
 
-    def _on_ready(self, cluster: str, m: dict[str, Any]) -> None:
-        attempt = int(m["attempt"])
-        if not 0 <= attempt < MAX_ATTEMPTS:
-            raise ValueError(f"READY for attempt {attempt}")
+    def _on_ready(self, cluster: str, m: Ready) -> None:
         res = self.coordinator.ready(
-            int(m["round"]), attempt, cluster, ok=bool(m["ok"]), numel=int(m["numel"]),
-            reason=str(m.get("reason", "")), now=self.clock(),
-            newest_done=self.state.newest_done(self.net),
-            lineage=str(m.get("lineage", UNKNOWN)), expected=self._reachable(),
-            info=RoundInfo.from_meta(m.get("info")),
-            codec=(str(m.get("codec") or "")[:CODEC_CHARS], int(m.get("codec_round", -1))))
+            m.round, m.attempt, cluster, ok=m.ok, numel=m.numel, reason=m.reason,
+            now=self.clock(), newest_done=self.state.newest_done(self.net), lineage=m.lineage,
+            expected=self._reachable(), info=m.info, codec=(m.codec, m.codec_round))
         if res == BEHIND:
-            self._tell_behind(cluster, int(m["round"]))
+            self._tell_behind(cluster, m.round)
         elif isinstance(res, Decision):
             self._announce(res)
 
     def _announce(self, d: Decision) -> None:
         """Send a decision to every connected peer and apply it here."""
-        frame = Frame(FrameType.ROUND, {"op": "start", **d.to_meta()})
+        frame = round_frame(d)
         for c in self.net.connected():
             self.net.send(c, frame)
         self._on_decision(d)

@@ -15,9 +15,9 @@ import threading
 import time
 from collections.abc import Callable
 from enum import StrEnum
-from typing import Any
 
 from nebula_cli.relay.net.limits import LimitExceeded, SyncSize
+from nebula_cli.relay.net.messages import Progress
 from nebula_cli.relay.protocol.agreement import Decision
 from nebula_cli.relay.protocol.allreduce import RoundExchange
 from nebula_cli.relay.protocol.lineage import UNKNOWN, advance, initial
@@ -127,14 +127,13 @@ class RoundState:
             self.finished = self.done_round
             self.cv.notify_all()
 
-    def progress_meta(self) -> dict[str, Any]:
+    def progress(self) -> Progress:
         """This relay's progress as peers see it (HELLO, heartbeats)."""
         with self.lock:
-            return {"done": self.done_round,
-                    "state_round": self.published.round_id if self.published else None,
-                    "result_round": self.average.round_id if self.average else None,
-                    "sync": self.sync.to_meta() if self.sync else None,
-                    "finished": self.finished, "lineage": self.lineage}
+            return Progress(self.done_round,
+                            self.published.round_id if self.published else None,
+                            self.average.round_id if self.average else None,
+                            self.finished, self.lineage, self.sync)
 
     def lineage_before(self, round_id: int) -> str:
         """This relay's lineage as its round ``round_id`` starts."""

@@ -45,14 +45,20 @@ from nebula_cli.config.relay_config import RelayConfig
 from nebula_cli.relay.codecs.contribution import OwnChunks, check_contribution, decode
 from nebula_cli.relay.codecs.dense import Codec, Encoded, ErrorFeedback, chunk_spans
 from nebula_cli.relay.net.limits import Refusals, SyncSize
-from nebula_cli.relay.net.wire import Frame, FrameType
 from nebula_cli.relay.protocol.agreement import BEHIND, Decision
 from nebula_cli.relay.protocol.allreduce import ExchangeError, RoundExchange, Schedule
+from nebula_cli.relay.protocol.messages import (
+    MAX_ATTEMPTS,
+    Abort,
+    ChunkKind,
+    PeerChunk,
+    round_frame,
+)
 from nebula_cli.relay.protocol.network import Net
 from nebula_cli.relay.protocol.pacing import RoundInfo
 from nebula_cli.relay.protocol.recovery import Recovery
 from nebula_cli.relay.protocol.results import Average, RoundMode, RoundOutcome
-from nebula_cli.relay.protocol.round_control import MAX_ATTEMPTS, RoundControl
+from nebula_cli.relay.protocol.round_control import RoundControl
 from nebula_cli.relay.protocol.round_state import Phase, RoundState, Step, after_decision
 
 log = logging.getLogger("nebula.relay")
@@ -205,12 +211,8 @@ class Rounds:
         ex_ref: list[RoundExchange] = []
 
         def send(dest: str, kind: str, k: int, enc: Encoded | None) -> None:
-            meta = {"op": kind, "round": d.round, "attempt": d.attempt, "coord": d.coordinator,
-                    "k": k}
-            if enc is None:
-                frame = Frame(FrameType.PEER_CHUNK, {**meta, "zero": True})
-            else:
-                frame = Frame(FrameType.PEER_CHUNK, {**meta, **enc.wire_meta()}, enc.payload)
+            frame = PeerChunk(ChunkKind(kind), d.round, d.attempt, d.coordinator, k,
+                              enc).to_frame()
             if not self.net.send(dest, frame, bulk=True) and ex_ref:
                 ex_ref[0].fail(f"no link to {dest}")
 
@@ -228,8 +230,8 @@ class Rounds:
         gone = [c for c in sched.others if c not in connected]
         if gone:
             ex.fail(f"present peer(s) {gone} not connected")
-        for src, frame in early:
-            self.control.feed(ex, src, frame)
+        for src, chunk in early:
+            self.control.feed(ex, src, chunk)
         try:
             for k in range(len(spans)):
                 if ex.error is not None:
@@ -257,10 +259,9 @@ class Rounds:
                                         ex.codec)
             state.cv.notify_all()
         if not ex.done:
+            abort = round_frame(Abort(d.round, d.attempt, d.coordinator, ex.error or ""))
             for c in sched.others:
-                self.net.send(c, Frame(FrameType.ROUND, {
-                    "op": "abort", "round": d.round, "attempt": d.attempt,
-                    "coord": d.coordinator, "reason": ex.error}))
+                self.net.send(c, abort)
         elif ex.dropped or ex.zeroed:
             self._event("round %d: dropped non-finite chunks from %s, %d average chunk(s) zeroed",
                         d.round, sorted(ex.dropped), ex.zeroed)

@@ -147,8 +147,12 @@ class ClusterShare:
                     int(getattr(result, "round_id", round_id)), state, momentum is not None,
                     str(getattr(result, "codec", "") or ""),
                     getattr(result, "next", None) or NextRound())
-        buf = head.to_tensor() if self.rank == 0 else torch.zeros(HEADER_BYTES,
-                                                                  dtype=torch.uint8)
+        buf = torch.zeros(HEADER_BYTES, dtype=torch.uint8)
+        if self.rank == 0:
+            try:
+                buf = head.to_tensor()
+            except SyncError as exc:  # the other ranks still hear that the round failed
+                error = exc
         self.broadcast(buf)
         head = RoundHeader.from_tensor(buf)  # every rank sees the same (decoded) header
         if not head.ok:

@@ -23,7 +23,7 @@ from nebula_cli.relay.net.messages import Progress
 from nebula_cli.relay.net.schema import Fields, MessageError, is_int
 from nebula_cli.relay.net.wire import Frame, FrameType
 from nebula_cli.relay.protocol.next_round import NextRound
-from nebula_cli.relay.protocol.pacing import RoundInfo
+from nebula_cli.relay.protocol.pacing import CODEC_CHARS, RoundInfo
 from nebula_cli.relay.protocol.results import STATE_PARTS, RoundMode, RoundOutcome
 
 # ---------------------------------------------------------------------- asked by the worker
@@ -231,7 +231,8 @@ class RoundReply:
     def from_meta(cls, meta: object) -> RoundReply:
         f = Fields("RESULT", meta)
         return cls(f.integer("round_id"), f.texts("present", ()), f.texts("rejected", ()),
-                   f.texts("missing", ()), f.numbers("weights", {}), f.text("codec", ""),
+                   f.texts("missing", ()), f.numbers("weights", {}),
+                   f.text("codec", "", max_chars=CODEC_CHARS),
                    NextRound.from_meta(f.meta, "RESULT"),
                    f.choice("mode", RoundMode), f.number("seconds", 0.0),
                    f.integer("bytes_sent", 0), f.integer("bytes_received", 0),

@@ -22,6 +22,10 @@ Frames on a peer link (:mod:`nebula_cli.relay.net.wire`):
   STATE frames (a header, then fp32 chunks {req, lo}).
 - ERROR (refusal, then close), BYE (orderly close).
 
+Each frame is decoded where it comes in (:meth:`Relay._on_peer_frame`) into its typed message:
+the link's own (:mod:`nebula_cli.relay.net.messages`) or the round protocol's
+(:mod:`nebula_cli.relay.protocol.messages`); one that does not fit closes the link.
+
 ``python -m nebula_cli.relay --config relay.json`` (or ``python -m
 nebula_cli.relay.process.server``) runs a relay until SIGTERM (exit 0).
 """

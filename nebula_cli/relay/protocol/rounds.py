@@ -16,10 +16,9 @@ A round (see :mod:`nebula_cli.relay.protocol.allreduce` for the schedule):
 5. A cluster left out (late, or rejected) gets the round's average from a present peer; if
    nobody is present it gets zeros. A cluster whose global state diverged from the others'
    (its READY carries its lineage, see :mod:`nebula_cli.relay.protocol.lineage`) takes a present
-   peer's published global state instead. If a present
-   peer disappears mid-exchange, the survivors fetch the result from one that completed, else
-   redo the round (at most MAX_ATTEMPTS, then a zero delta). With no peer reachable at all a
-   cluster averages alone.
+   peer's published global state instead. If a present peer disappears mid-exchange, the
+   survivors fetch the result from one that completed, else redo the round (at most
+   MAX_ATTEMPTS, then a zero delta). With no peer reachable at all a cluster averages alone.
 
 :class:`Rounds` owns its parts as objects, each handed the shared
 :class:`~nebula_cli.relay.protocol.round_state.RoundState` and the :class:`Net`: ``control``
@@ -28,7 +27,8 @@ peers, the coordinator, agreeing a round; anything for a round too far ahead, a 
 did not make, or an early chunk beyond what the sync size allows is refused there) and
 ``recovery`` (:class:`~nebula_cli.relay.protocol.recovery.Recovery`: fetching, catching up,
 resyncing, averaging alone, the final state). A round's exchange runs on a fresh
-:class:`~nebula_cli.relay.protocol.allreduce.RoundExchange` per decision.
+:class:`~nebula_cli.relay.protocol.allreduce.RoundExchange` per decision. Messages from peers
+reach ``control`` already decoded (:mod:`nebula_cli.relay.protocol.messages`).
 """
 
 from __future__ import annotations

@@ -19,6 +19,7 @@ import math
 import threading
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from enum import StrEnum
 from typing import Any
 
 from nebula_cli.config.relay_config import AutoCodec, AutoSteps
@@ -36,7 +37,15 @@ from nebula_cli.relay.protocol.pacing import (
 
 log = logging.getLogger("nebula.relay")
 
-BEHIND = "behind"
+
+class Verdict(StrEnum):
+    """A coordinator's answer to a READY that is not a decision."""
+
+    BEHIND = "behind"
+    """Some relay already completed that round: the cluster catches up instead."""
+
+
+BEHIND = Verdict.BEHIND
 
 
 @dataclass(frozen=True)
@@ -145,7 +154,7 @@ class Coordinator:
         now: float, newest_done: int, lineage: str = GENESIS,
         expected: Sequence[str] | None = None, info: RoundInfo | None = None,
         codec: tuple[str, int] = ("", -1),
-    ) -> Decision | str | None:
+    ) -> Decision | Verdict | None:
         """Record a READY; returns a Decision (new or remembered), BEHIND, or None (wait).
 
         ``codec``: the codec the cluster encoded with and the round of the decision that named

@@ -32,7 +32,7 @@ from nebula_cli.relay.net.limits import (
     LimitExceeded,
     Refusals,
 )
-from nebula_cli.relay.protocol.agreement import BEHIND, Coordinator, Decision
+from nebula_cli.relay.protocol.agreement import BEHIND, Coordinator, Decision, Verdict
 from nebula_cli.relay.protocol.allreduce import ExchangeError, RoundExchange
 from nebula_cli.relay.protocol.messages import (
     MAX_ATTEMPTS,
@@ -103,7 +103,7 @@ class RoundControl:
             return self.codec, self.codec_round
 
     def agree(self, r: int, attempt: int, reason: str, numel: int, give_up: float,
-              info: RoundInfo, codec: tuple[str, int]) -> Decision | str | None:
+              info: RoundInfo, codec: tuple[str, int]) -> Decision | Verdict | None:
         """READY for attempt ``attempt`` of round ``r`` to the coordinator (again to a new one
         when the coordinator changes); its decision, BEHIND, or None at ``give_up``."""
         sent_to = None

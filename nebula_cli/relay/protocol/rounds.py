@@ -67,7 +67,7 @@ STARTUP_GRACE = 6.0
 """After a (re)start, a round waits up to this long (from the start) for peers that have not
 been connected yet, so that a restarted relay learns how far its peers are first."""
 
-__all__ = ["STARTUP_GRACE", "Net", "Rounds"]
+__all__ = ["STARTUP_GRACE", "Rounds"]
 
 
 class Rounds:
@@ -89,7 +89,7 @@ class Rounds:
         self.prev_exchanged = False  # this relay's previous round was an exchange with peers
         self.prev_codec: str | None = None  # the codec of this relay's previous round
         self.empty = empty
-        self.feedback = (ErrorFeedback(self.control.codec) if cfg.error_feedback else None)
+        self.feedback = ErrorFeedback(self.control.codec) if cfg.error_feedback else None
         self.grace = max(2.0, 2 * cfg.heartbeat)
         self.stall_timeout = max(30.0, 3 * cfg.round_timeout)
         self._event, self._finished = event, finished

@@ -17,8 +17,10 @@ from test_sync import CFG, TwoClusterAverager, plain_step, small_model
 from nebula_cli.config import jobplan, relay_plan
 from nebula_cli.config.relay_config import AutoSteps
 from nebula_cli.config.spec import load_spec
+from nebula_cli.relay.net.schema import MessageError
 from nebula_cli.relay.protocol.agreement import Coordinator, Decision
-from nebula_cli.relay.protocol.allreduce import ExchangeError, ordered_mean
+from nebula_cli.relay.protocol.allreduce import ordered_mean
+from nebula_cli.relay.protocol.next_round import NextRound
 from nebula_cli.relay.protocol.pacing import (
     RoundInfo,
     choose_inner_steps,
@@ -88,12 +90,12 @@ def test_decisions_agree_the_merge_step_and_refuse_a_forged_one() -> None:
                 info=RoundInfo(step_s=0.2, arrive_s=0.9))
     d = coord.ready(0, 0, "b", ok=True, numel=8, now=0.1, newest_done=-1,
                     info=RoundInfo(step_s=0.2, arrive_s=0.3))
-    assert isinstance(d, Decision) and d.next_merge == 2 and d.next_h is None
+    assert isinstance(d, Decision) and d.next.merge == 2 and d.next.h is None
     assert Decision.from_meta(d.to_meta()) == d
-    with pytest.raises(ExchangeError):
+    with pytest.raises(MessageError):
         Decision.from_meta({**d.to_meta(), "next_merge": 0})
     old = {k: v for k, v in d.to_meta().items() if k != "next_merge"}  # a relay before it
-    assert Decision.from_meta(old).next_merge is None
+    assert Decision.from_meta(old).next.merge is None
 
 
 def test_round_info_keeps_only_finite_numbers_in_range() -> None:
@@ -136,17 +138,17 @@ def test_decisions_carry_weights_and_next_h_and_refuse_forged_ones() -> None:
     d = coord.ready(0, 0, "b", ok=True, numel=8, now=0.1, newest_done=-1,
                     info=RoundInfo(weight=128, step_s=0.1, comm_s=3.0))
     assert isinstance(d, Decision)
-    assert dict(d.weights) == {"a": 256.0, "b": 128.0} and d.next_h == 90
-    assert "H 90 for 90% utilisation" in d.why
+    assert dict(d.weights) == {"a": 256.0, "b": 128.0} and d.next.h == 90
+    assert "H 90 for 90% utilisation" in d.next.why
     assert Decision.from_meta(d.to_meta()) == d
     for forged in ({"weights": {"a": 1.0}}, {"weights": {"a": 1.0, "b": -1.0}},
                    {"weights": {"a": 1.0, "b": float("inf")}}, {"next_h": 0}):
-        with pytest.raises(ExchangeError):
+        with pytest.raises(MessageError):
             Decision.from_meta({**d.to_meta(), **forged})
     fixed = Coordinator("a", ["a", "b"], 10.0)  # no auto: no H in its decisions
     fixed.ready(0, 0, "a", ok=True, numel=8, now=0.0, newest_done=-1)
     d2 = fixed.ready(0, 0, "b", ok=True, numel=8, now=0.0, newest_done=-1)
-    assert isinstance(d2, Decision) and d2.next_h is None and d2.weights == ()
+    assert isinstance(d2, Decision) and d2.next.h is None and d2.weights == ()
 
 
 @pytest.mark.parametrize("clusters", [["a", "b"], ["a", "b", "c"]])
@@ -174,11 +176,11 @@ def test_relays_average_weighted_by_samples_identically(clusters: list[str]) -> 
             assert torch.allclose(out[c].tensor, want, atol=1e-6)
             assert out[c].weights == {k: weights[k] for k in clusters}
             # the slowest step (0.1 * n) and a 0.5 s round at 90 %: H = ceil(9 * 0.5 / 0.1n)
-            assert out[c].next_h == max(5, -(-45 // len(clusters)))
-            assert "slowest" in out[c].next_h_why
+            assert out[c].next.h == max(5, -(-45 // len(clusters)))
+            assert "slowest" in out[c].next.why
         # no info: an equal average, as before
         plain = run_round(hub, 1, xs)
-        assert plain["a"].weights == {} and plain["a"].next_h is None
+        assert plain["a"].weights == {} and plain["a"].next.h is None
         assert torch.allclose(plain["a"].tensor, sum(xs.values()) / len(xs), atol=1e-6)
     finally:
         hub.close()
@@ -201,7 +203,7 @@ def test_rounds_by_steps_report_samples_and_step_time() -> None:
     assert not cad.due(9) and cad.due(10)
     clock.t += 5.0
     assert cad.info(10, 32) == {"weight": 320.0, "step_s": 0.5}
-    cad.restart(cost=1.5, next_h=3)  # not auto: H stays
+    cad.restart(cost=1.5, next_round=NextRound(h=3))  # not auto: H stays
     assert cad.inner_steps == 10 and cad.info(0, 32)["comm_s"] == 1.5
 
 
@@ -220,9 +222,9 @@ def test_rounds_by_time_come_after_that_much_training() -> None:
 
 def test_auto_takes_the_agreed_h_and_keeps_it_in_checkpoints() -> None:
     cad = Cadence(ClusterShare(0, 1, None, 4), inner_steps=5, auto=True, clock=Clock())
-    cad.restart(cost=1.0, next_h=42)
+    cad.restart(cost=1.0, next_round=NextRound(h=42))
     assert cad.inner_steps == 42 and cad.due(42) and not cad.due(41)
-    cad.adopt(None)
+    cad.follow(NextRound())
     assert cad.inner_steps == 42
     again = Cadence(ClusterShare(0, 1, None, 4), inner_steps=5, auto=True, clock=Clock())
     again.load_state_dict(cad.state_dict())
@@ -297,9 +299,9 @@ class DecidingAverager(TwoClusterAverager):
         self.infos.append(dict(info or {}))
         time.sleep(self.delay)
         res = super().allreduce(round_id, tensor)
-        res.next_h = self.next_h[round_id] if round_id < len(self.next_h) else None
-        res.next_merge = (self.next_merge[round_id] if round_id < len(self.next_merge)
-                          else None)
+        res.next = NextRound(
+            h=self.next_h[round_id] if round_id < len(self.next_h) else None,
+            merge=self.next_merge[round_id] if round_id < len(self.next_merge) else None)
         return res
 
 

@@ -117,12 +117,12 @@ def test_a_round_has_one_codec_and_a_cluster_that_used_another_is_left_out() -> 
                     info=RoundInfo(step_s=0.1, comm_s=3.0, codec="int8"))
     assert isinstance(d, Decision)
     assert d.codec == "int8" and d.present == ("a", "c") and d.rejected == ("b",)
-    assert d.next_codec == "topk" and "topk for 90% utilisation" in d.why
+    assert d.next.codec == "topk" and "topk for 90% utilisation" in d.next.why
     assert Decision.from_meta(d.to_meta()) == d
     fixed = Coordinator("a", ["a", "b"], 10.0)  # one codec: nothing to agree on
     fixed.ready(0, 0, "a", ok=True, numel=8, now=0.0, newest_done=-1)
     d2 = fixed.ready(0, 0, "b", ok=True, numel=8, now=0.0, newest_done=-1)
-    assert isinstance(d2, Decision) and (d2.codec, d2.next_codec) == ("", "")
+    assert isinstance(d2, Decision) and (d2.codec, d2.next.codec) == ("", "")
 
 
 # ---------------------------------------------------------------- error feedback
@@ -202,7 +202,7 @@ def test_the_spec_and_plan_of_compression_auto(tmp_path: Path) -> None:
 def test_a_relay_on_a_stale_codec_is_left_out_and_fetches_the_average() -> None:
     clusters = ["a", "b", "c"]
     hub = Hub(clusters, codec="auto", auto_codec=FIXED, chunk_numel=1024, block_size=256)
-    topk = hub.rounds["a"].codecs["topk"]
+    topk = hub.rounds["a"].control.codecs["topk"]
     gen = torch.Generator().manual_seed(7)
 
     def round_(r: int) -> dict[str, RoundOutcome]:
@@ -213,20 +213,20 @@ def test_a_relay_on_a_stale_codec_is_left_out_and_fetches_the_average() -> None:
 
     try:
         # b restarted and missed the decisions: it encodes with another codec than a and c
-        with hub.rounds["b"].lock:
-            hub.rounds["b"].codec = topk
+        with hub.rounds["b"].state.lock:
+            hub.rounds["b"].control.codec = topk
         out = round_(0)
         assert out["a"].present == ["a", "c"] and out["a"].rejected == ["b"]
         assert out["b"].mode == "fetched" and out["b"].codec == "int8" == out["a"].codec
         assert all(torch.equal(out[c].tensor, out["a"].tensor) for c in clusters)
-        assert hub.rounds["b"].lineage == hub.rounds["a"].lineage
+        assert hub.rounds["b"].state.lineage == hub.rounds["a"].state.lineage
         assert round_(1)["b"].present == clusters  # b follows the decision from then on
         # a relay that knows the newest decision wins a tie over one that restarted
-        with hub.rounds["a"].lock, hub.rounds["c"].lock:
+        with hub.rounds["a"].state.lock, hub.rounds["c"].state.lock:
             for c in ("a", "c"):
-                hub.rounds[c].codec, hub.rounds[c].codec_round = topk, 1
-        with hub.rounds["b"].lock:
-            hub.rounds["b"].codec_round = -1
+                hub.rounds[c].control.codec, hub.rounds[c].control.codec_round = topk, 1
+        with hub.rounds["b"].state.lock:
+            hub.rounds["b"].control.codec_round = -1
         out = round_(2)
         assert out["a"].codec == "topk" and out["a"].rejected == ["b"]
         assert out["b"].codec == "topk" and torch.equal(out["b"].tensor, out["a"].tensor)

@@ -225,7 +225,7 @@ def test_a_worker_states_what_it_syncs_at_hello(tmp_path: Path) -> None:
     assert layout == {"shapes": [[2, 3], [4]], "dtypes": ["float32", "float32"]}
     with running(job) as relays, job.client("east", layout=layout, retry_for=2.0) as client:
         client._connect()  # the HELLO registers the size before any round
-        sync = relays["east"].rounds.sync
+        sync = relays["east"].rounds.state.sync
         assert sync is not None and sync.numel == 10 and sync.tensors == 2
         with pytest.raises(RelayError, match="10"):
             client.allreduce(0, torch.zeros(11))

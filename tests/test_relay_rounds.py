@@ -29,10 +29,12 @@ from nebula_cli.relay.net.limits import (
     SyncSize,
     held_size,
 )
+from nebula_cli.relay.net.schema import MessageError
 from nebula_cli.relay.net.wire import Frame, FrameType
 from nebula_cli.relay.protocol.agreement import Decision
+from nebula_cli.relay.protocol.messages import Fetched, FetchRequest, PeerChunk, decode_round
 from nebula_cli.relay.protocol.results import Average, GlobalState, RoundOutcome
-from nebula_cli.relay.protocol.round_state import EMPTY, EXCHANGE, LEFT_OUT, after_decision
+from nebula_cli.relay.protocol.round_state import Step, after_decision
 from nebula_cli.relay.protocol.rounds import Rounds
 
 
@@ -82,7 +84,7 @@ class Hub:
         self.up.discard(cluster)
         for c, r in self.rounds.items():
             for other in ([x for x in self.order if x != c] if c == cluster else [cluster]):
-                r.on_link_down(other, "cut")
+                r.control.on_link_down(other, "cut")
 
     def close(self) -> None:
         self.stop.set()
@@ -96,15 +98,15 @@ class Hub:
     def _deliver(self, c: str) -> None:
         while (item := self.inbox[c].get()) is not None:
             src, frame = item
-            if frame.type == FrameType.ROUND:
-                self.rounds[c].on_control(src, frame.meta)
+            if frame.type == FrameType.ROUND:  # decoded at the edge, as the relay does
+                self.rounds[c].control.on_control(src, decode_round(frame.meta))
             else:
-                self.rounds[c].on_chunk(src, frame)
+                self.rounds[c].control.on_chunk(src, PeerChunk.from_frame(frame))
 
     def _tick(self) -> None:
         while not self.stop.wait(0.02):
             for r in self.rounds.values():
-                r.tick()
+                r.control.tick()
 
 
 class FakeNet:
@@ -120,7 +122,7 @@ class FakeNet:
         return min([self.me, *self.connected()], key=self.hub.order.index)
 
     def peers_done(self) -> int:
-        return max([-1, *(self.hub.rounds[c].done_round for c in self.connected())])
+        return max([-1, *(self.hub.rounds[c].state.done_round for c in self.connected())])
 
     def all_linked_once(self) -> bool:
         return True
@@ -135,23 +137,23 @@ class FakeNet:
     def flush(self, cluster: str, timeout: float) -> None:
         pass
 
-    def fetch(self, cluster: str, meta: dict[str, Any], timeout: float
+    def fetch(self, cluster: str, ask: FetchRequest, timeout: float
               ) -> Average | GlobalState | None:
         if cluster not in self.connected():
             return None
-        other = self.hub.rounds[cluster]
-        if meta["op"] == "result":
-            return other.answer_result(meta["round"], min(meta.get("wait", 5.0), timeout, 5.0),
-                                       lambda: False)
-        return other.answer_state(meta["min_round"], min(meta["wait"], 5.0))
+        other = self.hub.rounds[cluster].state
+        wait = 5.0 if ask.wait is None else ask.wait
+        if ask.what == Fetched.RESULT:
+            return other.answer_result(ask.round, min(wait, timeout, 5.0), lambda: False)
+        return other.answer_state(ask.round, min(wait, 5.0))
 
     def holders(self, round_id: int) -> list[str]:
-        return [c for c in self.connected() if (avg := self.hub.rounds[c].average) is not None
+        return [c for c in self.connected() if (avg := self.hub.rounds[c].state.average) is not None
                 and avg.round_id == round_id]
 
     def state_sources(self) -> list[tuple[str, int | None]]:
         def rnd(c: str) -> int | None:
-            st = self.hub.rounds[c].state
+            st = self.hub.rounds[c].state.published
             return None if st is None else st.round_id
 
         return sorted(((c, rnd(c)) for c in self.connected()), key=lambda x: -(x[1] or -1))
@@ -161,7 +163,7 @@ class FakeNet:
 
     def finish_view(self) -> dict[str, tuple[int | None, str | None, int]]:
         return {c: (r.finished, r.lineage, r.done_round) for c in self.connected()
-                if (r := self.hub.rounds[c])}
+                if (r := self.hub.rounds[c].state)}
 
 
 @pytest.fixture
@@ -195,7 +197,7 @@ def test_three_relays_average_exactly_without_sockets(hub3: Hub) -> None:
             assert torch.equal(out[c].tensor, out["a"].tensor)
             assert torch.allclose(out[c].tensor, want, atol=1e-6)
     assert [o.round_id for o in hub3.outcomes["b"]] == [0, 1]
-    assert all(r.done_round == 1 for r in hub3.rounds.values())
+    assert all(r.state.done_round == 1 for r in hub3.rounds.values())
 
 
 @pytest.mark.parametrize("clusters", [["a", "b"], ["a", "b", "c"], ["a", "b", "c", "d"]])
@@ -241,8 +243,8 @@ def test_a_relay_cut_off_averages_alone_then_catches_up_from_a_state() -> None:
         lone = run_round(hub, 1, {"b": torch.full((100,), 3.0)})["b"]
         assert lone.mode == "alone" and lone.present == ["b"]
         assert torch.equal(lone.tensor, torch.full((100,), 3.0))
-        hub.rounds["a"].publish(GlobalState(5, torch.full((100,), 7.0)))
-        hub.rounds["a"].done_round = 5
+        hub.rounds["a"].state.publish(GlobalState(5, torch.full((100,), 7.0)))
+        hub.rounds["a"].state.done_round = 5
         hub.up = {"a", "b"}
         back = run_round(hub, 2, {"b": torch.ones(100)})["b"]
         assert back.mode == "catch-up" and back.round_id == 5
@@ -254,49 +256,56 @@ def test_a_relay_cut_off_averages_alone_then_catches_up_from_a_state() -> None:
 
 def test_after_decision_is_a_pure_choice() -> None:
     d = Decision(3, 0, "a", ("a", "b"), ("c",), (), 10)
-    assert after_decision("a", d, own_ok=True) == EXCHANGE
-    assert after_decision("a", d, own_ok=False) == LEFT_OUT
-    assert after_decision("c", d, own_ok=True) == LEFT_OUT
+    assert after_decision("a", d, own_ok=True) == Step.EXCHANGE
+    assert after_decision("a", d, own_ok=False) == Step.LEFT_OUT
+    assert after_decision("c", d, own_ok=True) == Step.LEFT_OUT
     nobody = Decision(3, 0, "a", (), ("a",), ("b",), 10)
-    assert after_decision("a", nobody, own_ok=True) == EMPTY
+    assert after_decision("a", nobody, own_ok=True) == Step.EMPTY
 
 
 def test_control_for_far_rounds_and_forged_decisions_is_refused(
         hub3: Hub, caplog: pytest.LogCaptureFixture) -> None:
-    a = hub3.rounds["a"]
+    a = hub3.rounds["a"].control
+
+    def control(meta: dict[str, Any]) -> None:  # as a ROUND frame from b comes in
+        a.on_control("b", decode_round(meta))
+
     far = Decision(10**6, 0, "b", ("b",), (), (), 4)
-    a.on_control("b", {"op": "start", **far.to_meta()})
+    control({"op": "start", **far.to_meta()})
     forged = Decision(0, 0, "c", ("c",), (), (), 4)
-    a.on_control("b", {"op": "start", **forged.to_meta()})  # c's decision, sent by b
-    a.on_control("b", {"op": "behind", "round": 10**6})
-    a.on_control("b", {"op": "ready", "round": 10**6, "attempt": 0, "ok": True, "numel": 4})
+    control({"op": "start", **forged.to_meta()})  # c's decision, sent by b
+    control({"op": "behind", "round": 10**6})
+    control({"op": "ready", "round": 10**6, "attempt": 0, "ok": True, "numel": 4})
     assert a.decisions == {} and a.behind_rounds == set()
     assert a.coordinator.next_deadline() is None  # no collection opened
     assert "refused round control from b" in caplog.text
-    with pytest.raises(ValueError):
-        a.on_control("b", {"op": "ready", "round": 0, "attempt": 99, "ok": True, "numel": 4})
+    with pytest.raises(MessageError, match="attempt"):
+        control({"op": "ready", "round": 0, "attempt": 99, "ok": True, "numel": 4})
 
 
 def test_early_chunks_are_held_within_the_sync_size_only(hub3: Hub) -> None:
-    a = hub3.rounds["a"]
+    a = hub3.rounds["a"].control
 
     def chunk(r: int, k: int, n: int = 64) -> Frame:
         return Frame(FrameType.PEER_CHUNK, {"op": "contrib", "round": r, "attempt": 0,
                                             "coord": "a", "k": k, "codec": "none", "numel": n,
                                             "codec_meta": {}}, bytes(4 * n))
 
-    a.on_chunk("b", chunk(0, 0))  # before the workers registered: nothing is held
+    def send(frame: Frame) -> None:  # as a PEER_CHUNK frame from b comes in
+        a.on_chunk("b", PeerChunk.from_frame(frame))
+
+    send(chunk(0, 0))  # before the workers registered: nothing is held
     assert a.early.bytes == 0
-    a.register(SyncSize.flat(512))  # 2 chunks of 256
-    a.on_chunk("b", chunk(0, 0))
+    hub3.rounds["a"].state.register(SyncSize.flat(512))  # 2 chunks of 256
+    send(chunk(0, 0))
     one = held_size(chunk(0, 0))
     assert a.early.bytes == one
-    a.on_chunk("b", chunk(0, 0))  # twice
-    a.on_chunk("b", chunk(0, 7))  # no such chunk
-    a.on_chunk("b", chunk(MAX_ROUNDS_AHEAD + 5, 0))  # far in the future
+    send(chunk(0, 0))  # twice
+    send(chunk(0, 7))  # no such chunk
+    send(chunk(MAX_ROUNDS_AHEAD + 5, 0))  # far in the future
     assert a.early.bytes == one and a.early.keys() == [(0, 0, "a")]
     with pytest.raises(LimitExceeded):
-        a.register(SyncSize.flat(513))
+        hub3.rounds["a"].state.register(SyncSize.flat(513))
 
 
 def test_early_chunk_budget_is_a_few_copies_of_the_sync_size() -> None:
@@ -342,7 +351,7 @@ def publish_after(hub: Hub, cluster: str, round_id: int, theta: torch.Tensor) ->
         deadline = time.monotonic() + 20
         while time.monotonic() < deadline:
             if any(o.round_id == round_id for o in hub.outcomes[cluster]):
-                hub.rounds[cluster].publish(GlobalState(round_id, theta))
+                hub.rounds[cluster].state.publish(GlobalState(round_id, theta))
                 return
             time.sleep(0.01)
 
@@ -370,11 +379,11 @@ def test_relays_that_ended_a_round_differently_converge_on_the_next_one() -> Non
     hub = Hub(["a", "b"])
     try:
         run_round(hub, 0, {c: torch.ones(100) for c in hub.order})
-        assert hub.rounds["a"].lineage == hub.rounds["b"].lineage != "genesis"
+        assert hub.rounds["a"].state.lineage == hub.rounds["b"].state.lineage != "genesis"
         hub.up = {"a"}
         alone = run_round(hub, 1, {"a": torch.full((100,), 2.0), "b": torch.full((100,), 3.0)})
         assert alone["a"].mode == alone["b"].mode == "alone"
-        assert hub.rounds["a"].lineage != hub.rounds["b"].lineage
+        assert hub.rounds["a"].state.lineage != hub.rounds["b"].state.lineage
         hub.up = {"a", "b"}
         theta_a = torch.full((100,), 9.0)
         publisher = publish_after(hub, "a", 2, theta_a)
@@ -385,7 +394,7 @@ def test_relays_that_ended_a_round_differently_converge_on_the_next_one() -> Non
         assert healed["b"].global_state is not None
         assert torch.equal(healed["b"].global_state, theta_a)
         assert any("differs from that of a" in e for e in hub.events["b"]), hub.events["b"]
-        assert hub.rounds["a"].lineage == hub.rounds["b"].lineage
+        assert hub.rounds["a"].state.lineage == hub.rounds["b"].state.lineage
         joint = run_round(hub, 3, {c: torch.full((100,), float(i)) for i, c in
                                    enumerate(hub.order)})
         assert joint["a"].present == joint["b"].present == ["a", "b"]
@@ -398,16 +407,16 @@ def test_the_odd_one_out_resyncs_even_when_it_coordinates(hub3: Hub) -> None:
     """a (the coordinator) diverged while b and c stayed in step: the majority's lineage wins,
     a takes b's state; a relay restarted mid-job (unknown lineage) resyncs too."""
     run_round(hub3, 0, {c: torch.ones(64) for c in hub3.order})
-    hub3.rounds["a"].lineage = "a-alone"  # as if a had averaged alone in some round
+    hub3.rounds["a"].state.lineage = "a-alone"  # as if a had averaged alone in some round
     theta_b = torch.full((64,), 5.0)
     publisher = publish_after(hub3, "b", 1, theta_b)
     out = run_round(hub3, 1, {c: torch.ones(64) for c in hub3.order})
     publisher.join(5)
     assert out["b"].present == out["c"].present == ["b", "c"]
     assert out["a"].mode == "resync" and torch.equal(out["a"].global_state, theta_b)
-    assert len({r.lineage for r in hub3.rounds.values()}) == 1
+    assert len({r.state.lineage for r in hub3.rounds.values()}) == 1
 
-    hub3.rounds["c"].lineage = None  # a relay that restarted: its first round is round 2
+    hub3.rounds["c"].state.lineage = None  # a relay that restarted: its first round is round 2
     theta_a = torch.full((64,), 6.0)
     publisher = publish_after(hub3, "a", 2, theta_a)
     out = run_round(hub3, 2, {c: torch.ones(64) for c in hub3.order})
@@ -457,20 +466,20 @@ def test_clusters_that_end_at_different_rounds_end_with_the_same_state() -> None
     hub = Hub(["a", "b"], round_timeout=30.0)
     try:
         run_round(hub, 0, {c: torch.ones(32) for c in hub.order})
-        hub.rounds["a"].mark_finished()
+        hub.rounds["a"].state.mark_finished()
         with ThreadPoolExecutor(1) as pool:
-            a_final = pool.submit(hub.rounds["a"].final_state, None)
+            a_final = pool.submit(hub.rounds["a"].recovery.final_state, None)
             t0 = time.monotonic()
             last = hub.rounds["b"].local_round(1, torch.full((32,), 4.0))
             assert last.present == ["b"] and time.monotonic() - t0 < 10  # no 30 s deadline
             theta_b = torch.full((32,), 3.0)
-            hub.rounds["b"].publish(GlobalState(1, theta_b))
+            hub.rounds["b"].state.publish(GlobalState(1, theta_b))
             assert not a_final.done()  # a still waits: b trains
-            hub.rounds["b"].mark_finished()
-            assert hub.rounds["b"].final_state(None) is None  # b finished last: its own
+            hub.rounds["b"].state.mark_finished()
+            assert hub.rounds["b"].recovery.final_state(None) is None  # b finished last: its own
             got = a_final.result(timeout=10)
         assert got is not None and got.round_id == 1 and torch.equal(got.tensor, theta_b)
-        assert hub.rounds["a"].lineage == hub.rounds["b"].lineage
+        assert hub.rounds["a"].state.lineage == hub.rounds["b"].state.lineage
     finally:
         hub.close()
 

@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 
+from nebula_cli.relay.protocol.next_round import NextRound
 from nebula_cli.runtime.cluster_share import ClusterShare
 
 FIRST_MERGE_STEPS = 1
@@ -82,24 +83,24 @@ class Cadence:
         """``seconds`` since the last round were not training (overlap: a wait for a merge)."""
         self._paused += max(0.0, seconds)
 
-    def restart(self, *, cost: float | None = None, next_h: int | None = None) -> None:
+    def restart(self, *, cost: float | None = None,
+                next_round: NextRound | None = None) -> None:
         """Training goes on from now; ``cost``: what the round just ended kept the cluster from
-        training; ``next_h``: the H the round's result says (auto only)."""
+        training; ``next_round``: what the round's result says of the next one (followed)."""
         self._since, self._paused = self._clock(), 0.0
         if cost is not None:
             self._last_cost = max(0.0, cost)
-        self.adopt(next_h)
+        if next_round is not None:
+            self.follow(next_round)
 
-    def adopt(self, next_h: int | None) -> None:
-        """Take the H a round's result said (auto only; None: keep H)."""
-        if self.auto and next_h is not None and next_h >= 1:
-            self.inner_steps = int(next_h)
-
-    def agree_merge(self, next_merge: int | None) -> None:
-        """Overlap: take the step at which the next round's average is applied, as a round's
-        result said (None: keep the current one)."""
-        if next_merge is not None and next_merge >= 1:
-            self.merge_steps = int(next_merge)
+    def follow(self, next_round: NextRound) -> None:
+        """Take what a round's result said of the next round: its H (auto only), and with
+        overlap the step at which its average is applied (what it does not say is kept)."""
+        h, merge = next_round.h, next_round.merge
+        if self.auto and h is not None and h >= 1:
+            self.inner_steps = int(h)
+        if merge is not None and merge >= 1:
+            self.merge_steps = int(merge)
 
     def note_arrival(self, seconds: float) -> None:
         """Overlap (rank 0): the round in flight's average arrived ``seconds`` after its
@@ -144,7 +145,8 @@ class Cadence:
         if self.auto and isinstance(h, int) and h >= 1:
             self.inner_steps = h
         k = state.get("merge_steps")
-        self.agree_merge(k if isinstance(k, int) else None)
+        if isinstance(k, int) and k >= 1:
+            self.merge_steps = int(k)
 
     def _training_s(self) -> float:
         return self._clock() - self._since - self._paused

@@ -1,9 +1,14 @@
 """One outer round's outcome shared inside a cluster: rank 0 talks to the averager (the relay),
 checks what came back, and broadcasts it (gloo, CPU) to every rank, so that every rank applies
-the same step or raises the same error."""
+the same step or raises the same error.
+
+The broadcast is a :class:`RoundHeader` (what the round was, and the
+:class:`~nebula_cli.relay.protocol.next_round.NextRound` the relays agreed, whole), encoded by
+that class alone as a fixed-size byte tensor of JSON, then the round's tensors."""
 
 from __future__ import annotations
 
+import json
 import time
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -13,20 +18,24 @@ import torch.distributed as dist
 
 from nebula_cli.errors import NebulaError
 from nebula_cli.relay.codecs.base import all_finite
-from nebula_cli.relay.codecs.registry import KNOWN_CODECS
+from nebula_cli.relay.protocol.next_round import NextRound
 from nebula_cli.runtime.outer import SyncError
 from nebula_cli.runtime.settle import keep
+
+HEADER_BYTES = 4096
+"""The room of a round's header on the broadcast: its JSON at most (a NextRound's longest
+explanation and codec name, escaped, fit with room to spare)."""
 
 
 class AveragedRound(Protocol):
     """What an averager returns for one round (``relay.client.RoundResult`` has this shape).
 
-    Optional attribute ``next_h`` (an int or None): the H to train before the next round
-    (``inner_steps: auto``); ``next_merge`` (an int or None): overlap's agreed step for
-    applying the next round's average. Optional attribute ``global_state`` (a tensor or None):
-    set when this cluster was behind; it is then theta_global after round ``round_id`` and replaces
-    ours (no outer step); ``global_momentum`` then the outer momentum that goes with it (or
-    None).
+    Optional attribute ``next`` (a :class:`NextRound`): what the relays agreed of the next
+    round (``inner_steps: auto``: its H; overlap: the step its average is applied at);
+    ``codec`` (a str): the codec of the round. Optional attribute ``global_state`` (a tensor
+    or None): set when this cluster was behind; it is then theta_global after round
+    ``round_id`` and replaces ours (no outer step); ``global_momentum`` then the outer momentum
+    that goes with it (or None).
     """
 
     tensor: torch.Tensor  # the average over the clusters present, flat fp32 CPU
@@ -66,9 +75,51 @@ class Shared:
     seconds: float = 0.0
     clusters: list[str] | None = None  # names, known on rank 0 only
     momentum: torch.Tensor | None = None  # with ``state``: the peer's outer momentum
-    next_h: int | None = None  # inner_steps: auto: the H agreed for the next round
     codec: str = ""  # the codec of the round whose average this is ("": not said)
-    next_merge: int | None = None  # overlap: the step the next round's average is applied at
+    next: NextRound = NextRound()  # what the relays agreed of the next round
+
+
+@dataclass(frozen=True)
+class RoundHeader:
+    """What rank 0 tells every rank of the cluster about a round before its tensors: whether
+    it has one (``ok``), what it was, and what the next round is."""
+
+    ok: bool = False
+    present: int = 0
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    seconds: float = 0.0
+    round_id: int = 0
+    has_state: bool = False
+    has_momentum: bool = False
+    codec: str = ""
+    next: NextRound = NextRound()
+
+    def to_tensor(self) -> torch.Tensor:
+        """The header as HEADER_BYTES of JSON (zero-padded), for the broadcast."""
+        data = json.dumps({"ok": self.ok, "present": self.present,
+                           "bytes_sent": self.bytes_sent, "bytes_received": self.bytes_received,
+                           "seconds": self.seconds, "round_id": self.round_id,
+                           "has_state": self.has_state, "has_momentum": self.has_momentum,
+                           "codec": self.codec, **self.next.to_meta()},
+                          separators=(",", ":")).encode()
+        if len(data) > HEADER_BYTES:
+            raise SyncError(f"a round header of {len(data)} bytes (at most {HEADER_BYTES})")
+        out = torch.zeros(HEADER_BYTES, dtype=torch.uint8)
+        out[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        return out
+
+    @classmethod
+    def from_tensor(cls, t: torch.Tensor) -> RoundHeader:
+        """What :meth:`to_tensor` made; a tensor of zeros (nothing broadcast) is not ok."""
+        data = bytes(t.numpy()).rstrip(b"\0")
+        if not data:
+            return cls()
+        m = json.loads(data)
+        return cls(bool(m["ok"]), int(m["present"]), int(m["bytes_sent"]),
+                   int(m["bytes_received"]), float(m["seconds"]), int(m["round_id"]),
+                   bool(m["has_state"]), bool(m["has_momentum"]), str(m["codec"]),
+                   NextRound.from_meta(m, "round header"))
 
 
 class ClusterShare:
@@ -83,22 +134,28 @@ class ClusterShare:
 
     def share(self, round_id: int, result: Any, error: BaseException | None) -> Shared:
         """Rank 0's round outcome (or failure), broadcast to every rank of the cluster."""
-        header = torch.zeros(11, dtype=torch.float64)
+        head = RoundHeader()
         payload = momentum = None
         if self.rank == 0:
             if error is None:
                 payload, state, error = self.check_result(round_id, result)
             if error is None:
                 momentum = self.momentum_of(result) if state else None
-                header = torch.tensor(
-                    [1.0, len(result.present), result.bytes_sent, result.bytes_received,
-                     result.seconds, int(getattr(result, "round_id", round_id)),
-                     float(state), float(momentum is not None),
-                     float(getattr(result, "next_h", None) or 0),
-                     float(_codec_index(getattr(result, "codec", ""))),
-                     float(getattr(result, "next_merge", None) or 0)], dtype=torch.float64)
-        self.broadcast(header)
-        if header[0].item() != 1.0:
+                head = RoundHeader(
+                    True, len(result.present), int(result.bytes_sent),
+                    int(result.bytes_received), float(result.seconds),
+                    int(getattr(result, "round_id", round_id)), state, momentum is not None,
+                    str(getattr(result, "codec", "") or ""),
+                    getattr(result, "next", None) or NextRound())
+        buf = torch.zeros(HEADER_BYTES, dtype=torch.uint8)
+        if self.rank == 0:
+            try:
+                buf = head.to_tensor()
+            except SyncError as exc:  # the other ranks still hear that the round failed
+                error = exc
+        self.broadcast(buf)
+        head = RoundHeader.from_tensor(buf)  # every rank sees the same (decoded) header
+        if not head.ok:
             if self.rank == 0:
                 if isinstance(error, NebulaError):
                     raise error
@@ -107,19 +164,17 @@ class ClusterShare:
         if payload is None:
             payload = torch.empty(self.numel, dtype=torch.float32)
         self.broadcast(payload)
-        has_state = header[6].item() == 1.0
-        if header[7].item() == 1.0:
+        if head.has_momentum:
             if momentum is None:
                 momentum = torch.empty(self.numel, dtype=torch.float32)
             self.broadcast(momentum)
         return Shared(
-            round_id=int(header[5].item()) if has_state else round_id,
-            avg=None if has_state else payload, state=payload if has_state else None,
-            present=int(header[1].item()), bytes_sent=int(header[2].item()),
-            bytes_received=int(header[3].item()), seconds=header[4].item(),
-            clusters=list(result.present) if self.rank == 0 else None, momentum=momentum,
-            next_h=int(header[8].item()) or None, codec=_codec_name(int(header[9].item())),
-            next_merge=int(header[10].item()) or None)
+            round_id=head.round_id if head.has_state else round_id,
+            avg=None if head.has_state else payload,
+            state=payload if head.has_state else None, present=head.present,
+            bytes_sent=head.bytes_sent, bytes_received=head.bytes_received,
+            seconds=head.seconds, clusters=list(result.present) if self.rank == 0 else None,
+            momentum=momentum, codec=head.codec, next=head.next)
 
     def check_result(self, round_id: int, result: Any
                       ) -> tuple[torch.Tensor | None, bool, BaseException | None]:
@@ -150,15 +205,6 @@ class ClusterShare:
             dist.broadcast(keep(tensor), src=0, group=self.group)
 
 
-def _codec_index(name: object) -> int:
-    """A codec's name as a number a broadcast carries (0: none said)."""
-    return KNOWN_CODECS.index(name) + 1 if name in KNOWN_CODECS else 0
-
-
-def _codec_name(index: int) -> str:
-    return KNOWN_CODECS[index - 1] if 0 < index <= len(KNOWN_CODECS) else ""
-
-
 def round_stats(shared: Shared, t0: float, delta: torch.Tensor) -> dict[str, Any]:
     """What OuterSync returns (and logs) after a round that started at ``t0``
     (``time.perf_counter``); ``delta``: this cluster's contribution."""
@@ -176,8 +222,8 @@ def round_stats(shared: Shared, t0: float, delta: torch.Tensor) -> dict[str, Any
     }
     if shared.clusters is not None:
         stats["clusters"] = shared.clusters
-    if shared.next_h is not None:
-        stats["next_inner_steps"] = shared.next_h
+    if shared.next.h is not None:
+        stats["next_inner_steps"] = shared.next.h
     if shared.codec:
         stats["codec"] = shared.codec
     return stats

@@ -354,7 +354,7 @@ class OuterSync:
             self._io.write(self.theta_global)
         # else: nobody's average this round; the local progress carries into the next delta
         stats = round_stats(shared, t0, delta)
-        self.cadence.restart(cost=stats["round_s"], next_h=shared.next_h)
+        self.cadence.restart(cost=stats["round_s"], next_round=shared.next)
         return stats
 
     def _overlapped_round(self, since: int, info: dict[str, float]) -> dict[str, Any]:
@@ -394,8 +394,7 @@ class OuterSync:
                      **self.cadence.step_times())  # the overlap's timeline
         self.cadence.pause(stats["round_s"])  # waiting for it and applying it: not training
         self.cadence.note_cost(shared.seconds)
-        self.cadence.adopt(shared.next_h)
-        self.cadence.agree_merge(shared.next_merge)
+        self.cadence.follow(shared.next)
         stats["merged_after_steps"] = since
         return stats
 

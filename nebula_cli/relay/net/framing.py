@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from nebula_cli.relay.net.local_socket import LocalConn, from_memfd, to_memfd
+from nebula_cli.relay.net.schema import is_int
 from nebula_cli.relay.net.wire import (
     HEADER_SIZE,
     Frame,
@@ -85,7 +86,7 @@ def send_tensor(conn: Any, ftype: FrameType, meta: dict[str, Any], tensor: torch
 
 def check_numel(numel: Any, max_numel: int) -> int:
     """``numel`` if it is an int in [0, max_numel], else WireError saying what was declared."""
-    if not isinstance(numel, int) or isinstance(numel, bool) or not 0 <= numel <= max_numel:
+    if not is_int(numel) or not 0 <= numel <= max_numel:
         raise WireError(f"bad tensor size {numel!r} (at most {max_numel} elements accepted)")
     return numel
 

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from nebula_cli.errors import NebulaError
+from nebula_cli.relay.net.schema import is_int
 
 HANDSHAKE_TIMEOUT = 10.0
 """Seconds a new connection may take for its TLS handshake and HELLO."""
@@ -87,6 +88,10 @@ class SyncSize:
                 "dtypes": sorted(set(self.dtypes)),
                 "shapes_sha256": hashlib.sha256(shapes.encode()).hexdigest()}
 
+    def to_layout(self) -> dict[str, Any]:
+        """The layout a worker states at HELLO (read back by :meth:`from_layout`)."""
+        return {"shapes": [list(s) for s in self.shapes], "dtypes": list(self.dtypes)}
+
     @classmethod
     def from_layout(cls, meta: Any) -> SyncSize:
         """A worker's layout {shapes: [[...], ...], dtypes: [...]}; LimitExceeded if malformed
@@ -105,7 +110,7 @@ class SyncSize:
 
 
 def _dim(d: Any) -> int:
-    if not isinstance(d, int) or isinstance(d, bool) or not 0 <= d <= MAX_SYNC_NUMEL:
+    if not is_int(d) or not 0 <= d <= MAX_SYNC_NUMEL:
         raise ValueError(f"bad dimension {d!r}")
     return d
 
@@ -191,12 +196,14 @@ class EarlyChunks:
     index the sync size allows; EARLY_COPIES x the sync size in all, every frame counted with
     its meta and EARLY_FRAME_COST on top of its payload (a zero-length chunk is not free).
     Every check comes before anything is stored; anything else is refused (LimitExceeded says
-    why)."""
+    why). ``size(chunk)`` is what holding one costs (default :func:`held_size` of a frame)."""
 
-    def __init__(self, clusters: Sequence[str], max_attempts: int) -> None:
+    def __init__(self, clusters: Sequence[str], max_attempts: int,
+                 size: Callable[[Any], int] = held_size) -> None:
         self._held: dict[tuple[int, int, str], dict[tuple[str, int], Any]] = {}
         self._clusters = frozenset(clusters)
         self._max_attempts = max_attempts
+        self._size = size
         self.bytes = 0
 
     def add(self, key: tuple[int, int, str], src: str, k: Any, frame: Any, *, done: int,
@@ -210,7 +217,7 @@ class EarlyChunks:
             raise LimitExceeded(f"a chunk for attempt {attempt} coordinated by {coord!r}")
         if not isinstance(k, int) or not 0 <= k < num_chunks:
             raise LimitExceeded(f"chunk index {k!r} (the sync size has {num_chunks} chunks)")
-        size = held_size(frame)
+        size = self._size(frame)
         slot = self._held.get(key)
         if slot is not None and (src, k) in slot:
             raise LimitExceeded(f"chunk {k} of round {round_id} twice")
@@ -222,7 +229,7 @@ class EarlyChunks:
 
     def pop(self, key: tuple[int, int, str]) -> list[tuple[str, Any]]:
         slot = self._held.pop(key, {})
-        self.bytes -= sum(held_size(f) for f in slot.values())
+        self.bytes -= sum(self._size(f) for f in slot.values())
         return [(src, f) for (src, _), f in slot.items()]
 
     def drop_through(self, round_id: int) -> None:

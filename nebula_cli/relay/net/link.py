@@ -7,8 +7,9 @@ itself when the peer did not offer records; then both threads use the socket thr
 :class:`DuplexTLS`, which serialises their OpenSSL calls (two threads may not be inside
 SSL_read and SSL_write at once) and waits outside its lock.
 Control frames jump ahead of bulk ones; WAN shaping is applied on the sender; an idle link
-carries heartbeats; :attr:`PeerLink.last_rx` tells the relay's ticker whether it is alive.
-What a frame means is not this module's business: received frames go to ``on_frame``.
+carries heartbeats (the relay's :class:`~nebula_cli.relay.net.messages.Progress`);
+:attr:`PeerLink.last_rx` tells the relay's ticker whether it is alive. What a frame means is
+not this module's business: received frames go to ``on_frame``.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from nebula_cli.relay.net.buffers import BufferPool
 from nebula_cli.relay.net.duplex import DuplexTLS
 from nebula_cli.relay.net.framing import send_frames
 from nebula_cli.relay.net.gcm_records import RecordConn
+from nebula_cli.relay.net.messages import Progress, Refusal
 from nebula_cli.relay.net.shaping import Shaper
 from nebula_cli.relay.net.wire import (
     HEADER_SIZE,
@@ -67,15 +69,16 @@ class PeerLink:
 
     ``on_frame(link, frame)`` runs on the receiver thread for every frame but BYE and ERROR;
     an exception it raises (a protocol error) closes the link. ``on_close(link, reason)`` runs
-    once when the link closes. ``beat()`` gives the meta of a heartbeat; ``payload_cap()`` the
-    largest payload accepted in the next frame (checked before it is allocated).
+    once when the link closes. ``progress`` is the peer's as its hello said; ``beat()`` gives
+    this relay's progress for a heartbeat; ``payload_cap()`` the largest payload accepted in the
+    next frame (checked before it is allocated).
     """
 
-    def __init__(self, cluster: str, conn: LinkConn, hello: dict[str, Any], *,
+    def __init__(self, cluster: str, conn: LinkConn, progress: Progress, *,
                  shaping: ShapingConfig, heartbeat: float,
                  on_frame: Callable[[PeerLink, Frame], None],
                  on_close: Callable[[PeerLink, str], None],
-                 beat: Callable[[], dict[str, Any]], payload_cap: Callable[[], int]) -> None:
+                 beat: Callable[[], Progress], payload_cap: Callable[[], int]) -> None:
         self.cluster = cluster
         self.io: RecordConn | DuplexTLS
         if isinstance(conn, RecordConn):
@@ -92,13 +95,12 @@ class PeerLink:
         self.addr = peer_addr(self.sock)
         self.shaper = Shaper.from_config(shaping)
         self.heartbeat = heartbeat
-        self.hello = hello
         self.done = -1
         self.state_round: int | None = None
         self.result_round: int | None = None
         self.finished: int | None = None
         self.lineage: str | None = None
-        self.progress(hello)
+        self.progress(progress)
         self.bytes_sent = 0
         self.bytes_received = 0
         self.connected_at = time.time()
@@ -123,15 +125,11 @@ class PeerLink:
         for t in self._threads:
             t.start()
 
-    def progress(self, meta: dict[str, Any]) -> None:
+    def progress(self, p: Progress) -> None:
         """A peer's progress (HELLO or heartbeat): its newest round, state and result, its
         lineage, and the round its workers finished at (None while they train)."""
-        self.done = int(meta.get("done", self.done))
-        self.state_round = opt_int(meta.get("state_round"))
-        self.result_round = opt_int(meta.get("result_round"))
-        self.finished = opt_int(meta.get("finished"))
-        lineage = meta.get("lineage")
-        self.lineage = lineage if isinstance(lineage, str) else None
+        self.done, self.state_round, self.result_round = p.done, p.state_round, p.result_round
+        self.finished, self.lineage = p.finished, p.lineage
 
     def send(self, frame: Frame, *, bulk: bool = False) -> None:
         """Queue a frame (control frames jump ahead of bulk ones). LinkDown if closed."""
@@ -180,7 +178,7 @@ class PeerLink:
                 self._cv.wait(self.heartbeat - idle)
             else:
                 return None
-        return Frame(FrameType.HEARTBEAT, self._beat()), time.monotonic(), False
+        return Frame(FrameType.HEARTBEAT, self._beat().to_meta()), time.monotonic(), False
 
     def _send_loop(self) -> None:
         try:
@@ -217,7 +215,7 @@ class PeerLink:
                     self.close("peer said goodbye")
                     break
                 if frame.type == FrameType.ERROR:
-                    self.close(f"peer refused: {frame.meta.get('reason')}")
+                    self.close(f"peer refused: {Refusal.from_meta(frame.meta).reason}")
                     break
                 self._on_frame(self, frame)
         except ConnectionClosed as exc:
@@ -228,10 +226,6 @@ class PeerLink:
             self.close("closed")
             self._threads[0].join(5.0)
             self.sock.close()
-
-
-def opt_int(v: Any) -> int | None:
-    return None if v is None else int(v)
 
 
 def peer_addr(sock: socket.socket) -> str:
@@ -249,7 +243,7 @@ def refuse(sock: ssl.SSLSocket, reason: str) -> None:
     """Tell a connection why it is refused (ERROR), then close it."""
     try:
         sock.settimeout(2.0)
-        send_frames(sock, [Frame(FrameType.ERROR, {"reason": reason})])
+        send_frames(sock, [Refusal(reason).to_frame()])
     except (OSError, WireError):
         pass
     sock.close()

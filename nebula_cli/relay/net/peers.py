@@ -38,6 +38,8 @@ from nebula_cli.relay.net.limits import (
     Refusals,
 )
 from nebula_cli.relay.net.link import LinkConn, LinkDown, PeerLink, peer_addr, refuse
+from nebula_cli.relay.net.messages import PeerHello, Ping, Progress, Refusal
+from nebula_cli.relay.net.schema import MessageError
 from nebula_cli.relay.net.wire import Frame, FrameType, WireError, recv_frame, tune_socket
 
 log = logging.getLogger("nebula.relay")
@@ -118,13 +120,14 @@ class Listener:
 
 
 class Peers:
-    """The live peer links of one relay. ``make_link(cluster, sock, hello)`` builds a link
-    wired to the relay; ``on_up(link)`` / ``on_down(link, reason)`` run (outside any lock)
-    when the current link of a cluster changes."""
+    """The live peer links of one relay. ``hello()`` is this relay's progress for its HELLO
+    and WELCOME; ``make_link(cluster, sock, progress)`` builds a link wired to the relay (the
+    peer's progress as its hello said); ``on_up(link)`` / ``on_down(link, reason)`` run
+    (outside any lock) when the current link of a cluster changes."""
 
     def __init__(self, cfg: RelayConfig, server_ctx: ssl.SSLContext,
                  client_ctx: ssl.SSLContext, *, hello: Callable[[], dict[str, Any]],
-                 make_link: Callable[[str, LinkConn, dict[str, Any]], PeerLink],
+                 make_link: Callable[[str, LinkConn, Progress], PeerLink],
                  on_up: Callable[[PeerLink], None], on_down: Callable[[PeerLink, str], None],
                  refusals: Refusals, stopping: threading.Event) -> None:
         self.cfg, self.me = cfg, cfg.cluster
@@ -179,16 +182,22 @@ class Peers:
                 refuse(tls, f"cluster {ident.cluster} {why}")
                 return
             tls.settimeout(HANDSHAKE_TIMEOUT)
-            hello = recv_frame(tls, max_payload=0)
-            reason = (f"expected HELLO, got {hello.type.name}" if hello.type != FrameType.HELLO
-                      else self.incompatible(hello.meta))
-            if reason or hello.meta.get("cluster") != ident.cluster:
+            frame = recv_frame(tls, max_payload=0)
+            reason = (f"expected HELLO, got {frame.type.name}" if frame.type != FrameType.HELLO
+                      else self.incompatible(frame.meta))
+            hello = None
+            if reason is None:
+                try:
+                    hello = PeerHello.from_meta(frame.meta)
+                except MessageError as exc:
+                    reason = str(exc)
+            if hello is None or hello.cluster != ident.cluster:
                 reason = reason or "HELLO names another cluster than its certificate"
                 log.warning("refused peer %s (%s): %s", addr, ident.cluster, reason)
                 refuse(tls, reason)
                 return
             welcome = self.hello_meta()
-            peer_key = records.accepted(hello.meta.pop("records", None))
+            peer_key = records.accepted(hello.records)
             if peer_key is not None:
                 key, welcome["records"] = records.offer()
             send_frames(tls, [Frame(FrameType.WELCOME, welcome)])
@@ -198,7 +207,7 @@ class Peers:
             log.warning("peer %s (%s) lost during hello: %s", addr, ident.cluster, exc)
             tls.close()
             return
-        self._add(ident.cluster, conn, hello.meta)
+        self._add(ident.cluster, conn, hello.progress)
 
     def _dial_loop(self, peer: str) -> None:
         host, port = parse_addr(self.cfg.peers[peer])
@@ -219,15 +228,16 @@ class Peers:
                     key, offer = records.offer()
                     send_frames(tls, [Frame(FrameType.HELLO, {**self.hello_meta(),
                                                               "records": offer})])
-                    welcome = recv_frame(tls, max_payload=0)
-                    if welcome.type == FrameType.ERROR:
-                        raise NebulaError(f"refused: {welcome.meta.get('reason')}")
-                    if welcome.type != FrameType.WELCOME:
-                        raise WireError(f"expected WELCOME, got {welcome.type.name}")
-                    reason = self.incompatible(welcome.meta)
+                    frame = recv_frame(tls, max_payload=0)
+                    if frame.type == FrameType.ERROR:
+                        raise NebulaError(f"refused: {Refusal.from_meta(frame.meta).reason}")
+                    if frame.type != FrameType.WELCOME:
+                        raise WireError(f"expected WELCOME, got {frame.type.name}")
+                    reason = self.incompatible(frame.meta)
                     if reason:
                         raise NebulaError(reason)
-                    offered = welcome.meta.pop("records", None)
+                    welcome = PeerHello.from_meta(frame.meta, "WELCOME")
+                    offered = welcome.records
                     peer_key = records.accepted(offered)
                     if offered is not None and peer_key is None:  # it unwraps; we cannot
                         raise NebulaError(f"peer offered records this relay cannot use "
@@ -237,7 +247,7 @@ class Peers:
                 except BaseException:
                     tls.close()
                     raise
-                self._add(peer, conn, welcome.meta)
+                self._add(peer, conn, welcome.progress)
                 delay, failures = 0.1, 0
             except (OSError, NebulaError) as exc:
                 failures += 1
@@ -248,8 +258,8 @@ class Peers:
                 self.stopping.wait(delay)
                 delay = min(delay * 2, BACKOFF_MAX)
 
-    def _add(self, cluster: str, conn: LinkConn, hello: dict[str, Any]) -> None:
-        link = self._make_link(cluster, conn, hello)
+    def _add(self, cluster: str, conn: LinkConn, progress: Progress) -> None:
+        link = self._make_link(cluster, conn, progress)
         with self.lock:
             if self.stopping.is_set():
                 conn.close()
@@ -350,7 +360,7 @@ class Peers:
 
     # ------------------------------------------------------------------ round trips
 
-    def on_pong(self, ping_id: Any) -> None:
+    def on_pong(self, ping_id: int) -> None:
         with self.lock:
             slot = self.pings.get(ping_id)
             if slot is not None:
@@ -364,7 +374,7 @@ class Peers:
             self.pings[req] = []
         try:
             t0 = time.monotonic()
-            if not self.send(cluster, Frame(FrameType.HEARTBEAT, {"op": "ping", "id": req})):
+            if not self.send(cluster, Ping(req).to_frame()):
                 raise LinkDown(f"no link to {cluster}")
             with self.lock:
                 if not self.changed.wait_for(lambda: bool(self.pings[req]), timeout):

@@ -1,2 +1,3 @@
 """The relay process (``server``), its worker port (``worker_port``) and status file
-(``status``), and the worker side of the hop (``client``)."""
+(``status``), the worker side of the hop (``client``), and the hop's messages
+(``worker_messages``)."""

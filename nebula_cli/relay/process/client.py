@@ -41,6 +41,9 @@ from nebula_cli.relay.net.framing import (
     send_tensor,
     tensor_frames,
 )
+from nebula_cli.relay.net.limits import LimitExceeded, SyncSize
+from nebula_cli.relay.net.messages import Refusal
+from nebula_cli.relay.net.schema import is_int
 from nebula_cli.relay.net.wire import (
     ConnectionClosed,
     Frame,
@@ -49,6 +52,18 @@ from nebula_cli.relay.net.wire import (
     recv_frame,
     tune_socket,
 )
+from nebula_cli.relay.process.worker_messages import (
+    Contrib,
+    FetchState,
+    FinalState,
+    Publish,
+    RoundReply,
+    StateReply,
+    WorkerHello,
+    WorkerWelcome,
+)
+from nebula_cli.relay.protocol.next_round import NextRound
+from nebula_cli.relay.protocol.pacing import RoundInfo
 
 log = logging.getLogger("nebula.relay.client")
 
@@ -89,22 +104,15 @@ class RoundResult:
     """Clusters whose contribution was refused (non-finite, wrong size)."""
     missing: list[str] = field(default_factory=list)
     """Clusters not ready by the deadline, or unreachable when the round was decided."""
-    next_h: int | None = None
-    """``inner_steps: auto``: the H every cluster trains before its next round (agreed by the
-    relays); None: keep the current one."""
     codec: str = ""
     """The codec of the round whose average this is (``compression: auto`` changes it)."""
-    next_merge: int | None = None
-    """Overlap: the step after its boundary at which every cluster applies the next round's
-    average (agreed by the relays); None: keep the current one."""
+    next: NextRound = NextRound()
+    """What the relays agreed of the next round (``inner_steps: auto``: its H; overlap: the
+    step its average is applied at; ...), whole, for the cluster's cadence to follow."""
     stages: dict[str, float] = field(default_factory=dict)
     """Where the call's time went (seconds): ``send`` (this side writing the contribution),
     ``upload`` (the relay reading it), ``relay`` (the relay's round: agreement, exchange),
     ``receive`` (this side reading the result, once its header arrived), ``total``."""
-
-
-def _positive_int(value: Any) -> int | None:
-    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
 
 
 # ---------------------------------------------------------------------- the client
@@ -145,10 +153,15 @@ class RelayClient:
         """Longest wait for a round's result (a slow WAN and a large model take a while)."""
         self._ctx = client_context(CertPair(Path(cert), Path(key)), Path(ca))
         self._sock: Conn | None = None
-        self.relay_info: dict[str, Any] = {}
+        self.relay_info: WorkerWelcome | None = None
+        """The relay's WELCOME on the current connection."""
         self.layout = layout
         """What this cluster syncs ({shapes, dtypes}), told to the relay at HELLO: it fixes the
         size that caps what peers can make the relay hold."""
+        try:
+            self._size = None if layout is None else SyncSize.from_layout(layout)
+        except LimitExceeded as exc:
+            raise RelayError(f"layout: {exc}") from None
         self._staging: torch.Tensor | None = None
         self._staging_free = False
         """Shared memory this worker's contribution is copied into, used again each round once
@@ -163,45 +176,38 @@ class RelayClient:
                   info: dict[str, float] | None = None) -> RoundResult:
         """Send this cluster's contribution (flat fp32 CPU) for ``round_id``; the average back.
         ``info``: what the cluster says of its round (relay.cadence.RoundInfo's fields)."""
-        if not isinstance(round_id, int) or isinstance(round_id, bool) or round_id < 0:
+        if not is_int(round_id) or round_id < 0:
             raise RelayError(f"round_id must be a non-negative integer, got {round_id!r}")
         if not isinstance(tensor, torch.Tensor) or not tensor.is_floating_point():
             raise RelayError("allreduce needs a floating-point torch.Tensor")
-        meta: dict[str, Any] = {"op": "allreduce", "round": round_id}
-        if info:
-            meta["info"] = dict(info)
+        said = RoundInfo.from_meta(info or {})
 
         def call(sock: Conn) -> RoundResult:
             t0 = time.perf_counter()
-            released = self._take_released()
-            send_tensor(sock, FrameType.CONTRIB, {**meta, "released": released},
+            ask = Contrib(round_id, tensor.numel(), said, tuple(self._take_released()))
+            send_tensor(sock, FrameType.CONTRIB, ask.to_meta(),
                         self._staged(tensor) if isinstance(sock, local_hop.LocalConn) else tensor)
             t1 = time.perf_counter()
             sock.settimeout(self.result_timeout)
-            head = self._expect(sock, FrameType.RESULT)
+            reply = RoundReply.from_meta(self._expect(sock, FrameType.RESULT).meta)
             t2 = time.perf_counter()
-            m = head.meta
-            token = _positive_int(m.get("shm"))
-            avg = recv_tensor(sock, FrameType.RESULT, m.get("numel"), on_unmap=None if (
+            token = reply.shm
+            avg = recv_tensor(sock, FrameType.RESULT, reply.numel, on_unmap=None if (
                 token is None) else lambda: self._released.append(token))
             state = momentum = None
-            if m.get("has_state"):
-                shead = self._expect(sock, FrameType.STATE)
-                state = recv_tensor(sock, FrameType.STATE, shead.meta.get("numel"))
-                if shead.meta.get("parts") == 2 and state.numel() == 2 * avg.numel():
+            if reply.has_state:
+                shead = StateReply.from_meta(self._expect(sock, FrameType.STATE).meta)
+                state = recv_tensor(sock, FrameType.STATE, shead.numel)
+                if shead.parts == 2 and state.numel() == 2 * avg.numel():
                     state, momentum = state[:avg.numel()], state[avg.numel():]
             self._staging_free = True  # the relay is done with the contribution
             return RoundResult(
-                tensor=avg, present=list(m.get("present", [])), round_id=int(m["round_id"]),
-                bytes_sent=int(m.get("bytes_sent", 0)),
-                bytes_received=int(m.get("bytes_received", 0)),
-                seconds=float(m.get("seconds", 0.0)), global_state=state,
-                global_momentum=momentum,
-                rejected=list(m.get("rejected", [])), missing=list(m.get("missing", [])),
-                next_h=_positive_int(m.get("next_h")), codec=str(m.get("codec") or ""),
-                next_merge=_positive_int(m.get("next_merge")),
-                stages={"send": t1 - t0, "upload": float(m.get("upload_s", 0.0)),
-                        "relay": float(m.get("seconds", 0.0)),
+                tensor=avg, present=list(reply.present), round_id=reply.round_id,
+                bytes_sent=reply.bytes_sent, bytes_received=reply.bytes_received,
+                seconds=reply.seconds, global_state=state, global_momentum=momentum,
+                rejected=list(reply.rejected), missing=list(reply.missing),
+                codec=reply.codec, next=reply.next,
+                stages={"send": t1 - t0, "upload": reply.upload_s, "relay": reply.seconds,
                         "receive": time.perf_counter() - t2, "total": time.perf_counter() - t0},
             )
 
@@ -215,10 +221,10 @@ class RelayClient:
         if momentum is not None:
             tensor = torch.cat([tensor.reshape(-1), momentum.reshape(-1).to(tensor.dtype)])
         def call(sock: Conn) -> None:
-            send_tensor(sock, FrameType.STATE, {"op": "publish", "round": round_id,
-                                                "parts": parts}, tensor)
+            send_tensor(sock, FrameType.STATE, Publish(round_id, tensor.numel(),
+                                                       parts).to_meta(), tensor)
             sock.settimeout(max(60.0, self.connect_timeout))
-            self._expect(sock, FrameType.STATE)
+            StateReply.from_meta(self._expect(sock, FrameType.STATE).meta)
 
         self._call(call, "publish_state")
 
@@ -230,15 +236,15 @@ class RelayClient:
         """(round, state) of the newest global state known to the relay and its peers."""
 
         def call(sock: Conn) -> tuple[int | None, torch.Tensor | None]:
-            send_frames(sock, [Frame(FrameType.STATE_REQUEST, {"op": "fetch"})])
+            send_frames(sock, [FetchState().to_frame()])
             sock.settimeout(self.result_timeout)
-            head = self._expect(sock, FrameType.STATE)
-            if head.meta.get("round") is None:
+            head = StateReply.from_meta(self._expect(sock, FrameType.STATE).meta)
+            if head.round is None:
                 return None, None
-            x = recv_tensor(sock, FrameType.STATE, head.meta["numel"])
-            if head.meta.get("parts") == 2:  # theta_global, then the outer momentum
+            x = recv_tensor(sock, FrameType.STATE, head.numel)
+            if head.parts == 2:  # theta_global, then the outer momentum
                 x = x[: x.numel() // 2]
-            return int(head.meta["round"]), x
+            return head.round, x
 
         return self._call(call, "fetch_state")
 
@@ -251,16 +257,16 @@ class RelayClient:
 
         def call(sock: Conn) -> tuple[int | None, torch.Tensor | None,
                                                torch.Tensor | None]:
-            send_frames(sock, [Frame(FrameType.STATE_REQUEST, {"op": "final", "wait": wait})])
+            send_frames(sock, [FinalState(wait).to_frame()])
             sock.settimeout(None if wait is None else wait + self.result_timeout)
-            head = self._expect(sock, FrameType.STATE)
-            if head.meta.get("round") is None:
+            head = StateReply.from_meta(self._expect(sock, FrameType.STATE).meta)
+            if head.round is None:
                 return None, None, None
-            x = recv_tensor(sock, FrameType.STATE, head.meta["numel"])
-            if head.meta.get("parts") == 2:
+            x = recv_tensor(sock, FrameType.STATE, head.numel)
+            if head.parts == 2:
                 half = x.numel() // 2
-                return int(head.meta["round"]), x[:half], x[half:]
-            return int(head.meta["round"]), x, None
+                return head.round, x[:half], x[half:]
+            return head.round, x, None
 
         return self._call(call, "final_state")
 
@@ -341,11 +347,8 @@ class RelayClient:
         sock = self._open()
         try:
             sock.settimeout(self.connect_timeout)
-            hello = {"role": "worker", "cluster": self.cluster, "job_id": self.job_id}
-            if self.layout is not None:
-                hello["layout"] = self.layout
-            send_frames(sock, [Frame(FrameType.HELLO, hello)])
-            self.relay_info = self._expect(sock, FrameType.WELCOME).meta
+            send_frames(sock, [WorkerHello(self.cluster, self.job_id, self._size).to_frame()])
+            self.relay_info = WorkerWelcome.from_meta(self._expect(sock, FrameType.WELCOME).meta)
         except BaseException:
             sock.close()
             raise
@@ -361,7 +364,7 @@ class RelayClient:
     def _expect(sock: Conn, ftype: FrameType) -> Frame:
         frame = recv_frame(sock)
         if frame.type == FrameType.ERROR:
-            raise RelayError(f"relay refused: {frame.meta.get('reason', frame.meta)}")
+            raise RelayError(f"relay refused: {Refusal.from_meta(frame.meta).reason}")
         if frame.type != ftype:
             raise WireError(f"expected {ftype.name} from the relay, got {frame.type.name}")
         return frame

@@ -22,6 +22,10 @@ Frames on a peer link (:mod:`nebula_cli.relay.net.wire`):
   STATE frames (a header, then fp32 chunks {req, lo}).
 - ERROR (refusal, then close), BYE (orderly close).
 
+Each frame is decoded where it comes in (:meth:`Relay._on_peer_frame`) into its typed message:
+the link's own (:mod:`nebula_cli.relay.net.messages`) or the round protocol's
+(:mod:`nebula_cli.relay.protocol.messages`); one that does not fit closes the link.
+
 ``python -m nebula_cli.relay --config relay.json`` (or ``python -m
 nebula_cli.relay.process.server``) runs a relay until SIGTERM (exit 0).
 """
@@ -41,11 +45,14 @@ from nebula_cli.relay.codecs.registry import relay_codecs
 from nebula_cli.relay.net import local_socket as local
 from nebula_cli.relay.net.limits import Refusals, chunk_payload_cap
 from nebula_cli.relay.net.link import PeerLink
+from nebula_cli.relay.net.messages import Ping, Pong, Progress, decode_heartbeat
 from nebula_cli.relay.net.peers import PROTOCOL, Listener, Peers
 from nebula_cli.relay.net.wire import Frame, FrameType, WireError
 from nebula_cli.relay.process.status import Status
+from nebula_cli.relay.process.worker_messages import WorkerWelcome
 from nebula_cli.relay.process.worker_port import WorkerPort
 from nebula_cli.relay.protocol.fetch import Fetcher
+from nebula_cli.relay.protocol.messages import FetchRequest, PeerChunk, decode_answer, decode_round
 from nebula_cli.relay.protocol.results import Average, GlobalState, RoundOutcome
 from nebula_cli.relay.protocol.rounds import Rounds
 
@@ -69,10 +76,10 @@ class _Net:
         self.state_sources, self.wan_bytes = peers.state_sources, peers.wan_bytes
         self.finish_view = peers.finish_view
 
-    def fetch(self, cluster: str, meta: dict[str, Any], timeout: float
+    def fetch(self, cluster: str, ask: FetchRequest, timeout: float
               ) -> Average | GlobalState | None:
         link = self.peers.link(cluster)
-        return None if link is None else self.fetcher.request(link, meta, timeout)
+        return None if link is None else self.fetcher.request(link, ask, timeout)
 
 
 class Relay:
@@ -93,7 +100,8 @@ class Relay:
         self.linger = ALL_DONE_LINGER
         self.refusals = Refusals()
         self.status = Status(cfg.status_file, cfg.metrics_file, self._view)
-        self.peers = Peers(cfg, server_ctx, client_context(pair, ca), hello=self._progress,
+        self.peers = Peers(cfg, server_ctx, client_context(pair, ca),
+                           hello=lambda: self._progress().to_meta(),
                            make_link=self._make_link, on_up=self._link_up,
                            on_down=self._link_down, refusals=self.refusals,
                            stopping=self.stopping)
@@ -193,39 +201,39 @@ class Relay:
     # ------------------------------------------------------------------ wiring
 
     def _sync_numel(self) -> int | None:
-        sync = self.rounds.sync
+        sync = self.rounds.state.sync
         return None if sync is None else sync.numel
 
-    def _progress(self) -> dict[str, Any]:
-        return self.rounds.progress_meta()
+    def _progress(self) -> Progress:
+        return self.rounds.state.progress()
 
-    def _welcome(self) -> dict[str, Any]:
-        return {"cluster": self.me, "clusters": self.cfg.clusters, "codec": self.cfg.codec,
-                "round_timeout": self.cfg.round_timeout, **self._progress()}
+    def _welcome(self) -> WorkerWelcome:
+        return WorkerWelcome(self.me, tuple(self.cfg.clusters), self.cfg.codec,
+                             self.cfg.round_timeout, self._progress())
 
     def _answer_result(self, round_id: int, wait: float, gone: Any) -> Average | None:
-        return self.rounds.answer_result(round_id, wait, gone)
+        return self.rounds.state.answer_result(round_id, wait, gone)
 
     def _answer_state(self, min_round: int, wait: float) -> GlobalState | None:
-        return self.rounds.answer_state(min_round, wait)
+        return self.rounds.state.answer_state(min_round, wait)
 
     def _accept_peer(self, sock: Any, addr: str) -> None:
         self.peers.accept(sock, addr)
 
-    def _make_link(self, cluster: str, sock: Any, hello: dict[str, Any]) -> PeerLink:
-        return PeerLink(cluster, sock, hello, shaping=self.cfg.shaping,
+    def _make_link(self, cluster: str, sock: Any, progress: Progress) -> PeerLink:
+        return PeerLink(cluster, sock, progress, shaping=self.cfg.shaping,
                         heartbeat=self.cfg.heartbeat, on_frame=self._on_peer_frame,
                         on_close=self.peers.closed, beat=self._progress,
                         payload_cap=lambda: chunk_payload_cap(self.chunk_elems,
                                                               self._sync_numel()))
 
     def _link_up(self, link: PeerLink) -> None:
-        self.rounds.on_link_up()
+        self.rounds.control.on_link_up()
         self.status.touch()
 
     def _link_down(self, link: PeerLink, reason: str) -> None:
         self.fetcher.link_down(link)
-        self.rounds.on_link_down(link.cluster, reason)
+        self.rounds.control.on_link_down(link.cluster, reason)
         if self.stopping.is_set():
             return
         if reason == "peer said goodbye":
@@ -235,32 +243,31 @@ class Relay:
             self.status.event("peer %s disconnected (%s): %s", link.cluster, link.addr, reason)
 
     def _on_peer_frame(self, link: PeerLink, frame: Frame) -> None:
-        """Dispatch one frame from a peer (runs on that link's receiver thread)."""
-        m, t = frame.meta, frame.type
+        """Decode and dispatch one frame from a peer (runs on that link's receiver thread; a
+        malformed one raises MessageError, and the link closes)."""
+        t = frame.type
         if t == FrameType.HEARTBEAT:
-            op = m.get("op")
-            if op == "ping":
-                link.send(Frame(FrameType.HEARTBEAT, {"op": "pong", "id": m.get("id")}))
-            elif op == "pong":
-                self.peers.on_pong(m.get("id"))
+            beat = decode_heartbeat(frame.meta)
+            if isinstance(beat, Ping):
+                link.send(Pong(beat.id).to_frame())
+            elif isinstance(beat, Pong):
+                self.peers.on_pong(beat.id)
             else:
-                link.progress(m)
-                self.rounds.on_progress()
+                link.progress(beat)
+                self.rounds.control.on_progress()
         elif t == FrameType.ROUND:
-            self.rounds.on_control(link.cluster, m)
+            self.rounds.control.on_control(link.cluster, decode_round(frame.meta))
         elif t == FrameType.PEER_CHUNK:
-            if m.get("op") not in ("contrib", "avg"):
-                raise WireError(f"unknown PEER_CHUNK op {m.get('op')!r}")
-            self.rounds.on_chunk(link.cluster, frame)
+            self.rounds.control.on_chunk(link.cluster, PeerChunk.from_frame(frame))
         elif t == FrameType.STATE_REQUEST:
-            self.fetcher.serve(link, m)
+            self.fetcher.serve(link, FetchRequest.from_meta(frame.meta))
         elif t in (FrameType.RESULT, FrameType.STATE):
-            self.fetcher.on_answer(frame)
+            self.fetcher.on_answer(decode_answer(frame))
         else:
             raise WireError(f"unexpected {t.name} frame from a peer")
 
     def _broadcast_progress(self) -> None:
-        self.peers.broadcast(Frame(FrameType.HEARTBEAT, self._progress()))
+        self.peers.broadcast(Frame(FrameType.HEARTBEAT, self._progress().to_meta()))
 
     def _finished(self, r: int, out: RoundOutcome) -> None:
         self._broadcast_progress()
@@ -275,15 +282,16 @@ class Relay:
                      "since": links[c].connected_at if c in links else None,
                      "round": links[c].done if c in links else None}
                  for c in self.cfg.peers}
-        return {"job_id": self.cfg.job_id, "cluster": self.me, "round": self.rounds.done_round,
-                "peers": peers, "peers_connected": sorted(links), "bytes_sent": sent,
-                "bytes_received": recv, "refused": self.refusals.total,
-                "sync": self._progress()["sync"]}
+        return {"job_id": self.cfg.job_id, "cluster": self.me,
+                "round": self.rounds.state.done_round, "peers": peers,
+                "peers_connected": sorted(links), "bytes_sent": sent, "bytes_received": recv,
+                "refused": self.refusals.total,
+                "sync": None if (sync := self.rounds.state.sync) is None else sync.to_meta()}
 
     def all_done(self) -> bool:
         """This cluster's workers and every other cluster's (all connected) have finished."""
-        with self.rounds.lock:
-            mine = self.rounds.finished
+        with self.rounds.state.lock:
+            mine = self.rounds.state.finished
         view = self.peers.finish_view()
         return mine is not None and set(view) == set(self.cfg.peers) and all(
             finished is not None for finished, _, _ in view.values())
@@ -300,7 +308,7 @@ class Relay:
             elif self.rounds.clock() - done_since >= self.linger and not self.ended.is_set():
                 log.info("every cluster's workers have finished: relay %s ends", self.me)
                 self.ended.set()
-            nxt = self.rounds.tick()
+            nxt = self.rounds.control.tick()
             wait = 0.2 if nxt is None else min(0.2, max(0.0, nxt - self.rounds.clock()))
             self.stopping.wait(wait)
 

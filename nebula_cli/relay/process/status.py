@@ -84,9 +84,9 @@ class Status:
                 "bytes_received_total": recv, "present": out.present, "missing": out.missing,
                 "rejected": out.rejected, "mode": out.mode,
                 "caught_up": out.global_state is not None, "weights": out.weights,
-                "next_h": out.next_h, "next_h_why": out.next_h_why or None,
-                "codec": out.codec or None, "next_codec": out.next_codec or None,
-                "next_merge": out.next_merge})
+                "next_h": out.next.h, "next_h_why": out.next.why or None,
+                "codec": out.codec or None, "next_codec": out.next.codec or None,
+                "next_merge": out.next.merge})
             self._dirty = True
             self._queued += 1
             gen = self._queued

@@ -20,7 +20,9 @@ when its average arrived) goes into this relay's READY; ``weights``, ``next_h`` 
 H to train before the next round, with overlap the step its average is applied at).
 
 A published state is theta_global (parts 1) or theta_global followed by the outer momentum
-(parts 2); a STATE handed to a worker says which.
+(parts 2); a STATE handed to a worker says which. Each frame is decoded once, where it is
+received, into its message of :mod:`nebula_cli.relay.process.worker_messages`; a frame that is
+not a request, or does not fit its message, is refused and ends the session.
 
 The first registration (a HELLO's ``layout`` {shapes, dtypes}, else the first tensor's size)
 fixes what this cluster syncs; a tensor of another size is refused, one larger than that is
@@ -37,7 +39,6 @@ import ssl
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
 
 import torch
 
@@ -60,9 +61,23 @@ from nebula_cli.relay.net.local_socket import (
     SharedPool,
     peer_uid,
 )
+from nebula_cli.relay.net.messages import Refusal
+from nebula_cli.relay.net.schema import MessageError
 from nebula_cli.relay.net.wire import ConnectionClosed, Frame, FrameType, WireError, recv_frame
-from nebula_cli.relay.protocol.pacing import RoundInfo
-from nebula_cli.relay.protocol.results import STATE_PARTS, GlobalState
+from nebula_cli.relay.process.worker_messages import (
+    Contrib,
+    FetchState,
+    FinalState,
+    Publish,
+    RoundReply,
+    StateOp,
+    StateReply,
+    WorkerHello,
+    WorkerRequest,
+    WorkerWelcome,
+    decode_request,
+)
+from nebula_cli.relay.protocol.results import GlobalState
 from nebula_cli.relay.protocol.rounds import Rounds
 
 log = logging.getLogger("nebula.relay")
@@ -97,7 +112,7 @@ class WorkerPort:
     after a worker stored a global state."""
 
     def __init__(self, cluster: str, job_id: str, server_ctx: ssl.SSLContext, rounds: Rounds,
-                 *, welcome: Callable[[], dict[str, Any]], published: Callable[[], None],
+                 *, welcome: Callable[[], WorkerWelcome], published: Callable[[], None],
                  refusals: Refusals, stopping: threading.Event,
                  shared: SharedPool | None = None) -> None:
         self.me, self.job_id, self.server_ctx, self.rounds = cluster, job_id, server_ctx, rounds
@@ -180,24 +195,25 @@ class WorkerPort:
         while not self.stopping.is_set():
             frame = recv_frame(sock, max_payload=0)
             try:
-                if not self._handle(sock, frame):
+                try:
+                    req = decode_request(frame)
+                except MessageError as exc:  # whatever it announced cannot be skipped
+                    raise _Refused(str(exc), close=True) from None
+                if not self._handle(sock, req):
                     return
                 if isinstance(sock, LocalConn) and sock.pending_fds:
                     raise _Refused("a file descriptor sent with a frame that carries no tensor",
                                    close=True)
             except _Refused as exc:
                 self.refusals.refuse("worker request", f"{name} ({addr})", str(exc))
-                send_frames(sock, [Frame(FrameType.ERROR, {"reason": str(exc)})])
+                send_frames(sock, [Refusal(str(exc)).to_frame()])
                 if exc.close:
                     return
 
-    def _tensor(self, sock: Conn, ftype: FrameType, numel: Any,
-                parts: Any = 1) -> torch.Tensor:
+    def _tensor(self, sock: Conn, ftype: FrameType, numel: int, parts: int = 1) -> torch.Tensor:
         """Read a worker's tensor of this cluster's sync size times ``parts`` (registering the
         size the first time); _Refused otherwise."""
-        if parts not in STATE_PARTS:
-            raise _Refused(f"a tensor in {parts!r} parts", close=True)
-        sync = self.rounds.sync
+        sync = self.rounds.state.sync
         cap = (sync.numel if sync is not None else MAX_SYNC_NUMEL) * parts
         try:
             numel = check_numel(numel, cap)
@@ -211,7 +227,7 @@ class WorkerPort:
         try:
             if numel % parts:
                 raise LimitExceeded(f"{numel} elements do not split into {parts} parts")
-            self.rounds.register(SyncSize.flat(size) if sync is None else sync)
+            self.rounds.state.register(SyncSize.flat(size) if sync is None else sync)
             if sync is not None and size != sync.numel:
                 raise LimitExceeded(f"a tensor of {size} elements; this relay syncs "
                                     f"{sync.numel} (its workers' first registration)")
@@ -219,83 +235,63 @@ class WorkerPort:
             raise _Refused(str(exc)) from None
         return x
 
-    def _handle(self, sock: Conn, frame: Frame) -> bool:
+    def _handle(self, sock: Conn, req: WorkerRequest) -> bool:
         """Answer one request; False when the worker said goodbye."""
-        m, t = frame.meta, frame.type
-        if t == FrameType.HELLO:
-            for key, mine in (("cluster", self.me), ("job_id", self.job_id)):
-                if m.get(key, mine) != mine:
-                    raise _Refused(f"a worker of {key} {m.get(key)!r} at the relay of "
+        rounds = self.rounds
+        if isinstance(req, WorkerHello):
+            for key, theirs, mine in (("cluster", req.cluster, self.me),
+                                      ("job_id", req.job_id, self.job_id)):
+                if theirs is not None and theirs != mine:
+                    raise _Refused(f"a worker of {key} {theirs!r} at the relay of "
                                    f"{key} {mine!r}", close=True)
-            if m.get("layout") is not None:
+            if req.layout is not None:
                 try:
-                    self.rounds.register(SyncSize.from_layout(m["layout"]))
+                    rounds.state.register(req.layout)
                 except LimitExceeded as exc:
                     raise _Refused(str(exc), close=True) from None
-            send_frames(sock, [Frame(FrameType.WELCOME, self._welcome())])
-        elif t == FrameType.CONTRIB and m.get("op") == "allreduce":
+            send_frames(sock, [Frame(FrameType.WELCOME, self._welcome().to_meta())])
+        elif isinstance(req, Contrib):
             t0 = time.perf_counter()
-            x = self._tensor(sock, FrameType.CONTRIB, m.get("numel"))
+            x = self._tensor(sock, FrameType.CONTRIB, req.numel)
             upload = time.perf_counter() - t0
-            round_id = m.get("round")
-            if not isinstance(round_id, int) or isinstance(round_id, bool) or round_id < 0:
-                raise _Refused("bad round id")
-            released = m.get("released")
-            if self.shared is not None and isinstance(sock, LocalConn) and isinstance(
-                    released, list):
-                ours = sock.lent & {t for t in released if isinstance(t, int)}
+            if self.shared is not None and isinstance(sock, LocalConn) and req.released:
+                ours = sock.lent & set(req.released)
                 sock.lent -= ours
                 self.shared.release(ours)
-            out = self.rounds.local_round(round_id, x, RoundInfo.from_meta(m.get("info")))
-            meta = {"round_id": out.round_id, "present": out.present, "next_h": out.next_h,
-                    "next_merge": out.next_merge,
-                    "codec": out.codec,
-                    "weights": out.weights,
-                    "rejected": out.rejected, "missing": out.missing,
-                    "seconds": out.seconds, "bytes_sent": out.bytes_sent,
-                    "bytes_received": out.bytes_received, "upload_s": upload,
-                    "has_state": out.global_state is not None, "mode": out.mode}
+            out = rounds.local_round(req.round, x, req.info)
+            token = None
             if self.shared is not None and isinstance(sock, LocalConn):
-                meta["shm"] = token = self.shared.lend(out.tensor)  # until released
+                token = self.shared.lend(out.tensor)  # until released
                 if token is not None:
                     sock.lent.add(token)
-            send_tensor(sock, FrameType.RESULT, meta, out.tensor)
+            send_tensor(sock, FrameType.RESULT,
+                        RoundReply.of(out, upload_s=upload, shm=token).to_meta(), out.tensor)
             if out.global_state is not None:
-                send_tensor(sock, FrameType.STATE, {
-                    "round": out.round_id, "parts": out.global_state.numel() // out.tensor.numel()},
-                    out.global_state)
-        elif t == FrameType.STATE and m.get("op") == "publish":
-            parts = m.get("parts", 1)
-            x = self._tensor(sock, FrameType.STATE, m.get("numel"), parts)
-            round_id = m.get("round")
-            if not isinstance(round_id, int) or isinstance(round_id, bool):
-                raise _Refused("bad round id")
-            self.rounds.publish(GlobalState(round_id, x, parts=parts))
-            send_frames(sock, [Frame(FrameType.STATE, {"op": "stored", "round": round_id})])
+                send_tensor(sock, FrameType.STATE, StateReply(
+                    None, out.round_id, out.global_state.numel() // out.tensor.numel(),
+                    out.global_state.numel()).to_meta(), out.global_state)
+        elif isinstance(req, Publish):
+            x = self._tensor(sock, FrameType.STATE, req.numel, req.parts)
+            rounds.state.publish(GlobalState(req.round, x, parts=req.parts))
+            send_frames(sock, [Frame(FrameType.STATE,
+                                     StateReply(StateOp.STORED, req.round).to_meta())])
             self._published()
-        elif t == FrameType.STATE_REQUEST and m.get("op") == "final":
-            wait = m.get("wait")
-            if wait is not None and not isinstance(wait, (int, float)):
-                raise _Refused("bad wait")
-            self.rounds.mark_finished()
+        elif isinstance(req, FinalState):
+            rounds.state.mark_finished()
             self._published()  # peers learn that this cluster has finished
-            st = self.rounds.final_state(None if wait is None else float(wait))
-            if st is None:
-                send_frames(sock, [Frame(FrameType.STATE, {"op": "final", "round": None})])
-            else:
-                send_tensor(sock, FrameType.STATE, {
-                    "op": "final", "round": st.round_id, "parts": st.parts}, st.tensor)
-        elif t == FrameType.STATE_REQUEST and m.get("op") == "fetch":
-            st = self.rounds.best_state()
-            if st is None:
-                send_frames(sock, [Frame(FrameType.STATE, {"op": "state", "round": None})])
-            else:
-                send_tensor(sock, FrameType.STATE, {
-                    "op": "state", "round": st.round_id, "parts": st.parts}, st.tensor)
-        elif t == FrameType.BYE:  # rank 0 closed its client: its training is over
-            self.rounds.mark_finished()
+            self._send_state(sock, StateOp.FINAL, rounds.recovery.final_state(req.wait))
+        elif isinstance(req, FetchState):
+            self._send_state(sock, StateOp.STATE, rounds.recovery.best_state())
+        else:  # Bye: rank 0 closed its client, its training is over
+            rounds.state.mark_finished()
             self._published()
             return False
-        else:
-            raise _Refused(f"unexpected {t.name} frame {m.get('op', '')}", close=True)
         return True
+
+    @staticmethod
+    def _send_state(sock: Conn, op: StateOp, st: GlobalState | None) -> None:
+        if st is None:
+            send_frames(sock, [Frame(FrameType.STATE, StateReply(op, None).to_meta())])
+        else:
+            send_tensor(sock, FrameType.STATE, StateReply(
+                op, st.round_id, st.parts, st.tensor.numel()).to_meta(), st.tensor)

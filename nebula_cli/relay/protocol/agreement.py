@@ -19,12 +19,14 @@ import math
 import threading
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from enum import StrEnum
 from typing import Any
 
 from nebula_cli.config.relay_config import AutoCodec, AutoSteps
 from nebula_cli.relay.codecs.choice import CodecCosts, choose_codec
-from nebula_cli.relay.protocol.allreduce import ExchangeError
+from nebula_cli.relay.net.schema import Fields, MessageError
 from nebula_cli.relay.protocol.lineage import GENESIS, diverged
+from nebula_cli.relay.protocol.next_round import WHY_CHARS, NextRound
 from nebula_cli.relay.protocol.pacing import (
     CODEC_CHARS,
     RoundInfo,
@@ -35,13 +37,21 @@ from nebula_cli.relay.protocol.pacing import (
 
 log = logging.getLogger("nebula.relay")
 
-BEHIND = "behind"
-WHY_CHARS = 400
+
+class Verdict(StrEnum):
+    """A coordinator's answer to a READY that is not a decision."""
+
+    BEHIND = "behind"
+    """Some relay already completed that round: the cluster catches up instead."""
+
+
+BEHIND = Verdict.BEHIND
 
 
 @dataclass(frozen=True)
 class Decision:
-    """Who takes part in attempt ``attempt`` of round ``round``, as decided by ``coordinator``."""
+    """Who takes part in attempt ``attempt`` of round ``round``, as decided by ``coordinator``
+    (the START message of round control)."""
 
     round: int
     attempt: int
@@ -56,19 +66,12 @@ class Decision:
     weights: tuple[tuple[str, float], ...] = ()
     """(cluster, samples) of every present cluster when all said (relay.cadence): the
     average's weights; empty: an equal average."""
-    next_h: int | None = None
-    """``inner_steps: auto``: the H every cluster trains before its next round."""
-    why: str = ""
-    """With ``next_h`` or ``next_codec``: what they were chosen from (relay.cadence,
-    relay.codec_choice), for the logs and metrics."""
     codec: str = ""
     """``compression: auto``: the codec of this round (the one most READYs were encoded with;
     a cluster that encoded with another is rejected and fetches the average)."""
-    next_codec: str = ""
-    """``compression: auto``: the codec every cluster encodes its next round with."""
-    next_merge: int | None = None
-    """Overlap: the step after its boundary at which every cluster applies the next round's
-    average (relay.cadence.choose_merge_steps)."""
+    next: NextRound = NextRound()
+    """What the next round is: with ``inner_steps: auto`` its H, with ``compression: auto``
+    its codec, with overlap its merge step, and why."""
 
     @property
     def key(self) -> tuple[int, int, str]:
@@ -79,36 +82,24 @@ class Decision:
                 "present": list(self.present), "rejected": list(self.rejected),
                 "missing": list(self.missing), "numel": self.numel,
                 "diverged": list(self.diverged), "weights": dict(self.weights),
-                "next_h": self.next_h, "why": self.why, "codec": self.codec,
-                "next_codec": self.next_codec, "next_merge": self.next_merge}
+                "codec": self.codec, **self.next.to_meta()}
 
     @classmethod
     def from_meta(cls, meta: Mapping[str, Any]) -> Decision:
-        try:
-            present = tuple(map(str, meta["present"]))
-            weights = tuple(sorted((str(c), float(w))
-                                   for c, w in dict(meta.get("weights") or {}).items()))
-            next_h, next_merge = meta.get("next_h"), meta.get("next_merge")
-            d = cls(int(meta["round"]), int(meta["attempt"]), str(meta["coord"]),
-                    present, tuple(map(str, meta["rejected"])),
-                    tuple(map(str, meta["missing"])), int(meta["numel"]),
-                    tuple(map(str, meta.get("diverged", ()))), weights,
-                    None if next_h is None else int(next_h),
-                    str(meta.get("why") or "")[:WHY_CHARS],
-                    str(meta.get("codec") or "")[:CODEC_CHARS],
-                    str(meta.get("next_codec") or "")[:CODEC_CHARS],
-                    None if next_merge is None else int(next_merge))
-        except (KeyError, TypeError, ValueError) as exc:
-            raise ExchangeError(f"malformed round decision {dict(meta)!r}") from exc
+        """A decision as a peer sent it; MessageError when it is malformed, or its weights are
+        not a positive number for exactly the present clusters."""
+        f = Fields("round decision", meta)
+        present = f.texts("present")
+        weights = tuple(sorted(f.numbers("weights", {}).items()))
         if weights and ({c for c, _ in weights} != set(present)
                         or not all(math.isfinite(w) and w > 0 for _, w in weights)):
-            raise ExchangeError(f"round decision with weights {dict(weights)} for present "
-                                f"{list(present)}")
-        if d.next_h is not None and d.next_h < 1:
-            raise ExchangeError(f"round decision with next_h {d.next_h}")
-        if d.next_merge is not None and d.next_merge < 1:
-            raise ExchangeError(f"round decision with next_merge {d.next_merge}")
-        return d
+            raise MessageError(f"round decision with weights {dict(weights)} for present "
+                               f"{list(present)}")
+        return cls(f.integer("round"), f.integer("attempt", low=0), f.text("coord"), present,
+                   f.texts("rejected"), f.texts("missing"), f.integer("numel", low=0),
+                   f.texts("diverged", ()), weights,
+                   f.text("codec", "", max_chars=CODEC_CHARS),
+                   NextRound.from_meta(meta, "round decision"))
 
 
 @dataclass
@@ -163,7 +154,7 @@ class Coordinator:
         now: float, newest_done: int, lineage: str = GENESIS,
         expected: Sequence[str] | None = None, info: RoundInfo | None = None,
         codec: tuple[str, int] = ("", -1),
-    ) -> Decision | str | None:
+    ) -> Decision | Verdict | None:
         """Record a READY; returns a Decision (new or remembered), BEHIND, or None (wait).
 
         ``codec``: the codec the cluster encoded with and the round of the decision that named
@@ -255,14 +246,14 @@ class Coordinator:
                 next_h = pick.h if pick.h is not None else next_h
         last = self._decided[max(self._decided)] if self._decided else None
         merge = choose_merge_steps({c: col.info[c] for c in present if c in col.info},
-                                   last.next_merge if last else None)
+                                   last.next.merge if last else None)
         next_merge = merge[0] if merge else None
-        if merge and (last is None or last.next_merge != next_merge):
+        if merge and (last is None or last.next.merge != next_merge):
             log.info("round %d: next %s", round_id, merge[1])
         d = Decision(round_id, attempt, self.me, tuple(sorted(present)), tuple(sorted(rejected)),
                      tuple(sorted(missing)), numel, tuple(sorted(lost)),
-                     tuple(sorted(round_weights(present, col.info).items())),
-                     next_h, why[:WHY_CHARS], codec, next_codec, next_merge)
+                     tuple(sorted(round_weights(present, col.info).items())), codec,
+                     NextRound(next_h, next_merge, next_codec, why[:WHY_CHARS]))
         if why:
             log.info("round %d: next%s%s (%s)", round_id,
                      "" if next_h is None else f" H {next_h}",

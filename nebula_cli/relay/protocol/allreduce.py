@@ -48,8 +48,7 @@ import torch
 
 from nebula_cli.errors import NebulaError
 from nebula_cli.relay.codecs.base import all_finite
-
-ALONE, DIRECT, SHARD = "alone", "direct", "shard"
+from nebula_cli.relay.protocol.results import RoundMode
 
 
 class ExchangeError(NebulaError):
@@ -108,9 +107,10 @@ class Schedule:
             raise ValueError(f"{self.me} is not present in {self.present}")
 
     @property
-    def mode(self) -> str:
+    def mode(self) -> RoundMode:
         n = len(self.present)
-        return ALONE if n == 1 else DIRECT if n == 2 or self.all_to_all else SHARD
+        return (RoundMode.ALONE if n == 1 else RoundMode.DIRECT if n == 2 or self.all_to_all
+                else RoundMode.SHARD)
 
     @property
     def others(self) -> tuple[str, ...]:
@@ -118,7 +118,7 @@ class Schedule:
 
     def owner(self, k: int) -> str | None:
         """The relay that averages chunk ``k`` (shard mode), None when every relay does."""
-        return self.present[k % len(self.present)] if self.mode == SHARD else None
+        return self.present[k % len(self.present)] if self.mode == RoundMode.SHARD else None
 
     def contributors(self, k: int) -> tuple[str, ...]:
         """Clusters whose chunk ``k`` this relay averages (empty: it receives the average)."""

@@ -1,8 +1,10 @@
 """Catch-up transfers between relays: asking a peer for a round's average or a global state,
 assembling its answer, and serving such requests from peers.
 
-On a link: STATE_REQUEST {op: result, round, req[, wait]} or {op: state, min_round, wait, req},
-answered by RESULT / STATE frames {req, status: ok|none|busy, round, ...numel} and then fp32
+On a link (messages of :mod:`nebula_cli.relay.protocol.messages`): a
+:class:`~nebula_cli.relay.protocol.messages.FetchRequest` (STATE_REQUEST {op: result, round,
+req[, wait]} or {op: state, min_round, wait, req}), answered by a ResultAnswer or StateAnswer
+header (RESULT / STATE frames {req, status: ok|none|busy, round, ...numel}) and then fp32
 chunk frames {req, lo}. A state answer also says its lineage and whether it is theta_global
 alone (parts 1) or theta_global then the outer momentum (parts 2). The size an answer
 declares is checked against the size this relay syncs (times the parts of a state) before
@@ -11,11 +13,11 @@ anything is allocated; a peer has at most MAX_REQUESTS_PER_LINK requests served 
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import threading
 from collections.abc import Callable
-from typing import Any
 
 import torch
 
@@ -23,8 +25,14 @@ from nebula_cli.relay.net.framing import tensor_frames
 from nebula_cli.relay.net.limits import MAX_REQUESTS_PER_LINK, Gate, Refusals
 from nebula_cli.relay.net.link import LinkDown, PeerLink
 from nebula_cli.relay.net.wire import Frame, FrameType, WireError
-from nebula_cli.relay.protocol.lineage import UNKNOWN
-from nebula_cli.relay.protocol.pacing import CODEC_CHARS
+from nebula_cli.relay.protocol.messages import (
+    AnswerChunk,
+    AnswerStatus,
+    Fetched,
+    FetchRequest,
+    ResultAnswer,
+    StateAnswer,
+)
 from nebula_cli.relay.protocol.results import STATE_PARTS, Average, GlobalState
 
 log = logging.getLogger("nebula.relay")
@@ -35,6 +43,9 @@ AnswerState = Callable[[int, float], GlobalState | None]
 """(minimum round, longest wait) -> the newest global state held here, or None."""
 
 
+Answer = ResultAnswer | StateAnswer
+
+
 class Fetch:
     """A pending request to a peer for a result or a global state (assembled here)."""
 
@@ -42,7 +53,7 @@ class Fetch:
         self.req = req
         self.link = link
         self.max_numel = max_numel
-        self.meta: dict[str, Any] | None = None
+        self.head: Answer | None = None
         self.tensor: torch.Tensor | None = None
         self.got = 0
         self.error: str | None = None
@@ -50,33 +61,37 @@ class Fetch:
 
     @property
     def complete(self) -> bool:
-        if self.meta is None:
+        if self.head is None:
             return False
         return self.tensor is None or self.got >= self.tensor.numel()
 
-    def on_frame(self, frame: Frame) -> None:
-        """One frame of the answer; WireError (the link closes) if it breaks the protocol or
-        declares more than ``max_numel`` elements."""
+    def on_head(self, head: Answer) -> None:
+        """The answer's header; WireError (the link closes) if it comes twice or declares
+        more than ``max_numel`` elements."""
         with self.cv:
-            if self.meta is None:
-                numel = frame.meta.get("numel")
-                if frame.meta.get("status") == "ok":
-                    if (not isinstance(numel, int) or isinstance(numel, bool)
-                            or not 0 <= numel <= self.max_numel):
-                        raise WireError(f"answer to request {self.req} declares {numel!r} "
-                                        f"elements; this relay syncs {self.max_numel}")
-                    self.tensor = torch.empty(numel, dtype=torch.float32)
-                self.meta = frame.meta
-            else:
-                lo = frame.meta.get("lo")
-                if self.tensor is None or lo != self.got or len(frame.payload) % 4:
-                    raise WireError(f"unexpected chunk {frame.meta} for request {self.req}")
-                n = len(frame.payload) // 4
-                if self.got + n > self.tensor.numel():
-                    raise WireError(f"too much data for request {self.req}")
-                self.tensor[lo : lo + n].copy_(torch.frombuffer(frame.payload,
-                                                                dtype=torch.float32))
-                self.got += n
+            if self.head is not None:
+                raise WireError(f"a second answer to request {self.req}")
+            if head.status == AnswerStatus.OK:
+                if head.numel > self.max_numel:
+                    raise WireError(f"answer to request {self.req} declares {head.numel} "
+                                    f"elements; this relay syncs {self.max_numel}")
+                self.tensor = torch.empty(head.numel, dtype=torch.float32)
+            self.head = head
+            self.cv.notify_all()
+
+    def on_chunk(self, chunk: AnswerChunk) -> None:
+        """One chunk of the answer's tensor; WireError if it is not the next one, or too
+        much."""
+        with self.cv:
+            lo = chunk.lo
+            if self.tensor is None or lo != self.got or len(chunk.payload) % 4:
+                raise WireError(f"unexpected chunk at {lo} ({len(chunk.payload)} bytes) for "
+                                f"request {self.req}")
+            n = len(chunk.payload) // 4
+            if self.got + n > self.tensor.numel():
+                raise WireError(f"too much data for request {self.req}")
+            self.tensor[lo : lo + n].copy_(torch.frombuffer(chunk.payload, dtype=torch.float32))
+            self.got += n
             self.cv.notify_all()
 
     def fail(self, reason: str) -> None:
@@ -108,43 +123,46 @@ class Fetcher:
 
     # ------------------------------------------------------------------ asking
 
-    def request(self, link: PeerLink, meta: dict[str, Any], timeout: float
+    def request(self, link: PeerLink, ask: FetchRequest, timeout: float
                 ) -> Average | GlobalState | None:
         """Ask ``link``'s peer; what it answered (of this relay's sync size), or None."""
         cap = self._sync_numel()
         if cap is None:
             return None  # nothing to hold it against: this cluster's workers never registered
+        result = ask.what == Fetched.RESULT
         with self._lock:
-            limit = cap if meta["op"] == "result" else cap * max(STATE_PARTS)
-            fetch = Fetch(next(self._ids), link, limit)
+            fetch = Fetch(next(self._ids), link, cap if result else cap * max(STATE_PARTS))
             self._pending[fetch.req] = fetch
         try:
-            link.send(Frame(FrameType.STATE_REQUEST, {**meta, "req": fetch.req}))
-            if not fetch.wait(timeout) or fetch.tensor is None or fetch.meta is None:
+            link.send(Frame(FrameType.STATE_REQUEST,
+                            dataclasses.replace(ask, req=fetch.req).to_meta()))
+            if not fetch.wait(timeout) or fetch.tensor is None or fetch.head is None:
                 return None
-            m = fetch.meta
-            parts = 1 if meta["op"] == "result" else m.get("parts", 1)
-            if (m.get("status") != "ok" or parts not in STATE_PARTS
-                    or fetch.tensor.numel() != cap * parts):
+            head, got = fetch.head, fetch.tensor.numel()
+            if head.status != AnswerStatus.OK:
                 return None
-            if meta["op"] == "result":
-                return Average(int(m["round"]), [str(c) for c in m.get("present", [])],
-                               [str(c) for c in m.get("rejected", [])], fetch.tensor,
-                               str(m.get("codec") or "")[:CODEC_CHARS])
-            return GlobalState(int(m["round"]), fetch.tensor, str(m.get("lineage", UNKNOWN)),
-                               parts)
-        except (LinkDown, KeyError, TypeError, ValueError):
+            if isinstance(head, ResultAnswer) and result and got == cap:
+                return Average(head.round, list(head.present), list(head.rejected),
+                               fetch.tensor, head.codec)
+            if isinstance(head, StateAnswer) and not result and got == cap * head.parts:
+                return GlobalState(head.round, fetch.tensor, head.lineage, head.parts)
+            return None
+        except LinkDown:
             return None
         finally:
             with self._lock:
                 self._pending.pop(fetch.req, None)
 
-    def on_answer(self, frame: Frame) -> None:
-        """A RESULT or STATE frame from a peer (runs on its link's receiver thread)."""
+    def on_answer(self, msg: Answer | AnswerChunk) -> None:
+        """A peer's answer (its header or a chunk; runs on its link's receiver thread)."""
         with self._lock:
-            fetch = self._pending.get(frame.meta.get("req"))  # type: ignore[arg-type]
-        if fetch is not None:  # else an answer nobody waits for any more
-            fetch.on_frame(frame)
+            fetch = self._pending.get(msg.req)
+        if fetch is None:
+            return  # an answer nobody waits for any more
+        if isinstance(msg, AnswerChunk):
+            fetch.on_chunk(msg)
+        else:
+            fetch.on_head(msg)
 
     def link_down(self, link: PeerLink) -> None:
         with self._lock:
@@ -154,53 +172,54 @@ class Fetcher:
 
     # ------------------------------------------------------------------ serving
 
-    def serve(self, link: PeerLink, m: dict[str, Any]) -> None:
-        """Answer a peer's STATE_REQUEST on a thread of its own (at most a few per peer)."""
-        what = m.get("op")
-        if what not in ("result", "state"):
-            raise WireError(f"unknown STATE_REQUEST op {what!r}")
+    def serve(self, link: PeerLink, ask: FetchRequest) -> None:
+        """Answer a peer's request on a thread of its own (at most a few per peer)."""
         if not self._serving.enter(link.cluster):
             self._refusals.refuse("request", f"{link.cluster} ({link.addr})",
                                   f"more than {MAX_REQUESTS_PER_LINK} requests at once")
-            kind = FrameType.RESULT if what == "result" else FrameType.STATE
-            link.send(Frame(kind, {"req": m.get("req"), "status": "busy"}))
+            busy = (ResultAnswer if ask.what == Fetched.RESULT else StateAnswer)(
+                ask.req, AnswerStatus.BUSY)
+            link.send(Frame(_ANSWER[ask.what], busy.to_meta()))
             return
 
         def run() -> None:
             try:
-                self._serve(link, m)
+                self._serve(link, ask)
             finally:
                 self._serving.leave(link.cluster)
 
-        threading.Thread(target=run, name=f"relay-serve-{what}", daemon=True).start()
+        threading.Thread(target=run, name=f"relay-serve-{ask.what.value}", daemon=True).start()
 
-    def _serve(self, link: PeerLink, m: dict[str, Any]) -> None:
-        req = m.get("req")
+    def _serve(self, link: PeerLink, ask: FetchRequest) -> None:
+        req = ask.req
         # chunks the peer accepts (limits.chunk_payload_cap: at most the synced size each),
         # also for a state of two parts (theta and the outer momentum)
         chunk = min(self._chunk, self._sync_numel() or self._chunk)
+        none = AnswerStatus.NONE
         try:
             frames: list[Frame]
-            if m["op"] == "result":
-                wait = min(float(m.get("wait", self.max_wait)), self.max_wait)
-                avg = self._answer_result(int(m["round"]), wait, lambda: link.closed)
-                frames = [Frame(FrameType.RESULT, {"req": req, "status": "none"})] if avg is None \
-                    else tensor_frames(FrameType.RESULT, {
-                        "req": req, "status": "ok", "round": avg.round_id,
-                        "present": avg.present, "rejected": avg.rejected, "codec": avg.codec},
+            if ask.what == Fetched.RESULT:
+                wait = min(self.max_wait if ask.wait is None else ask.wait, self.max_wait)
+                avg = self._answer_result(ask.round, wait, lambda: link.closed)
+                frames = [Frame(FrameType.RESULT, ResultAnswer(req, none).to_meta())] \
+                    if avg is None else tensor_frames(FrameType.RESULT, ResultAnswer(
+                        req, AnswerStatus.OK, avg.round_id, tuple(avg.present),
+                        tuple(avg.rejected), avg.codec, avg.tensor.numel()).to_meta(),
                         avg.tensor, chunk)
             else:
-                wait = min(float(m.get("wait", 0)), self.max_wait)
-                st = self._answer_state(int(m.get("min_round", -1)), wait)
-                frames = [Frame(FrameType.STATE, {"req": req, "status": "none"})] if st is None \
-                    else tensor_frames(FrameType.STATE, {
-                        "req": req, "status": "ok", "round": st.round_id,
-                        "lineage": st.lineage, "parts": st.parts}, st.tensor, chunk)
+                wait = min(0.0 if ask.wait is None else ask.wait, self.max_wait)
+                st = self._answer_state(ask.round, wait)
+                frames = [Frame(FrameType.STATE, StateAnswer(req, none).to_meta())] \
+                    if st is None else tensor_frames(FrameType.STATE, StateAnswer(
+                        req, AnswerStatus.OK, st.round_id, st.lineage, st.parts,
+                        st.tensor.numel()).to_meta(), st.tensor, chunk)
             for i, f in enumerate(frames):
                 if i:
                     f.meta["req"] = req
                 link.send(f, bulk=True)
         except LinkDown:
             pass
-        except (KeyError, TypeError, ValueError) as exc:
-            log.warning("bad request from %s: %s", link.cluster, exc)
+
+
+_ANSWER = {Fetched.RESULT: FrameType.RESULT, Fetched.STATE: FrameType.STATE}
+"""The frame type of the answer to each kind of request."""

@@ -42,6 +42,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from nebula_cli.config.relay_config import AutoSteps
+from nebula_cli.relay.net.schema import is_number
 
 CODEC_CHARS = 16
 """The longest codec name a READY may carry."""
@@ -73,7 +74,7 @@ class RoundInfo:
 
         def number(name: str, low: float, strict: bool) -> float | None:
             v = meta.get(name)
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+            if not is_number(v) or not math.isfinite(v):
                 return None
             return float(v) if (v > low if strict else v >= low) else None
 

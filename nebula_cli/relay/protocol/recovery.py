@@ -1,132 +1,152 @@
 """How a relay gets a round's result when it could not compute it with its peers: fetch the
 average from a peer that completed the round, catch up from a peer's published global state
-when it is behind or its state diverged (see :mod:`nebula_cli.relay.protocol.lineage`), or average
-alone when nobody can be reached. Part of :class:`nebula_cli.relay.protocol.rounds.Rounds`; it
-talks to peers only through the round driver's :class:`~nebula_cli.relay.protocol.rounds.Net`."""
+when it is behind or its state diverged (see :mod:`nebula_cli.relay.protocol.lineage`), or
+average alone when nobody can be reached; and, at the end, the state every cluster ends with.
+
+:class:`Recovery` is one collaborator of the round driver
+(:class:`nebula_cli.relay.protocol.rounds.Rounds` owns one): it is handed the rounds' shared
+:class:`~nebula_cli.relay.protocol.round_state.RoundState` and the
+:class:`~nebula_cli.relay.protocol.network.Net`, and talks to peers only through the latter.
+"""
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
 
 import torch
 
 from nebula_cli.config.relay_config import RelayConfig
 from nebula_cli.relay.codecs.base import Codec
 from nebula_cli.relay.codecs.contribution import decode
-from nebula_cli.relay.protocol.results import Average, GlobalState, RoundOutcome
-from nebula_cli.relay.protocol.round_state import RoundState
-
-if TYPE_CHECKING:
-    from nebula_cli.relay.protocol.rounds import Net
+from nebula_cli.relay.protocol.messages import Fetched, FetchRequest
+from nebula_cli.relay.protocol.network import Net
+from nebula_cli.relay.protocol.results import Average, GlobalState, RoundMode, RoundOutcome
+from nebula_cli.relay.protocol.round_state import Phase, RoundState
 
 log = logging.getLogger("nebula.relay")
 
 
-class Recovery(RoundState):
-    """The recovery paths of a relay's rounds (the attributes are set by ``Rounds``)."""
+class Recovery:
+    """The recovery paths of one relay's rounds. ``event(msg, *args)`` reports a
+    warning-worthy event; ``clock`` is the rounds' monotonic clock."""
 
-    cfg: RelayConfig
-    me: str
-    codec: Codec
-    net: Net
-    order: dict[str, int]
-    fetch_timeout: float
-    grace: float
-    final_stall: float
-    _event: Callable[..., None]
+    def __init__(self, cfg: RelayConfig, state: RoundState, net: Net, *,
+                 event: Callable[..., None], clock: Callable[[], float]) -> None:
+        self.cfg, self.me, self.state, self.net = cfg, cfg.cluster, state, net
+        self._event, self.clock = event, clock
+        self.order = {c: i for i, c in enumerate(cfg.clusters)}
+        self.fetch_timeout = max(120.0, 10 * cfg.round_timeout)
+        self.final_stall = max(600.0, 10 * cfg.round_timeout)
+        """At the end, how long a cluster waits for peers that make no round at all."""
 
-    def newest_done(self) -> int:  # implemented by Rounds
-        raise NotImplementedError
-
-    def _recover(self, r: int, candidates: list[str], numel: int,
-                 wait: float | None = None) -> RoundOutcome | None:
+    def recover(self, r: int, candidates: list[str], numel: int,
+                wait: float | None = None) -> RoundOutcome | None:
         """Fetch round ``r``'s average from a peer that completed it. ``wait``: how long a
         peer still agreeing or exchanging that round may take to answer (default: as long as
         the peer allows; short after a failed exchange, when a peer that never saw the
         decision would otherwise hold this relay until its deadline)."""
-        self.set_phase(r, "recovering")
-        meta: dict[str, Any] = {"op": "result", "round": r}
-        if wait is not None:
-            meta["wait"] = wait
+        self.state.set_phase(r, Phase.RECOVERING)
+        ask = FetchRequest(Fetched.RESULT, r, wait)
         for c in sorted(candidates, key=self.order.__getitem__):
             if c == self.me:
                 continue
-            got = self.net.fetch(c, meta, self.fetch_timeout)
+            got = self.net.fetch(c, ask, self.fetch_timeout)
             if not isinstance(got, Average) or got.tensor.numel() != numel:
                 continue
             missing = sorted(set(self.cfg.clusters) - set(got.present) - set(got.rejected))
-            with self.lock:
-                self.average = Average(r, got.present, got.rejected, got.tensor, got.codec)
-            return RoundOutcome(got.tensor, got.present, r, got.rejected, missing, mode="fetched",
-                           codec=got.codec)
+            with self.state.lock:
+                self.state.average = Average(r, got.present, got.rejected, got.tensor, got.codec)
+            return RoundOutcome(got.tensor, got.present, r, got.rejected, missing,
+                                mode=RoundMode.FETCHED, codec=got.codec)
         return None
 
-    def _catch_up(self, r: int, numel: int, why: str) -> RoundOutcome:
+    def catch_up(self, r: int, numel: int, why: str) -> RoundOutcome:
         """This cluster is behind: a peer's round-r average if one has it, else a global state."""
         self._event("round %d: this cluster is behind (%s); catching up", r, why)
-        with self.lock:
-            avg = self.average
+        with self.state.lock:
+            avg = self.state.average
         if avg is not None and avg.round_id == r:
-            return RoundOutcome(avg.tensor, avg.present, r, avg.rejected, mode="cached",
-                           codec=avg.codec)
-        got = self._recover(r, self.net.holders(r), numel)
+            return RoundOutcome(avg.tensor, avg.present, r, avg.rejected, mode=RoundMode.CACHED,
+                                codec=avg.codec)
+        got = self.recover(r, self.net.holders(r), numel)
         if got is not None:
             return got
-        newest = self.newest_done()
-        with self.lock:
-            best = self.state
+        newest = self.state.newest_done(self.net)
+        with self.state.lock:
+            best = self.state.published
         for cluster, _ in self.net.state_sources():
             if best is not None and best.round_id >= newest:
                 break
-            st = self._fetch_state(cluster, newest)
+            st = self.fetch_state(cluster, newest)
             if st is not None and (best is None or st.round_id > best.round_id):
                 best = st
         if best is None:
             self._event("round %d: no global state available to catch up from; zero update", r)
-            return RoundOutcome(torch.zeros(numel), [], r, mode="failed")
+            return RoundOutcome(torch.zeros(numel), [], r, mode=RoundMode.FAILED)
         log.info("round %d: caught up to round %d from a published global state", r,
                  best.round_id)
-        return self._taken(best, numel, "catch-up")
+        return self._taken(best, numel, RoundMode.CATCH_UP)
 
-    def _resync(self, r: int, present: list[str], numel: int) -> RoundOutcome:
+    def resync(self, r: int, present: list[str], numel: int) -> RoundOutcome:
         """This cluster's global state diverged from the round's winning lineage: take the
         state a present peer publishes after round ``r``."""
         self._event("round %d: this cluster's global state differs from that of %s; taking "
                     "theirs", r, ", ".join(present))
-        self.set_phase(r, "recovering")
+        self.state.set_phase(r, Phase.RECOVERING)
         for c in sorted(present, key=self.order.__getitem__):
-            st = self._fetch_state(c, r)
+            st = self.fetch_state(c, r)
             if st is not None and st.round_id >= r:
-                return self._taken(st, numel, "resync")
+                return self._taken(st, numel, RoundMode.RESYNC)
         self._event("round %d: no present peer handed over its global state; zero update", r)
-        return RoundOutcome(torch.zeros(numel), [], r, mode="failed")
+        return RoundOutcome(torch.zeros(numel), [], r, mode=RoundMode.FAILED)
 
-    def _fetch_state(self, cluster: str, min_round: int) -> GlobalState | None:
-        st = self.net.fetch(cluster, {"op": "state", "min_round": min_round,
-                                      "wait": self.cfg.round_timeout}, self.fetch_timeout)
+    def alone(self, r: int, x: torch.Tensor | None, numel: int, codec: Codec) -> RoundOutcome:
+        """No peer could be reached: this cluster's own contribution (as decoded from its
+        encoding, as a round with peers would use it), or zeros when it has none."""
+        others = [c for c in self.cfg.clusters if c != self.me]
+        if x is None:
+            return RoundOutcome(torch.zeros(numel), [], r, [self.me], others,
+                                mode=RoundMode.ALONE)
+        avg = decode(codec, codec.encode(x))
+        with self.state.lock:
+            self.state.average = Average(r, [self.me], [], avg, codec.name)
+        return RoundOutcome(avg, [self.me], r, [], others, mode=RoundMode.ALONE,
+                            codec=codec.name)
+
+    def fetch_state(self, cluster: str, min_round: int) -> GlobalState | None:
+        """A peer's published global state of at least ``min_round`` (waiting up to a round's
+        timeout for it), or None."""
+        st = self.net.fetch(cluster, FetchRequest(Fetched.STATE, min_round,
+                                                  self.cfg.round_timeout), self.fetch_timeout)
         return st if isinstance(st, GlobalState) else None
 
-    def mark_finished(self) -> None:
-        """This cluster's workers have made their last round (told to peers with the next
-        progress)."""
-        with self.lock:
-            self.finished = self.done_round
-            self.cv.notify_all()
+    def best_state(self) -> GlobalState | None:
+        """The newest global state held here or by a connected peer."""
+        with self.state.lock:
+            best = self.state.published
+        for cluster, state_round in self.net.state_sources():
+            if state_round is None or (best is not None and best.round_id >= state_round):
+                break
+            st = self.net.fetch(cluster, FetchRequest(Fetched.STATE, state_round, 0.0),
+                                self.fetch_timeout)
+            if isinstance(st, GlobalState):
+                best = st
+        return best
 
     def final_state(self, wait: float | None) -> GlobalState | None:
-        """After :meth:`mark_finished`: wait until every connected peer's workers have
+        """After ``RoundState.mark_finished``: wait until every connected peer's workers have
         finished too (at most ``wait`` seconds; a peer that is gone is not waited for), then
         the global state every cluster should end with, when it is not this cluster's: that
         of the cluster that finished last (the highest final round, ties to the earliest in
         the job's order), whose last round came after the others'. None: keep your own."""
+        state = self.state
         deadline = None if wait is None else self.clock() + wait
         seen, moved = None, self.clock()
         while True:
-            view = self.net.finish_view()  # not under self.lock: the peers' lock comes first
+            view = self.net.finish_view()  # not under the lock: the peers' lock comes first
             training = sorted(c for c, (f, _, _) in view.items() if f is None)
-            if not training or self.stopping:
+            if not training or state.stopping:
                 break
             if view != seen:
                 seen, moved = view, self.clock()
@@ -138,40 +158,28 @@ class Recovery(RoundState):
                 self._event("peers %s made no round in %g s; this cluster ends without "
                             "them", ", ".join(training), self.final_stall)
                 break
-            with self.lock:
-                self.cv.wait(0.5)
-        with self.lock:
-            mine = self.finished if self.finished is not None else self.done_round
-            lineage = self.lineage
+            with state.lock:
+                state.cv.wait(0.5)
+        with state.lock:
+            mine = state.finished if state.finished is not None else state.done_round
+            lineage = state.lineage
         ends = [(mine, self.me, lineage)] + [(f, c, lin) for c, (f, lin, _) in view.items()
                                               if f is not None]
         last, cluster, theirs = max(ends, key=lambda e: (e[0], -self.order[e[1]]))
         if cluster == self.me or theirs == lineage:
             return None
-        st = self._fetch_state(cluster, last)
+        st = self.fetch_state(cluster, last)
         if st is None or st.round_id < last:
             self._event("could not fetch the final state of %s (round %d); this cluster keeps "
                         "its own", cluster, last)
             return None
         log.info("final state: taking that of %s after round %d (it finished last)", cluster,
                  last)
-        with self.lock:
-            self.lineage = st.lineage
+        with state.lock:
+            state.lineage = st.lineage
         return st
 
     @staticmethod
-    def _taken(st: GlobalState, numel: int, mode: str) -> RoundOutcome:
-        return RoundOutcome(torch.zeros(numel), [], st.round_id, global_state=st.tensor, mode=mode,
-                       lineage=st.lineage)
-
-    def _alone(self, r: int, x: torch.Tensor | None, numel: int, codec: Codec) -> RoundOutcome:
-        others = [c for c in self.cfg.clusters if c != self.me]
-        if x is None:
-            return RoundOutcome(torch.zeros(numel), [], r, [self.me], others, mode="alone")
-        avg = decode(codec, codec.encode(x))
-        with self.lock:
-            self.average = Average(r, [self.me], [], avg, codec.name)
-        return RoundOutcome(avg, [self.me], r, [], others, mode="alone", codec=codec.name)
-
-
-__all__ = ["Recovery"]
+    def _taken(st: GlobalState, numel: int, mode: RoundMode) -> RoundOutcome:
+        return RoundOutcome(torch.zeros(numel), [], st.round_id, global_state=st.tensor,
+                            mode=mode, lineage=st.lineage)

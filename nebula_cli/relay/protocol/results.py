@@ -5,8 +5,34 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from enum import StrEnum
 
 import torch
+
+from nebula_cli.relay.protocol.next_round import NextRound
+
+
+class RoundMode(StrEnum):
+    """How a relay ended a round."""
+
+    ALONE = "alone"
+    """Averaged alone: nobody else was present or reachable."""
+    DIRECT = "direct"
+    """Exchanged with the other present relays, each averaging every chunk itself."""
+    SHARD = "shard"
+    """Exchanged with the other present relays, each averaging the chunks it owns."""
+    FETCHED = "fetched"
+    """Left out (late, rejected, or its exchange failed): fetched the average from a peer."""
+    CACHED = "cached"
+    """Behind: the round's average was already here."""
+    CATCH_UP = "catch-up"
+    """Behind: took a peer's published global state."""
+    RESYNC = "resync"
+    """Its global state diverged: took a present peer's."""
+    EMPTY = "empty"
+    """Left out and nobody was present: zeros."""
+    FAILED = "failed"
+    """No average and no state to take: zeros."""
 
 
 @dataclass
@@ -22,22 +48,16 @@ class RoundOutcome:
     seconds: float = 0.0
     bytes_sent: int = 0
     bytes_received: int = 0
-    mode: str = ""
+    mode: RoundMode = field(kw_only=True)
     lineage: str | None = None
     """Set when the outcome hands over a peer's global state: that state's lineage."""
     weights: dict[str, float] = field(default_factory=dict)
     """The present clusters' weights in the average (samples; empty: equal)."""
-    next_h: int | None = None
-    next_h_why: str = ""
-    """``inner_steps: auto``: the H the round's decision says every cluster trains next (and
-    with ``compression: auto`` why the next codec was chosen)."""
     codec: str = ""
     """The codec of the round whose average this is (the worker's outer settings follow it)."""
-    next_codec: str = ""
-    """``compression: auto``: the codec the round's decision says the next round uses."""
-    next_merge: int | None = None
-    """Overlap: the step after its boundary at which every cluster applies the next round's
-    average (the round's decision)."""
+    next: NextRound = NextRound()
+    """What the round's decision says of the next round (with overlap, an outcome without a
+    decision of its own carries the merge step of the newest decision this relay saw)."""
 
 
 @dataclass(frozen=True)

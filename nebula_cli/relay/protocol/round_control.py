@@ -1,6 +1,13 @@
-"""What a relay's rounds take from its peers: round control (READY, START, BEHIND, ABORT),
-chunks, progress, links going up and down, and the coordinator's deadlines. Part of
-:class:`nebula_cli.relay.protocol.rounds.Rounds` (the attributes are set there).
+"""The peer side of a relay's rounds: round control (READY, START, BEHIND, ABORT), chunks,
+progress, links going up and down, and the coordinator's deadlines.
+
+:class:`RoundControl` is one collaborator of the round driver
+(:class:`nebula_cli.relay.protocol.rounds.Rounds` owns one): it is handed the rounds' shared
+:class:`~nebula_cli.relay.protocol.round_state.RoundState` and the
+:class:`~nebula_cli.relay.protocol.network.Net`, runs this relay's
+:class:`~nebula_cli.relay.protocol.agreement.Coordinator`, keeps the decisions it saw (and
+follows the codec and merge step the newest one names), and agrees each round for the driver
+(:meth:`RoundControl.agree`: READY to the coordinator, then its decision).
 
 Round control for a round too far ahead of this relay and its peers is not acted on at once:
 after a resume every relay starts fresh (round -1) while the workers go on from their
@@ -13,10 +20,11 @@ other control for rounds too far ahead is refused (logged), as chunks for them a
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+import time
+from collections.abc import Callable, Mapping
 
-from nebula_cli.relay.codecs.base import Codec, CodecError, Encoded
+from nebula_cli.config.relay_config import RelayConfig
+from nebula_cli.relay.codecs.base import Codec, CodecError
 from nebula_cli.relay.codecs.chunks import chunk_spans
 from nebula_cli.relay.net.limits import (
     MAX_OPEN_ROUNDS,
@@ -25,133 +33,223 @@ from nebula_cli.relay.net.limits import (
     LimitExceeded,
     Refusals,
 )
-from nebula_cli.relay.net.wire import Frame, FrameType
-from nebula_cli.relay.protocol.agreement import BEHIND, Coordinator, Decision
+from nebula_cli.relay.protocol.agreement import BEHIND, Coordinator, Decision, Verdict
 from nebula_cli.relay.protocol.allreduce import ExchangeError, RoundExchange
-from nebula_cli.relay.protocol.lineage import UNKNOWN
-from nebula_cli.relay.protocol.pacing import CODEC_CHARS, RoundInfo
-from nebula_cli.relay.protocol.recovery import Recovery
-
-if TYPE_CHECKING:
-    from nebula_cli.relay.protocol.rounds import Net
+from nebula_cli.relay.protocol.messages import (
+    MAX_ATTEMPTS,
+    Abort,
+    Behind,
+    ChunkKind,
+    PeerChunk,
+    Ready,
+    RoundMessage,
+    round_frame,
+)
+from nebula_cli.relay.protocol.network import Net
+from nebula_cli.relay.protocol.pacing import RoundInfo
+from nebula_cli.relay.protocol.round_state import RoundState
 
 log = logging.getLogger("nebula.relay")
 
-MAX_ATTEMPTS = 3
-"""Attempts of one round (a present peer gone mid-exchange: the survivors redo it)."""
 HELD_PER_PEER = 2
 """Round control frames held per peer for a round ahead of this relay's own worker."""
 
 
-class RoundControl(Recovery):
-    """The peer side of a relay's rounds."""
+class RoundControl:
+    """Round control with this relay's peers. ``codecs``: the codecs a round may use
+    (``compression: auto``'s candidates, else one)."""
 
-    codec: Codec
-    codecs: dict[str, Codec]
-    codec_round: int
-    merge_in_force: int | None
-    """Overlap: the merge step the newest decision this relay saw named (every outcome carries
-    it, also one recovered without a decision of its own)."""
-    merge_round: int
-    net: Net
-    coordinator: Coordinator
-    early: EarlyChunks
-    exchanges: dict[tuple[int, int, str], RoundExchange]
-    decisions: dict[tuple[int, str], Decision]
-    behind_rounds: set[int]
-    _refusals: Refusals
-    clock: Callable[[], float]
-    floor: int
-    """The round before the newest one this relay's own worker asked for (-1: none yet)."""
-    held: dict[str, list[dict[str, Any]]]
+    def __init__(self, cfg: RelayConfig, codecs: Mapping[str, Codec], state: RoundState,
+                 net: Net, *, refusals: Refusals, clock: Callable[[], float]) -> None:
+        self.cfg, self.me, self.state, self.net = cfg, cfg.cluster, state, net
+        self.codecs = dict(codecs)
+        self.codec: Codec = next(iter(self.codecs.values()))
+        """The codec of this relay's next round (with ``compression: auto``, as the newest
+        decision said)."""
+        self.codec_round = -1  # the round of the decision that set self.codec
+        self.merge_in_force: int | None = None
+        """Overlap: the merge step the newest decision this relay saw named (every outcome
+        carries it, also one recovered without a decision of its own)."""
+        self.merge_round = -1  # the round of the decision that set merge_in_force
+        n = 1 << 20
+        self.coordinator = Coordinator(
+            self.me, cfg.clusters, cfg.round_timeout, cfg.auto_steps, cfg.auto_codec,
+            {name: c.payload_nbytes(n) / n for name, c in self.codecs.items()})
+        self.early = EarlyChunks(cfg.clusters, MAX_ATTEMPTS, size=PeerChunk.held_size)
+        """Chunks that came before their round's exchange started here."""
+        self.decisions: dict[tuple[int, str], Decision] = {}  # (round, coordinator) ->
+        self.behind_rounds: set[int] = set()
+        """Rounds some coordinator said are over (this relay catches up instead)."""
+        self.floor = -1
+        """The round before the newest one this relay's own worker asked for (-1: none yet)."""
+        self.held: dict[str, list[RoundMessage]] = {}
+        self._refusals = refusals
+        self.clock = clock
 
-    def horizon(self) -> int:
-        """The round control and chunks are measured against: this relay's and its peers'
-        newest completed round, or the one before what its own worker asked for."""
-        with self.lock:
-            floor = self.floor
-        return max(self.newest_done(), floor)
+    # ------------------------------------------------------------------ for the round driver
 
     def raise_floor(self, round_id: int) -> None:
         """This relay's worker asked for ``round_id``: handle what peers sent for it early."""
-        with self.lock:
+        with self.state.lock:
             self.floor = max(self.floor, round_id - 1)
             held, self.held = self.held, {}
         for src, frames in held.items():
             for m in frames:
                 self.on_control(src, m)
 
-    def on_control(self, src: str, m: dict[str, Any]) -> None:
-        """A ROUND frame from peer ``src`` (KeyError/ValueError on a malformed one)."""
-        op, r = m.get("op"), int(m["round"])
-        newest = self.horizon()
-        if op in ("ready", "behind", "start") and r > newest + MAX_ROUNDS_AHEAD:
-            if op in ("ready", "start"):  # perhaps a resumed peer ahead of our own worker
-                with self.lock:
-                    self.held[src] = [*self.held.get(src, []), m][-HELD_PER_PEER:]
-                return
-            self._refusals.refuse("round control", src, f"{op} for round {r}, this relay and "
-                                  f"its peers are at round {newest}")
-            return
-        if op == "ready":
-            self._on_ready(src, m)
-        elif op == "start":
-            d = Decision.from_meta(m)
-            if d.coordinator != src:
-                self._refusals.refuse("round control", src,
-                                      f"a decision of {d.coordinator} relayed by {src}")
-                return
-            self._on_decision(d)
-        elif op == "behind":
-            with self.lock:
-                self.behind_rounds = {b for b in self.behind_rounds
-                                      if b > self.done_round - MAX_OPEN_ROUNDS} | {r}
-                self.cv.notify_all()
-        elif op == "abort":
-            with self.lock:
-                ex = self.exchanges.get((r, int(m["attempt"]), str(m["coord"])))
-            if ex is not None:
-                ex.fail(f"{src} aborted: {m.get('reason')}")
-        else:
-            raise ValueError(f"unknown ROUND op {op!r}")
+    def in_force(self) -> tuple[Codec, int]:
+        """The codec of this relay's next round and the round of the decision that named it
+        (-1: none seen since this relay started)."""
+        with self.state.lock:
+            return self.codec, self.codec_round
 
-    def on_chunk(self, src: str, frame: Frame) -> None:
-        """A PEER_CHUNK frame from ``src``: fed to its round's exchange, held briefly if that
-        has not started yet (within limits), else refused."""
-        m = frame.meta
-        key = (int(m["round"]), int(m["attempt"]), str(m["coord"]))
-        with self.lock:
-            ex = self.exchanges.get(key)
+    def agree(self, r: int, attempt: int, reason: str, numel: int, give_up: float,
+              info: RoundInfo, codec: tuple[str, int]) -> Decision | Verdict | None:
+        """READY for attempt ``attempt`` of round ``r`` to the coordinator (again to a new one
+        when the coordinator changes); its decision, BEHIND, or None at ``give_up``."""
+        sent_to = None
+        ready = Ready(r, attempt, not reason, numel, reason, self.state.lineage_before(r), info,
+                      codec[0], codec[1])
+        state = self.state
+        while True:
+            with state.lock:
+                d = self.decisions.get((r, sent_to)) if sent_to else None
+                if d is not None and d.attempt >= attempt:
+                    return d
+                if r in self.behind_rounds:
+                    return BEHIND
+                coord = self.net.coordinator()
+                if coord != sent_to:
+                    sent_to = coord
+                else:
+                    now = self.clock()
+                    if now >= give_up or state.stopping:
+                        return None
+                    state.cv.wait(min(give_up - now, 0.5))
+                    continue
+            if coord == self.me:
+                self._on_ready(self.me, ready)
+            elif not self.net.send(coord, round_frame(ready)):
+                sent_to = None
+                time.sleep(0.05)
+
+    def feed(self, ex: RoundExchange, src: str, chunk: PeerChunk) -> None:
+        """A peer's chunk for exchange ``ex`` (one that is not the sender's round is refused;
+        a bad one fails the exchange)."""
+        if src not in ex.schedule.present:  # not in this round: refused, the round goes on
+            self._refusals.refuse("chunk", src, f"round {chunk.round} is not its round")
+            return
+        enc = chunk.enc
+        try:
+            if enc is not None and enc.codec != ex.codec:
+                raise ExchangeError(f"chunk encoded with {enc.codec}, expected {ex.codec}")
+            if chunk.kind == ChunkKind.CONTRIB:
+                ex.add_contrib(src, chunk.k, enc)
+            else:
+                ex.add_avg(src, chunk.k, enc)
+        except (ExchangeError, CodecError) as exc:
+            log.warning("round %s: bad chunk from %s: %s", chunk.round, src, exc)
+            ex.fail(f"bad chunk from {src}: {exc}")
+
+    def round_done(self, r: int) -> None:
+        """Round ``r`` is done here: forget its early chunks and what said it was over."""
+        with self.state.lock:
+            self.early.drop_through(r)
+            self.behind_rounds = {b for b in self.behind_rounds if b > r}
+
+    # ------------------------------------------------------------------ from peers
+
+    def on_control(self, src: str, msg: RoundMessage) -> None:
+        """Round control from peer ``src`` (decoded where its frame came in)."""
+        r = msg.round
+        newest = self._horizon()
+        if not isinstance(msg, Abort) and r > newest + MAX_ROUNDS_AHEAD:
+            if isinstance(msg, Ready | Decision):  # perhaps a resumed peer ahead of our worker
+                with self.state.lock:
+                    self.held[src] = [*self.held.get(src, []), msg][-HELD_PER_PEER:]
+                return
+            self._refusals.refuse("round control", src, f"behind for round {r}, this relay "
+                                  f"and its peers are at round {newest}")
+            return
+        if isinstance(msg, Ready):
+            self._on_ready(src, msg)
+        elif isinstance(msg, Decision):
+            if msg.coordinator != src:
+                self._refusals.refuse("round control", src,
+                                      f"a decision of {msg.coordinator} relayed by {src}")
+                return
+            self._on_decision(msg)
+        elif isinstance(msg, Behind):
+            with self.state.lock:
+                self.behind_rounds = {b for b in self.behind_rounds
+                                      if b > self.state.done_round - MAX_OPEN_ROUNDS} | {r}
+                self.state.cv.notify_all()
+        else:
+            with self.state.lock:
+                ex = self.state.exchanges.get(msg.key)
+            if ex is not None:
+                ex.fail(f"{src} aborted: {msg.reason}")
+
+    def on_chunk(self, src: str, chunk: PeerChunk) -> None:
+        """A chunk from ``src``: fed to its round's exchange, held briefly if that has not
+        started yet (within limits), else refused."""
+        key = chunk.key
+        state = self.state
+        with state.lock:
+            ex = state.exchanges.get(key)
             if ex is None:
-                numel = self.sync.numel if self.sync else None
+                numel = state.sync.numel if state.sync else None
                 spans = 0 if numel is None else len(chunk_spans(
                     numel, self.cfg.chunk_numel, align=self.cfg.block_size))
                 try:
-                    done = max(self.done_round, self.floor)
-                    self.early.add(key, src, m.get("k"), frame, done=done,
+                    done = max(state.done_round, self.floor)
+                    self.early.add(key, src, chunk.k, chunk, done=done,
                                    sync_numel=numel, num_chunks=spans)
                 except LimitExceeded as exc:
                     if key[0] > done:
                         self._refusals.refuse("chunk", src, str(exc))
                 return
-        self._feed(ex, src, frame)
+        self.feed(ex, src, chunk)
 
     def on_progress(self) -> None:
         """A peer's progress changed (or a link came up): close collections of rounds some
         relay has already completed, wake waiting rounds."""
-        for round_id, clusters in self.coordinator.behind(self.newest_done()):
+        for round_id, clusters in self.coordinator.behind(self.state.newest_done(self.net)):
             for c in clusters:
                 self._tell_behind(c, round_id)
         self._decide_without_the_gone()
-        self.poke()
+        self.state.poke()
+
+    def on_link_up(self) -> None:
+        if self.net.coordinator() != self.me:
+            self.coordinator.drop_open()  # the clusters waiting on it re-send READY
+        self.on_progress()
 
     def on_link_down(self, cluster: str, reason: str) -> None:
-        with self.lock:
-            for ex in self.exchanges.values():
+        with self.state.lock:
+            for ex in self.state.exchanges.values():
                 if cluster in ex.schedule.present:
                     ex.fail(f"lost the link to {cluster}: {reason}")
-            self.cv.notify_all()
+            self.state.cv.notify_all()
         self._decide_without_the_gone()
+
+    def tick(self) -> float | None:
+        """Decide the rounds whose deadline passed; the next deadline (monotonic) or None."""
+        for d in self.coordinator.due(self.clock()):
+            if d.missing or d.rejected:
+                log.info("round %d attempt %d decided: present %s, missing %s, rejected %s",
+                         d.round, d.attempt, list(d.present), list(d.missing), list(d.rejected))
+            self._announce(d)
+        return self.coordinator.next_deadline()
+
+    # ------------------------------------------------------------------ internals
+
+    def _horizon(self) -> int:
+        """The round control and chunks are measured against: this relay's and its peers'
+        newest completed round, or the one before what its own worker asked for."""
+        with self.state.lock:
+            floor = self.floor
+        return max(self.state.newest_done(self.net), floor)
 
     def _decide_without_the_gone(self) -> None:
         """As coordinator, decide the open rounds that wait only for peers that are gone or
@@ -165,93 +263,57 @@ class RoundControl(Recovery):
         peers whose workers have not finished."""
         done = {c for c, (finished, _, _) in self.net.finish_view().items()
                 if finished is not None}
-        with self.lock:
-            if self.finished is not None:
+        with self.state.lock:
+            if self.state.finished is not None:
                 done.add(self.me)
         return [c for c in [self.me, *self.net.connected()] if c not in done]
 
-    def on_link_up(self) -> None:
-        if self.net.coordinator() != self.me:
-            self.coordinator.drop_open()  # the clusters waiting on it re-send READY
-        self.on_progress()
-
-    def tick(self) -> float | None:
-        """Decide the rounds whose deadline passed; the next deadline (monotonic) or None."""
-        for d in self.coordinator.due(self.clock()):
-            if d.missing or d.rejected:
-                log.info("round %d attempt %d decided: present %s, missing %s, rejected %s",
-                         d.round, d.attempt, list(d.present), list(d.missing), list(d.rejected))
-            self._announce(d)
-        return self.coordinator.next_deadline()
-
-    def _feed(self, ex: RoundExchange, src: str, frame: Frame) -> None:
-        m = frame.meta
-        if src not in ex.schedule.present:  # not in this round: refused, the round goes on
-            self._refusals.refuse("chunk", src, f"round {m.get('round')} is not its round")
-            return
-        try:
-            k = int(m["k"])
-            enc = None if m.get("zero") else Encoded.from_wire(m, frame.payload)
-            if enc is not None and enc.codec != ex.codec:
-                raise ExchangeError(f"chunk encoded with {enc.codec}, expected {ex.codec}")
-            if m["op"] == "contrib":
-                ex.add_contrib(src, k, enc)
-            else:
-                ex.add_avg(src, k, enc)
-        except (ExchangeError, CodecError, KeyError, ValueError) as exc:
-            log.warning("round %s: bad chunk from %s: %s", m.get("round"), src, exc)
-            ex.fail(f"bad chunk from {src}: {exc}")
-
-    def follow_codec(self, d: Decision) -> None:
-        """``compression: auto``: the newest decision says the codec of the next round (called
-        with the lock held, for every decision this relay sees, its own or a peer's)."""
-        if d.round >= self.codec_round and d.next_codec in self.codecs:
-            self.codec, self.codec_round = self.codecs[d.next_codec], d.round
-        elif d.next_codec and d.next_codec not in self.codecs:
-            log.warning("round %d: the decision names codec %r, not one of %s; ignored",
-                        d.round, d.next_codec, sorted(self.codecs))
-
     def _tell_behind(self, cluster: str, round_id: int) -> None:
         if cluster == self.me:
-            with self.lock:
+            with self.state.lock:
                 self.behind_rounds.add(round_id)
-                self.cv.notify_all()
+                self.state.cv.notify_all()
         else:
-            self.net.send(cluster, Frame(FrameType.ROUND, {"op": "behind", "round": round_id}))
+            self.net.send(cluster, round_frame(Behind(round_id)))
 
-    def _on_ready(self, cluster: str, m: dict[str, Any]) -> None:
-        attempt = int(m["attempt"])
-        if not 0 <= attempt < MAX_ATTEMPTS:
-            raise ValueError(f"READY for attempt {attempt}")
+    def _on_ready(self, cluster: str, m: Ready) -> None:
         res = self.coordinator.ready(
-            int(m["round"]), attempt, cluster, ok=bool(m["ok"]), numel=int(m["numel"]),
-            reason=str(m.get("reason", "")), now=self.clock(), newest_done=self.newest_done(),
-            lineage=str(m.get("lineage", UNKNOWN)), expected=self._reachable(),
-            info=RoundInfo.from_meta(m.get("info")),
-            codec=(str(m.get("codec") or "")[:CODEC_CHARS], int(m.get("codec_round", -1))))
+            m.round, m.attempt, cluster, ok=m.ok, numel=m.numel, reason=m.reason,
+            now=self.clock(), newest_done=self.state.newest_done(self.net), lineage=m.lineage,
+            expected=self._reachable(), info=m.info, codec=(m.codec, m.codec_round))
         if res == BEHIND:
-            self._tell_behind(cluster, int(m["round"]))
+            self._tell_behind(cluster, m.round)
         elif isinstance(res, Decision):
             self._announce(res)
 
     def _announce(self, d: Decision) -> None:
         """Send a decision to every connected peer and apply it here."""
-        frame = Frame(FrameType.ROUND, {"op": "start", **d.to_meta()})
+        frame = round_frame(d)
         for c in self.net.connected():
             self.net.send(c, frame)
         self._on_decision(d)
 
     def _on_decision(self, d: Decision) -> None:
-        with self.lock:
+        with self.state.lock:
             key = (d.round, d.coordinator)
             old = self.decisions.get(key)
             if old is None or d.attempt >= old.attempt:
                 self.decisions[key] = d
-            self.follow_codec(d)
-            if d.next_merge is not None and d.round >= self.merge_round:
-                self.merge_in_force, self.merge_round = d.next_merge, d.round
+            self._follow(d)
             newest = max(k[0] for k in self.decisions)
             for k in [k for k in self.decisions if k[0] <= newest - MAX_OPEN_ROUNDS]:
                 del self.decisions[k]
-            self.cv.notify_all()
+            self.state.cv.notify_all()
 
+    def _follow(self, d: Decision) -> None:
+        """What the newest decision says of the next round (called with the lock held, for
+        every decision this relay sees, its own or a peer's): with ``compression: auto`` its
+        codec, with overlap its merge step."""
+        nxt = d.next
+        if d.round >= self.codec_round and nxt.codec in self.codecs:
+            self.codec, self.codec_round = self.codecs[nxt.codec], d.round
+        elif nxt.codec and nxt.codec not in self.codecs:
+            log.warning("round %d: the decision names codec %r, not one of %s; ignored",
+                        d.round, nxt.codec, sorted(self.codecs))
+        if nxt.merge is not None and d.round >= self.merge_round:
+            self.merge_in_force, self.merge_round = nxt.merge, d.round

@@ -1,9 +1,11 @@
 """What a relay holds between rounds, and the pure decisions the round driver takes on it.
 
-:class:`RoundState` is the data of :class:`nebula_cli.relay.protocol.rounds.Rounds` (one lock, one
-condition): the newest round done, the last average and the published global state (what
-peers may fetch), decisions and exchanges in flight. Its answers to peers' requests wait on
-that condition and never touch the network.
+:class:`RoundState` is the data that the round driver
+(:class:`nebula_cli.relay.protocol.rounds.Rounds`) and the collaborators it owns (peer control,
+recovery) share, under one lock and one condition: the size this cluster syncs, the newest
+round done, the last average and the published global state (what peers may fetch), the
+exchanges in flight, the lineage. Its answers to peers' requests wait on that condition and
+never touch the network.
 """
 
 from __future__ import annotations
@@ -12,29 +14,52 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from enum import StrEnum
 
 from nebula_cli.relay.net.limits import LimitExceeded, SyncSize
+from nebula_cli.relay.net.messages import Progress
 from nebula_cli.relay.protocol.agreement import Decision
 from nebula_cli.relay.protocol.allreduce import RoundExchange
 from nebula_cli.relay.protocol.lineage import UNKNOWN, advance, initial
+from nebula_cli.relay.protocol.network import Net
 from nebula_cli.relay.protocol.results import Average, GlobalState, RoundOutcome
 
 log = logging.getLogger("nebula.relay")
 
-EXCHANGE, LEFT_OUT, EMPTY, RESYNC = "exchange", "left-out", "empty", "resync"
 LINEAGES_KEPT = 16
 
 
-def after_decision(me: str, d: Decision, *, own_ok: bool) -> str:
-    """What a relay does once its round is decided: EXCHANGE (it is present and can send),
-    RESYNC (its global state diverged: take a present peer's), LEFT_OUT (fetch the average of
-    those present), or EMPTY (nobody present: zeros)."""
+class Phase(StrEnum):
+    """Where a round is on this relay (peers asking for its average wait while it is agreed or
+    exchanged)."""
+
+    AGREEING = "agreeing"
+    EXCHANGING = "exchanging"
+    RECOVERING = "recovering"
+    DONE = "done"
+
+
+class Step(StrEnum):
+    """What a relay does once its round is decided (:func:`after_decision`)."""
+
+    EXCHANGE = "exchange"
+    """It is present and can send: exchange with the other present relays."""
+    RESYNC = "resync"
+    """Its global state diverged: take a present peer's."""
+    LEFT_OUT = "left-out"
+    """Fetch the average of those present."""
+    EMPTY = "empty"
+    """Nobody is present: zeros."""
+
+
+def after_decision(me: str, d: Decision, *, own_ok: bool) -> Step:
+    """What relay ``me`` does once its round is decided (``own_ok``: its contribution can be
+    sent)."""
     if me in d.diverged and d.present:
-        return RESYNC
+        return Step.RESYNC
     if me in d.present and own_ok:
-        return EXCHANGE
-    return LEFT_OUT if d.present else EMPTY
+        return Step.EXCHANGE
+    return Step.LEFT_OUT if d.present else Step.EMPTY
 
 
 class RoundState:
@@ -43,16 +68,18 @@ class RoundState:
     def __init__(self) -> None:
         self.lock = threading.RLock()
         self.cv = threading.Condition(self.lock)
-        self.round_lock = threading.Lock()  # one local round at a time
         self.sync: SyncSize | None = None
-        self.decisions: dict[tuple[int, str], Decision] = {}  # (round, coordinator) ->
-        self.behind_rounds: set[int] = set()
         self.exchanges: dict[tuple[int, int, str], RoundExchange] = {}
-        self.phase: dict[int, str] = {}  # round -> agreeing | exchanging | recovering | done
+        """Exchanges in flight by (round, attempt, coordinator)."""
+        self.phase: dict[int, Phase] = {}
         self.outcomes: dict[int, RoundOutcome] = {}
+        """The last rounds' outcomes (a retried request gets the same one)."""
         self.done_round = -1
         self.average: Average | None = None
-        self.state: GlobalState | None = None
+        """The newest average this relay holds (served to peers that missed it)."""
+        self.published: GlobalState | None = None
+        """The newest global state this cluster's workers published (served to peers that
+        catch up or resync)."""
         self.lineage: str | None = None  # set by the first round (see relay.lineage)
         self.lineages: dict[int, str] = {}  # round -> lineage after it
         self.finished: int | None = None  # this cluster's last round, once its workers ended
@@ -70,7 +97,13 @@ class RoundState:
                 raise LimitExceeded(f"{size.numel} elements, but this relay syncs "
                                     f"{self.sync.numel} (its workers' first registration)")
 
-    def set_phase(self, round_id: int, phase: str) -> None:
+    def newest_done(self, net: Net) -> int:
+        """The newest round this relay or a connected peer has completed."""
+        with self.lock:
+            own = self.done_round
+        return max(own, net.peers_done())
+
+    def set_phase(self, round_id: int, phase: Phase) -> None:
         with self.lock:
             self.phase[round_id] = phase
             self.cv.notify_all()
@@ -87,14 +120,20 @@ class RoundState:
                 ex.fail("relay stopping")
             self.cv.notify_all()
 
-    def progress_meta(self) -> dict[str, Any]:
+    def mark_finished(self) -> None:
+        """This cluster's workers have made their last round (told to peers with the next
+        progress)."""
+        with self.lock:
+            self.finished = self.done_round
+            self.cv.notify_all()
+
+    def progress(self) -> Progress:
         """This relay's progress as peers see it (HELLO, heartbeats)."""
         with self.lock:
-            return {"done": self.done_round,
-                    "state_round": self.state.round_id if self.state else None,
-                    "result_round": self.average.round_id if self.average else None,
-                    "sync": self.sync.to_meta() if self.sync else None,
-                    "finished": self.finished, "lineage": self.lineage}
+            return Progress(self.done_round,
+                            self.published.round_id if self.published else None,
+                            self.average.round_id if self.average else None,
+                            self.finished, self.lineage, self.sync)
 
     def lineage_before(self, round_id: int) -> str:
         """This relay's lineage as its round ``round_id`` starts."""
@@ -124,8 +163,8 @@ class RoundState:
         relay's lineage after that round."""
         with self.lock:
             lineage = self.lineages.get(st.round_id, st.lineage or UNKNOWN)
-            if self.state is None or st.round_id >= self.state.round_id:
-                self.state = GlobalState(st.round_id, st.tensor, lineage, st.parts)
+            if self.published is None or st.round_id >= self.published.round_id:
+                self.published = GlobalState(st.round_id, st.tensor, lineage, st.parts)
             self.cv.notify_all()
 
     def answer_result(self, round_id: int, wait: float, gone: Callable[[], bool]
@@ -135,7 +174,7 @@ class RoundState:
         deadline = time.monotonic() + wait
         with self.lock:
             self.cv.wait_for(
-                lambda: self.phase.get(round_id) not in ("agreeing", "exchanging")
+                lambda: self.phase.get(round_id) not in (Phase.AGREEING, Phase.EXCHANGING)
                 or (self.average is not None and self.average.round_id == round_id)
                 or time.monotonic() > deadline or gone() or self.stopping, wait)
             avg = self.average
@@ -144,6 +183,7 @@ class RoundState:
     def answer_state(self, min_round: int, wait: float) -> GlobalState | None:
         """The global state held here, waiting up to ``wait`` for one of ``min_round``."""
         with self.lock:
-            self.cv.wait_for(lambda: (self.state is not None and self.state.round_id >= min_round)
+            self.cv.wait_for(lambda: (self.published is not None
+                                      and self.published.round_id >= min_round)
                              or self.stopping, wait)
-            return self.state
+            return self.published

@@ -1,0 +1,61 @@
+"""relay/net/messages.py: a peer link's own messages (progress, hello, ping, pong, refusal)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from nebula_cli.relay.net.limits import SyncSize
+from nebula_cli.relay.net.messages import (
+    PeerHello,
+    Ping,
+    Pong,
+    Progress,
+    Refusal,
+    decode_heartbeat,
+)
+from nebula_cli.relay.net.schema import MessageError
+from nebula_cli.relay.net.wire import FrameType
+
+
+def test_progress_round_trips_and_states_the_sync_size_for_peers_to_see() -> None:
+    p = Progress(7, 6, 7, None, "abc", SyncSize.flat(100))
+    meta = json.loads(json.dumps(p.to_meta()))
+    assert set(meta) == {"done", "state_round", "result_round", "sync", "finished", "lineage"}
+    assert meta["sync"]["numel"] == 100
+    assert Progress.from_meta(meta) == Progress(7, 6, 7, None, "abc")  # a peer's: not read
+    assert Progress.from_meta({}) == Progress()  # nothing said: no round yet
+
+
+@pytest.mark.parametrize("bad", [{"done": "3"}, {"done": -5}, {"finished": True},
+                                 {"lineage": 5}, {"state_round": 1.5}])
+def test_a_malformed_progress_is_refused(bad: dict) -> None:
+    with pytest.raises(MessageError, match=next(iter(bad))):
+        Progress.from_meta(bad, "HEARTBEAT")
+
+
+def test_heartbeats_are_pings_pongs_or_progress() -> None:
+    assert decode_heartbeat(Ping(4).to_frame().meta) == Ping(4)
+    assert decode_heartbeat(Pong(4).to_frame().meta) == Pong(4)
+    assert Ping(1).to_frame().type == FrameType.HEARTBEAT
+    assert decode_heartbeat({"done": 3}) == Progress(3)
+    with pytest.raises(MessageError, match="op must be one of"):
+        decode_heartbeat({"op": "pang", "id": 1})
+    with pytest.raises(MessageError, match="id must be an integer"):
+        decode_heartbeat({"op": "ping", "id": "x"})
+
+
+def test_a_hello_names_its_cluster_and_carries_progress_and_an_offer() -> None:
+    hello = PeerHello.from_meta({"role": "relay", "cluster": "b", "job_id": "j", "done": 2,
+                                 "records": {"cipher": "x"}})
+    assert hello == PeerHello("b", Progress(2), {"cipher": "x"})
+    with pytest.raises(MessageError, match="HELLO: cluster is missing"):
+        PeerHello.from_meta({"done": 2})
+
+
+def test_a_refusal_is_shown_whatever_it_says() -> None:
+    assert Refusal.from_meta(Refusal("no").to_frame().meta) == Refusal("no")
+    assert Refusal("no").to_frame().type == FrameType.ERROR
+    assert Refusal.from_meta({}).reason == ""
+    assert Refusal.from_meta({"reason": 42}).reason == "42"

@@ -1,0 +1,103 @@
+"""relay/process/worker_messages.py: the worker hop's requests and answers, typed (the real hop,
+client to relay, is exercised by test_relay.py and test_relay_local.py)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from nebula_cli.relay.net.limits import SyncSize
+from nebula_cli.relay.net.messages import Progress
+from nebula_cli.relay.net.schema import MessageError
+from nebula_cli.relay.net.wire import Frame, FrameType
+from nebula_cli.relay.process.worker_messages import (
+    Bye,
+    Contrib,
+    FetchState,
+    FinalState,
+    Publish,
+    RoundReply,
+    StateOp,
+    StateReply,
+    WorkerHello,
+    WorkerWelcome,
+    decode_request,
+)
+from nebula_cli.relay.protocol.next_round import NextRound
+from nebula_cli.relay.protocol.pacing import RoundInfo
+from nebula_cli.relay.protocol.results import RoundMode, RoundOutcome
+
+
+def wire(meta: dict) -> dict:
+    return json.loads(json.dumps(meta))
+
+
+def test_every_request_is_decoded_as_sent() -> None:
+    layout = SyncSize(((2, 3), (4,)), ("float32", "bfloat16"))
+    hello = WorkerHello("a", "job", layout)
+    contrib = Contrib(3, 10, RoundInfo(weight=32.0, step_s=0.2), (4, 5))
+    publish = Publish(3, 20, 2)
+    for req, ftype in ((hello, FrameType.HELLO), (contrib, FrameType.CONTRIB),
+                       (publish, FrameType.STATE)):
+        frame = req.to_frame() if isinstance(req, WorkerHello) else Frame(ftype, req.to_meta())
+        assert decode_request(Frame(frame.type, wire(frame.meta))) == req
+    assert decode_request(FetchState().to_frame()) == FetchState()
+    assert decode_request(FinalState(2.5).to_frame()) == FinalState(2.5)
+    assert decode_request(FinalState().to_frame()) == FinalState(None)
+    assert decode_request(Frame(FrameType.BYE)) == Bye()
+    assert decode_request(Frame(FrameType.HELLO, {"role": "worker"})) == WorkerHello()
+    assert set(Contrib(0, 4).to_meta()) == {"op", "round", "numel", "released"}  # no info
+
+
+@pytest.mark.parametrize("frame, words", [
+    (Frame(FrameType.CONTRIB, {"op": "allreduce", "round": -1, "numel": 4}), "round"),
+    (Frame(FrameType.CONTRIB, {"op": "allreduce", "round": 0, "numel": 4, "released": [1.5]}),
+     "released"),
+    (Frame(FrameType.STATE, {"op": "publish", "round": 0, "numel": 12, "parts": 3}),
+     "a tensor in 3 parts"),
+    (Frame(FrameType.STATE, {"op": "publish", "round": 0, "numel": 12, "parts": True}),
+     "a tensor in True parts"),
+    (Frame(FrameType.STATE_REQUEST, {"op": "final", "wait": "soon"}), "wait must be a number"),
+    (Frame(FrameType.STATE_REQUEST, {"op": "delete"}), "op must be one of"),
+    (Frame(FrameType.RESULT, {}), "unexpected RESULT frame"),
+    (Frame(FrameType.HELLO, {"layout": {"shapes": [[-1]], "dtypes": ["float32"]}}),
+     "malformed sync size"),
+])
+def test_a_request_that_does_not_fit_is_refused_with_why(frame: Frame, words: str) -> None:
+    with pytest.raises(MessageError, match=words):
+        decode_request(frame)
+
+
+def test_a_rounds_reply_carries_the_outcome_and_the_next_round_whole() -> None:
+    nxt = NextRound(h=12, merge=3, codec="topk", why="because")
+    out = RoundOutcome(torch.zeros(8), ["a", "b"], 5, ["c"], [], mode=RoundMode.SHARD,
+                       weights={"a": 2.0, "b": 1.0}, codec="int8", next=nxt,
+                       global_state=torch.ones(16))
+    out.seconds, out.bytes_sent, out.bytes_received = 1.5, 100, 200
+    reply = RoundReply.of(out, upload_s=0.25, shm=None)
+    meta = wire(reply.to_meta())
+    assert "shm" not in meta and meta["mode"] == "shard" and meta["next_h"] == 12
+    assert RoundReply.from_meta(meta) == reply
+    assert (reply.next, reply.has_state, reply.numel, reply.present) == (nxt, True, 8,
+                                                                         ("a", "b"))
+    assert RoundReply.from_meta({**meta, "shm": 7}).shm == 7
+    with pytest.raises(MessageError, match="mode must be one of"):
+        RoundReply.from_meta({**meta, "mode": "lucky"})
+    with pytest.raises(MessageError, match="next_merge"):
+        RoundReply.from_meta({**meta, "next_merge": -1})
+
+
+def test_state_replies_say_whether_a_state_follows() -> None:
+    for reply in (StateReply(StateOp.STORED, 3), StateReply(StateOp.STATE, None),
+                  StateReply(StateOp.FINAL, 4, 2, 20), StateReply(None, 4, 1, 10)):
+        assert StateReply.from_meta(wire(reply.to_meta())) == reply
+    assert StateReply(StateOp.STATE, None).to_meta() == {"op": "state", "round": None}
+    with pytest.raises(MessageError, match="numel is missing"):
+        StateReply.from_meta({"op": "state", "round": 4})
+
+
+def test_the_welcome_tells_who_the_relay_is_and_how_far() -> None:
+    welcome = WorkerWelcome("a", ("a", "b"), "auto", 30.0, Progress(4, lineage="x"))
+    assert WorkerWelcome.from_meta(wire(welcome.to_meta())) == welcome

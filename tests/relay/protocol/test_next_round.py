@@ -1,0 +1,37 @@
+"""relay/protocol/next_round.py: what the next round is, one object with one encoding."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from nebula_cli.relay.net.schema import MessageError
+from nebula_cli.relay.protocol.next_round import WHY_CHARS, NextRound
+from nebula_cli.relay.protocol.pacing import CODEC_CHARS
+
+
+def test_it_travels_whole_through_json() -> None:
+    nxt = NextRound(h=40, merge=2, codec="topk", why="step 0.1 s (slowest)")
+    wire = json.loads(json.dumps({"other": 1, **nxt.to_meta()}))
+    assert NextRound.from_meta(wire) == nxt
+    assert set(nxt.to_meta()) == {"next_h", "next_merge", "next_codec", "why"}  # protocol 2
+
+
+def test_what_is_not_said_is_kept_by_the_cluster() -> None:
+    assert NextRound.from_meta({}) == NextRound() == NextRound.from_meta(NextRound().to_meta())
+    old = {"next_h": 5, "why": "w"}  # a sender before overlap and codec choice
+    assert NextRound.from_meta(old) == NextRound(h=5, why="w")
+
+
+@pytest.mark.parametrize("bad", [{"next_h": 0}, {"next_h": "5"}, {"next_h": True},
+                                 {"next_merge": 0}, {"next_merge": 1.5}, {"next_codec": 3},
+                                 {"why": ["no"]}])
+def test_a_forged_value_is_refused(bad: dict) -> None:
+    with pytest.raises(MessageError, match=next(iter(bad))):
+        NextRound.from_meta(bad, "round decision")
+
+
+def test_names_and_explanations_are_cut_to_their_caps() -> None:
+    nxt = NextRound.from_meta({"next_codec": "c" * 100, "why": "w" * 10_000})
+    assert len(nxt.codec) == CODEC_CHARS and len(nxt.why) == WHY_CHARS

@@ -1,0 +1,145 @@
+"""relay/protocol/messages.py: round control, chunks and fetches between relays, typed. Each
+message goes through real frame bytes (encode_frame / recv_frame) and back equal; what does
+not fit is refused with its field named; the JSON keys are protocol 2's."""
+
+from __future__ import annotations
+
+import socket
+
+import pytest
+import torch
+
+from nebula_cli.relay.codecs.registry import get_codec
+from nebula_cli.relay.net.limits import held_size
+from nebula_cli.relay.net.schema import MessageError
+from nebula_cli.relay.net.wire import Frame, FrameType, recv_frame, send_frame
+from nebula_cli.relay.protocol.agreement import Decision
+from nebula_cli.relay.protocol.lineage import UNKNOWN
+from nebula_cli.relay.protocol.messages import (
+    MAX_ATTEMPTS,
+    Abort,
+    AnswerChunk,
+    AnswerStatus,
+    Behind,
+    ChunkKind,
+    Fetched,
+    FetchRequest,
+    PeerChunk,
+    Ready,
+    ResultAnswer,
+    StateAnswer,
+    decode_answer,
+    decode_round,
+    round_frame,
+)
+from nebula_cli.relay.protocol.next_round import NextRound
+from nebula_cli.relay.protocol.pacing import RoundInfo
+
+
+def over_the_wire(frame: Frame) -> Frame:
+    """``frame`` as the other end of a connection reads it."""
+    a, b = socket.socketpair()
+    try:
+        send_frame(a, frame)
+        return recv_frame(b, max_payload=1 << 24)
+    finally:
+        a.close()
+        b.close()
+
+
+def test_round_control_round_trips_with_protocol_2_keys() -> None:
+    ready = Ready(4, 1, True, 1000, "", "abc", RoundInfo(weight=64.0, step_s=0.1), "int8", 3)
+    decision = Decision(4, 1, "a", ("a", "b"), ("c",), (), 1000, (), (("a", 2.0), ("b", 1.0)),
+                        "int8", NextRound(h=9, merge=2, codec="topk", why="w"))
+    for msg, keys in ((ready, {"op", "round", "attempt", "ok", "numel", "reason", "lineage",
+                               "info", "codec", "codec_round"}),
+                      (decision, {"op", "round", "attempt", "coord", "present", "rejected",
+                                  "missing", "numel", "diverged", "weights", "next_h", "why",
+                                  "codec", "next_codec", "next_merge"}),
+                      (Behind(7), {"op", "round"}),
+                      (Abort(4, 1, "a", "lost b"), {"op", "round", "attempt", "coord", "reason"})):
+        frame = over_the_wire(round_frame(msg))
+        assert frame.type == FrameType.ROUND and set(frame.meta) == keys
+        assert decode_round(frame.meta) == msg
+
+
+def test_a_ready_from_before_info_and_codecs_gets_defaults() -> None:
+    got = decode_round({"op": "ready", "round": 0, "attempt": 0, "ok": False, "numel": 4})
+    assert got == Ready(0, 0, False, 4, "", UNKNOWN, RoundInfo(), "", -1)
+
+
+@pytest.mark.parametrize("meta, words", [
+    ({"op": "go", "round": 0}, "op must be one of"),
+    ({"round": 0}, "op is missing"),
+    ({"op": "ready", "round": 0, "attempt": MAX_ATTEMPTS, "ok": True, "numel": 4}, "attempt"),
+    ({"op": "ready", "round": 0, "attempt": 0, "ok": 1, "numel": 4}, "ok must be true or false"),
+    ({"op": "ready", "round": "0", "attempt": 0, "ok": True, "numel": 4}, "round must be"),
+    ({"op": "ready", "round": 0, "attempt": 0, "ok": True, "numel": -4}, "numel must be"),
+    ({"op": "behind", "round": True}, "round must be an integer"),
+    ({"op": "abort", "round": 0, "attempt": 0}, "coord is missing"),
+    ({"op": "start", "round": 0, "attempt": 0, "coord": "a", "present": ["a"], "rejected": [],
+      "missing": [], "numel": 4, "weights": {"b": 1.0}}, "weights"),
+])
+def test_malformed_round_control_is_refused_naming_the_field(meta: dict, words: str) -> None:
+    with pytest.raises(MessageError, match=words):
+        decode_round(meta)
+
+
+def test_chunks_round_trip_with_their_encoding_or_as_zeros() -> None:
+    codec = get_codec("int8", block_size=64)
+    enc = codec.encode(torch.randn(256))
+    for chunk in (PeerChunk(ChunkKind.CONTRIB, 3, 0, "a", 2, enc),
+                  PeerChunk(ChunkKind.AVG, 3, 1, "b", 0, None)):
+        got = PeerChunk.from_frame(over_the_wire(chunk.to_frame()))
+        assert (got.kind, got.key, got.k) == (chunk.kind, chunk.key, chunk.k)
+        if chunk.enc is None:
+            assert got.enc is None
+        else:
+            assert got.enc is not None and bytes(got.enc.payload) == bytes(enc.payload)
+            assert torch.equal(codec.decode(got.enc), codec.decode(enc))
+        assert got.held_size() == held_size(chunk.to_frame())  # counted as its frame
+
+
+@pytest.mark.parametrize("change, words", [
+    ({"op": "sum"}, "op must be one of"), ({"k": -1}, "k must be an integer >= 0"),
+    ({"coord": None}, "coord is missing"), ({"codec": 5}, "'codec' must be a string"),
+    ({"zero": "yes"}, "zero must be true or false"),
+])
+def test_malformed_chunks_are_refused(change: dict, words: str) -> None:
+    meta = {"op": "contrib", "round": 1, "attempt": 0, "coord": "a", "k": 0, "codec": "none",
+            "numel": 1, "codec_meta": {}, **change}
+    with pytest.raises(MessageError, match=words):
+        PeerChunk.from_frame(Frame(FrameType.PEER_CHUNK, meta, bytes(4)))
+
+
+def test_fetch_requests_say_what_they_want() -> None:
+    result = FetchRequest(Fetched.RESULT, 5, 2.0, req=9)
+    state = FetchRequest(Fetched.STATE, 5, 0.0, req=10)
+    assert result.to_meta() == {"op": "result", "round": 5, "wait": 2.0, "req": 9}
+    assert state.to_meta() == {"op": "state", "min_round": 5, "wait": 0.0, "req": 10}
+    assert "wait" not in FetchRequest(Fetched.RESULT, 5, req=1).to_meta()
+    for ask in (result, state, FetchRequest(Fetched.RESULT, 5, req=1)):
+        assert FetchRequest.from_meta(over_the_wire(
+            Frame(FrameType.STATE_REQUEST, ask.to_meta())).meta) == ask
+    with pytest.raises(MessageError, match="op must be one of"):
+        FetchRequest.from_meta({"op": "everything", "req": 1})
+    with pytest.raises(MessageError, match="wait must be a number >= 0"):
+        FetchRequest.from_meta({"op": "state", "min_round": 1, "wait": -1, "req": 1})
+
+
+def test_answers_are_a_header_then_chunks() -> None:
+    ok = ResultAnswer(3, AnswerStatus.OK, 7, ("a", "b"), ("c",), "int8", 100)
+    st = StateAnswer(4, AnswerStatus.OK, 7, "lin", 2, 200)
+    busy = StateAnswer(5, AnswerStatus.BUSY)
+    assert decode_answer(Frame(FrameType.RESULT, ok.to_meta())) == ok
+    assert decode_answer(Frame(FrameType.STATE, st.to_meta())) == st
+    assert decode_answer(Frame(FrameType.STATE, busy.to_meta())) == busy
+    assert busy.to_meta() == {"req": 5, "status": "busy"}
+    chunk = decode_answer(Frame(FrameType.RESULT, {"req": 3, "lo": 64}, bytes(8)))
+    assert isinstance(chunk, AnswerChunk) and (chunk.req, chunk.lo) == (3, 64)
+    with pytest.raises(MessageError, match="parts must be one of"):
+        decode_answer(Frame(FrameType.STATE, {**st.to_meta(), "parts": 3}))
+    with pytest.raises(MessageError, match="numel is missing"):
+        decode_answer(Frame(FrameType.RESULT, {"req": 1, "status": "ok", "round": 1}))
+    with pytest.raises(MessageError, match="lo must be"):
+        decode_answer(Frame(FrameType.RESULT, {"req": 3, "lo": "0"}, bytes(8)))

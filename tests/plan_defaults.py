@@ -6,7 +6,7 @@ import dataclasses
 from pathlib import Path
 from typing import Any
 
-from nebula_cli.config import jobplan, relay_plan
+from nebula_cli.config import checkpoint_paths, relay_plan, sync_plan
 from nebula_cli.config.codec_params import knob_owner, params_from_knobs
 from nebula_cli.config.parts import CheckpointSettings, SyncConfig
 from nebula_cli.config.spec import JobSpec, parse_spec
@@ -28,8 +28,8 @@ def minimal_spec() -> JobSpec:
 def default_sync_config(**overrides: Any) -> SyncConfig:
     """The sync.json a worker of the minimal spec gets, with `overrides` replaced."""
     spec = minimal_spec()
-    cfg = jobplan.sync_config(spec, "job-test", spec.clusters[0], "/nowhere",
-                              relay_addr="127.0.0.1:1", checkpoint=None)
+    cfg = sync_plan.sync_config(spec, "job-test", spec.clusters[0], "/nowhere",
+                                relay_addr="127.0.0.1:1", checkpoint=None)
     return dataclasses.replace(cfg, **overrides)
 
 
@@ -38,7 +38,8 @@ def default_checkpoint(directory: str | Path, **overrides: Any) -> CheckpointSet
     defaults), kept in `directory`, with `overrides` replaced."""
     spec = parse_spec(MINIMAL + "checkpoint: {}\n", base_dir=Path(__file__).parent)
     cluster = spec.clusters[0]
-    cfg = jobplan.checkpoint_settings(spec, "job-test", "/nowhere", cluster, cluster.hosts[0])
+    cfg = checkpoint_paths.checkpoint_settings(spec, "job-test", "/nowhere", cluster,
+                                               cluster.hosts[0])
     assert cfg is not None
     return dataclasses.replace(cfg, dir=str(directory), **overrides)
 

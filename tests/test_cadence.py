@@ -14,7 +14,7 @@ from test_relay_rounds import Hub, run_round
 from test_spec import one, write
 from test_sync import CFG, TwoClusterAverager, plain_step, small_model
 
-from nebula_cli.config import jobplan, relay_plan
+from nebula_cli.config import relay_plan, sync_plan
 from nebula_cli.config.relay_config import AutoSteps
 from nebula_cli.config.spec import load_spec
 from nebula_cli.relay.net.schema import MessageError
@@ -250,16 +250,16 @@ relay:
 def test_every_takes_a_duration(tmp_path: Path, text: str, seconds: float) -> None:
     spec = load_spec(write(tmp_path, BASE % f"every: '{text}'"))
     assert spec.relay is not None and spec.relay.sync.every == seconds
-    sync = jobplan.sync_config(spec, "j", spec.clusters[0], "/d", relay_addr="h:1",
-                               checkpoint=None)
+    sync = sync_plan.sync_config(spec, "j", spec.clusters[0], "/d", relay_addr="h:1",
+                                 checkpoint=None)
     assert sync.every_s == seconds and sync.auto_steps is None
 
 
 def test_auto_reaches_the_workers_and_the_relays(tmp_path: Path) -> None:
     spec = load_spec(write(tmp_path, BASE % "inner_steps: auto, target_utilization: 0.9, "
                                             "min_inner_steps: 4, overlap: true"))
-    sync = jobplan.sync_config(spec, "j", spec.clusters[0], "/d", relay_addr="h:1",
-                               checkpoint=None)
+    sync = sync_plan.sync_config(spec, "j", spec.clusters[0], "/d", relay_addr="h:1",
+                                 checkpoint=None)
     want = AutoSteps(target_utilization=0.9, min_steps=4, max_steps=1000, overlap=True)
     assert sync.inner_steps == 4 and sync.auto_steps == want and sync.every_s is None
     assert relay_plan.auto_steps(spec) == want

@@ -13,7 +13,7 @@ from test_cadence import BASE
 from test_relay_rounds import Hub
 from test_spec import write
 
-from nebula_cli.config import jobplan
+from nebula_cli.config import sync_plan
 from nebula_cli.config.relay_config import AutoCodec, AutoSteps, RelayConfigError
 from nebula_cli.config.relay_plan import auto_codec
 from nebula_cli.config.spec import load_spec
@@ -189,8 +189,8 @@ def test_the_spec_and_plan_of_compression_auto(tmp_path: Path) -> None:
     assert spec.relay is not None and spec.relay.compression.codecs == ("int8", "topk")
     assert auto_codec(spec) == AutoCodec(codecs=["int8", "topk"], target_utilization=0.95,
                                          overlap=False, budget_steps=20, budget_s=None)
-    sync = jobplan.sync_config(spec, "j", spec.clusters[0], "/x", relay_addr="h:1",
-                               checkpoint=None)
+    sync = sync_plan.sync_config(spec, "j", spec.clusters[0], "/x", relay_addr="h:1",
+                                 checkpoint=None)
     # each codec its own outer lr; the momentum the spec names for both
     assert sync.outer_by_codec == {"int8": [0.7, 0.5], "topk": [2.5, 0.5]}
     assert (sync.outer_lr, sync.outer_momentum, sync.codec) == (0.7, 0.5, "auto")

@@ -53,7 +53,8 @@ def call(name: str, *argv: str, env: dict[str, str] | None = None,
 def keeper() -> Iterator[tuple[str, subprocess.Popen[str]]]:
     name = "test-" + secrets.token_hex(4)
     proc = subprocess.Popen([PY, "-m", "nebula_cli.agent.keeper", "serve", name,
-                             "--idle-timeout", "30"], stdout=subprocess.PIPE, text=True)
+                             "--idle-timeout", "30", "--exit-after-notice"],
+                            stdout=subprocess.PIPE, text=True)
     try:
         assert "ready" in (proc.stdout.readline() if proc.stdout else "")
         yield name, proc
@@ -111,3 +112,25 @@ def test_sigterm_reaches_the_agents_first(keeper: tuple[str, subprocess.Popen[st
     assert mark.read_text() == "term"
     time.sleep(0.2)
     assert not pid_alive(pid)
+
+
+def test_after_the_notice_it_waits_to_be_ended_unless_told_to_leave(tmp_path) -> None:
+    """In an allocation the scheduler ends the job after its notice and records why (TIMEOUT,
+    PREEMPTED): leaving first would make the job COMPLETED. Only outside one it leaves."""
+    name = "test-" + secrets.token_hex(4)
+    proc = subprocess.Popen([PY, "-m", "nebula_cli.agent.keeper", "serve", name,
+                             "--idle-timeout", "30"], stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None and "ready" in proc.stdout.readline()
+        mark = tmp_path / "term"
+        out = call(name, PY, "-c", DAEMON, "60", str(mark))
+        pid = json.loads(out.stdout)["agent_pid"]
+        proc.send_signal(signal.SIGTERM)
+        said = proc.stdout.readline()
+        assert "agents stopped on the scheduler's notice; waiting for it to end the job" in said
+        assert mark.read_text() == "term" and not pid_alive(pid)
+        time.sleep(1.0)
+        assert proc.poll() is None  # still there: the scheduler ends it
+    finally:
+        proc.kill()
+        proc.wait(timeout=10)

@@ -19,6 +19,7 @@ from conftest import CLI, REPO, wait_for, write_spec
 from nebula_cli.control.fanout import GroupError, fanout
 from nebula_cli.control.session import Session
 from nebula_cli.control.state import StateStore
+from nebula_cli.transport.local_conn import LocalConn
 
 SPEC = """
 name: cancel
@@ -167,7 +168,7 @@ def _outcome(t: object, argv: list[str]) -> object:
 def test_the_transport_cache_gives_one_transport_per_machine_to_many_threads(
         tmp_path: Path) -> None:
     with StateStore(tmp_path / "home") as store, Session(store) as session:
-        conn = {"transport": "local", "name": "e1", "home": str(tmp_path), "python": "python3"}
+        conn = LocalConn(name="e1", home=str(tmp_path), python="python3")
         barrier = threading.Barrier(16)
         got: list[object] = []
 

@@ -24,6 +24,7 @@ from nebula_cli.config.parts import METRICS_CONFIG_ENV, MetricsConfig
 from nebula_cli.config.sections import WandbSpec
 from nebula_cli.config.spec import parse_spec
 from nebula_cli.errors import SpecError
+from nebula_cli.transport.ssh_conn import SshConn
 
 STEPS = 20
 LOGGING = """
@@ -202,7 +203,7 @@ def test_the_metrics_section_is_typed_and_reaches_only_each_clusters_writer(
     spec = parse_spec(base + "metrics: {tensorboard: true, wandb: {project: p}}",
                       base_dir=Path(__file__).parent)
     sites = {worlds.site_key(c, h): plan_model.Site(
-        conn={"transport": "ssh", "name": h.host}, home="/home/u/.nebula", address=h.host,
+        conn=SshConn(name=h.host, python="python3"), home="/home/u/.nebula", address=h.host,
         bind="0.0.0.0", python="/usr/bin/python3", shares_files=False)
         for c in spec.clusters for h in c.hosts}
     plan = jobplan.build_plan(spec, "job-1", sites=sites, certs=None,

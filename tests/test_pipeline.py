@@ -23,6 +23,7 @@ from nebula_cli.config.pipeline import (
 )
 from nebula_cli.config.spec import parse_spec
 from nebula_cli.errors import SpecError
+from nebula_cli.transport.ssh_conn import SshConn
 
 DEVICES = ["east/e1/0", "east/e1/1", "west/w1/0", "west/w1/1"]
 CROSSED = {"stages": [["east/e1/0", "west/w1/1"], ["west/w1/0", "east/e1/1"]]}
@@ -182,7 +183,7 @@ def test_data_parallel_jobs_keep_one_world_per_cluster(tmp_path: Path) -> None:
 
 def _site(home: str, address: str) -> plan_model.Site:
     """A remote host as its transport would report it."""
-    return plan_model.Site(conn={"transport": "ssh", "name": address}, home=home, address=address,
+    return plan_model.Site(conn=SshConn(name=address, python="python3"), home=home, address=address,
                         bind="0.0.0.0", python="python3", shares_files=False)
 
 

@@ -30,13 +30,14 @@ from nebula_cli.config.spec import (
     SyncSpec,
     parse_spec,
 )
+from nebula_cli.transport.ssh_conn import SshConn
 
 PACKAGE = Path(__file__).resolve().parent.parent / "nebula_cli"
 
 
 def _plan(spec: JobSpec) -> plan_model.JobPlan:
     sites = {worlds.site_key(c, h): plan_model.Site(
-        conn={"transport": "ssh", "name": h.host}, home=f"/home/u/.nebula-{c.name}",
+        conn=SshConn(name=h.host, python="python3"), home=f"/home/u/.nebula-{c.name}",
         address=f"{h.host}.example", bind="0.0.0.0", python="/opt/py/bin/python3",
         shares_files=False) for c in spec.clusters for h in c.hosts}
     ports = plan_model.Ports(masters={c.name: 29500 + i for i, c in enumerate(spec.clusters)},
@@ -114,7 +115,7 @@ def test_remote_hosts_get_uploads_and_lib_path_local_ones_use_files_in_place() -
     assert remote.config.cwd == f"{remote.job_root}/work"
     # nebula_cli from the uploaded lib (after the runtime hook's directory, when it is on)
     assert remote.config.processes[0].env["PYTHONPATH"].split(":")[-1] == f"{remote.job_root}/lib"
-    assert remote.conn["pythonpath"] == f"{remote.job_root}/lib"
+    assert remote.conn.pythonpath == f"{remote.job_root}/lib"
 
 
 @pytest.mark.parametrize("change, match", [
@@ -148,6 +149,28 @@ def test_no_transport_branch_in_the_plan_or_the_control_plane() -> None:
     assert not found, f"`== 'local'`-style branches: {found}"
 
 
+VARIANT_HOMES = ("config/schedulers/", "scheduler/", "transport/")
+"""Where schedulers and transport kinds are implemented and routed by name (registries)."""
+
+
+def _names_a_variant(node: ast.AST) -> bool:
+    """A comparison with a scheduler's or a transport kind's name, or a look at Slurm's
+    environment (`SLURM_JOB_ID`, ...)."""
+    if isinstance(node, ast.Compare):
+        consts = [c for c in [node.left, *node.comparators] if isinstance(c, ast.Constant)]
+        return any(c.value in ("slurm", "slurm-node") for c in consts)
+    return isinstance(node, ast.Constant) and isinstance(node.value, str) \
+        and node.value.startswith("SLURM_JOB")
+
+
+def test_schedulers_and_transport_kinds_are_routed_by_name_in_one_place() -> None:
+    found = {str(f.relative_to(PACKAGE)): lines for f in sorted(PACKAGE.rglob("*.py"))
+             if not str(f.relative_to(PACKAGE)).startswith(VARIANT_HOMES)
+             and (lines := [n.lineno for n in ast.walk(ast.parse(f.read_text()))
+                            if _names_a_variant(n)])}
+    assert not found, f"`scheduler == 'slurm'`-style branches outside their registries: {found}"
+
+
 def _imports(path: Path) -> set[str]:
     names = set()
     for node in ast.walk(ast.parse(path.read_text())):
@@ -159,15 +182,20 @@ def _imports(path: Path) -> set[str]:
 
 
 @pytest.mark.parametrize("folder, forbidden", [
-    ("transport", ("nebula_cli.control", "nebula_cli.cli", "nebula_cli.config")),
+    ("transport", ("nebula_cli.control", "nebula_cli.cli", "nebula_cli.config",
+                   "nebula_cli.scheduler")),
+    ("scheduler", ("nebula_cli.control", "nebula_cli.cli", "nebula_cli.agent",
+                   "nebula_cli.relay", "nebula_cli.runtime")),
     ("agent", ("nebula_cli.control", "nebula_cli.cli", "nebula_cli.config.spec",
-               "nebula_cli.config.jobplan", "nebula_cli.transport", "nebula_cli.relay")),
+               "nebula_cli.config.jobplan", "nebula_cli.transport", "nebula_cli.relay",
+               "nebula_cli.scheduler")),
     ("relay", ("nebula_cli.control", "nebula_cli.cli", "nebula_cli.config.spec",
                "nebula_cli.config.jobplan", "nebula_cli.transport", "nebula_cli.runtime")),
     ("runtime", ("nebula_cli.control", "nebula_cli.cli", "nebula_cli.config.spec",
                  "nebula_cli.config.jobplan", "nebula_cli.transport")),
     ("config", ("nebula_cli.control", "nebula_cli.cli", "nebula_cli.transport",
-                "nebula_cli.relay", "nebula_cli.runtime", "nebula_cli.agent")),
+                "nebula_cli.relay", "nebula_cli.runtime", "nebula_cli.agent",
+                "nebula_cli.scheduler")),
     ("control", ("nebula_cli.cli",)),
     ("planner", ("nebula_cli.control", "nebula_cli.cli")),
 ])
@@ -249,7 +277,8 @@ clusters:
 """, base_dir=Path(__file__).parent)
     plan = _plan(spec)
     sites = {worlds.site_key(c, h): plan_model.Site(
-        conn={}, home="/h", address=f"{h.host}.example", bind="0.0.0.0", python="python3",
+        conn=SshConn(name=h.host, python="python3"), home="/h", address=f"{h.host}.example",
+        bind="0.0.0.0", python="python3",
         shares_files=False) for c in spec.clusters for h in c.hosts}
     assert worlds.route_targets(spec, sites) == {
         "east/e1": "e2.example", "east/e2": "e1.example", "east/e3": "e1.example",

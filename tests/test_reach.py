@@ -22,6 +22,7 @@ from nebula_cli.config import jobplan, plan_model, strict, worlds
 from nebula_cli.config.relay_config import RelayConfig
 from nebula_cli.config.spec import JobSpec, load_spec
 from nebula_cli.config.tunnel_config import TunnelConfig
+from nebula_cli.transport.ssh_conn import SshConn
 
 T = TypeVar("T")
 
@@ -299,7 +300,7 @@ def test_validate_says_which_relay_dials_which(tmp_path: Path, cli: CLI) -> None
 
 def _tunnel_plan(spec: JobSpec) -> dict[str, plan_model.AgentPlan]:
     sites = {worlds.site_key(c, h): plan_model.Site(
-        conn={"transport": "ssh", "name": h.host}, home="/home/u/.nebula",
+        conn=SshConn(name=h.host, python="python3"), home="/home/u/.nebula",
         address=f"{h.host}.example", bind="0.0.0.0", python="/usr/bin/python3",
         shares_files=False, ssh=plan_model.SshLogin("u", 2222, f"ssh-ed25519 AAAA{h.host}"))
         for c in spec.clusters for h in c.hosts}

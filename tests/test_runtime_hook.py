@@ -25,6 +25,7 @@ from nebula_cli.config.spec import JobSpec, parse_spec
 from nebula_cli.runtime import metrics
 from nebula_cli.runtime.engine import LOG_EVERY, EngineDriver
 from nebula_cli.runtime.sync import OuterSync
+from nebula_cli.transport.local_conn import LocalConn
 
 REPO = Path(__file__).resolve().parent.parent
 HOOK_DIR = REPO / "nebula_cli" / "runtime" / "autohook"
@@ -36,8 +37,9 @@ CFG = default_sync_config()
 
 def plan_of(spec: JobSpec, shares_files: bool) -> plan_model.JobPlan:
     sites = {worlds.site_key(c, h): plan_model.Site(
-        conn={"transport": "local"}, home=f"/home/u/.nebula-{c.name}", address="127.0.0.1",
-        bind="127.0.0.1", python="/opt/py/bin/python3", shares_files=shares_files)
+        conn=LocalConn(name=h.host, home="/nowhere", python="python3"),
+        home=f"/home/u/.nebula-{c.name}", address="127.0.0.1", bind="127.0.0.1",
+        python="/opt/py/bin/python3", shares_files=shares_files)
         for c in spec.clusters for h in c.hosts}
     ports = plan_model.Ports(masters={c.name: 29500 + i for i, c in enumerate(spec.clusters)},
                           relays={c.name: (29400, 29401) for c in spec.clusters})

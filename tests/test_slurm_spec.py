@@ -13,11 +13,17 @@ from conftest import CLI
 from test_spec import one, write
 
 from nebula_cli.config import jobplan, plan_model
+from nebula_cli.config.schedulers.slurm import slurm_request
 from nebula_cli.config.spec import HostSpec, JobSpec, load_spec
-from nebula_cli.control.allocations import template_of
+from nebula_cli.control.allocations import ended_state
 from nebula_cli.control.planning import site_entries
 from nebula_cli.errors import UsageError
 from nebula_cli.scheduler import batch
+from nebula_cli.scheduler.allocation_state import AllocationState
+from nebula_cli.scheduler.slurm import allocation_state, template_of
+from nebula_cli.scheduler.slurm_cli import QueueState
+from nebula_cli.transport.slurmnode_conn import SlurmNodeConn
+from nebula_cli.transport.ssh_conn import SshConn
 
 SLURM = """\
 name: demo
@@ -40,7 +46,7 @@ clusters:
 
 def test_slurm_cluster_is_accepted_and_asks_slurm_for_what_it_says(tmp_path: Path) -> None:
     spec = load_spec(write(tmp_path, SLURM))
-    request = spec.clusters[0].slurm_request
+    request = slurm_request(spec.clusters[0])
     assert request is not None
     assert request.sbatch_options() == [
         "--nodes=2", "--ntasks-per-node=4", "--partition=gpu", "--time=2-00:00:00",
@@ -50,7 +56,7 @@ def test_slurm_cluster_is_accepted_and_asks_slurm_for_what_it_says(tmp_path: Pat
 
 def test_slurm_section_defaults(tmp_path: Path) -> None:
     text = SLURM.split("    slurm:")[0]
-    request = load_spec(write(tmp_path, text)).clusters[0].slurm_request
+    request = slurm_request(load_spec(write(tmp_path, text)).clusters[0])
     assert request is not None and request.nodes == 1 and request.ntasks_per_node == 1
     assert request.sbatch_options() == ["--nodes=1", "--ntasks-per-node=1",
                                         "--signal=TERM@120"]
@@ -58,7 +64,7 @@ def test_slurm_section_defaults(tmp_path: Path) -> None:
 
 def test_own_signal_replaces_nebulas(tmp_path: Path) -> None:
     spec = load_spec(write(tmp_path, SLURM.replace('["--exclusive"]', '["--signal=B:USR1@60"]')))
-    opts = spec.clusters[0].slurm_request.sbatch_options()  # type: ignore[union-attr]
+    opts = slurm_request(spec.clusters[0]).sbatch_options()
     assert [o for o in opts if o.startswith("--signal")] == ["--signal=B:USR1@60"]
 
 
@@ -95,7 +101,7 @@ def test_batch_script_renders_every_placeholder(tmp_path: Path) -> None:
     spec = load_spec(write(tmp_path, SLURM))
     cluster = spec.clusters[0]
     script = batch.render(template_of(spec, cluster), batch.values(
-        cluster.slurm_request, job_name="nebula-j-hpc", output="/r/slurm/hpc-%j.out",  # type: ignore[arg-type]
+        slurm_request(cluster), job_name="nebula-j-hpc", output="/r/slurm/hpc-%j.out",
         job_root="/r", pythonpath="/r/lib", python="python3"))
     assert "{{" not in script
     assert "#SBATCH --nodes=2\n" in script and "#SBATCH --gpus-per-node=4\n" in script
@@ -111,7 +117,7 @@ def test_own_template_with_unknown_placeholder_is_refused(tmp_path: Path) -> Non
     cluster = spec.clusters[0]
     with pytest.raises(UsageError, match="unknown placeholders: nodez"):
         batch.render(template_of(spec, cluster), batch.values(
-            cluster.slurm_request, job_name="j", output="o", job_root="/r",  # type: ignore[arg-type]
+            slurm_request(cluster), job_name="j", output="o", job_root="/r",
             pythonpath="/r/lib", python="python3"))
 
 
@@ -136,14 +142,28 @@ def test_sbatch_missing_on_the_login_node_is_one_line_naming_it(tmp_path: Path,
 
 
 def test_only_an_ended_slurm_allocation_counts_as_ended() -> None:
-    from nebula_cli.control.allocations import ended_state
+    def said(state: str, reason: str = "", nodes: str = "") -> AllocationState:
+        """What `status` gets of Slurm job 12 in `state` (squeue's words)."""
+        return allocation_state("12", QueueState(state, reason, nodes))
 
-    assert ended_state("Slurm job 12 TIMEOUT on c[1-2]")
-    assert ended_state("Slurm job 12 CANCELLED")
-    assert not ended_state("Slurm job 12 RUNNING on c[1-2]")
-    assert not ended_state("Slurm job 12 PENDING (BeginTime)")
-    assert not ended_state("Slurm job 12 COMPLETING (TimeLimit) on c1")
-    assert not ended_state(None) and not ended_state("")  # no allocation: not ended
+    assert ended_state(said("TIMEOUT", nodes="c[1-2]"))
+    assert str(said("TIMEOUT", nodes="c[1-2]")) == "Slurm job 12 TIMEOUT on c[1-2]"
+    assert ended_state(said("CANCELLED"))
+    assert not ended_state(said("RUNNING", nodes="c[1-2]"))
+    assert not ended_state(said("PENDING", "BeginTime"))
+    assert str(said("PENDING", "BeginTime")) == "Slurm job 12 PENDING (BeginTime)"
+    assert not ended_state(said("COMPLETING", "TimeLimit", "c1"))
+    assert not ended_state(None)  # no allocation: not ended
+
+
+def _login(host: str) -> SshConn:
+    return SshConn(name=host, python="python3")
+
+
+def _node(node: str) -> SlurmNodeConn:
+    """Node `node` of Slurm job 7, through the login node."""
+    return SlurmNodeConn(name=node, login=_login("login.hpc.example.edu"), job="7", node=node,
+                         address=f"10.1.0.{node[1:]}", keeper="7", python="python3")
 
 
 def _planned(spec: JobSpec) -> plan_model.JobPlan:
@@ -154,7 +174,7 @@ def _planned(spec: JobSpec) -> plan_model.JobPlan:
     expanded = spec.model_copy(update={"clusters": [hpc.with_nodes(nodes),
                                                     *spec.clusters[1:]]})
     sites = {key: plan_model.Site(
-        conn={"transport": "slurm-node" if h.host.startswith("n") else "ssh", "name": h.host},
+        conn=_node(h.host) if h.host.startswith("n") else _login(h.host),
         home="/home/u/.nebula", address=h.address or f"{h.host}.example", bind="0.0.0.0",
         python="python3", shares_files=False)
         for key, (c, h) in site_entries(expanded).items()}
@@ -168,12 +188,12 @@ def _planned(spec: JobSpec) -> plan_model.JobPlan:
 def test_relay_on_login_runs_the_relay_on_the_login_node(tmp_path: Path, cli: CLI) -> None:
     text = SLURM + "relay: {}\n"
     on_node = {a.cluster: a for a in _planned(load_spec(write(tmp_path, text))).role("relay")}
-    assert on_node["hpc"].host == "n1" and on_node["hpc"].conn["transport"] == "slurm-node"
+    assert on_node["hpc"].host == "n1" and on_node["hpc"].conn.kind == "slurm-node"
     spec = load_spec(write(tmp_path, text.replace("    scheduler: slurm\n",
                                                   "    scheduler: slurm\n    relay_on: login\n")))
     plan = _planned(spec)
     (relay,) = plan.role("relay")
-    assert (relay.host, relay.node_rank, relay.conn["transport"]) == (
+    assert (relay.host, relay.node_rank, relay.conn.kind) == (
         "login.hpc.example.edu", -1, "ssh")
     assert relay.agent_dir == "/home/u/.nebula/jobs/job-1/hpc/login.hpc.example.edu/relay"
     assert [w.host for w in plan.hosts] == ["n1", "n2"]  # the workers stay on the nodes
@@ -197,7 +217,7 @@ def test_a_tunnel_to_a_slurm_cluster_ends_at_its_login_node(tmp_path: Path) -> N
     nodes = [HostSpec(host="n1", address="10.1.0.1", slots=4)]
     expanded = spec.model_copy(update={"clusters": [hpc.with_nodes(nodes), spec.clusters[1]]})
     sites = {key: plan_model.Site(
-        conn={"transport": "ssh", "name": h.host}, home="/home/u/.nebula",
+        conn=_login(h.host), home="/home/u/.nebula",
         address=h.address or f"{h.host}.example", bind="0.0.0.0", python="python3",
         shares_files=False, ssh=plan_model.SshLogin("jdoe", 22, "ssh-ed25519 AAAAlogin"))
         for key, (c, h) in site_entries(expanded).items()}

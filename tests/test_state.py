@@ -11,6 +11,8 @@ import pytest
 
 from nebula_cli.control.state import SCHEMA_VERSION, HostRecord, StateStore, new_job_id
 from nebula_cli.errors import JobNotFound, NebulaError
+from nebula_cli.transport.slurmnode_conn import SlurmNodeConn
+from nebula_cli.transport.ssh_conn import SshConn
 
 SPEC = {"name": "demo", "clusters": [{"name": "a", "hosts": [{"host": "h1"}]}]}
 
@@ -62,6 +64,28 @@ def test_hosts_and_events_round_trip(tmp_path: Path) -> None:
         events = store.events(job.id)
         assert [e.message for e in events] == ["first", "second"]
         assert [e.message for e in store.events(job.id, after_id=events[0].id)] == ["second"]
+
+
+def test_a_host_recorded_before_typed_connections_is_reached_as_then(tmp_path: Path) -> None:
+    """detail["conn"] stays the plain data earlier versions wrote; it reads back typed."""
+    login = {"transport": "ssh", "name": "login", "host": "login", "user": "jdoe",
+             "port": 2222, "key": None, "jump": None, "python": "python3"}
+    node = {"transport": "slurm-node", "name": "n1", "login": login, "job": "12",
+            "node": "n1", "address": "10.1.0.1", "keeper": "12", "python": "python3",
+            "pythonpath": "/home/jdoe/.nebula/jobs/j/lib"}
+    with StateStore(tmp_path) as store:
+        job = store.create_job("demo", SPEC, None)
+        for host, conn in (("login", login), ("n1", node)):
+            store.upsert_host(HostRecord(job.id, "a", host, "worker", 0, 1, "/x", "RUNNING",
+                                         detail={"conn": conn}))
+    with StateStore(tmp_path) as store:
+        got = {rec.host: rec for rec in store.hosts(job.id)}
+    assert isinstance(got["login"].conn, SshConn) and got["login"].conn.port == 2222
+    assert isinstance(got["n1"].conn, SlurmNodeConn) and got["n1"].conn.login == got[
+        "login"].conn
+    assert got["n1"].conn.in_allocation and not got["login"].conn.in_allocation
+    assert (got["login"].conn.to_data(), got["n1"].conn.to_data()) == (login, node)
+    assert got["n1"].detail["conn"] == node  # the store keeps what it was given
 
 
 def test_schema_is_versioned_and_a_newer_schema_is_refused(tmp_path: Path) -> None:

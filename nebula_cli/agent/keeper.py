@@ -13,8 +13,9 @@ The keeper listens on an abstract unix socket (node-local, no file) and serves o
 of its own user (SO_PEERCRED). It ends, releasing the node, `LINGER` seconds after every
 agent it started has ended, when nothing was started for `IDLE_TIMEOUT` seconds after it came
 up, or on SIGTERM (Slurm's notice before a time limit or preemption), which it passes to its
-agents first so that their workers stop gracefully; under Slurm it then waits for Slurm to end
-the job, so that the job's state says why (TIMEOUT, PREEMPTED).
+agents first so that their workers stop gracefully; it then waits for the scheduler to end the
+job, so that the job's state says why (TIMEOUT, PREEMPTED), unless started with
+``--exit-after-notice`` (outside any scheduler: the tests).
 
 Standard library only: it runs before anything else of the job is checked on the node.
 """
@@ -66,9 +67,13 @@ def _recv_all(sock: socket.socket) -> bytes:
 class Keeper:
     """Serves `call`s on its node; watches the agents it started."""
 
-    def __init__(self, name: str, idle_timeout: float = IDLE_TIMEOUT) -> None:
+    def __init__(self, name: str, idle_timeout: float = IDLE_TIMEOUT, *,
+                 exit_after_notice: bool = False) -> None:
         self.name = name
         self.idle_timeout = idle_timeout
+        self.exit_after_notice = exit_after_notice
+        """After SIGTERM and its agents' end, leave (rather than wait for the scheduler to end
+        the allocation, which then records why: TIMEOUT, PREEMPTED, CANCELLED)."""
         self.agents: set[int] = set()
         self.started = self.last_alive = time.monotonic()
         self.terminated = threading.Event()
@@ -137,10 +142,10 @@ class Keeper:
         server.close()
         if self.terminated.is_set():
             self.stop_agents()
-            if os.environ.get("SLURM_JOB_ID"):  # Slurm ends the job and says why (TIMEOUT,
-                print(f"nebula keeper {self.name} on {node}: agents stopped on Slurm's "
-                      "notice; waiting for Slurm to end the job", flush=True)
-                while True:  # PREEMPTED, CANCELLED); leaving now would make it COMPLETED
+            if not self.exit_after_notice:  # the scheduler ends the job and says why
+                print(f"nebula keeper {self.name} on {node}: agents stopped on the scheduler's "
+                      "notice; waiting for it to end the job", flush=True)
+                while True:  # (TIMEOUT, PREEMPTED); leaving now would make it COMPLETED
                     time.sleep(60)
         print(f"nebula keeper {self.name} on {node}: done", flush=True)
         return 0
@@ -185,6 +190,9 @@ def main(argv: list[str] | None = None) -> int:
     serve = sub.add_parser("serve", help="keep this node: run what is handed over")
     serve.add_argument("name")
     serve.add_argument("--idle-timeout", type=float, default=IDLE_TIMEOUT)
+    serve.add_argument("--exit-after-notice", action="store_true",
+                       help="after SIGTERM, leave once the agents ended (outside a scheduler's "
+                            "allocation); by default wait for the scheduler to end the job")
     hand = sub.add_parser("call", help="hand a command to this node's keeper")
     hand.add_argument("name")
     hand.add_argument("--env-json", default="{}")
@@ -193,7 +201,8 @@ def main(argv: list[str] | None = None) -> int:
     hand.add_argument("argv", nargs="+", help="the command, after --")
     args = parser.parse_args(argv)
     if args.command == "serve":
-        return Keeper(args.name, args.idle_timeout).serve()
+        return Keeper(args.name, args.idle_timeout,
+                      exit_after_notice=args.exit_after_notice).serve()
     return call(args.name, args.argv, json.loads(args.env_json), args.cwd, args.timeout)
 
 

@@ -147,12 +147,11 @@ def spec_summary(path: object, spec: JobSpec) -> str:
                 if link.tunnel else "") for link in links))
         lines.append("sync: " + sync_summary(spec))
     for c in spec.clusters:
-        if (request := c.slurm_request) is not None:
+        if (said := c.scheduling.summary(c)) is not None:
             relay = "" if spec.relay is None else (
                 ", relay on the login node" if c.relay_on == "login" else
                 ", relay on the first node")
-            lines.append(f"{c.name}: one Slurm job through {c.hosts[0].host}: {request.nodes} "
-                         f"node(s) x {request.ntasks_per_node} rank(s){relay}")
+            lines.append(f"{c.name}: {said}{relay}")
     return "\n".join(lines)
 
 

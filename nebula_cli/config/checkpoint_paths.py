@@ -27,13 +27,9 @@ def checkpoint_dir(spec: JobSpec, job_id: str, job_root: str, cluster: ClusterSp
 
 
 def checkpoint_host(cluster: ClusterSpec, host: HostSpec | int) -> str:
-    """A host's part of the checkpoint path: its name, or on a Slurm cluster `node<i>`
-    (`host` may be given as that index)."""
-    if cluster.scheduler == "slurm":
-        index = host if isinstance(host, int) else cluster.hosts.index(host)
-        return f"node{index}"
-    assert not isinstance(host, int)
-    return host.host
+    """A host's part of the checkpoint path, as its cluster's scheduler places it: its name,
+    or on a Slurm cluster `node<i>` (`host` may be given as that index)."""
+    return cluster.scheduling.checkpoint_host(cluster, host)
 
 
 def checkpoint_settings(spec: JobSpec, job_id: str, job_root: str, cluster: ClusterSpec,

@@ -12,7 +12,9 @@ from pydantic import AfterValidator, Field, PrivateAttr, field_validator, model_
 
 from nebula_cli.config.fields import EnvDict, HostName, Interface, Jump, Name, Program
 from nebula_cli.config.hosts import HostSpec
-from nebula_cli.config.scheduler import SlurmSpec
+from nebula_cli.config.schedulers.base import Scheduler
+from nebula_cli.config.schedulers.registry import SCHEDULERS, scheduler_named
+from nebula_cli.config.schedulers.slurm_spec import SlurmSpec
 from nebula_cli.config.sections import SpecModel
 from nebula_cli.config.yaml_positions import PathKey, problems_error
 
@@ -71,7 +73,7 @@ class ClusterSpec(SpecModel):
     reach this one through an SSH tunnel: each tunnel's key is added there for as long as the
     relay runs, limited to forwarding to the relay's port, with the job's certificates'
     expiry time."""
-    scheduler: Literal["none", "slurm"] = "none"
+    scheduler: Literal["none", "slurm"] = "none"  # the names in config.schedulers.registry
     """'none': the hosts run the workers. 'slurm': the one host is the login node of a Slurm
     cluster; one batch job (see `slurm`) holds the nodes that run the workers."""
     slurm: SlurmSpec | None = None
@@ -106,22 +108,21 @@ class ClusterSpec(SpecModel):
                 problems.append((("hosts", i), f"duplicate host {host.host!r}{port} "
                                                f"(already hosts[{first}])"))
         names = [h.host for h in self.hosts]
-        if self.scheduler == "slurm" and len(self.hosts) > 1:
-            problems.append((("hosts",), f"a Slurm cluster has one host, its login node "
-                                         f"(the nodes come from the allocation): found "
-                                         f"{len(self.hosts)} ({', '.join(names)})"))
-        if self.scheduler == "slurm" and self.gateway is not None:
-            problems.append((("gateway",), "a Slurm cluster's relay runs on the first node of "
-                                           "its allocation (or, with relay_on: login, on its "
-                                           "login node): remove `gateway`"))
-        if self.relay_on == "login" and self.scheduler != "slurm":
-            problems.append((("relay_on",), "relay_on: login is for Slurm clusters (scheduler: "
-                                            "slurm); here the relay runs on the `gateway` host"))
+        scheduling = self.scheduling
+        problems += scheduling.problems(self)
+        if self.relay_on == "login" and not scheduling.relay_on_login:
+            login = [s for s in SCHEDULERS.values() if s.relay_on_login]
+            problems.append((("relay_on",), (
+                f"relay_on: login is for {' or '.join(s.title for s in login)} clusters "
+                f"(scheduler: {' or '.join(s.name for s in login)}); here the relay runs on "
+                "the `gateway` host")))
         if self.relay_reach == "ssh" and self.transport != "ssh":
             problems.append((("relay_reach",), "relay_reach: ssh needs transport: ssh (the other "
                                                "relays reach this one through its host's sshd)"))
-        if self.slurm is not None and self.scheduler != "slurm":
-            problems.append((("slurm",), "`slurm:` needs `scheduler: slurm` in this cluster"))
+        for other in SCHEDULERS.values():  # a section of another scheduler than this one's
+            if other is not scheduling and other.section(self) is not None:
+                problems.append(((other.name,), f"`{other.name}:` needs `scheduler: "
+                                                f"{other.name}` in this cluster"))
         if self.gateway is not None and self.gateway not in names:
             problems.append((("gateway",), f"gateway {self.gateway!r} is not one of this "
                                            f"cluster's hosts: {', '.join(names)}"))
@@ -130,35 +131,37 @@ class ClusterSpec(SpecModel):
         return self
 
     @property
+    def scheduling(self) -> Scheduler:
+        """What its `scheduler:` means for the spec and the plan (`config.schedulers`)."""
+        return scheduler_named(self.scheduler)
+
+    @property
     def node_count(self) -> int:
         """The hosts that run workers: the allocation's nodes on a Slurm cluster."""
-        request = self.slurm_request
-        return len(self.hosts) if request is None else request.nodes
+        return self.scheduling.node_count(self)
 
     @property
     def process_count(self) -> int:
         """The cluster's DeepSpeed ranks."""
-        request = self.slurm_request
-        return sum(h.slots for h in self.hosts) if request is None else \
-            request.nodes * request.ntasks_per_node
-
-    @property
-    def slurm_request(self) -> SlurmSpec | None:
-        """What to ask Slurm for (its defaults when `slurm:` is absent), or None."""
-        if self.scheduler != "slurm":
-            return None
-        return self.slurm or SlurmSpec()
+        return self.scheduling.process_count(self)
 
     @property
     def login_host(self) -> HostSpec | None:
-        """A Slurm cluster's login node (its one host as written, kept by `with_nodes`);
-        None for other clusters."""
-        if self.scheduler != "slurm":
+        """The host a cluster whose hosts come from an allocation asks for it through (a
+        Slurm cluster's login node: its one host as written, kept by `with_nodes`); None for
+        other clusters."""
+        if not self.scheduling.allocates:
             return None
         return self._login or self.hosts[0]
 
+    @property
+    def relay_host_known(self) -> bool:
+        """Whether the relay's host is known before launch (not on a node of an allocation
+        that does not run yet)."""
+        return not self.scheduling.allocates or self.relay_on == "login"
+
     def with_nodes(self, hosts: list[HostSpec]) -> ClusterSpec:
-        """This Slurm cluster with an allocation's nodes as its hosts, its login node kept."""
+        """This cluster with an allocation's nodes as its hosts, its login node kept."""
         out = self.model_copy(update={"hosts": hosts})
         out._login = self.login_host
         return out

@@ -1,5 +1,7 @@
 """From a JobSpec to a typed, frozen JobPlan: which host runs which agent, with which processes,
 ranks, environment and files (the relay's relay.json, the workers' sync.json, certificates).
+What a cluster's workers run is its job role's (`config.roles`); the rest (worlds, ranks,
+metrics, restarts, uploads) is the same for every role.
 
 `build_plan(spec, job_id, sites, ports, certs)` is one pure function: the spec says what is
 wanted, `sites` what the transports report about each host (its nebula directory, the address
@@ -12,22 +14,14 @@ defaults live.
 from __future__ import annotations
 
 import posixpath
-from pathlib import Path
 
 from nebula_cli.config import strict
-from nebula_cli.config.checkpoint_paths import (
-    checkpoint_settings as checkpoint_settings,
-)
 from nebula_cli.config.metrics_plan import METRICS_FILE, metrics_config
 from nebula_cli.config.parts import (
     METRICS_CONFIG_ENV,
     METRICS_FILE_ENV,
-    RUNTIME_HOOK_DIR,
-    SYNC_CONFIG_ENV,
     AgentConfig,
-    CheckpointSettings,
     ProcessConfig,
-    SyncConfig,
 )
 from nebula_cli.config.pipeline import device_id
 from nebula_cli.config.plan_model import (
@@ -40,14 +34,13 @@ from nebula_cli.config.plan_model import (
     Site,
     agent_dir,
     base_env,
-    cert_names,
     conn_of,
     job_root_of,
-    lib_dir,
-    tls_files,
 )
-from nebula_cli.config.relay_plan import auto_steps, relay_addr, relay_agents, relay_socket
-from nebula_cli.config.spec import ClusterSpec, JobSpec
+from nebula_cli.config.relay_plan import relay_agents
+from nebula_cli.config.roles.registry import role_of
+from nebula_cli.config.roles.worker_host import WorkerHost
+from nebula_cli.config.spec import JobSpec
 from nebula_cli.config.worlds import (
     interface_of,
     pipeline_env,
@@ -56,22 +49,6 @@ from nebula_cli.config.worlds import (
     world_env,
     world_of,
 )
-
-
-def runtime_hook_dir(site: Site, job_root: str) -> str:
-    """Where the automatic hook's sitecustomize is on the host: in the package this machine
-    runs (a host that shares our files), else in the uploaded copy under the job's lib."""
-    if site.shares_files:
-        return str(Path(__file__).resolve().parent.parent.joinpath(*RUNTIME_HOOK_DIR))
-    return posixpath.join(lib_dir(job_root), "nebula_cli", *RUNTIME_HOOK_DIR)
-
-
-def with_runtime_hook(env: dict[str, str], site: Site, job_root: str) -> dict[str, str]:
-    """`env` with the automatic hook's directory first on PYTHONPATH (what was there kept)."""
-    parts = [runtime_hook_dir(site, job_root)]
-    if env.get("PYTHONPATH"):
-        parts.append(env["PYTHONPATH"])
-    return {**env, "PYTHONPATH": ":".join(parts)}
 
 
 def build_plan(spec: JobSpec, job_id: str, *, sites: dict[str, Site], ports: Ports,
@@ -84,7 +61,8 @@ def build_plan(spec: JobSpec, job_id: str, *, sites: dict[str, Site], ports: Por
 
 def _worker_agents(spec: JobSpec, job_id: str, sites: dict[str, Site], ports: Ports,
                    certs: Certs | None) -> list[AgentPlan]:
-    """One worker agent per host: `slots` processes each running `spec.run` in the workdir.
+    """One worker agent per host: `slots` processes each running what its cluster's role
+    runs (`config.roles`) in the workdir.
 
     Data parallel: one world per cluster, ranks in host order. Pipeline: one world over every
     cluster, ranks from the pipeline layout."""
@@ -96,10 +74,14 @@ def _worker_agents(spec: JobSpec, job_id: str, sites: dict[str, Site], ports: Po
     for ci, cluster in enumerate(spec.clusters):
         rank = 0
         world = world_of(spec, cluster)
+        role = role_of(cluster)
         for node_rank, host in enumerate(cluster.hosts):
             site = sites[site_key(cluster, host)]
             job_root = job_root_of(site, job_id)
             adir = agent_dir(job_root, cluster.name, host.host, WORKER)
+            at = WorkerHost(spec=spec, job_id=job_id, cluster=cluster, host=host,
+                            node_rank=node_rank, site=site, job_root=job_root, agent_dir=adir,
+                            sites=sites, ports=ports, certs=certs)
             cwd = spec.workdir if site.shares_files else posixpath.join(job_root, "work")
             env = {**spec.env, **cluster.env, **base_env(site, job_root)}
             env.update(world_env(spec, job_id, ci, node_rank, ports.masters[world],
@@ -108,22 +90,11 @@ def _worker_agents(spec: JobSpec, job_id: str, sites: dict[str, Site], ports: Po
                 env.update(pipeline_env(spec, layout.world_size, layout.num_stages),
                            CROSS_RANK=str(host_index))
             host_index += 1
-            if spec.runtime.auto:
-                env = with_runtime_hook(env, site, job_root)
+            env = role.environment(at, env)
             if spec.deepspeed is not None:
                 env["NEBULA_DS_CONFIG"] = posixpath.join(job_root, "ds_config.json")
-            files: dict[str, bytes] = {}
-            if spec.relay is not None:
-                assert certs is not None  # build_plan's contract
-                sync = sync_config(spec, job_id, cluster, adir,
-                                   relay_addr=relay_addr(spec, cluster, sites, ports),
-                                   relay_socket=relay_socket(job_root, cluster, host),
-                                   checkpoint=checkpoint_settings(spec, job_id, job_root,
-                                                                  cluster, host))
-                env[SYNC_CONFIG_ENV] = posixpath.join(adir, "sync.json")
-                cert, key = certs.workers[site_key(cluster, host)]
-                files = {"sync.json": strict.dumps(sync),
-                         **dict(zip(cert_names(WORKER), (certs.ca, cert, key), strict=True))}
+            named, files = role.files(at)
+            env.update(named)
             sinks = metrics_config(spec, job_id, cluster, node_rank, adir)
             if sinks is not None:
                 files[METRICS_FILE] = strict.dumps(sinks)
@@ -142,7 +113,7 @@ def _worker_agents(spec: JobSpec, job_id: str, sites: dict[str, Site], ports: Po
                 if sinks is not None and local_rank == 0:  # the cluster's writer
                     proc_env[METRICS_CONFIG_ENV] = posixpath.join(adir, METRICS_FILE)
                 processes.append(ProcessConfig(
-                    name=name, argv=["/bin/sh", "-c", spec.run], env=proc_env,
+                    name=name, argv=role.command(at), env=proc_env,
                     log=f"logs/rank{name}.log", metrics=f"metrics/rank{name}.jsonl"))
                 rank += 1
             config = AgentConfig(
@@ -150,32 +121,13 @@ def _worker_agents(spec: JobSpec, job_id: str, sites: dict[str, Site], ports: Po
                 grace=spec.grace, max_restarts=spec.max_restarts
                 if cluster.max_restarts is None else cluster.max_restarts,
                 restart_backoff=WORKER_RESTART_BACKOFF, processes=processes)
-            # a Slurm cluster's nodes share one file system: its first node uploads
-            shared = cluster.scheduler == "slurm" and node_rank > 0
+            # nodes that share one file system (a Slurm cluster's): its first node uploads
+            shared = cluster.scheduling.nodes_share_files and node_rank > 0
             uploads = {} if site.shares_files or shared else {spec.workdir: cwd}
             plans.append(AgentPlan(
                 cluster=cluster.name, host=host.host, role=WORKER, node_rank=node_rank,
                 slots=host.slots, conn=conn_of(site, job_root), job_root=job_root,
                 config=config, files=files, uploads=uploads,
-                tensorboard=sinks.tensorboard_dir if sinks is not None else None))
+                tensorboard=sinks.tensorboard_dir if sinks is not None else None,
+                files_from_first_host=shared))
     return plans
-
-
-def sync_config(spec: JobSpec, job_id: str, cluster: ClusterSpec, adir: str, *,
-                relay_addr: str, checkpoint: CheckpointSettings | None,
-                relay_socket: str | None = None) -> SyncConfig:
-    """The runtime's part: how a worker of `cluster` reaches its relay (`relay_socket`: on the
-    relay's own host, see `relay_socket()`) and runs the outer loop."""
-    relay = spec.relay
-    assert relay is not None  # only for a spec with a relay
-    sync, comp = relay.sync, relay.compression
-    first_lr, first_momentum = relay.outer_for(comp.codecs[0])
-    return SyncConfig(
-        job_id=job_id, cluster=cluster.name, relay_addr=relay_addr, relay_socket=relay_socket,
-        tls=tls_files(adir, WORKER), mode=sync.mode, inner_steps=sync.first_inner_steps,
-        every_s=sync.every, auto_steps=auto_steps(spec),
-        outer_lr=first_lr, outer_momentum=first_momentum,
-        outer_by_codec={c: list(relay.outer_for(c)) for c in comp.codecs},
-        nesterov=sync.nesterov, overlap=sync.overlap,
-        overlap_steps=sync.overlap_steps, codec=comp.codec,
-        error_feedback=comp.error_feedback, round_timeout=relay.timeout, checkpoint=checkpoint)

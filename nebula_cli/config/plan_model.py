@@ -9,7 +9,7 @@ from __future__ import annotations
 import datetime as dt
 import posixpath
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Protocol
 
 from nebula_cli.config.parts import AgentConfig
 from nebula_cli.config.relay_config import TlsFiles
@@ -24,6 +24,17 @@ RELAY_RESTART_BACKOFF = 1.0
 WORKER_RESTART_BACKOFF = 5.0
 WORKER_SOCKET = "worker.sock"
 """The relay's Unix socket for workers on its own host, in the relay's directory."""
+
+
+class HostConn(Protocol):
+    """How to reach a host: a transport's typed connection description (a `transport.Conn`,
+    which the control plane makes, opens and records; the plan may not import the transports).
+    The plan carries it without looking inside; it only names where nebula_cli is on hosts
+    that do not share our files."""
+
+    name: str
+
+    def with_pythonpath(self, path: str) -> HostConn: ...
 
 
 @dataclass(frozen=True)
@@ -41,7 +52,7 @@ class SshLogin:
 class Site:
     """What a host's transport reports about it (see `Transport`)."""
 
-    conn: dict[str, Any]
+    conn: HostConn
     """How to reach the host (`transport.describe`); kept in the state store."""
     home: str
     """Absolute path of nebula's directory on the host (jobs live in home/jobs)."""
@@ -99,7 +110,7 @@ class AgentPlan:
     role: str
     node_rank: int
     slots: int
-    conn: dict[str, Any]
+    conn: HostConn
     job_root: str
     """The job's directory on that host."""
     config: AgentConfig
@@ -109,6 +120,10 @@ class AgentPlan:
     """Local directory -> where it goes on the host (empty when the host shares our files)."""
     tensorboard: str | None = None
     """Where this host writes its cluster's TensorBoard run (spec: metrics.tensorboard)."""
+    files_from_first_host: bool = False
+    """The host sees the files of its cluster's first host (the nodes of a scheduler whose
+    nodes share a file system): nothing is uploaded to it, and it is provisioned after that
+    host."""
 
     @property
     def agent_dir(self) -> str:
@@ -168,11 +183,11 @@ def lib_dir(job_root: str) -> str:
     return posixpath.join(job_root, "lib")
 
 
-def conn_of(site: Site, job_root: str) -> dict[str, Any]:
+def conn_of(site: Site, job_root: str) -> HostConn:
     """The site's connection, with where nebula_cli lives when it is uploaded."""
     if site.shares_files:
-        return dict(site.conn)
-    return {**site.conn, "pythonpath": lib_dir(job_root)}
+        return site.conn
+    return site.conn.with_pythonpath(lib_dir(job_root))
 
 
 def base_env(site: Site, job_root: str) -> dict[str, str]:

@@ -32,7 +32,7 @@ from nebula_cli.config.fields import (
 )
 from nebula_cli.config.hosts import MAX_SLOTS, HostSpec
 from nebula_cli.config.run_command import own_launcher
-from nebula_cli.config.scheduler import SlurmSpec
+from nebula_cli.config.schedulers.slurm_spec import SlurmSpec
 from nebula_cli.config.sections import (
     CheckpointSpec,
     CompressionSpec,
@@ -210,9 +210,10 @@ class JobSpec(SpecModel):
                 return [(("placement",), "a placement needs parallelism: {pipeline_stages: K} "
                                          "with K >= 2")]
             return []
-        if any(c.scheduler == "slurm" for c in self.clusters):
-            return [(("parallelism",), "pipeline parallelism cannot use a Slurm cluster yet "
-                     "(its devices are known only once the allocation starts); use the relay")]
+        if (late := next((c for c in self.clusters if c.scheduling.allocates), None)):
+            return [(("parallelism",), f"pipeline parallelism cannot use a "
+                     f"{late.scheduling.title} cluster yet (its devices are known only once the "
+                     "allocation starts); use the relay")]
         if self.relay is not None:
             return [(("relay",), "pipeline parallelism runs one DeepSpeed world across the "
                                  "clusters and does not use the relay; remove 'relay:'")]

@@ -10,8 +10,8 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
-from nebula_cli.control.launchers import launcher
 from nebula_cli.errors import NebulaError, TransportError
+from nebula_cli.launchers import launcher
 from nebula_cli.transport import Transport
 
 MIN_PYTHON = (3, 11)

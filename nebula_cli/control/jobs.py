@@ -16,7 +16,7 @@ from nebula_cli.control.follow import LogFollower, MetricsFollower
 from nebula_cli.control.session import Session
 from nebula_cli.control.state import ACTIVE_STATES, END_STATES, HostRecord, JobRecord
 from nebula_cli.errors import NebulaError, TransportError
-from nebula_cli.transport import machine_key
+from nebula_cli.scheduler.allocation_state import AllocationState
 
 
 @dataclass
@@ -84,20 +84,20 @@ class JobOps(Session):
     def _by_machine(self, hosts: list[HostRecord]) -> dict[tuple[Any, ...], list[HostRecord]]:
         groups: dict[tuple[Any, ...], list[HostRecord]] = defaultdict(list)
         for rec in hosts:
-            groups[machine_key(rec.detail["conn"])].append(rec)
+            groups[rec.conn.machine_key()].append(rec)
         return groups
 
     def _agent_call(self, recs: list[HostRecord], *args: str, timeout: float) -> list[dict]:
-        conn = recs[0].detail["conn"]
+        conn = recs[0].conn
         result = self.transport(conn).run(
             self._agent(conn, *args, *[r.agent_dir for r in recs]), timeout=timeout
         )
         try:
             replies = json.loads(result.stdout)
         except json.JSONDecodeError as exc:
-            raise TransportError(f"agent did not answer: {result}", host=conn["name"]) from exc
+            raise TransportError(f"agent did not answer: {result}", host=conn.name) from exc
         if not isinstance(replies, list) or len(replies) != len(recs):
-            raise TransportError(f"agent gave an unexpected answer: {result}", host=conn["name"])
+            raise TransportError(f"agent gave an unexpected answer: {result}", host=conn.name)
         return replies
 
     def refresh(self, ref: str) -> JobSnapshot:
@@ -214,23 +214,24 @@ class JobOps(Session):
                 reply["reason"] = reason
                 self._apply_status(rec, reply)
 
-    def _end_with_allocations(self, job_id: str, hosts: list[HostRecord]) -> dict[str, str]:
-        """Hosts of a Slurm allocation note its state; those of one that has ended are gone
-        with it: workers SUCCEEDED if their agent said so, else LOST with the Slurm job's state
-        as the reason ("Slurm job 12 TIMEOUT"); relays STOPPED (workers decide the job).
-        What Slurm said of each cluster's allocation (`allocations.queue_states`)."""
+    def _end_with_allocations(self, job_id: str,
+                              hosts: list[HostRecord]) -> dict[str, AllocationState]:
+        """Hosts of an allocation (a Slurm job) note its state; those of one that has ended
+        are gone with it: workers SUCCEEDED if their agent said so, else LOST with the
+        allocation's state as the reason ("Slurm job 12 TIMEOUT"); relays STOPPED (workers
+        decide the job). What each cluster's scheduler said (`allocations.queue_states`)."""
         said = allocations.queue_states(self.store.job_dir(job_id), self.transport,
                                         {h.cluster for h in hosts}) if hosts else {}
-        for rec in (h for h in hosts if h.cluster in said
-                    and allocations.in_allocation(h.detail["conn"])):
-            rec.detail["slurm"] = said[rec.cluster]
+        for rec in (h for h in hosts if h.cluster in said and h.conn.in_allocation):
+            rec.detail["slurm"] = str(said[rec.cluster])
             if not allocations.ended_state(said[rec.cluster]):
                 self.store.upsert_host(rec)
                 continue
             status = allocations.last_status(self.transport_of(rec), rec.agent_dir)
             done = status.get("state") == "SUCCEEDED" or rec.role == plan_model.RELAY
             ended = status.get("state") if status.get("state") in END_STATES else "STOPPED"
-            self._apply_status(rec, {**status, "reason": None if done else said[rec.cluster],
+            self._apply_status(rec, {**status,
+                                     "reason": None if done else str(said[rec.cluster]),
                                      "state": ended if done else "LOST"})
         return said
 
@@ -268,11 +269,10 @@ class JobOps(Session):
         said = allocations.queue_states(self.store.job_dir(snap.job.id), self.transport,
                                         {h.cluster for h in snap.hosts})
         for rec in snap.hosts:  # one agent call per machine and role
-            if allocations.ended_state(said.get(rec.cluster)) and \
-                    allocations.in_allocation(rec.detail["conn"]):
+            if allocations.ended_state(said.get(rec.cluster)) and rec.conn.in_allocation:
                 report.already_ended.append(rec)  # gone with its Slurm allocation
                 continue
-            groups[(rec.role, *machine_key(rec.detail["conn"]))].append(rec)
+            groups[(rec.role, *rec.conn.machine_key())].append(rec)
         args = ["stop", *(["--grace", str(grace)] if grace is not None else []),
                 *(["--force"] if force else [])]
         spec_grace = float(snap.job.spec.get("grace") or 0.0)
@@ -343,7 +343,7 @@ class JobOps(Session):
     def _summaries_of(self, recs: list[HostRecord]) -> list[tuple[dict[str, Any], str]]:
         """(summaries, source) of each of one machine's agents."""
         replies = self._agent_call(recs, "status", timeout=30)
-        transport = self.transport(recs[0].detail["conn"])
+        transport = self.transport(recs[0].conn)
         out = []
         for rec, reply in zip(recs, replies, strict=True):
             if isinstance(reply.get("metrics"), dict):

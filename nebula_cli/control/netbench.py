@@ -75,7 +75,7 @@ from nebula_cli.control.netbench_tunnels import (
 from nebula_cli.control.orchestrator import Orchestrator
 from nebula_cli.errors import NebulaError, TransportError, UsageError
 from nebula_cli.netbench.probe import MODULE as PROBE_MODULE
-from nebula_cli.transport import Transport
+from nebula_cli.transport import Conn, Transport
 
 VERSION = 1
 PACKAGE_DIR = Path(__file__).resolve().parent.parent
@@ -108,7 +108,7 @@ class Node:
 
     cluster: str
     host: str
-    conn: dict[str, Any] = field(hash=False, compare=False)
+    conn: Conn = field(hash=False, compare=False)
     address: str = field(compare=False)  # what the hosts of its cluster reach it at
     dial: str = field(compare=False)  # what other clusters' relays dial (its relay_address)
     root: str = field(compare=False)  # <home>/netbench/<run id> on that host
@@ -231,9 +231,9 @@ class Bench:
         """Run the probe on `node` (inside `tunnel`'s keeper when given); its JSON line, or
         TransportError naming the host."""
         t = self.transport(node)
-        argv = [node.conn["python"], "-m", PROBE_MODULE, args[0], "--run", self.run, *args[1:]]
+        argv = [node.conn.python, "-m", PROBE_MODULE, args[0], "--run", self.run, *args[1:]]
         if tunnel is not None:
-            argv = wrap(node.conn["python"], node.dir, tunnel, argv)
+            argv = wrap(node.conn.python, node.dir, tunnel, argv)
         result = t.run(argv, env={"PYTHONPATH": posixpath.join(node.dir, "lib")}, cwd=node.dir,
                        timeout=timeout)
         for line in reversed(result.stdout.strip().splitlines() if result.ok else []):
@@ -279,7 +279,7 @@ class Bench:
             self.transport(dst).put_bytes(strict.dumps(cfg),
                                           posixpath.join(dst.dir, "tunnels.json"), mode=0o600)
             self.transport(dst).run_checked(
-                [dst.conn["python"], "-m", TUNNEL_MODULE, "grant", dst.dir], timeout=STOP_TIMEOUT,
+                [dst.conn.python, "-m", TUNNEL_MODULE, "grant", dst.dir], timeout=STOP_TIMEOUT,
                 env={"PYTHONPATH": posixpath.join(dst.dir, "lib")})
             self.note(f"{dst}: the run's tunnel keys let in for ports "
                       f"{', '.join(map(str, self.server_ports[dst]))}")
@@ -335,7 +335,7 @@ class Bench:
         for node in self.server_ports:  # the run's keys out, before its files go
             try:
                 self.transport(node).run_checked(
-                    [node.conn["python"], "-m", TUNNEL_MODULE, "revoke", node.dir],
+                    [node.conn.python, "-m", TUNNEL_MODULE, "revoke", node.dir],
                     env={"PYTHONPATH": posixpath.join(node.dir, "lib")}, timeout=STOP_TIMEOUT)
             except NebulaError as exc:
                 self.errors.append(f"{node}: the run's tunnel keys may be left: {exc}")

@@ -22,7 +22,6 @@ from nebula_cli.config.parts import helper_env
 from nebula_cli.config.plan_model import AgentPlan, JobPlan
 from nebula_cli.config.spec import HostSpec, JobSpec, spec_of_record
 from nebula_cli.control import allocations
-from nebula_cli.control.allocations import Allocation
 from nebula_cli.control.fanout import GroupError, fanout
 from nebula_cli.control.hostcheck import HostCheck, bootstrap, check_host, require_python
 from nebula_cli.control.jobs import JobOps, JobSnapshot, StopReport, job_state
@@ -35,8 +34,9 @@ from nebula_cli.errors import (
     TransportError,
     UsageError,
 )
-from nebula_cli.scheduler import slurm
-from nebula_cli.transport import Transport, machine_key
+from nebula_cli.scheduler.allocation import Allocation
+from nebula_cli.scheduler.registry import allocator_named, allocator_of
+from nebula_cli.transport import Transport
 
 __all__ = ["JobSnapshot", "Orchestrator", "StopReport", "job_state"]
 
@@ -110,8 +110,7 @@ class Orchestrator(JobOps, HostFacts):
             cluster, host = next((c, h) for c in spec.clusters for h in c.hosts
                                  if worlds.site_key(c, h) == key)
             site = sites[key]
-            request = cluster.slurm_request
-            places: list[HostSpec | int] = list(range(request.nodes)) if request else [host]
+            places: list[HostSpec | int] = cluster.scheduling.checkpoint_places(cluster, host)
             out = {}
             for place in places:
                 root = plan_model.job_root_of(site, job_id)
@@ -159,15 +158,13 @@ class Orchestrator(JobOps, HostFacts):
         started: list[AgentPlan] = []
         try:
             allocs = self._allocate(job_id, spec, progress, transfer)
-            conns = {f"{a.cluster}/{n}": a.conn(n) for a in allocs.values() for n in a.nodes}
             plan = self.plan(allocations.expand(spec, allocs), job_id,
-                             renew=action == "resume", conns=conns)
+                             renew=action == "resume", conns=allocations.node_conns(allocs))
             for agent in plan.agents:  # recorded first: `stop` reaches hosts a launch touched
                 self._record(job_id, agent, "PENDING")
             # hosts that upload first: the others see their files (a Slurm cluster's nodes)
-            for hosts in ([a for a in plan.hosts if a.uploads or a.conn["transport"] !=
-                           "slurm-node"], [a for a in plan.hosts if not a.uploads and
-                                           a.conn["transport"] == "slurm-node"]):
+            for hosts in ([a for a in plan.hosts if not a.files_from_first_host],
+                          [a for a in plan.hosts if a.files_from_first_host]):
                 fanout(hosts, lambda a: self._provision_host(spec, a, progress, transfer),
                        timeout=SETUP_TIMEOUT, cancel=self.abort)
             fanout(plan.agents, self._write_agent_files, timeout=AGENT_TIMEOUT,
@@ -220,19 +217,22 @@ class Orchestrator(JobOps, HostFacts):
 
     def _allocate(self, job_id: str, spec: JobSpec, progress: Progress,
                   transfer: Transfer | None) -> dict[str, Allocation]:
-        """Each Slurm cluster's batch job submitted, then waited for (the job QUEUED, with
-        Slurm's reason, meanwhile) until every node's keeper answers. {} without Slurm."""
-        clusters = {c.name: c for c in allocations.slurm_clusters(spec)}
+        """Each allocation (a Slurm cluster's batch job) asked for, then waited for (the job
+        QUEUED, with the scheduler's reason, meanwhile) until every node answers. {} when no
+        cluster's scheduler allocates."""
+        clusters = {c.name: c for c in allocations.allocating_clusters(spec)}
         if not clusters:
             return {}
         home, job_dir = str(self.store.home), self.store.job_dir(job_id)
 
         def submit(name: str) -> Allocation:
             c = clusters[name]
+            allocator = allocator_of(c)
+            assert allocator is not None  # an allocating cluster's
             login = describe_host(c, c.hosts[0], home)
             t = self.transport(login)
             require_python(t, c.name, c.hosts[0].host)
-            return allocations.submit(t, login, spec, c, job_id, lambda root: _upload_lib(
+            return allocator.submit(t, login, spec, c, job_id, lambda root: _upload_lib(
                 t, root, _bar(transfer, f"{name}/{c.hosts[0].host}"), progress), progress)
 
         submitted = fanout(list(clusters), submit, timeout=SETUP_TIMEOUT, cancel=self.abort)
@@ -241,7 +241,7 @@ class Orchestrator(JobOps, HostFacts):
         def queued(message: str) -> None:
             self.store.set_job_state(job_id, "QUEUED", reason=message)
 
-        running = {n: allocations.wait_running(  # in this thread: the store, Ctrl-C
+        running = {n: allocator_named(a.scheduler).wait_running(  # here: the store, Ctrl-C
             self.transport(a.login), a, self.transport, progress, queued)
             for n, a in submitted.items()}
         allocations.record(job_dir, running)
@@ -304,7 +304,8 @@ class Orchestrator(JobOps, HostFacts):
             job_id=job_id, cluster=agent.cluster, host=agent.host, role=agent.role,
             node_rank=agent.node_rank, slots=agent.slots, agent_dir=agent.agent_dir,
             state=state, pid=pid,
-            detail={"conn": agent.conn, "logs": agent.logs, "metrics": agent.metrics,
+            detail={"conn": agent.conn.to_data(), "logs": agent.logs,
+                    "metrics": agent.metrics,
                     "tensorboard": agent.tensorboard},
         ))
 
@@ -321,9 +322,10 @@ class Orchestrator(JobOps, HostFacts):
                 return HostCheck(cluster.name, host.host, host.slots, error=str(exc))
             found = check_host(t, cluster.name, host.host, host.slots)
             found.interface = worlds.interface_of(cluster, host)  # the spec's, if it names one
-            if cluster.scheduler == "slurm" and found.ok:  # a login node: Slurm's tools too
+            allocator = allocator_of(cluster)
+            if allocator is not None and found.ok:  # a login node: the scheduler's tools too
                 try:
-                    slurm.require_commands(t)
+                    allocator.check_host(t)
                 except NebulaError as exc:
                     found.error = str(exc)
             return found
@@ -340,7 +342,7 @@ class Orchestrator(JobOps, HostFacts):
         bounded in time)."""
         groups: dict[tuple[Any, ...], list[AgentPlan]] = defaultdict(list)
         for a in agents:
-            groups[machine_key(a.conn)].append(a)
+            groups[a.conn.machine_key()].append(a)
 
         def stop_group(key: tuple[Any, ...]) -> None:
             conn = groups[key][0].conn

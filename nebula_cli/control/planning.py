@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import dataclasses
 import datetime as dt
-from typing import Any
 
 from nebula_cli import pki
 from nebula_cli.config import jobplan, plan_model, worlds
@@ -16,14 +15,14 @@ from nebula_cli.config.spec import ClusterSpec, HostSpec, JobSpec
 from nebula_cli.control.fanout import fanout
 from nebula_cli.control.hostcheck import require_python
 from nebula_cli.control.session import Session
-from nebula_cli.transport import describe
+from nebula_cli.transport import Conn, describe
 
 AGENT_TIMEOUT = 60.0
 """Seconds a quick call to every host (a site, a port, an agent started) may take."""
 
 
-def describe_host(cluster: ClusterSpec, host: HostSpec, home: str) -> dict[str, Any]:
-    """The spec's way to reach `host`, as transport data."""
+def describe_host(cluster: ClusterSpec, host: HostSpec, home: str) -> Conn:
+    """The spec's way to reach `host` (its cluster's `transport:`)."""
     return describe(cluster.transport, name=host.host, home=home, host=host.host,
                     user=host.user, port=host.port, key=host.key, jump=cluster.jump,
                     python=cluster.python)
@@ -42,7 +41,7 @@ def site_entries(spec: JobSpec) -> dict[str, tuple[ClusterSpec, HostSpec]]:
 class HostFacts(Session):
     """The plan's inputs, learnt from the hosts (see the module docstring)."""
 
-    def sites(self, spec: JobSpec, conns: dict[str, dict[str, Any]] | None = None
+    def sites(self, spec: JobSpec, conns: dict[str, Conn] | None = None
               ) -> dict[str, plan_model.Site]:
         """What every host's transport reports (connecting to remote hosts to learn it);
         `conns`: how to reach hosts the spec does not say (a Slurm allocation's nodes)."""
@@ -94,7 +93,7 @@ class HostFacts(Session):
         return plan_model.Ports(masters=masters, relays=relays, tunnels=tunnels)
 
     def plan(self, spec: JobSpec, job_id: str, *, renew: bool = False,
-             conns: dict[str, dict[str, Any]] | None = None) -> plan_model.JobPlan:
+             conns: dict[str, Conn] | None = None) -> plan_model.JobPlan:
         """The job's plan: what the hosts report, the job's certificates (issued, or with
         ``renew`` re-issued from the job's CA key when it has one) and a new key per SSH
         tunnel, then `build_plan`."""

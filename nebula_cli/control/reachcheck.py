@@ -149,20 +149,16 @@ class ReachReport:
         return out
 
 
-def _relay_checkable(c: ClusterSpec) -> bool:
-    return c.scheduler != "slurm" or c.relay_on == "login"
-
-
 def check_reach(facts: HostFacts, spec: JobSpec) -> ReachReport:
     """Try every way between every pair of clusters (see the module docstring)."""
     by_name = {c.name: c for c in spec.clusters}
     sites = facts.sites(spec)
     gw = {c.name: sites[worlds.site_key(c, c.gateway_host)] for c in spec.clusters}
     notes = [f"{c.name}: its relay's node is known once the allocation runs: direct ways not "
-             "tried" for c in spec.clusters if not _relay_checkable(c)]
+             "tried" for c in spec.clusters if not c.relay_host_known]
     assert spec.relay is not None
     ports = {c.name: facts.transport(gw[c.name].conn).listen_port(spec.relay.port)
-             for c in spec.clusters if _relay_checkable(c)}
+             for c in spec.clusters if c.relay_host_known}
     sshd: dict[str, tuple[str, int]] = {}
     for c in spec.clusters:
         login = facts.transport(sites[worlds.site_key(c, c.ssh_host)].conn).ssh_login()

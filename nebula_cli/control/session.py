@@ -7,7 +7,7 @@ import threading
 from typing import Any
 
 from nebula_cli.control.state import HostRecord, StateStore
-from nebula_cli.transport import Transport, connect, machine_key
+from nebula_cli.transport import Conn, Transport
 
 
 class Session:
@@ -19,20 +19,21 @@ class Session:
         self._transports: dict[tuple[Any, ...], Transport] = {}
         self._lock = threading.Lock()
 
-    def transport(self, conn: dict[str, Any]) -> Transport:
-        """The one transport of the machine `conn` describes (made once, safe from threads)."""
-        key = machine_key(conn)
-        login = self.transport(conn["login"]) if "login" in conn else None  # a Slurm node's
+    def transport(self, conn: Conn) -> Transport:
+        """The one transport of the machine `conn` describes (made once, safe from threads);
+        a host reached through another (a Slurm node, through its login node) shares that
+        one's."""
+        key = conn.machine_key()
+        through = self.transport(conn.through) if conn.through is not None else None
         with self._lock:
             t = self._transports.get(key)
             if t is None:
-                t = self._transports[key] = connect(
-                    conn, accept_new_host_keys=self.accept_new_host_keys,
-                    via=None if login is None else lambda _: login)
+                t = self._transports[key] = conn.open(
+                    accept_new_host_keys=self.accept_new_host_keys, through=through)
             return t
 
     def transport_of(self, rec: HostRecord) -> Transport:
-        return self.transport(rec.detail["conn"])
+        return self.transport(rec.conn)
 
     def close(self) -> None:
         with self._lock:
@@ -57,9 +58,9 @@ class Session:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def _agent(self, conn: dict[str, Any], *args: str) -> list[str]:
+    def _agent(self, conn: Conn, *args: str) -> list[str]:
         """The agent command line; on remote hosts nebula_cli comes from the job's lib dir."""
-        argv = [conn["python"], "-m", "nebula_cli.agent", *args]
-        if conn.get("pythonpath"):
-            return ["env", f"PYTHONPATH={conn['pythonpath']}", *argv]
+        argv = [conn.python, "-m", "nebula_cli.agent", *args]
+        if conn.pythonpath:
+            return ["env", f"PYTHONPATH={conn.pythonpath}", *argv]
         return argv

@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from nebula_cli.errors import JobNotFound, NebulaError
+from nebula_cli.transport import Conn, conn_from_data
 
 log = logging.getLogger("nebula.state")
 PRIVATE_DIR = 0o700
@@ -121,6 +122,12 @@ class HostRecord:
     restarts: int = 0
     updated: float = 0.0
     detail: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def conn(self) -> Conn:
+        """How to reach the host: ``detail["conn"]``, kept as plain data (as every version of
+        nebula wrote it), read back typed."""
+        return conn_from_data(self.detail["conn"])
 
 
 @dataclass

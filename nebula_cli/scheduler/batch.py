@@ -7,7 +7,7 @@ import re
 import shlex
 from collections.abc import Mapping
 
-from nebula_cli.config.scheduler import SlurmSpec
+from nebula_cli.config.schedulers.slurm_spec import SlurmSpec
 from nebula_cli.errors import UsageError
 
 PLACEHOLDER = re.compile(r"\{\{\s*([a-z_]+)\s*\}\}")

@@ -1,140 +1,165 @@
-"""Slurm through its command-line tools on the login node: sbatch, squeue, sacct, scontrol,
-scancel (what Debian's Slurm 22.05 has: no ``--json``, no ``squeue --only-job-state``).
+"""`SlurmAllocator`: one batch job per Slurm cluster holds its nodes for the whole run.
 
-Every function takes the login node's `Transport`; errors name the login host and the fix.
+`submit` (on the login node: nebula_cli uploaded, `launchers/slurm.sbatch` rendered, `sbatch`),
+`wait_running` (the job QUEUED with Slurm's reason until it starts, then every node's keeper
+answering), `node_conn` (a node, reached through the login node), `state` and `cancel`.
 """
 
 from __future__ import annotations
 
-import re
-import shlex
-from dataclasses import dataclass
+import dataclasses
+import posixpath
+import time
+from collections.abc import Callable
+from pathlib import Path
 
-from nebula_cli.errors import LaunchError, TransportError
-from nebula_cli.transport.base import Transport
+from nebula_cli.config import plan_model
+from nebula_cli.config.schedulers.slurm import slurm_request
+from nebula_cli.config.spec import ClusterSpec, JobSpec
+from nebula_cli.errors import LaunchError, NebulaError, UsageError
+from nebula_cli.launchers import LAUNCHERS_DIR
+from nebula_cli.scheduler import batch, slurm_cli
+from nebula_cli.scheduler.allocation import Allocation
+from nebula_cli.scheduler.allocation_state import AllocationState
+from nebula_cli.scheduler.base import GetTransport, Progress
+from nebula_cli.transport import Conn, Transport
+from nebula_cli.transport.slurmnode_conn import SlurmNodeConn
 
-COMMANDS = ("sbatch", "squeue", "scancel", "scontrol", "srun")
-"""What nebula runs on a login node."""
-TIMEOUT = 60.0
-RUNNING = "RUNNING"
-WAITING = frozenset({"PENDING", "CONFIGURING", "REQUEUED", "RESIZING", "SUSPENDED"})
-"""Slurm states in which the allocation has not started (or not yet again)."""
-ENDING = frozenset({"COMPLETING", "SIGNALING", "STAGE_OUT", "STOPPED"})
-"""Slurm states on the way to an end state (which says why: TIMEOUT, PREEMPTED, ...)."""
-FIELD_SEP = "|"
-
-
-@dataclass(frozen=True)
-class QueueState:
-    """Where a Slurm job is: its state, why it waits, its nodes (Slurm's compact list)."""
-
-    state: str
-    reason: str = ""
-    nodelist: str = ""
-
-    @property
-    def waiting(self) -> bool:
-        return self.state in WAITING
-
-    @property
-    def ended(self) -> bool:
-        """In an end state (COMPLETED, FAILED, TIMEOUT, PREEMPTED, CANCELLED, NODE_FAIL, ...,
-        or UNKNOWN: forgotten by Slurm)."""
-        return self.state != RUNNING and not self.waiting and self.state not in ENDING
-
-    def __str__(self) -> str:
-        why = f" ({self.reason})" if self.reason and self.reason != "None" else ""
-        return f"{self.state}{why}"
+POLL = 2.0
+"""Seconds between looks at the queue."""
+KEEPER_TIMEOUT = 180.0
+"""Seconds the nodes' keepers have to answer once the allocation runs."""
+OUTPUT_LINES = 15
 
 
-def require_commands(t: Transport) -> None:
-    """LaunchError naming the host when a Slurm command is not on the login node's PATH."""
-    script = 'for c in "$@"; do command -v "$c" >/dev/null 2>&1 || echo "$c"; done'
-    result = t.run(["/bin/sh", "-c", script, "sh", *COMMANDS], timeout=TIMEOUT)
-    missing = result.stdout.split()
-    if missing:
-        raise LaunchError(f"{t.name}: {', '.join(missing)} not found on the PATH (is this the "
-                          "cluster's Slurm login node? if Slurm comes from a module, load it "
-                          "in the cluster's `env:` PATH or in `setup:`)")
+def template_of(spec: JobSpec, cluster: ClusterSpec) -> str:
+    """The batch template: the spec's own (relative to the spec) or launchers/slurm.sbatch."""
+    request = slurm_request(cluster)
+    if request.template is None:
+        path = LAUNCHERS_DIR / "slurm.sbatch"
+    else:
+        path = Path(request.template).expanduser()
+        if not path.is_absolute() and spec.source:
+            path = Path(spec.source).parent / path
+    try:
+        return path.read_text()
+    except OSError as exc:
+        raise UsageError(f"clusters[{cluster.name}].slurm.template: cannot read {path}: "
+                         f"{exc.strerror}") from exc
 
 
-def submit(t: Transport, script: str, cwd: str) -> str:
-    """Submit a batch script with ``sbatch --parsable``; its job id. LaunchError with sbatch's
-    own words when Slurm refuses it (an unknown partition, a time over the limit, ...)."""
-    result = t.run(["sbatch", "--parsable", script], cwd=cwd, timeout=TIMEOUT)
-    words = result.stdout.strip().splitlines()
-    job = words[-1].split(";")[0].strip() if words else ""
-    if not result.ok or not job.isdigit():
-        said = (result.stderr.strip() or result.stdout.strip() or f"exit {result.exit_code}")
-        raise LaunchError(f"{t.name}: Slurm refused the job: {said}")
-    return job
+def keeper_name(alloc: Allocation) -> str:
+    """The name its nodes' keepers serve under (launchers/slurm.sbatch: the Slurm job id)."""
+    return alloc.job
 
 
-REFUSALS = (  # words of sbatch's refusal -> the field of the spec's `slurm:` it is about
-    ("partition", "partition"), ("time limit", "time"), ("account", "account"),
-    ("qos", "qos"), ("feature", "constraint"), ("constraint", "constraint"),
-    ("reservation", "reservation"), ("gres", "gpus_per_node"), ("gpu", "gpus_per_node"),
-    ("node count", "nodes"), ("node configuration", "nodes"), ("processors", "nodes"),
-)
+def output_path(alloc: Allocation) -> str:
+    """Where Slurm writes the batch script's output."""
+    return posixpath.join(alloc.job_root, "slurm", f"{alloc.cluster}-{alloc.job}.out")
 
 
-def test_only(t: Transport, script: str, cwd: str) -> tuple[str, str] | None:
-    """Ask Slurm whether it would take the job (``sbatch --test-only``: nothing submitted).
-    None when it would, else (the `slurm:` field its refusal is about, sbatch's words)."""
-    result = t.run(["sbatch", "--test-only", script], cwd=cwd, timeout=TIMEOUT)
-    if result.ok:
-        return None
-    said = (result.stderr.strip() or result.stdout.strip() or f"exit {result.exit_code}")
-    said = " ".join(line.removeprefix("sbatch: error: ").strip()
-                    for line in said.splitlines()[-3:])
-    field = next((f for words, f in REFUSALS if words in said.lower()), "")
-    return field, said
+class SlurmAllocator:
+    """Slurm through its tools on the cluster's login node (`slurm_cli`)."""
+
+    name = "slurm"
+
+    def check_host(self, t: Transport) -> None:
+        slurm_cli.require_commands(t)
+
+    def submit(self, t: Transport, login: Conn, spec: JobSpec, cluster: ClusterSpec,
+               job_id: str, upload_lib: Callable[[str], None],
+               progress: Progress) -> Allocation:
+        """On the login node: the job's directory, nebula_cli (`upload_lib(job_root)`), the
+        batch script; then sbatch. SpecError at the `slurm:` field Slurm's refusal is about
+        (`sbatch --test-only` first), LaunchError with Slurm's words otherwise."""
+        request = slurm_request(cluster)
+        slurm_cli.require_commands(t)
+        job_root = posixpath.join(t.home, "jobs", job_id)
+        t.makedirs(posixpath.join(job_root, "slurm"), mode=0o700)
+        upload_lib(job_root)
+        out = posixpath.join(job_root, "slurm", f"{cluster.name}-%j.out")
+        script = batch.render(template_of(spec, cluster), batch.values(
+            request, job_name=f"nebula-{job_id}-{cluster.name}", output=out, job_root=job_root,
+            pythonpath=plan_model.lib_dir(job_root), python=cluster.python))
+        path = posixpath.join(job_root, "slurm", f"{cluster.name}.sbatch")
+        t.put_bytes(script.encode(), path, mode=0o700)
+        refused = slurm_cli.test_only(t, path, job_root)
+        if refused is not None:
+            field, said = refused
+            index = spec.clusters.index(cluster)
+            raise spec.problem_at(("clusters", index, "slurm", *((field,) if field else ())),
+                                  f"Slurm on {t.name} refuses the job: {said}")
+        job = slurm_cli.submit(t, path, job_root)
+        progress(f"{cluster.name}: submitted Slurm job {job} on {t.name} ({path})")
+        return Allocation(cluster=cluster.name, login=login, job=job, job_root=job_root,
+                          scheduler=self.name)
+
+    def wait_running(self, t: Transport, alloc: Allocation, node_transport: GetTransport,
+                     progress: Progress, on_wait: Callable[[str], None]) -> Allocation:
+        """Until the allocation runs (each change of state shown: `on_wait` gets it while the
+        job waits), then until every node's keeper answers."""
+        said = ""
+        while True:  # a cancelled launch aborts the transport: queue_state raises
+            state = slurm_cli.queue_state(t, alloc.job)
+            if str(state) != said:
+                said = str(state)
+                progress(f"{alloc.cluster}: Slurm job {alloc.job} {said}")
+                if state.waiting:
+                    on_wait(f"{alloc.cluster}: Slurm job {alloc.job} {said}")
+            if state.state == slurm_cli.RUNNING and state.nodelist:
+                break
+            if state.ended:
+                raise LaunchError(f"{alloc.cluster}: Slurm job {alloc.job} ended before nebula "
+                                  f"started on it ({said}){_output(t, alloc)}")
+            time.sleep(POLL)
+        names = slurm_cli.hostnames(t, state.nodelist)
+        alloc = dataclasses.replace(alloc, nodes=slurm_cli.node_addresses(t, names))
+        deadline = time.monotonic() + KEEPER_TIMEOUT
+        waiting = list(names)
+        while waiting:
+            node = waiting[0]
+            result = node_transport(self.node_conn(alloc, node)).run_detached(["true"],
+                                                                              timeout=30)
+            if result.ok:
+                waiting.pop(0)
+                continue
+            if time.monotonic() > deadline or result.exit_code != 3:
+                raise LaunchError(f"{alloc.cluster}/{node}: nebula's keeper does not answer in "
+                                  f"Slurm job {alloc.job}: {result}{_output(t, alloc)}")
+            time.sleep(POLL)
+        progress(f"{alloc.cluster}: Slurm job {alloc.job} runs on {', '.join(names)}")
+        return alloc
+
+    def node_conn(self, alloc: Allocation, node: str) -> Conn:
+        """The node, its commands run as ``srun --overlap`` steps from the login node."""
+        return SlurmNodeConn(name=node, login=alloc.login, job=alloc.job, node=node,
+                             address=alloc.nodes[node], keeper=keeper_name(alloc),
+                             python=alloc.login.python,
+                             pythonpath=plan_model.lib_dir(alloc.job_root))
+
+    def label(self, alloc: Allocation) -> str:
+        return f"Slurm job {alloc.job}"
+
+    def state(self, t: Transport, alloc: Allocation) -> AllocationState:
+        """"Slurm job J STATE on NODES" (STATE one of Slurm's: squeue's, else sacct's)."""
+        state = slurm_cli.queue_state(t, alloc.job)
+        return allocation_state(alloc.job, state)
+
+    def cancel(self, t: Transport, alloc: Allocation) -> None:
+        slurm_cli.cancel(t, alloc.job)
 
 
-def queue_state(t: Transport, job: str) -> QueueState:
-    """The job's state: from squeue while Slurm remembers it (ended jobs for MinJobAge, 300 s
-    by default), else from sacct (accounting), else UNKNOWN (forgotten, and no accounting)."""
-    result = t.run(["squeue", "-h", "-t", "all", "-j", job, "-o",  # -t all: ended ones too
-                    FIELD_SEP.join(("%T", "%r", "%N"))], timeout=TIMEOUT)
-    line = next((w for w in result.stdout.splitlines() if w.strip()), "")
-    if result.ok and line:
-        state, reason, nodes = (line.split(FIELD_SEP) + ["", ""])[:3]
-        return QueueState(state.strip(), reason.strip(), nodes.strip())
-    return QueueState(accounted_state(t, job) or "UNKNOWN")
+def allocation_state(job: str, state: slurm_cli.QueueState) -> AllocationState:
+    """Slurm's state of job `job` as `status` shows it, ended or not."""
+    where = f" on {state.nodelist}" if state.nodelist else ""
+    return AllocationState(f"Slurm job {job} {state}{where}", ended=state.ended)
 
 
-def accounted_state(t: Transport, job: str) -> str | None:
-    """What sacct says of the job's allocation (CANCELLED by 0 -> CANCELLED), or None."""
-    result = t.run(["sacct", "-n", "-P", "-X", "-j", job, "-o", "State"], timeout=TIMEOUT)
-    words = result.stdout.split()
-    return words[0].strip() if result.ok and words else None
-
-
-def hostnames(t: Transport, nodelist: str) -> list[str]:
-    """Slurm's compact node list (``n[1-2]``) spelled out."""
-    result = t.run(["scontrol", "show", "hostnames", nodelist], timeout=TIMEOUT)
-    if not result.ok:
-        raise TransportError(f"cannot expand the node list {nodelist!r}: {result}", host=t.name)
-    return result.stdout.split()
-
-
-_NODE = re.compile(r"NodeName=(\S+).*?\bNodeAddr=(\S+)")
-
-
-def node_addresses(t: Transport, nodes: list[str]) -> dict[str, str]:
-    """node name -> the address Slurm reaches it at (``NodeAddr``)."""
-    result = t.run(["scontrol", "-o", "show", "node", ",".join(nodes)], timeout=TIMEOUT)
-    found = {m.group(1): m.group(2) for m in map(_NODE.search, result.stdout.splitlines()) if m}
-    missing = [n for n in nodes if n not in found]
-    if missing:
-        raise TransportError(f"scontrol does not know the address of {', '.join(missing)}: "
-                             f"{result}", host=t.name)
-    return {n: found[n] for n in nodes}
-
-
-def cancel(t: Transport, job: str) -> None:
-    """``scancel`` the job (a job that has ended already is fine)."""
-    result = t.run(["scancel", job], timeout=TIMEOUT)
-    if not result.ok and "Invalid job id" not in result.stderr \
-            and "already completing" not in result.stderr:
-        raise TransportError(f"scancel {shlex.quote(job)} failed: {result}", host=t.name)
+def _output(t: Transport, alloc: Allocation) -> str:
+    path = output_path(alloc)
+    try:
+        data, _ = t.read_tail(path, 0)
+    except NebulaError:
+        return ""
+    lines = data.decode(errors="replace").strip().splitlines()[-OUTPUT_LINES:]
+    return f"\n  {path}:\n    " + "\n    ".join(lines) if lines else ""

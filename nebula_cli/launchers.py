@@ -1,5 +1,6 @@
 """The scripts in the repository's `launchers/` (what runs on each host), read by the control
-plane and fed to hosts on stdin: nothing has to be copied before they run."""
+plane and fed to hosts on stdin: nothing has to be copied before they run (`bootstrap.sh`),
+and the schedulers' batch templates (`slurm.sbatch`)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ from pathlib import Path
 
 from nebula_cli.errors import NebulaError
 
-LAUNCHERS_DIR = Path(__file__).resolve().parents[2] / "launchers"
+LAUNCHERS_DIR = Path(__file__).resolve().parents[1] / "launchers"
 
 
 def launcher(name: str) -> bytes:

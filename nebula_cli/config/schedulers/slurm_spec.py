@@ -1,6 +1,7 @@
 """The spec's `slurm:` section of a cluster whose hosts come from a Slurm allocation.
 
-Re-exported by `nebula_cli.config.spec`; each field's default is defined here, once.
+Re-exported by `nebula_cli.config.spec`; each field's default is defined here, once. What the
+spec and the plan make of a Slurm cluster is `config.schedulers.slurm`.
 """
 
 from __future__ import annotations

@@ -1,0 +1,75 @@
+"""`SlurmScheduler` (`scheduler: slurm`): the cluster's one host is a Slurm login node; one
+batch job (its `slurm:` section, `SlurmSpec`) holds the nodes that run the workers.
+
+Submitting and cancelling that job is `nebula_cli.scheduler.slurm`; here is what the spec and
+the plan know of it beforehand.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from nebula_cli.config.hosts import HostSpec
+from nebula_cli.config.schedulers.slurm_spec import SlurmSpec
+from nebula_cli.config.yaml_positions import PathKey
+
+if TYPE_CHECKING:
+    from nebula_cli.config.cluster import ClusterSpec
+
+
+def slurm_request(cluster: ClusterSpec) -> SlurmSpec:
+    """What to ask Slurm for: the cluster's `slurm:` (its defaults when absent)."""
+    return cluster.slurm or SlurmSpec()
+
+
+class SlurmScheduler:
+    """A Slurm cluster: nodes from one allocation, on a shared file system, named by their
+    place in it."""
+
+    name = "slurm"
+    title = "Slurm"
+    allocates = True
+    relay_on_login = True
+    nodes_share_files = True
+
+    def section(self, cluster: ClusterSpec) -> SlurmSpec | None:
+        return cluster.slurm
+
+    def problems(self, cluster: ClusterSpec) -> list[tuple[PathKey, str]]:
+        problems: list[tuple[PathKey, str]] = []
+        if len(cluster.hosts) > 1:
+            names = [h.host for h in cluster.hosts]
+            problems.append((("hosts",), f"a Slurm cluster has one host, its login node "
+                                         f"(the nodes come from the allocation): found "
+                                         f"{len(cluster.hosts)} ({', '.join(names)})"))
+        if cluster.gateway is not None:
+            problems.append((("gateway",), "a Slurm cluster's relay runs on the first node of "
+                                           "its allocation (or, with relay_on: login, on its "
+                                           "login node): remove `gateway`"))
+        return problems
+
+    def node_count(self, cluster: ClusterSpec) -> int:
+        return slurm_request(cluster).nodes
+
+    def process_count(self, cluster: ClusterSpec) -> int:
+        request = slurm_request(cluster)
+        return request.nodes * request.ntasks_per_node
+
+    def allocated_hosts(self, cluster: ClusterSpec, nodes: dict[str, str]) -> list[HostSpec]:
+        """The nodes, each with `ntasks_per_node` ranks."""
+        slots = slurm_request(cluster).ntasks_per_node
+        return [HostSpec(host=n, address=a, slots=slots) for n, a in nodes.items()]
+
+    def checkpoint_host(self, cluster: ClusterSpec, host: HostSpec | int) -> str:
+        """`node<i>`, the node's place in the allocation: a resumed job's new allocation, on
+        whichever nodes, finds them (its nodes share the file system)."""
+        index = host if isinstance(host, int) else cluster.hosts.index(host)
+        return f"node{index}"
+
+    def checkpoint_places(self, cluster: ClusterSpec, host: HostSpec) -> list[HostSpec | int]:
+        return list(range(slurm_request(cluster).nodes))
+
+    def summary(self, cluster: ClusterSpec) -> str:
+        request = slurm_request(cluster)
+        return (f"one Slurm job through {cluster.hosts[0].host}: {request.nodes} node(s) x "
+                f"{request.ntasks_per_node} rank(s)")

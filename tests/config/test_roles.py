@@ -1,0 +1,92 @@
+"""Job roles (`config.roles`): every cluster trains; the `train` role's processes, files and
+relay services, as the plan builds every worker agent through it."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import pytest
+from plan_defaults import MINIMAL
+
+from nebula_cli.config import jobplan, plan_model, worlds
+from nebula_cli.config.parts import SYNC_CONFIG_ENV, SyncConfig
+from nebula_cli.config.roles.registry import DEFAULT_ROLE, ROLES, role_named, role_of
+from nebula_cli.config.roles.services import RelayService
+from nebula_cli.config.roles.train import TrainRole
+from nebula_cli.config.roles.worker_host import WorkerHost
+from nebula_cli.config.spec import JobSpec, parse_spec
+from nebula_cli.errors import UsageError
+from nebula_cli.transport.ssh_conn import SshConn
+
+
+def spec_of(extra: str = "", relay: bool = True) -> JobSpec:
+    text = MINIMAL.replace("relay: {}\n", "relay: {}\n" if relay else "") + extra
+    return parse_spec(text, base_dir=Path(__file__).parent)
+
+
+def site() -> plan_model.Site:
+    return plan_model.Site(conn=SshConn(name="e1", python="python3"), home="/home/u/.nebula",
+                           address="e1.example", bind="0.0.0.0", python="python3",
+                           shares_files=False)
+
+
+def at(spec: JobSpec) -> WorkerHost:
+    cluster = spec.clusters[0]
+    sites = {worlds.site_key(c, h): site() for c in spec.clusters for h in c.hosts}
+    certs = plan_model.Certs(ca=b"CA", relays={c.name: (b"c", b"k") for c in spec.clusters},
+                             workers={k: (b"wc", b"wk") for k in sites})
+    return WorkerHost(spec=spec, job_id="j", cluster=cluster, host=cluster.hosts[0],
+                      node_rank=0, site=site(), job_root="/home/u/.nebula/jobs/j",
+                      agent_dir="/home/u/.nebula/jobs/j/east/e1/worker", sites=sites,
+                      ports=plan_model.Ports(masters={"east": 1, "west": 2},
+                                             relays={"east": (29400, 29401),
+                                                     "west": (29400, 29401)}),
+                      certs=certs)
+
+
+def test_every_cluster_trains_and_an_unknown_role_names_the_roles() -> None:
+    assert set(ROLES) == {"train"} and DEFAULT_ROLE in ROLES
+    assert all(isinstance(role_of(c), TrainRole) for c in spec_of().clusters)
+    with pytest.raises(UsageError, match="unknown job role 'teacher'; the roles are: train"):
+        role_named("teacher")
+
+
+def test_training_clusters_take_part_in_the_averaging() -> None:
+    assert TrainRole().relay_services == frozenset({RelayService.AVERAGE})
+
+
+def test_train_runs_the_specs_command_through_the_hook_when_asked() -> None:
+    role, here = TrainRole(), at(spec_of())
+    assert role.command(here) == ["/bin/sh", "-c", "python train.py"]
+    hooked = role.environment(here, {"PYTHONPATH": "/lib"})
+    assert hooked["PYTHONPATH"].endswith(":/lib") and "autohook" in hooked["PYTHONPATH"]
+    plain = at(spec_of("runtime: {auto: false}\n"))
+    assert role.environment(plain, {"PYTHONPATH": "/lib"}) == {"PYTHONPATH": "/lib"}
+
+
+def test_with_a_relay_its_workers_get_sync_json_and_their_certificates(tmp_path: Path) -> None:
+    here = at(spec_of())
+    named, files = TrainRole().files(here)
+    assert named == {SYNC_CONFIG_ENV: f"{here.agent_dir}/sync.json"}
+    assert set(files) == {"sync.json", *plan_model.cert_names(plan_model.WORKER)}
+    assert files["certs/worker.pem"] == b"wc" and files["certs/ca.pem"] == b"CA"
+    (tmp_path / "sync.json").write_bytes(files["sync.json"])
+    sync = SyncConfig.load(tmp_path / "sync.json")  # what the runtime loads, strictly
+    assert sync.cluster == "east" and sync.relay_addr == "e1.example:29401"
+    assert TrainRole().files(at(spec_of(relay=False))) == ({}, {})
+
+
+def test_the_plan_builds_every_worker_through_its_role() -> None:
+    spec = spec_of()
+    sites = {worlds.site_key(c, h): dataclasses.replace(site(), address=f"{h.host}.example")
+             for c in spec.clusters for h in c.hosts}
+    here = dataclasses.replace(at(spec), sites=sites)
+    plan = jobplan.build_plan(spec, "j", sites=sites, ports=here.ports, certs=here.certs)
+    for worker in plan.hosts:
+        (proc,) = worker.config.processes
+        assert proc.argv == TrainRole().command(here)
+        sync = json.loads(worker.files["sync.json"])
+        assert proc.env[SYNC_CONFIG_ENV] == f"{worker.agent_dir}/sync.json"
+        assert sync["cluster"] == worker.cluster

@@ -29,14 +29,13 @@ from nebula_cli.agent.leftovers import clear_world, remove_stale_locks
 from nebula_cli.agent.procs import pid_alive
 from nebula_cli.agent.tunnel import revoke_dir
 from nebula_cli.config.parts import ABORT_EXIT, AgentConfig, helper_env
-from nebula_cli.config.staging import AGENT_DIR_ENV
+from nebula_cli.config.staging import AGENT_DIR_ENV as ENV_MARK  # also names staging's record
 from nebula_cli.errors import NebulaError
 
 ACTIVE = ("STARTING", "RUNNING", "RESTARTING", "STOPPING")
 POLL_S = 0.2
 LAST_OUTPUT_BYTES = 8192
 LAST_OUTPUT_CHARS = 300
-ENV_MARK = AGENT_DIR_ENV  # marks the agent's processes; names where staging is recorded
 TELLER_MARK = "NEBULA_AGENT_TELLER"
 """Marks the helper that tells a cluster's other hosts that a rank failed (agent dir)."""
 

@@ -3,14 +3,16 @@
 A file is rewritten whole (a new temporary file in its directory, made with mkstemp: O_EXCL,
 never through a symlink; fsynced, renamed over it) under an exclusive lock, so that two jobs
 (or a job and `nebula stop`) editing one file never lose each other's lines. The lock is
-``flock`` on a lock file beside it (``.<name>.nebula-lock``, opened read-write and left in
-place): on NFS homes flock is a byte-range lock, which needs a descriptor open for writing (a
-read-only descriptor of the directory fails there). Tools that do not take the lock
-(``ssh-copy-id`` appends) are not lost either: the file is read again right before the rename
-and the change made again on what it holds then (the window left is the rename itself). Its
-mode is kept (0600, in a 0700 directory, when nebula makes it). A symlinked file is edited
-where it points. Lines are told apart by their comment (the last field): nebula's end with a tag
-naming the job and the tunnel. Standard library only.
+``flock`` on a lock file beside it (``.<name>.nebula-lock``, 0600, opened read-write): on NFS
+homes flock is a byte-range lock, which needs a descriptor open for writing (a read-only
+descriptor of the directory fails there). The holder removes the lock file before it lets go;
+whoever then holds a lock on a file no longer at that path opens it again (the lock that counts
+is the one on the file the path names), so nothing is left beside authorized_keys. Lines of
+tools that do not take the lock (``ssh-copy-id`` appends) are not lost either: the file is read
+again right before the rename and the change made again on what it holds then (the window left
+is the rename itself). Its mode is kept (0600, in a 0700 directory, when nebula makes it). A
+symlinked file is edited where it points. Lines are told apart by their comment (the last
+field): nebula's end with a tag naming the job and the tunnel. Standard library only.
 """
 
 from __future__ import annotations
@@ -47,17 +49,33 @@ def comment(line: str) -> str:
 
 
 def lock_file(target: Path) -> Path:
-    """The lock file of `target` (beside it)."""
+    """The lock file of `target` (beside it, while an edit holds it)."""
     return target.with_name(f".{target.name}{LOCK_SUFFIX}")
 
 
 @contextlib.contextmanager
 def _locked(target: Path) -> Iterator[None]:
-    fd = os.open(lock_file(target), os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, FILE_MODE)
+    lock = lock_file(target)
+    while True:
+        fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, FILE_MODE)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            held = os.fstat(fd)
+            try:
+                now = os.stat(lock, follow_symlinks=False)
+            except FileNotFoundError:
+                now = None
+        except BaseException:
+            os.close(fd)
+            raise
+        if now is not None and (now.st_dev, now.st_ino) == (held.st_dev, held.st_ino):
+            break
+        os.close(fd)  # its holder removed it meanwhile: lock the one there now
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
         yield
     finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(lock)  # before the lock is let go: see _locked's loop
         os.close(fd)  # closing releases the lock
 
 

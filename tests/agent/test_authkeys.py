@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import stat
 import subprocess
+import sys
 from pathlib import Path
 
 from nebula_cli.agent import authkeys
@@ -71,9 +72,29 @@ def test_the_lock_is_a_lock_file_opened_for_writing(tmp_path: Path) -> None:
 
     assert authkeys.edit(str(path), change, make=True)
     assert not during["directory locked"] and len(during["locked"]) == 1, during
-    lock = authkeys.lock_file(path)
-    assert during["locked"] == [(lock.name, 0o600)]
-    assert os.stat(lock).st_ino not in flock_inodes()  # released
+    assert during["locked"] == [(authkeys.lock_file(path).name, 0o600)]
+    assert sorted(p.name for p in path.parent.iterdir()) == ["authorized_keys"]  # removed
+
+
+def test_edits_from_many_processes_at_once_lose_no_line(tmp_path: Path) -> None:
+    """Eight processes each add their own lines and remove some, at once: every line that
+    should be there is, once."""
+    path = keys_file(tmp_path)
+    script = ("import sys\nfrom nebula_cli.agent import authkeys\n"
+              "p, i = sys.argv[1], sys.argv[2]\n"
+              "for k in range(15):\n"
+              "    authkeys.add_lines(p, [f'ssh-ed25519 AAAA{i}x{k} nebula-t:{i}:{k}'])\n"
+              "    if k % 3 == 0:\n"
+              "        authkeys.remove_tagged(p, [f'nebula-t:{i}:{k}'])\n")
+    procs = [subprocess.Popen([sys.executable, "-c", script, str(path), str(i)])
+             for i in range(8)]
+    for proc in procs:
+        assert proc.wait(timeout=120) == 0
+    expected = {f"nebula-t:{i}:{k}" for i in range(8) for k in range(15) if k % 3}
+    lines = path.read_text().splitlines()
+    assert lines[0] == THEIRS and sorted(authkeys.comment(x) for x in lines[1:]) == sorted(
+        expected)
+    assert sorted(p.name for p in path.parent.iterdir()) == ["authorized_keys"]
 
 
 def test_a_symlink_planted_at_the_old_temporary_name_is_not_followed(tmp_path: Path) -> None:
@@ -86,6 +107,5 @@ def test_a_symlink_planted_at_the_old_temporary_name_is_not_followed(tmp_path: P
     assert victim.read_text() == "precious\n"
     assert path.read_text().splitlines() == [THEIRS, OURS] and not path.is_symlink()
     assert planted.is_symlink()  # left as it was
-    leftovers = {p.name for p in path.parent.iterdir()} - {
-        path.name, planted.name, authkeys.lock_file(path).name}
-    assert leftovers == set()  # no temporary file left behind
+    leftovers = {p.name for p in path.parent.iterdir()} - {path.name, planted.name}
+    assert leftovers == set()  # no temporary file, no lock file left behind

@@ -41,15 +41,17 @@ def shm_leftovers(job_dir: Path) -> list[Path]:
     """What of a job's worker worlds is still in /dev/shm: DeepSpeed's buffers, checkpoint
     staging directories."""
     from nebula_cli.agent import leftovers
-    from nebula_cli.config.parts import SYNC_CONFIG_ENV, AgentConfig, SyncConfig
+    from nebula_cli.config import staging
+    from nebula_cli.config.parts import AgentConfig
 
     found: list[Path] = []
     for path in job_dir.glob("*/*/worker/agent.json"):
         for proc in AgentConfig.load(path).processes[:1]:
             found += leftovers.shm_buffers(proc.env)
-            settings = SyncConfig.load(proc.env[SYNC_CONFIG_ENV]).checkpoint
-            if settings is not None and settings.staging_dir().exists():
-                found.append(settings.staging_dir())
+        record = path.parent / staging.RECORD  # removed only after what it names is gone
+        if record.exists():
+            named = staging.recorded(path.parent)
+            found.append(named if named is not None and named.exists() else record)
     return found
 
 

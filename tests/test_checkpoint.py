@@ -25,57 +25,27 @@ import pytest
 import torch
 import yaml
 from conftest import CLI, REPO, job_processes, shm_leftovers, wait_for
+from helpers.checkpoint_standins import StandInEngine, StandInSync
 from plan_defaults import default_checkpoint
 
+from nebula_cli.config import staging
 from nebula_cli.runtime import checkpoint as ck
 from nebula_cli.runtime import metrics
-
-
-class StandInEngine(torch.nn.Module):
-    """What the Checkpointer uses of a DeepSpeedEngine: save_checkpoint, load_checkpoint,
-    module, local_rank (DeepSpeed's files: one torch file per tag)."""
-
-    local_rank = 0
-
-    def __init__(self, seed: int = 0) -> None:
-        super().__init__()
-        torch.manual_seed(seed)
-        self.module = torch.nn.Linear(4, 2)
-        self.global_steps = 0
-
-    def save_checkpoint(self, save_dir: str, tag: str, save_latest: bool = True) -> bool:
-        where = Path(save_dir) / tag
-        where.mkdir(parents=True, exist_ok=True)
-        torch.save({"module": self.module.state_dict(), "global_steps": self.global_steps},
-                   where / "mp_rank_00_model_states.pt")
-        return True
-
-    def load_checkpoint(self, load_dir: str, tag: str) -> tuple[str | None, dict]:
-        path = Path(load_dir) / tag / "mp_rank_00_model_states.pt"
-        state = torch.load(path)
-        self.module.load_state_dict(state["module"])
-        self.global_steps = state["global_steps"]
-        return str(path), {}
-
-
-class StandInSync:
-    """An OuterSync's state_dict / load_state_dict."""
-
-    def __init__(self, value: float) -> None:
-        self.theta = torch.full((3,), value)
-        self.round = int(value)
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"theta_global": self.theta.clone(), "round": self.round}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.theta, self.round = state["theta_global"], state["round"]
 
 
 @pytest.fixture
 def metrics_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     path = tmp_path / "metrics.jsonl"
     monkeypatch.setenv(metrics.METRICS_FILE_ENV, str(path))
+    return path
+
+
+@pytest.fixture
+def agent_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """An agent's folder for this process: checkpoints are staged in /dev/shm, recorded there."""
+    path = tmp_path / "agent"
+    path.mkdir(mode=0o700)
+    monkeypatch.setenv(staging.AGENT_DIR_ENV, str(path))
     return path
 
 
@@ -90,7 +60,7 @@ def train(engine: StandInEngine, step: int) -> None:
 
 
 def test_saves_publish_atomically_keep_the_newest_and_load_back(
-        tmp_path: Path, metrics_file: Path) -> None:
+        tmp_path: Path, metrics_file: Path, agent_dir: Path) -> None:
     directory = tmp_path / "ckpt"
     settings = default_checkpoint(directory, every=5)
     engine, sync = StandInEngine(), StandInSync(0.0)
@@ -103,13 +73,15 @@ def test_saves_publish_atomically_keep_the_newest_and_load_back(
         if saver.maybe_save(step):
             saved.append(step)
     assert saver.maybe_save(22, final=True) and not saver.maybe_save(22, final=True)
+    staged_in = staging.recorded(agent_dir)  # in memory, in the directory the agent knows
+    assert staged_in is not None and set(engine.saved_to) == {str(staged_in)}
     saver.close()
     assert saved == [5, 10, 15, 20]
     assert ck.complete_steps(directory) == [20, 22][-settings.keep:]
     assert (directory / ck.LATEST).read_text() == "step22"
     assert sorted(p.name for p in directory.iterdir()) == [
         ck.LATEST, *[f"step{s}" for s in [20, 22][-settings.keep:]]]  # nothing half-made
-    assert not (saver.shm_root / "step22").exists()  # the staging copy in memory is gone
+    assert not staged_in.exists() and staging.recorded(agent_dir) is None  # gone at close
     published = [r["checkpoint_step"] for r in records(metrics_file) if "checkpoint_step" in r]
     assert published == [5, 10, 15, 20, 22]
     assert all(r["checkpoint_stall_s"] >= 0 for r in records(metrics_file)
@@ -147,7 +119,7 @@ import sys, time
 from pathlib import Path
 sys.path.insert(0, {tests!r})
 from plan_defaults import default_checkpoint
-from test_checkpoint import StandInEngine
+from helpers.checkpoint_standins import StandInEngine
 from nebula_cli.runtime import checkpoint as ck
 
 directory, phase, ready = sys.argv[1], sys.argv[2], Path(sys.argv[3])
@@ -176,7 +148,8 @@ saver.wait()
 
 
 @pytest.mark.parametrize("phase", ["deepspeed", "publish"])
-def test_a_save_killed_mid_way_is_never_picked(tmp_path: Path, phase: str) -> None:
+def test_a_save_killed_mid_way_is_never_picked(tmp_path: Path, phase: str,
+                                               agent_dir: Path) -> None:
     directory, ready = tmp_path / "ckpt", tmp_path / "ready"
     script = tmp_path / "killed_save.py"
     script.write_text(KILLED_SAVE.format(tests=str(REPO / "tests")))
@@ -194,13 +167,15 @@ def test_a_save_killed_mid_way_is_never_picked(tmp_path: Path, phase: str) -> No
             proc.wait()
     assert ck.complete_steps(directory) == [10]
     assert (directory / ck.LATEST).read_text() == "step10"
+    staged_in = staging.recorded(agent_dir)  # what the killed process staged in memory
+    assert staged_in is not None and staged_in.is_dir()
     if phase == "publish":  # the half-published copy is there, under a name never loaded
         assert [p.name for p in directory.glob(".tmp-step20-*")]
     engine = StandInEngine(seed=5)
     loader = ck.Checkpointer(engine, default_checkpoint(directory))
     assert loader.load_newest() == 10 and engine.global_steps == 10
     assert sorted(p.name for p in directory.iterdir()) == [ck.LATEST, "step10"]  # swept
-    assert not loader.shm_root.exists()
+    assert not staged_in.exists() and staging.recorded(agent_dir) is None
 
 
 def test_an_unwritable_directory_is_reported_and_training_goes_on(
@@ -225,7 +200,7 @@ FULL_DISK = """
 import resource, signal, sys
 sys.path.insert(0, {tests!r})
 from plan_defaults import default_checkpoint
-from test_checkpoint import StandInEngine, StandInSync
+from helpers.checkpoint_standins import StandInEngine, StandInSync
 from nebula_cli.runtime import checkpoint as ck
 
 signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # writes past the limit fail with EFBIG

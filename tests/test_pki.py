@@ -5,16 +5,15 @@ from __future__ import annotations
 import datetime as dt
 import logging
 import os
-import socket
 import ssl
 import stat
-import threading
 from pathlib import Path
 
 import pytest
 from cryptography import x509
 from cryptography.hazmat.primitives import serialization
 from cryptography.x509.oid import ExtendedKeyUsageOID
+from helpers.tls_handshake import handshake
 
 from nebula_cli import pki
 from nebula_cli.errors import NebulaError
@@ -27,8 +26,6 @@ from nebula_cli.pki import (
     issue_job_pki,
     load_pki,
     server_context,
-    wrap_client,
-    wrap_server,
 )
 
 DAY = dt.timedelta(days=1)
@@ -66,74 +63,9 @@ def _craft(job: JobPKI, ident: Identity, out: Path, **validity: dt.datetime) -> 
     return pair
 
 
-def _handshake(
-    server_ctx: ssl.SSLContext,
-    client_ctx: ssl.SSLContext,
-    *,
-    server_roles: set[str],
-    client_roles: set[str] = frozenset({"relay"}),
-    server_cluster: str | None = None,
-    job_id: str = JOB,
-    server_timeout: float = TIMEOUT,
-    client_sends: bool = True,
-) -> dict[str, object]:
-    """One real handshake over 127.0.0.1. Returns what each side got: a tuple or an exception.
-
-    On success the client sends b"ping" and the server answers b"pong", so data really flows.
-    """
-    out: dict[str, object] = {}
-    listener = socket.create_server(("127.0.0.1", 0))
-    listener.settimeout(TIMEOUT)
-    port = listener.getsockname()[1]
-
-    def serve() -> None:
-        conn = None
-        try:
-            conn, _ = listener.accept()
-            sslsock, ident = wrap_server(
-                conn,
-                server_ctx,
-                job_id=job_id,
-                roles=server_roles,
-                cluster=server_cluster,
-                timeout=server_timeout,
-            )
-            with sslsock:
-                sslsock.settimeout(TIMEOUT)
-                data = sslsock.recv(4)
-                sslsock.sendall(b"pong")
-                out["server"] = (ident, sslsock.version(), data)
-        except Exception as exc:  # recorded for the test to inspect
-            out["server"] = exc
-        finally:
-            if conn is not None:
-                conn.close()
-
-    thread = threading.Thread(target=serve, daemon=True)
-    thread.start()
-    sock = socket.create_connection(("127.0.0.1", port), timeout=TIMEOUT)
-    try:
-        if client_sends:
-            sslsock, ident = wrap_client(
-                sock, client_ctx, job_id=job_id, roles=client_roles, timeout=TIMEOUT
-            )
-            with sslsock:
-                try:
-                    sslsock.sendall(b"ping")
-                    reply = sslsock.recv(4)
-                except OSError as exc:
-                    reply = exc
-                out["client"] = (ident, sslsock.version(), reply)
-        else:  # a silent client: connected, never says anything
-            thread.join(TIMEOUT)
-    except Exception as exc:
-        out["client"] = exc
-    finally:
-        sock.close()
-        thread.join(TIMEOUT)
-        listener.close()
-    assert not thread.is_alive(), "server thread did not finish"
-    return out
+def _handshake(server_ctx: ssl.SSLContext, client_ctx: ssl.SSLContext, *,
+               job_id: str = JOB, **kwargs: object) -> dict[str, object]:
+    return handshake(server_ctx, client_ctx, job_id=job_id, **kwargs)  # type: ignore[arg-type]
 
 
 def _rejected(result: object, *needles: str) -> PeerRejected:
@@ -422,7 +354,7 @@ def test_the_lifetime_comes_from_the_spec_only(tmp_path: Path) -> None:
     assert stat.S_IMODE((job.root / "alpha").stat().st_mode) == 0o700
 
 
-def test_renewal_reissues_every_certificate_from_the_same_ca(tmp_path: Path) -> None:
+def test_renewal_reissues_every_certificate_under_a_new_ca(tmp_path: Path) -> None:
     job = issue_job_pki(JOB, CLUSTERS, tmp_path / "job", valid_for=dt.timedelta(days=2))
     assert 1.99 < _days_left(pki.expiry(job.root)) < 2.01
     old = tmp_path / "old"
@@ -437,7 +369,8 @@ def test_renewal_reissues_every_certificate_from_the_same_ca(tmp_path: Path) -> 
     renewed = pki.renew_job_pki(job.root, valid_for=dt.timedelta(days=400))
     assert renewed.clusters == job.clusters and renewed.job_id == JOB
     assert 399.99 < _days_left(pki.expiry(job.root)) < 400.01
-    assert job.ca_key.read_bytes() == ca_key  # the CA key is kept
+    assert job.ca_key.read_bytes() != ca_key  # a new CA (tests/pki/test_certs_renewal.py)
+    assert stat.S_IMODE(job.ca_key.stat().st_mode) == 0o600
     assert job.worker("beta", "b1").key.read_bytes() != worker_key  # leaf keys are new
     for cluster, hosts in CLUSTERS.items():
         for pair in [job.relay(cluster), *(job.worker(cluster, h) for h in hosts)]:
@@ -445,31 +378,26 @@ def test_renewal_reissues_every_certificate_from_the_same_ca(tmp_path: Path) -> 
             assert _days_left(x509.load_pem_x509_certificate(
                 pair.cert.read_bytes()).not_valid_after_utc) > 399
     assert not list(job.root.rglob(".*.new"))
-    # a relay still holding its old certificate and the old CA reaches a renewed one, both ways
+    # a relay still holding its old certificate and the old CA is refused by a renewed one,
+    # both ways; renewed relays reach each other
     for server, client in [(old_relay, job.relay("beta")), (job.relay("beta"), old_relay)]:
         out = _handshake(server_context(server, old / "ca.pem" if server is old_relay
                                         else job.ca_cert),
                          client_context(client, job.ca_cert if server is old_relay
                                         else old / "ca.pem"),
                          server_roles={"relay"})
-        assert out["server"][2] == b"ping" and out["client"][2] == b"pong", out
+        assert isinstance(out["server"], PeerRejected) or isinstance(out["client"],
+                                                                     PeerRejected), out
+    out = _handshake(server_context(job.relay("alpha"), job.ca_cert),
+                     client_context(job.relay("beta"), job.ca_cert), server_roles={"relay"})
+    assert out["server"][2] == b"ping" and out["client"][2] == b"pong", out
 
 
-def test_renewal_refuses_a_foreign_ca_key(job: JobPKI, other_job: JobPKI, tmp_path: Path
-                                          ) -> None:
-    copy = tmp_path / "job"
-    copy.mkdir()
-    for path in job.root.rglob("*"):
-        target = copy / path.relative_to(job.root)
-        if path.is_dir():
-            target.mkdir(exist_ok=True)
-        else:
-            target.write_bytes(path.read_bytes())
-    (copy / "ca.key").write_bytes(other_job.ca_key.read_bytes())
-    with pytest.raises(NebulaError, match="is not the key of"):
-        pki.renew_job_pki(copy, valid_for=DAY)
+def test_renewal_refuses_a_lifetime_that_is_not_positive(job: JobPKI) -> None:
+    before = {p: p.read_bytes() for p in job.root.rglob("*") if p.is_file()}
     with pytest.raises(NebulaError, match="must be positive"):
-        pki.renew_job_pki(copy, valid_for=dt.timedelta(0))
+        pki.renew_job_pki(job.root, valid_for=dt.timedelta(0))
+    assert {p: p.read_bytes() for p in job.root.rglob("*") if p.is_file()} == before
 
 
 @pytest.mark.parametrize(("left", "warn"), [(dt.timedelta(days=30), False),

@@ -38,9 +38,12 @@ def tcp_pair() -> Iterator[tuple[socket.socket, socket.socket]]:
         b.close()
 
 
+BINDING = os.urandom(48)  # a TLS session's channel binding (tests/relay/test_gcm_records.py)
+
+
 def conns(a: socket.socket, b: socket.socket) -> tuple[RecordConn, RecordConn]:
     ka, kb = os.urandom(32), os.urandom(32)
-    return RecordConn(a, ka, kb), RecordConn(b, kb, ka)
+    return RecordConn(a, ka, kb, binding=BINDING), RecordConn(b, kb, ka, binding=BINDING)
 
 
 def read_all(conn: RecordConn, n: int, step: int | None = None) -> bytearray:
@@ -78,11 +81,11 @@ def test_records_carry_any_sizes_in_any_read_sizes(into: bool,
 def test_altered_replayed_reordered_and_oversized_records_are_refused() -> None:
     with tcp_pair() as (a, b):
         key_tx, key_rx = os.urandom(32), os.urandom(32)
-        tx = RecordConn(a, key_tx, key_rx)
+        tx = RecordConn(a, key_tx, key_rx, binding=BINDING)
         # capture the bytes of two records as they would cross the wire
         wire_a, wire_b = socket.socketpair()
         with wire_a, wire_b:
-            cap = RecordConn(wire_a, key_tx, key_rx)
+            cap = RecordConn(wire_a, key_tx, key_rx, binding=BINDING)
             cap.sendall(b"first record")
             cap.sendall(b"second record")
             raw = wire_b.recv(1 << 16)
@@ -90,7 +93,7 @@ def test_altered_replayed_reordered_and_oversized_records_are_refused() -> None:
         assert len(second) == 4 + 13 + 16
 
         def receiver() -> RecordConn:
-            return RecordConn(b, key_rx, key_tx)
+            return RecordConn(b, key_rx, key_tx, binding=BINDING)
 
         rx = receiver()
         a.sendall(second)  # out of order: record 1 where record 0 is due
@@ -138,7 +141,7 @@ def test_offers_name_the_cipher_and_a_key_of_the_right_size() -> None:
     assert records.accepted({"cipher": records.CIPHER, "key": "00ff"}) is None
     assert records.accepted(None) is None
     with pytest.raises(RecordError, match="different keys"):
-        RecordConn(socket.socket(), key, key)
+        RecordConn(socket.socket(), key, key, binding=BINDING)
 
 
 class FlipProxy:

@@ -28,7 +28,9 @@ On CPU, DeepSpeed's comm op maps one ``/dev/shm/deepspeed_allreduce_buffer_<uid>
 (``LOCAL_SIZE`` = world size) and never unlinks it: every run leaks them, and a restarted
 world on the same address and port would map the killed run's buffers. The agent removes its
 group's buffers once no process of the group is left, before a restart and at the end; with
-them the host's checkpoint staging directory in /dev/shm, which a killed save leaves full.
+them the host's checkpoint staging directory in /dev/shm, which a killed save leaves full (its
+random name is recorded in the agent's folder: `nebula_cli.config.staging`; only a private
+directory of our own is removed).
 
 Standard library only, as the rest of the agent.
 """
@@ -37,13 +39,12 @@ from __future__ import annotations
 
 import contextlib
 import os
-import shutil
 import time
 from collections.abc import Mapping
 from pathlib import Path
 
-from nebula_cli.config.parts import SHM, SYNC_CONFIG_ENV, SyncConfig
-from nebula_cli.errors import NebulaError
+from nebula_cli.config import staging
+from nebula_cli.config.parts import SHM
 
 MIN_AGE_S = 5.0
 LOCK_NAME = "lock"
@@ -120,24 +121,15 @@ def remove_shm_buffers(env: Mapping[str, str]) -> list[Path]:
     return _unlink(shm_buffers(env))
 
 
-def clear_world(env: Mapping[str, str]) -> None:
-    """What a world whose ranks ran with `env` left in /dev/shm: DeepSpeed's buffers and the
-    host's checkpoint staging (call only when no process of that world is left)."""
+def clear_world(env: Mapping[str, str], agent_dir: Path) -> None:
+    """What a world whose ranks ran with `env` under the agent of `agent_dir` left in /dev/shm:
+    DeepSpeed's buffers and the host's checkpoint staging (call only when no process of that
+    world is left)."""
     remove_shm_buffers(env)
-    remove_checkpoint_staging(env)
+    remove_checkpoint_staging(agent_dir)
 
 
-def remove_checkpoint_staging(env: Mapping[str, str]) -> bool:
-    """Remove the host's checkpoint staging directory in /dev/shm (call only when no process
-    of the world is left); whether there was one."""
-    path = env.get(SYNC_CONFIG_ENV)
-    if not path:
-        return False
-    try:
-        settings = SyncConfig.load(path).checkpoint
-    except (NebulaError, OSError, ValueError):
-        return False
-    if settings is None or not settings.staging_dir().exists():
-        return False
-    shutil.rmtree(settings.staging_dir(), ignore_errors=True)
-    return True
+def remove_checkpoint_staging(agent_dir: Path) -> Path | None:
+    """Remove the checkpoint staging directory in /dev/shm recorded in `agent_dir` and its
+    record (call only when no process of the world is left); the directory removed, or None."""
+    return staging.remove(agent_dir)

@@ -29,13 +29,13 @@ from nebula_cli.agent.leftovers import clear_world, remove_stale_locks
 from nebula_cli.agent.procs import pid_alive
 from nebula_cli.agent.tunnel import revoke_dir
 from nebula_cli.config.parts import ABORT_EXIT, AgentConfig, helper_env
+from nebula_cli.config.staging import AGENT_DIR_ENV as ENV_MARK  # also names staging's record
 from nebula_cli.errors import NebulaError
 
 ACTIVE = ("STARTING", "RUNNING", "RESTARTING", "STOPPING")
 POLL_S = 0.2
 LAST_OUTPUT_BYTES = 8192
 LAST_OUTPUT_CHARS = 300
-ENV_MARK = "NEBULA_AGENT_DIR"
 TELLER_MARK = "NEBULA_AGENT_TELLER"
 """Marks the helper that tells a cluster's other hosts that a rank failed (agent dir)."""
 
@@ -267,7 +267,7 @@ class Supervisor:
     def clear_leftovers(self) -> None:
         """/dev/shm: DeepSpeed's buffers and checkpoint staging, once none of the world is left."""
         if not group_alive(self.pgid):
-            clear_world(self.rank_env())
+            clear_world(self.rank_env(), self.dir)
 
     def end_group(self, grace: float) -> None:
         """SIGTERM the group, wait up to `grace` for all of it to end (not only the shells the
@@ -445,7 +445,7 @@ def stop_all(agent_dirs: list[Path], grace: float | None, force: bool) -> list[d
         with contextlib.suppress(NebulaError, OSError, ValueError):  # agent killed first
             config = AgentConfig.load(d / "agent.json")
             if config.processes and not group_alive(status.get("pgid")):
-                clear_world({**os.environ, **config.processes[0].env})
+                clear_world({**os.environ, **config.processes[0].env}, d)
         after = reconciled_status(d)
         if d.is_dir() and after.get("state") in (*ACTIVE, "LOST"):
             after.update(state="STOPPED", ended=after.get("ended") or time.time(),

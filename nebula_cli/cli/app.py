@@ -166,7 +166,8 @@ def resume(
                                          help="Return once started; print the job id.")] = False,
     accept_new: AcceptNew = False,
 ) -> None:
-    """Continue a stopped, failed or cancelled job (same id, same CA, renewed certificates):
+    """Continue a stopped, failed or cancelled job (same id; a new CA and certificates, so
+    those of earlier attempts are refused):
     every worker starts from its newest complete checkpoint."""
     with _store() as store, Orchestrator(store, accept_new_host_keys=accept_new) as orch:
         _bring_up(orch, lambda note, transfer: orch.resume(job_ref, progress=note,

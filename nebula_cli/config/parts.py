@@ -8,7 +8,6 @@ Each part is written next to its process with mode 0600; the environment only sa
 
 from __future__ import annotations
 
-import hashlib
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -63,7 +62,7 @@ class AgentConfig:
 @dataclass(frozen=True)
 class CheckpointSettings:
     """Where and how often a worker checkpoints (spec: checkpoint); read by
-    `nebula_cli.runtime.checkpoint`."""
+    `nebula_cli.runtime.checkpoint` (which stages in memory first: `config.staging`)."""
 
     dir: str
     """Absolute path on the host of this host's checkpoints (one per cluster and host)."""
@@ -71,11 +70,6 @@ class CheckpointSettings:
     """Optimizer steps between checkpoints; None: only the final one (end or graceful stop)."""
     keep: int
     """Complete checkpoints kept on the host."""
-
-    def staging_dir(self) -> Path:
-        """Where this host's checkpoints are staged in memory before they are published; the
-        agent removes it when the host's world has ended."""
-        return SHM / f"nebula-ckpt-{hashlib.sha256(self.dir.encode()).hexdigest()[:16]}"
 
 
 @dataclass(frozen=True)

@@ -82,6 +82,7 @@ PACKAGE_DIR = Path(__file__).resolve().parent.parent
 PROBE_FILES = ("__init__.py", "errors.py", "pki/__init__.py", "pki/certs.py", "pki/sshkeys.py",
                "pki/tls.py",
                "relay/__init__.py", "relay/net/__init__.py", "relay/net/wire.py",
+               "relay/net/admission.py",
                "netbench/__init__.py", "netbench/probe.py",
                "netbench/measure.py")  # what the probe imports
 PINGS = 200

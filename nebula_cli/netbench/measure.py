@@ -35,6 +35,7 @@ from nebula_cli.relay.net.wire import Frame, FrameType, recv_frame, send_frame, 
 ROLES = {"relay", "worker"}
 CHUNK = 256 * 1024  # payload bytes per frame in throughput tests
 PING_BYTES = 64
+ECHO_PAYLOAD = 4096  # the largest echoed frame either side reads (pings are PING_BYTES)
 WARMUP_PINGS = 5
 IO_TIMEOUT = 30.0  # any single socket operation
 MAX_DURATION = 600.0
@@ -79,7 +80,7 @@ def _dial(host: str, port: int, tls: ssl.SSLContext | None, run: str, cluster: s
         sock, _ = pki.wrap_client(sock, tls, job_id=run, roles=ROLES, cluster=cluster,
                                   timeout=IO_TIMEOUT)
     send_frame(sock, Frame(FrameType.HELLO, hello))
-    answer = recv_frame(sock)
+    answer = recv_frame(sock, max_payload=0)  # WELCOME and ERROR carry meta only
     if answer.type != FrameType.WELCOME:
         sock.close()
         raise ProbeError(f"{host}:{port} answered {answer.type.name} {answer.meta}")
@@ -101,7 +102,7 @@ def ping(sock: socket.socket, count: int) -> dict[str, float]:
     for i in range(WARMUP_PINGS + count):
         t0 = time.perf_counter()
         send_frame(sock, frame)
-        echo = recv_frame(sock)
+        echo = recv_frame(sock, max_payload=ECHO_PAYLOAD)
         if i >= WARMUP_PINGS:
             rtts.append((time.perf_counter() - t0) * 1e3)
         if echo.type != FrameType.HEARTBEAT or bytes(echo.payload) != frame.payload:
@@ -187,7 +188,7 @@ def throughput(dial: Callable[..., socket.socket], streams: int,
         socks = _dial_all(dial, [{"op": "sink", "token": token} for token in tokens])
         _run_streams(socks, send, [(s,) for s in socks], duration)
         send_frame(control, Frame(FrameType.STATE_REQUEST, {"tokens": tokens}))
-        answer = recv_frame(control)
+        answer = recv_frame(control, max_payload=0)
     if answer.type != FrameType.RESULT or len(answer.meta.get("streams", ())) != streams:
         raise ProbeError(f"expected RESULT of {streams} streams, got {answer.type.name}")
     return _rate(answer.meta["streams"], "the server received nothing")

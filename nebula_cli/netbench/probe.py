@@ -18,6 +18,14 @@ the plain port (``--plain-port``, else ``--port`` + 1, else any) -> WELCOME {por
 plain connection); a plain connection's first frame, at most PLAIN_HELLO_BYTES, must carry an
 unused ticket, else it is closed. The plain port closes when that TLS connection ends.
 
+Until a connection has authenticated (its TLS handshake and HELLO, or its ticket) it holds one
+of MAX_PENDING slots of its port (the TLS port and each plain port have their own), at most
+MAX_PENDING_PER_ADDRESS from one address (an IPv6 /64), for at most PENDING_DEADLINE seconds
+and `admission.FIRST_BYTES_TIMEOUT` until its first byte; a new connection ends the oldest
+pending one of its address, or of the address holding the most, never itself
+(`nebula_cli.relay.net.admission`). Frames are read with small caps (ECHO_PAYLOAD for echoed
+frames, none for control frames), on plain TCP as on TLS.
+
 On a connection: HELLO {op: echo|sink|source|report} -> WELCOME, then
 - echo: HEARTBEAT frames are sent back as they are, until BYE.
 - sink (meta token): PEER_CHUNK frames from the measurer; the server counts the bytes as it
@@ -30,8 +38,9 @@ On a connection: HELLO {op: echo|sink|source|report} -> WELCOME, then
 - report: STATE_REQUEST {tokens} -> RESULT {streams: [[bytes, first, last], ...]} once those
   sinks have ended (the control connection is not queued behind the data, as in iperf3).
 
-Only the standard library, nebula_cli.pki and nebula_cli.relay.net.wire: this runs wherever the
-relay runs, without torch. DIR holds ca.pem, cert.pem and key.pem; RUN is the job id in them.
+Only the standard library, nebula_cli.pki and nebula_cli.relay.net (wire, admission): this runs
+wherever the relay runs, without torch. DIR holds ca.pem, cert.pem and key.pem; RUN is the job
+id in them.
 """
 
 from __future__ import annotations
@@ -56,6 +65,7 @@ from nebula_cli import pki
 from nebula_cli.errors import NebulaError
 from nebula_cli.netbench.measure import (
     CHUNK,
+    ECHO_PAYLOAD,
     IO_TIMEOUT,
     MAX_DURATION,
     ROLES,
@@ -63,6 +73,7 @@ from nebula_cli.netbench.measure import (
     _contexts,
     measure,
 )
+from nebula_cli.relay.net.admission import Admission, Pending, first_bytes
 from nebula_cli.relay.net.wire import (
     ConnectionClosed,
     Frame,
@@ -76,10 +87,11 @@ from nebula_cli.relay.net.wire import (
 
 MODULE = "nebula_cli.netbench.probe"
 REPORT_WAIT = 10.0  # how long the server waits for the sinks of a report to end
-MAX_PAYLOAD = 16 << 20
 PLAIN_HELLO_BYTES = 1024  # the most read from a plain connection before its ticket is checked
 MAX_TICKETS = 256  # plain connections one measurement may ask for
-MAX_UNAUTHENTICATED = 16  # plain connections before their ticket, and TLS ones before HELLO
+MAX_PENDING = 32  # connections of one port before their HELLO (TLS) or ticket (plain)
+MAX_PENDING_PER_ADDRESS = 4  # of those from one address (a measurer dials one at a time)
+PENDING_DEADLINE = 10.0  # seconds from accept to HELLO or ticket
 
 log = logging.getLogger("nebula.probe")
 
@@ -113,7 +125,7 @@ def _sink(sock: socket.socket, token: str) -> None:
 
 def _report(sock: socket.socket) -> None:
     sock.settimeout(MAX_DURATION + IO_TIMEOUT)  # idle while the streams send
-    ask = recv_frame(sock)
+    ask = recv_frame(sock, max_payload=0)
     tokens = ask.meta.get("tokens")
     if ask.type != FrameType.STATE_REQUEST or not isinstance(tokens, list):
         raise WireError(f"expected STATE_REQUEST {{tokens}}, got {ask.type.name}")
@@ -140,7 +152,7 @@ def _source(sock: socket.socket, seconds: Any) -> None:
 
 def _echo(sock: socket.socket) -> None:
     while True:
-        frame = recv_frame(sock, max_payload=MAX_PAYLOAD)
+        frame = recv_frame(sock, max_payload=ECHO_PAYLOAD)
         if frame.type == FrameType.BYE:
             return
         send_frame(sock, frame)
@@ -156,6 +168,7 @@ class Plain:
         self.tickets = {secrets.token_hex(16) for _ in range(count)}
         self.run = run
         self.lock = threading.Lock()
+        self.admission = _admission()
         threading.Thread(target=self._accept, daemon=True).start()
 
     def admit(self, ticket: Any) -> bool:
@@ -171,10 +184,11 @@ class Plain:
         with contextlib.suppress(OSError):
             self.listener.shutdown(socket.SHUT_RDWR)
         self.listener.close()
+        self.admission.close()
 
     def _accept(self) -> None:
         with contextlib.suppress(OSError):  # closed: the measurement is over
-            _accept_loop(self.listener, None, self.run, self)
+            _accept_loop(self.listener, self.admission, None, self.run, self)
 
 
 def _plain_session(sock: ssl.SSLSocket, hello: Frame, bind: str, port: int, run: str) -> None:
@@ -194,13 +208,17 @@ def _plain_session(sock: ssl.SSLSocket, hello: Frame, bind: str, port: int, run:
         plain.close()
 
 
-_unauthenticated = threading.BoundedSemaphore(MAX_UNAUTHENTICATED)
+def _admission() -> Admission:
+    return Admission(MAX_PENDING, MAX_PENDING_PER_ADDRESS, PENDING_DEADLINE)
 
 
-def _handle(sock: socket.socket, tls: ssl.SSLContext | None, run: str,
-            plain: Plain | None = None, serve_args: Any = None) -> None:
+def _handle(sock: socket.socket, admission: Admission, entry: Pending,
+            tls: ssl.SSLContext | None, run: str, plain: Plain | None = None,
+            serve_args: Any = None) -> None:
     held = True
     try:
+        if not first_bytes(sock):
+            raise WireError("nothing arrived before the first-bytes deadline")
         sock.settimeout(IO_TIMEOUT)
         tune_socket(sock)
         if tls is not None:
@@ -210,7 +228,7 @@ def _handle(sock: socket.socket, tls: ssl.SSLContext | None, run: str,
             hello = recv_small_frame(sock, PLAIN_HELLO_BYTES)  # no more before the ticket
             if plain is None or not plain.admit(hello.meta.get("ticket")):
                 raise WireError("a plain connection without a valid ticket")
-        _unauthenticated.release()
+        admission.release(entry)
         held = False
         op, token = hello.meta.get("op"), hello.meta.get("token")
         if tls is not None and op == "plain" and serve_args is not None:
@@ -234,7 +252,7 @@ def _handle(sock: socket.socket, tls: ssl.SSLContext | None, run: str,
         log.warning("connection %s from %s: %s", "tls" if tls else "plain", _addr(sock), exc)
     finally:
         if held:
-            _unauthenticated.release()
+            admission.release(entry)
         sock.close()
 
 
@@ -246,18 +264,17 @@ def _addr(sock: socket.socket) -> str:
         return "<gone>"
 
 
-def _accept_loop(listener: socket.socket, tls: ssl.SSLContext | None, run: str,
-                 plain: Plain | None = None, serve_args: Any = None) -> None:
+def _accept_loop(listener: socket.socket, admission: Admission, tls: ssl.SSLContext | None,
+                 run: str, plain: Plain | None = None, serve_args: Any = None) -> None:
     while True:
         sock, where = listener.accept()
-        if not _unauthenticated.acquire(blocking=False):
-            log.warning("refused a %s connection from %s:%s: %d connections are not "
-                        "authenticated yet", "tls" if tls else "plain", where[0], where[1],
-                        MAX_UNAUTHENTICATED)
-            sock.close()
-            continue
-        threading.Thread(target=_handle, args=(sock, tls, run, plain, serve_args),
-                         daemon=True).start()
+        entry, ended = admission.admit(sock, str(where[0]))
+        for old in ended:
+            log.warning("ended a pending %s connection from %s: %d connections are not "
+                        "authenticated yet (at most %d, %d per address)", "tls" if tls else
+                        "plain", old.key, admission.held, MAX_PENDING, MAX_PENDING_PER_ADDRESS)
+        threading.Thread(target=_handle, args=(sock, admission, entry, tls, run, plain,
+                                               serve_args), daemon=True).start()
 
 
 def _listen(bind: str, port: int) -> socket.socket:
@@ -282,8 +299,8 @@ def serve(args: argparse.Namespace) -> int:
     os.dup2(out, 1)
     os.dup2(out, 2)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
-    threading.Thread(target=_accept_loop, args=(listener, server_ctx, args.run, None, args),
-                     daemon=True).start()
+    threading.Thread(target=_accept_loop, args=(listener, _admission(), server_ctx, args.run,
+                                                None, args), daemon=True).start()
     time.sleep(args.lifetime)
     os._exit(0)
 

@@ -7,7 +7,11 @@ Layout written by :func:`issue_job_pki`::
     out_dir/<cluster>/relay.pem, relay.key
     out_dir/<cluster>/worker-<host>.pem, .key   (keys are created 0600, directories 0700)
 
-:func:`renew_job_pki` re-issues every certificate from the CA key for a new period (a resume);
+:func:`renew_job_pki` issues a new CA (a new key) and every certificate again for a new period
+(a resume): certificates of earlier attempts no longer chain, so a key taken from a host of an
+earlier attempt, or a process of it still running somewhere, is refused by every process of the
+new one. Every process of a job starts again on a resume, with the new files;
+``bench-network`` issues its own CA per run.
 :func:`expiry` says when the first of them expires, :func:`needs_renewal_warning` whether to warn.
 """
 
@@ -126,22 +130,15 @@ def _write_new(path: Path, data: bytes, mode: int) -> None:
 
 
 def _write_pair(cert: x509.Certificate, key: ec.EllipticCurvePrivateKey, pair: CertPair) -> None:
-    key_pem = key.private_bytes(
-        serialization.Encoding.PEM,
-        serialization.PrivateFormat.PKCS8,
-        serialization.NoEncryption(),
-    )
-    _write_new(pair.key, key_pem, 0o600)
+    _write_new(pair.key, _key_pem(key), 0o600)
     _write_new(pair.cert, cert.public_bytes(serialization.Encoding.PEM), 0o644)
 
 
 def _issue_ca(
     job_id: str, not_before: dt.datetime, not_after: dt.datetime,
-    key: ec.EllipticCurvePrivateKey | None = None,
 ) -> tuple[x509.Certificate, ec.EllipticCurvePrivateKey]:
-    """A self-signed job CA; with ``key``, a new certificate for an existing CA (renewal: the
-    same key and name, so chains of certificates it signed before still verify)."""
-    key = key or _new_key()
+    """A self-signed job CA with a new key."""
+    key = _new_key()
     name = x509.Name(
         [
             x509.NameAttribute(NameOID.ORGANIZATION_NAME, "nebula"),
@@ -370,27 +367,27 @@ def _replace(path: Path, data: bytes, mode: int) -> None:
     os.replace(tmp, path)
 
 
+def _key_pem(key: ec.EllipticCurvePrivateKey) -> bytes:
+    return key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                             serialization.NoEncryption())
+
+
 def renew_job_pki(
     out_dir: Path, *, valid_for: dt.timedelta
 ) -> JobPKI:
-    """Re-issue the certificates of an existing job PKI from its CA key, valid from now until
-    now + ``valid_for``: a new CA certificate (same key and name: certificates signed before still
-    chain to it) and a new key and certificate for every relay and worker. Each file is replaced
-    atomically; ``ca.key`` stays as it is. Used when a job resumes."""
+    """Issue the certificates of an existing job PKI again, valid from now until now +
+    ``valid_for``, under a new CA: a new CA key and certificate (the job id and hosts read from
+    the old ones) and a new key and certificate for every relay and worker. Certificates of the
+    CA before no longer chain: a resumed job refuses every key of its earlier attempts. Each file
+    is replaced atomically (an interrupted renewal is completed by the next one). Used when a
+    job resumes."""
     if valid_for <= dt.timedelta(0):
         raise NebulaError(f"certificate lifetime must be positive, got {valid_for}")
     pki = load_pki(out_dir)
-    try:
-        ca_key = serialization.load_pem_private_key(pki.ca_key.read_bytes(), password=None)
-    except (OSError, ValueError, TypeError) as exc:
-        raise NebulaError(f"cannot read the job's CA key {pki.ca_key}: {exc}") from exc
-    old_ca = _load_cert(pki.ca_cert)
-    if not isinstance(ca_key, ec.EllipticCurvePrivateKey) or (
-            ca_key.public_key().public_numbers() != old_ca.public_key().public_numbers()):
-        raise NebulaError(f"{pki.ca_key} is not the key of {pki.ca_cert}; cannot renew")
     now = _now()
     not_before, not_after = now - CLOCK_SKEW, now + valid_for
-    ca_cert, _ = _issue_ca(pki.job_id, not_before, not_after, key=ca_key)
+    ca_cert, ca_key = _issue_ca(pki.job_id, not_before, not_after)
+    _replace(pki.ca_key, _key_pem(ca_key), 0o600)
     _replace(pki.ca_cert, ca_cert.public_bytes(serialization.Encoding.PEM), 0o644)
     for cluster, hosts in pki.clusters.items():
         todo = [(Identity(pki.job_id, "relay", cluster, "relay"), pki.relay(cluster))]
@@ -399,9 +396,7 @@ def renew_job_pki(
         for ident, pair in todo:
             cert, key = _issue_leaf(ca_cert, ca_key, ident, not_before=not_before,
                                     not_after=not_after)
-            _replace(pair.key, key.private_bytes(serialization.Encoding.PEM,
-                                                 serialization.PrivateFormat.PKCS8,
-                                                 serialization.NoEncryption()), 0o600)
+            _replace(pair.key, _key_pem(key), 0o600)
             _replace(pair.cert, cert.public_bytes(serialization.Encoding.PEM), 0o644)
     log.info("renewed the certificates of job %s until %s", pki.job_id, not_after.isoformat())
     return pki

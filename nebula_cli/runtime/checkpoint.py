@@ -15,7 +15,10 @@ Saving (``save``), on every rank of the DeepSpeed world:
 1. the ranks agree (one all-reduce) that this host's directory is writable everywhere; if not,
    nobody saves, the error is logged and recorded (``checkpoint_error``) and training goes on;
 2. ``engine.save_checkpoint`` writes into a staging directory in ``/dev/shm`` (host memory, as
-   prime does) when it has room, else into ``<dir>/.staging``. This is the part that stalls
+   prime does) when it has room and the process runs under an agent, else into
+   ``<dir>/.staging``. The directory in /dev/shm is private to the job's user, has a random
+   name, and is recorded in the agent's folder, where the host's other ranks find it
+   (`nebula_cli.config.staging`: other users share /dev/shm). This is the part that stalls
    training: DeepSpeed's save is synchronous (``torch.save`` in the training thread; its
    decoupled engines need a config given before ``deepspeed.initialize``). To tmpfs it costs
    about a memory copy of the model and optimizer states;
@@ -29,6 +32,11 @@ Saving (``save``), on every rank of the DeepSpeed world:
 Loading (``load_newest``): every rank lists the complete tags of its host; the ranks agree on
 the newest step complete on every rank (all-reduces of min and max, narrowing until they
 agree), DeepSpeed loads it, and the outer state is kept for the OuterSync (``restore_outer``).
+DeepSpeed reads its files with ``torch.load(weights_only=False)`` (they hold objects of its
+own, not only tensors), which runs code: so a checkpoint is loaded only when its directory and
+every file in it belong to the job's user and nobody else may write them (nebula makes the
+directory 0700 and publishes files 0600; anything else is refused with the fix). The outer
+state holds tensors and plain values only and is read with ``weights_only=True``.
 The log says ``nebula: resumed from checkpoint step N (<dir>)`` and a ``resumed_from_step``
 record is written. With ``keep: 1``, a crash after one host published a checkpoint and before
 another did can leave no tag common to every host: the cluster then starts from the beginning
@@ -40,7 +48,9 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import pickle
 import shutil
+import stat
 import sys
 import threading
 import time
@@ -50,6 +60,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from nebula_cli.config import staging
 from nebula_cli.config.parts import SHM, CheckpointSettings
 from nebula_cli.runtime.metrics import emit
 from nebula_cli.runtime.outer import SyncError
@@ -89,25 +100,53 @@ def complete_steps(directory: str | Path) -> list[int]:
     return sorted(s for s in steps if s is not None)
 
 
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
+def _fsync(path: Path, mode: int | None = None) -> None:
+    """fsync `path` (no symlink followed), given `mode` first when one is named."""
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
     try:
+        if mode is not None:
+            os.fchmod(fd, mode)
         os.fsync(fd)
     finally:
         os.close(fd)
 
 
 def _fsync_tree(root: Path) -> None:
+    """fsync every file and directory under `root`, and make them private (0600 and 0700);
+    a symlink in it fails the publication (DeepSpeed writes none)."""
     for dirpath, _, files in os.walk(root):
         for name in files:
-            _fsync(Path(dirpath) / name)
-        _fsync(Path(dirpath))
+            _fsync(Path(dirpath) / name, 0o600)
+        _fsync(Path(dirpath), 0o700)
+
+
+def check_loadable(directory: Path, tag: Path) -> None:
+    """Refuse (SyncError) to load `tag` unless it and `directory`, and everything in the tag,
+    belong to this user, are no symlinks, and are writable by nobody else: DeepSpeed unpickles
+    its files, and a file someone else could write would run their code as the job's user."""
+    bad: list[str] = []
+    for path in (directory, tag, *sorted(tag.rglob("*"))):
+        info = os.lstat(path)
+        if stat.S_ISLNK(info.st_mode):
+            bad.append(f"{path} is a symlink")
+        elif info.st_uid != os.getuid():
+            bad.append(f"{path} belongs to uid {info.st_uid}")
+        elif info.st_mode & 0o022:
+            bad.append(f"{path} is writable by other users "
+                       f"(mode {stat.S_IMODE(info.st_mode):04o})")
+    if bad:
+        raise SyncError(
+            f"checkpoint {tag} not loaded: {'; '.join(bad[:3])}. DeepSpeed's checkpoint files "
+            "are unpickled, which runs code: load only what this user wrote (fix the owner, "
+            f"`chmod -R go-w {directory}`, or remove the checkpoint)")
 
 
 def write_atomic(path: Path, data: bytes) -> None:
     """Write `path` so that readers see the old content or the new one, never a part."""
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    with open(tmp, "wb") as fh:
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
+    with open(fd, "wb") as fh:
+        os.fchmod(fd, 0o600)  # also a stale one of another mode
         fh.write(data)
         fh.flush()
         os.fsync(fh.fileno())
@@ -187,7 +226,8 @@ class Checkpointer:
         if not isinstance(local, int) or local < 0:
             local = int(os.environ.get("LOCAL_RANK") or 0)
         self.writer = local == 0  # writes this host's checkpoint files
-        self.shm_root = settings.staging_dir()
+        self.agent_dir = staging.agent_dir()  # where the staging directory is recorded
+        self.shm_root: Path | None = None  # the writer's staging directory in /dev/shm
         self.last_step: int | None = None  # the newest step saved (or loaded) by this process
         self.resumed_from: int | None = None
         self.outer_state: dict[str, Any] | None = None  # loaded, not yet given to the OuterSync
@@ -221,7 +261,10 @@ class Checkpointer:
             self._failed(step, problem or "another host of the cluster cannot write its "
                          "checkpoint directory")
             return False
-        root = self.shm_root if all_shm else self.dir / ".staging"
+        shm_root = self._staging_in_memory() if all_shm else None
+        if all_shm and not self._reduce_min(int(shm_root is not None))[0]:
+            shm_root = None  # a rank could not use its host's: every rank stages on disk
+        root = shm_root or self.dir / ".staging"
         try:
             self.engine.save_checkpoint(str(root), tag=tag_of(step), save_latest=False)
         except Exception as exc:  # a full /dev/shm, a DeepSpeed error: training goes on
@@ -249,14 +292,42 @@ class Checkpointer:
     def close(self) -> None:
         """Wait for the last checkpoint to be on disk. Safe to call twice."""
         self.wait()
-        with contextlib.suppress(OSError):
-            self.shm_root.rmdir()  # empty by now, unless another rank of the host stages
+        if self.shm_root is not None and self.agent_dir is not None:
+            with contextlib.suppress(OSError):
+                self.shm_root.rmdir()  # empty by now, unless another rank of the host stages
+                staging.remove(self.agent_dir)
+                self.shm_root = None
+
+    def _staging_in_memory(self) -> Path | None:
+        """This host's staging directory in /dev/shm: the writer's own; on the other ranks the
+        one the writer recorded, checked private. None (said why) when it cannot be used."""
+        if self.writer or self.agent_dir is None:  # the writer stages in memory only with one
+            return self.shm_root
+        try:
+            return staging.open_recorded(self.agent_dir)
+        except (staging.StagingError, OSError) as exc:
+            say(f"checkpoint staging in {SHM} not used: {exc}")
+            return None
+
+    def _make_staging(self) -> bool:
+        """On the writer: this process's private staging directory in /dev/shm, made on first
+        use (what an earlier process of the host left is removed first). Whether there is one."""
+        if self.shm_root is not None or self.agent_dir is None:
+            return self.shm_root is not None
+        try:
+            staging.remove(self.agent_dir)
+            self.shm_root = staging.create(self.agent_dir)
+        except (staging.StagingError, OSError) as exc:
+            say(f"checkpoint staging in {SHM} not used: {exc}")
+            return False
+        return True
 
     def _prepare(self, step: int) -> tuple[str | None, bool]:
         """On this host's writer: whether the directory is writable (None, else why not), and
-        whether /dev/shm has room for the staging copy. Clears stale staging of `step`."""
+        whether /dev/shm has room for the staging copy (then this process's private staging
+        directory there exists). Clears stale staging of `step`."""
         try:
-            self.dir.mkdir(parents=True, exist_ok=True)
+            self.dir.mkdir(mode=0o700, parents=True, exist_ok=True)
             probe = self.dir / f".probe-{os.getpid()}"
             probe.write_bytes(b"nebula")
             probe.unlink()
@@ -266,8 +337,9 @@ class Checkpointer:
         need = SHM_HEADROOM * BYTES_PER_PARAM * sum(
             p.numel() for p in getattr(self.engine, "module", self.engine).parameters())
         try:
-            shm = os.access(SHM, os.W_OK) and shutil.disk_usage(SHM).free > need
-            if shm:
+            shm = (self.agent_dir is not None and os.access(SHM, os.W_OK)
+                   and shutil.disk_usage(SHM).free > need and self._make_staging())
+            if shm and self.shm_root is not None:
                 shutil.rmtree(self.shm_root / tag_of(step), ignore_errors=True)
         except OSError:
             shm = False
@@ -290,8 +362,11 @@ class Checkpointer:
             self._failure = f"publishing checkpoint step {step} in {self.dir} failed: {exc}"
             return
         finally:
-            if staged.is_relative_to(self.shm_root):
+            if self.shm_root is not None and staged.is_relative_to(self.shm_root):
                 shutil.rmtree(staged, ignore_errors=True)
+            else:
+                with contextlib.suppress(OSError):
+                    staged.parent.rmdir()  # <dir>/.staging, empty once its tag moved
         emit(step=step, checkpoint_step=step, checkpoint_dir=str(final), checkpoint_error=None,
              checkpoint_stall_s=stall, checkpoint_write_s=time.perf_counter() - t0)
 
@@ -316,12 +391,18 @@ class Checkpointer:
                     f"step {newest} in {self.dir}): training starts from the beginning")
             return None
         tag = self.dir / tag_of(step)
+        check_loadable(self.dir, tag)
         load_path, _ = self.engine.load_checkpoint(str(self.dir), tag=tag_of(step))
         if load_path is None:
             raise SyncError(f"DeepSpeed could not load checkpoint {tag}")
         outer = tag / OUTER_FILE
         if outer.is_file():
-            self.outer_state = torch.load(outer, map_location="cpu", weights_only=False)
+            try:
+                self.outer_state = torch.load(outer, map_location="cpu", weights_only=True)
+            except pickle.UnpicklingError as exc:
+                raise SyncError(f"the outer state {outer} holds more than tensors and plain "
+                                f"values (nebula writes nothing else): not loaded ({exc})"
+                                ) from exc
         self.resumed_from = self.last_step = step
         self.restore_outer()
         if self.writer:
@@ -340,7 +421,8 @@ class Checkpointer:
 
     def _clear_leftovers(self) -> None:
         """What a crash left: half-published tags, staging copies (also in /dev/shm)."""
-        shutil.rmtree(self.shm_root, ignore_errors=True)
+        if self.agent_dir is not None and self.shm_root is None:
+            staging.remove(self.agent_dir)  # an earlier process's (this one has made none)
         with contextlib.suppress(OSError):
             for entry in self.dir.iterdir():
                 if entry.name.startswith((".tmp-", ".staging", ".probe-")):

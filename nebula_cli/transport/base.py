@@ -158,8 +158,9 @@ class Transport(ABC):
         is read from its start."""
 
     @abstractmethod
-    def makedirs(self, remote: str, *, mode: int = 0o755) -> None:
-        """Make a directory and its parents on the host."""
+    def makedirs(self, remote: str, *, mode: int = 0o700) -> None:
+        """Make a directory and its parents on the host (those made: `mode`, only the user's
+        by default)."""
 
     def read_file(self, remote: str, max_bytes: int = 16 << 20) -> bytes | None:
         """A whole (small) file, or None when it does not exist."""

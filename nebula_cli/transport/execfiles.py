@@ -4,7 +4,9 @@ Hardened HPC login nodes often disable SFTP. Then SSHTransport does what it did 
 POSIX sh, coreutils, ``base64`` and ``tar`` over exec channels instead: writes go to a temporary
 name beside the target, get their mode (and mtime) and are renamed over it; reads come back in
 base64 (an exec channel's output is text). Paths travel as positional arguments of ``sh -c``,
-never spliced into the script.
+never spliced into the script. Every script runs under ``umask 077``: directories are made
+0700 and a file is created 0600 (with noclobber: never an existing file) before its bytes are
+written, then given its final mode.
 """
 
 from __future__ import annotations
@@ -21,14 +23,16 @@ from nebula_cli.errors import TransportError
 from nebula_cli.transport import tree
 from nebula_cli.transport.base import CommandResult
 
-WRITE_SH = ('d=$(dirname "$1"); mkdir -p "$d" && t="$d/.$(basename "$1").$$.tmp" && '
-            'cat > "$t" && chmod "$2" "$t" && { [ -z "$3" ] || touch -d "@$3" "$t"; } && '
-            'mv -f "$t" "$1" || { rm -f "$t"; exit 1; }')
+PRIVATE = "umask 077; "
+"""Starts every script: what it makes is the user's alone until given its final mode."""
+WRITE_SH = (PRIVATE + 'd=$(dirname "$1"); mkdir -p "$d" && t="$d/.$(basename "$1").$$.tmp" && '
+            'rm -f "$t" && (set -C; cat > "$t") && chmod "$2" "$t" && '
+            '{ [ -z "$3" ] || touch -d "@$3" "$t"; } && mv -f "$t" "$1" || { rm -f "$t"; exit 1; }')
 READ_SH = ('[ -f "$1" ] || { echo missing; exit 0; }; s=$(wc -c < "$1"); o=$2; '
            '[ "$s" -lt "$o" ] && o=0; echo "$s $o"; '
            'tail -c +$((o + 1)) "$1" | head -c "$3" | base64')
-LIST_SH = ('mkdir -p "$1" && cd "$1" && find . -type f -exec stat -c "%s %Y %n" {} +')
-UNTAR_SH = 'mkdir -p "$1" && tar -xpf - --no-same-owner -C "$1"'
+LIST_SH = (PRIVATE + 'mkdir -p "$1" && cd "$1" && find . -type f -exec stat -c "%s %Y %n" {} +')
+UNTAR_SH = PRIVATE + 'mkdir -p "$1" && tar -xpf - --no-same-owner -C "$1"'
 
 
 class Runner(Protocol):
@@ -85,7 +89,7 @@ class ExecFiles:
         return data, start + len(data)
 
     def makedirs(self, path: str, mode: int) -> None:
-        self._sh('mkdir -p "$1" && chmod "$2" "$1"', path, f"{mode & 0o7777:o}",
+        self._sh(PRIVATE + 'mkdir -p "$1" && chmod "$2" "$1"', path, f"{mode & 0o7777:o}",
                  what=f"make directory {path}")
 
     def exists(self, path: str) -> bool:
@@ -106,7 +110,7 @@ class ExecFiles:
             for rel_dir in dirs:
                 if rel_dir:
                     info = tarfile.TarInfo(rel_dir)
-                    info.type, info.mode = tarfile.DIRTYPE, 0o755
+                    info.type, info.mode = tarfile.DIRTYPE, 0o700
                     tar.addfile(info)
             for item in todo:
                 info = tar.gettarinfo(str(item.path), arcname=item.rel)

@@ -1,4 +1,8 @@
-"""LocalTransport: every "host" is a set of process groups on this machine."""
+"""LocalTransport: every "host" is a set of process groups on this machine.
+
+Files are written to a temporary name created 0600 (mkstemp), given their mode and renamed
+over: never readable by others before their mode says so. Directories nebula makes are 0700,
+parents included."""
 
 from __future__ import annotations
 
@@ -28,6 +32,25 @@ from nebula_cli.transport.base import (
 from nebula_cli.transport.tree import DEFAULT_EXCLUDES
 
 DEFAULT_PYTHON = "python3"
+DIR_MODE = 0o700
+"""Directories nebula makes: only the user's."""
+
+
+def make_dirs(path: Path, mode: int = DIR_MODE) -> None:
+    """Make `path` and every missing parent with `mode` (pathlib's and os.makedirs' parents
+    get the default mode)."""
+    missing = []
+    while not path.is_dir():
+        missing.append(path)
+        if path.parent == path:
+            break
+        path = path.parent
+    for d in reversed(missing):
+        try:
+            d.mkdir(mode=mode)
+        except FileExistsError:
+            if not d.is_dir():
+                raise
 """The spec's default `python`; on this machine it means the interpreter nebula runs under."""
 
 
@@ -91,7 +114,7 @@ class LocalTransport(Transport):
             return 0, 0  # already there
         dirs, files = tree.walk(src, exclude)
         for rel_dir in dirs:
-            (dst / rel_dir).mkdir(parents=True, exist_ok=True)
+            make_dirs(dst / rel_dir)
         todo = []
         for item in files:
             try:
@@ -193,7 +216,7 @@ class LocalTransport(Transport):
 
     def put_bytes(self, data: bytes, remote: str, *, mode: int = 0o644) -> None:
         target = Path(remote)
-        target.parent.mkdir(parents=True, exist_ok=True)
+        make_dirs(target.parent)
         fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.")
         try:
             os.fchmod(fd, mode)
@@ -205,11 +228,11 @@ class LocalTransport(Transport):
             raise
 
     def put(self, local: str, remote: str, *, mode: int | None = None) -> None:
-        Path(remote).parent.mkdir(parents=True, exist_ok=True)
         try:
-            shutil.copyfile(local, remote)
-            if mode is not None:
-                os.chmod(remote, mode)
+            with open(local, "rb") as src:
+                data = src.read()
+                file_mode = mode if mode is not None else os.fstat(src.fileno()).st_mode & 0o7777
+            self.put_bytes(data, remote, mode=file_mode)
         except OSError as exc:
             raise TransportError(f"cannot copy {local} to {remote}: {exc}", host=self.name) from exc
 
@@ -233,8 +256,8 @@ class LocalTransport(Transport):
             raise TransportError(f"cannot read {remote}: {exc}", host=self.name) from exc
         return data, offset + len(data)
 
-    def makedirs(self, remote: str, *, mode: int = 0o755) -> None:
-        Path(remote).mkdir(parents=True, exist_ok=True, mode=mode)
+    def makedirs(self, remote: str, *, mode: int = DIR_MODE) -> None:
+        make_dirs(Path(remote), mode)
 
     def exists(self, remote: str) -> bool:
         return os.path.exists(remote)

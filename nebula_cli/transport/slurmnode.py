@@ -111,7 +111,7 @@ class SlurmNodeTransport(Transport):
     def read_tail(self, remote: str, offset: int, max_bytes: int = 1 << 20) -> tuple[bytes, int]:
         return self.login.read_tail(remote, offset, max_bytes)
 
-    def makedirs(self, remote: str, *, mode: int = 0o755) -> None:
+    def makedirs(self, remote: str, *, mode: int = 0o700) -> None:
         self.login.makedirs(remote, mode=mode)
 
     def exists(self, remote: str) -> bool:

@@ -1,6 +1,9 @@
 """The file half of SSHTransport: one SFTP session per connection, held exclusively; uploads
 written to a temporary name and renamed over; paramiko's errors translated here. A host whose
-sshd refuses the SFTP subsystem gets the same operations over exec channels (`execfiles`)."""
+sshd refuses the SFTP subsystem gets the same operations over exec channels (`execfiles`).
+
+Files are created with their final mode (0600 for keys) and O_EXCL, never chmod-ed after a
+window in which another user could open them; directories nebula makes are 0700 (DIR_MODE)."""
 
 from __future__ import annotations
 
@@ -18,6 +21,7 @@ from pathlib import Path
 from typing import IO
 
 import paramiko
+from paramiko.sftp import CMD_HANDLE, CMD_OPEN, SFTP_FLAG_CREATE, SFTP_FLAG_EXCL, SFTP_FLAG_WRITE
 
 from nebula_cli.errors import TransportError
 from nebula_cli.transport import tree
@@ -27,6 +31,8 @@ from nebula_cli.transport.tree import DEFAULT_EXCLUDES
 
 SFTP_TIMEOUT = DEFAULT_TIMEOUT
 CHUNK = 1 << 16
+DIR_MODE = 0o700
+"""Directories nebula makes on hosts: only the user's."""
 log = logging.getLogger("nebula.transport")
 
 
@@ -103,9 +109,9 @@ class SFTPFiles:
         tmp = posixpath.join(parent, f".{base}.{uuid.uuid4().hex[:12]}.tmp")
         total = 0
         try:
-            with sftp.open(tmp, "wb") as fh:
+            with _create(sftp, tmp, mode) as fh:
                 fh.set_pipelined(True)
-                fh.chmod(mode)
+                fh.chmod(mode)  # exactly `mode` (the server's umask may have taken bits)
                 while chunk := src.read(1 << 18):
                     fh.write(chunk)
                     total += len(chunk)
@@ -125,7 +131,7 @@ class SFTPFiles:
         if (x := self._over_exec()) is not None:
             return x.write(data, path, mode)
         with self._sftp_session(f"write {path}") as sftp:
-            self._mkdirs(sftp, posixpath.dirname(path), 0o755)
+            self._mkdirs(sftp, posixpath.dirname(path), DIR_MODE)
             self._upload(sftp, io.BytesIO(data), path, mode)
 
     def put(self, local: str, remote: str, *, mode: int | None = None) -> None:
@@ -137,7 +143,7 @@ class SFTPFiles:
         except OSError as exc:
             raise TransportError(f"cannot copy {local} to {path}: {exc}", host=self.name) from exc
         with src, self._sftp_session(f"copy {local} to {path}") as sftp:
-            self._mkdirs(sftp, posixpath.dirname(path), 0o755)
+            self._mkdirs(sftp, posixpath.dirname(path), DIR_MODE)
             file_mode = mode if mode is not None else os.fstat(src.fileno()).st_mode & 0o7777
             self._upload(sftp, src, path, file_mode)
 
@@ -196,7 +202,7 @@ class SFTPFiles:
             if not stat.S_ISDIR(sftp.stat(path).st_mode or 0):  # lost a race: fine if a dir
                 raise
 
-    def makedirs(self, remote: str, *, mode: int = 0o755) -> None:
+    def makedirs(self, remote: str, *, mode: int = DIR_MODE) -> None:
         path = self.remote_path(remote)
         if (x := self._over_exec()) is not None:
             return x.makedirs(path, mode)
@@ -231,7 +237,7 @@ class SFTPFiles:
             todo = []
             for rel_dir in dirs:
                 rdir = posixpath.join(base, rel_dir) if rel_dir else base
-                self._mkdirs(sftp, rdir, 0o755)
+                self._mkdirs(sftp, rdir, DIR_MODE)
                 remote = {a.filename: a for a in sftp.listdir_attr(rdir)}
                 for item in by_dir.get(rel_dir, []):
                     attr = remote.get(posixpath.basename(item.rel))
@@ -255,3 +261,17 @@ class SFTPFiles:
         if progress is not None:
             progress(done, total)
         return len(todo), done
+
+
+def _create(sftp: paramiko.SFTPClient, path: str, mode: int) -> paramiko.SFTPFile:
+    """A new file opened for writing, created by the server with `mode` (O_CREAT | O_EXCL: never
+    an existing file, nor through a symlink). paramiko's `open` sends no attributes, so the
+    server would create the file with its default mode, readable by others until a chmod, and
+    whoever opened it meanwhile keeps reading what is written; SFTP's OPEN carries the mode."""
+    attrs = paramiko.SFTPAttributes()
+    attrs.st_mode = mode & 0o7777
+    t, msg = sftp._request(CMD_OPEN, sftp._adjust_cwd(path),
+                           SFTP_FLAG_WRITE | SFTP_FLAG_CREATE | SFTP_FLAG_EXCL, attrs)
+    if t != CMD_HANDLE:
+        raise paramiko.SFTPError("Expected handle")
+    return paramiko.SFTPFile(sftp, msg.get_binary(), "wb")

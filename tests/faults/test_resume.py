@@ -1,5 +1,5 @@
 """`nebula resume` through the real CLI (local transport, real agents and relays): a stopped
-job continues under the same id and CA with renewed certificates, `status` shows the attempt,
+job continues under the same id with a new CA and certificates, `status` shows the attempt,
 and what cannot be resumed is refused with the reason (exit 2), nothing started."""
 
 from __future__ import annotations
@@ -59,7 +59,7 @@ def test_a_stopped_job_resumes_under_its_id_with_renewed_certificates(
     assert st["reason"] is None and st["ended"] is not None
     logs = cli("logs", job_id, check=True).stdout
     assert "resumed east/0" in logs and "resumed west/0" in logs
-    assert (pki / "ca.key").read_bytes() == ca_key  # the same CA ...
+    assert (pki / "ca.key").read_bytes() != ca_key  # a new CA (the old keys are refused) ...
     assert all(p.read_bytes() != data for p, data in before.items())  # ... new certificates
     assert job_processes(job_id) == []
     assert "attempt 2" in cli("status", job_id, check=True).stdout

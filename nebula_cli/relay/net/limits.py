@@ -23,11 +23,15 @@ from nebula_cli.errors import NebulaError
 from nebula_cli.relay.net.schema import is_int
 
 HANDSHAKE_TIMEOUT = 10.0
-"""Seconds a new connection may take for its TLS handshake and HELLO."""
-MAX_HANDSHAKES = 16
-"""Connections of one listener between accept and the end of their hello; more are refused."""
-MAX_HANDSHAKES_PER_ADDRESS = 8
-"""Of those, from one address (one flooding host leaves room for the others)."""
+"""Seconds a new connection may take, from accept, for its TLS handshake and HELLO (a deadline:
+it is ended then, whatever it still trickles); its first byte must come within
+`admission.FIRST_BYTES_TIMEOUT`."""
+MAX_HANDSHAKES = 32
+"""Connections of one listener between accept and the end of their hello; a new one beyond
+them ends the oldest pending connection of the address holding the most (`admission`)."""
+MAX_HANDSHAKES_PER_ADDRESS = 4
+"""Of those, from one address (an IPv6 /64); a new one beyond them ends that address's oldest:
+one flooding host crowds out only itself. Real peers dial one connection at a time."""
 MAX_WORKER_CONNECTIONS = 8
 WORKER_KEEPALIVE_IDLE = 30
 """Seconds of silence on a worker's connection before TCP keepalive probes start."""

@@ -5,8 +5,11 @@ The cluster listed *later* in ``clusters`` dials the earlier one (reconnecting w
 exponential backoff, capped at BACKOFF_MAX). Peers must present a relay certificate of this job
 for a cluster that dials this relay, and a HELLO whose protocol, job, codec, block size and
 chunk size match. A listener holds at most MAX_HANDSHAKES connections between accept and the
-end of their hello (MAX_HANDSHAKES_PER_ADDRESS from one address); further connections are
-closed at once and logged. A link silent for `dead_after` seconds is closed.
+end of their hello, MAX_HANDSHAKES_PER_ADDRESS from one address (an IPv6 /64), each for at
+most HANDSHAKE_TIMEOUT seconds and FIRST_BYTES_TIMEOUT until its first byte; a new connection
+is never refused for lack of room: the oldest pending one of its address, or of the address
+holding the most, is ended and logged (:mod:`nebula_cli.relay.net.admission`). A link silent
+for `dead_after` seconds is closed.
 
 The HELLO and the WELCOME each offer a key for the AES-GCM records the link then uses instead
 of TLS (:mod:`nebula_cli.relay.net.gcm_records`); when both offered one, both ends close TLS and go
@@ -29,12 +32,12 @@ from nebula_cli.config.relay_config import RelayConfig, parse_addr
 from nebula_cli.errors import NebulaError
 from nebula_cli.pki import PeerRejected, wrap_client, wrap_server
 from nebula_cli.relay.net import gcm_records as records
+from nebula_cli.relay.net.admission import Admission, Pending, first_bytes
 from nebula_cli.relay.net.framing import send_frames
 from nebula_cli.relay.net.limits import (
     HANDSHAKE_TIMEOUT,
     MAX_HANDSHAKES,
     MAX_HANDSHAKES_PER_ADDRESS,
-    Gate,
     Refusals,
 )
 from nebula_cli.relay.net.link import LinkConn, LinkDown, PeerLink, peer_addr, refuse
@@ -54,8 +57,9 @@ the codecs say what of theirs must match)."""
 class Listener:
     """A listening socket (TCP on ``addr``, or the given ``sock``: the local Unix socket) whose
     connections are handed to ``handshake(sock, addr)`` on a thread each, at most
-    MAX_HANDSHAKES at once; ``handshake`` returns what to run once the slot is given back (a
-    worker's session), or None."""
+    MAX_HANDSHAKES pending at once (the module's docstring says which ends when more come);
+    ``handshake`` returns what to run once the slot is given back (a worker's session), or
+    None."""
 
     def __init__(self, addr: str, handshake: Callable[[socket.socket, str],
                                                       Callable[[], None] | None],
@@ -72,7 +76,8 @@ class Listener:
         self.sock.settimeout(0.5)
         self.addr = addr
         self._handshake, self._refusals, self._stopping = handshake, refusals, stopping
-        self.gate = Gate(MAX_HANDSHAKES, MAX_HANDSHAKES_PER_ADDRESS)
+        self.admission = Admission(MAX_HANDSHAKES, MAX_HANDSHAKES_PER_ADDRESS,
+                                   HANDSHAKE_TIMEOUT)
         self.thread = threading.Thread(target=self._loop, name=f"relay-accept-{addr}",
                                        daemon=True)
 
@@ -83,6 +88,7 @@ class Listener:
         with contextlib.suppress(OSError):
             self.sock.shutdown(socket.SHUT_RDWR)  # wakes a blocked accept()
         self.sock.close()
+        self.admission.close()
 
     def _loop(self) -> None:
         while not self._stopping.is_set():
@@ -95,26 +101,27 @@ class Listener:
                     return
                 time.sleep(0.1)
                 continue
-            ip = str(where[0]) if isinstance(where, tuple) else "local"  # AF_UNIX: no address
-            if not self.gate.enter(ip):
-                self._refusals.refuse("connection", ip,  # one line per address, not port
-                                      f"{self.gate.held} handshakes in progress on "
+            tcp = isinstance(where, tuple)
+            entry, ended = self.admission.admit(sock, str(where[0]) if tcp else "local")
+            for old in ended:  # one line per address, not port
+                self._refusals.refuse("connection", old.key,
+                                      f"{self.admission.held} handshakes in progress on "
                                       f"{self.addr} (at most {MAX_HANDSHAKES}, "
-                                      f"{MAX_HANDSHAKES_PER_ADDRESS} per address)")
-                with contextlib.suppress(OSError):
-                    sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\1\0\0\0\0\0\0\0")
-                sock.close()
-                continue
+                                      f"{MAX_HANDSHAKES_PER_ADDRESS} per address): its oldest "
+                                      "pending connection was ended")
             sock.settimeout(None)
             tune_socket(sock)
-            threading.Thread(target=self._run, args=(sock, ip), name="relay-conn",
+            threading.Thread(target=self._run, args=(sock, entry, tcp), name="relay-conn",
                              daemon=True).start()
 
-    def _run(self, sock: socket.socket, ip: str) -> None:
+    def _run(self, sock: socket.socket, entry: Pending, tcp: bool) -> None:
         try:
+            if tcp and not first_bytes(sock):  # a TLS client speaks first; AF_UNIX: the
+                sock.close()                   # peer's uid is checked before anything is read
+                return
             then = self._handshake(sock, peer_addr(sock))
         finally:
-            self.gate.leave(ip)
+            self.admission.release(entry)
         if then is not None:
             then()
 

@@ -1,0 +1,99 @@
+"""A real sshd on 127.0.0.1 for transport tests (root only): its own host key, config and log,
+the user's key authorized, with or without the SFTP subsystem; an SSHTransport to it."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+from nebula_cli.transport.hostkeys import host_entry_name
+from nebula_cli.transport.ssh import SSHTransport
+
+SSHD = "/usr/sbin/sshd"
+PRIVSEP_DIR = Path("/run/sshd")
+
+
+def _keygen(path: Path) -> Path:
+    subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", path.name, "-f",
+                    str(path)], check=True, capture_output=True, timeout=30)
+    return path
+
+
+class LocalSshd:
+    """One sshd (``-D``: it stays in the foreground, its own child) on a free loopback port."""
+
+    def __init__(self, directory: Path, *, sftp: bool) -> None:
+        self.dir = directory
+        self.user_key = _keygen(directory / "user_key")
+        host_key = _keygen(directory / "host_key")
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        authorized = directory / "authorized_keys"
+        authorized.write_text(self.user_key.with_suffix(".pub").read_text())
+        config = directory / "sshd_config"
+        config.write_text(
+            f"Port {self.port}\nListenAddress 127.0.0.1\nHostKey {host_key}\n"
+            f"PidFile {directory / 'sshd.pid'}\nAuthorizedKeysFile {authorized}\n"
+            "StrictModes no\nUsePAM no\nPasswordAuthentication no\n"
+            "KbdInteractiveAuthentication no\nPermitRootLogin prohibit-password\n"
+            + ("Subsystem sftp internal-sftp\n" if sftp else "") + "LogLevel INFO\n")
+        pub = " ".join(host_key.with_suffix(".pub").read_text().split()[:2])
+        self.known_hosts = directory / "known_hosts"
+        self.known_hosts.write_text(f"{host_entry_name('127.0.0.1', self.port)} {pub}\n")
+        self.log = directory / "sshd.log"
+        self.made_privsep = not PRIVSEP_DIR.exists()
+        PRIVSEP_DIR.mkdir(mode=0o755, exist_ok=True)
+        with self.log.open("wb") as out:
+            self.proc = subprocess.Popen([SSHD, "-D", "-e", "-f", str(config)], stdout=out,
+                                         stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        deadline = time.monotonic() + 10
+        while "Server listening" not in self.log.read_text(errors="replace"):
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError(f"sshd did not start:\n{self.log.read_text()}")
+            time.sleep(0.05)
+
+    def transport(self) -> SSHTransport:
+        return SSHTransport("target", host="127.0.0.1", user="root", port=self.port,
+                            key=str(self.user_key), known_hosts=str(self.known_hosts),
+                            ssh_config=str(self.dir / "no_ssh_config"), connect_timeout=5.0)
+
+    def stop(self) -> None:
+        """End the sshd and its sessions (its descendants)."""
+        for pid in [*_descendants(self.proc.pid), self.proc.pid]:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        self.proc.wait(timeout=10)
+        if self.made_privsep:
+            with contextlib.suppress(OSError):
+                PRIVSEP_DIR.rmdir()
+
+
+def _descendants(pid: int) -> list[int]:
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").glob("[0-9]*"):
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            ppid = int(entry.joinpath("stat").read_text().rsplit(")", 1)[1].split()[1])
+            children.setdefault(ppid, []).append(int(entry.name))
+    found, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
+@contextlib.contextmanager
+def local_sshd(directory: Path, *, sftp: bool) -> Iterator[LocalSshd]:
+    server = LocalSshd(directory, sftp=sftp)
+    try:
+        yield server
+    finally:
+        server.stop()

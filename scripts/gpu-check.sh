@@ -112,7 +112,7 @@ def environment():
 @part("codecs")
 def codecs():
     import torch
-    from nebula_cli.relay.codecs.dense import KNOWN_CODECS, get_codec
+    from nebula_cli.relay.codecs.registry import KNOWN_CODECS, get_codec
     n = (8 if DRY else 64) << 20
     devices = ["cpu"] + ([] if DRY else ["cuda"])
     out = {}

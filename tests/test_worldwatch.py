@@ -85,22 +85,32 @@ def test_a_rank_ends_cleanly_whatever_the_store_does(store_at_all: bool) -> None
 def test_a_rank_ends_cleanly_while_torch_still_tries_a_store_that_went_away() -> None:
     """The store accepted the watcher's probe and went away before torch connected: torch's
     client tries for 5 s, backs off, tries again (9-15 s in all). The rank's script ends during
-    that: the process waits for the call and ends 0, never in std::terminate (134)."""
-    listener = socket.socket()
-    listener.bind(("127.0.0.1", 0))
-    listener.listen(8)
-    proc = watcher(listener.getsockname()[1], 2.5)
-    try:
-        listener.settimeout(30)
-        listener.accept()[0].close()  # the watcher's probe: something serves the address
-        listener.close()  # ... and no more, before torch connects
-        out, err = proc.communicate(timeout=60)
-        assert proc.returncode == 0, err
-        assert "ended on its own" in out
-        assert "retrying" in err  # the script ended while the watcher was inside torch
-    finally:
-        listener.close()
-        proc.kill()
+    that: the process waits for the call and ends 0, never in std::terminate (134).
+
+    The test closes its listener right after accepting the probe; a loaded machine may let
+    torch's connection into the listener's backlog first (then reset by the close: torch fails
+    at once, no retry, also a clean exit). Such a try is checked the same and the scenario is
+    tried again, until torch was seen retrying (at most 4 tries)."""
+    tried_inside_torch = False
+    for _ in range(4):
+        listener = socket.socket()
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(8)
+        proc = watcher(listener.getsockname()[1], 2.5)
+        try:
+            listener.settimeout(30)
+            listener.accept()[0].close()  # the watcher's probe: something serves the address
+            listener.close()  # ... and no more, before torch connects
+            out, err = proc.communicate(timeout=60)
+            assert proc.returncode == 0, err
+            assert "ended on its own" in out
+        finally:
+            listener.close()
+            proc.kill()
+        if "retrying" in err:  # the script ended while the watcher was inside torch
+            tried_inside_torch = True
+            break
+    assert tried_inside_torch
 
 
 def test_a_rank_leaves_when_its_store_stops_answering() -> None:

@@ -22,7 +22,7 @@ score = data + 2 x pipeline. Three facts, each valid for every placement:
   the smallest m_u. So score >= min(max(tau, D) + 2 P, D + 2 max(P, (r - 1) X + (stages - r)
   min m)) for every tau; the bound is the best over TAUS thresholds.
 
-tests/test_planner_scale.py checks the bound against exhaustive search on tiny instances. It is
+tests/planner/test_scale.py checks the bound against exhaustive search on tiny instances. It is
 still loose where the best plans mix both costs (a few groups spanning two sites, say).
 """
 

@@ -19,7 +19,7 @@ bandwidth b (Gbit/s) symmetrised by averaging both directions, sizes in GB:
 The pipeline link is the paper's published code (one direction, no factor 2 inside): with a
 factor 2 inside *and* the 2 of the score, the paper's own end points (14.75 s, 31.42 s) are
 below what any placement can cost; without it, they are exactly the scores of its striped
-placements. See tests/test_planner.py and bench/placement.py.
+placements. See tests/planner/test_search.py and bench/placement.py.
 """
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ import numpy as np
 EXACT_TOUR_MAX = 12
 """Stage counts up to this get an exact open tour (Held-Karp, 3 ms at 12 stages, 18 ms at 14);
 above, a heuristic tour (see `_heuristic_tour`; its gap on exactly solved instances is pinned in
-tests/test_planner_scale.py)."""
+tests/planner/test_scale.py)."""
 TOUR_STARTS = 2
 OR_OPT_MAX = 2
 """Longest run of nodes an Or-opt move relocates."""

@@ -9,7 +9,7 @@ through the model's cache, each starting from the parent's matching; above, only
 vectorised step, see CostModel.pipeline_on_bounds); every other group's cost and link is kept.
 The pipeline order is then recomputed from the link matrix: it is a function of the links only,
 so a partition's score never depends on the path that reached it, and incremental and full
-evaluation agree exactly (tests/test_planner_scale.py).
+evaluation agree exactly (tests/planner/test_scale.py).
 """
 
 from __future__ import annotations

@@ -11,12 +11,11 @@ import os
 import signal
 import subprocess
 import sys
-from pathlib import Path
 from types import ModuleType, SimpleNamespace
 
 import pytest
+from helpers.jobs import REPO
 
-REPO = Path(__file__).resolve().parents[2]
 BENCH = REPO / "bench"
 
 

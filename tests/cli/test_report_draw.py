@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import CLI, wait_for, write_spec
+from helpers.jobs import CLI, wait_for, write_spec
 
 from nebula_cli.cli.palette import cluster_colours
 from nebula_cli.control.follow import parse_metric

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from plan_defaults import relay_defaults
+from helpers.plan_defaults import relay_defaults
 
 from nebula_cli.config.codec_params import CodecParamSet, Int8Params, TopKParams
 from nebula_cli.config.relay_config import RelayConfig, RelayConfigError

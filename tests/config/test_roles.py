@@ -8,7 +8,7 @@ import json
 from pathlib import Path
 
 import pytest
-from plan_defaults import MINIMAL
+from helpers.plan_defaults import MINIMAL
 
 from nebula_cli.config import jobplan, plan_model, worlds
 from nebula_cli.config.parts import SYNC_CONFIG_ENV, SyncConfig

@@ -13,8 +13,14 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import CLI, job_processes, shm_leftovers, wait_for
-from test_checkpoint import _records, kill_rank, newest_checkpoint, slowed_ds_plain, wait_ended
+from helpers.checkpoint_jobs import (
+    _records,
+    kill_rank,
+    newest_checkpoint,
+    slowed_ds_plain,
+    wait_ended,
+)
+from helpers.jobs import CLI, job_processes, shm_leftovers, wait_for
 
 from nebula_cli.runtime.worldwatch import ABORT_EXIT
 

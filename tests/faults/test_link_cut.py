@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 import yaml
-from conftest import CLI, REMOTE_JOBS, REPO, job_processes, wait_for
+from helpers.jobs import CLI, REMOTE_JOBS, REPO, job_processes, wait_for
 from testbed import TestBed
 
 pytestmark = [pytest.mark.testbed, pytest.mark.slow]

@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 import yaml
-from conftest import CLI, REPO, job_processes, wait_for, write_spec
+from helpers.jobs import CLI, REPO, job_processes, wait_for, write_spec
 
 # The first attempt marks the workdir and waits to be stopped; the second one sees the mark
 # and ends at once (a stand-in for a worker that finds its checkpoint).

@@ -24,9 +24,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import REPO, wait_for
 from helpers.checkpoint_standins import StandInEngine, StandInSync
-from plan_defaults import default_checkpoint
+from helpers.jobs import REPO, wait_for
+from helpers.plan_defaults import default_checkpoint
 
 from nebula_cli.agent import leftovers
 from nebula_cli.config import staging
@@ -199,7 +199,7 @@ import json, os, sys
 import torch.distributed as dist
 sys.path.insert(0, {tests!r})
 from helpers.checkpoint_standins import StandInEngine, StandInSync
-from plan_defaults import default_checkpoint
+from helpers.plan_defaults import default_checkpoint
 from nebula_cli.runtime import checkpoint as ck
 
 rank, directory, store = int(sys.argv[1]), sys.argv[2], sys.argv[3]

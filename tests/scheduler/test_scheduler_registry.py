@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from plan_defaults import minimal_spec
+from helpers.plan_defaults import minimal_spec
 
 from nebula_cli.config.schedulers.registry import SCHEDULERS
 from nebula_cli.errors import UsageError

@@ -1,4 +1,4 @@
-"""`SlurmAllocator` apart from Slurm itself (tests/test_slurm_launch.py submits real jobs):
+"""`SlurmAllocator` apart from Slurm itself (tests/testbed/test_slurm_launch.py submits real jobs):
 what it calls an allocation and its states, and the login node's missing tools."""
 
 from __future__ import annotations

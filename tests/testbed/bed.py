@@ -89,7 +89,6 @@ class Host:
     sshd: bool = True
 
 
-
 class TestBed(Links, SshHosts):
     """Clusters of SSH hosts in network namespaces, joined by a shaped router. See module doc."""
 

@@ -1,6 +1,6 @@
 """`SlurmNodeConn`: a node of an allocation, its commands run as ``srun`` steps from the login
 node's transport, which every node shares. Here the login node is this machine and `srun` a
-stand-in that runs the step's command (tests/test_slurm_launch.py runs the real one)."""
+stand-in that runs the step's command (tests/testbed/test_slurm_launch.py runs the real one)."""
 
 from __future__ import annotations
 

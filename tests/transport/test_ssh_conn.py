@@ -1,6 +1,6 @@
 """`SshConn`: a host over SSH. Opening it connects nothing yet (paramiko connects on first use;
-tests/test_ssh_launch.py and tests/test_cheap_reads.py reach real sshds through it), and what
-tools set (known_hosts, a timeout, accepting new host keys) reaches the transport."""
+tests/testbed/test_ssh_launch.py and tests/e2e/test_cheap_reads.py reach real sshds through it),
+and what tools set (known_hosts, a timeout, accepting new host keys) reaches the transport."""
 
 from __future__ import annotations
 

@@ -9,7 +9,7 @@ from typing import Any, ClassVar
 
 import pytest
 import torch
-from plan_defaults import relay_defaults
+from helpers.plan_defaults import relay_defaults
 
 from nebula_cli.config.codec_params import (
     CODEC_PARAMS,

@@ -1,5 +1,6 @@
 """relay/process/worker_messages.py: the worker hop's requests and answers, typed (the real hop,
-client to relay, is exercised by test_relay.py and test_relay_local.py)."""
+client to relay, is exercised by tests/relay/process/test_server.py and
+tests/relay/net/test_local_socket.py)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """relay/protocol/fetch.py: an answer to a fetch is assembled from its header and its chunks,
-within the size this relay syncs (a peer's catch-up over real links is in test_relay.py and
-test_relay_recovery.py)."""
+within the size this relay syncs (a peer's catch-up over real links is in
+tests/relay/process/test_server.py and test_relay_recovery.py)."""
 
 from __future__ import annotations
 

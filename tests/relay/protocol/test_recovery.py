@@ -1,6 +1,7 @@
 """relay/protocol/recovery.py on its own: handed a RoundState and a network that answers from
 a table (peers' averages and states), it fetches, catches up, resyncs, averages alone and picks
-the final state. The whole path, several relays at once, is in test_relay_rounds.py."""
+the final state. The whole path, several relays at once, is in
+tests/relay/protocol/test_rounds.py."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from typing import Any
 
 import pytest
 import torch
-from plan_defaults import relay_defaults
+from helpers.plan_defaults import relay_defaults
 
 from nebula_cli.config.relay_config import RelayConfig
 from nebula_cli.relay.codecs.registry import get_codec

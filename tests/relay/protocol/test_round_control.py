@@ -1,6 +1,6 @@
 """relay/protocol/round_control.py on its own: one relay's round control with peers that are a
 recording network and a hand-set clock (the whole path, several relays at once, is in
-test_relay_rounds.py)."""
+tests/relay/protocol/test_rounds.py)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 import torch
-from plan_defaults import relay_defaults
+from helpers.plan_defaults import relay_defaults
 
 from nebula_cli.config.relay_config import RelayConfig
 from nebula_cli.relay.codecs.registry import get_codec

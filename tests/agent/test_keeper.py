@@ -1,0 +1,136 @@
+"""The keeper of a Slurm node (nebula_cli.agent.keeper), outside Slurm: real processes, a real
+abstract unix socket. What it starts outlives the call; it ends when its agents have; it
+serves only its own user; SIGTERM reaches its agents first."""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+
+import pytest
+from helpers.jobs import wait_for
+
+from nebula_cli.agent.procs import pid_alive
+
+PY = sys.executable
+# stands in for `nebula_cli.agent start`: forks a detached child that lives `seconds`, prints
+# {"agent_pid": ...} like the agent does, and returns at once
+DAEMON = """
+import json, os, sys, time, signal
+r, w = os.pipe()
+if os.fork():
+    os.close(w); print(json.dumps({"agent_pid": int(os.read(r, 32))})); sys.exit(0)
+os.setsid()
+if os.fork():
+    os._exit(0)
+os.write(w, str(os.getpid()).encode())
+null = os.open(os.devnull, os.O_RDWR)
+for fd in (0, 1, 2):  # as the agent's daemon does: the caller's pipes are not held open
+    os.dup2(null, fd)
+signal.signal(signal.SIGTERM, lambda *a: (open(sys.argv[2], "w").write("term"), os._exit(0)))
+for _ in range(int(float(sys.argv[1]) * 10)):
+    time.sleep(0.1)
+"""
+
+
+def call(name: str, *argv: str, env: dict[str, str] | None = None,
+         user: str | None = None) -> subprocess.CompletedProcess[str]:
+    prefix = ["setpriv", f"--reuid={user}", "--regid=nogroup", "--clear-groups"] if user else []
+    return subprocess.run([*prefix, PY, "-m", "nebula_cli.agent.keeper", "call", name,
+                           "--env-json", json.dumps(env or {}), "--", *argv],
+                          capture_output=True, text=True, timeout=60,
+                          env={**os.environ, "PYTHONPATH": os.getcwd()})
+
+
+@pytest.fixture
+def keeper() -> Iterator[tuple[str, subprocess.Popen[str]]]:
+    name = "test-" + secrets.token_hex(4)
+    proc = subprocess.Popen([PY, "-m", "nebula_cli.agent.keeper", "serve", name,
+                             "--idle-timeout", "30", "--exit-after-notice"],
+                            stdout=subprocess.PIPE, text=True)
+    try:
+        assert "ready" in (proc.stdout.readline() if proc.stdout else "")
+        yield name, proc
+    finally:
+        proc.kill()
+        proc.wait(timeout=10)
+
+
+def test_started_process_outlives_the_call_and_the_keeper_ends_after_it(
+        keeper: tuple[str, subprocess.Popen[str]], tmp_path) -> None:
+    name, proc = keeper
+    out = call(name, PY, "-c", DAEMON, "3", str(tmp_path / "t"), env={"X_FROM_CALLER": "1"})
+    assert out.returncode == 0, out.stderr
+    pid = json.loads(out.stdout)["agent_pid"]
+    assert pid_alive(pid)  # the call returned; what it started lives on
+    assert proc.poll() is None
+    wait_for(lambda: proc.poll() is not None, timeout=40)  # agent ended -> keeper ends
+    assert not pid_alive(pid) and proc.returncode == 0
+
+
+def test_caller_env_over_the_keepers_and_exit_codes_pass_through(
+        keeper: tuple[str, subprocess.Popen[str]]) -> None:
+    name, _ = keeper
+    out = call(name, "/bin/sh", "-c", 'echo "$X_CALLER:$HOME"; echo oops >&2; exit 7',
+               env={"X_CALLER": "mine"})
+    assert out.returncode == 7
+    assert out.stdout.strip() == f"mine:{os.environ['HOME']}" and out.stderr.strip() == "oops"
+
+
+def test_no_keeper_is_exit_3_with_the_reason() -> None:
+    out = call("absent-" + secrets.token_hex(4), "true")
+    assert out.returncode == 3 and "no nebula keeper" in out.stderr
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or shutil.which("setpriv") is None,
+                    reason="needs root and setpriv to act as another user")
+def test_another_user_is_not_served(keeper: tuple[str, subprocess.Popen[str]],
+                                    tmp_path) -> None:
+    name, _ = keeper
+    marker = tmp_path / "ran"
+    tmp_path.chmod(0o777)
+    out = call(name, "/bin/sh", "-c", f"touch {marker}", user="nobody")
+    assert out.returncode == 3, out  # the keeper closed the connection without an answer
+    assert not marker.exists()
+
+
+def test_sigterm_reaches_the_agents_first(keeper: tuple[str, subprocess.Popen[str]],
+                                          tmp_path) -> None:
+    name, proc = keeper
+    mark = tmp_path / "term"
+    out = call(name, PY, "-c", DAEMON, "60", str(mark))
+    pid = json.loads(out.stdout)["agent_pid"]
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=20) == 0
+    assert mark.read_text() == "term"
+    time.sleep(0.2)
+    assert not pid_alive(pid)
+
+
+def test_after_the_notice_it_waits_to_be_ended_unless_told_to_leave(tmp_path) -> None:
+    """In an allocation the scheduler ends the job after its notice and records why (TIMEOUT,
+    PREEMPTED): leaving first would make the job COMPLETED. Only outside one it leaves."""
+    name = "test-" + secrets.token_hex(4)
+    proc = subprocess.Popen([PY, "-m", "nebula_cli.agent.keeper", "serve", name,
+                             "--idle-timeout", "30"], stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None and "ready" in proc.stdout.readline()
+        mark = tmp_path / "term"
+        out = call(name, PY, "-c", DAEMON, "60", str(mark))
+        pid = json.loads(out.stdout)["agent_pid"]
+        proc.send_signal(signal.SIGTERM)
+        said = proc.stdout.readline()
+        assert "agents stopped on the scheduler's notice; waiting for it to end the job" in said
+        assert mark.read_text() == "term" and not pid_alive(pid)
+        time.sleep(1.0)
+        assert proc.poll() is None  # still there: the scheduler ends it
+    finally:
+        proc.kill()
+        proc.wait(timeout=10)

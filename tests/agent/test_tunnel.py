@@ -1,0 +1,240 @@
+"""The relay's SSH tunnels (`nebula_cli.agent.tunnel`) against a real sshd on 127.0.0.1: the key
+line a relay grants (and takes back), the `ssh -N -L` its peer keeps up, and what the key may
+not do."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import pwd
+import signal
+import socket
+import subprocess
+import sys
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from helpers.jobs import REPO, wait_for
+from helpers.sshd_bed import SSHD, Sshd, descendants, free_port, start_sshd
+
+from nebula_cli.agent import authkeys
+from nebula_cli.config import strict
+from nebula_cli.config.relay_plan import grant_line
+from nebula_cli.config.tunnel_config import TunnelConfig, TunnelDial, TunnelGrant
+from nebula_cli.pki import ssh_keypair
+
+needs_sshd = pytest.mark.skipif(os.geteuid() != 0 or not os.path.exists(SSHD),
+                                reason="needs root and openssh-server for a test sshd")
+
+
+def test_key_lines_are_added_and_removed_beside_the_others(tmp_path: Path) -> None:
+    path = tmp_path / "ssh" / "authorized_keys"
+    assert not authkeys.remove_tagged(str(path), ["x"])  # nothing there: nothing made
+    assert not path.parent.exists()
+    mine = "ssh-ed25519 AAAAmine user@laptop"
+    authkeys.add_lines(str(path), [mine])
+    assert path.stat().st_mode & 0o777 == 0o600 and path.parent.stat().st_mode & 0o777 == 0o700
+    path.chmod(0o640)  # a mode of its own is kept
+    a = "restrict ssh-ed25519 AAAAa nebula-tunnel:job1:x>y"
+    b = "restrict ssh-ed25519 AAAAb nebula-tunnel:job1:z>y"
+    other_job = "restrict ssh-ed25519 AAAAc nebula-tunnel:job2:x>y"
+    assert authkeys.add_lines(str(path), [a, b, other_job])
+    assert not authkeys.add_lines(str(path), [a])  # the same line again: no change
+    newer = a.replace("AAAAa", "AAAAn")
+    authkeys.add_lines(str(path), [newer])  # one line per tag: replaced
+    assert path.read_text().splitlines() == [mine, newer, b, other_job]
+    assert path.stat().st_mode & 0o777 == 0o640
+    authkeys.remove_tagged(str(path), prefix="nebula-tunnel:job1:")
+    assert path.read_text().splitlines() == [mine, other_job]
+    authkeys.remove_tagged(str(path), ["nebula-tunnel:job2:x>y"])
+    assert path.read_text() == mine + "\n"
+    assert sorted(p.name for p in path.parent.iterdir()) == ["authorized_keys"]
+    # sshd_config's tokens, as a site's AuthorizedKeysFile may use them
+    (tmp_path / "keys" / pwd.getpwuid(os.getuid()).pw_name).mkdir(parents=True)
+    authkeys.add_lines(str(tmp_path / "keys" / "%u" / "ak%%1"), [a])
+    assert (tmp_path / "keys" / pwd.getpwuid(os.getuid()).pw_name / "ak%1").read_text() == a + "\n"
+
+
+@contextlib.contextmanager
+def echo_server() -> Iterator[int]:
+    """A TCP echo server on 127.0.0.1 (the relay's stand-in); its port."""
+    server = socket.create_server(("127.0.0.1", 0))
+    server.settimeout(0.2)
+    stop = threading.Event()
+
+    def serve() -> None:
+        while not stop.is_set():
+            try:
+                conn, _ = server.accept()
+            except TimeoutError:
+                continue
+            with conn:
+                conn.sendall(conn.recv(100))
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    try:
+        yield server.getsockname()[1]
+    finally:
+        stop.set()
+        thread.join(5)
+        server.close()
+
+
+def echoes(port: int) -> bytes:
+    """What comes back through 127.0.0.1:port for b"ping" (b"" when the far end refuses)."""
+    with socket.create_connection(("127.0.0.1", port), timeout=5) as s:
+        s.sendall(b"ping")
+        try:
+            return s.recv(100)
+        except ConnectionResetError:
+            return b""
+
+
+@pytest.fixture
+def sshd(tmp_path: Path) -> Iterator[tuple[Sshd, Path]]:
+    """A test sshd on 127.0.0.1 whose AuthorizedKeysFile holds one line of its own."""
+    keys = tmp_path / "authorized_keys"
+    keys.write_text("ssh-ed25519 AAAAsomeoneelse admin@site\n")
+    server = start_sshd(tmp_path, "tunnelled", keys)
+    try:
+        yield server, keys
+    finally:
+        server.stop()
+
+
+def _config(tmp_path: Path, server: Sshd, keys: Path, targets: dict[str, int]
+            ) -> tuple[TunnelConfig, dict[str, int]]:
+    """A config that grants (on the test sshd) and dials (through it) one tunnel per target:
+    peer -> the relay port it may forward to. Also: peer -> its tunnel's local port."""
+    (tmp_path / "known_hosts").write_text(f"nebula-test-alias {server.pub_line}\n")
+    dial, grant, local = [], [], {}
+    for peer, port in targets.items():
+        private, public = ssh_keypair()
+        key = tmp_path / f"{peer}.key"
+        key.write_bytes(private)
+        key.chmod(0o600)
+        local[peer] = free_port()
+        tag = f"nebula-tunnel:job-t:{peer}>here"
+        grant.append(TunnelGrant(peer=peer, authorized_keys=str(keys), tag=tag,
+                                 line=grant_line([f"127.0.0.1:{port}"], public, tag, None)))
+        dial.append(TunnelDial(peer=peer, listen=f"127.0.0.1:{local[peer]}",
+                               target=f"127.0.0.1:{port}", host="127.0.0.1", port=server.port,
+                               user="root", key=str(key), known_hosts=str(tmp_path /
+                                                                          "known_hosts"),
+                               alias="nebula-test-alias",
+                               log=str(tmp_path / "logs" / f"tunnel-{peer}.log")))
+    cfg = TunnelConfig(job_id="job-t", cluster="here", keepalive=1, keepalive_count=3,
+                       dial=dial, grant=grant)
+    strict.write(cfg, tmp_path / "tunnels.json")
+    return cfg, local
+
+
+def _run(tmp_path: Path, command: list[str]) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [sys.executable, "-m", "nebula_cli.agent.tunnel", "run", "--config",
+         str(tmp_path / "tunnels.json"), "--", *command], cwd=REPO, text=True,
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+        start_new_session=True)
+
+
+CLIENT = """
+import json, socket, sys, time
+out = {}
+for name, port in json.loads(sys.argv[1]).items():
+    deadline = time.monotonic() + 20
+    while name not in out:
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=5) as s:
+                s.sendall(b"ping")
+                out[name] = s.recv(100).decode()
+        except ConnectionRefusedError:  # the tunnel is not up yet
+            if time.monotonic() > deadline:
+                out[name] = "no tunnel"
+            time.sleep(0.2)
+        except OSError:  # accepted, then closed by ssh: the far end refused the channel
+            out[name] = ""
+print(json.dumps(out), flush=True)
+"""
+
+
+@needs_sshd
+def test_a_tunnel_reaches_its_target_only_and_leaves_nothing(
+        tmp_path: Path, sshd: tuple[Sshd, Path]) -> None:
+    server, keys = sshd
+    before = keys.read_text()
+    with echo_server() as relay_port, echo_server() as other_port:
+        # "denied": a key allowed to reach relay_port only, asked to forward to another port
+        cfg, local = _config(tmp_path, server, keys, {"east": relay_port, "denied": relay_port})
+        cfg.dial[1] = TunnelDial(**{**cfg.dial[1].__dict__, "target": f"127.0.0.1:{other_port}"})
+        strict.write(cfg, tmp_path / "tunnels.json")
+        proc = _run(tmp_path, [sys.executable, "-c", CLIENT, json.dumps(local)])
+        out, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 0, out
+    said = json.loads(next(line for line in out.splitlines() if line.startswith("{")))
+    assert said == {"east": "ping", "denied": ""}, out
+    assert "tunnel keys removed from" in out
+    assert "tunnel to denied: ssh: channel" in out and "administratively prohibited" in out
+    assert "tunnel to east: ssh:" not in out, out  # a working tunnel says nothing
+    assert keys.read_text() == before  # the grants went away, the site's own line stayed
+    assert "Accepted publickey" in server.log.read_text()
+    assert not [p for p in descendants(os.getpid()) if _cmd(p).startswith("ssh ")]
+
+
+def _cmd(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+    except OSError:
+        return ""
+
+
+@needs_sshd
+def test_a_dead_tunnel_is_started_again_and_a_signal_ends_all(
+        tmp_path: Path, sshd: tuple[Sshd, Path]) -> None:
+    server, keys = sshd
+    with echo_server() as relay_port:
+        _, local = _config(tmp_path, server, keys, {"east": relay_port})
+        proc = _run(tmp_path, [sys.executable, "-c", "import time; time.sleep(300)"])
+        try:
+            wait_for(lambda: _works(local["east"]), timeout=20)
+            first = wait_for(lambda: _ssh_pids(proc.pid), timeout=10)
+            os.kill(first[0], signal.SIGKILL)  # the link's client dies (a cut, an OOM kill)
+            again = wait_for(lambda: [p for p in _ssh_pids(proc.pid) if p not in first],
+                             timeout=20)
+            assert again and wait_for(lambda: _works(local["east"]), timeout=20)
+            assert "nebula-tunnel:job-t:east>here" in keys.read_text()
+        finally:
+            proc.send_signal(signal.SIGTERM)
+            out, _ = proc.communicate(timeout=30)
+    assert proc.returncode == -signal.SIGTERM, out  # ended as the command did: by SIGTERM
+    assert "tunnel to east through root@127.0.0.1" in out and "again in 1 s" in out
+    assert "nebula-tunnel" not in keys.read_text()
+    assert not _ssh_pids(proc.pid)
+
+
+def _works(port: int) -> bool:
+    with contextlib.suppress(OSError):
+        return echoes(port) == b"ping"
+    return False
+
+
+def _ssh_pids(wrapper: int) -> list[int]:
+    return [p for p in descendants(wrapper) if _cmd(p).startswith("ssh ")]
+
+
+def test_ssh_missing_on_the_host_is_one_line(tmp_path: Path) -> None:
+    cfg = TunnelConfig(job_id="j", cluster="lab", keepalive=5, keepalive_count=3, grant=[],
+                       dial=[TunnelDial(peer="hpc", listen="127.0.0.1:1", target="127.0.0.1:2",
+                                        host="h", port=22, user="u", key="k", known_hosts="k",
+                                        alias="a", log=str(tmp_path / "l"))])
+    strict.write(cfg, tmp_path / "tunnels.json")
+    env = {**os.environ, "PATH": str(tmp_path)}  # no ssh on it
+    proc = subprocess.run([sys.executable, "-m", "nebula_cli.agent.tunnel", "run", "--config",
+                           str(tmp_path / "tunnels.json"), "--", "true"], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=30)
+    assert proc.returncode == 127
+    assert "ssh not found on this host (install openssh-client): relay lab cannot reach hpc" \
+        in proc.stdout

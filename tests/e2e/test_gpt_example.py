@@ -1,0 +1,262 @@
+"""examples/gpt: the small GPT, the bundled corpus and its split, and a real DeepSpeed run."""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import math
+import os
+import signal
+import socket
+import subprocess
+import sys
+import sysconfig
+import time
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+import torch
+from helpers.jobs import REPO
+
+from nebula_cli.agent.leftovers import remove_shm_buffers
+
+GPT_DIR = REPO / "examples" / "gpt"
+
+
+def _load(name: str, path: Path) -> ModuleType:
+    spec = importlib.util.spec_from_file_location(name, path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+gpt_model = _load("nebula_example_gpt_model", GPT_DIR / "model.py")
+gpt_data = _load("nebula_example_gpt_data", GPT_DIR / "data.py")
+make_corpus = _load("nebula_example_make_corpus", GPT_DIR / "data" / "make_corpus.py")
+
+
+def test_default_model_size_and_shapes() -> None:
+    torch.manual_seed(0)
+    model = gpt_model.GPT()
+    n = model.num_params()
+    assert 1_000_000 <= n <= 3_000_000, n
+    x, y = torch.randint(0, 256, (2, 2, 16))
+    logits, loss = model(x, y)
+    assert logits.shape == (2, 16, 256)
+    assert abs(loss.item() - math.log(256)) < 0.3  # untrained: close to uniform over bytes
+    assert model(x)[1] is None
+
+
+def test_same_seed_same_weights_and_attention_is_causal() -> None:
+    cfg = gpt_model.GPTConfig(d_model=64, n_layer=2, n_head=4, block_size=32)
+    torch.manual_seed(5)
+    a = gpt_model.GPT(cfg)
+    torch.manual_seed(5)
+    b = gpt_model.GPT(cfg)
+    for (na, pa), (nb, pb) in zip(a.named_parameters(), b.named_parameters(), strict=True):
+        assert na == nb and torch.equal(pa, pb)
+    x = torch.randint(0, 256, (1, 32))
+    y = x.clone()
+    y[0, 20:] = (y[0, 20:] + 1) % 256  # change only the future
+    with torch.no_grad():
+        la, _ = a(x)
+        lb, _ = a(y)
+    assert torch.allclose(la[0, :20], lb[0, :20], atol=1e-6)
+    assert not torch.allclose(la[0, 20:], lb[0, 20:])
+    with pytest.raises(ValueError, match="block_size"):
+        a(torch.zeros(1, 33, dtype=torch.long))
+
+
+def test_corpus_is_real_ascii_text_of_the_right_size() -> None:
+    data = gpt_data.load_corpus()
+    assert 300_000 <= len(data) <= 500_000
+    assert max(data) < 128
+    text = data.decode("ascii")
+    assert text.startswith("# ===== Lib/textwrap.py =====")
+    assert "def " in text and '"""' in text
+    notice = (GPT_DIR / "data" / "NOTICE.md").read_text()
+    assert "PYTHON SOFTWARE FOUNDATION LICENSE VERSION 2" in notice
+    assert hashlib.sha256(data).hexdigest() in notice
+
+
+def test_make_corpus_reproduces_the_bundled_file() -> None:
+    notice = (GPT_DIR / "data" / "NOTICE.md").read_text()
+    version = ".".join(map(str, sys.version_info[:3]))
+    if f"CPython {version}:" not in notice:
+        pytest.skip(f"corpus was cut from another Python than {version}")
+    text, used = make_corpus.build(Path(sysconfig.get_paths()["stdlib"]))
+    assert text.encode("ascii") == gpt_data.load_corpus()
+    assert used[0] == "textwrap.py" and len(used) <= len(make_corpus.SOURCES)
+
+
+def test_split_is_deterministic_disjoint_and_95_5() -> None:
+    data = gpt_data.load_corpus()
+    a = gpt_data.split_corpus(data)
+    b = gpt_data.split_corpus(data)
+    assert torch.equal(a.train, b.train) and torch.equal(a.eval, b.eval)
+    assert len(a.train) + len(a.eval) == len(data)
+    assert 0.04 <= len(a.eval) / len(data) <= 0.06
+    # Put the blocks back together: the two sides partition the corpus exactly.
+    block, every = gpt_data.BLOCK_BYTES, gpt_data.EVAL_EVERY
+    train, held = bytes(a.train.tolist()), bytes(a.eval.tolist())
+    rebuilt, ti, ei = [], 0, 0
+    for i in range(0, len(data), block):
+        n = len(data[i : i + block])
+        if (i // block) % every == every - 1:
+            rebuilt.append(held[ei : ei + n])
+            ei += n
+        else:
+            rebuilt.append(train[ti : ti + n])
+            ti += n
+    assert b"".join(rebuilt) == data and ti == len(train) and ei == len(held)
+
+
+def test_sampler_seeded_per_seed_cluster_rank() -> None:
+    split = gpt_data.split_corpus(gpt_data.load_corpus())
+
+    def first(seed: int, rank: int, cluster: int = 0) -> torch.Tensor:
+        s = gpt_data.BatchSampler(split.train, 4, 64, seed=seed, rank=rank, cluster=cluster)
+        x, y = s.next()
+        assert x.shape == y.shape == (4, 64)
+        assert torch.equal(x[:, 1:], y[:, :-1])  # y is x shifted by one byte
+        return x
+
+    assert torch.equal(first(1, 0), first(1, 0))
+    assert not torch.equal(first(1, 0), first(1, 1))
+    assert not torch.equal(first(1, 0), first(1, 0, cluster=1))
+    assert not torch.equal(first(1, 0), first(2, 0))
+
+
+def test_eval_batches_fixed_and_evaluate() -> None:
+    split = gpt_data.split_corpus(gpt_data.load_corpus())
+    a = gpt_data.eval_batches(split.eval, 3, 4, 32, seed=7)
+    b = gpt_data.eval_batches(split.eval, 3, 4, 32, seed=7)
+    assert len(a) == 3
+    for (x1, y1), (x2, y2) in zip(a, b, strict=True):
+        assert torch.equal(x1, x2) and torch.equal(y1, y2)
+    torch.manual_seed(0)
+    model = gpt_model.GPT(gpt_model.GPTConfig(d_model=32, n_layer=1, n_head=2, block_size=32))
+    model.train()
+    loss = gpt_data.evaluate(model, a)
+    assert math.isfinite(loss) and abs(loss - math.log(256)) < 0.5
+    assert model.training  # restored
+    assert math.isnan(gpt_data.evaluate(model, []))
+
+
+# --- a real 2-rank DeepSpeed run -------------------------------------------------------------
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _start_ranks(tmp_path: Path, *args: str) -> list[subprocess.Popen[bytes]]:
+    port = _free_port()
+    procs = []
+    for rank in range(2):
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("NEBULA_", "OMP_"))}
+        env.update(
+            RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", LOCAL_SIZE="2",
+            MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+            NEBULA_CLUSTER="local", NEBULA_HOST="h0",
+            NEBULA_METRICS_FILE=str(tmp_path / f"metrics-{rank}.jsonl"),
+            PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")])),
+        )  # fmt: skip
+        log = open(tmp_path / f"rank{rank}.log", "wb")  # noqa: SIM115 - closed with the process
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, "-u", "train.py", *args],
+                cwd=GPT_DIR,
+                env=env,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+            )
+        )
+        log.close()
+    _PORTS[procs[0].pid] = port
+    return procs
+
+
+_PORTS: dict[int, int] = {}  # first rank's pid -> its world's MASTER_PORT
+
+
+def _stop(procs: list[subprocess.Popen[bytes]]) -> None:
+    """End the ranks, then what DeepSpeed's CPU comm op left in /dev/shm for their world."""
+    for p in procs:
+        if p.poll() is None:
+            p.kill()
+    for p in procs:
+        p.wait(timeout=30)
+    port = _PORTS.pop(procs[0].pid, None)
+    if port is not None:
+        remove_shm_buffers({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
+
+
+def _wait(procs: list[subprocess.Popen[bytes]], tmp_path: Path, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    for p in procs:
+        p.wait(timeout=max(1.0, deadline - time.monotonic()))
+    logs = "\n".join((tmp_path / f"rank{r}.log").read_text()[-3000:] for r in range(2))
+    assert [p.returncode for p in procs] == [0, 0], logs
+
+
+def _records(tmp_path: Path) -> list[dict]:
+    lines = (tmp_path / "metrics-0.jsonl").read_text().splitlines()
+    return [json.loads(line) for line in lines]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_two_rank_deepspeed_run_loss_falls(tmp_path: Path) -> None:
+    procs = _start_ranks(tmp_path, "--steps", "20", "--log-every", "5", "--eval-every", "10")
+    try:
+        _wait(procs, tmp_path, timeout=500)  # includes a first-time JIT build (~80 s)
+    finally:
+        _stop(procs)
+    recs = _records(tmp_path)
+    # rank 1 logs only its final record: the checksum of its parameters, equal to rank 0's
+    (other,) = [json.loads(x) for x in (tmp_path / "metrics-1.jsonl").read_text().splitlines()]
+    assert other["final"] is True and other["rank"] == 1
+    assert other["param_sha256"] == recs[-1]["param_sha256"]
+    losses = [r["loss"] for r in recs if "loss" in r]
+    assert [r["step"] for r in recs if "loss" in r] == [1, 5, 10, 15, 20]
+    assert losses[0] > 4.5 and losses[-1] < losses[0] - 0.8, losses
+    assert all(r["cluster"] == "local" and r["host"] == "h0" and r["rank"] == 0 for r in recs)
+    assert all(r["tokens_per_s"] > 0 and r["lr"] > 0 for r in recs if "loss" in r and r["step"] > 1)
+    final = recs[-1]
+    assert final["final"] is True and final["step"] == 20
+    assert math.isfinite(final["eval_loss"]) and final["eval_loss"] < losses[0]
+    assert len(final["param_sha256"]) == 64
+    out = (tmp_path / "rank0.log").read_text()
+    assert "[nebula-metrics] " in out and "gpt: final step=20" in out
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_sigterm_finishes_the_step_and_exits_zero(tmp_path: Path) -> None:
+    procs = _start_ranks(tmp_path, "--steps", "100000", "--log-every", "2")
+    try:
+        metrics = tmp_path / "metrics-0.jsonl"
+        deadline = time.monotonic() + 500
+        while time.monotonic() < deadline:
+            if metrics.exists() and '"step":4,' in metrics.read_text():
+                break
+            assert all(p.poll() is None for p in procs), "a rank exited early"
+            time.sleep(0.5)
+        else:
+            pytest.fail("no metrics within the deadline")
+        for p in procs:
+            p.send_signal(signal.SIGTERM)
+        _wait(procs, tmp_path, timeout=120)
+    finally:
+        _stop(procs)
+    final = _records(tmp_path)[-1]
+    assert final["final"] is True and 4 <= final["step"] < 100000
+    assert math.isfinite(final["eval_loss"]) and len(final["param_sha256"]) == 64
+    assert "SIGTERM" in (tmp_path / "rank0.log").read_text()

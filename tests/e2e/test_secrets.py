@@ -1,0 +1,69 @@
+"""Key material on a real local launch: the job's CA key stays in the launching machine's state
+(<home>/jobs/<id>/pki), no host's job directory holds it; `nebula status` warns a week before the
+job's certificates expire."""
+
+from __future__ import annotations
+
+import datetime as dt
+from pathlib import Path
+
+from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from helpers.jobs import CLI, write_spec
+
+from nebula_cli import pki
+from nebula_cli.config.spec import JobSpec
+
+SPEC = """
+name: secret
+workdir: .
+run: echo "hello from $NEBULA_CLUSTER/$NEBULA_HOST"; sleep 60
+env: {API_TOKEN: s3cret}
+relay: {}
+clusters:
+  - {name: east, transport: local, hosts: [e1, e2]}
+  - {name: west, transport: local, hosts: [w1]}
+"""
+
+
+def key_forms(pem: bytes) -> dict[str, bytes]:
+    """Every form in which the CA key could be copied: PEM, DER, the bare private scalar."""
+    key = serialization.load_pem_private_key(pem, password=None)
+    assert isinstance(key, ec.EllipticCurvePrivateKey)
+    der = key.private_bytes(serialization.Encoding.DER, serialization.PrivateFormat.PKCS8,
+                            serialization.NoEncryption())
+    body = b"".join(pem.strip().splitlines()[1:-1])
+    return {"pem": pem.strip(), "pem body": body, "der": der,
+            "scalar": key.private_numbers().private_value.to_bytes(32, "big")}
+
+
+def test_the_ca_key_never_reaches_a_host_and_status_warns_before_expiry(
+        tmp_path: Path, cli: CLI) -> None:
+    proc = cli("launch", str(write_spec(tmp_path, SPEC)), "--detach", timeout=180)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    (job_id,) = cli.job_ids()
+    job_dir = cli.home / "jobs" / job_id
+    pki_dir = job_dir / "pki"
+    forms = key_forms((pki_dir / "ca.key").read_bytes())
+    host_files = [p for p in job_dir.rglob("*") if p.is_file() and pki_dir not in p.parents]
+    names = {p.name for p in host_files}
+    assert {"relay.key", "worker.key", "ca.pem"} <= names, names  # the hosts got their keys
+    agent_dirs = {p.parent for p in host_files if p.name == "agent.json"}
+    assert {d.relative_to(job_dir).parts[:2] for d in agent_dirs} >= {
+        ("east", "e1"), ("east", "e2"), ("west", "w1")}
+    for path in host_files:
+        data = path.read_bytes()
+        for form, needle in forms.items():
+            assert needle not in data, f"{path} holds the CA key ({form})"
+
+    status = cli("status", job_id, timeout=60)
+    assert status.returncode == 0 and "expire" not in status.stderr  # 90 days ahead
+    ends = pki.expiry(pki_dir)
+    days = JobSpec.model_fields["lifetime_days"].default
+    assert ends - dt.datetime.now(dt.UTC) > dt.timedelta(days=days - 1)
+
+    pki.renew_job_pki(pki_dir, valid_for=dt.timedelta(days=3))  # as if 87 days had passed
+    status = cli("status", job_id, timeout=60)
+    assert status.returncode == 0, status.stderr
+    assert "warning:" in status.stderr and "expire on" in status.stderr, status.stderr
+    assert "lifetime_days" in status.stderr

@@ -1,0 +1,127 @@
+"""The package's shape: docs/architecture.md names every module under its folder with its one
+job (and nothing that is gone), no import runs up a layer, and variants (transport kinds,
+schedulers) are routed by name in one place."""
+
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+
+import pytest
+from helpers.jobs import REPO
+
+PACKAGE = REPO / "nebula_cli"
+ARCHITECTURE = REPO / "docs" / "architecture.md"
+
+
+def _documented_modules() -> dict[str, str]:
+    """{"nebula_cli/relay/net/wire.py": its one job} from the doc's "Every module" section."""
+    text = ARCHITECTURE.read_text()
+    assert "\n## Every module\n" in text, "docs/architecture.md has no 'Every module' section"
+    section = text.split("\n## Every module\n", 1)[1].split("\n## ", 1)[0]
+    found: dict[str, str] = {}
+    folder = None
+    for line in section.splitlines():
+        if m := re.fullmatch(r"### `(nebula_cli(?:/[\w]+)*)/`", line.strip()):
+            folder = m.group(1)
+        elif m := re.match(r"- `([\w]+\.py)`: (.*)", line):
+            assert folder, f"a module before any folder: {line}"
+            found[f"{folder}/{m.group(1)}"] = m.group(2).strip()
+    return found
+
+
+def _modules() -> set[str]:
+    return {str(p.relative_to(REPO)) for p in PACKAGE.rglob("*.py")
+            if p.name != "__init__.py" and "__pycache__" not in p.parts}
+
+
+def test_the_architecture_names_every_module_and_nothing_that_is_gone() -> None:
+    documented, present = _documented_modules(), _modules()
+    missing = sorted(present - set(documented))
+    gone = sorted(set(documented) - present)
+    assert not missing, ("modules missing from docs/architecture.md's 'Every module' (`python3 "
+                         f"scripts/list-modules.py` prints lines to start from): {missing}")
+    assert not gone, f"docs/architecture.md names modules that are gone: {gone}"
+
+
+def test_every_module_says_its_one_job() -> None:
+    no_job = sorted(m for m, job in _documented_modules().items() if len(job) < 8)
+    no_doc = sorted(m for m in _modules()
+                    if not ast.get_docstring(ast.parse((REPO / m).read_text())))
+    assert not no_job, f"modules listed without their job: {no_job}"
+    assert not no_doc, f"modules without a docstring: {no_doc}"
+
+
+def _compares_to_transport_names(tree: ast.AST) -> list[int]:
+    lines = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Compare):
+            consts = [c for c in [node.left, *node.comparators] if isinstance(c, ast.Constant)]
+            if any(c.value in ("local", "ssh") for c in consts):
+                lines.append(node.lineno)
+    return lines
+
+
+def test_no_transport_branch_in_the_plan_or_the_control_plane() -> None:
+    files = [PACKAGE / "config" / "jobplan.py", *sorted((PACKAGE / "control").glob("*.py"))]
+    found = {f.name: lines for f in files
+             if (lines := _compares_to_transport_names(ast.parse(f.read_text())))}
+    assert not found, f"`== 'local'`-style branches: {found}"
+
+
+VARIANT_HOMES = ("config/schedulers/", "scheduler/", "transport/")
+"""Where schedulers and transport kinds are implemented and routed by name (registries)."""
+
+
+def _names_a_variant(node: ast.AST) -> bool:
+    """A comparison with a scheduler's or a transport kind's name, or a look at Slurm's
+    environment (`SLURM_JOB_ID`, ...)."""
+    if isinstance(node, ast.Compare):
+        consts = [c for c in [node.left, *node.comparators] if isinstance(c, ast.Constant)]
+        return any(c.value in ("slurm", "slurm-node") for c in consts)
+    return isinstance(node, ast.Constant) and isinstance(node.value, str) \
+        and node.value.startswith("SLURM_JOB")
+
+
+def test_schedulers_and_transport_kinds_are_routed_by_name_in_one_place() -> None:
+    found = {str(f.relative_to(PACKAGE)): lines for f in sorted(PACKAGE.rglob("*.py"))
+             if not str(f.relative_to(PACKAGE)).startswith(VARIANT_HOMES)
+             and (lines := [n.lineno for n in ast.walk(ast.parse(f.read_text()))
+                            if _names_a_variant(n)])}
+    assert not found, f"`scheduler == 'slurm'`-style branches outside their registries: {found}"
+
+
+def _imports(path: Path) -> set[str]:
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module:
+            names.add(node.module)
+        elif isinstance(node, ast.Import):
+            names.update(a.name for a in node.names)
+    return {n for n in names if n.startswith("nebula_cli")}
+
+
+@pytest.mark.parametrize("folder, forbidden", [
+    ("transport", ("nebula_cli.control", "nebula_cli.cli", "nebula_cli.config",
+                   "nebula_cli.scheduler")),
+    ("scheduler", ("nebula_cli.control", "nebula_cli.cli", "nebula_cli.agent",
+                   "nebula_cli.relay", "nebula_cli.runtime")),
+    ("agent", ("nebula_cli.control", "nebula_cli.cli", "nebula_cli.config.spec",
+               "nebula_cli.config.jobplan", "nebula_cli.transport", "nebula_cli.relay",
+               "nebula_cli.scheduler")),
+    ("relay", ("nebula_cli.control", "nebula_cli.cli", "nebula_cli.config.spec",
+               "nebula_cli.config.jobplan", "nebula_cli.transport", "nebula_cli.runtime")),
+    ("runtime", ("nebula_cli.control", "nebula_cli.cli", "nebula_cli.config.spec",
+                 "nebula_cli.config.jobplan", "nebula_cli.transport")),
+    ("config", ("nebula_cli.control", "nebula_cli.cli", "nebula_cli.transport",
+                "nebula_cli.relay", "nebula_cli.runtime", "nebula_cli.agent",
+                "nebula_cli.scheduler")),
+    ("control", ("nebula_cli.cli",)),
+    ("planner", ("nebula_cli.control", "nebula_cli.cli")),
+])
+def test_no_import_runs_up_a_layer(folder: str, forbidden: tuple[str, ...]) -> None:
+    bad = {f"{f.relative_to(PACKAGE)}: {name}"
+           for f in (PACKAGE / folder).rglob("*.py") for name in _imports(f)
+           if name.startswith(forbidden)}
+    assert not bad, sorted(bad)

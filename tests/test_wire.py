@@ -147,6 +147,8 @@ def test_every_frame_type_is_documented_and_distinct() -> None:
         "ERROR",
         "BYE",
         "ROUND",
+        "LABELS_ASK",
+        "LABELS",
     }
     assert len({int(t) for t in FrameType}) == len(names) and 0 not in {int(t) for t in FrameType}
     assert issubclass(WireError, NebulaError) and issubclass(ConnectionClosed, WireError)

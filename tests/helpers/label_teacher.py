@@ -58,7 +58,7 @@ def label_client(pki: Path, teachers: dict[str, str], cluster: str = "cloud",
 
 def answer(tokens: np.ndarray) -> SparseLabels:
     """Token t's labels: ids t+1 .. t+K (mod VOCAB), log-probabilities -0.5, -1.5, ..."""
-    ids = (tokens[:, None] + np.arange(1, K + 1)) % VOCAB
+    ids = (tokens.reshape(-1)[:, None] + np.arange(1, K + 1)) % VOCAB
     logp = np.broadcast_to(-0.5 - np.arange(K, dtype=np.float32), ids.shape).copy()
     return SparseLabels(ids, logp)
 

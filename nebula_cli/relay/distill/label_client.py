@@ -48,6 +48,7 @@ class Answer:
 class _Asked:
     payload: bytes
     tokens: int
+    width: int
     sent: float
     link: str | None = None
 
@@ -110,7 +111,9 @@ class LabelClient:
     # ------------------------------------------------------------------ asks and answers
 
     def ask(self, seq: int, tokens: np.ndarray) -> None:
-        """Ask for the soft labels of ``tokens`` (any shape; flattened), named ``seq``."""
+        """Ask for the soft labels of ``tokens`` (sequences: (batch, width), or one sequence),
+        named ``seq``."""
+        width = int(tokens.shape[-1]) if tokens.ndim else 1
         flat = np.ascontiguousarray(tokens, dtype="<u4").reshape(-1)
         if not 1 <= flat.size <= self.max_tokens:
             raise ValueError(f"an ask of {flat.size} tokens; distill.max_tokens is "
@@ -118,7 +121,8 @@ class LabelClient:
         with self._cond:
             if seq in self._asked or seq in self._answers:
                 raise ValueError(f"ask {seq} was already made")
-            self._asked[seq] = _Asked(flat.tobytes(), int(flat.size), time.monotonic())
+            self._asked[seq] = _Asked(flat.tobytes(), int(flat.size), width,
+                                       time.monotonic())
         self._assign()
 
     def take(self, seq: int, timeout: float | None) -> Answer | None:
@@ -132,6 +136,12 @@ class LabelClient:
             if out is not None:
                 self._asked.pop(seq, None)
             return out
+
+    def forget(self, seq: int) -> None:
+        """Give up ask ``seq`` (trained without its labels): an answer that comes is dropped."""
+        with self._cond:
+            self._asked.pop(seq, None)
+            self._answers.pop(seq, None)
 
     def outstanding(self) -> int:
         with self._cond:
@@ -153,8 +163,8 @@ class LabelClient:
                     load[name] += 1
                     a.link, a.sent = name, time.monotonic()
                     sends.append((name, self._links[name], seq, a))
-        for _, link, seq, a in sends:
-            link.send(LabelAsk(seq, a.tokens).to_frame(a.payload))  # a failure ends the link
+        for _, link, seq, a in sends:  # a failed send ends the link: its asks go elsewhere
+            link.send(LabelAsk(seq, a.tokens, a.width).to_frame(a.payload))
 
     # ------------------------------------------------------------------ links
 

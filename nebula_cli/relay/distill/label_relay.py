@@ -52,6 +52,7 @@ class _Ask:
     student: LabelLink
     seq: int
     tokens: int
+    width: int
     payload: bytes | bytearray
 
 
@@ -209,7 +210,8 @@ class LabelRelay:
                     raise WireError(f"a student sent {frame.type.name}; only asks are taken")
                 ask = LabelAsk.from_frame(frame, self.welcome.max_tokens)
                 with self._lock:
-                    self._pending.append(_Ask(link, ask.seq, ask.tokens, frame.payload))
+                    self._pending.append(_Ask(link, ask.seq, ask.tokens, ask.width,
+                                              frame.payload))
                     self._asks += 1
                 self._dispatch()
         except (WireError, OSError) as exc:
@@ -278,6 +280,7 @@ class LabelRelay:
                     continue
                 number = next(self._ids)
                 server.inflight[number] = ask
-                sends.append((server.link, LabelAsk(number, ask.tokens).to_frame(ask.payload)))
+                sends.append((server.link, LabelAsk(number, ask.tokens, ask.width).to_frame(
+                    ask.payload)))
         for link, frame in sends:
             link.send(frame)  # a failed send ends the link: its reader gives the ask back

@@ -77,20 +77,27 @@ class LabelWelcome:
 
 @dataclass(frozen=True)
 class LabelAsk:
-    """Soft labels asked for ``tokens`` token ids (the payload: ``tokens`` uint32s); ``seq``
-    names the ask to its asker (on a server's link: the relay's own number)."""
+    """Soft labels asked for ``tokens`` token ids (the payload: ``tokens`` uint32s, sequences
+    of ``width`` tokens one after the other); ``seq`` names the ask to its asker (on a
+    server's link: the relay's own number)."""
 
     seq: int
     tokens: int
+    width: int
 
     def to_frame(self, payload: bytes | bytearray | memoryview) -> Frame:
-        return Frame(FrameType.LABELS_ASK, {"seq": self.seq, "tokens": self.tokens}, payload)
+        return Frame(FrameType.LABELS_ASK, {"seq": self.seq, "tokens": self.tokens,
+                                            "width": self.width}, payload)
 
     @classmethod
     def from_frame(cls, frame: Frame, max_tokens: int) -> LabelAsk:
         f = Fields("LABELS_ASK", frame.meta)
         ask = cls(f.integer("seq", low=0, high=MAX_SEQ),
-                  f.integer("tokens", low=1, high=max_tokens))
+                  f.integer("tokens", low=1, high=max_tokens),
+                  f.integer("width", low=1, high=max_tokens))
+        if ask.tokens % ask.width:
+            raise MessageError(f"LABELS_ASK: {ask.tokens} tokens are not sequences of "
+                               f"{ask.width}")
         if len(frame.payload) != ask.tokens * TOKEN_BYTES:
             raise MessageError(f"LABELS_ASK: {ask.tokens} tokens in {len(frame.payload)} bytes")
         return ask

@@ -28,7 +28,8 @@ STOP_POLL_S = 0.1
 
 class ServeLink:
     """Answers the asks of the label relay at ``addr`` with ``answer(token_ids) ->
-    SparseLabels`` (ids over ``vocab`` tokens), until ``stop``."""
+    SparseLabels`` (token_ids: int64 (sequences, width); the labels of every position, row
+    by row, their ids over ``vocab`` tokens), until ``stop``."""
 
     def __init__(self, addr: str, ctx: ssl.SSLContext, *, job_id: str, cluster: str,
                  vocab: int, answer: Callable[[np.ndarray], SparseLabels],
@@ -74,6 +75,7 @@ class ServeLink:
                     raise WireError(f"the label relay sent {frame.type.name}")
                 ask = LabelAsk.from_frame(frame, link.max_payload // TOKEN_BYTES)
                 tokens = np.frombuffer(frame.payload, dtype="<u4").astype(np.int64)
+                tokens = tokens.reshape(-1, ask.width)
                 labels = self.answer(tokens)
                 if labels.rows != ask.tokens:
                     raise ValueError(f"answer gave {labels.rows} rows for {ask.tokens} tokens")

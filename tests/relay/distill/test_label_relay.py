@@ -114,7 +114,7 @@ def test_an_ask_over_the_bound_ends_the_link(pki: Path, closing: list) -> None:
     with contextlib.closing(tls):
         send_frame(tls, LabelHello(JOB, Side.STUDENT).to_frame())
         assert recv_frame(tls).type is FrameType.WELCOME
-        send_frame(tls, LabelAsk(0, 17).to_frame(bytes(17 * 4)))  # over max_tokens
+        send_frame(tls, LabelAsk(0, 17, 17).to_frame(bytes(17 * 4)))  # over max_tokens
         with pytest.raises(WireError):
             tls.settimeout(5)
             recv_frame(tls)  # the relay ended the link (closed, no answer)

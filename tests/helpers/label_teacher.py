@@ -15,6 +15,9 @@ from pathlib import Path
 
 import numpy as np
 
+from nebula_cli.config.distill_config import DistillConfig
+from nebula_cli.config.distill_spec import DistillSpec
+from nebula_cli.config.relay_config import TlsFiles
 from nebula_cli.pki import CertPair, client_context
 from nebula_cli.pki.certs import issue_job_pki
 from nebula_cli.relay.distill.label_client import LabelClient
@@ -38,6 +41,21 @@ def job_pki(root: Path) -> Path:
 def worker_ctx(pki: Path, cluster: str, host: str) -> ssl.SSLContext:
     pair = CertPair(pki / cluster / f"worker-{host}.pem", pki / cluster / f"worker-{host}.key")
     return client_context(pair, pki / "ca.pem")
+
+
+def distill_cfg(pki: Path, cluster: str, host: str, *, teachers: dict[str, str],
+                listen: str = "", **kw: object) -> DistillConfig:
+    """A distill.json as the plan writes it (the spec's defaults, ``kw`` replaced)."""
+    d = DistillSpec()
+    fields: dict[str, object] = dict(
+        job_id=JOB, cluster=cluster, teacher=bool(listen), listen=listen, teachers=teachers,
+        students=["cloud"], tls=TlsFiles(str(pki / "ca.pem"),
+                                         str(pki / cluster / f"worker-{host}.pem"),
+                                         str(pki / cluster / f"worker-{host}.key")),
+        topk=K, temperature=d.temperature, alpha=d.alpha, lookahead=d.lookahead,
+        when_no_teacher=d.when_no_teacher, values=d.values, max_tokens=d.max_tokens,
+        wait_s=d.wait_s, dead_after=1.0, model=None, batch_tokens=None)
+    return DistillConfig(**(fields | kw))  # type: ignore[arg-type]
 
 
 def label_relay(pki: Path, cluster: str = "lab", **kw: object) -> LabelRelay:

@@ -154,6 +154,13 @@ class ClusterSpec(SpecModel):
         return []
 
     @property
+    def averages(self) -> bool:
+        """Whether the cluster takes part in the outer rounds (its role's relay services hold
+        `RelayService.AVERAGE`: `train`; tests/config/test_roles.py checks the two agree). A
+        teacher's cluster runs no averaging relay."""
+        return self.role == "train"
+
+    @property
     def scheduling(self) -> Scheduler:
         """What its `scheduler:` means for the spec and the plan (`config.schedulers`)."""
         return scheduler_named(self.scheduler)

@@ -8,10 +8,11 @@ from pathlib import Path
 
 import pytest
 
-from nebula_cli.config import plan_model, strict
+from nebula_cli.config import jobplan, plan_model, strict
 from nebula_cli.config.distill_config import DistillConfig
 from nebula_cli.config.distill_plan import distill_config, labels_port
 from nebula_cli.config.distill_spec import DistillSpec
+from nebula_cli.config.relay_config import RelayConfig
 from nebula_cli.config.spec import JobSpec, parse_spec
 from nebula_cli.config.worlds import site_key
 from nebula_cli.errors import SpecError
@@ -105,3 +106,23 @@ def test_each_cluster_gets_its_view_of_the_distillation(tmp_path: Path) -> None:
     path.write_text(json.dumps(data))
     with pytest.raises(Exception, match="topk"):
         DistillConfig.load(path)
+
+
+def test_the_plan_runs_no_averaging_relay_on_a_teacher_and_names_none_to_students(
+        tmp_path: Path) -> None:
+    spec = parse(SPEC.replace("    hosts: [s1]\n", "    hosts: [s1]\n  - name: edge\n"
+                              "    transport: local\n    hosts: [e1]\n"))
+    site_of = sites(spec)
+    ports = plan_model.Ports(masters={c.name: 29500 + i for i, c in enumerate(spec.clusters)},
+                             relays={c.name: (29400, 29401) for c in spec.clusters})
+    certs = plan_model.Certs(ca=b"CA", relays={c.name: (b"c", b"k") for c in spec.clusters},
+                             workers={k: (b"c", b"k") for k in site_of})
+    plan = jobplan.build_plan(spec, "job-1", sites=site_of, ports=ports, certs=certs)
+    assert sorted(a.cluster for a in plan.role(plan_model.RELAY)) == ["cloud", "edge"]
+    relay = next(a for a in plan.role(plan_model.RELAY) if a.cluster == "cloud")
+    (tmp_path / "relay.json").write_bytes(relay.files["relay.json"])
+    cfg = RelayConfig.load(tmp_path / "relay.json")
+    assert set(cfg.clusters) == {"cloud", "edge"} and set(cfg.peers) == {"edge"}
+    teacher = next(a for a in plan.role(plan_model.WORKER) if a.cluster == "lab")
+    assert "distill.json" in teacher.files and "sync.json" not in teacher.files
+    assert teacher.config.processes[0].argv == ["/bin/sh", "-c", "python serve.py"]

@@ -68,6 +68,13 @@ def test_the_specs_role_names_are_the_registrys() -> None:
     assert ClusterSpec.model_fields["role"].default == DEFAULT_ROLE
 
 
+def test_a_cluster_averages_when_its_role_takes_part_in_the_averaging() -> None:
+    spec = teacher_spec()
+    for cluster in spec.clusters:
+        assert cluster.averages == (RelayService.AVERAGE in role_of(cluster).relay_services)
+    assert [c.averages for c in spec.clusters] == [False, True]
+
+
 TEACHER = """distill: {topk: 8}
 """, ("  - {name: east, transport: local, hosts: [e1]}",
       "  - {name: east, transport: local, hosts: [e1], role: teacher, run: python serve.py}")

@@ -23,6 +23,7 @@ import argparse
 import contextlib
 import datetime as dt
 import json
+import shutil
 import socket
 import sys
 import tempfile
@@ -122,6 +123,14 @@ def train_student(args: argparse.Namespace, batches: list[torch.Tensor], held: t
 
 
 def main() -> None:
+    work = Path(tempfile.mkdtemp(prefix="nebula-bench-distill-"))
+    try:
+        run(work)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def run(work: Path) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="fewer steps (fits 20 minutes on 2 cores)")
     p.add_argument("--json", action="store_true", help="the last line is the figures as JSON")
@@ -134,7 +143,6 @@ def main() -> None:
     args = p.parse_args()
     teacher_steps, student_steps = (300, 120) if args.quick else (1500, 600)
     torch.set_num_threads(2)
-    work = Path(tempfile.mkdtemp(prefix="nebula-bench-distill-"))
     tok = train_tokenizer(work / "bpe.json")
     vocab = tok.get_vocab_size()
     train, held_stream = token_split(tok)

@@ -10,6 +10,7 @@ from typing import Annotated, Literal
 
 from pydantic import AfterValidator, Field, PrivateAttr, field_validator, model_validator
 
+from nebula_cli.config.distill_spec import TeacherSpec
 from nebula_cli.config.fields import EnvDict, HostName, Interface, Jump, Name, Program
 from nebula_cli.config.hosts import HostSpec
 from nebula_cli.config.schedulers.base import Scheduler
@@ -78,6 +79,15 @@ class ClusterSpec(SpecModel):
     cluster; one batch job (see `slurm`) holds the nodes that run the workers."""
     slurm: SlurmSpec | None = None
     """What to ask Slurm for (scheduler: slurm)."""
+    role: Literal["train", "teacher"] = "train"  # the names in config.roles.registry
+    """What the cluster does: 'train' (its workers train and average with the other training
+    clusters), or 'teacher' (its workers serve soft labels to the training clusters; see the
+    job's `distill:`)."""
+    run: str | None = Field(None, min_length=1)
+    """The cluster's own command, instead of the job's `run` (a teacher's server). Default:
+    the job's `run`."""
+    teacher: TeacherSpec | None = None
+    """role: teacher: the built-in server for a Hugging Face causal LM (instead of `run`)."""
 
     _login: HostSpec | None = PrivateAttr(None)
 
@@ -123,12 +133,32 @@ class ClusterSpec(SpecModel):
             if other is not scheduling and other.section(self) is not None:
                 problems.append(((other.name,), f"`{other.name}:` needs `scheduler: "
                                                 f"{other.name}` in this cluster"))
+        problems += self._role_problems()
         if self.gateway is not None and self.gateway not in names:
             problems.append((("gateway",), f"gateway {self.gateway!r} is not one of this "
                                            f"cluster's hosts: {', '.join(names)}"))
         if problems:
             raise problems_error(problems)
         return self
+
+    def _role_problems(self) -> list[tuple[PathKey, str]]:
+        if self.teacher is not None and self.role != "teacher":
+            return [(("teacher",), "`teacher:` is for a cluster with `role: teacher`")]
+        if self.role == "teacher" and self.teacher is not None and self.run is not None:
+            return [(("teacher",), "a teacher runs either its own `run` or the built-in "
+                                   "server of `teacher:`; remove one")]
+        if self.role == "teacher" and self.teacher is None and self.run is None:
+            return [(("role",), "a teacher cluster needs its server: `run: <command>` (a "
+                                "script calling nebula_cli.distill.serve) or `teacher: {model: "
+                                "<Hugging Face model directory>}`")]
+        return []
+
+    @property
+    def averages(self) -> bool:
+        """Whether the cluster takes part in the outer rounds (its role's relay services hold
+        `RelayService.AVERAGE`: `train`; tests/config/test_roles.py checks the two agree). A
+        teacher's cluster runs no averaging relay."""
+        return self.role == "train"
 
     @property
     def scheduling(self) -> Scheduler:

@@ -87,12 +87,13 @@ def auto_codec(spec: JobSpec) -> AutoCodec | None:
 
 def relay_agents(spec: JobSpec, job_id: str, sites: dict[str, Site], ports: Ports,
                   certs: Certs | None) -> list[AgentPlan]:
-    """One relay agent per cluster, on its gateway, with relay.json and its certificates."""
+    """One relay agent per averaging cluster (not a teacher's), on its gateway, with relay.json
+    and its certificates."""
     if spec.relay is None:
         return []
     assert certs is not None  # build_plan's contract
     plans = []
-    for cluster in spec.clusters:
+    for cluster in (c for c in spec.clusters if c.averages):
         gateway = cluster.gateway_host
         site = _gateway_site(cluster, sites)
         job_root = job_root_of(site, job_id)
@@ -134,6 +135,7 @@ def relay_config(spec: JobSpec, job_id: str, cluster: ClusterSpec, adir: str, po
     def dial_address(c: ClusterSpec) -> str:
         return c.relay_address or _gateway_site(c, sites).address
 
+    by_name = {c.name: c for c in spec.clusters}
     tunnelled = {link.dialled: _tunnel_listen(link, ports) for link in spec.links()
                  if link.dialer == cluster.name and link.tunnel}
     site = _gateway_site(cluster, sites)
@@ -146,12 +148,12 @@ def relay_config(spec: JobSpec, job_id: str, cluster: ClusterSpec, adir: str, po
     return RelayConfig(
         job_id=job_id,
         cluster=cluster.name,
-        clusters=spec.dial_order,
+        clusters=[n for n in spec.dial_order if by_name[n].averages],
         peer_listen=f"{bind}:{peer_port}",
         worker_listen=f"{site.bind}:{worker_port}",
         worker_socket=posixpath.join(adir, WORKER_SOCKET),
         peers={c.name: tunnelled.get(c.name) or f"{dial_address(c)}:{ports.relays[c.name][0]}"
-               for c in spec.clusters if c.name != cluster.name},
+               for c in spec.clusters if c.name != cluster.name and c.averages},
         tls=tls_files(adir, RELAY),
         codec=relay.compression.codec,
         error_feedback=relay.compression.error_feedback,

@@ -25,6 +25,7 @@ from pydantic import (
 from nebula_cli.config import pipeline, reach, specfile
 from nebula_cli.config import yaml_positions as yp
 from nebula_cli.config.cluster import ClusterSpec
+from nebula_cli.config.distill_spec import DistillSpec, TeacherSpec
 from nebula_cli.config.fields import (
     EnvDict,
     Name,
@@ -47,9 +48,10 @@ from nebula_cli.config.yaml_positions import PathKey, describe, problems_error
 from nebula_cli.errors import SpecError
 
 __all__ = [
-    "MAX_PROCESSES", "MAX_SLOTS", "CheckpointSpec", "ClusterSpec", "CompressionSpec", "HostSpec",
+    "MAX_PROCESSES", "MAX_SLOTS", "CheckpointSpec", "ClusterSpec", "CompressionSpec", "DistillSpec",
+    "HostSpec",
     "JobSpec", "MetricsSpec", "ParallelismSpec", "RelaySpec", "RuntimeSpec", "ShapingSpec",
-    "SlurmSpec", "SpecModel", "SyncSpec", "load_spec", "parse_spec", "redact_env",
+    "SlurmSpec", "SpecModel", "SyncSpec", "TeacherSpec", "load_spec", "parse_spec", "redact_env",
 ]
 
 MAX_PROCESSES = 65536
@@ -98,6 +100,8 @@ class JobSpec(SpecModel):
     """Relay settings. Default: none (clusters train independently)."""
     checkpoint: CheckpointSpec | None = None
     """Checkpoint settings. Default: none."""
+    distill: DistillSpec | None = None
+    """Distillation from the job's teacher clusters (`role: teacher`). Default: none."""
     parallelism: ParallelismSpec | None = None
     """Pipeline parallelism across the clusters. Default: none (data parallel, per cluster)."""
     runtime: RuntimeSpec = Field(default_factory=RuntimeSpec)
@@ -173,6 +177,10 @@ class JobSpec(SpecModel):
                         f"(clusters[{oc}].hosts[{oh}]); a host belongs to one cluster")))
         if not self.run_launcher and (found := own_launcher(self.run)) is not None:
             problems.append((("run",), found.advice()))
+        for ci, cluster in enumerate(self.clusters):
+            if (cluster.run and not self.run_launcher
+                    and (found := own_launcher(cluster.run)) is not None):
+                problems.append((("clusters", ci, "run"), found.advice()))
         if isinstance(self.deepspeed, str):
             try:
                 _read_ds_config(Path(self.workdir) / self.deepspeed)
@@ -187,9 +195,30 @@ class JobSpec(SpecModel):
             problems += self._check_min_clusters()
         if self.relay is not None and len(self.clusters) > 1:
             problems += reach.problems(self.clusters)
+        problems += self._check_distill()
         if problems:
             raise problems_error(problems)
         return self
+
+    def _check_distill(self) -> list[tuple[PathKey, str]]:
+        """Teachers and `distill:` come together, with a relay and at least one student."""
+        teachers = [i for i, c in enumerate(self.clusters) if c.role == "teacher"]
+        if not teachers:
+            return [] if self.distill is None else [(("distill",), (
+                "`distill:` needs a cluster with `role: teacher` (the one serving soft "
+                "labels)"))]
+        first = ("clusters", teachers[0], "role")
+        if self.distill is None:
+            return [(first, "a teacher cluster needs the job's `distill:` section (e.g. "
+                            "distill: {topk: 32, temperature: 2.0})")]
+        if self.relay is None:
+            return [(first, "soft labels travel through the relays: add `relay: {}`")]
+        if len(teachers) == len(self.clusters):
+            return [(first, "every cluster is a teacher; distillation needs at least one "
+                            "training cluster (role: train, the default)")]
+        if self.parallelism is not None:
+            return [(("parallelism",), "a pipeline cannot be combined with a teacher cluster")]
+        return []
 
     def _check_min_clusters(self) -> list[tuple[PathKey, str]]:
         n = len(self.clusters)

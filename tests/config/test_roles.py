@@ -5,18 +5,26 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import typing
 from pathlib import Path
 
 import pytest
 from helpers.plan_defaults import MINIMAL
 
 from nebula_cli.config import jobplan, plan_model, worlds
-from nebula_cli.config.parts import SYNC_CONFIG_ENV, SyncConfig
+from nebula_cli.config.distill_config import DISTILL_CONFIG_ENV, DistillConfig
+from nebula_cli.config.parts import (
+    METRICS_FILE_ENV,
+    RUNTIME_HOOK_DIR,
+    SYNC_CONFIG_ENV,
+    SyncConfig,
+)
 from nebula_cli.config.roles.registry import DEFAULT_ROLE, ROLES, role_named, role_of
 from nebula_cli.config.roles.services import RelayService
+from nebula_cli.config.roles.teacher import BUILTIN_SERVER, TeacherRole
 from nebula_cli.config.roles.train import TrainRole
 from nebula_cli.config.roles.worker_host import WorkerHost
-from nebula_cli.config.spec import JobSpec, parse_spec
+from nebula_cli.config.spec import ClusterSpec, JobSpec, parse_spec
 from nebula_cli.errors import UsageError
 from nebula_cli.transport.ssh_conn import SshConn
 
@@ -47,10 +55,66 @@ def at(spec: JobSpec) -> WorkerHost:
 
 
 def test_every_cluster_trains_and_an_unknown_role_names_the_roles() -> None:
-    assert set(ROLES) == {"train"} and DEFAULT_ROLE in ROLES
+    assert set(ROLES) == {"train", "teacher"} and DEFAULT_ROLE in ROLES
     assert all(isinstance(role_of(c), TrainRole) for c in spec_of().clusters)
-    with pytest.raises(UsageError, match="unknown job role 'teacher'; the roles are: train"):
-        role_named("teacher")
+    with pytest.raises(UsageError, match="unknown job role 'student'; the roles are: teacher, "
+                                         "train"):
+        role_named("student")
+
+
+def test_the_specs_role_names_are_the_registrys() -> None:
+    role_field = ClusterSpec.model_fields["role"].annotation
+    assert set(typing.get_args(role_field)) == set(ROLES)
+    assert ClusterSpec.model_fields["role"].default == DEFAULT_ROLE
+
+
+def test_a_cluster_averages_when_its_role_takes_part_in_the_averaging() -> None:
+    spec = teacher_spec()
+    for cluster in spec.clusters:
+        assert cluster.averages == (RelayService.AVERAGE in role_of(cluster).relay_services)
+    assert [c.averages for c in spec.clusters] == [False, True]
+
+
+TEACHER = """distill: {topk: 8}
+""", ("  - {name: east, transport: local, hosts: [e1]}",
+      "  - {name: east, transport: local, hosts: [e1], role: teacher, run: python serve.py}")
+
+
+def teacher_spec(run: bool = True) -> JobSpec:
+    extra, (old, new) = TEACHER
+    text = MINIMAL.replace(old, new if run else new.replace(", run: python serve.py",
+                                                            ", teacher: {model: m}"))
+    return parse_spec(text + extra, base_dir=Path(__file__).parent)
+
+
+def test_a_teacher_serves_soft_labels_with_its_own_run_and_no_training_hook() -> None:
+    spec = teacher_spec()
+    role, here = role_of(spec.clusters[0]), at(spec)
+    assert isinstance(role, TeacherRole)
+    assert role.relay_services == frozenset({RelayService.SOFT_LABELS})
+    assert role.command(here) == ["/bin/sh", "-c", "python serve.py"]
+    env = role.environment(here, {"PYTHONPATH": f"/x/{'/'.join(RUNTIME_HOOK_DIR)}:/lib",
+                                  METRICS_FILE_ENV: "m.jsonl"})
+    assert env == {"PYTHONPATH": "/lib", METRICS_FILE_ENV: "m.jsonl"}
+    builtin = teacher_spec(run=False)
+    assert role.command(at(builtin)) == ["python3", "-m", BUILTIN_SERVER]
+
+
+def test_teacher_and_students_get_distill_json(tmp_path: Path) -> None:
+    spec = teacher_spec()
+    here = at(spec)
+    named, files = TeacherRole().files(here)
+    assert named == {DISTILL_CONFIG_ENV: f"{here.agent_dir}/distill.json"}
+    assert set(files) == {"distill.json", *plan_model.cert_names(plan_model.WORKER)}
+    (tmp_path / "t.json").write_bytes(files["distill.json"])
+    cfg = DistillConfig.load(tmp_path / "t.json")
+    assert cfg.teacher and cfg.students == ["west"] and cfg.topk == 8
+    student = dataclasses.replace(here, cluster=spec.clusters[1], host=spec.clusters[1].hosts[0])
+    named, files = TrainRole().files(student)
+    assert set(named) == {DISTILL_CONFIG_ENV, SYNC_CONFIG_ENV}
+    (tmp_path / "s.json").write_bytes(files["distill.json"])
+    cfg = DistillConfig.load(tmp_path / "s.json")
+    assert not cfg.teacher and list(cfg.teachers) == ["east"] and cfg.cluster == "west"
 
 
 def test_training_clusters_take_part_in_the_averaging() -> None:

@@ -1,18 +1,19 @@
 """The job roles by name: the one place a cluster's role is routed.
 
-Every cluster trains until the spec names roles (the distillation issue adds `role:` to a
-cluster, read in `role_of`). A new role is its module here (a `JobRole`) and one line in
-`ROLES`.
+A cluster's `role:` (`config/cluster.py`, its names those of `ROLES`) is read in `role_of`.
+A new role is its module here (a `JobRole`), one line in `ROLES` and its name in the spec's
+list.
 """
 
 from __future__ import annotations
 
 from nebula_cli.config.roles.base import JobRole
+from nebula_cli.config.roles.teacher import TeacherRole
 from nebula_cli.config.roles.train import TrainRole
 from nebula_cli.config.spec import ClusterSpec
 from nebula_cli.errors import UsageError
 
-ROLES: dict[str, JobRole] = {r.name: r for r in (TrainRole(),)}
+ROLES: dict[str, JobRole] = {r.name: r for r in (TrainRole(), TeacherRole())}
 DEFAULT_ROLE = "train"
 """What a cluster runs unless the spec says otherwise."""
 
@@ -28,4 +29,4 @@ def role_named(name: str) -> JobRole:
 
 def role_of(cluster: ClusterSpec) -> JobRole:
     """What `cluster` runs."""
-    return role_named(DEFAULT_ROLE)
+    return role_named(cluster.role)

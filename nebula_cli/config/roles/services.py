@@ -10,3 +10,6 @@ class RelayService(enum.Enum):
 
     AVERAGE = "average"
     """The outer rounds: every training cluster's contribution averaged with its peers'."""
+    SOFT_LABELS = "soft_labels"
+    """Distillation: a teacher cluster's label relay answers the training clusters' requests
+    (token ids in, sparse soft labels out; `nebula_cli.relay.distill`)."""

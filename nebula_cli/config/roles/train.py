@@ -12,6 +12,7 @@ from nebula_cli.config.parts import SYNC_CONFIG_ENV
 from nebula_cli.config.plan_model import WORKER, cert_names
 from nebula_cli.config.relay_plan import relay_addr, relay_socket
 from nebula_cli.config.roles.services import RelayService
+from nebula_cli.config.roles.teacher import distill_files
 from nebula_cli.config.roles.worker_host import WorkerHost
 from nebula_cli.config.runtime_hook import with_runtime_hook
 from nebula_cli.config.sync_plan import sync_config
@@ -27,16 +28,18 @@ class TrainRole:
     relay_services = frozenset({RelayService.AVERAGE})
 
     def command(self, at: WorkerHost) -> list[str]:
-        return ["/bin/sh", "-c", at.spec.run]
+        return ["/bin/sh", "-c", at.cluster.run or at.spec.run]
 
     def environment(self, at: WorkerHost, env: dict[str, str]) -> dict[str, str]:
         return with_runtime_hook(env, at.site, at.job_root) if at.spec.runtime.auto else env
 
     def files(self, at: WorkerHost) -> tuple[dict[str, str], dict[str, bytes]]:
-        """With a relay: sync.json (`SYNC_CONFIG_ENV` names it) and the workers' PEM files."""
+        """With a relay: sync.json (`SYNC_CONFIG_ENV` names it) and the workers' PEM files;
+        with `distill:` also distill.json (a student's)."""
         spec, cluster, host = at.spec, at.cluster, at.host
         if spec.relay is None:
             return {}, {}
+        named, files = distill_files(at) if spec.distill is not None else ({}, {})
         assert at.certs is not None  # build_plan's contract
         sync = sync_config(spec, at.job_id, cluster, at.agent_dir,
                            relay_addr=relay_addr(spec, cluster, at.sites, at.ports),
@@ -44,6 +47,6 @@ class TrainRole:
                            checkpoint=checkpoint_settings(spec, at.job_id, at.job_root,
                                                           cluster, host))
         cert, key = at.certs.workers[site_key(cluster, host)]
-        files = {SYNC_FILE: strict.dumps(sync),
-                 **dict(zip(cert_names(WORKER), (at.certs.ca, cert, key), strict=True))}
-        return {SYNC_CONFIG_ENV: posixpath.join(at.agent_dir, SYNC_FILE)}, files
+        files |= {SYNC_FILE: strict.dumps(sync),
+                  **dict(zip(cert_names(WORKER), (at.certs.ca, cert, key), strict=True))}
+        return named | {SYNC_CONFIG_ENV: posixpath.join(at.agent_dir, SYNC_FILE)}, files

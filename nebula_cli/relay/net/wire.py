@@ -70,6 +70,8 @@ class FrameType(IntEnum):
     ERROR = 9  # the sender refuses something; meta["reason"] says what; a close usually follows
     BYE = 10  # orderly goodbye: the sender sends nothing more and closes
     ROUND = 11  # round control between relays (ready / start / behind / abort); no payload
+    LABELS_ASK = 12  # token ids a student asks a teacher's soft labels for (relay.distill)
+    LABELS = 13  # a teacher's sparse soft labels for one ask (relay.distill.sparse)
 
 
 @dataclass

@@ -118,6 +118,8 @@ def test_every_frame_type_is_documented_and_distinct() -> None:
         "ERROR",
         "BYE",
         "ROUND",
+        "LABELS_ASK",
+        "LABELS",
     }
     assert len({int(t) for t in FrameType}) == len(names) and 0 not in {int(t) for t in FrameType}
     assert issubclass(WireError, NebulaError) and issubclass(ConnectionClosed, WireError)
@@ -137,7 +139,7 @@ def test_payload_is_not_copied_by_encode_frame() -> None:
         (b"NBL2" + header()[4:], "bad magic"),
         (header(version=2), "unsupported wire version 2"),
         (header(ftype=0), "unknown frame type 0"),
-        (header(ftype=12), "unknown frame type 12"),
+        (header(ftype=99), "unknown frame type 99"),
         (header(flags=1), "reserved flag bits"),
         (header(meta_len=MAX_META_BYTES + 1), "meta of 65537 bytes exceeds the cap"),
         (header(payload_len=2**60), f"payload of {2**60} bytes exceeds the cap"),

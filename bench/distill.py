@@ -1,0 +1,246 @@
+"""Distillation across sites (issue 24), measured on this machine: a teacher GPT-2 pre-trained
+on the BPE-tokenized bundled corpus (examples/distill/bpe.py), then the same student trained
+the same steps on the same batches five ways, side by side:
+
+- ``hard``: hard labels only;
+- ``full``: KD from the teacher's full logits, the teacher in the student's process (one site);
+- ``colocated``: KD from top-k soft labels through the label relay, no link between;
+- ``wan``: the same across a ``--rate-mbit``/``--delay-ms`` link (a delaying, pacing proxy on
+  loopback in front of the label relay: a stand-in for the test bed's link);
+- ``failover``: ``wan`` with two teacher replicas, one stopped (its label relay closed, its
+  server gone) a third of the way in.
+
+Prints one line per run, then the issue's figures as JSON on the last line. ``identical``
+(every student rank ends with identical parameters) is the end-to-end test's
+(tests/e2e/test_distill_e2e.py, two gloo ranks); this bench runs one student rank: null here.
+
+    .venv/bin/python bench/distill.py --quick --json
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime as dt
+import json
+import shutil
+import socket
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT), str(ROOT / "examples" / "distill"), str(Path(__file__).parent)]
+
+from _slow_link import SlowLink  # noqa: E402
+from bpe import sequences, token_split, train_tokenizer  # noqa: E402
+from transformers import GPT2Config, GPT2LMHeadModel  # noqa: E402
+
+from nebula_cli.config.distill_config import DistillConfig  # noqa: E402
+from nebula_cli.config.distill_spec import DistillSpec  # noqa: E402
+from nebula_cli.config.relay_config import TlsFiles  # noqa: E402
+from nebula_cli.pki.certs import issue_job_pki  # noqa: E402
+from nebula_cli.runtime.distill import kd_loss, serve, soft_labelled, topk_labels  # noqa: E402
+from nebula_cli.runtime.distill.loader import SoftLabels  # noqa: E402
+
+JOB = "job-bench-distill"
+WIDTH = 64
+
+
+def gpt(vocab: int, embd: int, layers: int, seed: int) -> GPT2LMHeadModel:
+    torch.manual_seed(seed)
+    return GPT2LMHeadModel(GPT2Config(vocab_size=vocab, n_positions=WIDTH, n_embd=embd,
+                                      n_layer=layers, n_head=4))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def cfg(pki: Path, cluster: str, host: str, teachers: dict[str, str], listen: str,
+        topk: int, values: str) -> DistillConfig:
+    d = DistillSpec()
+    return DistillConfig(
+        job_id=JOB, cluster=cluster, teacher=bool(listen), listen=listen, teachers=teachers,
+        students=["cloud"],
+        tls=TlsFiles(str(pki / "ca.pem"), str(pki / cluster / f"worker-{host}.pem"),
+                     str(pki / cluster / f"worker-{host}.key")),
+        topk=topk, temperature=d.temperature, alpha=d.alpha, lookahead=d.lookahead,
+        when_no_teacher="wait", values=values, max_tokens=d.max_tokens, wait_s=120.0,
+        dead_after=2.0, model=None, batch_tokens=None)
+
+
+@contextlib.contextmanager
+def teacher_site(model: torch.nn.Module, pki: Path, cluster: str, topk: int, values: str
+                 ) -> Iterator[tuple[int, threading.Event]]:
+    port = free_port()
+    stop = threading.Event()
+    c = cfg(pki, cluster, "t1", {cluster: f"127.0.0.1:{port}"}, f"127.0.0.1:{port}", topk,
+            values)
+    t = threading.Thread(target=serve, args=(lambda ids: model(ids).logits,),
+                         kwargs=dict(config=c, rank=0, stop=stop), daemon=True)
+    t.start()
+    try:
+        yield port, stop
+    finally:
+        stop.set()
+        t.join(timeout=30)
+
+
+def train_student(args: argparse.Namespace, batches: list[torch.Tensor], held: torch.Tensor,
+                  vocab: int, soft_source: object) -> dict:
+    model = gpt(vocab, args.student_embd, 2, seed=1)
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
+    start = time.monotonic()
+    stats = None
+    if soft_source is None or callable(soft_source):
+        pairs = ((b, soft_source(b) if soft_source else None) for b in batches)
+    else:
+        pairs = iter(soft_source)
+        stats = soft_source.stats
+    for batch, soft in pairs:
+        loss, _, _ = kd_loss(model(batch).logits, batch, soft, temperature=2.0, alpha=0.5)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    elapsed = time.monotonic() - start
+    with torch.no_grad():
+        ev = sum(model(held[i:i + 16], labels=held[i:i + 16]).loss.item()
+                 for i in range(0, len(held), 16)) / len(range(0, len(held), 16))
+    out = {"eval_loss": ev, "tokens_per_s": sum(b.numel() for b in batches) / elapsed,
+           "elapsed_s": elapsed}
+    if stats is not None:
+        out |= {"bytes_per_token": stats.bytes_per_token, "longest_wait_s": stats.longest_wait_s,
+                "without_labels": stats.without_labels}
+    return out
+
+
+def main() -> None:
+    work = Path(tempfile.mkdtemp(prefix="nebula-bench-distill-"))
+    try:
+        run(work)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def run(work: Path) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--quick", action="store_true", help="fewer steps (fits 20 minutes on 2 cores)")
+    p.add_argument("--json", action="store_true", help="the last line is the figures as JSON")
+    p.add_argument("--topk", type=int, default=32)
+    p.add_argument("--values", choices=["fp16", "int8"], default="fp16")
+    p.add_argument("--rate-mbit", type=float, default=20.0)
+    p.add_argument("--delay-ms", type=float, default=50.0)
+    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--student-embd", type=int, default=64)
+    args = p.parse_args()
+    teacher_steps, student_steps = (300, 120) if args.quick else (1500, 600)
+    torch.set_num_threads(2)
+    tok = train_tokenizer(work / "bpe.json")
+    vocab = tok.get_vocab_size()
+    train, held_stream = token_split(tok)
+    seqs, held = sequences(train, WIDTH), sequences(held_stream, WIDTH)[:64]
+    g = torch.Generator().manual_seed(0)
+    pick = lambda n: [seqs[torch.randint(0, len(seqs), (8,), generator=g)] for _ in range(n)]  # noqa: E731
+    print(f"vocab {vocab}; {len(train)} train tokens, {held.numel()} eval tokens", flush=True)
+
+    teacher = gpt(vocab, 128, 4, seed=0)  # phase a (one site here: the gpt example does two)
+    opt = torch.optim.AdamW(teacher.parameters(), lr=1e-3)
+    for batch in pick(teacher_steps):
+        loss = teacher(batch, labels=batch).loss
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    teacher.eval()
+    with torch.no_grad():
+        t_eval = teacher(held, labels=held).loss.item()
+    print(f"teacher: {teacher_steps} steps, eval loss {t_eval:.4f}", flush=True)
+
+    batches = pick(student_steps)
+    pki = work / "pki"
+    issue_job_pki(JOB, {"lab": ["t1"], "lab2": ["t1"], "cloud": ["s1"]}, pki,
+                  valid_for=dt.timedelta(days=1))
+    runs: dict[str, dict] = {}
+    runs["hard"] = train_student(args, batches, held, vocab, None)
+
+    def full(batch: torch.Tensor) -> SoftLabels:
+        with torch.no_grad():
+            ids, logp = topk_labels(teacher(batch).logits, vocab, 2.0)
+        return SoftLabels(ids.reshape(*batch.shape, -1), logp.reshape(*batch.shape, -1), "here")
+
+    def topk_here(batch: torch.Tensor) -> SoftLabels:
+        with torch.no_grad():
+            ids, logp = topk_labels(teacher(batch).logits, args.topk, 2.0)
+        return SoftLabels(ids.reshape(*batch.shape, -1), logp.reshape(*batch.shape, -1), "here")
+
+    runs["full"] = train_student(args, batches, held, vocab, full)
+    runs["topk_in_process"] = train_student(args, batches, held, vocab, topk_here)
+    with teacher_site(teacher, pki, "lab", args.topk, args.values) as (port, _):
+        student = cfg(pki, "cloud", "s1", {"lab": f"127.0.0.1:{port}"}, "", args.topk,
+                      args.values)
+        loader = soft_labelled(batches, config=student)
+        runs["colocated"] = train_student(args, batches, held, vocab, loader)
+        loader.client.close()
+        link = SlowLink(("127.0.0.1", port), args.delay_ms, args.rate_mbit)
+        student = cfg(pki, "cloud", "s1", {"lab": f"127.0.0.1:{link.port}"}, "", args.topk,
+                      args.values)
+        loader = soft_labelled(batches, config=student)
+        runs["wan"] = train_student(args, batches, held, vocab, loader)
+        loader.client.close()
+        link.close()
+    with teacher_site(teacher, pki, "lab", args.topk, args.values) as (p1, stop1), \
+            teacher_site(teacher, pki, "lab2", args.topk, args.values) as (p2, _):
+        links = [SlowLink(("127.0.0.1", p), args.delay_ms, args.rate_mbit) for p in (p1, p2)]
+        student = cfg(pki, "cloud", "s1", {"lab": f"127.0.0.1:{links[0].port}",
+                                           "lab2": f"127.0.0.1:{links[1].port}"}, "",
+                      args.topk, args.values)
+        loader = soft_labelled(batches, config=student)
+        killer = threading.Thread(target=lambda: (
+            _wait_batches(loader, len(batches) // 3), stop1.set()), daemon=True)
+        killer.start()
+        runs["failover"] = train_student(args, batches, held, vocab, loader)
+        loader.client.close()
+        for link in links:
+            link.close()
+    for name, r in runs.items():
+        print(f"{name:16s} eval loss {r['eval_loss']:.4f}  {r['tokens_per_s']:8.0f} tok/s"
+              + (f"  {r['bytes_per_token']:.1f} B/token, longest wait {r['longest_wait_s']:.2f}"
+                 " s" if "bytes_per_token" in r else ""), flush=True)
+    full_bytes = vocab * 4
+    speed = {name: r["tokens_per_s"] for name, r in runs.items()}
+    figures = {
+        "student_util_vs_colocated": speed["wan"] / speed["colocated"],
+        "bytes_per_token": runs["wan"]["bytes_per_token"],
+        "bytes_reduction_vs_full_logits": full_bytes / runs["wan"]["bytes_per_token"],
+        "loss_cost_vs_full_logits": runs["wan"]["eval_loss"] / runs["full"]["eval_loss"] - 1,
+        "kd_gain_vs_hard_labels": 1 - runs["wan"]["eval_loss"] / runs["hard"]["eval_loss"],
+        "failover_stall_s": runs["failover"]["longest_wait_s"],
+        "failover_throughput_vs_clean": speed["failover"] / speed["wan"],
+        "identical": None,
+        "teacher_eval_loss": t_eval, "vocab": vocab, "topk": args.topk, "values": args.values,
+        "link": f"{args.rate_mbit:g} Mbit/s, {args.delay_ms:g} ms (loopback proxy)",
+        "student_steps": student_steps, "teacher_steps": teacher_steps,
+    }
+    figures["goals_met"] = bool(
+        figures["student_util_vs_colocated"] >= 0.95
+        and figures["bytes_reduction_vs_full_logits"] >= 100
+        and figures["loss_cost_vs_full_logits"] <= 0.01
+        and figures["kd_gain_vs_hard_labels"] >= 0.03 and figures["identical"])
+    if args.json:
+        print(json.dumps(figures))
+
+
+def _wait_batches(loader: object, n: int) -> None:
+    while loader.stats.batches < n:  # type: ignore[attr-defined]
+        time.sleep(0.05)
+
+
+if __name__ == "__main__":
+    main()

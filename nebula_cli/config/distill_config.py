@@ -1,0 +1,54 @@
+"""`DistillConfig` (`distill.json`): what a teacher's or a student's processes need to serve or
+receive soft labels (spec: `distill:`, a cluster's `role:`).
+
+Standard library only; no field has a default: the plan fills every value from the spec
+(`config.distill_plan`), where the defaults live (`config.distill_spec`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from nebula_cli.config import strict
+from nebula_cli.config.relay_config import TlsFiles
+
+DISTILL_CONFIG_ENV = "NEBULA_DISTILL_CONFIG"
+"""The environment variable that names a process's distill.json."""
+
+
+@dataclass(frozen=True)
+class DistillConfig:
+    """One cluster's view of the job's distillation."""
+
+    job_id: str
+    cluster: str
+    teacher: bool
+    """Whether this cluster serves soft labels (role: teacher) or learns from them."""
+    listen: str
+    """A teacher: host:port its label relay binds (empty for a student)."""
+    teachers: dict[str, str]
+    """The teacher clusters' label relays by cluster name: host:port (a student dials them in
+    this order, the next one when one is gone)."""
+    students: list[str]
+    """The clusters whose certificates a teacher answers."""
+    tls: TlsFiles
+    topk: int
+    temperature: float
+    alpha: float
+    lookahead: int
+    when_no_teacher: str
+    """"wait" or "ce_only"."""
+    values: str
+    """"fp16" or "int8"."""
+    max_tokens: int
+    wait_s: float
+    dead_after: float
+    """Seconds of silence after which a teacher's link is taken for dead (relay.dead_after)."""
+    model: str | None
+    """A teacher with the built-in server: its Hugging Face model directory."""
+    batch_tokens: int | None
+
+    @classmethod
+    def load(cls, path: str | Path) -> DistillConfig:
+        return strict.load(cls, path)

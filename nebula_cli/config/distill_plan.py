@@ -1,0 +1,36 @@
+"""A cluster's `DistillConfig` from the spec: where the teachers' label relays listen, who may
+ask them, and the `distill:` settings."""
+
+from __future__ import annotations
+
+from nebula_cli.config.distill_config import DistillConfig
+from nebula_cli.config.plan_model import WORKER, Site, tls_files
+from nebula_cli.config.spec import ClusterSpec, JobSpec
+from nebula_cli.config.worlds import site_key
+
+
+def labels_port(spec: JobSpec) -> int:
+    """The port a teacher cluster's label relay listens on (`distill.port`, default the relay's
+    port + 2: beside its peer and worker ports)."""
+    assert spec.relay is not None and spec.distill is not None  # the spec's checks
+    return spec.distill.port or spec.relay.port + 2
+
+
+def distill_config(spec: JobSpec, job_id: str, cluster: ClusterSpec, adir: str,
+                   sites: dict[str, Site]) -> DistillConfig:
+    """`cluster`'s distill.json (the job has `distill:`); `adir`: the worker agent's folder."""
+    assert spec.distill is not None and spec.relay is not None
+    d, port = spec.distill, labels_port(spec)
+    teachers = [c for c in spec.clusters if c.role == "teacher"]
+    is_teacher = cluster.role == "teacher"
+    gateway = sites[site_key(cluster, cluster.gateway_host)]
+    return DistillConfig(
+        job_id=job_id, cluster=cluster.name, teacher=is_teacher,
+        listen=f"{gateway.bind}:{port}" if is_teacher else "",
+        teachers={c.name: f"{c.effective_relay_address}:{port}" for c in teachers},
+        students=[c.name for c in spec.clusters if c.role != "teacher"],
+        tls=tls_files(adir, WORKER), topk=d.topk, temperature=d.temperature, alpha=d.alpha,
+        lookahead=d.lookahead, when_no_teacher=d.when_no_teacher, values=d.values,
+        max_tokens=d.max_tokens, wait_s=d.wait_s, dead_after=spec.relay.dead_after,
+        model=cluster.teacher.model if cluster.teacher else None,
+        batch_tokens=cluster.teacher.batch_tokens if cluster.teacher else None)

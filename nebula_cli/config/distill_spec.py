@@ -1,0 +1,57 @@
+"""The spec's distillation sections: the job's `distill:` (how students learn from a teacher's
+sparse soft labels) and a teacher cluster's `teacher:` (the built-in server's model).
+
+Re-exported by `nebula_cli.config.spec`; each field's default is defined here, once. What the
+settings mean on the wire and in the loss: `nebula_cli.relay.distill` and
+`nebula_cli.runtime.distill`.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field
+
+from nebula_cli.config.fields import Port
+from nebula_cli.config.sections import SpecModel
+
+MAX_TOPK = 1024
+"""Most soft labels a token may carry (the bound every label frame is checked against)."""
+MAX_TOKENS = 1 << 18
+"""Most tokens one request to a teacher may carry (the bound of a request frame)."""
+
+
+class DistillSpec(SpecModel):
+    """How the training (student) clusters distil from the job's teacher cluster(s)."""
+
+    topk: int = Field(32, ge=1, le=MAX_TOPK)
+    """Soft labels per token: the teacher's k most likely next tokens (ids and values)."""
+    temperature: float = Field(2.0, gt=0.0, le=100.0)
+    """Softening temperature T of the teacher's and the student's distributions."""
+    alpha: float = Field(0.5, ge=0.0, le=1.0)
+    """Weight of the distillation term: loss = alpha * T^2 * KL + (1 - alpha) * CE."""
+    lookahead: int = Field(8, ge=0, le=256)
+    """Batches asked for ahead of the step that trains on them, so the student never waits."""
+    when_no_teacher: Literal["wait", "ce_only"] = "wait"
+    """With no teacher answering: 'wait' for one, or 'ce_only': train on the hard labels
+    (counted in the metrics) until a teacher answers again."""
+    values: Literal["fp16", "int8"] = "fp16"
+    """How a soft label's value (a log-probability) crosses the WAN: 'fp16' (2 bytes), or
+    'int8' (1 byte, linear between the row's lowest and highest value, 4 bytes per token)."""
+    max_tokens: int = Field(65536, ge=1, le=MAX_TOKENS)
+    """Most tokens one request may carry (a student's batch, flattened); larger is refused."""
+    port: Port | None = None
+    """Port the teacher clusters' label relays listen on (on their relay's host). Default: the
+    relay's port + 2."""
+    wait_s: float = Field(60.0, gt=0.0)
+    """With when_no_teacher: wait, seconds a step waits for its labels before it fails
+    naming the teacher clusters tried."""
+
+
+class TeacherSpec(SpecModel):
+    """The built-in server of a teacher cluster (instead of its own `run`)."""
+
+    model: str = Field(min_length=1)
+    """A Hugging Face causal LM directory on the teacher's hosts (relative: to the workdir)."""
+    batch_tokens: int = Field(16384, ge=1)
+    """Most tokens the server runs through the model at once."""

@@ -1,0 +1,286 @@
+"""`LabelRelay`: a teacher cluster's soft-label service. Students' ranks (certificates of the
+job's training clusters only) send asks (token ids); the teacher's own serving ranks (its
+cluster's worker certificates) take them, at most ``window`` at a time each, and answer with
+sparse soft labels, which the relay hands to the asker under the asker's number.
+
+Nothing else crosses: a student sends token ids, a server sends labels; every frame is
+bounded (asks by ``max_tokens``, answers by what their shape makes). An ask a server had not
+answered when its link ended goes to another server, first in line; asks wait while no server
+is connected. A link silent for ``dead_after`` seconds is ended (heartbeats every
+``heartbeat`` seconds keep a quiet one open). Connections wait in an `Admission` until their
+TLS handshake and HELLO are done.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import itertools
+import logging
+import socket
+import threading
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from nebula_cli.pki import CertPair, PeerRejected, server_context, wrap_server
+from nebula_cli.relay.distill.link import LabelLink, keep_alive
+from nebula_cli.relay.distill.messages import (
+    PROTOCOL,
+    TOKEN_BYTES,
+    LabelAnswer,
+    LabelAsk,
+    LabelHello,
+    LabelWelcome,
+    Side,
+    max_answer_bytes,
+)
+from nebula_cli.relay.distill.sparse import Values, payload_nbytes
+from nebula_cli.relay.net.admission import Admission, first_bytes
+from nebula_cli.relay.net.wire import Frame, FrameType, WireError, recv_small_frame, send_frame
+
+log = logging.getLogger("nebula.relay.distill")
+
+HELLO_BYTES = 4096
+"""Most bytes of a HELLO read before the peer is known."""
+HANDSHAKE_S = 10.0
+"""Seconds from accept to a finished TLS handshake and HELLO."""
+
+
+@dataclass
+class _Ask:
+    student: LabelLink
+    seq: int
+    tokens: int
+    width: int
+    payload: bytes | bytearray
+
+
+@dataclass
+class _Server:
+    link: LabelLink
+    inflight: dict[int, _Ask] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class RelayCounts:
+    """What the label relay did so far (for its log and status)."""
+
+    asks: int
+    answers: int
+    pending: int
+    servers: int
+    students: int
+    refused: int
+
+
+class LabelRelay:
+    """The soft-label service of teacher cluster ``cluster`` (see the module's docstring)."""
+
+    def __init__(self, *, job_id: str, cluster: str, students: Iterable[str], pair: CertPair,
+                 ca: Path, bind: str, port: int, topk: int, values: Values, max_tokens: int,
+                 heartbeat: float, dead_after: float, window: int = 4) -> None:
+        self.job_id, self.cluster, self.students = job_id, cluster, frozenset(students)
+        self.welcome = LabelWelcome(cluster, topk, values, max_tokens)
+        self.heartbeat, self.dead_after, self.window = heartbeat, dead_after, window
+        self._ctx = server_context(pair, ca)
+        self._listener = socket.create_server((bind, port), reuse_port=False)
+        self.port = self._listener.getsockname()[1]
+        self._admission = Admission(total=32, per_address=4, deadline=HANDSHAKE_S)
+        self._lock = threading.Lock()
+        self._pending: collections.deque[_Ask] = collections.deque()
+        self._servers: list[_Server] = []
+        self._students: list[LabelLink] = []
+        self._ids = itertools.count()
+        self._asks = self._answers = self._refused = 0
+        self._stop = threading.Event()
+        self._threads: list[threading.Thread] = []
+
+    # ------------------------------------------------------------------ life
+
+    def start(self) -> LabelRelay:
+        for target, name in ((self._accept, "labels-accept"), (self._keep, "labels-alive")):
+            t = threading.Thread(target=target, name=name, daemon=True)
+            t.start()
+            self._threads.append(t)
+        log.info("label relay of %s on port %d (students: %s)", self.cluster, self.port,
+                 ", ".join(sorted(self.students)))
+        return self
+
+    def close(self) -> None:
+        """Stop listening and end every link (their threads end with them)."""
+        self._stop.set()
+        with contextlib.suppress(OSError):
+            self._listener.shutdown(socket.SHUT_RDWR)
+        self._listener.close()
+        self._admission.close()
+        for link in self._links():
+            link.close()
+        for t in self._threads:
+            t.join(timeout=5.0)
+
+    def counts(self) -> RelayCounts:
+        with self._lock:
+            return RelayCounts(self._asks, self._answers, len(self._pending),
+                               len(self._servers), len(self._students), self._refused)
+
+    def _links(self) -> list[LabelLink]:
+        with self._lock:
+            return [s.link for s in self._servers] + list(self._students)
+
+    def _keep(self) -> None:
+        keep_alive(self._links, self.heartbeat, self.dead_after, self._stop)
+
+    # ------------------------------------------------------------------ connections
+
+    def _accept(self) -> None:
+        while not self._stop.is_set():
+            try:
+                sock, addr = self._listener.accept()
+            except OSError:
+                return
+            t = threading.Thread(target=self._serve, args=(sock, addr[0]), daemon=True,
+                                 name=f"labels-{addr[0]}")
+            t.start()
+
+    def _serve(self, sock: socket.socket, ip: str) -> None:
+        entry, _ = self._admission.admit(sock, ip)
+        try:
+            hello = self._handshake(sock)
+        except (PeerRejected, WireError, OSError) as exc:
+            with self._lock:
+                self._refused += 1
+            log.warning("label relay: refused %s: %s", ip, exc)
+            with contextlib.suppress(OSError):
+                sock.close()
+            return
+        finally:
+            self._admission.release(entry)
+        link, side, cluster = hello
+        if side is Side.SERVER:
+            self._run_server(link)
+        else:
+            self._run_student(link, cluster)
+
+    def _handshake(self, sock: socket.socket) -> tuple[LabelLink, Side, str]:
+        if not first_bytes(sock):
+            raise WireError("nothing sent")
+        tls, ident = wrap_server(sock, self._ctx, job_id=self.job_id,
+                                 roles={"worker", "relay"}, timeout=HANDSHAKE_S)
+        try:
+            tls.settimeout(HANDSHAKE_S)
+            hello = LabelHello.from_meta(recv_small_frame(tls, HELLO_BYTES).meta)
+            why = self._refusal(hello, ident.role, ident.cluster)
+            if why is not None:
+                send_frame(tls, Frame(FrameType.ERROR, {"reason": why}))
+                raise PeerRejected(why, peer=f"{ident.cluster}/{ident.name}")
+            send_frame(tls, self.welcome.to_frame())
+            tls.settimeout(None)
+        except BaseException:
+            tls.close()
+            raise
+        cap = (max_answer_bytes(self.welcome.max_tokens, self.welcome.topk)
+               if hello.side is Side.SERVER else self.welcome.max_tokens * TOKEN_BYTES)
+        return LabelLink(tls, f"{ident.cluster}/{ident.name}", cap), hello.side, ident.cluster
+
+    def _refusal(self, hello: LabelHello, role: str, cluster: str) -> str | None:
+        if hello.protocol != PROTOCOL:
+            return f"soft-label protocol {hello.protocol}; this relay speaks {PROTOCOL}"
+        if hello.job != self.job_id:
+            return f"job {hello.job}; this is {self.job_id}"
+        if hello.side is Side.SERVER and (cluster != self.cluster or role != "worker"):
+            return (f"only {self.cluster}'s workers serve its soft labels (a {role} of "
+                    f"{cluster} offered to)")
+        if hello.side is Side.STUDENT and cluster not in self.students:
+            return (f"cluster {cluster} is not a student of this job (the students: "
+                    f"{', '.join(sorted(self.students))})")
+        return None
+
+    # ------------------------------------------------------------------ students
+
+    def _run_student(self, link: LabelLink, cluster: str) -> None:
+        with self._lock:
+            self._students.append(link)
+        try:
+            while True:
+                frame = link.recv()
+                if frame.type is FrameType.BYE:
+                    return
+                if frame.type is not FrameType.LABELS_ASK:
+                    raise WireError(f"a student sent {frame.type.name}; only asks are taken")
+                ask = LabelAsk.from_frame(frame, self.welcome.max_tokens)
+                with self._lock:
+                    self._pending.append(_Ask(link, ask.seq, ask.tokens, ask.width,
+                                              frame.payload))
+                    self._asks += 1
+                self._dispatch()
+        except (WireError, OSError) as exc:
+            if not link.closed.is_set():
+                log.info("label relay: student %s gone: %s", link.peer, exc)
+        finally:
+            link.close()
+            with self._lock:
+                self._students.remove(link)
+                self._pending = collections.deque(a for a in self._pending
+                                                  if a.student is not link)
+
+    # ------------------------------------------------------------------ servers
+
+    def _run_server(self, link: LabelLink) -> None:
+        server = _Server(link)
+        with self._lock:
+            self._servers.append(server)
+        log.info("label relay: server %s joined", link.peer)
+        self._dispatch()
+        try:
+            while True:
+                frame = link.recv()
+                if frame.type is FrameType.BYE:
+                    return
+                if frame.type is not FrameType.LABELS:
+                    raise WireError(f"a server sent {frame.type.name}; only labels are taken")
+                self._answered(server, frame)
+        except (WireError, OSError) as exc:
+            if not link.closed.is_set():
+                log.info("label relay: server %s gone: %s", link.peer, exc)
+        finally:
+            link.close()
+            with self._lock:
+                self._servers.remove(server)
+                self._pending.extendleft(reversed(list(server.inflight.values())))
+            self._dispatch()
+
+    def _answered(self, server: _Server, frame: Frame) -> None:
+        ans = LabelAnswer.from_meta(frame.meta, self.welcome.max_tokens)
+        if len(frame.payload) != payload_nbytes(ans.rows, ans.k, ans.vocab, ans.values):
+            raise WireError(f"LABELS of {ans.rows} x {ans.k} in {len(frame.payload)} bytes")
+        with self._lock:
+            ask = server.inflight.pop(ans.seq, None)
+            if ask is None:
+                raise WireError(f"LABELS for {ans.seq}, which was not asked")
+            if ans.rows != ask.tokens:
+                raise WireError(f"LABELS of {ans.rows} rows for an ask of {ask.tokens} tokens")
+            self._answers += 1
+        out = LabelAnswer(ask.seq, ans.rows, ans.k, ans.vocab, ans.values, self.cluster)
+        ask.student.send(out.to_frame(frame.payload))
+        self._dispatch()
+
+    def _dispatch(self) -> None:
+        """Hand waiting asks to the servers with room (the least busy first)."""
+        sends: list[tuple[LabelLink, Frame]] = []
+        with self._lock:
+            while self._pending:
+                open_ = [s for s in self._servers
+                         if len(s.inflight) < self.window and not s.link.closed.is_set()]
+                if not open_:
+                    break
+                server = min(open_, key=lambda s: len(s.inflight))
+                ask = self._pending.popleft()
+                if ask.student.closed.is_set():
+                    continue
+                number = next(self._ids)
+                server.inflight[number] = ask
+                sends.append((server.link, LabelAsk(number, ask.tokens, ask.width).to_frame(
+                    ask.payload)))
+        for link, frame in sends:
+            link.send(frame)  # a failed send ends the link: its reader gives the ask back

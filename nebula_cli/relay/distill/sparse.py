@@ -1,0 +1,108 @@
+"""Sparse soft labels on the wire: per token the teacher's top k (ids, log-probabilities).
+
+An answer for ``rows`` tokens is one payload, in this order:
+
+- ids: ``rows * k`` ids of ``id_bits(vocab)`` bits each (the fewest that hold ``vocab - 1``),
+  packed big-endian bit after bit, the last byte padded with zeros;
+- values, by ``Values``: ``fp16``: ``rows * k`` IEEE half floats (little-endian), 2 bytes each;
+  ``int8``: per row its lowest and highest value as two half floats, then ``rows * k`` bytes,
+  each value quantized linearly between them (255 steps; 1 byte a label, 4 bytes a row).
+
+The values are the teacher's log-probabilities at the job's temperature, highest first. The
+length of a payload is known from (rows, k, vocab, values) alone: a payload of another length
+is refused before anything is read from it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import StrEnum
+
+import numpy as np
+
+from nebula_cli.relay.net.wire import WireError
+
+MAX_VOCAB = 1 << 24
+"""The largest vocabulary an id may index (24 bits)."""
+
+
+class Values(StrEnum):
+    """How a soft label's value crosses the wire."""
+
+    FP16 = "fp16"
+    INT8 = "int8"
+
+
+def id_bits(vocab: int) -> int:
+    """Bits of one token id for a vocabulary of ``vocab`` tokens."""
+    if not 2 <= vocab <= MAX_VOCAB:
+        raise WireError(f"a vocabulary of {vocab} tokens; expected 2..{MAX_VOCAB}")
+    return (vocab - 1).bit_length()
+
+
+def payload_nbytes(rows: int, k: int, vocab: int, values: Values) -> int:
+    """The exact length of an answer's payload."""
+    ids = (rows * k * id_bits(vocab) + 7) // 8
+    vals = rows * k * 2 if values is Values.FP16 else rows * (4 + k)
+    return ids + vals
+
+
+@dataclass(frozen=True)
+class SparseLabels:
+    """``rows`` tokens' top k: ``ids`` (rows, k) int64 and ``logp`` (rows, k) float32."""
+
+    ids: np.ndarray
+    logp: np.ndarray
+
+    @property
+    def rows(self) -> int:
+        return int(self.ids.shape[0])
+
+    @property
+    def k(self) -> int:
+        return int(self.ids.shape[1])
+
+
+def encode(labels: SparseLabels, vocab: int, values: Values) -> bytes:
+    """The payload of ``labels`` (see the module's docstring)."""
+    bits = id_bits(vocab)
+    ids = np.ascontiguousarray(labels.ids, dtype=np.int64).reshape(-1)
+    if ids.size and (ids.min() < 0 or ids.max() >= vocab):
+        raise WireError(f"a soft label's id outside the vocabulary of {vocab}")
+    shifts = np.arange(bits - 1, -1, -1, dtype=np.int64)
+    packed = np.packbits(((ids[:, None] >> shifts) & 1).astype(np.uint8).reshape(-1))
+    logp = np.asarray(labels.logp, dtype=np.float32)
+    if values is Values.FP16:
+        return packed.tobytes() + logp.astype("<f2").tobytes()
+    lo, hi = logp.min(axis=1, keepdims=True), logp.max(axis=1, keepdims=True)
+    lo16, hi16 = lo.astype("<f2"), hi.astype("<f2")
+    span = hi16.astype(np.float32) - lo16.astype(np.float32)
+    scaled = (logp - lo16.astype(np.float32)) / np.where(span > 0, span, 1.0) * 255.0
+    q = np.clip(np.rint(scaled), 0, 255).astype(np.uint8)
+    return packed.tobytes() + np.concatenate([lo16, hi16], axis=1).tobytes() + q.tobytes()
+
+
+def decode(payload: bytes | bytearray | memoryview, rows: int, k: int, vocab: int,
+           values: Values) -> SparseLabels:
+    """``rows`` tokens' labels from a payload of exactly ``payload_nbytes`` bytes."""
+    want = payload_nbytes(rows, k, vocab, values)
+    if len(payload) != want:
+        raise WireError(f"soft labels of {rows} tokens x {k} in {len(payload)} bytes; "
+                        f"expected {want}")
+    bits = id_bits(vocab)
+    data = np.frombuffer(payload, dtype=np.uint8)
+    id_bytes = (rows * k * bits + 7) // 8
+    flat = np.unpackbits(data[:id_bytes])[: rows * k * bits].reshape(rows * k, bits)
+    ids = flat.astype(np.int64) @ (np.int64(1) << np.arange(bits - 1, -1, -1, dtype=np.int64))
+    if ids.size and ids.max() >= vocab:
+        raise WireError(f"a soft label's id {int(ids.max())} outside the vocabulary of {vocab}")
+    rest = data[id_bytes:]
+    if values is Values.FP16:
+        logp = rest.view("<f2").astype(np.float32).reshape(rows, k)
+    else:
+        bounds = rest[: rows * 4].view("<f2").astype(np.float32).reshape(rows, 2)
+        q = rest[rows * 4:].astype(np.float32).reshape(rows, k)
+        logp = bounds[:, :1] + q / 255.0 * (bounds[:, 1:] - bounds[:, :1])
+    if not np.isfinite(logp).all():
+        raise WireError("soft labels with a value that is not finite")
+    return SparseLabels(ids.reshape(rows, k), logp)

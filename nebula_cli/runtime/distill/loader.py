@@ -1,0 +1,162 @@
+"""`DistillLoader`: a student's data loader whose every batch arrives with its teacher's
+sparse soft labels. It asks for batch n + ``lookahead`` when batch n is taken, so the answer
+is there when the step needs it; batches are yielded once each, in the loader's order.
+
+With no teacher answering, ``when_no_teacher`` says what a step does: ``wait`` (up to
+``wait_s`` seconds, then `DistillError` naming the teachers), or ``ce_only`` (the batch comes
+with ``None``: the step trains on the hard labels; counted in ``stats``).
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import time
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from nebula_cli.config.distill_config import DISTILL_CONFIG_ENV, DistillConfig
+from nebula_cli.errors import NebulaError
+from nebula_cli.pki import CertPair, client_context
+from nebula_cli.relay.distill.label_client import LabelClient
+from nebula_cli.relay.distill.messages import TOKEN_BYTES
+
+POLL_S = 0.05
+"""How often a ce_only step looks again for its labels while a teacher is linked."""
+
+
+class DistillError(NebulaError):
+    """No soft labels where the job waits for them."""
+
+
+@dataclass(frozen=True)
+class SoftLabels:
+    """One batch's soft labels: ``ids`` (batch, width, k) int64 and ``logp`` (batch, width, k)
+    float32, the teacher's log-probabilities at the job's temperature."""
+
+    ids: torch.Tensor
+    logp: torch.Tensor
+    teacher: str
+
+
+@dataclass
+class DistillStats:
+    """What the loader got so far (for metrics and the bench)."""
+
+    batches: int = 0
+    without_labels: int = 0
+    tokens: int = 0
+    wire_bytes: int = 0
+    """Bytes of the answers' payloads and of the asks' token ids."""
+    latency_s: float = 0.0
+    waited_s: float = 0.0
+    """Seconds steps spent waiting for their labels."""
+    longest_wait_s: float = 0.0
+
+    @property
+    def bytes_per_token(self) -> float:
+        return self.wire_bytes / self.tokens if self.tokens else 0.0
+
+
+def _token_ids(batch: Any) -> torch.Tensor:
+    if isinstance(batch, torch.Tensor):
+        return batch
+    if isinstance(batch, dict):
+        return batch["input_ids"]
+    return batch[0]
+
+
+class DistillLoader:
+    """Yields ``(batch, SoftLabels | None)`` for every batch of ``loader``."""
+
+    def __init__(self, loader: Iterable[Any], client: LabelClient, *, lookahead: int,
+                 when_no_teacher: str, wait_s: float,
+                 token_ids: Callable[[Any], torch.Tensor] = _token_ids,
+                 first_seq: int = 0) -> None:
+        if when_no_teacher not in ("wait", "ce_only"):
+            raise ValueError(f"when_no_teacher is 'wait' or 'ce_only', not {when_no_teacher!r}")
+        self.loader, self.client, self.lookahead = loader, client, lookahead
+        self.when_no_teacher, self.wait_s, self.token_ids = when_no_teacher, wait_s, token_ids
+        self.seq = first_seq
+        self.stats = DistillStats()
+
+    def __iter__(self) -> Iterator[tuple[Any, SoftLabels | None]]:
+        source = iter(self.loader)
+        window: collections.deque[tuple[int, Any, tuple[int, ...]]] = collections.deque()
+
+        def fill() -> None:
+            while len(window) <= self.lookahead:
+                try:
+                    batch = next(source)
+                except StopIteration:
+                    return
+                ids = self.token_ids(batch)
+                seq, self.seq = self.seq, self.seq + 1
+                self.client.ask(seq, ids.detach().cpu().numpy().astype(np.uint32))
+                window.append((seq, batch, tuple(ids.shape)))
+
+        fill()
+        while window:
+            seq, batch, shape = window.popleft()
+            fill()
+            yield batch, self._labels(seq, shape)
+
+    def _labels(self, seq: int, shape: tuple[int, ...]) -> SoftLabels | None:
+        start = time.monotonic()
+        if self.when_no_teacher == "wait":
+            got = self.client.take(seq, self.wait_s)
+            if got is None:
+                raise DistillError(
+                    f"no soft labels for batch {seq} within {self.wait_s:g} s from the teachers "
+                    f"{', '.join(self.client.teachers)} (linked now: "
+                    f"{', '.join(self.client.live()) or 'none'}); check that their clusters "
+                    "run, or set distill.when_no_teacher: ce_only to train on without them")
+        else:
+            got = None
+            while got is None and self.client.live() and time.monotonic() - start < self.wait_s:
+                got = self.client.take(seq, POLL_S)
+            if got is None:
+                got = self.client.take(seq, 0)
+        waited = time.monotonic() - start
+        self.stats.batches += 1
+        self.stats.waited_s += waited
+        self.stats.longest_wait_s = max(self.stats.longest_wait_s, waited)
+        tokens = int(np.prod(shape))
+        self.stats.tokens += tokens
+        if got is None:
+            self.client.forget(seq)
+            self.stats.without_labels += 1
+            return None
+        self.stats.wire_bytes += got.wire_bytes + tokens * TOKEN_BYTES
+        self.stats.latency_s += got.latency_s
+        k = got.labels.k
+        return SoftLabels(torch.from_numpy(got.labels.ids).reshape(*shape, k),
+                          torch.from_numpy(got.labels.logp).reshape(*shape, k), got.teacher)
+
+
+def client_of(cfg: DistillConfig) -> LabelClient:
+    """A started `LabelClient` to the job's teachers, with this host's certificates."""
+    ctx = client_context(CertPair(Path(cfg.tls.cert), Path(cfg.tls.key)), Path(cfg.tls.ca))
+    return LabelClient(cfg.teachers, ctx, job_id=cfg.job_id, max_tokens=cfg.max_tokens,
+                       topk=cfg.topk, dead_after=cfg.dead_after).start()
+
+
+def soft_labelled(loader: Iterable[Any], config: DistillConfig | None = None,
+                  **kw: Any) -> DistillLoader:
+    """``loader`` with soft labels, as the job's distill.json (``NEBULA_DISTILL_CONFIG``, or
+    ``config``) says; ``kw``: `DistillLoader`'s own arguments (``token_ids``, ``first_seq``:
+    the first batch's number, e.g. the step a resumed run starts at)."""
+    cfg = config
+    if cfg is None:
+        path = os.environ.get(DISTILL_CONFIG_ENV)
+        if not path:
+            raise DistillError(f"{DISTILL_CONFIG_ENV} is not set: this process was not started "
+                               "by nebula for a job with `distill:`")
+        cfg = DistillConfig.load(path)
+    return DistillLoader(loader, client_of(cfg), lookahead=cfg.lookahead,
+                         when_no_teacher=cfg.when_no_teacher, wait_s=cfg.wait_s, **kw)

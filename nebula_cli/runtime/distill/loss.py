@@ -1,0 +1,72 @@
+"""The distillation loss on sparse soft labels, and the teacher's top k.
+
+With the teacher's top k ids ``i`` and log-probabilities at temperature T (renormalised over
+the k: ``p``), and the student's log-softmax at T (``log q``, over the whole vocabulary)::
+
+    KD  = sum_i p_i (log p_i - log q_i)            per token, averaged over tokens
+    loss = alpha * T^2 * KD + (1 - alpha) * CE(student logits, hard labels)
+
+KD is the forward KL(teacher || student) that TRL's GKD computes with ``beta = 0``
+(``F.kl_div(student_log_probs, teacher_log_probs, log_target=True)`` summed over the
+vocabulary, averaged over the tokens whose label is not ``ignore_index``), restricted to the
+teacher's top k; T^2 keeps the gradient's scale independent of T (Hinton et al. 2015; GKD
+leaves it out). With k = vocabulary size it is the full KL.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+
+if TYPE_CHECKING:
+    from nebula_cli.runtime.distill.loader import SoftLabels
+
+IGNORE_INDEX = -100
+
+
+def topk_labels(logits: torch.Tensor, k: int, temperature: float
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """A teacher's top ``k`` (ids, log-probabilities at ``temperature``) of every position of
+    ``logits`` (..., vocab), as (positions, k) int64 and float32, highest first."""
+    logp = F.log_softmax(logits.float().reshape(-1, logits.shape[-1]) / temperature, dim=-1)
+    values, ids = logp.topk(min(k, logp.shape[-1]), dim=-1)
+    return ids, values
+
+
+def kd_loss(student_logits: torch.Tensor, labels: torch.Tensor | None,
+            soft: SoftLabels | None, *, temperature: float, alpha: float,
+            ignore_index: int = IGNORE_INDEX, shift: bool = True
+            ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """(loss, kd, ce) for ``student_logits`` (batch, width, vocab).
+
+    ``labels`` (batch, width): the hard labels (None: KD only); with ``shift`` the causal LM
+    convention (position t predicts label t+1; the soft labels of position t are the
+    teacher's for the same position, so they are not shifted). ``soft`` None (no teacher
+    answered, ``when_no_teacher: ce_only``): the hard-label loss alone."""
+    vocab = student_logits.shape[-1]
+    ce = None
+    if labels is not None:
+        logits, target = (student_logits[:, :-1], labels[:, 1:]) if shift else (
+            student_logits, labels)
+        ce = F.cross_entropy(logits.reshape(-1, vocab).float(), target.reshape(-1),
+                             ignore_index=ignore_index)
+    if soft is None:
+        if ce is None:
+            raise ValueError("neither hard labels nor soft labels to learn from")
+        return ce, None, ce
+    student = F.log_softmax(student_logits.float() / temperature, dim=-1)
+    ids = soft.ids.to(student.device)
+    log_q = student.gather(-1, ids)
+    log_p = soft.logp.to(student.device).float()
+    log_p = log_p - torch.logsumexp(log_p, dim=-1, keepdim=True)  # renormalised over the k
+    per_token = (log_p.exp() * (log_p - log_q)).sum(-1)
+    if labels is not None:
+        mask = (labels != ignore_index).float()
+        kd = (per_token * mask).sum() / mask.sum().clamp(min=1.0)
+    else:
+        kd = per_token.mean()
+    kd_term = kd * temperature ** 2
+    loss = kd_term if ce is None else alpha * kd_term + (1 - alpha) * ce
+    return loss, kd, ce

@@ -1,0 +1,128 @@
+"""The spec's distillation: `role:`, a cluster's own `run`, `teacher:` and the job's
+`distill:` section, with located errors; and the distill.json every cluster's hosts get."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from nebula_cli.config import jobplan, plan_model, strict
+from nebula_cli.config.distill_config import DistillConfig
+from nebula_cli.config.distill_plan import distill_config, labels_port
+from nebula_cli.config.distill_spec import DistillSpec
+from nebula_cli.config.relay_config import RelayConfig
+from nebula_cli.config.spec import JobSpec, parse_spec
+from nebula_cli.config.worlds import site_key
+from nebula_cli.errors import SpecError
+from nebula_cli.transport.local_conn import LocalConn
+
+SPEC = """\
+name: d
+run: python train.py
+relay: {}
+distill: {topk: 16}
+clusters:
+  - name: lab
+    transport: local
+    hosts: [t1]
+    role: teacher
+    run: python serve.py
+  - name: cloud
+    transport: local
+    hosts: [s1]
+"""
+
+
+def parse(text: str) -> JobSpec:
+    return parse_spec(text, base_dir=Path(__file__).parent)
+
+
+def problem(text: str) -> str:
+    with pytest.raises(SpecError) as exc:
+        parse(text)
+    return str(exc.value)
+
+
+def test_a_teacher_cluster_and_the_distill_section_with_their_defaults() -> None:
+    spec = parse(SPEC)
+    assert [c.role for c in spec.clusters] == ["teacher", "train"]
+    assert spec.clusters[0].run == "python serve.py" and spec.clusters[1].run is None
+    assert spec.distill == DistillSpec(topk=16)  # every other field: its one default
+    assert spec.distill.temperature == DistillSpec().temperature
+
+
+@pytest.mark.parametrize("edit, where, says", [
+    (("distill: {topk: 16}\n", ""), "<spec>:8:11: clusters[0].role", "needs the job's `distill:`"),
+    (("    run: python serve.py\n", ""), "<spec>:9:11: clusters[0].role", "needs its server"),
+    (("    role: teacher\n", ""), "<spec>:4:10: distill", "needs a cluster with `role: teacher`"),
+    (("relay: {}\n", ""), "clusters[0].role", "add `relay: {}`"),
+    (("    run: python serve.py\n", "    run: python serve.py\n    teacher: {model: m}\n"),
+     "clusters[0].teacher", "either its own `run` or the built-in server"),
+    (("    role: teacher\n    run: python serve.py\n", "    teacher: {model: m}\n"),
+     "clusters[0].teacher", "is for a cluster with `role: teacher`"),
+    (("    hosts: [s1]\n", "    hosts: [s1]\n    role: teacher\n    run: python s.py\n"),
+     "clusters[0].role", "every cluster is a teacher"),
+    (("    role: teacher\n", "    role: student\n"), "<spec>:9:11: clusters[0].role",
+     "expected one of 'train', 'teacher', found 'student'"),
+    (("{topk: 16}", "{topk: 0}"), "<spec>:4:17: distill.topk", "an integer >= 1"),
+    (("{topk: 16}", "{values: int4}"), "distill.values", "one of 'fp16', 'int8'"),
+    (("{topk: 16}", "{when_no_teacher: skip}"), "distill.when_no_teacher",
+     "one of 'wait', 'ce_only', found 'skip'"),
+    (("run: python serve.py", "run: torchrun serve.py"), "clusters[0].run", "torchrun"),
+])
+def test_distillation_problems_are_located(edit: tuple[str, str], where: str, says: str) -> None:
+    text = SPEC.replace(*edit)
+    assert text != SPEC
+    message = problem(text)
+    assert where in message and says in message, message
+
+
+def sites(spec: JobSpec) -> dict[str, plan_model.Site]:
+    return {site_key(c, h): plan_model.Site(
+        conn=LocalConn(name=c.name, python="python3", home="/h"), home="/h",
+        address=f"{c.name}.ex", bind="0.0.0.0", python="python3", shares_files=True)
+        for c in spec.clusters for h in c.hosts}
+
+
+def test_each_cluster_gets_its_view_of_the_distillation(tmp_path: Path) -> None:
+    spec = parse(SPEC.replace("{topk: 16}", "{topk: 16, values: int8}"))
+    port = labels_port(spec)
+    assert spec.relay is not None and port == spec.relay.port + 2
+    teacher = distill_config(spec, "job-1", spec.clusters[0], "/a/lab", sites(spec))
+    student = distill_config(spec, "job-1", spec.clusters[1], "/a/cloud", sites(spec))
+    assert teacher.teacher and teacher.listen == f"0.0.0.0:{port}"
+    assert not student.teacher and student.listen == ""
+    assert student.teachers == teacher.teachers == {"lab": f"t1:{port}"}
+    assert teacher.students == ["cloud"] and student.values == "int8" and student.topk == 16
+    assert student.tls.cert == "/a/cloud/certs/worker.pem"
+    assert student.dead_after == spec.relay.dead_after
+    path = tmp_path / "distill.json"  # what the runtime loads, strictly
+    path.write_bytes(strict.dumps(student))
+    assert DistillConfig.load(path) == student
+    data = json.loads(path.read_text())
+    del data["topk"]
+    path.write_text(json.dumps(data))
+    with pytest.raises(Exception, match="topk"):
+        DistillConfig.load(path)
+
+
+def test_the_plan_runs_no_averaging_relay_on_a_teacher_and_names_none_to_students(
+        tmp_path: Path) -> None:
+    spec = parse(SPEC.replace("    hosts: [s1]\n", "    hosts: [s1]\n  - name: edge\n"
+                              "    transport: local\n    hosts: [e1]\n"))
+    site_of = sites(spec)
+    ports = plan_model.Ports(masters={c.name: 29500 + i for i, c in enumerate(spec.clusters)},
+                             relays={c.name: (29400, 29401) for c in spec.clusters})
+    certs = plan_model.Certs(ca=b"CA", relays={c.name: (b"c", b"k") for c in spec.clusters},
+                             workers={k: (b"c", b"k") for k in site_of})
+    plan = jobplan.build_plan(spec, "job-1", sites=site_of, ports=ports, certs=certs)
+    assert sorted(a.cluster for a in plan.role(plan_model.RELAY)) == ["cloud", "edge"]
+    relay = next(a for a in plan.role(plan_model.RELAY) if a.cluster == "cloud")
+    (tmp_path / "relay.json").write_bytes(relay.files["relay.json"])
+    cfg = RelayConfig.load(tmp_path / "relay.json")
+    assert set(cfg.clusters) == {"cloud", "edge"} and set(cfg.peers) == {"edge"}
+    teacher = next(a for a in plan.role(plan_model.WORKER) if a.cluster == "lab")
+    assert "distill.json" in teacher.files and "sync.json" not in teacher.files
+    assert teacher.config.processes[0].argv == ["/bin/sh", "-c", "python serve.py"]

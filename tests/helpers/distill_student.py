@@ -1,0 +1,83 @@
+"""A student rank for the distillation end-to-end test and bench: a small GPT-2 trained on
+token batches with `runtime.distill` (soft labels from the job's teacher, `kd_loss`), data
+parallel over gloo (gradients averaged with all_reduce), its result written as JSON.
+
+``python -m helpers.distill_student OUT STEPS`` with RANK, WORLD_SIZE, MASTER_ADDR,
+MASTER_PORT and NEBULA_DISTILL_CONFIG set; DISTILL_DATA names a .pt of token ids
+(sequences, width) to train on (each rank takes every WORLD_SIZE-th batch of 4 sequences),
+DISTILL_EVAL one to measure the eval loss on, DISTILL_HARD=1 trains on hard labels only.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+from transformers import GPT2Config, GPT2LMHeadModel
+
+from nebula_cli.runtime.distill import kd_loss, soft_labelled
+
+BATCH = 4
+
+
+def student(vocab: int, width: int) -> GPT2LMHeadModel:
+    torch.manual_seed(0)
+    return GPT2LMHeadModel(GPT2Config(vocab_size=vocab, n_positions=width, n_embd=64,
+                                      n_layer=2, n_head=2))
+
+
+def main() -> None:
+    out, steps = sys.argv[1], int(sys.argv[2])
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    torch.set_num_threads(1)
+    data = torch.load(os.environ["DISTILL_DATA"])
+    vocab = int(os.environ["DISTILL_VOCAB"])
+    model = student(vocab, data.shape[1])
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    mine = [data[i:i + BATCH] for i in range(BATCH * rank, BATCH * steps * world, BATCH * world)]
+    hard = os.environ.get("DISTILL_HARD") == "1"
+    loader = None if hard else soft_labelled(mine)
+    kd_first = kd_last = None
+    start = time.monotonic()
+    for batch, soft in (((b, None) for b in mine) if loader is None else loader):
+        logits = model(batch).logits
+        loss, kd, _ = kd_loss(logits, batch, soft, temperature=2.0, alpha=0.5)
+        opt.zero_grad()
+        loss.backward()
+        for p in model.parameters():
+            dist.all_reduce(p.grad)
+            p.grad /= world
+        opt.step()
+        if kd is not None:
+            kd_first = kd.item() if kd_first is None else kd_first
+            kd_last = kd.item()
+    elapsed = time.monotonic() - start
+    evals = os.environ.get("DISTILL_EVAL")
+    eval_loss = None
+    if evals:
+        with torch.no_grad():
+            held = torch.load(evals)
+            eval_loss = model(held, labels=held).loss.item()
+    digest = hashlib.sha256(b"".join(p.detach().numpy().tobytes()
+                                     for p in model.parameters())).hexdigest()
+    stats = loader.stats if loader is not None else None
+    with open(out, "w") as f:
+        json.dump({"rank": rank, "digest": digest, "steps": len(mine), "elapsed_s": elapsed,
+                   "tokens": sum(b.numel() for b in mine), "kd_first": kd_first,
+                   "kd_last": kd_last, "eval_loss": eval_loss,
+                   "without_labels": stats.without_labels if stats else None,
+                   "bytes_per_token": stats.bytes_per_token if stats else None,
+                   "longest_wait_s": stats.longest_wait_s if stats else None}, f)
+    if loader is not None:
+        loader.client.close()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

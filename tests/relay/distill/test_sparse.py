@@ -1,0 +1,69 @@
+"""Sparse soft labels on the wire (`relay.distill.sparse`): ids in as few bits as the
+vocabulary needs, values in fp16 or 8 bits, exact sizes, malformed payloads refused."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from nebula_cli.relay.distill.sparse import (
+    SparseLabels,
+    Values,
+    decode,
+    encode,
+    id_bits,
+    payload_nbytes,
+)
+from nebula_cli.relay.net.wire import WireError
+
+
+def labels(rows: int, k: int, vocab: int, seed: int = 0) -> SparseLabels:
+    rng = np.random.default_rng(seed)
+    ids = np.stack([rng.choice(vocab, size=k, replace=False) for _ in range(rows)])
+    logp = -np.sort(rng.exponential(2.0, size=(rows, k)).astype(np.float32), axis=1)
+    return SparseLabels(ids.astype(np.int64), logp)
+
+
+def test_ids_take_the_fewest_bits_that_hold_the_vocabulary() -> None:
+    assert [id_bits(v) for v in (2, 256, 257, 4096, 50257, 1 << 24)] == [1, 8, 9, 12, 16, 24]
+    with pytest.raises(WireError, match="vocabulary"):
+        id_bits(1)
+
+
+@pytest.mark.parametrize("vocab", [257, 4096, 50257])
+def test_round_trip_ids_exact_and_values_within_their_encodings_error(vocab: int) -> None:
+    src = labels(37, 32, vocab)
+    for values, bound in ((Values.FP16, 2e-3), (Values.INT8, None)):
+        data = encode(src, vocab, values)
+        assert len(data) == payload_nbytes(37, 32, vocab, values)
+        out = decode(data, 37, 32, vocab, values)
+        assert np.array_equal(out.ids, src.ids)
+        span = src.logp.max(axis=1, keepdims=True) - src.logp.min(axis=1, keepdims=True)
+        err = np.abs(out.logp - src.logp)
+        limit = bound * np.abs(src.logp).max() if bound else span / 255 / 2 + 2e-2 * span
+        assert (err <= limit + 1e-6).all(), (values, float(err.max()))
+
+
+def test_bytes_per_token_against_full_fp32_logits() -> None:
+    vocab, k = 4096, 32
+    fp16, int8 = (payload_nbytes(1000, k, vocab, v) / 1000 for v in Values)
+    assert fp16 == k * 12 / 8 + k * 2 == 112  # 12-bit ids, 2-byte values
+    assert int8 == k * 12 / 8 + k + 4 == 84
+    assert vocab * 4 / fp16 > 100 and vocab * 4 / int8 > 150
+
+
+def test_a_payload_of_another_length_or_with_ids_outside_the_vocabulary_is_refused() -> None:
+    src = labels(3, 4, 300)
+    data = encode(src, 300, Values.FP16)
+    with pytest.raises(WireError, match="expected"):
+        decode(data[:-1], 3, 4, 300, Values.FP16)
+    with pytest.raises(WireError, match="outside the vocabulary"):
+        encode(SparseLabels(np.array([[300]]), np.zeros((1, 1), np.float32)), 300, Values.FP16)
+    forged = bytearray(data)
+    forged[0] = 0xFF  # the first id's high bits: 9-bit ids, 511 > 299
+    with pytest.raises(WireError, match="outside the vocabulary"):
+        decode(forged, 3, 4, 300, Values.FP16)
+    nan = bytearray(encode(src, 300, Values.FP16))
+    nan[-2:] = np.array([np.nan], dtype="<f2").tobytes()
+    with pytest.raises(WireError, match="not finite"):
+        decode(nan, 3, 4, 300, Values.FP16)

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import wait_for
+from helpers.jobs import wait_for
 from helpers.label_teacher import (
     JOB,
     K,

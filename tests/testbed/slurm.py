@@ -29,6 +29,7 @@ import os
 import re
 import shutil
 import signal
+import stat
 import subprocess
 import time
 from collections.abc import Callable, Sequence
@@ -42,7 +43,17 @@ TOOLS = ("munged", "slurmctld", "slurmd", "sbatch", "srun", "squeue", "sinfo", "
          "scontrol", "sacct", "nsenter", "unshare")
 SBIN_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 CTLD_PORT, SLURMD_PORT = 6817, 6818
-NODE_CPUS, NODE_MEMORY_MB = 2, 4000  # `slurmd -C` here: CPUs=2 RealMemory=24105
+NODE_CPUS, NODE_MEMORY_MB = 8, 4000
+"""What each node declares (`slurmd -C` here says CPUs=2 RealMemory=24105): more CPUs than the
+machine has, as a site's GPU node has more cores than one rank uses, so that jobs of several
+ranks per node, `--cpus-per-task` and whole-node jobs get the shapes they get at a site.
+`SlurmdParameters=config_overrides` makes slurmd take the declared counts (it would drain a
+node that declares more than it finds)."""
+NODE_GPUS = 4
+"""Fake GPUs each node declares (`Gres=gpu:4`; in gres.conf, `File=` character devices in the
+bed's dir that are /dev/null): Slurm schedules them (`--gpus-per-node`, `--gpus-per-task`,
+SLURM_GPUS_ON_NODE) but no process sees a GPU. A gres.conf with `Count=` only does not do:
+slurmd then reports 0 GPUs and the controller marks the node INVAL."""
 PARTITIONS = {"debug": "01:00:00", "short": "00:05:00"}  # name -> MaxTime; the first is Default
 ACTIVE_STATES = "PENDING,RUNNING,SUSPENDED,COMPLETING,CONFIGURING,REQUEUED,RESIZING,SIGNALING"
 START_TIMEOUT_S = 30.0
@@ -209,6 +220,15 @@ class SlurmCluster:
             key.write_bytes(os.urandom(1024))
         key.chmod(0o400)
         (self.dir / "plugstack.conf").write_text("")  # not /etc/slurm's
+        devices = self.dir / "dev"
+        devices.mkdir(exist_ok=True)
+        for name in self.nodes:
+            for i in range(NODE_GPUS):  # character devices, as slurmd wants: /dev/null's
+                with contextlib.suppress(FileExistsError):
+                    os.mknod(devices / f"{name}-gpu{i}", 0o600 | stat.S_IFCHR, os.makedev(1, 3))
+        (self.dir / "gres.conf").write_text(  # beside slurm.conf, where slurmd looks for it
+            "".join(f"NodeName={n} Name=gpu File={devices}/{n}-gpu[0-{NODE_GPUS - 1}]\n"
+                    for n in self.nodes))
         self.conf.write_text(self.config_text())
 
     def config_text(self) -> str:
@@ -224,6 +244,7 @@ class SlurmCluster:
             f"AuthInfo=socket={self.munge_socket}",
             "ProctrackType=proctrack/linuxproc", "TaskPlugin=task/none",
             "SelectType=select/cons_tres", "SelectTypeParameters=CR_Core",
+            "SlurmdParameters=config_overrides", "GresTypes=gpu",
             "MpiDefault=none", f"PlugStackConfig={d / 'plugstack.conf'}", "MailProg=/bin/true",
             "ReturnToService=2", "KillWait=5", "InactiveLimit=0", "MinJobAge=300",
             "OverTimeLimit=0", "EnforcePartLimits=ALL",
@@ -238,7 +259,7 @@ class SlurmCluster:
             "SlurmctldDebug=info", "SlurmdDebug=info",
             *(f"NodeName={n.name} NodeAddr={n.address} CPUs={NODE_CPUS} "
               f"RealMemory={NODE_MEMORY_MB} Sockets=1 CoresPerSocket={NODE_CPUS} ThreadsPerCore=1 "
-              f"State=UNKNOWN" for n in self.nodes.values()),
+              f"Gres=gpu:{NODE_GPUS} State=UNKNOWN" for n in self.nodes.values()),
             *(f"PartitionName={name} Nodes={node_names} MaxTime={limit} State=UP"
               + (" Default=YES" if name == self.default_partition else "")
               for name, limit in self.partitions.items()),

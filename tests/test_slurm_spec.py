@@ -78,6 +78,13 @@ def test_own_signal_replaces_nebulas(tmp_path: Path) -> None:
     (('["--exclusive"]', '["exclusive"]'), "clusters[0].slurm.sbatch_args", "starting with '-'"),
     (("partition: gpu", "partition: 'gpu; rm -rf /'"), "clusters[0].slurm.partition",
      "Slurm name"),
+    (("account: proj123", "account: 'proj 123'"), "clusters[0].slurm.account", "Slurm name"),
+    (("account: proj123", 'constraint: "a100\\n#SBATCH --qos=high"'),
+     "clusters[0].slurm.constraint", "node features"),
+    (("account: proj123", "constraint: 'a100 && ib'"), "clusters[0].slurm.constraint",
+     "no spaces"),
+    (('["--exclusive"]', '["--comment=\\"x\\"\\rtouch /tmp/p"]'),
+     "clusters[0].slurm.sbatch_args", "control characters"),
     (("    scheduler: slurm\n", ""), "clusters[0].slurm", "needs `scheduler: slurm`"),
     (("    scheduler: slurm\n", "    scheduler: pbs\n"), "clusters[0].scheduler", "slurm"),
 ])
@@ -237,3 +244,13 @@ def test_a_tunnel_to_a_slurm_cluster_ends_at_its_login_node(tmp_path: Path) -> N
     assert 'permitopen="10.1.0.1:29400"' in grant["line"]  # the login node may open only that
     relay = json.loads(relays["hpc"].files["relay.json"])
     assert relay["peer_listen"] == "0.0.0.0:29400"  # the login node reaches it over the network
+
+
+def test_feature_expressions_reach_the_batch_script_as_one_directive(tmp_path: Path) -> None:
+    spec = load_spec(write(tmp_path, SLURM.replace(
+        "account: proj123", 'constraint: "[rack1|rack2]&a100*2"')))
+    cluster = spec.clusters[0]
+    script = batch.render(template_of(spec, cluster), batch.values(
+        slurm_request(cluster), job_name="nebula-j-hpc", output="/r/slurm/hpc-%j.out",
+        job_root="/r", pythonpath="/r/lib", python="python3"))
+    assert "\n#SBATCH --constraint=[rack1|rack2]&a100*2\n" in script

@@ -49,13 +49,19 @@ machine has, as a site's GPU node has more cores than one rank uses, so that job
 ranks per node, `--cpus-per-task` and whole-node jobs get the shapes they get at a site.
 `SlurmdParameters=config_overrides` makes slurmd take the declared counts (it would drain a
 node that declares more than it finds)."""
+FAKE_GPU_MAJOR = 240
+"""The fake GPUs' device major: 240-254 are for local use, no driver answers (opening one fails
+with ENXIO; a devices cgroup that denies it fails with EPERM)."""
 NODE_GPUS = 4
 """Fake GPUs each node declares (`Gres=gpu:4`; in gres.conf, `File=` character devices in the
-bed's dir that are /dev/null): Slurm schedules them (`--gpus-per-node`, `--gpus-per-task`,
+bed's dir, of major `FAKE_GPU_MAJOR`): Slurm schedules them (`--gpus-per-node`, `--gpus-per-task`,
 SLURM_GPUS_ON_NODE) but no process sees a GPU. A gres.conf with `Count=` only does not do:
 slurmd then reports 0 GPUs and the controller marks the node INVAL."""
 PARTITIONS = {"debug": "01:00:00", "short": "00:05:00"}  # name -> MaxTime; the first is Default
 ACTIVE_STATES = "PENDING,RUNNING,SUSPENDED,COMPLETING,CONFIGURING,REQUEUED,RESIZING,SIGNALING"
+CGROUP_V1 = Path("/sys/fs/cgroup")
+CGROUP_CONTROLLERS = ("freezer", "cpuset", "devices")
+"""What proctrack/cgroup and task/cgroup use of cgroup v1 (the kernel here mounts v1)."""
 START_TIMEOUT_S = 30.0
 SETTLE_TIMEOUT_S = 30.0  # KillWait=5 plus slurmd's epilog round trip, with room to spare
 LOG_TAIL = 15
@@ -131,6 +137,30 @@ def kill_root_daemons(bed_id: str, state: dict | None) -> None:
     kill_pids(sorted(pids))
 
 
+def cgroup_available() -> tuple[bool, str]:
+    """Whether slurmd can confine steps with cgroup v1 here: (True, "") or (False, why)."""
+    missing = [c for c in CGROUP_CONTROLLERS if not (CGROUP_V1 / c / "tasks").exists()]
+    if missing:
+        return False, f"no cgroup v1 {', '.join(missing)} under {CGROUP_V1}"
+    return True, ""
+
+
+def remove_cgroups(nodes: Sequence[str]) -> None:
+    """Remove the empty cgroups slurmd leaves (``/sys/fs/cgroup/<controller>/slurm_<node>``,
+    by node name: slurmd runs several nodes on one machine, each with its own tree)."""
+    for controller in CGROUP_CONTROLLERS:
+        for node in nodes:
+            root = CGROUP_V1 / controller / f"slurm_{node}"
+            if not root.is_dir():
+                continue
+            for sub in sorted(root.rglob("*"), key=lambda p: len(p.parts), reverse=True):
+                if sub.is_dir():
+                    with contextlib.suppress(OSError):
+                        sub.rmdir()
+            with contextlib.suppress(OSError):
+                root.rmdir()
+
+
 class SlurmError(RuntimeError):
     """A Slurm daemon did not start, or a client command failed (message: logs' last lines)."""
 
@@ -139,7 +169,7 @@ class SlurmCluster:
     """The Slurm cluster of one bed cluster: controller on the login host, slurmd per node."""
 
     def __init__(self, bed_id: str, directory: Path, cluster: str, login: Host,
-                 nodes: Sequence[Host]) -> None:
+                 nodes: Sequence[Host], *, cgroup: bool = False) -> None:
         self.bed_id = bed_id
         self.dir = directory
         self.cluster = cluster
@@ -148,6 +178,9 @@ class SlurmCluster:
         self.nodes = {node.name: node for node in nodes}
         self.partitions = dict(PARTITIONS)
         self.default_partition = next(iter(PARTITIONS))
+        self.cgroup = cgroup
+        """proctrack/cgroup and task/cgroup,task/affinity (most sites), cores and devices
+        confined; else proctrack/linuxproc and task/none."""
         self.ctld_port = CTLD_PORT
         self.slurmd_port = SLURMD_PORT
 
@@ -223,12 +256,16 @@ class SlurmCluster:
         devices = self.dir / "dev"
         devices.mkdir(exist_ok=True)
         for name in self.nodes:
-            for i in range(NODE_GPUS):  # character devices, as slurmd wants: /dev/null's
+            for i in range(NODE_GPUS):  # character devices, as slurmd wants, of no driver
                 with contextlib.suppress(FileExistsError):
-                    os.mknod(devices / f"{name}-gpu{i}", 0o600 | stat.S_IFCHR, os.makedev(1, 3))
+                    os.mknod(devices / f"{name}-gpu{i}", 0o600 | stat.S_IFCHR,
+                             os.makedev(FAKE_GPU_MAJOR, i))
         (self.dir / "gres.conf").write_text(  # beside slurm.conf, where slurmd looks for it
             "".join(f"NodeName={n} Name=gpu File={devices}/{n}-gpu[0-{NODE_GPUS - 1}]\n"
                     for n in self.nodes))
+        (self.dir / "cgroup.conf").write_text(  # beside slurm.conf, where slurmd looks for it
+            "CgroupPlugin=cgroup/v1\nConstrainCores=yes\nConstrainDevices=yes\n"
+            "ConstrainRAMSpace=no\n")
         self.conf.write_text(self.config_text())
 
     def config_text(self) -> str:
@@ -242,7 +279,9 @@ class SlurmCluster:
             "SlurmUser=root", "SlurmdUser=root",
             "AuthType=auth/munge", "CredType=cred/munge",
             f"AuthInfo=socket={self.munge_socket}",
-            "ProctrackType=proctrack/linuxproc", "TaskPlugin=task/none",
+            *(("ProctrackType=proctrack/cgroup", "TaskPlugin=task/cgroup,task/affinity")
+              if self.cgroup else
+              ("ProctrackType=proctrack/linuxproc", "TaskPlugin=task/none")),
             "SelectType=select/cons_tres", "SelectTypeParameters=CR_Core",
             "SlurmdParameters=config_overrides", "GresTypes=gpu",
             "MpiDefault=none", f"PlugStackConfig={d / 'plugstack.conf'}", "MailProg=/bin/true",
@@ -341,6 +380,8 @@ class SlurmCluster:
         kill_pids(steps, grace=0.2)  # slurmstepd ignores SIGTERM
         kill_pids([p for p in [pids["munged"]] if p])
         kill_root_daemons(self.bed_id, None)
+        if self.cgroup:
+            remove_cgroups(list(self.nodes))
 
     # ------------------------------------------------------------------------- clients
 

@@ -124,11 +124,15 @@ def test_queued_job_shows_slurms_reason_and_ctrl_c_cancels_it(
     assert slurm_of(slurm_bed).active_jobs() == []
 
 
+@pytest.mark.timeout(600)
 def test_relay_on_login_behind_a_tunnel_and_stop_mid_run_leave_nothing(
         slurm_cli: CLI, slurm_bed: TestBed, tmp_path: Path) -> None:
+    """Two ranks per node (REALWORLD Slurm: several ranks per node): `stop` mid-run ends
+    every one and leaves the queue empty."""
     keys = slurm_bed.authorized_keys("login")  # on the "shared home": the bed's own file
     spec = slurm_spec(tmp_path, steps=100_000, relay_on="login", relay_reach="ssh",
-                      authorized_keys=str(keys))
+                      authorized_keys=str(keys), slurm={"ntasks_per_node": 2},
+                      model="--d-model 32 --n-layer 1 --n-head 2 --context 32")
     slurm_cli("launch", "--detach", str(spec), check=True, timeout=600)
     (job_id,) = slurm_cli.job_ids()
     # the login node's relay joins the nodes' workers and, through east's SSH tunnel to the
@@ -145,6 +149,10 @@ def test_relay_on_login_behind_a_tunnel_and_stop_mid_run_leave_nothing(
     out = slurm_cli("stop", job_id, check=True, timeout=300)
     assert f"Slurm job {active[0]}" in out.stdout, out.stdout
     assert status(slurm_cli, job_id)["state"] == "STOPPED"
+    # every rank stopped gracefully, each once, where the spec put it
+    ranks = sorted((r["host"], r["rank"], r["local_rank"], r["world_size"])
+                   for r in records(job_id) if r["cluster"] == "hpc" and r.get("final"))
+    assert ranks == [("c1", 0, 0, 4), ("c1", 1, 1, 4), ("c2", 2, 0, 4), ("c2", 3, 1, 4)], ranks
     wait_for(lambda: not slurm_of(slurm_bed).active_jobs(), timeout=60)
     assert job_processes(job_id) == []  # the login node's relay and the tunnel too
     assert "nebula-tunnel" not in keys.read_text()

@@ -113,7 +113,7 @@ def test_batch_script_renders_every_placeholder(tmp_path: Path) -> None:
     assert "{{" not in script
     assert "#SBATCH --nodes=2\n" in script and "#SBATCH --gpus-per-node=4\n" in script
     assert "#SBATCH --output=/r/slurm/hpc-%j.out" in script
-    assert "--gpus-per-node=4 --kill-on-bad-exit=0" in script
+    assert 'gpu_option="--gpus-per-node=$gpus"' in script  # the job's GPUs on the node
     assert subprocess.run(["bash", "-n"], input=script, text=True).returncode == 0
 
 

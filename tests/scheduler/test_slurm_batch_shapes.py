@@ -5,7 +5,8 @@ step's SLURM_* variables say; short steps from a login shell inside another allo
 their shape too. No DeepSpeed: tests/test_slurm_launch.py trains in one of these shapes.
 
 REALWORLD Slurm rows: several ranks per node (`ntasks_per_node` 2 and 4), `cpus_per_task`,
-`--exclusive`, a job that asks for every CPU of its nodes, GPUs per node.
+`--exclusive`, a job that asks for every CPU of its nodes, GPUs per node and per task; memory
+scheduled (`CR_Core_Memory`), as at most sites.
 """
 
 from __future__ import annotations
@@ -80,10 +81,12 @@ SHAPES = {  # slurm: section -> (nodes, CPUs and GPUs the keeper's step holds on
     "2 ranks per node": ({"nodes": 2, "ntasks_per_node": 2}, 2, 2, 0),
     "4 ranks per node, one GPU each": (
         {"nodes": 2, "ntasks_per_node": 4, "gpus_per_node": NODE_GPUS}, 2, 4, NODE_GPUS),
-    "every CPU of the node": ({"nodes": 1, "ntasks_per_node": 2,
-                               "cpus_per_task": NODE_CPUS // 2}, 1, NODE_CPUS, 0),
-    "exclusive": ({"nodes": 2, "ntasks_per_node": 1, "sbatch_args": ["--exclusive"]},
-                  2, NODE_CPUS, 0),
+    "every CPU of the node, a GPU per task": (
+        {"nodes": 1, "ntasks_per_node": 2, "cpus_per_task": NODE_CPUS // 2,
+         "sbatch_args": ["--gpus-per-task=1"]}, 1, NODE_CPUS, 2),
+    "exclusive (the whole node: every GPU too)": (
+        {"nodes": 2, "ntasks_per_node": 1, "sbatch_args": ["--exclusive"]},
+        2, NODE_CPUS, NODE_GPUS),
 }
 
 

@@ -282,7 +282,8 @@ class SlurmCluster:
             *(("ProctrackType=proctrack/cgroup", "TaskPlugin=task/cgroup,task/affinity")
               if self.cgroup else
               ("ProctrackType=proctrack/linuxproc", "TaskPlugin=task/none")),
-            "SelectType=select/cons_tres", "SelectTypeParameters=CR_Core",
+            "SelectType=select/cons_tres", "SelectTypeParameters=CR_Core_Memory",
+            f"DefMemPerCPU={NODE_MEMORY_MB // NODE_CPUS}",  # memory is scheduled, as at sites
             "SlurmdParameters=config_overrides", "GresTypes=gpu",
             "MpiDefault=none", f"PlugStackConfig={d / 'plugstack.conf'}", "MailProg=/bin/true",
             "ReturnToService=2", "KillWait=5", "InactiveLimit=0", "MinJobAge=300",

@@ -254,3 +254,15 @@ def test_feature_expressions_reach_the_batch_script_as_one_directive(tmp_path: P
         slurm_request(cluster), job_name="nebula-j-hpc", output="/r/slurm/hpc-%j.out",
         job_root="/r", pythonpath="/r/lib", python="python3"))
     assert "\n#SBATCH --constraint=[rack1|rack2]&a100*2\n" in script
+
+
+def test_each_rank_is_a_task_of_its_slurm_step_in_its_environment(tmp_path: Path) -> None:
+    """REALWORLD training scripts: a script (or Lightning, submitit) that takes its rank from
+    SLURM_PROCID sees nebula's rank, not its node's keeper task."""
+    plan = _planned(load_spec(write(tmp_path, SLURM)))
+    seen = [(w.host, p.env["RANK"], p.env["SLURM_PROCID"], p.env["LOCAL_RANK"],
+             p.env["SLURM_LOCALID"], p.env["SLURM_NTASKS"], p.env["SLURM_NTASKS_PER_NODE"])
+            for w in plan.hosts for p in w.config.processes]
+    assert seen == [(node, str(rank), str(rank), str(rank % 4), str(rank % 4), "8", "4")
+                    for rank, node in enumerate(["n1"] * 4 + ["n2"] * 4)]
+    assert plan.hosts[0].config.processes[0].env["SLURM_TASKS_PER_NODE"] == "4(x2)"

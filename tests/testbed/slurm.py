@@ -18,6 +18,14 @@ a fresh /sys: slurmd then cannot find /sys/fs/cgroup). slurmctld also gets a UTS
 its own whose hostname is the login node's name: slurmctld refuses to run on a host that is not
 named in SlurmctldHost, and every namespace of this machine shares one hostname.
 
+Nodes are what sites run (`CR_Core_Memory`; 8 CPUs and 4 fake GPUs declared per node, see
+NODE_CPUS, NODE_GPUS). `TestBed(slurm_cgroup=True)` adds `proctrack/cgroup` and
+`task/cgroup,task/affinity` with cores and devices confined: the kernel here mounts cgroup v1
+(freezer, cpuset, devices, memory; cgroup2 only at /sys/fs/cgroup/unified), and slurmd names
+its trees by node (`/sys/fs/cgroup/<controller>/slurm_<node>`), so several nodes share one
+machine as long as node names differ across every bed that runs at once; `stop()` removes the
+trees. The session bed keeps `proctrack/linuxproc`: its nodes are c1, c2 in every bed.
+
 The ports are Slurm's defaults (6817 slurmctld, 6818 slurmd): each daemon listens on its own
 namespace's address, in a namespace no other bed or process uses, so they cannot collide.
 """

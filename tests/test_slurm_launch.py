@@ -178,7 +178,8 @@ def test_time_limit_is_shown_as_timeout_and_resume_continues_from_the_checkpoint
     # Slurm's notice comes 60 s before the 3-minute limit (up to a minute earlier: Slurm checks
     # about once a minute): the workers stop and checkpoint, then Slurm ends the job TIMEOUT
     spec = slurm_spec(tmp_path, steps=100_000, with_ssh=False, checkpoint={"every": 5},
-                      slurm={"time": "3", "sbatch_args": ["--signal=TERM@60"]})
+                      slurm={"time": "3", "sbatch_args": ["--signal=TERM@60"]},
+                      model="--d-model 32 --n-layer 1 --n-head 2 --context 32")
     slurm_cli("launch", "--detach", str(spec), check=True, timeout=600)
     (job_id,) = slurm_cli.job_ids()
     (first,) = slurm_of(slurm_bed).active_jobs()

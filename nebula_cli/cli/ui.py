@@ -331,9 +331,12 @@ def parameter_verdict(finals: list[dict[str, Any]], staged: bool) -> list[Text]:
 
 
 def host_checks_table(checks: list[HostCheck]) -> Table:
-    """`validate --hosts`: one row per host, failures named."""
+    """`validate --hosts`: one row per host, failures named; below, what each scheduler said
+    it would give the spec (a Slurm login node's ``sbatch --test-only``)."""
     colors = cluster_colors(dict.fromkeys(c.cluster for c in checks))
-    table = Table(title="hosts", title_justify="left", show_edge=False)
+    said = [f"{c.cluster}/{c.host}: {c.scheduler}" for c in checks if c.scheduler]
+    table = Table(title="hosts", title_justify="left", show_edge=False,
+                  caption=Text("\n".join(said)) if said else None, caption_justify="left")
     for col in ("cluster", "host", "reachable", "python", "torch", "deepspeed", "free disk",
                 "slots", "interface", "problems"):
         table.add_column(col)

@@ -107,6 +107,8 @@ def _worker_agents(spec: JobSpec, job_id: str, sites: dict[str, Site], ports: Po
                     stage, replica = layout.position(device)
                     proc_env.update(RANK=str(layout.rank_of(device)), NEBULA_STAGE=str(stage),
                                     NEBULA_REPLICA=str(replica))
+                proc_env.update(cluster.scheduling.rank_env(cluster, int(proc_env["RANK"]),
+                                                            local_rank))
                 name = proc_env["RANK"]
                 proc_env[METRICS_FILE_ENV] = posixpath.join(
                     adir, "metrics", f"rank{name}.jsonl")

@@ -55,6 +55,9 @@ class HostCheck:
     error: str | None = None
     interpreter: str = "python"
     """The interpreter that was asked (the cluster's `python:`)."""
+    scheduler: str | None = None
+    """What the cluster's scheduler says it would give the spec (a Slurm login node:
+    ``sbatch --test-only``'s answer), None for hosts that allocate nothing."""
     interface: str | None = None
     """GLOO/NCCL_SOCKET_IFNAME its ranks get: the spec's, or the one found toward its world's
     peers (None: a one-host world, loopback)."""

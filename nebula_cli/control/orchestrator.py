@@ -323,10 +323,11 @@ class Orchestrator(JobOps, HostFacts):
             found = check_host(t, cluster.name, host.host, host.slots)
             found.interface = worlds.interface_of(cluster, host)  # the spec's, if it names one
             allocator = allocator_of(cluster)
-            if allocator is not None and found.ok:  # a login node: the scheduler's tools too
-                try:
+            if allocator is not None and found.ok:  # a login node: the scheduler's tools,
+                try:  # and what it would give the spec (nothing asked for)
                     allocator.check_host(t)
-                except NebulaError as exc:
+                    found.scheduler = allocator.preview(t, spec, cluster)
+                except NebulaError as exc:  # a refusal: a SpecError at the spec's field
                     found.error = str(exc)
             return found
 

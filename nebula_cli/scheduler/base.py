@@ -30,6 +30,12 @@ class Allocator(Protocol):
         what this needs (Slurm: its commands on the login node's PATH)."""
         ...
 
+    def preview(self, t: Transport, spec: JobSpec, cluster: ClusterSpec) -> str:
+        """What the scheduler says it would give the cluster's request now (where, when),
+        nothing asked for; SpecError at the spec's field when it refuses what it says
+        (`validate --hosts`)."""
+        ...
+
     def submit(self, t: Transport, login: Conn, spec: JobSpec, cluster: ClusterSpec,
                job_id: str, upload_lib: Callable[[str], None],
                progress: Progress) -> Allocation:

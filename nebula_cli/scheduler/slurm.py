@@ -1,5 +1,6 @@
 """`SlurmAllocator`: one batch job per Slurm cluster holds its nodes for the whole run.
 
+`preview` (``sbatch --test-only``: what Slurm would give the spec, for `validate --hosts`),
 `submit` (on the login node: nebula_cli uploaded, `launchers/slurm.sbatch` rendered, `sbatch`),
 `wait_running` (the job QUEUED with Slurm's reason until it starts, then every node's keeper
 answering), `node_conn` (a node, reached through the login node), `state` and `cancel`.
@@ -66,29 +67,33 @@ class SlurmAllocator:
     def check_host(self, t: Transport) -> None:
         slurm_cli.require_commands(t)
 
+    def preview(self, t: Transport, spec: JobSpec, cluster: ClusterSpec) -> str:
+        """Slurm's answer to the cluster's batch script now (``sbatch --test-only``: where and
+        when it would start; nothing written, nothing submitted); SpecError at the `slurm:`
+        field Slurm refuses."""
+        slurm_cli.require_commands(t)
+        job_root = posixpath.join(t.home, "jobs", "JOB")
+        seen = slurm_cli.test_only(t, _script(spec, cluster, "JOB", job_root))
+        if not seen.ok:
+            raise _refused(spec, cluster, t, seen)
+        return f"Slurm on {t.name}: {seen.said}"
+
     def submit(self, t: Transport, login: Conn, spec: JobSpec, cluster: ClusterSpec,
                job_id: str, upload_lib: Callable[[str], None],
                progress: Progress) -> Allocation:
         """On the login node: the job's directory, nebula_cli (`upload_lib(job_root)`), the
         batch script; then sbatch. SpecError at the `slurm:` field Slurm's refusal is about
         (`sbatch --test-only` first), LaunchError with Slurm's words otherwise."""
-        request = slurm_request(cluster)
         slurm_cli.require_commands(t)
         job_root = posixpath.join(t.home, "jobs", job_id)
         t.makedirs(posixpath.join(job_root, "slurm"), mode=0o700)
         upload_lib(job_root)
-        out = posixpath.join(job_root, "slurm", f"{cluster.name}-%j.out")
-        script = batch.render(template_of(spec, cluster), batch.values(
-            request, job_name=f"nebula-{job_id}-{cluster.name}", output=out, job_root=job_root,
-            pythonpath=plan_model.lib_dir(job_root), python=cluster.python))
+        script = _script(spec, cluster, job_id, job_root)
         path = posixpath.join(job_root, "slurm", f"{cluster.name}.sbatch")
         t.put_bytes(script.encode(), path, mode=0o700)
-        refused = slurm_cli.test_only(t, path, job_root)
-        if refused is not None:
-            field, said = refused
-            index = spec.clusters.index(cluster)
-            raise spec.problem_at(("clusters", index, "slurm", *((field,) if field else ())),
-                                  f"Slurm on {t.name} refuses the job: {said}")
+        seen = slurm_cli.test_only(t, script, job_root)
+        if not seen.ok:
+            raise _refused(spec, cluster, t, seen)
         job = slurm_cli.submit(t, path, job_root)
         progress(f"{cluster.name}: submitted Slurm job {job} on {t.name} ({path})")
         return Allocation(cluster=cluster.name, login=login, job=job, job_root=job_root,
@@ -147,6 +152,22 @@ class SlurmAllocator:
 
     def cancel(self, t: Transport, alloc: Allocation) -> None:
         slurm_cli.cancel(t, alloc.job)
+
+
+def _script(spec: JobSpec, cluster: ClusterSpec, job_id: str, job_root: str) -> str:
+    """The cluster's batch script for job `job_id`, its files under `job_root`."""
+    out = posixpath.join(job_root, "slurm", f"{cluster.name}-%j.out")
+    return batch.render(template_of(spec, cluster), batch.values(
+        slurm_request(cluster), job_name=f"nebula-{job_id}-{cluster.name}", output=out,
+        job_root=job_root, pythonpath=plan_model.lib_dir(job_root), python=cluster.python))
+
+
+def _refused(spec: JobSpec, cluster: ClusterSpec, t: Transport,
+             seen: slurm_cli.TestOnly) -> NebulaError:
+    """Slurm's refusal as a SpecError at the `slurm:` field it is about."""
+    index = spec.clusters.index(cluster)
+    return spec.problem_at(("clusters", index, "slurm", *((seen.field,) if seen.field else ())),
+                           f"Slurm on {t.name} refuses the job: {seen.said}")
 
 
 def allocation_state(job: str, state: slurm_cli.QueueState) -> AllocationState:

@@ -78,17 +78,32 @@ REFUSALS = (  # words of sbatch's refusal -> the field of the spec's `slurm:` it
 )
 
 
-def test_only(t: Transport, script: str, cwd: str) -> tuple[str, str] | None:
-    """Ask Slurm whether it would take the job (``sbatch --test-only``: nothing submitted).
-    None when it would, else (the `slurm:` field its refusal is about, sbatch's words)."""
-    result = t.run(["sbatch", "--test-only", script], cwd=cwd, timeout=TIMEOUT)
-    if result.ok:
-        return None
+@dataclass(frozen=True)
+class TestOnly:
+    """What ``sbatch --test-only`` said of a batch script (nothing submitted)."""
+
+    __test__ = False  # not a pytest class
+
+    ok: bool
+    said: str
+    """Slurm's words: where and when the job would start ("Job 12 to start at
+    2026-11-27T13:05:01 using 16 processors on nodes n[1-2] in partition gpu"), or why not."""
+    field: str = ""
+    """The spec's `slurm:` field a refusal is about ("" when none is recognised)."""
+
+
+def test_only(t: Transport, script: str, cwd: str | None = None) -> TestOnly:
+    """Ask Slurm whether, where and when it would run the batch script `script` (its text, on
+    sbatch's stdin: nothing is written or submitted)."""
+    result = t.run(["sbatch", "--test-only"], cwd=cwd, stdin=script.encode(), timeout=TIMEOUT)
     said = (result.stderr.strip() or result.stdout.strip() or f"exit {result.exit_code}")
-    said = " ".join(line.removeprefix("sbatch: error: ").strip()
-                    for line in said.splitlines()[-3:])
-    field = next((f for words, f in REFUSALS if words in said.lower()), "")
-    return field, said
+    lines = [line.removeprefix("sbatch: error: ").removeprefix("sbatch: ").strip()
+             for line in said.splitlines()[-3:]]
+    if result.ok:
+        return TestOnly(ok=True, said=lines[-1])
+    said = " ".join(lines)
+    return TestOnly(ok=False, said=said,
+                    field=next((f for words, f in REFUSALS if words in said.lower()), ""))
 
 
 def queue_state(t: Transport, job: str) -> QueueState:

@@ -1,6 +1,7 @@
 """SlurmNodeTransport: a node of a running Slurm allocation, reached through its login node.
 
-Commands run as ``srun --jobid J --overlap -w NODE -N1 -n1`` steps started on the login node;
+Commands run as ``srun --jobid J --overlap -w NODE -N1 -n1`` steps (without the login
+environment's SLURM_* variables, which srun would take as options) started on the login node;
 commands that must outlive their own step (`run_detached`: the agent's `start`) are handed to
 the node's keeper (`nebula_cli.agent.keeper`), the batch job's long-lived step. Files are the
 login node's: a Slurm cluster's nodes share its file system (as every Slurm site's do).
@@ -19,6 +20,13 @@ from nebula_cli.transport.base import (
     Transport,
 )
 
+STEP_ENV_SH = ('for v in $(env | sed -n "s/^\\([A-Z]*_[A-Za-z0-9_]*\\)=.*/\\1/p"); do '
+               'case $v in SLURM_CONF) ;; SLURM_*|SRUN_*|SALLOC_*) unset "$v" ;; esac; done; '
+               'exec "$@"')
+"""Runs its arguments without the SLURM_*/SRUN_* variables of the login node's environment
+(but SLURM_CONF, where Slurm is): nebula run from a shell inside an allocation (`salloc`, an
+interactive job) would otherwise hand that job's SLURM_NTASKS, SLURM_CPUS_PER_TASK, ... to
+srun, which takes them as its own options and reshapes the step."""
 SRUN_SLACK = 30.0
 """Seconds a step may take to start (slurmctld and slurmd round trips) on top of a command's."""
 
@@ -66,9 +74,11 @@ class SlurmNodeTransport(Transport):
 
     # -- commands ------------------------------------------------------------------------------
     def srun(self, argv: Sequence[str] | str, cwd: str | None = None) -> list[str]:
-        """`argv` as a one-task step on this node (sharing the allocation's resources)."""
+        """`argv` as a one-task step on this node (sharing the allocation's resources), its
+        shape what the options say whatever the login node's environment says."""
         command = ["/bin/sh", "-c", argv] if isinstance(argv, str) else list(argv)
-        return ["srun", f"--jobid={self.job}", "--overlap", "--nodes=1", "--ntasks=1",
+        return ["/bin/sh", "-c", STEP_ENV_SH, "sh",
+                "srun", f"--jobid={self.job}", "--overlap", "--nodes=1", "--ntasks=1",
                 f"--nodelist={self.node}", "--quiet", "--kill-on-bad-exit=1",
                 *([f"--chdir={cwd}"] if cwd else []), *command]
 

@@ -27,7 +27,8 @@ every connection: not pytest's tmp_path, which concurrent sessions prune). `down
 process in the bed's namespaces (sshd, proxies, whatever tests started there), deletes the
 namespaces (and so every veth and bridge) and the root veth, and removes both directories.
 
-Slurm (optional): `slurm={"hpc": "login"}`, see slurm.py; its compute nodes are in `compute`, not
+Slurm (optional): `slurm={"hpc": "login"}` (with `slurm_cgroup=True`: proctrack/cgroup), see
+slurm.py; its compute nodes are in `compute`, not
 `hosts` (`run`/`popen`/`cut` accept them).
 """
 
@@ -97,7 +98,8 @@ class TestBed(Links, SshHosts):
     def __init__(self, clusters: dict[str, list[str]] | None = None, *,
                  rate_mbit: float | None = 100, bastion: bool = True,
                  workdir: Path | None = None, slurm: dict[str, str] | None = None,
-                 link: str = "pair", tcp: str | None = None) -> None:
+                 slurm_cgroup: bool = False, link: str = "pair",
+                 tcp: str | None = None) -> None:
         clusters = {c: list(hs) for c, hs in (clusters or DEFAULT_CLUSTERS).items()}
         names = [h for hs in clusters.values() for h in hs]
         bad = [n for n in [*clusters, *names] if not HOST_NAME.match(n) or n in RESERVED_NAMES]
@@ -142,6 +144,7 @@ class TestBed(Links, SshHosts):
         self._proxies: dict[tuple[str, int], subprocess.Popen] = {}
         self._up = False
         self._slurm_spec = slurm
+        self._slurm_cgroup = slurm_cgroup
         self.compute: dict[str, Host] = {}  # Slurm compute nodes: no sshd
         self.slurm: SlurmCluster | None = None
 
@@ -308,7 +311,7 @@ class TestBed(Links, SshHosts):
         for cluster, login in self._slurm_spec.items():
             self.slurm = SlurmCluster(self.id, self.dir / "slurm", cluster, self.hosts[login],
                                       [self.compute[h] for h in self.clusters[cluster]
-                                       if h != login])
+                                       if h != login], cgroup=self._slurm_cgroup)
         for host in self._all_hosts():
             self._write_sshd_config(host)
             self.start_sshd(host.name)

@@ -18,6 +18,14 @@ a fresh /sys: slurmd then cannot find /sys/fs/cgroup). slurmctld also gets a UTS
 its own whose hostname is the login node's name: slurmctld refuses to run on a host that is not
 named in SlurmctldHost, and every namespace of this machine shares one hostname.
 
+Nodes are what sites run (`CR_Core_Memory`; 8 CPUs and 4 fake GPUs declared per node, see
+NODE_CPUS, NODE_GPUS). `TestBed(slurm_cgroup=True)` adds `proctrack/cgroup` and
+`task/cgroup,task/affinity` with cores and devices confined: the kernel here mounts cgroup v1
+(freezer, cpuset, devices, memory; cgroup2 only at /sys/fs/cgroup/unified), and slurmd names
+its trees by node (`/sys/fs/cgroup/<controller>/slurm_<node>`), so several nodes share one
+machine as long as node names differ across every bed that runs at once; `stop()` removes the
+trees. The session bed keeps `proctrack/linuxproc`: its nodes are c1, c2 in every bed.
+
 The ports are Slurm's defaults (6817 slurmctld, 6818 slurmd): each daemon listens on its own
 namespace's address, in a namespace no other bed or process uses, so they cannot collide.
 """
@@ -29,6 +37,7 @@ import os
 import re
 import shutil
 import signal
+import stat
 import subprocess
 import time
 from collections.abc import Callable, Sequence
@@ -42,9 +51,25 @@ TOOLS = ("munged", "slurmctld", "slurmd", "sbatch", "srun", "squeue", "sinfo", "
          "scontrol", "sacct", "nsenter", "unshare")
 SBIN_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 CTLD_PORT, SLURMD_PORT = 6817, 6818
-NODE_CPUS, NODE_MEMORY_MB = 2, 4000  # `slurmd -C` here: CPUs=2 RealMemory=24105
+NODE_CPUS, NODE_MEMORY_MB = 8, 4000
+"""What each node declares (`slurmd -C` here says CPUs=2 RealMemory=24105): more CPUs than the
+machine has, as a site's GPU node has more cores than one rank uses, so that jobs of several
+ranks per node, `--cpus-per-task` and whole-node jobs get the shapes they get at a site.
+`SlurmdParameters=config_overrides` makes slurmd take the declared counts (it would drain a
+node that declares more than it finds)."""
+FAKE_GPU_MAJOR = 240
+"""The fake GPUs' device major: 240-254 are for local use, no driver answers (opening one fails
+with ENXIO; a devices cgroup that denies it fails with EPERM)."""
+NODE_GPUS = 4
+"""Fake GPUs each node declares (`Gres=gpu:4`; in gres.conf, `File=` character devices in the
+bed's dir, of major `FAKE_GPU_MAJOR`): Slurm schedules them (`--gpus-per-node`, `--gpus-per-task`,
+SLURM_GPUS_ON_NODE) but no process sees a GPU. A gres.conf with `Count=` only does not do:
+slurmd then reports 0 GPUs and the controller marks the node INVAL."""
 PARTITIONS = {"debug": "01:00:00", "short": "00:05:00"}  # name -> MaxTime; the first is Default
 ACTIVE_STATES = "PENDING,RUNNING,SUSPENDED,COMPLETING,CONFIGURING,REQUEUED,RESIZING,SIGNALING"
+CGROUP_V1 = Path("/sys/fs/cgroup")
+CGROUP_CONTROLLERS = ("freezer", "cpuset", "devices")
+"""What proctrack/cgroup and task/cgroup use of cgroup v1 (the kernel here mounts v1)."""
 START_TIMEOUT_S = 30.0
 SETTLE_TIMEOUT_S = 30.0  # KillWait=5 plus slurmd's epilog round trip, with room to spare
 LOG_TAIL = 15
@@ -120,6 +145,30 @@ def kill_root_daemons(bed_id: str, state: dict | None) -> None:
     kill_pids(sorted(pids))
 
 
+def cgroup_available() -> tuple[bool, str]:
+    """Whether slurmd can confine steps with cgroup v1 here: (True, "") or (False, why)."""
+    missing = [c for c in CGROUP_CONTROLLERS if not (CGROUP_V1 / c / "tasks").exists()]
+    if missing:
+        return False, f"no cgroup v1 {', '.join(missing)} under {CGROUP_V1}"
+    return True, ""
+
+
+def remove_cgroups(nodes: Sequence[str]) -> None:
+    """Remove the empty cgroups slurmd leaves (``/sys/fs/cgroup/<controller>/slurm_<node>``,
+    by node name: slurmd runs several nodes on one machine, each with its own tree)."""
+    for controller in CGROUP_CONTROLLERS:
+        for node in nodes:
+            root = CGROUP_V1 / controller / f"slurm_{node}"
+            if not root.is_dir():
+                continue
+            for sub in sorted(root.rglob("*"), key=lambda p: len(p.parts), reverse=True):
+                if sub.is_dir():
+                    with contextlib.suppress(OSError):
+                        sub.rmdir()
+            with contextlib.suppress(OSError):
+                root.rmdir()
+
+
 class SlurmError(RuntimeError):
     """A Slurm daemon did not start, or a client command failed (message: logs' last lines)."""
 
@@ -128,7 +177,7 @@ class SlurmCluster:
     """The Slurm cluster of one bed cluster: controller on the login host, slurmd per node."""
 
     def __init__(self, bed_id: str, directory: Path, cluster: str, login: Host,
-                 nodes: Sequence[Host]) -> None:
+                 nodes: Sequence[Host], *, cgroup: bool = False) -> None:
         self.bed_id = bed_id
         self.dir = directory
         self.cluster = cluster
@@ -137,6 +186,9 @@ class SlurmCluster:
         self.nodes = {node.name: node for node in nodes}
         self.partitions = dict(PARTITIONS)
         self.default_partition = next(iter(PARTITIONS))
+        self.cgroup = cgroup
+        """proctrack/cgroup and task/cgroup,task/affinity (most sites), cores and devices
+        confined; else proctrack/linuxproc and task/none."""
         self.ctld_port = CTLD_PORT
         self.slurmd_port = SLURMD_PORT
 
@@ -209,6 +261,19 @@ class SlurmCluster:
             key.write_bytes(os.urandom(1024))
         key.chmod(0o400)
         (self.dir / "plugstack.conf").write_text("")  # not /etc/slurm's
+        devices = self.dir / "dev"
+        devices.mkdir(exist_ok=True)
+        for name in self.nodes:
+            for i in range(NODE_GPUS):  # character devices, as slurmd wants, of no driver
+                with contextlib.suppress(FileExistsError):
+                    os.mknod(devices / f"{name}-gpu{i}", 0o600 | stat.S_IFCHR,
+                             os.makedev(FAKE_GPU_MAJOR, i))
+        (self.dir / "gres.conf").write_text(  # beside slurm.conf, where slurmd looks for it
+            "".join(f"NodeName={n} Name=gpu File={devices}/{n}-gpu[0-{NODE_GPUS - 1}]\n"
+                    for n in self.nodes))
+        (self.dir / "cgroup.conf").write_text(  # beside slurm.conf, where slurmd looks for it
+            "CgroupPlugin=cgroup/v1\nConstrainCores=yes\nConstrainDevices=yes\n"
+            "ConstrainRAMSpace=no\n")
         self.conf.write_text(self.config_text())
 
     def config_text(self) -> str:
@@ -222,8 +287,12 @@ class SlurmCluster:
             "SlurmUser=root", "SlurmdUser=root",
             "AuthType=auth/munge", "CredType=cred/munge",
             f"AuthInfo=socket={self.munge_socket}",
-            "ProctrackType=proctrack/linuxproc", "TaskPlugin=task/none",
-            "SelectType=select/cons_tres", "SelectTypeParameters=CR_Core",
+            *(("ProctrackType=proctrack/cgroup", "TaskPlugin=task/cgroup,task/affinity")
+              if self.cgroup else
+              ("ProctrackType=proctrack/linuxproc", "TaskPlugin=task/none")),
+            "SelectType=select/cons_tres", "SelectTypeParameters=CR_Core_Memory",
+            f"DefMemPerCPU={NODE_MEMORY_MB // NODE_CPUS}",  # memory is scheduled, as at sites
+            "SlurmdParameters=config_overrides", "GresTypes=gpu",
             "MpiDefault=none", f"PlugStackConfig={d / 'plugstack.conf'}", "MailProg=/bin/true",
             "ReturnToService=2", "KillWait=5", "InactiveLimit=0", "MinJobAge=300",
             "OverTimeLimit=0", "EnforcePartLimits=ALL",
@@ -238,7 +307,7 @@ class SlurmCluster:
             "SlurmctldDebug=info", "SlurmdDebug=info",
             *(f"NodeName={n.name} NodeAddr={n.address} CPUs={NODE_CPUS} "
               f"RealMemory={NODE_MEMORY_MB} Sockets=1 CoresPerSocket={NODE_CPUS} ThreadsPerCore=1 "
-              f"State=UNKNOWN" for n in self.nodes.values()),
+              f"Gres=gpu:{NODE_GPUS} State=UNKNOWN" for n in self.nodes.values()),
             *(f"PartitionName={name} Nodes={node_names} MaxTime={limit} State=UP"
               + (" Default=YES" if name == self.default_partition else "")
               for name, limit in self.partitions.items()),
@@ -320,6 +389,8 @@ class SlurmCluster:
         kill_pids(steps, grace=0.2)  # slurmstepd ignores SIGTERM
         kill_pids([p for p in [pids["munged"]] if p])
         kill_root_daemons(self.bed_id, None)
+        if self.cgroup:
+            remove_cgroups(list(self.nodes))
 
     # ------------------------------------------------------------------------- clients
 

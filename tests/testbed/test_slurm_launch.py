@@ -39,7 +39,7 @@ def slurm_of(bed: TestBed) -> SlurmCluster:
 
 def slurm_spec(tmp_path: Path, *, steps: int, slurm: dict[str, Any] | None = None,
                with_ssh: bool = True, checkpoint: dict[str, Any] | None = None,
-               **hpc: Any) -> Path:
+               model: str = "", **hpc: Any) -> Path:
     quick = yaml.safe_load((REPO / "templates" / "quickstart.yaml").read_text())
     relay = quick["relay"]
     relay["sync"]["inner_steps"] = 10
@@ -52,7 +52,7 @@ def slurm_spec(tmp_path: Path, *, steps: int, slurm: dict[str, Any] | None = Non
         clusters.append({"name": "east", "python": sys.executable, "hosts": [{"host": "e1"}]})
     spec: dict[str, Any] = {
         "name": "slurmjob", "workdir": str(REPO / "examples" / "gpt"),
-        "run": f"python -u train.py --steps {steps} --eval-every 10 --log-every 5",
+        "run": f"python -u train.py --steps {steps} --eval-every 10 --log-every 5 {model}".strip(),
         "deepspeed": "ds_config.json", "env": {"OMP_NUM_THREADS": "1"},
         "clusters": clusters, "relay": relay, "grace": 20.0}
     if checkpoint:
@@ -73,16 +73,25 @@ def status(cli: CLI, job_id: str) -> dict[str, Any]:
     return json.loads(cli("status", job_id, "--json", check=True).stdout)
 
 
+@pytest.mark.timeout(600)
 def test_slurm_and_ssh_clusters_train_one_model(slurm_cli: CLI, slurm_bed: TestBed,
                                                 tmp_path: Path) -> None:
-    proc = slurm_cli("launch", str(slurm_spec(tmp_path, steps=20)), timeout=900)
+    """REALWORLD Slurm: two ranks per node (one per GPU at a site), `cpus_per_task`, and a job
+    that asks for every CPU of its nodes (2 x 4 of the bed's 8). A tiny model: five DeepSpeed
+    processes share the machine."""
+    spec = slurm_spec(tmp_path, steps=20, slurm={"ntasks_per_node": 2, "cpus_per_task": 4},
+                      model="--d-model 32 --n-layer 1 --n-head 2 --context 32")
+    proc = slurm_cli("launch", str(spec), timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     (job_id,) = slurm_cli.job_ids()
     assert "submitted Slurm job" in proc.stderr and "runs on c1, c2" in proc.stderr
-    assert "all 3 workers hold identical parameters" in proc.stdout
+    assert "all 5 workers hold identical parameters" in proc.stdout
     finals = [r for r in records(job_id) if r.get("final")]
-    assert {(r["cluster"], r["host"]) for r in finals} == {
-        ("hpc", "c1"), ("hpc", "c2"), ("east", "e1")}
+    # every rank ran once, where the spec put it: 2 per node, one world of 4 on the nodes
+    ranks = sorted((r["cluster"], r["host"], r["rank"], r["local_rank"], r["world_size"])
+                   for r in finals)
+    assert ranks == [("east", "e1", 0, 0, 1), ("hpc", "c1", 0, 0, 4), ("hpc", "c1", 1, 1, 4),
+                     ("hpc", "c2", 2, 0, 4), ("hpc", "c2", 3, 1, 4)], ranks
     assert len({r["param_sha256"] for r in finals}) == 1
     rounds = [r for r in records(job_id) if r.get("outer_round") is not None]
     assert rounds and all(r["clusters_present"] == 2 for r in rounds)
@@ -116,11 +125,15 @@ def test_queued_job_shows_slurms_reason_and_ctrl_c_cancels_it(
     assert slurm_of(slurm_bed).active_jobs() == []
 
 
+@pytest.mark.timeout(600)
 def test_relay_on_login_behind_a_tunnel_and_stop_mid_run_leave_nothing(
         slurm_cli: CLI, slurm_bed: TestBed, tmp_path: Path) -> None:
+    """Two ranks per node (REALWORLD Slurm: several ranks per node): `stop` mid-run ends
+    every one and leaves the queue empty."""
     keys = slurm_bed.authorized_keys("login")  # on the "shared home": the bed's own file
     spec = slurm_spec(tmp_path, steps=100_000, relay_on="login", relay_reach="ssh",
-                      authorized_keys=str(keys))
+                      authorized_keys=str(keys), slurm={"ntasks_per_node": 2},
+                      model="--d-model 32 --n-layer 1 --n-head 2 --context 32")
     slurm_cli("launch", "--detach", str(spec), check=True, timeout=600)
     (job_id,) = slurm_cli.job_ids()
     # the login node's relay joins the nodes' workers and, through east's SSH tunnel to the
@@ -137,6 +150,10 @@ def test_relay_on_login_behind_a_tunnel_and_stop_mid_run_leave_nothing(
     out = slurm_cli("stop", job_id, check=True, timeout=300)
     assert f"Slurm job {active[0]}" in out.stdout, out.stdout
     assert status(slurm_cli, job_id)["state"] == "STOPPED"
+    # every rank stopped gracefully, each once, where the spec put it
+    ranks = sorted((r["host"], r["rank"], r["local_rank"], r["world_size"])
+                   for r in records(job_id) if r["cluster"] == "hpc" and r.get("final"))
+    assert ranks == [("c1", 0, 0, 4), ("c1", 1, 1, 4), ("c2", 2, 0, 4), ("c2", 3, 1, 4)], ranks
     wait_for(lambda: not slurm_of(slurm_bed).active_jobs(), timeout=60)
     assert job_processes(job_id) == []  # the login node's relay and the tunnel too
     assert "nebula-tunnel" not in keys.read_text()
@@ -162,7 +179,8 @@ def test_time_limit_is_shown_as_timeout_and_resume_continues_from_the_checkpoint
     # Slurm's notice comes 60 s before the 3-minute limit (up to a minute earlier: Slurm checks
     # about once a minute): the workers stop and checkpoint, then Slurm ends the job TIMEOUT
     spec = slurm_spec(tmp_path, steps=100_000, with_ssh=False, checkpoint={"every": 5},
-                      slurm={"time": "3", "sbatch_args": ["--signal=TERM@60"]})
+                      slurm={"time": "3", "sbatch_args": ["--signal=TERM@60"]},
+                      model="--d-model 32 --n-layer 1 --n-head 2 --context 32")
     slurm_cli("launch", "--detach", str(spec), check=True, timeout=600)
     (job_id,) = slurm_cli.job_ids()
     (first,) = slurm_of(slurm_bed).active_jobs()
@@ -185,3 +203,22 @@ def test_time_limit_is_shown_as_timeout_and_resume_continues_from_the_checkpoint
     assert slurm_cli("stop", job_id, timeout=300).returncode == 0
     wait_for(lambda: not slurm_of(slurm_bed).active_jobs(), timeout=60)
     assert job_processes(job_id) == []
+
+
+def test_validate_hosts_says_what_slurm_would_do_and_submits_nothing(
+        slurm_cli: CLI, slurm_bed: TestBed, tmp_path: Path) -> None:
+    spec = slurm_spec(tmp_path, steps=20, with_ssh=False,
+                      slurm={"ntasks_per_node": 4, "gpus_per_node": 4})
+    out = slurm_cli("validate", "--hosts", str(spec), timeout=300)
+    assert out.returncode == 0, out.stdout + out.stderr
+    said = " ".join(out.stdout.split())
+    assert "hpc/login: Slurm on login: Job " in said and "on nodes c[1-2]" in said, said
+    assert "using 8 processors" in said, said
+    # a time over the partition's limit: Slurm's words, at the spec's line
+    over = slurm_spec(tmp_path, steps=20, with_ssh=False,
+                      slurm={"partition": "short", "time": "00:10:00"})
+    out = slurm_cli("validate", "--hosts", str(over), timeout=300)
+    line = next(i for i, t in enumerate(over.read_text().splitlines(), 1) if "00:10:00" in t)
+    assert out.returncode != 0 and f"{over}:{line}:" in out.stderr, out.stdout + out.stderr
+    assert "clusters[0].slurm.time" in out.stderr and "time limit" in out.stderr
+    assert slurm_of(slurm_bed).active_jobs() == [] and slurm_cli.job_ids() == []

@@ -16,7 +16,8 @@ from nebula_cli.transport.slurmnode_conn import SlurmNodeConn
 
 SRUN = """#!/bin/sh
 # the step's options, as nebula passes them, then the command
-echo "$@" > "$SRUN_SEEN"
+echo "$@" > "$STEP_SEEN"
+env | grep -E '^(SLURM|SRUN|SALLOC)_' | sort > "$STEP_SEEN.env"
 while [ $# -gt 0 ]; do case "$1" in --*) shift ;; *) break ;; esac; done
 exec "$@"
 """
@@ -29,7 +30,7 @@ def login(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> LocalConn:
     (bin_dir / "srun").write_text(SRUN)
     (bin_dir / "srun").chmod(0o755)
     monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
-    monkeypatch.setenv("SRUN_SEEN", str(tmp_path / "seen"))
+    monkeypatch.setenv("STEP_SEEN", str(tmp_path / "seen"))
     return LocalConn(name="login", home=str(tmp_path / "home"), python="python3")
 
 
@@ -49,6 +50,22 @@ def test_commands_run_as_steps_through_the_login_nodes_transport(
     assert result.ok and result.stdout.strip() == "on the node"
     seen = (tmp_path / "seen").read_text().split()
     assert seen[:5] == ["--jobid=12", "--overlap", "--nodes=1", "--ntasks=1", "--nodelist=n1"]
+
+
+def test_a_login_shell_inside_an_allocation_does_not_reshape_the_steps(
+        login: LocalConn, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """REALWORLD Slurm: nebula run from a shell of an interactive job (`salloc -n 4 -c 2`),
+    whose SLURM_* variables srun would take as its own options."""
+    for name, value in {"SLURM_NTASKS": "4", "SLURM_NPROCS": "4", "SLURM_NTASKS_PER_NODE": "4",
+                        "SLURM_CPUS_PER_TASK": "2", "SRUN_CPUS_PER_TASK": "2",
+                        "SLURM_JOB_ID": "99", "SALLOC_PARTITION": "x",
+                        "SLURM_CONF": "/etc/site/slurm.conf"}.items():
+        monkeypatch.setenv(name, value)
+    t = node_of(login).open()
+    assert t.run(["true"], timeout=30).ok
+    assert (tmp_path / "seen.env").read_text().split() == ["SLURM_CONF=/etc/site/slurm.conf"]
+    assert (tmp_path / "seen").read_text().split()[:4] == [
+        "--jobid=12", "--overlap", "--nodes=1", "--ntasks=1"]
 
 
 def test_without_a_shared_login_transport_it_opens_its_own(login: LocalConn) -> None:

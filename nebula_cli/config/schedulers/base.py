@@ -58,6 +58,11 @@ class Scheduler(Protocol):
         spec's hosts."""
         ...
 
+    def rank_env(self, cluster: ClusterSpec, rank: int, local_rank: int) -> dict[str, str]:
+        """What a rank's environment says of it in the scheduler's own words, beside RANK and
+        LOCAL_RANK (empty for a scheduler that has none)."""
+        ...
+
     def checkpoint_host(self, cluster: ClusterSpec, host: HostSpec | int) -> str:
         """A host's part of its checkpoint path (`host` may be a node's index)."""
         ...

@@ -37,6 +37,9 @@ class NoScheduler:
     def allocated_hosts(self, cluster: ClusterSpec, nodes: dict[str, str]) -> list[HostSpec]:
         return list(cluster.hosts)
 
+    def rank_env(self, cluster: ClusterSpec, rank: int, local_rank: int) -> dict[str, str]:
+        return {}
+
     def checkpoint_host(self, cluster: ClusterSpec, host: HostSpec | int) -> str:
         if isinstance(host, int):
             raise TypeError(f"cluster {cluster.name!r} has no allocation: name its host, not "

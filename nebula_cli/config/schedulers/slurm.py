@@ -60,6 +60,20 @@ class SlurmScheduler:
         slots = slurm_request(cluster).ntasks_per_node
         return [HostSpec(host=n, address=a, slots=slots) for n, a in nodes.items()]
 
+    def rank_env(self, cluster: ClusterSpec, rank: int, local_rank: int) -> dict[str, str]:
+        """The rank as a task of an ``srun --ntasks-per-node=N`` step: the ranks run inside
+        their node's keeper, a step of one task per node, whose SLURM_PROCID (the node's index),
+        SLURM_LOCALID (0) and SLURM_NTASKS (the node count) would mislead what reads them
+        (scripts that take their rank from SLURM_PROCID, Lightning's SLURM environment,
+        submitit)."""
+        request = slurm_request(cluster)
+        tasks = str(request.nodes * request.ntasks_per_node)
+        return {"SLURM_PROCID": str(rank), "SLURM_LOCALID": str(local_rank),
+                "SLURM_NTASKS": tasks, "SLURM_NPROCS": tasks, "SLURM_STEP_NUM_TASKS": tasks,
+                "SLURM_NTASKS_PER_NODE": str(request.ntasks_per_node),
+                "SLURM_TASKS_PER_NODE": f"{request.ntasks_per_node}(x{request.nodes})",
+                "SLURM_STEP_TASKS_PER_NODE": f"{request.ntasks_per_node}(x{request.nodes})"}
+
     def checkpoint_host(self, cluster: ClusterSpec, host: HostSpec | int) -> str:
         """`node<i>`, the node's place in the allocation: a resumed job's new allocation, on
         whichever nodes, finds them (its nodes share the file system)."""

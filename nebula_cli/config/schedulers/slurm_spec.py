@@ -15,6 +15,12 @@ from nebula_cli.config.sections import SpecModel
 
 _TIME = re.compile(r"^(?:\d+-\d{1,2}(?::\d{1,2}){0,2}|\d+(?::\d{1,2}){0,2}|UNLIMITED|INFINITE)$")
 _SLURM_WORD = re.compile(r"^[A-Za-z0-9_.,:@%+=/\[\]-]{1,128}$")
+_CONSTRAINT = re.compile(r"^[A-Za-z0-9_.,:@%+=/\[\]()&|*!-]{1,256}$")
+"""Slurm's feature expressions ("a100&ib", "[rack1|rack2]", "gpu*2"): nothing that would end
+the #SBATCH line or split it (spaces, quotes, control characters) or start a comment."""
+_BAD_IN_OPTION = re.compile(r"[\x00-\x1f\x7f\"'\\#]")
+"""What an `sbatch_args` item may not hold: a control character (a newline would start a shell
+line of the batch script), a quote, a backslash or '#' (sbatch's directive parsing)."""
 PREEMPT_SIGNAL = "TERM@120"
 """Asked of Slurm unless `sbatch_args` names a --signal: two minutes before a time limit the
 steps' processes (the keepers, not the batch shell: an srun that gets SIGTERM kills its step
@@ -36,8 +42,17 @@ def _slurm_word(value: str) -> str:
     return value
 
 
+def _constraint(value: str) -> str:
+    if not _CONSTRAINT.match(value):
+        raise ValueError(f"expected Slurm node features such as \"a100&ib\" or "
+                         f"\"[rack1|rack2]\" (letters, digits and _ . , : @ % + = / [ ] ( ) & | "
+                         f"* ! -, no spaces), found {value!r}")
+    return value
+
+
 SlurmTime = Annotated[str, AfterValidator(_slurm_time)]
 SlurmWord = Annotated[str, AfterValidator(_slurm_word)]
+SlurmConstraint = Annotated[str, AfterValidator(_constraint)]
 
 
 class SlurmSpec(SpecModel):
@@ -59,7 +74,7 @@ class SlurmSpec(SpecModel):
     """--account."""
     qos: SlurmWord | None = None
     """--qos."""
-    constraint: str | None = Field(None, min_length=1, max_length=256)
+    constraint: SlurmConstraint | None = None
     """--constraint (node features, e.g. "a100&ib")."""
     reservation: SlurmWord | None = None
     """--reservation."""
@@ -73,9 +88,10 @@ class SlurmSpec(SpecModel):
     @classmethod
     def _options(cls, args: list[str]) -> list[str]:
         for arg in args:
-            if not arg.startswith("-") or "\n" in arg:
+            if not arg.startswith("-") or _BAD_IN_OPTION.search(arg):
                 raise ValueError(f"expected sbatch options such as \"--exclusive\" or "
-                                 f"\"--mem=0\", each starting with '-', found {arg!r}")
+                                 f"\"--mem=0\", each starting with '-', without quotes, "
+                                 f"backslashes, '#' or control characters, found {arg!r}")
         return args
 
     def sbatch_options(self) -> list[str]:

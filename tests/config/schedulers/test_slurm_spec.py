@@ -78,6 +78,13 @@ def test_own_signal_replaces_nebulas(tmp_path: Path) -> None:
     (('["--exclusive"]', '["exclusive"]'), "clusters[0].slurm.sbatch_args", "starting with '-'"),
     (("partition: gpu", "partition: 'gpu; rm -rf /'"), "clusters[0].slurm.partition",
      "Slurm name"),
+    (("account: proj123", "account: 'proj 123'"), "clusters[0].slurm.account", "Slurm name"),
+    (("account: proj123", 'constraint: "a100\\n#SBATCH --qos=high"'),
+     "clusters[0].slurm.constraint", "node features"),
+    (("account: proj123", "constraint: 'a100 && ib'"), "clusters[0].slurm.constraint",
+     "no spaces"),
+    (('["--exclusive"]', '["--comment=\\"x\\"\\rtouch /tmp/p"]'),
+     "clusters[0].slurm.sbatch_args", "control characters"),
     (("    scheduler: slurm\n", ""), "clusters[0].slurm", "needs `scheduler: slurm`"),
     (("    scheduler: slurm\n", "    scheduler: pbs\n"), "clusters[0].scheduler", "slurm"),
 ])
@@ -106,7 +113,7 @@ def test_batch_script_renders_every_placeholder(tmp_path: Path) -> None:
     assert "{{" not in script
     assert "#SBATCH --nodes=2\n" in script and "#SBATCH --gpus-per-node=4\n" in script
     assert "#SBATCH --output=/r/slurm/hpc-%j.out" in script
-    assert "--gpus-per-node=4 --kill-on-bad-exit=0" in script
+    assert 'gpu_option="--gpus-per-node=$gpus"' in script  # the job's GPUs on the node
     assert subprocess.run(["bash", "-n"], input=script, text=True).returncode == 0
 
 
@@ -237,3 +244,25 @@ def test_a_tunnel_to_a_slurm_cluster_ends_at_its_login_node(tmp_path: Path) -> N
     assert 'permitopen="10.1.0.1:29400"' in grant["line"]  # the login node may open only that
     relay = json.loads(relays["hpc"].files["relay.json"])
     assert relay["peer_listen"] == "0.0.0.0:29400"  # the login node reaches it over the network
+
+
+def test_feature_expressions_reach_the_batch_script_as_one_directive(tmp_path: Path) -> None:
+    spec = load_spec(write(tmp_path, SLURM.replace(
+        "account: proj123", 'constraint: "[rack1|rack2]&a100*2"')))
+    cluster = spec.clusters[0]
+    script = batch.render(template_of(spec, cluster), batch.values(
+        slurm_request(cluster), job_name="nebula-j-hpc", output="/r/slurm/hpc-%j.out",
+        job_root="/r", pythonpath="/r/lib", python="python3"))
+    assert "\n#SBATCH --constraint=[rack1|rack2]&a100*2\n" in script
+
+
+def test_each_rank_is_a_task_of_its_slurm_step_in_its_environment(tmp_path: Path) -> None:
+    """REALWORLD training scripts: a script (or Lightning, submitit) that takes its rank from
+    SLURM_PROCID sees nebula's rank, not its node's keeper task."""
+    plan = _planned(load_spec(write(tmp_path, SLURM)))
+    seen = [(w.host, p.env["RANK"], p.env["SLURM_PROCID"], p.env["LOCAL_RANK"],
+             p.env["SLURM_LOCALID"], p.env["SLURM_NTASKS"], p.env["SLURM_NTASKS_PER_NODE"])
+            for w in plan.hosts for p in w.config.processes]
+    assert seen == [(node, str(rank), str(rank), str(rank % 4), str(rank % 4), "8", "4")
+                    for rank, node in enumerate(["n1"] * 4 + ["n2"] * 4)]
+    assert plan.hosts[0].config.processes[0].env["SLURM_TASKS_PER_NODE"] == "4(x2)"

@@ -28,7 +28,11 @@ def _keygen(path: Path) -> Path:
 class LocalSshd:
     """One sshd (``-D``: it stays in the foreground, its own child) on a free loopback port."""
 
-    def __init__(self, directory: Path, *, sftp: bool) -> None:
+    def __init__(self, directory: Path, *, sftp: bool, extra: str = "",
+                 authorized_keys: bool = True) -> None:
+        """`extra`: sshd_config lines placed first (sshd keeps a keyword's first value, so
+        they win; no `Match`). `authorized_keys` False: `AuthorizedKeysFile none` (a site
+        that accepts only certificates, its CA in `extra`)."""
         self.dir = directory
         self.user_key = _keygen(directory / "user_key")
         host_key = _keygen(directory / "host_key")
@@ -37,14 +41,17 @@ class LocalSshd:
             self.port = s.getsockname()[1]
         authorized = directory / "authorized_keys"
         authorized.write_text(self.user_key.with_suffix(".pub").read_text())
+        keys_file = authorized if authorized_keys else "none"
         config = directory / "sshd_config"
         config.write_text(
-            f"Port {self.port}\nListenAddress 127.0.0.1\nHostKey {host_key}\n"
-            f"PidFile {directory / 'sshd.pid'}\nAuthorizedKeysFile {authorized}\n"
+            extra + f"Port {self.port}\nListenAddress 127.0.0.1\nHostKey {host_key}\n"
+            f"PidFile {directory / 'sshd.pid'}\nAuthorizedKeysFile {keys_file}\n"
             "StrictModes no\nUsePAM no\nPasswordAuthentication no\n"
             "KbdInteractiveAuthentication no\nPermitRootLogin prohibit-password\n"
             + ("Subsystem sftp internal-sftp\n" if sftp else "") + "LogLevel INFO\n")
         pub = " ".join(host_key.with_suffix(".pub").read_text().split()[:2])
+        self.host_key_line = pub
+        """The host key as a known_hosts line has it after the name: ``type base64``."""
         self.known_hosts = directory / "known_hosts"
         self.known_hosts.write_text(f"{host_entry_name('127.0.0.1', self.port)} {pub}\n")
         self.log = directory / "sshd.log"
@@ -91,8 +98,9 @@ def _descendants(pid: int) -> list[int]:
 
 
 @contextlib.contextmanager
-def local_sshd(directory: Path, *, sftp: bool) -> Iterator[LocalSshd]:
-    server = LocalSshd(directory, sftp=sftp)
+def local_sshd(directory: Path, *, sftp: bool, extra: str = "",
+               authorized_keys: bool = True) -> Iterator[LocalSshd]:
+    server = LocalSshd(directory, sftp=sftp, extra=extra, authorized_keys=authorized_keys)
     try:
         yield server
     finally:

@@ -168,6 +168,13 @@ class KnownHosts:
         name = host_entry_name(host, port)
         return [k.key_type for k in self._entries(name) if k.marker is None]
 
+    def recorded(self, host: str, port: int) -> list[str]:
+        """The keys on record for host:port, as ``type base64`` (revoked and CA lines left
+        out), the writable file's first."""
+        name = host_entry_name(host, port)
+        return [f"{k.key_type} {base64.b64encode(k.blob).decode()}"
+                for k in self._entries(name) if k.marker is None]
+
     def verify(self, host: str, port: int, key: PKey, *, display: str | None = None) -> None:
         """Accept `key` for host:port or raise HostKeyError (see the module docstring)."""
         name = host_entry_name(host, port)

@@ -132,6 +132,9 @@ def validate(
         ready = all(c.ok for c in checks)
         reach = check_reach(orch, spec) if ready and spec.links() else None
     out.print(host_checks_table(checks))
+    for c in checks:
+        if c.reached:
+            out.print(f"[dim]{escape(c.cluster)}/{escape(c.host)}: {escape(c.reached)}[/]")
     bad = [f"{c.cluster}/{c.host}: {'; '.join(c.problems)}" for c in checks if not c.ok]
     if reach is not None:
         out.print(reach_table(reach), *(f"[dim]{note}[/]" for note in reach.notes))

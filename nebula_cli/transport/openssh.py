@@ -130,6 +130,10 @@ class OpenSSHTransport(Transport):
         self.auth_method: str | None = None
         """How the master authenticated, as `ssh -v` said (`validate --hosts` shows it)."""
 
+    def reached_as(self) -> str:
+        auth = f"; auth {self.auth_method}" if self.auth_method else ""
+        return (f"your ssh (master {self.control_path}) to {self.target.describe()}{auth}")
+
     def __repr__(self) -> str:
         return f"OpenSSHTransport({self.name!r}, {self.target})"
 

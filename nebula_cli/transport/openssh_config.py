@@ -12,10 +12,12 @@ from __future__ import annotations
 
 import getpass
 import os
+import re
 import shutil
 import socket
 import subprocess
 from collections.abc import Mapping
+from dataclasses import dataclass
 
 from nebula_cli.errors import TransportError
 
@@ -33,16 +35,29 @@ def ssh_binary() -> str | None:
     return shutil.which(SSH_BINARY)
 
 
+@dataclass(frozen=True)
+class Resolved:
+    """What `ssh -G` printed for one destination."""
+
+    options: dict[str, list[str]]
+    """{option: [values]}: lower-case options, one value per printed line, in order."""
+    applied: tuple[str, ...]
+    """The blocks that applied, as ``file:line (pattern)`` (from `ssh -v -G`)."""
+
+
+_APPLIED = re.compile(r"debug1: (?P<file>.+) line (?P<line>\d+): Applying options for (?P<pat>.+)")
+
+
 def ssh_g(host: str, *, config_path: str | None, user: str | None = None,
-          port: int | None = None) -> dict[str, list[str]]:
-    """`ssh -G [-F config_path] [-l user] [-p port] host` as {option: [values]} (lower-case
-    options, one entry per line, in order). `config_path` None: the user's and the system's
-    files as `ssh` reads them; a path that does not exist: no file at all (`-F none`).
-    TransportError naming the host and the file when OpenSSH refuses the configuration."""
+          port: int | None = None) -> Resolved:
+    """`ssh -v -G [-F config_path] [-l user] [-p port] host`, read. `config_path` None: the
+    user's and the system's files as `ssh` reads them; a path that does not exist: no file at
+    all (`-F none`). TransportError naming the host and the file when OpenSSH refuses the
+    configuration."""
     binary = ssh_binary()
     if binary is None:
         raise TransportError("no `ssh` client on PATH (install OpenSSH's client)", host=host)
-    argv = [binary, "-G"]
+    argv = [binary, "-v", "-G"]
     if config_path is not None:
         argv += ["-F", config_path if os.path.exists(config_path) else "none"]
     if user:
@@ -58,7 +73,9 @@ def ssh_g(host: str, *, config_path: str | None, user: str | None = None,
                              "`Match exec` in your ssh config?)", host=host) from exc
     if proc.returncode != 0:
         said = " ".join(line for line in proc.stderr.splitlines()
-                        if "Pseudo-terminal" not in line).strip()
+                        if "Pseudo-terminal" not in line and not line.startswith(("debug",
+                                                                                  "OpenSSH_")))
+        said = said.strip()
         where = config_path or "~/.ssh/config (or /etc/ssh/ssh_config)"
         raise TransportError(f"OpenSSH cannot read the configuration for {host!r} in {where}: "
                              f"{said or f'`ssh -G` exited {proc.returncode}'}; fix it until "
@@ -68,7 +85,9 @@ def ssh_g(host: str, *, config_path: str | None, user: str | None = None,
         key, _, value = line.partition(" ")
         if key:
             options.setdefault(key.lower(), []).append(value.strip())
-    return options
+    applied = tuple(f"{m['file']}:{m['line']} ({m['pat'].strip()})"
+                    for m in map(_APPLIED.fullmatch, proc.stderr.splitlines()) if m)
+    return Resolved(options, applied)
 
 
 def expand_tokens(text: str, *, host: str, hostname: str, port: int, user: str,

@@ -162,6 +162,10 @@ class SSHTransport(SFTPFiles, Transport):
                           extra_files=(*user_files[1:], *(tgt.global_known_hosts_files
                                                           or (GLOBAL_KNOWN_HOSTS,))))
 
+    def reached_as(self) -> str:
+        auth = f"; auth {self.auth_method}" if self.auth_method else ""
+        return f"nebula's ssh to {self.target.describe()}{auth}"
+
     def __repr__(self) -> str:
         via = f" via {self.jump.target}" if self.jump else ""
         return f"SSHTransport({self.name!r}, {self.target}{via})"

@@ -94,6 +94,20 @@ class SSHTarget:
     """Who read ssh_config: ``"ssh -G"`` (the user's OpenSSH) or ``"paramiko"``."""
     config_file: str | None = None
     """The ssh_config file named (None: the user's and the system's, as `ssh` reads them)."""
+    applied: tuple[str, ...] = ()
+    """The ssh_config blocks that applied, ``file:line (pattern)`` (known with `ssh -G`)."""
+
+    def describe(self) -> str:
+        """How this host is reached, for `validate --hosts`: where, through what, from which
+        lines of ssh_config."""
+        via = (f" via ProxyJump {self.jump}" if self.jump else
+               f" via ProxyCommand `{self.proxy_command}`" if self.proxy_command else "")
+        cert = " (certificates: " + ", ".join(self.certificate_files) + ")" \
+            if self.certificate_files else ""
+        source = (f"; ssh_config read by {self.resolved_by}"
+                  + (f" from {self.config_file}" if self.config_file else "")
+                  + (": " + ", ".join(self.applied) if self.applied else ""))
+        return f"{self}{via}{cert}{source}"
 
     @property
     def known_hosts_host(self) -> str:
@@ -163,7 +177,8 @@ def _resolve_openssh(host: str, *, user: str | None, port: int | None, key: str 
                      jump: str | None, config_path: str | None) -> SSHTarget:
     """`resolve` through `ssh -G`: explicit fields passed on (so `Match user` sees them) and
     kept over what it prints."""
-    opts = openssh_config.ssh_g(host, config_path=config_path, user=user, port=port)
+    found = openssh_config.ssh_g(host, config_path=config_path, user=user, port=port)
+    opts = found.options
 
     def one(name: str, default: str | None = None) -> str | None:
         values = opts.get(name)
@@ -209,4 +224,5 @@ def _resolve_openssh(host: str, *, user: str | None, port: int | None, key: str 
         hash_known_hosts=(one("hashknownhosts", "no") or "").lower() == "yes",
         resolved_by="ssh -G",
         config_file=config_path,
+        applied=found.applied,
     )

@@ -51,7 +51,13 @@ from nebula_cli.transport.ssh import (
     SSHTimeout,
     UnreachableError,
 )
-from nebula_cli.transport.sshconfig import SSHTarget, default_known_hosts, resolve
+from nebula_cli.transport.sshconfig import (
+    KNOWN_HOSTS_ENV,
+    SSH_CONFIG_ENV,
+    SSHTarget,
+    default_known_hosts,
+    resolve,
+)
 
 CONTROL_DIR = "~/.nebula/ssh"
 """Where the masters' sockets live (short: a socket path has at most 104 bytes)."""
@@ -114,11 +120,13 @@ class OpenSSHTransport(Transport):
         self._python = python or "python3"
         self._home = home
         self.connect_timeout = connect_timeout
-        self._config = os.path.expanduser(ssh_config) if ssh_config else None
+        named = ssh_config or os.environ.get(SSH_CONFIG_ENV)
+        self._config = os.path.expanduser(named) if named else None
         self.target: SSHTarget = resolve(self._alias, user=user, port=port, key=key,
                                          jump=jump, config_path=self._config)
         self._user, self._port, self._key, self._jump = user, port, key, jump
-        self._known_hosts = os.path.expanduser(known_hosts) if known_hosts else None
+        named = known_hosts or os.environ.get(KNOWN_HOSTS_ENV)
+        self._known_hosts = os.path.expanduser(named) if named else None
         self._accept_new = accept_new_host_keys
         self._control_dir = os.path.expanduser(control_dir or CONTROL_DIR)
         self._persist = control_persist

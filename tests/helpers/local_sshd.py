@@ -29,10 +29,12 @@ class LocalSshd:
     """One sshd (``-D``: it stays in the foreground, its own child) on a free loopback port."""
 
     def __init__(self, directory: Path, *, sftp: bool, extra: str = "",
-                 authorized_keys: bool = True) -> None:
+                 authorized_keys: bool = True, pam: str | None = None) -> None:
         """`extra`: sshd_config lines placed first (sshd keeps a keyword's first value, so
         they win; no `Match`). `authorized_keys` False: `AuthorizedKeysFile none` (a site
-        that accepts only certificates, its CA in `extra`)."""
+        that accepts only certificates, its CA in `extra`). `pam`: the PAM configuration of
+        this sshd alone (bound over /etc/pam.d/sshd in a mount namespace of its own; `extra`
+        then says `UsePAM yes`)."""
         self.dir = directory
         self.user_key = _keygen(directory / "user_key")
         host_key = _keygen(directory / "host_key")
@@ -57,8 +59,14 @@ class LocalSshd:
         self.log = directory / "sshd.log"
         self.made_privsep = not PRIVSEP_DIR.exists()
         PRIVSEP_DIR.mkdir(mode=0o755, exist_ok=True)
+        argv = [SSHD, "-D", "-e", "-f", str(config)]
+        if pam is not None:
+            pam_file = directory / "pam_sshd"
+            pam_file.write_text(pam)
+            argv = ["unshare", "-m", "--propagation", "private", "sh", "-c",
+                    'mount --bind "$0" /etc/pam.d/sshd && exec "$@"', str(pam_file), *argv]
         with self.log.open("wb") as out:
-            self.proc = subprocess.Popen([SSHD, "-D", "-e", "-f", str(config)], stdout=out,
+            self.proc = subprocess.Popen(argv, stdout=out,
                                          stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
         deadline = time.monotonic() + 10
         while "Server listening" not in self.log.read_text(errors="replace"):
@@ -99,8 +107,9 @@ def _descendants(pid: int) -> list[int]:
 
 @contextlib.contextmanager
 def local_sshd(directory: Path, *, sftp: bool, extra: str = "",
-               authorized_keys: bool = True) -> Iterator[LocalSshd]:
-    server = LocalSshd(directory, sftp=sftp, extra=extra, authorized_keys=authorized_keys)
+               authorized_keys: bool = True, pam: str | None = None) -> Iterator[LocalSshd]:
+    server = LocalSshd(directory, sftp=sftp, extra=extra, authorized_keys=authorized_keys,
+                       pam=pam)
     try:
         yield server
     finally:

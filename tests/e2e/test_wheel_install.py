@@ -1,6 +1,7 @@
 """nebula installed from a wheel, as `pipx install nebula-cli` leaves it: its own venv, no
 source tree near it, run from an empty directory (REALWORLD.md, Installation: "installed from
-a wheel into its own venv ... run from an unrelated directory").
+a wheel into its own venv ... run from an unrelated directory"), launching local and SSH
+jobs.
 
 The wheel is built from this checkout and installed without its dependencies into a fresh
 venv that sees this venv's site-packages through a plain path (`.pth` line; this venv's own
@@ -12,6 +13,7 @@ starter specs) must be in it. Nothing needs the network.
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import sysconfig
@@ -19,7 +21,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from conftest import REPO, kill_job_processes, wait_for
+from conftest import REMOTE_JOBS, REPO, kill_job_processes, wait_for
+from helpers.local_sshd import SSHD, local_sshd
 
 pytestmark = pytest.mark.slow
 
@@ -109,8 +112,6 @@ def test_init_validate_launch_from_an_empty_directory(
     made = _run([nebula, "init"], work, env)
     assert made.returncode == 0, made.stderr
     assert (work / "job.yaml").read_text().startswith("# A nebula job")
-    again = _run([nebula, "init"], work, env)
-    assert again.returncode == 2 and "--force" in again.stderr
     checked = _run([nebula, "validate", "job.yaml"], work, env)
     assert checked.returncode == 0, checked.stdout + checked.stderr
     assert "2 clusters" in checked.stdout
@@ -131,3 +132,46 @@ def test_init_validate_launch_from_an_empty_directory(
     assert len(agents) == 4 and set(agents) == {str(installed / "python")}, agents
     stopped = _run([nebula, "stop", job_id], work, env)
     assert stopped.returncode == 0 and f"{job_id} stopped" in stopped.stdout, stopped.stdout
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or not os.path.exists(SSHD) or shutil.which("ssh") is None,
+                    reason="needs root, openssh-server and OpenSSH's client")
+def test_an_ssh_job_from_the_wheel_install(installed: Path, tmp_path: Path,
+                                           elsewhere: tuple[Path, dict[str, str]]) -> None:
+    """The installed nebula launches on an SSH host (a real sshd on 127.0.0.1, an alias of
+    the user's ssh_config): what it uploads is the installed package, package data included."""
+    work, env = elsewhere
+    nebula = str(installed / "nebula")
+    (tmp_path / "sshd").mkdir()
+    with local_sshd(tmp_path / "sshd", sftp=True) as server:
+        config = tmp_path / "ssh_config"
+        config.write_text(f"Host gpu-a\n  HostName 127.0.0.1\n  Port {server.port}\n"
+                          f"  User root\n  IdentityFile {server.user_key}\n")
+        env.update(NEBULA_SSH_CONFIG=str(config), NEBULA_KNOWN_HOSTS=str(server.known_hosts))
+        (work / "job.yaml").write_text(
+            "name: wheel-ssh\nrun: for i in $(seq 1 30); do echo \"tick $i\"; sleep 1; done\n"
+            f"clusters:\n  - name: far\n    python: {sys.executable}\n    hosts: [gpu-a]\n"
+            "  - name: near\n    transport: local\n    hosts: [n1]\n")
+        launched = _run([nebula, "launch", "job.yaml", "--detach"], work, env, timeout=180)
+        assert launched.returncode == 0, launched.stdout + launched.stderr
+        job_id = launched.stdout.strip().splitlines()[0]
+        try:
+            wait_for(lambda: "far/gpu-a/0 | tick 2" in _run([nebula, "logs", job_id], work,
+                                                            env).stdout, timeout=60)
+            lib = REMOTE_JOBS / job_id / "lib" / "nebula_cli"
+            assert (lib / "launchers" / "bootstrap.sh").read_bytes() == (
+                installed.parent / _purelib_rel(installed) / "nebula_cli" / "launchers"
+                / "bootstrap.sh").read_bytes()
+            assert (lib / "templates" / "ssh.yaml").exists()
+            stopped = _run([nebula, "stop", job_id], work, env)
+            assert stopped.returncode == 0 and f"{job_id} stopped" in stopped.stdout, stopped
+        finally:
+            shutil.rmtree(REMOTE_JOBS / job_id, ignore_errors=True)
+
+
+def _purelib_rel(bin_dir: Path) -> str:
+    """The venv's site-packages, relative to the venv."""
+    return subprocess.run([str(bin_dir / "python"), "-c",
+                           "import sysconfig, sys; print(sysconfig.get_paths()['purelib']"
+                           ".removeprefix(sys.prefix + '/'))"],
+                          check=True, capture_output=True, text=True).stdout.strip()

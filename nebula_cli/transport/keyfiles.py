@@ -36,6 +36,10 @@ def _load(path: str, tried: list[str], host: str) -> paramiko.PKey | None:
         return None
     except paramiko.PasswordRequiredException:
         pass
+    except TypeError as exc:  # cryptography's word for an OpenSSH-format key with a passphrase
+        if "password" not in str(exc).lower():
+            tried.append(f"{path} (unreadable: {exc})")
+            return None
     except (OSError, ValueError, paramiko.SSHException) as exc:
         tried.append(f"{path} (unreadable: {exc})")
         return None
@@ -49,8 +53,8 @@ def _load(path: str, tried: list[str], host: str) -> paramiko.PKey | None:
                      "load it into ssh-agent)")
         return None
     try:
-        return paramiko.PKey.from_path(path, passphrase=phrase.encode())
-    except (OSError, ValueError, paramiko.SSHException) as exc:
+        return paramiko.PKey.from_path(path, password=phrase.encode())  # type: ignore[arg-type]
+    except (OSError, ValueError, TypeError, paramiko.SSHException) as exc:
         with _ask_lock:
             _passphrases.pop(path, None)
         tried.append(f"{path} (wrong passphrase? {exc})")

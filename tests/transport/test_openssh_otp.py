@@ -11,29 +11,28 @@ after the key)."""
 from __future__ import annotations
 
 import os
-import pty
 import re
 import secrets
-import select
 import shutil
 import subprocess
 import sys
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from conftest import CLI, REMOTE_JOBS, wait_for, write_spec
 from helpers.local_sshd import SSHD, LocalSshd, local_sshd
+from helpers.terminal import run_on_a_terminal
 
 from nebula_cli.transport.openssh import OpenSSHTransport
+from nebula_cli.transport.ssh import AuthError, SSHTransport
 
 PAM_OATH = Path("/lib/x86_64-linux-gnu/security/pam_oath.so")
-pytestmark = [pytest.mark.slow, pytest.mark.skipif(
+pytestmark = pytest.mark.skipif(
     os.geteuid() != 0 or not os.path.exists(SSHD) or shutil.which("ssh") is None
     or shutil.which("oathtool") is None or not PAM_OATH.exists()
     or shutil.which("unshare") is None,
-    reason="needs root, openssh-server and client, libpam-oath and oathtool")]
+    reason="needs root, openssh-server and client, libpam-oath and oathtool")
 
 
 class OtpHost:
@@ -77,42 +76,18 @@ def otp_host(tmp_path: Path) -> Iterator[OtpHost]:
                              known_hosts=str(server.known_hosts)).exit_master()
 
 
-def run_on_a_terminal(argv: list[str], env: dict[str, str], answer: Callable[[], str],
-                      prompt: bytes,
-                      timeout: float = 120) -> tuple[int, str]:
-    """Run argv with a pseudo-terminal as its terminal; answer `prompt` once with `answer`
-    (computed when it is asked). Returns (exit status, everything it wrote)."""
-    pid, fd = pty.fork()
-    if pid == 0:  # the child: its terminal is the pty
-        os.execve(argv[0], argv, env)
-    seen = b""
-    answered = False
-    deadline = time.monotonic() + timeout
-    try:
-        while time.monotonic() < deadline:
-            ready, _, _ = select.select([fd], [], [], 0.5)
-            if ready:
-                try:
-                    data = os.read(fd, 4096)
-                except OSError:
-                    break  # the child closed the terminal
-                if not data:
-                    break
-                seen += data
-                if not answered and prompt in seen:
-                    os.write(fd, answer().encode() + b"\n")
-                    answered = True
-            finished, status = os.waitpid(pid, os.WNOHANG)
-            if finished:
-                break
-        else:
-            os.kill(pid, 9)
-        _, status = os.waitpid(pid, 0) if not finished else (pid, status)
-    finally:
-        os.close(fd)
-    return os.waitstatus_to_exitcode(status), seen.decode(errors="replace")
+def test_nebulas_own_client_names_the_openssh_transport(otp_host: OtpHost) -> None:
+    """paramiko's client gets past the key, then the host wants a code: one error naming the
+    host and `transport: openssh`."""
+    t = SSHTransport("otp-login", ssh_config=str(otp_host.config),
+                     known_hosts=str(otp_host.server.known_hosts), connect_timeout=5.0)
+    with pytest.raises(AuthError) as caught:
+        t.run(["true"])
+    assert caught.value.host == "otp-login" and "transport: openssh" in str(caught.value)
+    assert "one-time code" in str(caught.value)
 
 
+@pytest.mark.slow
 def test_the_code_is_asked_once_at_launch_and_never_by_status_logs_stop(
         cli: CLI, otp_host: OtpHost, tmp_path: Path) -> None:
     cli.env["NEBULA_SSH_CONFIG"] = str(otp_host.config)

@@ -183,7 +183,7 @@ class OpenSSHTransport(Transport):
         """Start the master connection unless one is up (the user's own, at the same socket,
         counts): `ssh` authenticates, asking on the terminal if it must."""
         self.check_open()
-        if self._master_ok and self._check_master():
+        if self._master_ok:  # a master that died since shows as exit 255 (`_collect`)
             return
         with _masters_lock:
             if self._check_master():

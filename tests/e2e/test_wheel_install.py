@@ -3,7 +3,8 @@ source tree near it, run from an empty directory (REALWORLD.md, Installation: "i
 a wheel into its own venv ... run from an unrelated directory"), launching local and SSH
 jobs.
 
-The wheel is built from this checkout and installed without its dependencies into a fresh
+The wheel is built from a copy of this checkout (its package, pyproject.toml, README) and
+installed without its dependencies into a fresh
 venv that sees this venv's site-packages through a plain path (`.pth` line; this venv's own
 `.pth` files, the editable install's finder among them, are not run there): so `nebula_cli`
 comes from the wheel alone, and what the package reads at run time (the launchers, the
@@ -48,8 +49,13 @@ def _cmdlines() -> list[list[str]]:
 def installed(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The bin/ folder of a fresh venv holding nebula installed from a wheel of this tree."""
     root = tmp_path_factory.mktemp("wheel")
+    source = root / "source"  # a copy: the build leaves its build/ there, not in the checkout
+    shutil.copytree(REPO / "nebula_cli", source / "nebula_cli",
+                    ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(REPO / name, source / name)
     subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation",
-                    "--no-index", "-q", "-w", str(root / "dist"), str(REPO)],
+                    "--no-index", "-q", "-w", str(root / "dist"), str(source)],
                    check=True, capture_output=True, timeout=300)
     wheels = list((root / "dist").glob("nebula_cli-*.whl"))
     assert len(wheels) == 1, wheels

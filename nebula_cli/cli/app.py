@@ -55,10 +55,11 @@ from nebula_cli.planner import (
     plan_placement,
     wan_link,
 )
+from nebula_cli.templates import DEFAULT_TEMPLATE, template_names, template_text
 
 app = typer.Typer(
     help="Train one model on several GPU clusters joined by slow wide-area links.",
-    no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False,
+    no_args_is_help=True, add_completion=True, pretty_exceptions_enable=False,
     rich_markup_mode="markdown",  # docstrings' single line breaks reflow at any width
 )
 out = Console(highlight=False)
@@ -131,6 +132,9 @@ def validate(
         ready = all(c.ok for c in checks)
         reach = check_reach(orch, spec) if ready and spec.links() else None
     out.print(host_checks_table(checks))
+    for c in checks:
+        if c.reached:
+            out.print(f"[dim]{escape(c.cluster)}/{escape(c.host)}: {escape(c.reached)}[/]")
     bad = [f"{c.cluster}/{c.host}: {'; '.join(c.problems)}" for c in checks if not c.ok]
     if reach is not None:
         out.print(reach_table(reach), *(f"[dim]{note}[/]" for note in reach.notes))
@@ -141,6 +145,27 @@ def validate(
         raise typer.Exit(EXIT_FAILED)
     out.print(f"[green]✓[/] all {len(checks)} hosts ready"
               + (", every pair of relays can connect" if reach is not None else ""))
+
+
+@app.command()
+@handle_errors
+def init(
+    spec_path: Annotated[Path, typer.Argument(
+        metavar="[SPEC]", help="Where to write the starter spec.")] = Path("job.yaml"),
+    template: Annotated[str, typer.Option(
+        "--template", "-t",
+        help=f"Which starter: {', '.join(template_names())} (a local one runs as it is).")]
+        = DEFAULT_TEMPLATE,
+    force: Annotated[bool, typer.Option("--force", help="Overwrite SPEC if it exists.")] = False,
+) -> None:
+    """Write a commented starter job spec to edit (two clusters; `validate` checks it)."""
+    text = template_text(template)
+    if spec_path.exists() and not force:
+        raise UsageError(f"{spec_path} exists; pass --force to overwrite it, or name another "
+                         "file: `nebula init other.yaml`")
+    spec_path.write_text(text)
+    out.print(f"wrote {spec_path} (starter: {template}); edit it, then "
+              f"`nebula validate {spec_path} --hosts`")
 
 
 @app.command()

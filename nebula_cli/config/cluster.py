@@ -34,13 +34,20 @@ def _remote_path(value: str) -> str:
 RemotePath = Annotated[str, AfterValidator(_remote_path)]
 
 
+SSH_TRANSPORTS = ("ssh", "openssh")
+"""The transports whose hosts are reached over SSH."""
+
+
 class ClusterSpec(SpecModel):
     """A group of hosts with a fast network between them: one DeepSpeed world, one relay."""
 
     name: Name
     """Cluster name: 1-32 of a-z, 0-9, '-', '_', starting with a letter or digit."""
-    transport: Literal["local", "ssh"] = "ssh"
-    """How commands reach the hosts: 'ssh', or 'local' (processes on this machine)."""
+    transport: Literal["local", "ssh", "openssh"] = "ssh"
+    """How commands reach the hosts: 'ssh' (nebula's own client, your ssh_config read as your
+    `ssh` reads it), 'openssh' (your `ssh` itself over one master connection per host: for
+    hosts that ask a one-time code or more than a key), or 'local' (processes on this
+    machine)."""
     hosts: list[HostSpec]
     """The cluster's hosts; at least one."""
     gateway: HostName | None = None
@@ -126,9 +133,10 @@ class ClusterSpec(SpecModel):
                 f"relay_on: login is for {' or '.join(s.title for s in login)} clusters "
                 f"(scheduler: {' or '.join(s.name for s in login)}); here the relay runs on "
                 "the `gateway` host")))
-        if self.relay_reach == "ssh" and self.transport != "ssh":
-            problems.append((("relay_reach",), "relay_reach: ssh needs transport: ssh (the other "
-                                               "relays reach this one through its host's sshd)"))
+        if self.relay_reach == "ssh" and not self.over_ssh:
+            problems.append((("relay_reach",), "relay_reach: ssh needs transport: ssh or openssh "
+                                               "(the other relays reach this one through its "
+                                               "host's sshd)"))
         for other in SCHEDULERS.values():  # a section of another scheduler than this one's
             if other is not scheduling and other.section(self) is not None:
                 problems.append(((other.name,), f"`{other.name}:` needs `scheduler: "
@@ -205,6 +213,11 @@ class ClusterSpec(SpecModel):
             return login
         wanted = self.gateway or self.hosts[0].host
         return next(h for h in self.hosts if h.host == wanted)
+
+    @property
+    def over_ssh(self) -> bool:
+        """Its hosts are reached over SSH (they have an sshd: tunnels can end there)."""
+        return self.transport in SSH_TRANSPORTS
 
     @property
     def ssh_host(self) -> HostSpec:

@@ -60,7 +60,7 @@ class Link:
 def _key(cluster: ClusterSpec) -> tuple[int, bool]:
     rank = _RANK[cluster.relay_reach]
     # outbound clusters tunnel to each other: those with an sshd (transport ssh) are dialled
-    return rank, rank == _RANK["outbound"] and cluster.transport != "ssh"
+    return rank, rank == _RANK["outbound"] and not cluster.over_ssh
 
 
 def dial_order(clusters: Sequence[ClusterSpec]) -> list[str]:
@@ -97,7 +97,7 @@ def problems(clusters: Sequence[ClusterSpec]) -> list[tuple[PathKey, str]]:
         at: PathKey = ("clusters", index[name], "relay_reach")
         why = ("it has relay_reach: ssh" if c.relay_reach == "ssh" else
                f"{name} and {dialer} both have relay_reach: outbound")
-        if c.transport != "ssh":
+        if not c.over_ssh:
             found.append((at, f"{why}, so {dialer}'s relay must reach {name}'s through an SSH "
                               f"tunnel to its host, but {name} runs on this machine (transport: "
                               "local); let one of them accept connections (relay_reach: "

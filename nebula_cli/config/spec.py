@@ -169,7 +169,7 @@ class JobSpec(SpecModel):
             if first != ci:
                 problems.append((("clusters", ci, "name"), (
                     f"duplicate cluster name {cluster.name!r} (also clusters[{first}])")))
-            for hi, host in enumerate(cluster.hosts if cluster.transport == "ssh" else []):
+            for hi, host in enumerate(cluster.hosts if cluster.over_ssh else []):
                 oc, oh = owners.setdefault((host.host, host.port, host.user), (ci, hi))
                 if oc != ci:
                     problems.append((("clusters", ci, "hosts", hi), (

@@ -61,6 +61,8 @@ class HostCheck:
     interface: str | None = None
     """GLOO/NCCL_SOCKET_IFNAME its ranks get: the spec's, or the one found toward its world's
     peers (None: a one-host world, loopback)."""
+    reached: str | None = None
+    """How it was reached (or tried): address, jump or proxy, ssh_config lines, auth."""
 
     @property
     def problems(self) -> list[str]:
@@ -92,8 +94,10 @@ def check_host(t: Transport, cluster: str, host: str, slots: int) -> HostCheck:
         result = t.run([t.python, "-c", PROBE, t.home], timeout=60)
     except NebulaError as exc:
         check.error = str(exc)
+        check.reached = t.reached_as()
         return check
     check.reachable = True
+    check.reached = t.reached_as()
     if result.exit_code == 127:
         check.error = f"python '{t.python}' not found on the host"
         return check

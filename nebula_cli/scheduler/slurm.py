@@ -18,7 +18,7 @@ from nebula_cli.config import plan_model
 from nebula_cli.config.schedulers.slurm import slurm_request
 from nebula_cli.config.spec import ClusterSpec, JobSpec
 from nebula_cli.errors import LaunchError, NebulaError, UsageError
-from nebula_cli.launchers import LAUNCHERS_DIR
+from nebula_cli.launchers import launcher
 from nebula_cli.scheduler import batch, slurm_cli
 from nebula_cli.scheduler.allocation import Allocation
 from nebula_cli.scheduler.allocation_state import AllocationState
@@ -34,14 +34,14 @@ OUTPUT_LINES = 15
 
 
 def template_of(spec: JobSpec, cluster: ClusterSpec) -> str:
-    """The batch template: the spec's own (relative to the spec) or launchers/slurm.sbatch."""
+    """The batch template: the spec's own (relative to the spec) or the packaged
+    launchers/slurm.sbatch."""
     request = slurm_request(cluster)
     if request.template is None:
-        path = LAUNCHERS_DIR / "slurm.sbatch"
-    else:
-        path = Path(request.template).expanduser()
-        if not path.is_absolute() and spec.source:
-            path = Path(spec.source).parent / path
+        return launcher("slurm.sbatch").decode()
+    path = Path(request.template).expanduser()
+    if not path.is_absolute() and spec.source:
+        path = Path(spec.source).parent / path
     try:
         return path.read_text()
     except OSError as exc:

@@ -176,6 +176,11 @@ class Transport(ABC):
         and verified it, for SSH tunnels other hosts open to it; None when not over SSH."""
         return None
 
+    def reached_as(self) -> str | None:
+        """How this host was reached, for `validate --hosts` (where, through what, the
+        config lines and the authentication used); None where there is nothing to say."""
+        return None
+
     def route_interface(self, address: str) -> str:
         """The network interface this host reaches `address` through (see `routes`)."""
         result = self.run([self.python, "-c", ROUTE_PY, address], timeout=60)

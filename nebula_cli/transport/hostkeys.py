@@ -1,7 +1,9 @@
 """known_hosts policy: a host's key must be on record; new keys only with accept-new.
 
 Reads OpenSSH known_hosts files (plain, `[host]:port` and hashed `|1|salt|hash` names,
-`*`/`?` patterns, `!` negations, `@revoked` markers; `@cert-authority` lines are skipped).
+`*`/`?` patterns, `!` negations, `@revoked` markers; `@cert-authority` lines are skipped:
+paramiko's client asks for plain host keys, not host certificates). Keys recorded with
+accept-new are hashed when ssh_config says `HashKnownHosts yes`.
 A key that differs from the one on record is always refused. An unknown key is refused
 unless `accept_new` is set, which records it like OpenSSH's StrictHostKeyChecking=accept-new.
 """
@@ -54,6 +56,13 @@ def fingerprint(key: PKey | bytes) -> str:
 def host_entry_name(host: str, port: int) -> str:
     """The name a host is recorded under: ``host`` on port 22, else ``[host]:port``."""
     return host if port == SSH_PORT else f"[{host}]:{port}"
+
+
+def hashed_name(name: str) -> str:
+    """`name` as OpenSSH's HashKnownHosts writes it: ``|1|<salt>|<HMAC-SHA1(salt, name)>``."""
+    salt = os.urandom(20)
+    mac = hmac.new(salt, name.encode(), hashlib.sha1).digest()
+    return f"|1|{base64.b64encode(salt).decode()}|{base64.b64encode(mac).decode()}"
 
 
 def _pattern_matches(pattern: str, name: str) -> bool:
@@ -141,9 +150,11 @@ class KnownHosts:
     """The known_hosts policy for one file (plus read-only extra files, e.g. the global one)."""
 
     def __init__(self, path: str, *, accept_new: bool = False,
-                 extra_files: Sequence[str] = ()) -> None:
+                 extra_files: Sequence[str] = (), hash_names: bool = False) -> None:
         self.path = os.path.expanduser(path)
         self.accept_new = accept_new
+        self.hash_names = hash_names
+        """Record new keys under hashed names (ssh_config's HashKnownHosts)."""
         self.extra_files = [os.path.expanduser(p) for p in extra_files]
 
     def _entries(self, name: str) -> list[KnownKey]:
@@ -156,6 +167,13 @@ class KnownHosts:
         """Key types on record for the host, to ask the server for those first."""
         name = host_entry_name(host, port)
         return [k.key_type for k in self._entries(name) if k.marker is None]
+
+    def recorded(self, host: str, port: int) -> list[str]:
+        """The keys on record for host:port, as ``type base64`` (revoked and CA lines left
+        out), the writable file's first."""
+        name = host_entry_name(host, port)
+        return [f"{k.key_type} {base64.b64encode(k.blob).decode()}"
+                for k in self._entries(name) if k.marker is None]
 
     def verify(self, host: str, port: int, key: PKey, *, display: str | None = None) -> None:
         """Accept `key` for host:port or raise HostKeyError (see the module docstring)."""
@@ -209,6 +227,7 @@ class KnownHosts:
             with path.open("rb") as fh:
                 fh.seek(-1, os.SEEK_END)
                 prefix = "" if fh.read(1) == b"\n" else "\n"
+        shown = hashed_name(name) if self.hash_names else name
         fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
         with os.fdopen(fd, "a") as fh:
-            fh.write(f"{prefix}{name} {key.get_name()} {key.get_base64()}\n")
+            fh.write(f"{prefix}{shown} {key.get_name()} {key.get_base64()}\n")

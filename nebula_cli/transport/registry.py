@@ -1,9 +1,10 @@
 """The transport kinds by name: the one place a connection's kind is routed.
 
 `conn_from_data` reads what the state store keeps (any kind, as every version of nebula wrote
-it); `describe` makes the description of a spec's host for the cluster's `transport:`. A new
-kind (say an OpenSSH-binary back end) is its `Conn` module (and the `Transport` it opens) plus
-one line in `KINDS`, and in `SPEC_KINDS` when a spec may name it.
+it); `describe` makes the description of a spec's host for the cluster's `transport:`. A kind
+(as `openssh_conn`: the user's own `ssh` over a master connection) is its `Conn` module (and
+the `Transport` it opens) plus one line in `KINDS`, and in `SPEC_KINDS` when a spec may name
+it.
 """
 
 from __future__ import annotations
@@ -14,12 +15,14 @@ from typing import Any
 from nebula_cli.errors import UsageError
 from nebula_cli.transport.conn import Conn
 from nebula_cli.transport.local_conn import LocalConn
+from nebula_cli.transport.openssh_conn import OpensshConn
 from nebula_cli.transport.slurmnode_conn import SlurmNodeConn
 from nebula_cli.transport.ssh_conn import SshConn
 
-SPEC_KINDS: dict[str, type[LocalConn] | type[SshConn]] = {
+SPEC_KINDS: dict[str, type[LocalConn] | type[SshConn] | type[OpensshConn]] = {
     LocalConn.kind: LocalConn,
     SshConn.kind: SshConn,
+    OpensshConn.kind: OpensshConn,
 }
 """The kinds a spec's `transport:` names (each has `from_spec`)."""
 KINDS: dict[str, type[Conn]] = {

@@ -39,12 +39,11 @@ from nebula_cli.transport.hostkeys import (
     KnownHosts,
     UnknownHostKey,
 )
+from nebula_cli.transport.keyfiles import key_identities
 from nebula_cli.transport.sshconfig import (
     KNOWN_HOSTS_ENV,
     SSHTarget,
     default_known_hosts,
-    default_ssh_config,
-    load_ssh_config,
     parse_destination,
     resolve,
 )
@@ -114,18 +113,12 @@ class SSHTransport(SFTPFiles, Transport):
         self._python = python or "python3"
         self._fallback_keys = [os.path.expanduser(k) for k in fallback_keys]
         self._home = home
-        config_path = os.path.expanduser(ssh_config) if ssh_config else default_ssh_config()
+        config_path = os.path.expanduser(ssh_config) if ssh_config else None
         self.target: SSHTarget = resolve(
             host or name, user=user, port=port, key=key,
-            jump=jump if isinstance(jump, str) else None,
-            config=load_ssh_config(config_path),
+            jump=jump if isinstance(jump, str) else None, config_path=config_path,
         )
-        explicit_kh = known_hosts or os.environ.get(KNOWN_HOSTS_ENV)
-        self.known_hosts = KnownHosts(
-            os.path.expanduser(known_hosts) if known_hosts else default_known_hosts(),
-            accept_new=accept_new_host_keys,
-            extra_files=() if explicit_kh else (GLOBAL_KNOWN_HOSTS,),
-        )
+        self.known_hosts = self._known_hosts(known_hosts, accept_new_host_keys)
         self._owns_jump = False
         self.jump: SSHTransport | None = None
         if isinstance(jump, SSHTransport):
@@ -154,6 +147,24 @@ class SSHTransport(SFTPFiles, Transport):
         self._sftp: paramiko.SFTPClient | None = None
         self._sftp_conn: paramiko.Transport | None = None
         self._remote_home: str | None = None
+        self.auth_method: str | None = None
+        """How the last connection authenticated (`validate --hosts` shows it)."""
+
+    def _known_hosts(self, explicit: str | None, accept_new: bool) -> KnownHosts:
+        """The spec's (or $NEBULA_KNOWN_HOSTS) file alone; else ssh_config's
+        UserKnownHostsFile (the first written) and GlobalKnownHostsFile, as `ssh` uses them."""
+        tgt = self.target
+        if explicit or os.environ.get(KNOWN_HOSTS_ENV):
+            path = os.path.expanduser(explicit) if explicit else default_known_hosts()
+            return KnownHosts(path, accept_new=accept_new, hash_names=tgt.hash_known_hosts)
+        user_files = tgt.known_hosts_files or (default_known_hosts(),)
+        return KnownHosts(user_files[0], accept_new=accept_new, hash_names=tgt.hash_known_hosts,
+                          extra_files=(*user_files[1:], *(tgt.global_known_hosts_files
+                                                          or (GLOBAL_KNOWN_HOSTS,))))
+
+    def reached_as(self) -> str:
+        auth = f"; auth {self.auth_method}" if self.auth_method else ""
+        return f"nebula's ssh to {self.target.describe()}{auth}"
 
     def __repr__(self) -> str:
         via = f" via {self.jump.target}" if self.jump else ""
@@ -240,8 +251,9 @@ class SSHTransport(SFTPFiles, Transport):
             self._authenticate(conn, deadline)
             conn.set_keepalive(self.keepalive)
         except BaseException:
-            conn.close()
-            sock.close()
+            for thing in (conn, sock):
+                with contextlib.suppress(Exception):  # a ProxyCommand already reaped
+                    thing.close()
             raise
         return conn, sock
 
@@ -265,6 +277,8 @@ class SSHTransport(SFTPFiles, Transport):
                                      host=self.name) from exc
                 raise TransportError(f"cannot open a channel to {where} through jump host "
                                      f"{self.jump.target}: {exc}", host=self.name) from exc
+        if tgt.proxy_command:
+            return self._proxy(tgt.proxy_command)
         try:
             return socket.create_connection((tgt.hostname, tgt.port), timeout=remaining)
         except TimeoutError as exc:
@@ -280,6 +294,37 @@ class SSHTransport(SFTPFiles, Transport):
             raise UnreachableError(f"cannot reach {where}: {exc.strerror or exc}",
                                    host=self.name) from exc
 
+    def _proxy(self, command: str) -> paramiko.ProxyCommand:
+        """ssh_config's ProxyCommand, run as OpenSSH runs it (`sh -c 'exec ...'`): its
+        standard input and output carry the SSH connection."""
+        try:
+            return paramiko.ProxyCommand(shell_join(["/bin/sh", "-c", f"exec {command}"]))
+        except (OSError, paramiko.SSHException) as exc:
+            raise UnreachableError(f"cannot start the ProxyCommand `{command}`: {exc}; check "
+                                   f"it with `ssh -G {self.target.alias} | grep proxycommand`",
+                                   host=self.name) from exc
+
+    def _proxy_failed(self, conn: paramiko.Transport) -> None:
+        """Raise UnreachableError naming the ProxyCommand when it has exited (what it said
+        on stderr included); nothing when the link is not a ProxyCommand's or it still runs."""
+        proxy = conn.sock
+        process = getattr(proxy, "process", None)
+        if not isinstance(proxy, paramiko.ProxyCommand) or process is None:
+            return
+        try:
+            code = process.wait(timeout=1.0)
+        except Exception:
+            return
+        said = ""
+        if process.stderr is not None:
+            with contextlib.suppress(OSError, ValueError):
+                said = process.stderr.read().decode(errors="replace").strip()[-500:]
+        raise UnreachableError(
+            f"the ProxyCommand `{self.target.proxy_command}` exited {code} before the SSH "
+            f"handshake{': ' + said if said else ''}; run it by hand (`ssh -v "
+            f"{self.target.alias}` shows the same) and fix it in your ssh config",
+            host=self.name)
+
     def _handshake(self, conn: paramiko.Transport, deadline: float) -> None:
         tgt = self.target
         kh_host, kh_port = (tgt.host_key_alias, SSH_PORT) if tgt.host_key_alias else (
@@ -290,12 +335,15 @@ class SSHTransport(SFTPFiles, Transport):
         try:
             conn.start_client(timeout=max(deadline - time.monotonic(), 0.01))
         except (paramiko.SSHException, EOFError, OSError) as exc:
+            self._proxy_failed(conn)
             if time.monotonic() >= deadline:
                 raise SSHTimeout(f"SSH handshake with {tgt} timed out after "
                                  f"{self.connect_timeout:g} s", host=self.name) from exc
-            raise TransportError(f"SSH handshake with {tgt} failed: {exc or type(exc).__name__}",
-                                 host=self.name) from exc
+            via = f" through ProxyCommand `{tgt.proxy_command}`" if tgt.proxy_command else ""
+            raise TransportError(f"SSH handshake with {tgt}{via} failed: "
+                                 f"{exc or type(exc).__name__}", host=self.name) from exc
         if not (conn.is_active() and conn.initial_kex_done):
+            self._proxy_failed(conn)
             raise SSHTimeout(f"SSH handshake with {tgt} timed out after "
                              f"{self.connect_timeout:g} s", host=self.name)
         self.known_hosts.verify(kh_host, kh_port, conn.get_remote_server_key(), display=self.name)
@@ -334,17 +382,11 @@ class SSHTransport(SFTPFiles, Transport):
             yield from self._key_files(files, tried)
         yield from self._key_files([k for k in self._fallback_keys if k not in files], tried)
 
-    @staticmethod
-    def _key_files(files: list[str], tried: list[str]) -> Iterator[tuple[str, paramiko.PKey]]:
+    def _key_files(self, files: list[str], tried: list[str]
+                   ) -> Iterator[tuple[str, paramiko.PKey]]:
         for path in files:
-            try:
-                yield path, paramiko.PKey.from_path(path)
-            except FileNotFoundError:
-                tried.append(f"{path} (missing)")
-            except paramiko.PasswordRequiredException:
-                tried.append(f"{path} (encrypted: load it into ssh-agent)")
-            except (OSError, ValueError, paramiko.SSHException) as exc:
-                tried.append(f"{path} (unreadable: {exc})")
+            yield from key_identities(path, self.target.certificate_files, tried,
+                                      host=self.name)
 
     def _authenticate(self, conn: paramiko.Transport, deadline: float) -> None:
         tgt = self.target
@@ -361,8 +403,13 @@ class SSHTransport(SFTPFiles, Transport):
                 raise TransportError(f"connection to {tgt} lost during authentication: {exc}",
                                      host=self.name) from exc
             if conn.is_authenticated():
+                self.auth_method = f"publickey: {source}"
                 return
-            tried.append(f"{source} (more authentication steps required; not supported)")
+            raise AuthError(
+                f"{tgt} accepted {source} but asks for more (AuthenticationMethods, e.g. a "
+                f"one-time code by keyboard-interactive), which nebula's built-in SSH does not "
+                f"answer: set `transport: openssh` on this cluster, so that your own `ssh` "
+                f"(and the master connection it keeps) reaches the host", host=self.name)
         offered = "; ".join(tried) or (
             "no key found: set `key:` in the spec, IdentityFile in ssh config, or load ssh-agent")
         raise AuthError(f"authentication failed for {tgt} (publickey); tried: {offered}",

@@ -10,7 +10,7 @@ from typer.testing import CliRunner
 
 from nebula_cli.cli.app import app
 
-COMMANDS = [[], ["validate"], ["launch"], ["resume"], ["status"], ["logs"], ["report"],
+COMMANDS = [[], ["validate"], ["init"], ["launch"], ["resume"], ["status"], ["logs"], ["report"],
             ["stop"], ["bench-network"], ["plan"], ["plan", "sync"], ["plan", "placement"]]
 WIDTHS = (52, 80, 137)
 

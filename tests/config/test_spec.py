@@ -251,14 +251,15 @@ def test_error_is_one_spec_error_with_every_problem(tmp_path: Path) -> None:
         (8, 9, "clusters[0].hosts[0].slot"),
         (9, 27, "clusters[0].hosts[1].slots"),
     ]
-    assert found[0].message == "expected one of 'local', 'ssh', found 'sh'"
+    assert found[0].message == "expected one of 'local', 'ssh', 'openssh', found 'sh'"
     assert found[1].message == "unknown key 'slot'; did you mean 'slots'?"
     assert found[2].message == "expected an integer >= 1, found 0"
     with pytest.raises(UsageError) as info:
         load_spec(tmp_path / "job.yaml")
     path = tmp_path / "job.yaml"
     assert str(info.value).splitlines() == [
-        f"{path}:5:16: clusters[0].transport: expected one of 'local', 'ssh', found 'sh'",
+        f"{path}:5:16: clusters[0].transport: expected one of 'local', 'ssh', 'openssh', "
+        "found 'sh'",
         f"{path}:8:9: clusters[0].hosts[0].slot: unknown key 'slot'; did you mean 'slots'?",
         f"{path}:9:27: clusters[0].hosts[1].slots: expected an integer >= 1, found 0",
     ]

@@ -1,12 +1,16 @@
 """The Transport contract, run against both transports: LocalTransport, and SSHTransport against
 a real sshd on 127.0.0.1 (helpers/sshd_bed.py's `bed`), with SFTP and without (hardened login
 nodes: files then go over exec channels). Whatever differs between "a process here" and "a
-process on that host" is a method of the interface, and this test holds both to it."""
+process on that host" is a method of the interface, and this test holds both to it. The
+OpenSSH back end (`transport: openssh`, the user's `ssh` over a master connection) is held to
+it against the same sshd."""
 
 from __future__ import annotations
 
 import os
+import shutil
 import socket
+import tempfile
 import threading
 import time
 import uuid
@@ -17,11 +21,12 @@ import pytest
 from helpers.sshd_bed import SSHD
 
 from nebula_cli.transport import LocalTransport, Transport
+from nebula_cli.transport.openssh import OpenSSHTransport
 
 SECRET = f"s3cret-{uuid.uuid4().hex}"
 
 
-@pytest.fixture(params=["local", "ssh", "ssh-without-sftp"])
+@pytest.fixture(params=["local", "ssh", "ssh-without-sftp", "openssh"])
 def transport(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Transport]:
     if request.param == "local":
         t: Transport = LocalTransport("here", home=str(tmp_path / "home"))
@@ -29,10 +34,29 @@ def transport(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Transp
         if os.geteuid() != 0 or not os.path.exists(SSHD):
             pytest.skip("needs root and openssh-server for a test sshd")
         bed = request.getfixturevalue("bed")
+        if request.param == "openssh":
+            yield from _openssh(bed)
+            return
         t = bed.transport(port=bed.nosftp.port) if "without" in request.param \
             else bed.transport()
     with t:
         yield t
+
+
+def _openssh(bed: Bed) -> Iterator[Transport]:  # noqa: F811 - the fixture's value
+    """The user's `ssh` over a master connection (its socket in a short folder of /tmp: a
+    socket path has at most 104 bytes); the master ended after."""
+    control = tempfile.mkdtemp(prefix="nc-", dir="/tmp")
+    t = OpenSSHTransport("target", "127.0.0.1", user="root", port=bed.target.port,
+                         key=str(bed.user_key), known_hosts=str(bed.known_hosts),
+                         ssh_config=str(bed.no_config), connect_timeout=5.0,
+                         control_dir=control)
+    try:
+        with t:
+            yield t
+    finally:
+        t.exit_master()
+        shutil.rmtree(control, ignore_errors=True)
 
 
 def _remote_dir(t: Transport) -> str:

@@ -329,10 +329,11 @@ def test_the_plan_carries_the_tunnels_to_the_relays(tmp_path: Path) -> None:
     tunnels = _part(fort, TunnelConfig, "tunnels.json")
     assert tunnels.dial == [] and [g.peer for g in tunnels.grant] == ["lab", "cloud"]
     assert tunnels.grant[0].authorized_keys == "~/.ssh/authorized_keys"
-    assert tunnels.grant[0].line == (
-        'restrict,port-forwarding,permitopen="127.0.0.1:29400",permitlisten="127.0.0.1:1",'
-        'command="/bin/false",expiry-time="202701020304Z" ssh-ed25519 AAAApublab '
-        'nebula-tunnel:job-1:lab>fort')
+    g = tunnels.grant[0]
+    assert (g.public_key, g.targets, g.tag) == (
+        "ssh-ed25519 AAAApublab", ["127.0.0.1:29400"], "nebula-tunnel:job-1:lab>fort")
+    assert g.expires == int(dt.datetime(2027, 1, 2, 3, 4, 59, tzinfo=dt.UTC).timestamp())
+    assert tunnels.grant_ttl == 900
     argv = fort.config.processes[0].argv
     assert argv[1:6] == ["-m", "nebula_cli.agent.tunnel", "run", "--config",
                          f"{fort.agent_dir}/tunnels.json"]

@@ -178,7 +178,7 @@ def quick_spec(tmp_path: Path, bed: TestBed, clusters: dict[str, list[str]],
 
 def _ssh_clients(bed: TestBed, host: str) -> list[str]:
     out = bed.run(host, ["pgrep", "-a", "-x", "ssh"]).stdout
-    return [line for line in out.splitlines() if " -L " in line]
+    return [line for line in out.splitlines() if line.endswith(" 127.0.0.1:29400")]
 
 
 @pytest.mark.testbed
@@ -197,11 +197,13 @@ def test_a_cluster_reached_only_by_ssh_trains_through_a_tunnel(
         proc = ssh_cli("launch", str(spec_path), "--detach", timeout=600)
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
         (job_id,) = ssh_cli.job_ids()
-        # `launch` has returned: the tunnel is east's relay host's own ssh, the key on w1
+        # `launch` has returned: the tunnel is east's relay host's own ssh (one per connection:
+        # the relays' link), the key on w1, its forced command joining it to the relay's port
         (client,) = wait_for(lambda: _ssh_clients(bed, "e1"), timeout=60)
-        assert f"{bed.hosts['w1'].address}" in client and "-L 127.0.0.1:" in client
+        assert f"-- {bed.hosts['w1'].address} 127.0.0.1:29400" in client and " -L " not in client
         (line,) = [x for x in keys.read_text().splitlines() if "nebula-tunnel:" in x]
-        assert line.startswith('restrict,port-forwarding,permitopen="127.0.0.1:29400",')
+        assert line.startswith('restrict,command="env PYTHONPATH=') and "forwarding" not in line
+        assert "-m nebula_cli.agent.bridge 127.0.0.1:29400" in line
         assert line.endswith(f"nebula-tunnel:{job_id}:east>west")
         state = wait_for(lambda: _ended(ssh_cli, job_id), timeout=600, every=5)
     assert state == "SUCCEEDED"

@@ -9,8 +9,14 @@ their own step (the agent's `start`, which daemonizes) are handed to the keeper 
 children, inside its step, with its step's environment (SLURM_*, the GPUs Slurm gave it) under
 the caller's.
 
-The keeper listens on an abstract unix socket (node-local, no file) and serves only processes
-of its own user (SO_PEERCRED). It ends, releasing the node, `LINGER` seconds after every
+The keeper listens on a Unix socket file, ``~/.nebula/keepers/<name>@<node>.sock`` (0600, in a
+0700 directory of the user's: another user's process cannot reach it, let alone bind it
+first), and serves only processes of its own user (SO_PEERCRED); `call` checks the same of the
+keeper before it sends a byte (an abstract socket, as before, had no permissions: whoever bound
+its name first received the callers' argv and environment). The node's name in the file's
+name keeps the keepers of one job apart where the home directory is shared.
+
+It ends, releasing the node, `LINGER` seconds after every
 agent it started has ended, when nothing was started for `IDLE_TIMEOUT` seconds after it came
 up, or on SIGTERM (Slurm's notice before a time limit or preemption), which it passes to its
 agents first so that their workers stop gracefully; it then waits for the scheduler to end the
@@ -28,11 +34,13 @@ import json
 import os
 import signal
 import socket
+import stat
 import struct
 import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from typing import Any
 
 from nebula_cli.agent.procs import pid_alive
@@ -49,9 +57,76 @@ MAX_REQUEST = 16 << 20
 CALL_TIMEOUT = 120.0
 
 
-def socket_name(name: str) -> str:
-    """The abstract socket of the keeper called `name` (one per node and Slurm job)."""
-    return "\0nebula-keeper-" + name
+SOCKET_DIR = "~/.nebula/keepers"
+SHORT_PATH = 100
+"""Longer socket paths are bound through /proc/self/fd (sun_path holds 108 bytes)."""
+
+
+def node_name() -> str:
+    return os.environ.get("SLURMD_NODENAME") or socket.gethostname()
+
+
+def socket_path(name: str) -> str:
+    """The socket file of the keeper called `name` on this node (one per node and Slurm job)."""
+    return os.path.join(os.path.expanduser(SOCKET_DIR), f"{name}@{node_name()}.sock")
+
+
+def private_dir(path: str, make: bool) -> None:
+    """`path` is a directory of this user's that no one else may enter (made 0700 when `make`
+    and missing, with its missing parents); OSError naming what is wrong otherwise."""
+    if make and not os.path.isdir(path):
+        if not os.path.isdir(parent := os.path.dirname(path)):
+            private_dir(parent, make=True)
+        with contextlib.suppress(FileExistsError):
+            os.mkdir(path, 0o700)
+    st = os.lstat(path)
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid():
+        raise OSError(f"{path} is not a directory of uid {os.getuid()} (a link, or another "
+                      "user's): remove it")
+    if st.st_mode & 0o077:
+        if not make:
+            raise OSError(f"{path} is open to other users (mode {st.st_mode & 0o777:o})")
+        os.chmod(path, 0o700)
+
+
+def peer_uid(sock: socket.socket) -> int:
+    """The uid of the process at the other end (from the kernel)."""
+    creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    return struct.unpack("3i", creds)[1]
+
+
+@contextlib.contextmanager
+def _short(path: str) -> Iterator[str]:
+    """A name bind/connect accept for `path` (its directory through /proc/self/fd if long)."""
+    if len(os.fsencode(path)) <= SHORT_PATH:
+        yield path
+        return
+    head, tail = os.path.split(path)
+    fd = os.open(head, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        yield f"/proc/self/fd/{fd}/{tail}"
+    finally:
+        os.close(fd)
+
+
+def listen(path: str) -> socket.socket:
+    """The keeper's listening socket at `path` (0600; a socket file a killed keeper left there
+    is replaced; anything else refused)."""
+    private_dir(os.path.dirname(path), make=True)
+    with contextlib.suppress(FileNotFoundError):
+        if not stat.S_ISSOCK(os.lstat(path).st_mode):
+            raise OSError(f"{path} exists and is not a socket: remove it")
+        os.unlink(path)
+    server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        with _short(path) as where:
+            server.bind(where)
+        os.chmod(path, 0o600)
+        server.listen(64)
+    except BaseException:
+        server.close()
+        raise
+    return server
 
 
 def _recv_all(sock: socket.socket) -> bytes:
@@ -81,9 +156,7 @@ class Keeper:
 
     def handle(self, conn: socket.socket) -> None:
         with conn:
-            creds = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
-            _, uid, _ = struct.unpack("3i", creds)
-            if uid != os.getuid():
+            if peer_uid(conn) != os.getuid():
                 return  # another user's process: nothing is run, nothing is said
             try:
                 request = json.loads(_recv_all(conn))
@@ -126,12 +199,24 @@ class Keeper:
         self.terminated.set()
 
     def serve(self) -> int:
-        server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        server.bind(socket_name(self.name))
-        server.listen(64)
+        path = socket_path(self.name)
+        node = node_name()
+        try:
+            server = listen(path)
+        except OSError as exc:
+            print(f"nebula keeper {self.name} on {node}: cannot listen on {path}: {exc}",
+                  file=sys.stderr, flush=True)
+            return 1
+        try:
+            return self._serve(server, path, node)
+        finally:
+            server.close()
+            with contextlib.suppress(OSError):
+                os.unlink(path)
+
+    def _serve(self, server: socket.socket, path: str, node: str) -> int:
         server.settimeout(POLL)
         signal.signal(signal.SIGTERM, self.on_term)
-        node = os.environ.get("SLURMD_NODENAME") or socket.gethostname()
         print(f"nebula keeper {self.name} on {node}: ready (pid {os.getpid()})", flush=True)
         while not self.terminated.is_set() and not self.done():
             try:
@@ -140,6 +225,8 @@ class Keeper:
                 continue
             threading.Thread(target=self.handle, args=(conn,), daemon=True).start()
         server.close()
+        with contextlib.suppress(OSError):
+            os.unlink(path)
         if self.terminated.is_set():
             self.stop_agents()
             if not self.exit_after_notice:  # the scheduler ends the job and says why
@@ -164,17 +251,23 @@ def call(name: str, argv: list[str], env: dict[str, str], cwd: str | None,
          timeout: float) -> int:
     """Hand `argv` to the keeper `name` on this node; print its output; its exit code (3 when
     no keeper answers)."""
+    path = socket_path(name)
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     sock.settimeout(timeout + 10)
     try:
-        sock.connect(socket_name(name))
+        private_dir(os.path.dirname(path), make=False)
+        with _short(path) as where:
+            sock.connect(where)
+        if (uid := peer_uid(sock)) != os.getuid():
+            print(f"{path} is served by uid {uid}, not by this user's keeper: nothing sent "
+                  f"(remove it; the node's other users should not reach it)", file=sys.stderr)
+            return 3
         sock.sendall(json.dumps({"argv": argv, "env": env, "cwd": cwd,
                                  "timeout": timeout}).encode())
         sock.shutdown(socket.SHUT_WR)
         reply = json.loads(_recv_all(sock))
     except (OSError, ValueError) as exc:
-        node = os.environ.get("SLURMD_NODENAME") or socket.gethostname()
-        print(f"no nebula keeper {name} answers on {node}: {exc} (is the batch job's keeper "
+        print(f"no nebula keeper {name} answers on {node_name()}: {exc} (is the batch job's keeper "
               "step running? see the job's slurm output)", file=sys.stderr)
         return 3
     finally:

@@ -1,4 +1,4 @@
-"""A relay with its SSH tunnels: relays that cannot dial each other meet through `ssh -N -L`.
+"""A relay with its SSH tunnels: relays that cannot dial each other meet through SSH sessions.
 
     python -m nebula_cli.agent.tunnel run --config tunnels.json -- CMD...   # the relay inside
     python -m nebula_cli.agent.tunnel grant AGENT_DIR...                    # keys in (bench)
@@ -9,21 +9,21 @@ Where `reach` says that a pair of clusters' relays meets through a tunnel (the d
 (`config.tunnel_config`) and their agents run the relay under `run`:
 
 - on the dialled cluster's host, `run` adds one authorized_keys line per tunnel before the
-  relay starts, and removes it when the relay ends (and `revoke`, run by the agent's `stop`,
-  removes what a killed relay left). The line lets the job's key for that tunnel do one thing:
-  ``restrict,port-forwarding,permitopen="<relay port as this host sees it>",
-  permitlisten="127.0.0.1:1",command="/bin/false",expiry-time="<certificates' end>"``: no
-  shell, no command, no pty, no agent or X11 forwarding, local forwarding to the relay's port
-  only, remote forwarding only to a port nothing uses (authorized_keys cannot refuse it
-  outright), and nothing after the job's certificates expire even if no one removed it;
-- on the dialler's host, `run` starts the relay and keeps one system ``ssh -N -L
-  127.0.0.1:<port>:<target>`` per tunnel (BatchMode, ExitOnForwardFailure, ServerAliveInterval,
-  no ssh_config, no agent, the job's key only, the SSH host's key pinned: StrictHostKeyChecking
+  relay starts, renews its expiry while the relay runs, and removes it when the relay ends
+  (`revoke`, run by the agent's `stop`, removes what a killed relay left). The line
+  (`nebula_cli.agent.grants`) grants no forwarding at all: ``restrict``, a forced command
+  (`nebula_cli.agent.bridge`) that joins the SSH session's stdin and stdout to the relay's
+  port and nothing else, and an ``expiry-time`` minutes ahead (never after the job's
+  certificates' end): no shell, no command, no pty, no agent or X11 forwarding, no TCP or
+  Unix-socket forwarding either way, and a key of a killed relay refused soon after;
+- on the dialler's host, `run` starts the relay and listens on the tunnel's local end
+  (loopback); every connection accepted there rides its own system ``ssh HOST TARGET`` with
+  the connection as ssh's stdin and stdout (BatchMode, ServerAliveInterval, no ssh_config, no
+  agent, no forwarding, the job's key only, the SSH host's key pinned: StrictHostKeyChecking
   against the key nebula verified in known_hosts when it reached that host, under a
-  HostKeyAlias of the job), and starts it again when it exits (backoff 1 s, doubling to 30 s,
-  back to 1 s after a minute up); ssh's messages (a forwarding refused, a connection lost) go
-  into the relay's log. The relay dials
-  the tunnel's local end instead of the peer's address.
+  HostKeyAlias of the job), ended with it; ssh's messages (a key refused, a connection lost) go
+  into the relay's log. The relay dials the tunnel's local end instead of the peer's address,
+  and dials again when a connection ends.
 
 Everything runs host to host: the launching machine makes the keys and writes the files, then
 takes no part (a laptop that sleeps, or a `launch` that is killed, changes nothing).
@@ -32,9 +32,10 @@ What this trusts: the tunnel carries the relays' mutual TLS 1.3 unchanged, so th
 no trust: a relay still accepts only a certificate of this job's CA for the expected cluster.
 What the tunnel needs is an account on the dialled host that accepts a key for the job's
 duration (the key is made per tunnel and per attempt; whoever holds it can reach that relay
-port, as anyone on the network could reach an `inbound` relay), and the SSH host key nebula
-already trusted for that host. The private keys live only on the dialling relay's host (0600)
-and in the launching machine's memory while it launches.
+port, as anyone on the network could reach an `inbound` relay), a login shell there that
+prints nothing for a command (as scp needs), and the SSH host key nebula already trusted for
+that host. The private keys live only on the dialling relay's host (0600) and in the
+launching machine's memory while it launches.
 
 When CMD ends (or on SIGTERM/SIGINT, passed on to it), the tunnels are ended, the grants'
 lines removed, and `run` ends as CMD did (its exit code, or the same signal). Standard library
@@ -46,21 +47,22 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import selectors
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-from nebula_cli.agent import authkeys
+from nebula_cli.agent.bridge import split
+from nebula_cli.agent.grants import Grants
 from nebula_cli.config.tunnel_config import TunnelConfig, TunnelDial
 from nebula_cli.errors import NebulaError
 
-BACKOFF_FIRST = 1.0
-BACKOFF_MAX = 30.0
-STABLE_AFTER = 60.0
-"""Seconds up after which a tunnel that ends is started again at once (backoff reset)."""
+MAX_SESSIONS = 8
+"""Connections one tunnel carries at once (each an ssh; a relay needs one per peer)."""
 POLL = 0.2
 STOP_WAIT = 5.0
 LAST_WORDS = 300
@@ -71,32 +73,31 @@ def say(message: str) -> None:
 
 
 def ssh_argv(dial: TunnelDial, keepalive: int, count: int) -> list[str]:
-    """The ssh command of one tunnel (nothing from the host's ssh_config or agent)."""
+    """The ssh command of one connection through the tunnel (nothing from the host's
+    ssh_config or agent; no pty, no forwarding, no escape character)."""
     options = {
         "BatchMode": "yes", "IdentitiesOnly": "yes", "IdentityFile": dial.key,
         "IdentityAgent": "none", "StrictHostKeyChecking": "yes",
         "UserKnownHostsFile": dial.known_hosts, "GlobalKnownHostsFile": "/dev/null",
         "HostKeyAlias": dial.alias, "CheckHostIP": "no", "UpdateHostKeys": "no",
-        "ExitOnForwardFailure": "yes", "ServerAliveInterval": str(keepalive),
-        "ServerAliveCountMax": str(count), "ConnectTimeout": str(keepalive * count),
+        "ServerAliveInterval": str(keepalive), "ServerAliveCountMax": str(count),
+        "ConnectTimeout": str(keepalive * count), "ClearAllForwardings": "yes",
         "ControlMaster": "no", "ControlPath": "none", "PermitLocalCommand": "no",
-        "ForwardAgent": "no", "ForwardX11": "no", "LogLevel": "INFO",
+        "ForwardAgent": "no", "ForwardX11": "no", "LogLevel": "ERROR",
     }
-    argv = ["ssh", "-N", "-T", "-F", "/dev/null"]
+    argv = ["ssh", "-T", "-e", "none", "-F", "/dev/null"]
     for key, value in options.items():
         argv += ["-o", f"{key}={value}"]
-    return [*argv, "-p", str(dial.port), "-l", dial.user, "-L", f"{dial.listen}:{dial.target}",
-            "--", dial.host]
+    return [*argv, "-p", str(dial.port), "-l", dial.user, "--", dial.host, dial.target]
 
 
 class Tunnel:
-    """One `ssh -N -L`, started again whenever it ends (until `close`)."""
+    """One tunnel's local end: each connection accepted rides its own ssh, ended with it."""
 
     def __init__(self, dial: TunnelDial, keepalive: int, count: int) -> None:
         self.dial, self.argv = dial, ssh_argv(dial, keepalive, count)
-        self.proc: subprocess.Popen[bytes] | None = None
-        self.started = self.next_start = 0.0
-        self.backoff = BACKOFF_FIRST
+        self.server: socket.socket | None = None
+        self.sessions: list[subprocess.Popen[bytes]] = []
         self.where = f"{dial.user}@{dial.host}:{dial.port}"
         try:  # what earlier runs of the relay left in the log is not repeated
             self.seen = os.path.getsize(dial.log)
@@ -104,17 +105,37 @@ class Tunnel:
             self.seen = 0
         self.said = ""
 
-    def start(self) -> None:
-        Path(self.dial.log).parent.mkdir(parents=True, exist_ok=True)
-        with open(self.dial.log, "ab") as log:
-            self.proc = subprocess.Popen(self.argv, stdin=subprocess.DEVNULL,
-                                         stdout=subprocess.DEVNULL, stderr=log)
-        self.started = time.monotonic()
+    def open(self) -> socket.socket:
+        """Listen on the local end (OSError: the port is taken)."""
+        host, port = split(self.dial.listen)
+        self.server = socket.create_server((host, port), backlog=MAX_SESSIONS)
+        self.server.setblocking(False)
+        Path(self.dial.log).parent.mkdir(mode=0o700, parents=True, exist_ok=True)
         say(f"tunnel to {self.dial.peer} up: {self.dial.listen} -> {self.dial.target} through "
-            f"{self.where} (ssh pid {self.proc.pid})")
+            f"{self.where} (an ssh per connection)")
+        return self.server
+
+    def accept(self) -> None:
+        """Start an ssh for each connection waiting (beyond MAX_SESSIONS: closed)."""
+        assert self.server is not None
+        while True:
+            try:
+                conn, _ = self.server.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            with conn:
+                self.reap()
+                if len(self.sessions) >= MAX_SESSIONS:
+                    say(f"tunnel to {self.dial.peer}: {MAX_SESSIONS} connections open, "
+                        "one more closed")
+                    continue
+                conn.setblocking(True)
+                with open(self.dial.log, "ab") as log:
+                    self.sessions.append(subprocess.Popen(self.argv, stdin=conn, stdout=conn,
+                                                          stderr=log))
 
     def echo(self) -> None:
-        """ssh's new messages (a refused forwarding, a lost connection) into the relay's log,
+        """ssh's new messages (a refused key, a lost connection) into the relay's log,
         a message repeated only when another came between."""
         try:
             size = os.path.getsize(self.dial.log)
@@ -135,57 +156,62 @@ class Tunnel:
                 self.said = line
                 say(f"tunnel to {self.dial.peer}: ssh: {line[:LAST_WORDS]}")
 
-    def poll(self, stopping: bool) -> None:
-        now = time.monotonic()
+    def reap(self) -> None:
+        """Forget the sessions that ended; one that failed is said."""
+        for proc in [p for p in self.sessions if p.poll() is not None]:
+            self.sessions.remove(proc)
+            if proc.returncode:
+                say(f"tunnel to {self.dial.peer} through {self.where}: a connection's ssh "
+                    f"ended (exit {proc.returncode})")
+
+    def poll(self) -> None:
         self.echo()
-        if self.proc is not None and (code := self.proc.poll()) is not None:
-            if now - self.started >= STABLE_AFTER:
-                self.backoff = BACKOFF_FIRST
-            delay, self.backoff = self.backoff, min(self.backoff * 2, BACKOFF_MAX)
-            self.proc, self.next_start = None, now + delay
-            if not stopping:
-                say(f"tunnel to {self.dial.peer} through {self.where} ended (ssh exit {code}); "
-                    f"again in {delay:g} s")
-        if self.proc is None and not stopping and now >= self.next_start:
-            self.start()
+        self.reap()
 
     def close(self) -> None:
-        proc, self.proc = self.proc, None
-        if proc is None or proc.poll() is not None:
-            return
-        proc.terminate()
-        try:
-            proc.wait(STOP_WAIT)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(STOP_WAIT)
-
-
-def grant(cfg: TunnelConfig) -> None:
-    for g in cfg.grant:
-        authkeys.add_lines(g.authorized_keys, [g.line])
-        say(f"key of the tunnel from {g.peer} added to {g.authorized_keys} ({g.tag})")
-
-
-def revoke(cfg: TunnelConfig) -> list[str]:
-    """Remove the config's grants' lines; the files changed."""
-    changed = []
-    for path in dict.fromkeys(g.authorized_keys for g in cfg.grant):
-        tags = [g.tag for g in cfg.grant if g.authorized_keys == path]
-        if authkeys.remove_tagged(path, tags):
-            changed.append(path)
-    return changed
+        if self.server is not None:
+            self.server.close()
+            self.server = None
+        for proc in self.sessions:
+            if proc.poll() is None:
+                proc.terminate()
+        for proc in self.sessions:
+            try:
+                proc.wait(STOP_WAIT)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(STOP_WAIT)
+        self.sessions = []
 
 
 def grant_dir(agent_dir: Path) -> None:
-    """What `grant` adds for a directory's tunnels.json (bench-network's probe servers)."""
-    grant(TunnelConfig.load(agent_dir / "tunnels.json"))
+    """Add a directory's tunnels.json's grants until their `expires` (bench-network's probe
+    servers: no process stays to renew them)."""
+    Grants(TunnelConfig.load(agent_dir / "tunnels.json")).add(renewed=False)
 
 
 def revoke_dir(agent_dir: Path) -> list[str]:
     """What `revoke` removes for a relay's agent directory (nothing when it has no tunnels)."""
     path = agent_dir / "tunnels.json"
-    return revoke(TunnelConfig.load(path)) if path.is_file() else []
+    return Grants(TunnelConfig.load(path)).revoke() if path.is_file() else []
+
+
+def _serve(tunnels: list[Tunnel], grants: Grants, child: subprocess.Popen[bytes],
+           got: list[int]) -> None:
+    """Until the command ends: connections into ssh sessions, the grants renewed."""
+    with selectors.DefaultSelector() as sel:
+        for t in tunnels:
+            sel.register(t.open(), selectors.EVENT_READ, t)
+        while child.poll() is None:
+            for key, _ in sel.select(POLL):
+                if not got:
+                    key.data.accept()
+            for t in tunnels:
+                t.poll()
+            try:
+                grants.renew()
+            except OSError as exc:
+                say(f"cannot renew the tunnel keys of {grants.cfg.cluster}'s relay: {exc}")
 
 
 def run(cfg: TunnelConfig, command: list[str]) -> int:
@@ -205,25 +231,31 @@ def run(cfg: TunnelConfig, command: list[str]) -> int:
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
     tunnels = [Tunnel(d, cfg.keepalive, cfg.keepalive_count) for d in cfg.dial]
+    grants = Grants(cfg)
     try:
         try:
-            grant(cfg)
-        except OSError as exc:
+            grants.add()
+            for g in cfg.grant:
+                say(f"key of the tunnel from {g.peer} added to {g.authorized_keys} ({g.tag})")
+        except (OSError, ValueError) as exc:
             say(f"cannot add the tunnel keys of {cfg.cluster}'s relay: {exc}")
             return 1
         if got:
             return 128 + got[0]
         child = subprocess.Popen(command, stdin=subprocess.DEVNULL)
-        while child.poll() is None:
-            for t in tunnels:
-                t.poll(stopping=bool(got))
-            time.sleep(POLL)
+        try:
+            _serve(tunnels, grants, child, got)
+        except OSError as exc:  # a local end that cannot listen
+            say(f"relay {cfg.cluster}: cannot listen on a tunnel's local end: {exc}")
+            child.send_signal(signal.SIGTERM)
+            child.wait()
+            return 1
     finally:
         for t in tunnels:
             t.echo()  # what ssh said since the last look
             t.close()
         with contextlib.suppress(OSError):
-            if (changed := revoke(cfg)):
+            if (changed := grants.revoke()):
                 say(f"tunnel keys removed from {', '.join(changed)}")
     code = child.returncode
     if code < 0:  # end as the command did
@@ -248,7 +280,7 @@ def main(argv: list[str] | None = None) -> int:
         try:
             for d in args.dirs:
                 grant_dir(d)
-        except (NebulaError, OSError) as exc:
+        except (NebulaError, OSError, ValueError) as exc:
             say(f"cannot add tunnel keys: {exc}")
             return 1
         return 0

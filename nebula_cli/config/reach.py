@@ -14,10 +14,11 @@ cluster dials every cluster listed before it, so every pair has one dialler (`li
 
 - to an ``inbound`` cluster, directly;
 - to an ``ssh`` cluster, or from one ``outbound`` cluster to another, through an SSH tunnel:
-  the dialler's relay host runs ``ssh -N -L`` to the dialled cluster's SSH host
-  (`ClusterSpec.ssh_host`) with a key of the job that may only forward to the dialled relay's
-  port; the relay dials the tunnel's local end. The mutual TLS inside is the same as on a
-  direct link: the tunnel adds no trust (`nebula_cli.agent.tunnel` says what it trusts).
+  the dialler's relay host runs an ``ssh`` per connection to the dialled cluster's SSH host
+  (`ClusterSpec.ssh_host`) with a key of the job whose forced command joins it to the dialled
+  relay's port and may do nothing else; the relay dials the tunnel's local end. The mutual TLS
+  inside is the same as on a direct link: the tunnel adds no trust (`nebula_cli.agent.tunnel`
+  says what it trusts).
 
 Pairs with no way to connect are spec problems (`problems`, exit 2): two ``ssh`` clusters
 (neither can dial out), an ``ssh`` or tunnelled-to cluster whose sshd the other relays could

@@ -39,9 +39,9 @@ TUNNEL_KEEPALIVE = 5
 """Seconds between a tunnel's SSH keepalives (ServerAliveInterval)."""
 TUNNEL_KEEPALIVE_COUNT = 3
 """Keepalives unanswered before a tunnel is given up and restarted (15 s of silence)."""
-TUNNEL_LISTEN_LOCK = "127.0.0.1:1"
-"""What a tunnel key may `ssh -R` listen on: authorized_keys cannot refuse remote forwarding
-outright, so it is held to a port nothing uses and only root may bind."""
+TUNNEL_GRANT_TTL = 900
+"""Seconds a tunnel key's authorized_keys line stays valid unless its relay renews it (every
+third of that while it runs): how long a killed relay's key outlives it at most."""
 
 
 def _gateway_site(cluster: ClusterSpec, sites: dict[str, Site]) -> Site:
@@ -181,8 +181,8 @@ def _tunnel_listen(link: Link, ports: Ports) -> str:
 
 
 def tunnel_target(cluster: ClusterSpec, sites: dict[str, Site], ports: Ports) -> str:
-    """The relay's peer port as its cluster's SSH host sees it: the only place a tunnel key
-    may forward to (loopback when the relay runs on that host)."""
+    """The relay's peer port as its cluster's SSH host sees it: the only place a tunnel key's
+    forced command joins it to (loopback when the relay runs on that host)."""
     host = "127.0.0.1" if _relay_on_ssh_host(cluster) else _gateway_site(cluster, sites).address
     return _host_port(host, ports.relays[cluster.name][0])
 
@@ -192,16 +192,11 @@ def tunnel_links(spec: JobSpec) -> list[Link]:
     return [link for link in spec.links() if link.tunnel]
 
 
-def grant_line(targets: list[str], public_key: str, tag: str,
-               expires: dt.datetime | None) -> str:
-    """The authorized_keys line of one tunnel: forwarding to `targets` and nothing else (no
-    shell, no pty, no agent or X11 forwarding, no remote listening), refused after `expires`
-    (the job's certificates' end)."""
-    options = ["restrict", "port-forwarding", *(f'permitopen="{t}"' for t in targets),
-               f'permitlisten="{TUNNEL_LISTEN_LOCK}"', 'command="/bin/false"']
-    if expires is not None:
-        options.append(f'expiry-time="{expires.astimezone(dt.UTC):%Y%m%d%H%M}Z"')
-    return f"{','.join(options)} {public_key} {tag}"
+def expires_at(certs: Certs) -> int:
+    """Unix time after which a tunnel key is refused whatever happens: the certificates' end
+    (certificates without one: a year)."""
+    end = certs.expires or dt.datetime.now(dt.UTC) + dt.timedelta(days=365)
+    return int(end.timestamp())
 
 
 def tunnel_config(spec: JobSpec, job_id: str, cluster: ClusterSpec, adir: str,
@@ -230,13 +225,13 @@ def tunnel_config(spec: JobSpec, job_id: str, cluster: ClusterSpec, adir: str,
         elif link.dialled == cluster.name:
             tag = f"{job_tag(job_id)}{link.key}"
             grant.append(TunnelGrant(
-                peer=link.dialer, authorized_keys=cluster.authorized_keys,
-                line=grant_line([tunnel_target(cluster, sites, ports)], public, tag,
-                                certs.expires),
+                peer=link.dialer, authorized_keys=cluster.authorized_keys, public_key=public,
+                targets=[tunnel_target(cluster, sites, ports)], expires=expires_at(certs),
                 tag=tag))
     if not dial and not grant:
         return None, {}
     if pins:
         files["tunnels/known_hosts"] = "".join(pins).encode()
     return TunnelConfig(job_id=job_id, cluster=cluster.name, keepalive=TUNNEL_KEEPALIVE,
-                        keepalive_count=TUNNEL_KEEPALIVE_COUNT, dial=dial, grant=grant), files
+                        keepalive_count=TUNNEL_KEEPALIVE_COUNT, grant_ttl=TUNNEL_GRANT_TTL,
+                        dial=dial, grant=grant), files

@@ -23,15 +23,16 @@ def job_tag(job_id: str) -> str:
 
 @dataclass(frozen=True)
 class TunnelDial:
-    """A tunnel this relay's host keeps open: ``ssh -N -L listen:target`` to the SSH host of the
-    cluster it dials, authenticated by `key`, the host's key pinned in `known_hosts`."""
+    """A tunnel this relay's host keeps: a local port whose every connection rides its own
+    ``ssh HOST TARGET`` to the SSH host of the cluster it dials (whose key's forced command
+    joins it to `target`), authenticated by `key`, the host's key pinned in `known_hosts`."""
 
     peer: str
     """The cluster this relay dials through the tunnel."""
     listen: str
     """host:port on this host (loopback) that the relay dials for `peer`."""
     target: str
-    """host:port of the peer's relay as its SSH host sees it: all the key may open."""
+    """host:port of the peer's relay as its SSH host sees it: all the key may reach."""
     host: str
     """The peer's SSH host (address)."""
     port: int
@@ -48,16 +49,22 @@ class TunnelDial:
 
 @dataclass(frozen=True)
 class TunnelGrant:
-    """A key this relay's host lets in for as long as the relay runs: one authorized_keys line,
-    limited to forwarding to the relay's port."""
+    """A key this relay's host lets in for as long as the relay runs: one authorized_keys line
+    (`nebula_cli.agent.grants`) whose forced command joins the session to one of `targets`,
+    with no forwarding, shell or pty, valid `TunnelConfig.grant_ttl` seconds at a time."""
 
     peer: str
     """The cluster whose relay dials through it."""
     authorized_keys: str
     """The sshd's key file for this user (~ is the home directory)."""
-    line: str
-    """The whole line: options, public key, and the comment `tag`."""
+    public_key: str
+    """"ssh-ed25519 <base64>" of the tunnel's key."""
+    targets: list[str]
+    """host:port the key may reach (the relay's peer port as this host sees it)."""
+    expires: int
+    """Unix time after which the key is refused whatever happens (the certificates' end)."""
     tag: str
+    """The line's comment: names the job and the tunnel (`job_tag`)."""
 
 
 @dataclass(frozen=True)
@@ -69,7 +76,10 @@ class TunnelConfig:
     keepalive: int
     """Seconds between ssh's keepalives (ServerAliveInterval) on an idle tunnel."""
     keepalive_count: int
-    """Keepalives unanswered before ssh gives the tunnel up (and it is restarted)."""
+    """Keepalives unanswered before ssh gives a connection up (the relay dials again)."""
+    grant_ttl: int
+    """Seconds a grant's line stays valid unless renewed (`run` renews it while the relay
+    runs, so a killed relay's key is refused soon after even if no one removes it)."""
     dial: list[TunnelDial]
     grant: list[TunnelGrant]
 

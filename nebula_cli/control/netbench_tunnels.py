@@ -3,9 +3,10 @@ tunnel (`reach`) is measured through one, made as the job's are (`config.relay_p
 `agent.tunnel`).
 
 For such a pair, the dialled host's probe server listens on two known ports (TLS, plain); a
-throwaway key of the run is let in there for those two ports only (`tunnel grant`, at setup;
+throwaway key of the run is let in there for those two ports only (`tunnel grant`: its forced
+command joins a session to either port and nothing else, until the run's certificates' end;
 `tunnel revoke` at cleanup, before the run's directory goes), and the measurer on the dialling
-host runs inside `tunnel run` with two `ssh -N -L` (to each port), dialling their local ends.
+host runs inside `tunnel run` with two local ends (an ssh per connection, one to each port).
 """
 
 from __future__ import annotations
@@ -16,11 +17,16 @@ from dataclasses import dataclass
 
 from nebula_cli import pki
 from nebula_cli.config import strict
-from nebula_cli.config.relay_plan import TUNNEL_KEEPALIVE, TUNNEL_KEEPALIVE_COUNT, grant_line
+from nebula_cli.config.relay_plan import (
+    TUNNEL_GRANT_TTL,
+    TUNNEL_KEEPALIVE,
+    TUNNEL_KEEPALIVE_COUNT,
+)
 from nebula_cli.config.tunnel_config import TunnelConfig, TunnelDial, TunnelGrant, job_tag
 from nebula_cli.transport import Transport
 
-TUNNEL_FILES = ("agent/__init__.py", "agent/authkeys.py", "agent/tunnel.py",
+TUNNEL_FILES = ("agent/__init__.py", "agent/authkeys.py", "agent/bridge.py", "agent/grants.py",
+                "agent/tunnel.py",
                 "config/__init__.py", "config/strict.py", "config/tunnel_config.py")
 """What `python -m nebula_cli.agent.tunnel` imports (beside errors.py)."""
 TUNNEL_MODULE = "nebula_cli.agent.tunnel"
@@ -59,9 +65,11 @@ def grant_config(run: str, cluster: str, authorized_keys: str, tunnels: list[Ben
         tag = f"{job_tag(run)}{t.tag}"
         targets = [f"127.0.0.1:{port}" for port in t.ports]
         grants.append(TunnelGrant(peer=t.dialer, authorized_keys=authorized_keys, tag=tag,
-                                  line=grant_line(targets, t.key[1], tag, expires)))
+                                  public_key=t.key[1], targets=targets,
+                                  expires=int(expires.timestamp())))
     return TunnelConfig(job_id=run, cluster=cluster, keepalive=TUNNEL_KEEPALIVE,
-                        keepalive_count=TUNNEL_KEEPALIVE_COUNT, dial=[], grant=grants)
+                        keepalive_count=TUNNEL_KEEPALIVE_COUNT, grant_ttl=TUNNEL_GRANT_TTL,
+                        dial=[], grant=grants)
 
 
 def dial_files(run: str, t: BenchTunnel, where: str) -> dict[str, bytes]:
@@ -75,7 +83,8 @@ def dial_files(run: str, t: BenchTunnel, where: str) -> dict[str, bytes]:
                         log=posixpath.join(where, f"{name}-{which}.log"))
              for which, local, port in zip(("tls", "plain"), t.local, t.ports, strict=True)]
     cfg = TunnelConfig(job_id=run, cluster=t.dialer, keepalive=TUNNEL_KEEPALIVE,
-                       keepalive_count=TUNNEL_KEEPALIVE_COUNT, dial=dials, grant=[])
+                       keepalive_count=TUNNEL_KEEPALIVE_COUNT, grant_ttl=TUNNEL_GRANT_TTL,
+                       dial=dials, grant=[])
     return {f"{name}.json": strict.dumps(cfg), f"{name}.key": t.key[0],
             f"{name}.known_hosts": f"{alias} {t.host_key}\n".encode()}
 

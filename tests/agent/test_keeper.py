@@ -1,6 +1,8 @@
 """The keeper of a Slurm node (nebula_cli.agent.keeper), outside Slurm: real processes, a real
-abstract unix socket. What it starts outlives the call; it ends when its agents have; it
-serves only its own user; SIGTERM reaches its agents first."""
+unix socket file in a private directory of a home of the test's. What it starts outlives the
+call; it ends when its agents have; it serves only its own user, and its callers talk only to
+a keeper of their own user (another user is a real uid: nobody); SIGTERM reaches its agents
+first."""
 
 from __future__ import annotations
 
@@ -9,10 +11,14 @@ import os
 import secrets
 import shutil
 import signal
+import socket
 import subprocess
 import sys
+import tempfile
+import textwrap
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 from helpers.jobs import wait_for
@@ -47,6 +53,18 @@ def call(name: str, *argv: str, env: dict[str, str] | None = None,
                            "--env-json", json.dumps(env or {}), "--", *argv],
                           capture_output=True, text=True, timeout=60,
                           env={**os.environ, "PYTHONPATH": os.getcwd()})
+
+
+@pytest.fixture(autouse=True)
+def home(monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
+    """A home directory for the keepers and callers of a test (their sockets go under it),
+    in /tmp so that another user may be let through its folders."""
+    where = Path(tempfile.mkdtemp(prefix="nebula-keeper-home-", dir="/tmp"))
+    monkeypatch.setenv("HOME", str(where))
+    try:
+        yield where
+    finally:
+        shutil.rmtree(where, ignore_errors=True)
 
 
 @pytest.fixture
@@ -91,14 +109,84 @@ def test_no_keeper_is_exit_3_with_the_reason() -> None:
 
 @pytest.mark.skipif(os.geteuid() != 0 or shutil.which("setpriv") is None,
                     reason="needs root and setpriv to act as another user")
-def test_another_user_is_not_served(keeper: tuple[str, subprocess.Popen[str]],
-                                    tmp_path) -> None:
+def test_another_user_is_not_served(keeper: tuple[str, subprocess.Popen[str]], home: Path,
+                                    tmp_path: Path) -> None:
     name, _ = keeper
     marker = tmp_path / "ran"
     tmp_path.chmod(0o777)
+    path = Path(home, ".nebula", "keepers", f"{name}@{socket.gethostname()}.sock")
+    assert path.is_socket() and path.stat().st_mode & 0o777 == 0o600
+    assert path.parent.stat().st_mode & 0o777 == 0o700
     out = call(name, "/bin/sh", "-c", f"touch {marker}", user="nobody")
-    assert out.returncode == 3, out  # the keeper closed the connection without an answer
+    assert out.returncode == 3, out  # its folder is not nobody's: not even tried
+    assert _raw_call_as_nobody(path, marker) == "PermissionError"  # the kernel says no
+    # opened up by mistake: the kernel lets nobody in, the keeper closes without a word
+    for folder in (home, home / ".nebula", path.parent):
+        folder.chmod(0o711)
+    path.chmod(0o666)
+    assert _raw_call_as_nobody(path, marker) == "answer none: closed"
     assert not marker.exists()
+
+
+def _raw_call_as_nobody(path: Path, marker: Path) -> str:
+    """As nobody: connect to `path`, hand a request over; what came back (or the error)."""
+    script = textwrap.dedent(f"""
+        import json, socket
+        s = socket.socket(socket.AF_UNIX)
+        s.settimeout(10)
+        try:
+            s.connect({str(path)!r})
+            s.sendall(json.dumps({{"argv": ["/bin/sh", "-c", "touch {marker}"]}}).encode())
+            s.shutdown(socket.SHUT_WR)
+            print("answer", s.recv(100) or "none: closed")
+        except (BrokenPipeError, ConnectionResetError):  # closed before it read a byte
+            print("answer none: closed")
+        except OSError as exc:
+            print(type(exc).__name__)
+    """)
+    return subprocess.run(["setpriv", "--reuid=nobody", "--regid=nogroup", "--clear-groups",
+                           PY, "-c", script], capture_output=True, text=True,
+                          timeout=30).stdout.strip()
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or shutil.which("setpriv") is None,
+                    reason="needs root and setpriv to act as another user")
+def test_a_keeper_of_another_user_is_not_called(home: Path, tmp_path: Path) -> None:
+    """Someone else's socket where the keeper's should be (as an abstract name could be bound
+    first): `call` sends it nothing, not the command, not the environment."""
+    name = "test-" + secrets.token_hex(4)
+    open_dir = Path(tempfile.mkdtemp(prefix="nebula-squat-", dir="/tmp"))
+    open_dir.chmod(0o777)
+    fake = subprocess.Popen(
+        ["setpriv", "--reuid=nobody", "--regid=nogroup", "--clear-groups", PY, "-c",
+         textwrap.dedent(f"""
+             import socket
+             s = socket.socket(socket.AF_UNIX)
+             s.bind({str(open_dir / "s")!r}); s.listen(); s.settimeout(20)
+             print("ready", flush=True)
+             conn, _ = s.accept(); conn.settimeout(5)
+             got = b""
+             try:
+                 while chunk := conn.recv(4096):
+                     got += chunk
+             except OSError:
+                 pass
+             print("got", len(got), flush=True)
+         """)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert fake.stdout is not None and fake.stdout.readline().strip() == "ready"
+        keepers = home / ".nebula" / "keepers"
+        keepers.mkdir(parents=True, mode=0o700)
+        (open_dir / "s").rename(keepers / f"{name}@{socket.gethostname()}.sock")
+        out = call(name, "/bin/sh", "-c", "echo ran", env={"SECRET": "x"})
+        assert out.returncode == 3 and "ran" not in out.stdout, out
+        assert "is served by uid 65534, not by this user's keeper: nothing sent" in out.stderr
+        said, _ = fake.communicate(timeout=30)
+        assert said.strip() == "got 0"
+    finally:
+        fake.kill()
+        fake.wait(10)
+        shutil.rmtree(open_dir, ignore_errors=True)
 
 
 def test_sigterm_reaches_the_agents_first(keeper: tuple[str, subprocess.Popen[str]],

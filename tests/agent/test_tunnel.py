@@ -1,6 +1,6 @@
 """The relay's SSH tunnels (`nebula_cli.agent.tunnel`) against a real sshd on 127.0.0.1: the key
-line a relay grants (and takes back), the `ssh -N -L` its peer keeps up, and what the key may
-not do."""
+line a relay grants (and takes back), the ssh per connection its peer's local end starts, and a
+target the key may not reach. (What else the key may not do: tests/agent/test_grants.py.)"""
 
 from __future__ import annotations
 
@@ -22,7 +22,6 @@ from helpers.sshd_bed import SSHD, Sshd, descendants, free_port, start_sshd
 
 from nebula_cli.agent import authkeys
 from nebula_cli.config import strict
-from nebula_cli.config.relay_plan import grant_line
 from nebula_cli.config.tunnel_config import TunnelConfig, TunnelDial, TunnelGrant
 from nebula_cli.pki import ssh_keypair
 
@@ -120,7 +119,8 @@ def _config(tmp_path: Path, server: Sshd, keys: Path, targets: dict[str, int]
         local[peer] = free_port()
         tag = f"nebula-tunnel:job-t:{peer}>here"
         grant.append(TunnelGrant(peer=peer, authorized_keys=str(keys), tag=tag,
-                                 line=grant_line([f"127.0.0.1:{port}"], public, tag, None)))
+                                 public_key=public, targets=[f"127.0.0.1:{port}"],
+                                 expires=2**31 - 1))
         dial.append(TunnelDial(peer=peer, listen=f"127.0.0.1:{local[peer]}",
                                target=f"127.0.0.1:{port}", host="127.0.0.1", port=server.port,
                                user="root", key=str(key), known_hosts=str(tmp_path /
@@ -128,7 +128,7 @@ def _config(tmp_path: Path, server: Sshd, keys: Path, targets: dict[str, int]
                                alias="nebula-test-alias",
                                log=str(tmp_path / "logs" / f"tunnel-{peer}.log")))
     cfg = TunnelConfig(job_id="job-t", cluster="here", keepalive=1, keepalive_count=3,
-                       dial=dial, grant=grant)
+                       grant_ttl=900, dial=dial, grant=grant)
     strict.write(cfg, tmp_path / "tunnels.json")
     return cfg, local
 
@@ -151,11 +151,11 @@ for name, port in json.loads(sys.argv[1]).items():
             with socket.create_connection(("127.0.0.1", port), timeout=5) as s:
                 s.sendall(b"ping")
                 out[name] = s.recv(100).decode()
-        except ConnectionRefusedError:  # the tunnel is not up yet
+        except ConnectionRefusedError:  # the tunnel's local end is not up yet
             if time.monotonic() > deadline:
                 out[name] = "no tunnel"
             time.sleep(0.2)
-        except OSError:  # accepted, then closed by ssh: the far end refused the channel
+        except OSError:  # accepted, then closed by ssh: the far end refused the target
             out[name] = ""
 print(json.dumps(out), flush=True)
 """
@@ -167,7 +167,7 @@ def test_a_tunnel_reaches_its_target_only_and_leaves_nothing(
     server, keys = sshd
     before = keys.read_text()
     with echo_server() as relay_port, echo_server() as other_port:
-        # "denied": a key allowed to reach relay_port only, asked to forward to another port
+        # "denied": a key allowed to reach relay_port only, asked for another port
         cfg, local = _config(tmp_path, server, keys, {"east": relay_port, "denied": relay_port})
         cfg.dial[1] = TunnelDial(**{**cfg.dial[1].__dict__, "target": f"127.0.0.1:{other_port}"})
         strict.write(cfg, tmp_path / "tunnels.json")
@@ -177,7 +177,8 @@ def test_a_tunnel_reaches_its_target_only_and_leaves_nothing(
     said = json.loads(next(line for line in out.splitlines() if line.startswith("{")))
     assert said == {"east": "ping", "denied": ""}, out
     assert "tunnel keys removed from" in out
-    assert "tunnel to denied: ssh: channel" in out and "administratively prohibited" in out
+    assert "tunnel to denied: ssh: nebula-bridge: '127.0.0.1:" in out, out
+    assert "is not a target this key may reach" in out
     assert "tunnel to east: ssh:" not in out, out  # a working tunnel says nothing
     assert keys.read_text() == before  # the grants went away, the site's own line stayed
     assert "Accepted publickey" in server.log.read_text()
@@ -192,7 +193,7 @@ def _cmd(pid: int) -> str:
 
 
 @needs_sshd
-def test_a_dead_tunnel_is_started_again_and_a_signal_ends_all(
+def test_a_killed_ssh_ends_its_connection_only_and_a_signal_ends_all(
         tmp_path: Path, sshd: tuple[Sshd, Path]) -> None:
     server, keys = sshd
     with echo_server() as relay_port:
@@ -200,17 +201,19 @@ def test_a_dead_tunnel_is_started_again_and_a_signal_ends_all(
         proc = _run(tmp_path, [sys.executable, "-c", "import time; time.sleep(300)"])
         try:
             wait_for(lambda: _works(local["east"]), timeout=20)
-            first = wait_for(lambda: _ssh_pids(proc.pid), timeout=10)
-            os.kill(first[0], signal.SIGKILL)  # the link's client dies (a cut, an OOM kill)
-            again = wait_for(lambda: [p for p in _ssh_pids(proc.pid) if p not in first],
-                             timeout=20)
-            assert again and wait_for(lambda: _works(local["east"]), timeout=20)
+            wait_for(lambda: not _ssh_pids(proc.pid), timeout=10)  # each ends with its use
+            with socket.create_connection(("127.0.0.1", local["east"]), timeout=10) as held:
+                first = wait_for(lambda: _ssh_pids(proc.pid), timeout=10)
+                os.kill(first[0], signal.SIGKILL)  # its client dies (a cut, an OOM kill)
+                assert held.recv(100) == b""  # that connection ends, the relay dials again
+            assert wait_for(lambda: _works(local["east"]), timeout=20)
             assert "nebula-tunnel:job-t:east>here" in keys.read_text()
         finally:
             proc.send_signal(signal.SIGTERM)
             out, _ = proc.communicate(timeout=30)
     assert proc.returncode == -signal.SIGTERM, out  # ended as the command did: by SIGTERM
-    assert "tunnel to east through root@127.0.0.1" in out and "again in 1 s" in out
+    assert "tunnel to east up: 127.0.0.1:" in out
+    assert "tunnel to east through root@127.0.0.1" in out and "ended (exit -9)" in out, out
     assert "nebula-tunnel" not in keys.read_text()
     assert not _ssh_pids(proc.pid)
 
@@ -226,7 +229,8 @@ def _ssh_pids(wrapper: int) -> list[int]:
 
 
 def test_ssh_missing_on_the_host_is_one_line(tmp_path: Path) -> None:
-    cfg = TunnelConfig(job_id="j", cluster="lab", keepalive=5, keepalive_count=3, grant=[],
+    cfg = TunnelConfig(job_id="j", cluster="lab", keepalive=5, keepalive_count=3,
+                       grant_ttl=900, grant=[],
                        dial=[TunnelDial(peer="hpc", listen="127.0.0.1:1", target="127.0.0.1:2",
                                         host="h", port=22, user="u", key="k", known_hosts="k",
                                         alias="a", log=str(tmp_path / "l"))])

@@ -178,7 +178,7 @@ def quick_spec(tmp_path: Path, bed: TestBed, clusters: dict[str, list[str]],
 
 def _ssh_clients(bed: TestBed, host: str) -> list[str]:
     out = bed.run(host, ["pgrep", "-a", "-x", "ssh"]).stdout
-    return [line for line in out.splitlines() if " -L " in line]
+    return [line for line in out.splitlines() if line.endswith(" 127.0.0.1:29400")]
 
 
 @pytest.mark.testbed
@@ -197,11 +197,13 @@ def test_a_cluster_reached_only_by_ssh_trains_through_a_tunnel(
         proc = ssh_cli("launch", str(spec_path), "--detach", timeout=600)
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
         (job_id,) = ssh_cli.job_ids()
-        # `launch` has returned: the tunnel is east's relay host's own ssh, the key on w1
+        # `launch` has returned: the tunnel is east's relay host's own ssh (one per connection:
+        # the relays' link), the key on w1, its forced command joining it to the relay's port
         (client,) = wait_for(lambda: _ssh_clients(bed, "e1"), timeout=60)
-        assert f"{bed.hosts['w1'].address}" in client and "-L 127.0.0.1:" in client
+        assert f"-- {bed.hosts['w1'].address} 127.0.0.1:29400" in client and " -L " not in client
         (line,) = [x for x in keys.read_text().splitlines() if "nebula-tunnel:" in x]
-        assert line.startswith('restrict,port-forwarding,permitopen="127.0.0.1:29400",')
+        assert line.startswith('restrict,command="env PYTHONPATH=') and "forwarding" not in line
+        assert "-m nebula_cli.agent.bridge 127.0.0.1:29400" in line
         assert line.endswith(f"nebula-tunnel:{job_id}:east>west")
         state = wait_for(lambda: _ended(ssh_cli, job_id), timeout=600, every=5)
     assert state == "SUCCEEDED"
@@ -329,10 +331,11 @@ def test_the_plan_carries_the_tunnels_to_the_relays(tmp_path: Path) -> None:
     tunnels = _part(fort, TunnelConfig, "tunnels.json")
     assert tunnels.dial == [] and [g.peer for g in tunnels.grant] == ["lab", "cloud"]
     assert tunnels.grant[0].authorized_keys == "~/.ssh/authorized_keys"
-    assert tunnels.grant[0].line == (
-        'restrict,port-forwarding,permitopen="127.0.0.1:29400",permitlisten="127.0.0.1:1",'
-        'command="/bin/false",expiry-time="202701020304Z" ssh-ed25519 AAAApublab '
-        'nebula-tunnel:job-1:lab>fort')
+    g = tunnels.grant[0]
+    assert (g.public_key, g.targets, g.tag) == (
+        "ssh-ed25519 AAAApublab", ["127.0.0.1:29400"], "nebula-tunnel:job-1:lab>fort")
+    assert g.expires == int(dt.datetime(2027, 1, 2, 3, 4, 59, tzinfo=dt.UTC).timestamp())
+    assert tunnels.grant_ttl == 900
     argv = fort.config.processes[0].argv
     assert argv[1:6] == ["-m", "nebula_cli.agent.tunnel", "run", "--config",
                          f"{fort.agent_dir}/tunnels.json"]

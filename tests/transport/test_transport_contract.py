@@ -18,7 +18,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from helpers.sshd_bed import SSHD
+from helpers.sshd_bed import SSHD, Bed
 
 from nebula_cli.transport import LocalTransport, Transport
 from nebula_cli.transport.openssh import OpenSSHTransport

@@ -3,10 +3,12 @@ tensors handed over in sealed shared memory instead of being copied through a so
 
 Who may connect. The socket file (``RelayConfig.worker_socket``, mode 0600) lies in the job's
 directory on the host (mode 0700), and the relay reads the connecting process's uid from the
-kernel (SO_PEERCRED) and refuses any other uid than its own before it reads a byte. On one host
-that is what mutual TLS proves across hosts (a process of the job's user, see
-:meth:`nebula_cli.relay.process.worker_port.WorkerPort.local_handshake`), without encrypting what
-never leaves the host's memory. Workers on another host keep mutual TLS on the worker port.
+kernel (SO_PEERCRED) and refuses any other uid than its own before it reads a byte; a worker
+checks the same of the relay before it sends one (a socket planted there gets nothing: the
+worker uses TLS instead). On one host that is what mutual TLS proves across hosts (a process of
+the job's user, see :meth:`nebula_cli.relay.process.worker_port.WorkerPort.local_handshake`),
+without encrypting what never leaves the host's memory. Workers on another host keep mutual
+TLS on the worker port.
 
 Tensors. Frames are those of the TLS hop (:mod:`nebula_cli.relay.net.wire`); a tensor's header
 frame carries one file descriptor (SCM_RIGHTS) instead of being followed by chunk frames: a
@@ -33,6 +35,7 @@ from __future__ import annotations
 
 import array
 import contextlib
+import errno
 import fcntl
 import mmap
 import os
@@ -135,12 +138,15 @@ def listen(path: str, backlog: int = 16) -> socket.socket:
 
 
 def connect(path: str, timeout: float) -> LocalConn:
-    """A connection to the relay's socket at ``path`` (OSError when it is not there)."""
+    """A connection to the relay's socket at ``path`` (OSError when it is not there;
+    PermissionError, before a byte is sent, when the process serving it is another user's)."""
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
         sock.settimeout(timeout)
         with _ShortPath(path) as where:
             sock.connect(where)
+        if (uid := peer_uid(sock)) != os.getuid():
+            raise PermissionError(errno.EPERM, f"served by uid {uid}, not by this user's relay")
     except BaseException:
         sock.close()
         raise

@@ -1,415 +1,66 @@
-"""The worker hop on the relay's own host, for real: relays on 127.0.0.1 with their Unix
-sockets, RelayClients that connect there (tensors in sealed memfds) or over mutual TLS, raw
-connections that break the rules, and a process of another uid (root drops its privileges in a
-forked child). Every relay, client and child is closed or reaped in a finally."""
+"""The relay's Unix socket (`nebula_cli.relay.net.local_socket`) as a worker meets it: a worker
+talks only to a process of its own user (SO_PEERCRED), sending nothing to another's socket found
+where the relay's should be (another user is a real uid: nobody). The relay's side (it refuses
+another uid) is tested with a real relay in tests/test_relay_local.py."""
 
 from __future__ import annotations
 
-import dataclasses
-import logging
 import os
 import shutil
-import socket
-import stat
+import subprocess
+import sys
 import tempfile
-from collections.abc import Iterator
-from contextlib import contextmanager
+import textwrap
 from pathlib import Path
 
 import pytest
-import torch
-from helpers.relays import Job, exact_mean, running, together
 
-from nebula_cli.relay.net import local_socket as local
-from nebula_cli.relay.net.framing import recv_tensor, send_tensor
-from nebula_cli.relay.net.wire import ConnectionClosed, Frame, FrameType, encode_frame, recv_frame
-from nebula_cli.relay.process.client import RelayClient, RelayError
-from nebula_cli.relay.process.server import Relay
+from nebula_cli.relay.net import local_socket
 
-pytestmark = pytest.mark.skipif(not local.supported(), reason="Linux only (memfd, SO_PEERCRED)")
+pytestmark = pytest.mark.skipif(os.geteuid() != 0 or shutil.which("setpriv") is None,
+                                reason="needs root and setpriv to act as another user")
+SQUATTER = """
+import socket, sys
+s = socket.socket(socket.AF_UNIX)
+s.bind(sys.argv[1]); s.listen(); s.settimeout(20)
+print("ready", flush=True)
+conn, _ = s.accept(); conn.settimeout(5)
+got = b""
+try:
+    while chunk := conn.recv(4096):
+        got += chunk
+except OSError:
+    pass
+print("got", len(got), flush=True)
+"""
 
 
-def with_sockets(job: Job, where: Path) -> dict[str, str]:
-    """Give every relay of ``job`` a worker socket in ``where``; cluster -> its path."""
-    paths = {c: str(where / f"worker-{c}.sock") for c in job.clusters}
-    for c in job.clusters:
-        job.cfg[c] = dataclasses.replace(job.cfg[c], worker_socket=paths[c])
-    return paths
-
-
-@contextmanager
-def local_clients(job: Job, paths: dict[str, str]) -> Iterator[dict[str, RelayClient]]:
-    made = {c: job.client(c, local=paths[c]) for c in job.clusters}
+def test_a_worker_sends_nothing_to_another_users_socket(tmp_path: Path) -> None:
+    open_dir = Path(tempfile.mkdtemp(prefix="nebula-squat-", dir="/tmp"))
+    open_dir.chmod(0o777)
+    fake = subprocess.Popen(["setpriv", "--reuid=nobody", "--regid=nogroup", "--clear-groups",
+                             sys.executable, "-c", textwrap.dedent(SQUATTER),
+                             str(open_dir / "s")], stdout=subprocess.PIPE, text=True)
     try:
-        yield made
+        assert fake.stdout is not None and fake.stdout.readline().strip() == "ready"
+        job = tmp_path / "job"
+        job.mkdir(mode=0o700)
+        path = job / "worker.sock"
+        (open_dir / "s").rename(path)  # where the relay's socket would be
+        with pytest.raises(PermissionError, match="served by uid 65534, not by this user's"):
+            local_socket.connect(str(path), timeout=5)
+        said, _ = fake.communicate(timeout=30)
+        assert said.strip() == "got 0"  # not a byte: no hello, no job id
     finally:
-        for cl in made.values():
-            cl.close()
-
-
-def hello(sock: local.LocalConn, cluster: str, job_id: str) -> Frame:
-    sock.sendall(b"".join(encode_frame(Frame(FrameType.HELLO, {
-        "role": "worker", "cluster": cluster, "job_id": job_id}))))
-    return recv_frame(sock)
-
-
-def test_workers_on_the_relays_host_use_its_socket_and_get_the_same_bits(
-        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
-    deep = tmp_path / ("d" * 60) / ("e" * 60)  # beyond sun_path's 108 bytes: bound via its dir
-    deep.mkdir(parents=True)
-    job = Job(tmp_path, ["a", "b"])
-    paths = with_sockets(job, deep)
-    assert all(len(p) > local.SHORT_PATH for p in paths.values())
-    caplog.set_level(logging.INFO, logger="nebula.relay")
-    with running(job), local_clients(job, paths) as cls:
-        for p in paths.values():
-            mode = os.stat(p).st_mode
-            assert stat.S_ISSOCK(mode) and mode & 0o777 == 0o600
-        for r in range(3):
-            xs = {c: torch.randn(5000) for c in job.clusters}
-            res = together(cls, r, xs)
-            for c in job.clusters:
-                assert torch.equal(res[c].tensor, exact_mean(xs)), (r, c)
-                assert res[c].present == ["a", "b"]
-        assert {c: cl.transport for c, cl in cls.items()} == {"a": "local", "b": "local"}
-        # theta and the outer momentum through shared memory, both ways
-        theta, momentum = torch.randn(5000), torch.randn(5000)
-        cls["a"].publish_state(2, theta, momentum)
-        got_round, got = cls["a"].fetch_state_with_round()
-        assert got_round == 2 and got is not None and torch.equal(got, theta)
-        # the result is the worker's own memory: writing to it changes nothing at the relay
-        again = together(cls, 2, xs)["a"].tensor
-        again.add_(1.0)
-        assert torch.equal(together(cls, 2, xs)["a"].tensor, exact_mean(xs))
-    assert caplog.text.count("connected through the local socket") >= 2
-    for p in paths.values():
-        assert not os.path.exists(p)  # removed when the relay stops
-
-
-def test_a_local_worker_and_a_tls_worker_average_alike(tmp_path: Path) -> None:
-    """Cluster a's rank 0 shares its relay's host, cluster b's is on another host (TLS):
-    the same averages, bit for bit, as when both use TLS."""
-    job = Job(tmp_path, ["a", "b"])
-    paths = with_sockets(job, tmp_path)
-    xs = [{c: torch.randn(3000) for c in job.clusters} for _ in range(2)]
-    with running(job):
-        mixed = {"a": job.client("a", local=paths["a"]), "b": job.client("b")}
-        try:
-            got = [together(mixed, r, x) for r, x in enumerate(xs)]
-            assert (mixed["a"].transport, mixed["b"].transport) == ("local", "tls")
-        finally:
-            for cl in mixed.values():
-                cl.close()
-    tls_job = Job(tmp_path / "tls", ["a", "b"], job_id="job-tls")
-    with running(tls_job):
-        plain = {c: tls_job.client(c) for c in tls_job.clusters}
-        try:
-            want = [together(plain, r, x) for r, x in enumerate(xs)]
-            assert {cl.transport for cl in plain.values()} == {"tls"}
-        finally:
-            for cl in plain.values():
-                cl.close()
-    for g, w in zip(got, want, strict=True):
-        for c in job.clusters:
-            assert torch.equal(g[c].tensor, w[c].tensor)
-
-
-def test_a_socket_that_is_not_there_means_tls(tmp_path: Path) -> None:
-    job = Job(tmp_path, ["a"])  # this relay has no socket: the plan's path is missing
-    with running(job):
-        cl = job.client("a", local=str(tmp_path / "gone.sock"))
-        try:
-            out = cl.allreduce(0, torch.arange(10, dtype=torch.float32))
-            assert cl.transport == "tls" and torch.equal(out.tensor, torch.arange(10.0))
-        finally:
-            cl.close()
-
-
-def _memfd(data: bytes, seals: int) -> int:
-    import fcntl
-
-    fd = os.memfd_create("test", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
-    os.write(fd, data)
-    if seals:
-        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, seals)
-    return fd
-
-
-def test_a_contribution_sealed_against_resizing_only_is_taken(tmp_path: Path) -> None:
-    """A worker's staging memory (written again between rounds) is sealed against resizing
-    only: the relay takes it, and the worker's next round in the same memory is read anew."""
-    import fcntl
-
-    job = Job(tmp_path, ["a"])
-    paths = with_sockets(job, tmp_path)
-    with running(job):
-        with local_clients(job, paths) as cls:  # fixes the size this relay syncs: 8
-            for r in range(3):  # the client's own staging memory, used again
-                x = torch.full((8,), float(r))
-                assert torch.equal(cls["a"].allreduce(r, x).tensor, x)
-            assert cls["a"]._staging is not None and cls["a"]._staging_free
-        conn = local.connect(paths["a"], 5.0)
-        try:
-            assert hello(conn, "a", job.cfg["a"].job_id).type == FrameType.WELCOME
-            fd = _memfd(torch.arange(8.0).numpy().tobytes(),
-                        fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW)
-            try:
-                conn.send_with_fd(b"".join(encode_frame(Frame(FrameType.CONTRIB, {
-                    "op": "allreduce", "round": 3, "numel": 8}))), fd)
-            finally:
-                os.close(fd)
-            answer = recv_frame(conn)
-            assert answer.type == FrameType.RESULT and answer.meta["present"] == ["a"]
-            got = recv_tensor(conn, FrameType.RESULT, 8)
-            assert torch.equal(got, torch.arange(8.0))
-        finally:
-            conn.close()
-
-
-def test_shared_memory_must_be_sealed_sized_and_announced(tmp_path: Path) -> None:
-    import fcntl
-
-    job = Job(tmp_path, ["a"])
-    paths = with_sockets(job, tmp_path)
-    sealed = fcntl.F_SEAL_WRITE | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW
-    ok = torch.arange(8, dtype=torch.float32).numpy().tobytes()
-    cases = {  # what the worker sends -> what the relay answers
-        "unsealed": (ok, 0, 8, "not sealed"),
-        "growable": (ok, fcntl.F_SEAL_SHRINK, 8, "not sealed"),
-        "shrinkable": (ok, fcntl.F_SEAL_GROW | fcntl.F_SEAL_WRITE, 8, "not sealed"),
-        "short": (ok[:16], sealed, 8, "shared memory of 16 bytes"),
-        "larger": (ok + ok[:4], sealed, 8, "shared memory of 36 bytes"),
-        "beyond the cap": (ok, sealed, 9, "at most 8 elements"),  # checked before the fd
-    }
-    with running(job) as relays:
-        with local_clients(job, paths) as cls:  # fixes the size this relay syncs: 8
-            assert torch.equal(cls["a"].allreduce(0, torch.ones(8)).tensor, torch.ones(8))
-        for name, (data, seals, numel, reason) in cases.items():
-            conn = local.connect(paths["a"], 5.0)
-            try:
-                assert hello(conn, "a", job.cfg["a"].job_id).type == FrameType.WELCOME
-                head = b"".join(encode_frame(Frame(FrameType.CONTRIB, {
-                    "op": "allreduce", "round": 1, "numel": numel})))
-                fd = _memfd(data, seals)
-                try:
-                    conn.send_with_fd(head, fd)
-                finally:
-                    os.close(fd)
-                answer = recv_frame(conn)
-                assert answer.type == FrameType.ERROR and reason in answer.meta["reason"], name
-            finally:
-                conn.close()
-        # a descriptor with a frame that carries no tensor ends the session
-        conn = local.connect(paths["a"], 5.0)
-        try:
-            fd = _memfd(ok, sealed)
-            try:
-                conn.send_with_fd(b"".join(encode_frame(Frame(FrameType.HELLO, {
-                    "role": "worker", "cluster": "a"}))), fd)
-            finally:
-                os.close(fd)
-            assert recv_frame(conn).type == FrameType.WELCOME
-            answer = recv_frame(conn)
-            assert answer.type == FrameType.ERROR and "file descriptor" in answer.meta["reason"]
-        finally:
-            conn.close()
-        # a worker of another cluster (a misdirected plan) is refused at HELLO
-        conn = local.connect(paths["a"], 5.0)
-        try:
-            answer = hello(conn, "b", job.cfg["a"].job_id)
-            assert answer.type == FrameType.ERROR and "cluster 'b'" in answer.meta["reason"]
-        finally:
-            conn.close()
-        assert relays["a"].refusals.total >= len(cases) + 2
-        with local_clients(job, paths) as cls:  # the relay is unharmed
-            out = cls["a"].allreduce(1, torch.full((8,), 2.0))
-            assert torch.equal(out.tensor, torch.full((8,), 2.0))
-
-
-def test_memfd_round_trip_is_the_tensor() -> None:
-    x = torch.randn(1000)
-    fd = local.to_memfd(x)
-    y = local.from_memfd(fd, 1000)
-    assert torch.equal(x, y)
-    with pytest.raises(OSError):
-        os.fstat(fd)  # from_memfd closed it: the mapping holds the memory
-
-
-def _connect_as(uid: int, path: str, first: bytes) -> str:
-    """In a forked child that drops to ``uid``: connect to ``path``, send ``first``, and say
-    what happened ("refused-by-kernel", "closed" (no answer), or the answer's first bytes)."""
-    r, w = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # the child: no locks, no logging, only syscalls
-        try:
-            os.close(r)
-            os.setgroups([])
-            os.setgid(uid)
-            os.setuid(uid)
-            s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-            s.settimeout(10)
-            try:
-                s.connect(path)
-            except PermissionError:
-                os.write(w, b"refused-by-kernel")
-                os._exit(0)
-            try:
-                s.sendall(first)
-                data = s.recv(64)
-            except (ConnectionResetError, BrokenPipeError):  # closed with our bytes unread
-                data = b""
-            os.write(w, b"answered" if data else b"closed")
-        except BaseException as exc:  # noqa: BLE001 (reported to the parent)
-            os.write(w, f"error {exc!r}".encode())
-        os._exit(0)
-    os.close(w)
+        fake.kill()
+        fake.wait(10)
+        shutil.rmtree(open_dir, ignore_errors=True)
+    # the relay's own socket (this user's): connected
+    path = tmp_path / "job" / "relay.sock"
+    server = local_socket.listen(str(path))
     try:
-        with os.fdopen(r, "rb") as f:
-            return f.read().decode()
+        conn = local_socket.connect(str(path), timeout=5)
+        assert local_socket.peer_uid(conn.sock) == os.getuid()
+        conn.sock.close()
     finally:
-        os.waitpid(pid, 0)
-
-
-@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to run a child as another uid")
-def test_a_process_of_another_uid_is_refused(tmp_path: Path) -> None:
-    nobody = 65534
-    first = b"".join(encode_frame(Frame(FrameType.HELLO, {"role": "worker", "cluster": "a"})))
-    where = Path(tempfile.mkdtemp(prefix="nebula-local-"))  # /tmp: the child can reach it
-    try:
-        job = Job(tmp_path, ["a"])
-        paths = with_sockets(job, where)
-        relay = Relay(job.cfg["a"])
-        relay.start()
-        try:
-            # as the plan makes it: the socket is its owner's only (0600, in a 0700 dir)
-            assert _connect_as(nobody, paths["a"], first) == "refused-by-kernel"
-            # opened up by mistake: the kernel lets it connect, the relay checks the uid
-            os.chmod(where, 0o711)
-            os.chmod(paths["a"], 0o666)
-            before = relay.refusals.total
-            assert _connect_as(nobody, paths["a"], first) == "closed"
-            assert relay.refusals.total == before + 1
-            assert any(f"uid {nobody}" in who for _, who in relay.refusals.counts)
-            # and its own user still gets in
-            cl = job.client("a", local=paths["a"])
-            try:
-                assert cl.allreduce(0, torch.ones(4)).present == ["a"]
-                assert cl.transport == "local"
-            finally:
-                cl.close()
-        finally:
-            relay.stop()
-    finally:
-        shutil.rmtree(where, ignore_errors=True)
-
-
-def test_a_file_in_the_sockets_place_is_not_removed(tmp_path: Path,
-                                                    caplog: pytest.LogCaptureFixture) -> None:
-    job = Job(tmp_path, ["a"])
-    paths = with_sockets(job, tmp_path)
-    Path(paths["a"]).write_text("not a socket")
-    with running(job) as relays:
-        assert relays["a"].local_socket is None
-        assert "is not a socket" in caplog.text
-        cl = job.client("a", local=paths["a"])
-        try:
-            cl.allreduce(0, torch.ones(4))
-            assert cl.transport == "tls"  # the worker still reaches its relay
-        finally:
-            cl.close()
-    assert Path(paths["a"]).read_text() == "not a socket"
-
-
-def test_a_relay_refused_worker_hears_why(tmp_path: Path) -> None:
-    job = Job(tmp_path, ["a"])
-    paths = with_sockets(job, tmp_path)
-    with running(job):
-        cl = job.client("a", local=paths["a"], retry_for=1.0)
-        try:
-            cl.allreduce(0, torch.ones(4))
-            with pytest.raises(RelayError, match="4 elements"):
-                cl.allreduce(1, torch.ones(5))
-        finally:
-            cl.close()
-        conn = local.connect(paths["a"], 5.0)
-        try:
-            assert hello(conn, "a", job.cfg["a"].job_id).type == FrameType.WELCOME
-            send_tensor(conn, FrameType.STATE, {"op": "publish", "round": 0, "parts": 3},
-                        torch.ones(12))
-            answer = recv_frame(conn)
-            assert answer.type == FrameType.ERROR and "3 parts" in answer.meta["reason"]
-            with pytest.raises(ConnectionClosed):  # the session is over
-                recv_frame(conn)
-        finally:
-            conn.close()
-
-
-def test_the_relay_builds_averages_in_memory_it_used_before_but_never_in_one_still_held(
-        tmp_path: Path) -> None:
-    """Results a worker dropped are told to the relay, which builds later averages in their
-    memory (no new pages each round); results the worker still holds keep their values however
-    many rounds follow, and so do the relay's own last rounds."""
-    job = Job(tmp_path, ["a", "b"], chunk_numel=1 << 14)
-    paths = with_sockets(job, tmp_path)
-    with running(job) as relays, local_clients(job, paths) as cls:
-        kept: list[tuple[torch.Tensor, torch.Tensor]] = []  # (a's result, its expected value)
-        for r in range(8):
-            xs = {c: torch.randn(100_000) for c in job.clusters}
-            res = together(cls, r, xs)
-            want = exact_mean(xs)
-            for c in job.clusters:
-                assert torch.equal(res[c].tensor, want), (r, c)
-            if r % 3 == 0:  # the worker keeps some results, drops the others
-                kept.append((res["a"].tensor, want))
-            del res
-            for got, expected in kept:
-                assert torch.equal(got, expected)
-        pools = {c: relays[c].workers.shared for c in job.clusters}
-        assert all(p is not None and p.reused >= 3 for p in pools.values()), pools
-        assert all(p is not None and len(p._entries) <= local.MAX_POOLED_RESULTS
-                   for p in pools.values())
-
-
-def test_buffer_pools_hand_out_only_what_nothing_else_holds() -> None:
-    from nebula_cli.relay.net.buffers import BufferPool
-
-    pool = BufferPool(max_buffers=2, min_bytes=16)
-    first = pool.get(100)
-    assert pool.get(100) is not first  # still held
-    view = torch.frombuffer(memoryview(first), dtype=torch.uint8)
-    ident = id(first)
-    del first
-    assert id(pool.get(100)) != ident  # a tensor still reads it
-    del view
-    again = pool.get(100)
-    assert id(again) == ident and pool.reused == 2  # the second buffer, then the first
-    assert len(pool.get(8)) == 8 and pool.held_bytes == 200  # small ones are not pooled
-    del again
-    other = pool.get(300)  # full: a free buffer of another size makes room
-    assert len(other) == 300 and pool.held_bytes == 400
-
-
-def test_an_average_lent_twice_is_used_again_only_once_both_are_released() -> None:
-    """A retried round hands the same average to the worker twice: each time gets its own
-    token, and its memory is built in again only once both came back; a token of another pool
-    (a relay before a restart) frees nothing; what a session did not release is dropped."""
-    pool = local.SharedPool(cap=3)
-    avg = pool.empty(1000)
-    ptr = avg.data_ptr()
-    first, second = pool.lend(avg), pool.lend(avg)
-    assert first is not None and second is not None and first != second
-    del avg
-    other = local.SharedPool(cap=3)
-    other.empty(1000)
-    pool.release([first])
-    assert pool.empty(1000).data_ptr() != ptr  # still mapped by the second result
-    other.release([second])  # another pool's release: nothing changes here
-    assert pool.empty(1000).data_ptr() != ptr
-    pool.release([second])
-    again = pool.empty(1000)
-    assert again.data_ptr() == ptr and pool.reused >= 1
-    token = pool.lend(again)
-    assert token is not None
-    del again
-    pool.forget([token])  # the session ended without releasing it: never used again
-    assert all(e.ptr != ptr for e in pool._entries)
+        server.close()

@@ -1,0 +1,100 @@
+"""The tunnel keys' authorized_keys lines: what each may do, added, renewed and taken away.
+
+A grant's line (`key_line`) is::
+
+    restrict,command="env PYTHONPATH=<nebula> <python> -m nebula_cli.agent.bridge <target>",
+    expiry-time="<YYYYMMDDHHMMSS>Z" ssh-ed25519 AAAA... nebula-tunnel:<job>:<link>
+
+- ``restrict``: no port forwarding of any kind (TCP or Unix socket, local or remote, ``-W``),
+  no agent or X11 forwarding, no pty, no ~/.ssh/rc. Nothing is turned back on: OpenSSH's
+  ``port-forwarding`` would also turn on Unix-socket forwarding, which no ``permitopen`` or
+  ``permitlisten`` holds (the key's holder could make listening sockets as this account).
+- ``command=``: whatever the holder asks for (a shell, a command, a subsystem such as sftp), sshd
+  runs `nebula_cli.agent.bridge`, which joins the session to one of the grant's targets.
+- ``expiry-time``: the key is refused after `TunnelConfig.grant_ttl` seconds (never after the
+  grant's `expires`, the job's certificates' end) unless renewed: `Grants.renew`, called while
+  the relay runs, pushes it on, so a relay killed before it could remove its lines leaves keys
+  that stop working within that time (and `revoke`, run by the agent's `stop`, removes them).
+
+The command names this host's Python and nebula's directory as the process writing the line
+sees them (the relay's), so the bridge runs from the same installation. Standard library only.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import shlex
+import sys
+import time
+from pathlib import Path
+
+from nebula_cli.agent import authkeys
+from nebula_cli.config.tunnel_config import TunnelConfig, TunnelGrant
+
+BRIDGE_MODULE = "nebula_cli.agent.bridge"
+NEBULA_ROOT = str(Path(__file__).resolve().parents[2])
+"""The directory nebula_cli is imported from here (what the forced command puts on
+PYTHONPATH)."""
+
+
+def bridge_command(targets: list[str], python: str = sys.executable,
+                   root: str = NEBULA_ROOT) -> str:
+    """The forced command (a line for the account's login shell) of a key reaching `targets`."""
+    words = ["env", f"PYTHONPATH={root}", python, "-m", BRIDGE_MODULE, *targets]
+    command = " ".join(shlex.quote(w) for w in words)
+    if any(c in command for c in '"\\\n\r'):  # authorized_keys quotes the command in "..."
+        raise ValueError(f"cannot name {python} or {root} in an authorized_keys command "
+                         "(a double quote, backslash or line break in the path)")
+    return command
+
+
+def expiry(now: float, ttl: int, cap: int) -> int:
+    """When a line written at `now` stops working: `ttl` on, never after `cap`."""
+    return min(int(now) + ttl, cap)
+
+
+def key_line(grant: TunnelGrant, until: int, command: str | None = None) -> str:
+    """The authorized_keys line of `grant`, valid until the Unix time `until`."""
+    stamp = dt.datetime.fromtimestamp(until, dt.UTC)
+    options = ["restrict", f'command="{command or bridge_command(grant.targets)}"',
+               f'expiry-time="{stamp:%Y%m%d%H%M%S}Z"']
+    return f"{','.join(options)} {grant.public_key} {grant.tag}"
+
+
+class Grants:
+    """A config's grants on this host: written with a short expiry, renewed, taken away."""
+
+    def __init__(self, cfg: TunnelConfig) -> None:
+        self.cfg = cfg
+        self.renewed = 0.0
+
+    def _write(self, ttl: int | None) -> None:
+        now = time.time()
+        by_file: dict[str, list[str]] = {}
+        for g in self.cfg.grant:
+            until = g.expires if ttl is None else expiry(now, ttl, g.expires)
+            by_file.setdefault(g.authorized_keys, []).append(key_line(g, until))
+        for path, lines in by_file.items():
+            authkeys.add_lines(path, lines)
+        self.renewed = time.monotonic()
+
+    def add(self, *, renewed: bool = True) -> None:
+        """Add every grant's line; valid `grant_ttl` seconds when it will be `renew`ed, else
+        until the grant's `expires` (a grant no process stays to renew: bench-network's)."""
+        self._write(self.cfg.grant_ttl if renewed else None)
+
+    def renew(self) -> bool:
+        """Push the lines' expiry on when a third of `grant_ttl` has passed; whether it did."""
+        if not self.cfg.grant or time.monotonic() - self.renewed < self.cfg.grant_ttl / 3:
+            return False
+        self._write(self.cfg.grant_ttl)
+        return True
+
+    def revoke(self) -> list[str]:
+        """Remove the grants' lines; the files changed."""
+        changed = []
+        for path in dict.fromkeys(g.authorized_keys for g in self.cfg.grant):
+            tags = [g.tag for g in self.cfg.grant if g.authorized_keys == path]
+            if authkeys.remove_tagged(path, tags):
+                changed.append(path)
+        return changed

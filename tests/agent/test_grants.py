@@ -1,0 +1,202 @@
+"""A tunnel key's authorized_keys line (`nebula_cli.agent.grants`) against a real stock sshd on
+127.0.0.1: the key reaches its relay ports through the forced command (`agent.bridge`), and
+nothing else: no shell, command, subsystem or pty; no forwarding of any kind (TCP or Unix
+socket, local or remote, ``-W``); not after its expiry, which renewal pushes on."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import socket
+import subprocess
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+from helpers.jobs import wait_for
+from helpers.local_sshd import SSHD, LocalSshd, local_sshd
+
+from nebula_cli.agent.grants import Grants, key_line
+from nebula_cli.config.tunnel_config import TunnelConfig, TunnelGrant
+from nebula_cli.pki import ssh_keypair
+
+pytestmark = pytest.mark.skipif(os.geteuid() != 0 or not os.path.exists(SSHD),
+                                reason="needs root and openssh-server for a test sshd")
+TAG = "nebula-tunnel:job-g:lab>fort"
+
+
+@contextlib.contextmanager
+def echo_server() -> Iterator[int]:
+    """A TCP server on 127.0.0.1 echoing each connection until its EOF (a relay's stand-in)."""
+    server = socket.create_server(("127.0.0.1", 0))
+    server.settimeout(0.2)
+    stop = threading.Event()
+
+    def echo(conn: socket.socket) -> None:
+        with conn, contextlib.suppress(OSError):
+            while data := conn.recv(4096):
+                conn.sendall(data)
+
+    def serve() -> None:
+        while not stop.is_set():
+            with contextlib.suppress(TimeoutError):
+                conn, _ = server.accept()
+                conn.settimeout(10)
+                threading.Thread(target=echo, args=(conn,), daemon=True).start()
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    try:
+        yield server.getsockname()[1]
+    finally:
+        stop.set()
+        thread.join(5)
+        server.close()
+
+
+@dataclass
+class Granted:
+    sshd: LocalSshd
+    key: Path
+    grants: Grants
+    ports: tuple[int, int]
+
+    def ssh(self, *options: str, command: tuple[str, ...] = (), stdin: bytes = b""
+            ) -> subprocess.CompletedProcess[bytes]:
+        """ssh with the tunnel's key to the test sshd (`options`, the host, `command`)."""
+        return subprocess.run([*self.argv(*options, "--"), "127.0.0.1", *command],
+                              input=stdin, capture_output=True, timeout=20)
+
+    def argv(self, *args: str) -> list[str]:
+        return ["ssh", "-F", "/dev/null", "-o", "BatchMode=yes", "-o", "IdentitiesOnly=yes",
+                "-o", f"IdentityFile={self.key}", "-o", "IdentityAgent=none",
+                "-o", f"UserKnownHostsFile={self.sshd.known_hosts}",
+                "-o", "StrictHostKeyChecking=yes", "-p", str(self.sshd.port), "-l", "root",
+                *args]
+
+
+@pytest.fixture
+def granted(tmp_path: Path) -> Iterator[Granted]:
+    """The test sshd with a tunnel key granted as a relay grants it, for two echo ports."""
+    with local_sshd(tmp_path, sftp=True) as sshd, echo_server() as a, echo_server() as b:
+        private, public = ssh_keypair()
+        key = tmp_path / "tunnel.key"
+        key.write_bytes(private)
+        key.chmod(0o600)
+        grant = TunnelGrant(peer="lab", authorized_keys=str(tmp_path / "authorized_keys"),
+                            public_key=public, targets=[f"127.0.0.1:{a}", f"127.0.0.1:{b}"],
+                            expires=2**31 - 1, tag=TAG)
+        cfg = TunnelConfig(job_id="job-g", cluster="fort", keepalive=1, keepalive_count=3,
+                           grant_ttl=900, dial=[], grant=[grant])
+        grants = Grants(cfg)
+        grants.add()
+        yield Granted(sshd, key, grants, (a, b))
+        grants.revoke()
+
+
+def test_the_key_reaches_its_ports_and_runs_nothing_else(granted: Granted) -> None:
+    a, b = granted.ports
+    first = granted.ssh("-T", stdin=b"ping")  # what a shell would be: the first port
+    assert (first.returncode, first.stdout) == (0, b"ping"), first.stderr
+    second = granted.ssh("-T", command=(f"127.0.0.1:{b}",), stdin=b"pong")  # the other one
+    assert (second.returncode, second.stdout) == (0, b"pong"), second.stderr
+    for command in ("id", "127.0.0.1:22", "sh -c 'nc -l 4000'"):
+        got = granted.ssh("-T", command=(command,))
+        assert got.returncode == 2 and got.stdout == b"", (command, got)
+        assert b"is not a target this key may reach" in got.stderr, got.stderr
+    sftp = granted.ssh("-T", "-s", command=("sftp",))  # a subsystem: the bridge instead
+    assert sftp.returncode == 2 and sftp.stdout == b"", sftp
+    pty = granted.ssh("-tt", stdin=b"")
+    assert b"PTY allocation request failed" in pty.stderr, pty.stderr
+    line = Path(granted.grants.cfg.grant[0].authorized_keys).read_text().splitlines()[-1]
+    assert line.startswith('restrict,command="env PYTHONPATH=') and line.endswith(TAG)
+    assert "port-forwarding" not in line and "permitopen" not in line
+
+
+def test_the_key_may_forward_nothing(granted: Granted, tmp_path: Path) -> None:
+    a, _ = granted.ports
+    # -W: a direct-tcpip channel, what -L opens per connection (to the very port it may reach)
+    stdio = granted.ssh("-N", "-W", f"127.0.0.1:{a}", stdin=b"ping")
+    assert stdio.returncode == 255 and stdio.stdout == b"", stdio
+    assert b"administratively prohibited" in stdio.stderr, stdio.stderr
+    # -L: to a TCP port, to a Unix socket (direct-streamlocal); refused when used
+    sock = tmp_path / "sshd-side.sock"
+    listener = socket.socket(socket.AF_UNIX)
+    listener.bind(str(sock))
+    listener.listen()
+    with listener:
+        for target in (f"127.0.0.1:{a}", str(sock)):
+            assert _local_forward(granted, target) == b"", target
+    said = granted.sshd.log.read_text()
+    assert "refused local port forward: originator 127.0.0.1 port" in said
+    assert "refused streamlocal port forward: originator 127.0.0.1 port" in said
+    # -R: a TCP port, a Unix socket (streamlocal-forward, which permitlisten does not cover)
+    remote_sock = tmp_path / "made-by-key.sock"
+    for spec in (f"127.0.0.1:0:127.0.0.1:{a}", f"{remote_sock}:127.0.0.1:{a}"):
+        got = granted.ssh("-N", "-o", "ExitOnForwardFailure=yes", "-R", spec)
+        assert got.returncode == 255, (spec, got)
+        assert b"remote port forwarding failed" in got.stderr, got.stderr
+    assert not remote_sock.exists()
+
+
+def _local_forward(granted: Granted, target: str) -> bytes:
+    """What a connection to `ssh -L PORT:target`'s local end reads (b"": closed at once, the
+    channel refused)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    log = granted.key.with_name(f"forward-{port}.log")
+    with log.open("wb") as err:
+        proc = subprocess.Popen([*granted.argv("-N", "-L", f"127.0.0.1:{port}:{target}"),
+                                 "127.0.0.1"], stdin=subprocess.DEVNULL,
+                                stdout=subprocess.DEVNULL, stderr=err)
+    try:
+        conn = wait_for(lambda: _connect(port), timeout=15)
+        with conn:
+            conn.sendall(b"ping")
+            try:
+                got = conn.recv(100)
+            except ConnectionResetError:
+                got = b""
+        wait_for(lambda: b"open failed" in log.read_bytes(), timeout=10)
+        return got
+    finally:
+        proc.kill()
+        proc.wait(10)
+
+
+def _connect(port: int) -> socket.socket | None:
+    try:
+        return socket.create_connection(("127.0.0.1", port), timeout=10)
+    except ConnectionRefusedError:
+        return None
+
+
+def _expiry(granted: Granted) -> str:
+    text = Path(granted.grants.cfg.grant[0].authorized_keys).read_text()
+    found = re.search(r'expiry-time="(\d{14})Z"', text)
+    assert found is not None, text
+    return found.group(1)
+
+
+def test_an_expired_key_is_refused_and_renewal_pushes_the_expiry_on(granted: Granted) -> None:
+    grant = granted.grants.cfg.grant[0]
+    keys = Path(grant.authorized_keys)
+    stamp = _expiry(granted)  # grant_ttl (900 s) ahead
+    ahead = time.mktime(time.strptime(stamp, "%Y%m%d%H%M%S")) - time.mktime(time.gmtime())
+    assert 890 <= ahead <= 901, stamp
+    # a line whose time has passed (a relay killed before it could take it back): refused
+    old = key_line(grant, int(time.time()) - 60)
+    keys.write_text(keys.read_text().replace(keys.read_text().splitlines()[-1], old))
+    refused = granted.ssh("-T", stdin=b"ping")
+    assert refused.returncode == 255 and b"Permission denied" in refused.stderr, refused
+    assert wait_for(lambda: "Refused by key options" in granted.sshd.log.read_text(), timeout=10)
+    # renewal: not before a third of grant_ttl has passed, then a line valid grant_ttl again
+    assert not granted.grants.renew()
+    granted.grants.renewed -= granted.grants.cfg.grant_ttl / 3
+    assert granted.grants.renew() and _expiry(granted) >= stamp
+    assert granted.ssh("-T", stdin=b"ping").stdout == b"ping"

@@ -206,12 +206,6 @@ def test_no_import_runs_up_a_layer(folder: str, forbidden: tuple[str, ...]) -> N
     assert not bad, sorted(bad)
 
 
-def test_no_module_is_over_500_lines() -> None:
-    long = {str(f.relative_to(PACKAGE)): n for f in PACKAGE.rglob("*.py")
-            if (n := len(f.read_text().splitlines())) > 500}
-    assert not long, long
-
-
 def test_plan_parts_have_no_defaults_of_their_own() -> None:
     spec_backed = {"codec", "error_feedback", "codec_params", "block_size", "round_timeout",
                    "heartbeat", "dead_after", "shaping"}

@@ -26,9 +26,11 @@ from pathlib import Path
 from typing import Any
 
 from nebula_cli.agent.leftovers import clear_world, remove_stale_locks
+from nebula_cli.agent.logpump import drain, start_pump
 from nebula_cli.agent.procs import pid_alive
 from nebula_cli.agent.tunnel import revoke_dir
 from nebula_cli.config.parts import ABORT_EXIT, AgentConfig, helper_env
+from nebula_cli.config.rotation import ROTATION_ENV, append, rotate
 from nebula_cli.config.staging import AGENT_DIR_ENV as ENV_MARK  # also names staging's record
 from nebula_cli.errors import NebulaError
 
@@ -36,6 +38,11 @@ ACTIVE = ("STARTING", "RUNNING", "RESTARTING", "STOPPING")
 POLL_S = 0.2
 LAST_OUTPUT_BYTES = 8192
 LAST_OUTPUT_CHARS = 300
+PUMP_DRAIN_S = 2.0
+"""Longest wait for a process's log pump to write what it ended with (it may be held open by
+a child the process left behind)."""
+OWN_LOG_CHECK_S = 10.0
+"""How often the agent checks the size of its own log (agent.log)."""
 TELLER_MARK = "NEBULA_AGENT_TELLER"
 """Marks the helper that tells a cluster's other hosts that a rank failed (agent dir)."""
 
@@ -151,6 +158,8 @@ class Supervisor:
         self.config = AgentConfig.load(agent_dir / "agent.json")
         self.status_path = agent_dir / "status.json"
         self.procs: list[subprocess.Popen[bytes]] = []
+        self.pumps: list[subprocess.Popen[bytes]] = []  # each process's log writer
+        self.own_log_checked = time.monotonic()
         self.tellers: list[subprocess.Popen[bytes]] = []
         self.pgid: int | None = None
         self.stop_requested = False
@@ -179,14 +188,14 @@ class Supervisor:
 
     def event(self, kind: str, message: str) -> None:
         line = json.dumps({"ts": time.time(), "kind": kind, "message": message})
-        with open(self.dir / "events.jsonl", "a") as fh:
-            fh.write(line + "\n")
+        append(self.dir / "events.jsonl", (line + "\n").encode(), self.config.rotation)
 
     def on_term(self, signum: int, frame: object) -> None:
         self.stop_requested = True
 
     def spawn(self) -> None:
         self.procs = []
+        self.pumps = []
         self.pgid = None
         cwd = self.config.cwd or None
         self.clear_leftovers()
@@ -196,17 +205,24 @@ class Supervisor:
         for spec in self.config.processes:
             log_path = self.dir / spec.log
             log_path.parent.mkdir(parents=True, exist_ok=True)
-            env = {**os.environ, **spec.env, ENV_MARK: str(self.dir)}
+            env = {**os.environ, **spec.env, ENV_MARK: str(self.dir),
+                   ROTATION_ENV: self.config.rotation.to_env()}
             prepend = env.pop("NEBULA_PATH_PREPEND", None)
             if prepend:  # the cluster's python first, whatever PATH the host gave us
                 env["PATH"] = prepend + os.pathsep + env.get("PATH", os.defpath)
-            with open(log_path, "ab") as log:
+            read_end, write_end = os.pipe()
+            try:
+                self.pumps.append(start_pump(read_end, log_path, self.dir,
+                                             self.config.rotation))
                 # one new process group (in the agent's session) for all of them
                 kwargs: dict[str, Any] = {"process_group": self.pgid or 0}
                 proc = subprocess.Popen(
                     spec.argv, cwd=cwd, env=env, stdin=subprocess.DEVNULL,
-                    stdout=log, stderr=subprocess.STDOUT, **kwargs,
+                    stdout=write_end, stderr=subprocess.STDOUT, **kwargs,
                 )
+            finally:
+                os.close(read_end)
+                os.close(write_end)
             if self.pgid is None:
                 self.pgid = proc.pid
             self.procs.append(proc)
@@ -214,11 +230,32 @@ class Supervisor:
                   pids=[p.pid for p in self.procs], exit_code=None, exit_codes={})
         self.event("started", f"{len(self.procs)} process(es), pgid {self.pgid}")
 
+    def rotate_own_log(self) -> None:
+        """agent.log (the agent's stdout and stderr) rotated like the others, now and then."""
+        now = time.monotonic()
+        if now - self.own_log_checked < OWN_LOG_CHECK_S:
+            return
+        self.own_log_checked = now
+        path = self.dir / "agent.log"
+        try:
+            out = os.fstat(1)
+            if out.st_size <= self.config.rotation.max_bytes or out.st_ino != path.stat().st_ino:
+                return  # small yet, or not writing to agent.log (run in the foreground)
+            rotate(path, self.config.rotation.keep)
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        except OSError:
+            return
+        os.dup2(fd, 1)
+        os.dup2(fd, 2)
+        os.close(fd)
+
     def last_output(self, rank: str) -> str:
         """': <the rank's last log line>' (bounded), or '' when it printed nothing."""
         spec = next((p for p in self.config.processes if p.name == rank), None)
         if spec is None:
             return ""
+        at = [p.name for p in self.config.processes].index(rank)
+        drain(self.pumps[at:at + 1], PUMP_DRAIN_S)
         try:
             with open(self.dir / spec.log, "rb") as fh:
                 fh.seek(max(0, fh.seek(0, os.SEEK_END) - LAST_OUTPUT_BYTES))
@@ -282,6 +319,7 @@ class Supervisor:
         for proc in self.procs:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 proc.wait(timeout=10)
+        drain(self.pumps, PUMP_DRAIN_S)
         sweep(self.dir)
         self.clear_leftovers()
 
@@ -325,11 +363,13 @@ class Supervisor:
                           ended=time.time())
                 return 1
             if all(c == 0 for c in codes.values()):
+                drain(self.pumps, PUMP_DRAIN_S)
                 self.clear_leftovers()
                 self.save(state="SUCCEEDED", exit_code=0, exit_codes=codes, ended=time.time())
                 self.event("succeeded", "all processes exited 0")
                 return 0
             self.reap_tellers()
+            self.rotate_own_log()
             time.sleep(POLL_S)
 
     def _sleep(self, seconds: float) -> bool:

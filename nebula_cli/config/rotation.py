@@ -31,8 +31,8 @@ from pathlib import Path
 ROTATION_ENV = "NEBULA_ROTATION"
 """``<max_bytes>:<keep>``, set by the agent for every process it starts."""
 LINE_SLACK = 64 << 10
-"""A write that ends a line may take the live file past ``max_bytes`` by at most this much
-(a rotated file ends at a line's end; longer lines are cut at ``max_bytes``)."""
+"""A file may pass ``max_bytes`` by at most this much to end a line it holds the start of (a
+rotated file ends at a line's end; a line longer than that is cut)."""
 
 
 @dataclass(frozen=True)
@@ -87,19 +87,20 @@ def rotate(path: str | os.PathLike[str], keep: int) -> None:
             os.replace(path, rotated(path, 1))
 
 
-def split_for(size: int, data: bytes, rotation: Rotation) -> int:
+def split_for(size: int, data: bytes, rotation: Rotation, ends_line: bool) -> int:
     """How many bytes of `data` still go to a live file of `size` bytes before it rotates:
-    all of it when it fits; else up to the end of its last whole line that fits within the
-    slack (0 when the file is empty: it takes a first write of any size)."""
-    if size + len(data) <= rotation.max_bytes:
+    all of it when it fits; else its whole lines that fit. A file that is empty or ends
+    within a line (`ends_line` False) first takes the rest of that line, up to LINE_SLACK
+    past the size (a longer line is cut there). 0: rotate first."""
+    limit = rotation.max_bytes
+    if size + len(data) <= limit:
         return len(data)
-    room = rotation.max_bytes + LINE_SLACK - size
-    if room <= 0:
-        return 0
-    cut = data.rfind(b"\n", 0, room) + 1
-    if cut == 0 and size == 0:
-        return min(len(data), rotation.max_bytes)  # one line longer than a file: cut it
-    return cut
+    cut = data.rfind(b"\n", 0, max(limit - size, 0)) + 1
+    if cut or (size and ends_line):
+        return cut
+    room = max(limit - size, 0) + LINE_SLACK
+    end = data.find(b"\n", 0, room)
+    return end + 1 if end >= 0 else min(len(data), room)
 
 
 def append(path: str | os.PathLike[str], data: bytes, rotation: Rotation | None,
@@ -109,10 +110,11 @@ def append(path: str | os.PathLike[str], data: bytes, rotation: Rotation | None,
     path = os.fspath(path)
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     while data:
-        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, mode)
+        fd = os.open(path, os.O_RDWR | os.O_APPEND | os.O_CREAT, mode)
         try:
             size = os.fstat(fd).st_size
-            take = len(data) if rotation is None else split_for(size, data, rotation)
+            take = len(data) if rotation is None else split_for(
+                size, data, rotation, size == 0 or os.pread(fd, 1, size - 1) == b"\n")
             if take:
                 os.write(fd, data[:take])  # one write on O_APPEND: whole lines
         finally:

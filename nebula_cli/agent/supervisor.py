@@ -7,6 +7,14 @@ status atomically in `<dir>/status.json`, restarts them within limits, and is wh
     python -m nebula_cli.agent start  DIR          # daemonize and supervise DIR/agent.json
     python -m nebula_cli.agent status DIR [DIR..]  # JSON list of reconciled statuses
     python -m nebula_cli.agent stop   DIR [DIR..] [--grace S] [--force]
+    python -m nebula_cli.agent revive DIR [DIR..]  # a dead (LOST) agent replaced; statuses
+
+An agent that died (SIGKILL, the OOM killer, a host reboot) is seen by `status` as LOST (its
+pid is gone or another process's), saying whether its processes still run. `revive` starts a
+new agent that ends what the old one left and restarts it as a failed rank is restarted
+(`max_restarts`), or records FAILED with what to do. The control plane calls it when it sees a
+LOST agent (`nebula status`, the live view); until someone looks, the processes run on
+unsupervised (a crash of theirs is not restarted).
 
 `agent.json` is the agent's part of the job plan: `nebula_cli.config.parts.AgentConfig`, loaded
 strictly (unknown or missing keys refused).
@@ -153,8 +161,12 @@ def describe_exit(code: int | None) -> str:
 class Supervisor:
     """Runs the processes of agent.json in one process group and keeps status.json true."""
 
-    def __init__(self, agent_dir: Path) -> None:
+    def __init__(self, agent_dir: Path, lost: dict[str, Any] | None = None) -> None:
+        """`lost`: the reconciled status of this directory's earlier agent, which died while
+        its processes ran (`revive`): this agent ends what is left of them and restarts them
+        the way a failed rank is restarted."""
         self.dir = agent_dir
+        self.lost = lost
         self.config = AgentConfig.load(agent_dir / "agent.json")
         self.status_path = agent_dir / "status.json"
         self.procs: list[subprocess.Popen[bytes]] = []
@@ -177,9 +189,12 @@ class Supervisor:
             "ended": None,
             "exit_code": None,
             "exit_codes": {},
-            "restarts": 0,
+            "restarts": int(lost.get("restarts") or 0) if lost else 0,
             "reason": None,
         }
+        if lost:
+            self.pgid = lost.get("pgid")
+            self.status.update(state="RESTARTING", pgid=self.pgid, reason=lost_reason(lost))
 
     def save(self, **changes: Any) -> None:
         self.status.update(changes)
@@ -332,8 +347,11 @@ class Supervisor:
         signal.signal(signal.SIGINT, self.on_term)
         max_restarts = self.config.max_restarts
         backoff = self.config.restart_backoff
+        if self.lost and not self.take_over(max_restarts, backoff):
+            return 1
         try:
-            self.spawn()
+            if not self.stop_requested:
+                self.spawn()
         except OSError as exc:
             self.save(state="FAILED", reason=f"cannot start: {exc}", ended=time.time(),
                       exit_code=127)
@@ -372,6 +390,25 @@ class Supervisor:
             self.rotate_own_log()
             time.sleep(POLL_S)
 
+    def take_over(self, max_restarts: int, backoff: float) -> bool:
+        """The processes a dead agent left: told, ended, and restarted when restarts are left
+        (then True); FAILED with what to do when none are."""
+        reason = lost_reason(self.lost or {})
+        self.event("agent-lost", reason)
+        self.tell_world(reason)
+        self.end_group(self.config.grace)
+        restarts = self.status["restarts"]
+        if restarts >= max_restarts:
+            self.save(state="FAILED", ended=time.time(), exit_code=None, reason=(
+                f"{reason}; no restarts left (max_restarts {max_restarts}): `nebula resume "
+                f"{self.config.job_id}` restarts the job from its newest checkpoints"))
+            self.event("failed", self.status["reason"])
+            return False
+        self.save(state="RESTARTING", restarts=restarts + 1, reason=reason)
+        self.event("restarting", f"restart {restarts + 1} in {backoff:g} s (its agent died)")
+        self._sleep(backoff)
+        return True
+
     def _sleep(self, seconds: float) -> bool:
         """Sleep, waking early on a stop request (returns True then)."""
         deadline = time.monotonic() + seconds
@@ -396,6 +433,17 @@ class Supervisor:
 # -- commands ---------------------------------------------------------------------------------
 def daemonize(agent_dir: Path) -> int:
     """Fork a supervisor detached from this session; print its pid once it has started."""
+    pid = start_detached(agent_dir)
+    if pid is None:
+        print(json.dumps({"error": "agent did not start; see agent.log"}))
+        return 1
+    print(json.dumps({"agent_pid": pid}))
+    return 0
+
+
+def start_detached(agent_dir: Path, lost: dict[str, Any] | None = None) -> int | None:
+    """Fork a supervisor detached from this session; its pid once it has started (None: it
+    did not start, agent.log says why)."""
     read_fd, write_fd = os.pipe()
     pid = os.fork()
     if pid:  # the caller: wait for the daemon to report its pid
@@ -403,11 +451,7 @@ def daemonize(agent_dir: Path) -> int:
         with os.fdopen(read_fd) as pipe:
             line = pipe.readline().strip()
         os.waitpid(pid, 0)
-        if not line:
-            print(json.dumps({"error": "agent did not start; see agent.log"}))
-            return 1
-        print(json.dumps({"agent_pid": int(line)}))
-        return 0
+        return int(line) if line else None
     os.close(read_fd)
     os.setsid()
     if os.fork():
@@ -420,7 +464,7 @@ def daemonize(agent_dir: Path) -> int:
     os.close(null)
     os.close(log)
     try:
-        supervisor = Supervisor(agent_dir)
+        supervisor = Supervisor(agent_dir, lost)
         supervisor.save()
     except Exception as exc:  # noqa: BLE001 - report anything that stops the start
         print(f"agent: cannot start: {exc}", flush=True)
@@ -442,9 +486,30 @@ def reconciled_status(agent_dir: Path) -> dict[str, Any]:
         status = {**(read_json(agent_dir / "status.json") or status), "dir": str(agent_dir)}
     if status.get("state") in ACTIVE and not is_agent_of(status.get("agent_pid"), agent_dir):
         status["state"] = "LOST"
-        status["reason"] = "the agent died without recording an end"
+        status["agent_lost"] = True
+        status["group_alive"] = group_alive(status.get("pgid"))
+        status["reason"] = lost_reason(status)
+        return status
     status["group_alive"] = group_alive(status.get("pgid"))
     return status
+
+
+def lost_reason(status: dict[str, Any]) -> str:
+    """Why an agent is LOST, and whether what it ran still runs (unsupervised)."""
+    left = ("its processes still run, unsupervised" if status.get("group_alive")
+            else "its processes are gone")
+    return f"its agent (pid {status.get('agent_pid')}) died without recording an end; {left}"
+
+
+def revive(agent_dir: Path) -> dict[str, Any]:
+    """A LOST agent (it died; a host reboot, the OOM killer, a stray kill) replaced: a new one
+    ends what the old one left, then restarts its processes if restarts are left
+    (`Supervisor.take_over`). Any other agent's status is returned as it is."""
+    status = reconciled_status(agent_dir)
+    if status.get("state") != "LOST" or not status.get("agent_lost"):
+        return status
+    start_detached(agent_dir, status)
+    return reconciled_status(agent_dir)
 
 
 def _configured_grace(agent_dir: Path) -> float:
@@ -506,6 +571,9 @@ def main(argv: list[str] | None = None) -> int:
     start.add_argument("--foreground", action="store_true", help="supervise in this process")
     status = sub.add_parser("status", help="print the reconciled status of each DIR as JSON")
     status.add_argument("dirs", type=Path, nargs="+")
+    revive_cmd = sub.add_parser("revive", help="replace each DIR's agent if it died (LOST); "
+                                "print each reconciled status as JSON")
+    revive_cmd.add_argument("dirs", type=Path, nargs="+")
     stop = sub.add_parser("stop", help="stop each DIR's processes; print what was stopped")
     stop.add_argument("dirs", type=Path, nargs="+")
     stop.add_argument("--grace", type=float, default=None,
@@ -531,6 +599,9 @@ def main(argv: list[str] | None = None) -> int:
 
         print(json.dumps([attach(reconciled_status(d.resolve()), d.resolve())
                           for d in args.dirs]))
+        return 0
+    if args.command == "revive":
+        print(json.dumps([revive(d.resolve()) for d in args.dirs]))
         return 0
     print(json.dumps(stop_all([d.resolve() for d in args.dirs], args.grace, args.force)))
     return 0

@@ -13,6 +13,7 @@ from nebula_cli.config import plan_model
 from nebula_cli.control import allocations, summaries
 from nebula_cli.control.fanout import GroupError, fanout
 from nebula_cli.control.follow import LogFollower, MetricsFollower
+from nebula_cli.control.renewal import renew_if_due
 from nebula_cli.control.session import Session
 from nebula_cli.control.state import ACTIVE_STATES, END_STATES, HostRecord, JobRecord
 from nebula_cli.errors import NebulaError, TransportError
@@ -130,6 +131,12 @@ class JobOps(Session):
                     self._apply_status(rec, status)
             hosts = self.store.hosts(job.id)
             if job.state == "RUNNING" and self._revive_lost(hosts):
+                hosts = self.store.hosts(job.id)
+            if job.state == "RUNNING":
+                try:
+                    renew_if_due(self.store, job, hosts, self.transport_of, self.abort)
+                except (NebulaError, OSError, ValueError) as exc:  # status still answers
+                    self.store.add_event(job.id, "warning", f"certificate renewal: {exc}")
                 hosts = self.store.hosts(job.id)
             if job.state == "RUNNING" and self._end_after_failure(
                     hosts, job.spec.get("min_clusters")):

@@ -199,18 +199,21 @@ def run(cli: Cli, spec: Path, args: argparse.Namespace, faulty: bool
 
 
 def calibrate(cli: Cli, tmp: Path, args: argparse.Namespace) -> int:
-    """Steps that take about --minutes here: a short job's step rate."""
-    t0 = time.monotonic()
+    """Steps that take about --minutes of training here: a short job's step rate, from its
+    records' times (start-up and DeepSpeed's first build left out)."""
     probe = 40
     job_id = cli("launch", str(write_spec(tmp, "calibrate", probe, args)), "--detach",
                  timeout=600).stdout.strip().splitlines()[-1]
     while cli.status(job_id).get("state") in ("PENDING", "RUNNING", None):
         time.sleep(1.0)
-    spent = time.monotonic() - t0
-    per_step = max(spent - 20.0, spent / 2) / probe  # less the start-up, roughly
+    points = sorted((r["step"], r["ts"]) for r in records(cli.home, job_id)
+                    if isinstance(r.get("step"), int) and r.get("ts") and r["step"] >= 4
+                    and not r.get("final") and "loss" in r)
+    per_step = ((points[-1][1] - points[0][1]) / (points[-1][0] - points[0][0])
+                if len(points) > 1 and points[-1][0] > points[0][0] else 1.0)
     steps = int(args.minutes * 60 / per_step) // 10 * 10
-    print(f"calibration: {probe} steps in {spent:.0f} s: {steps} steps for "
-          f"~{args.minutes:g} min", flush=True)
+    print(f"calibration: {per_step:.2f} s a step: {steps} steps for ~{args.minutes:g} min",
+          flush=True)
     return max(steps, 60)
 
 

@@ -220,6 +220,8 @@ class Supervisor:
         for spec in self.config.processes:
             log_path = self.dir / spec.log
             log_path.parent.mkdir(parents=True, exist_ok=True)
+            os.close(os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644))  # there
+            # from the start, whether or not the process writes (its pump appends to it)
             env = {**os.environ, **spec.env, ENV_MARK: str(self.dir),
                    ROTATION_ENV: self.config.rotation.to_env()}
             prepend = env.pop("NEBULA_PATH_PREPEND", None)

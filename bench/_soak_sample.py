@@ -3,7 +3,8 @@
 - `processes(job_id)`: every live process of the job by kind (agent, logpump, relay, worker),
   found in /proc by the job id in its command line or its environment.
 - `Sample`: one look at the job: rounds so far, RSS (MiB) and open descriptors summed per kind,
-  bytes on disk under the job's directories and `$NEBULA_HOME`, `state.db`'s size, the time
+  bytes on disk under the job's directories (its hosts' and `$NEBULA_HOME/jobs/<id>`) and
+  `state.db`, `state.db`'s size, the time
   `nebula status JOB --json` took.
 - `slope(xs, ys)`: the least-squares slope; `growth(samples, warmup)`: per kind, MiB and
   descriptors per 1,000 rounds over the samples after the warm-up.
@@ -41,8 +42,8 @@ def _environ_has(pid: int, mark: bytes) -> bool:
 def kind_of(cmdline: str) -> str | None:
     if "nebula_cli.agent.logpump" in cmdline:
         return "logpump"
-    if "nebula_cli.agent" in cmdline:
-        return "agent"
+    if "nebula_cli.agent start" in cmdline or "nebula_cli.agent revive" in cmdline:
+        return "agent"  # (not the short `agent status` calls of `nebula status`)
     if "nebula_cli.relay" in cmdline:
         return "relay"
     if "train.py" in cmdline and not cmdline.startswith(("/bin/sh", "sh ")):
@@ -129,7 +130,7 @@ def take(job_id: str, home: Path, t: float, status_s: float) -> Sample:
                   rss={k: round(sum(rss_mib(p) for p in v), 2) for k, v in procs.items()},
                   fds={k: sum(fds(p) for p in v) for k, v in procs.items()},
                   count={k: len(v) for k, v in procs.items()},
-                  disk=disk_bytes([home]), state_db=db, status_s=status_s)
+                  disk=disk_bytes([job_dir]) + db, state_db=db, status_s=status_s)
 
 
 def slope(xs: list[float], ys: list[float]) -> float:

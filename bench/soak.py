@@ -110,7 +110,8 @@ def host_pids(job_id: str, cluster: str, role: str) -> tuple[int | None, list[in
             env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
             mine = any(x.startswith(b"NEBULA_AGENT_DIR=") and mark.encode() in x
                        and x.endswith(f"/{role}".encode()) for x in env)
-            if "nebula_cli.agent start" in cmd and mark in cmd and cmd.rstrip().endswith(role):
+            supervises = "nebula_cli.agent start" in cmd or "nebula_cli.agent revive" in cmd
+            if supervises and mark in cmd and cmd.rstrip().endswith(role):
                 agent = pid
             elif mine:
                 group.append(pid)

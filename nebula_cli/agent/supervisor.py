@@ -398,6 +398,8 @@ class Supervisor:
         reason = lost_reason(self.lost or {})
         self.event("agent-lost", reason)
         self.tell_world(reason)
+        if self.pgid and not set(group_members(self.pgid)) & set(marked_pids(self.dir)):
+            self.pgid = None  # the old group is gone and its id may be another's now
         self.end_group(self.config.grace)
         restarts = self.status["restarts"]
         if restarts >= max_restarts:

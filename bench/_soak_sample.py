@@ -7,7 +7,7 @@
   `state.db`, `state.db`'s size, the time
   `nebula status JOB --json` took.
 - `slope(xs, ys)`: the least-squares slope; `growth(samples, warmup)`: per kind, MiB and
-  descriptors per 1,000 rounds over the samples after the warm-up.
+  descriptors per 1,000 rounds, fitted per process after its warm-up (the largest slope).
 """
 
 from __future__ import annotations
@@ -117,6 +117,10 @@ class Sample:
     rss: dict[str, float] = field(default_factory=dict)
     fds: dict[str, int] = field(default_factory=dict)
     count: dict[str, int] = field(default_factory=dict)
+    per_pid: dict[str, dict[int, tuple[float, int]]] = field(default_factory=dict)
+    """kind -> pid -> (RSS MiB, descriptors): each process on its own (growth is fitted per
+    process, so that a restart's fresh process is not read as shrinking, nor its warm-up as
+    growth)."""
     disk: int = 0
     state_db: int = 0
     status_s: float = 0.0
@@ -126,10 +130,11 @@ def take(job_id: str, home: Path, t: float, status_s: float) -> Sample:
     procs = processes(job_id)
     job_dir = home / "jobs" / job_id
     db = sum(p.stat().st_size for p in home.glob("state.db*"))
+    per_pid = {k: {p: (round(rss_mib(p), 2), fds(p)) for p in v} for k, v in procs.items()}
     return Sample(t=t, rounds=rounds_so_far(job_dir),
-                  rss={k: round(sum(rss_mib(p) for p in v), 2) for k, v in procs.items()},
-                  fds={k: sum(fds(p) for p in v) for k, v in procs.items()},
-                  count={k: len(v) for k, v in procs.items()},
+                  rss={k: round(sum(x[0] for x in v.values()), 2) for k, v in per_pid.items()},
+                  fds={k: sum(x[1] for x in v.values()) for k, v in per_pid.items()},
+                  count={k: len(v) for k, v in procs.items()}, per_pid=per_pid,
                   disk=disk_bytes([job_dir]) + db, state_db=db, status_s=status_s)
 
 
@@ -143,15 +148,32 @@ def slope(xs: list[float], ys: list[float]) -> float:
 
 
 def growth(samples: list[Sample], warmup: float) -> dict[str, Any]:
-    """Per kind: RSS MiB and descriptors per 1,000 rounds, over the samples after `warmup` of
-    the run (a fraction); a sample taken while a kind's processes were restarting (fewer of
-    them than usual) is left out of that kind's fit."""
-    rest = samples[int(len(samples) * warmup):]
+    """Per kind: RSS MiB and descriptors per 1,000 rounds. Fitted per process over the samples
+    of its life after its own warm-up (its first `warmup` fraction of them, at least one), then
+    the largest slope among the kind's processes that lived through enough rounds (a restarted
+    process starts small: across processes the sum would read restarts as growth or shrinking).
+    Without per-process samples, the kind's sums over the run after `warmup` are fitted."""
     out: dict[str, Any] = {"rss_mb": {}, "fds": {}}
     for kind in KINDS:
-        usual = max((s.count.get(kind, 0) for s in rest), default=0)
-        pts = [s for s in rest if usual and s.count.get(kind, 0) == usual]
-        xs = [s.rounds / 1000 for s in pts]
-        out["rss_mb"][kind] = round(slope(xs, [s.rss[kind] for s in pts]), 3)
-        out["fds"][kind] = round(slope(xs, [float(s.fds[kind]) for s in pts]), 3)
+        lives: dict[int, list[tuple[int, float, int]]] = {}
+        for s in samples:
+            for pid, (rss, fd) in s.per_pid.get(kind, {}).items():
+                lives.setdefault(pid, []).append((s.rounds, rss, fd))
+        rss_slopes, fd_slopes = [], []
+        for points in lives.values():
+            rest = points[max(1, int(len(points) * warmup)):]
+            if len(rest) < 3 or rest[-1][0] - rest[0][0] < 10:
+                continue  # too short a life to say
+            xs = [r / 1000 for r, _, _ in rest]
+            rss_slopes.append(slope(xs, [m for _, m, _ in rest]))
+            fd_slopes.append(slope(xs, [float(f) for _, _, f in rest]))
+        if not lives:
+            rest = samples[int(len(samples) * warmup):]
+            usual = max((s.count.get(kind, 0) for s in rest), default=0)
+            pts = [s for s in rest if usual and s.count.get(kind, 0) == usual]
+            xs = [s.rounds / 1000 for s in pts]
+            rss_slopes = [slope(xs, [s.rss[kind] for s in pts])]
+            fd_slopes = [slope(xs, [float(s.fds[kind]) for s in pts])]
+        out["rss_mb"][kind] = round(max(rss_slopes, default=0.0), 3)
+        out["fds"][kind] = round(max(fd_slopes, default=0.0), 3)
     return out

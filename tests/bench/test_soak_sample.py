@@ -59,3 +59,17 @@ def test_growth_per_1000_rounds_of_a_real_process() -> None:
     assert 3.5 <= grown["rss_mb"]["relay"] <= 4.5
     assert grown["rss_mb"]["agent"] == 0.0 and grown["fds"]["relay"] == 0.0
     assert m.slope([0, 1, 2], [1, 3, 5]) == 2.0 and m.slope([1], [1]) == 0.0
+
+
+def test_a_restart_is_neither_growth_nor_shrinking() -> None:
+    m = _module()
+    samples = []
+    for i in range(12):  # pid 10 lives 6 samples, then its restart (pid 11) starts small
+        pid, age = (10, i) if i < 6 else (11, i - 6)
+        rss = 500.0 - 400.0 * (pid == 11) + 0.2 * age  # 0.2 MiB per 100 rounds: 2 per 1,000
+        samples.append(m.Sample(t=i, rounds=100 * i, rss=dict.fromkeys(m.KINDS, rss),
+                                fds=dict.fromkeys(m.KINDS, 9), count=dict.fromkeys(m.KINDS, 1),
+                                per_pid={"worker": {pid: (rss, 9)}}))
+    grown = m.growth(samples, warmup=0.2)
+    assert 1.9 <= grown["rss_mb"]["worker"] <= 2.1  # not the -400 MiB of the restart
+    assert grown["fds"]["worker"] == 0.0

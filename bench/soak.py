@@ -284,8 +284,11 @@ def main(argv: list[str] | None = None) -> int:
         secs, st, samples, faults, job_id = run(
             cli, write_spec(Path(tmp), "soak", steps, args), args, faulty=True)
         recs = records(cli.home, job_id)
-        finals = [r for r in recs if r.get("final")]
-        sums = sorted({f"{r['cluster']}: {r.get('param_sha256')}" for r in finals})
+        last: dict[str, dict[str, Any]] = {}  # each cluster's last final record (a stop, a
+        for r in sorted((r for r in recs if r.get("final")), key=lambda r: r.get("ts", 0)):
+            last[r.get("cluster", "?")] = r  # revive's graceful end, the end: each writes one)
+        finals = list(last.values())
+        sums = sorted(f"{c}: {r.get('param_sha256')}" for c, r in last.items())
         end_disk, bound = samples[-1].disk, disk_bound(cli.home, job_id)
         time.sleep(3)
         left = sum(len(v) for v in processes(job_id).values())

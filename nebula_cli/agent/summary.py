@@ -12,6 +12,11 @@ skipped middle keeps its older value). The agent keeps the summaries of its file
 ``<agent dir>/metrics-summary.json`` (`SUMMARY_FILE`); the `status` command answers with them.
 The CLI uses the same `update` on bytes read over a transport when an agent cannot answer.
 
+A rotated metrics file (`config.rotation`: renamed to ``<file>.1`` whole) is not a new file:
+the summary finds the inode it was reading among the rotated files, reads the rest of it from
+its offset, and goes on with the new live file keeping what it knew (`carry`). A file replaced
+otherwise (its old inode not among the rotated ones) starts a new summary.
+
 Standard library only: the agent runs on hosts with nothing but Python.
 """
 
@@ -23,6 +28,8 @@ import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+from nebula_cli.config.rotation import rotated
 
 SUMMARY_FILE = "metrics-summary.json"
 SUMMARY_VERSION = 1
@@ -36,6 +43,11 @@ Reader = Callable[[int, int], bytes]  # (offset, length) -> bytes of the file
 def new_state() -> dict[str, Any]:
     """The summary of a file not read yet."""
     return {"offset": 0, "ino": None, "latest": {}, "final": None, "read": 0}
+
+
+def carry(state: dict[str, Any]) -> dict[str, Any]:
+    """A summary of the next file of a rotated series: what `state` knew, read from 0."""
+    return {**new_state(), "latest": state["latest"], "final": state["final"]}
 
 
 def _small(record: dict[str, Any]) -> dict[str, Any]:
@@ -158,6 +170,44 @@ def _save(agent_dir: Path, files: dict[str, Any]) -> None:
             tmp.unlink()
 
 
+def _reader(fh: Any) -> Reader:
+    def read(offset: int, length: int) -> bytes:
+        fh.seek(offset)
+        return fh.read(length)
+
+    return read
+
+
+def _rotated_from(path: Path, ino: Any) -> Path | None:
+    """The rotated file of `path` that is the inode `ino` (the file a summary was reading)."""
+    n = 1
+    while True:
+        older = Path(rotated(path, n))
+        try:
+            if older.stat().st_ino == ino:
+                return older
+        except OSError:
+            return None
+        n += 1
+
+
+def _finish_rotated(state: dict[str, Any], path: Path, ino: Any) -> dict[str, Any]:
+    """`state` of a file that is no longer `path` (inode `ino` now): when it was rotated, its
+    rest read from where the summary was and carried over to the new live file."""
+    if state["ino"] in (None, ino):
+        return state
+    older = _rotated_from(path, state["ino"])
+    if older is None:
+        return state  # replaced, not rotated: `update` starts anew
+    try:
+        with open(older, "rb") as fh:
+            st = os.fstat(fh.fileno())
+            state = update(state, _reader(fh), st.st_size, st.st_ino)
+    except OSError:
+        pass
+    return carry(state)
+
+
 def summarize_dir(agent_dir: Path) -> dict[str, dict[str, Any]]:
     """rank -> summary of its metrics file, each brought up to date with bounded reads."""
     files = metric_files(agent_dir)
@@ -171,12 +221,8 @@ def summarize_dir(agent_dir: Path) -> dict[str, dict[str, Any]]:
         try:
             with open(path, "rb") as fh:
                 st = os.fstat(fh.fileno())
-
-                def read(offset: int, length: int, fh: Any = fh) -> bytes:
-                    fh.seek(offset)
-                    return fh.read(length)
-
-                state = update(_valid(stored.get(rel)), read, st.st_size, st.st_ino)
+                state = _finish_rotated(_valid(stored.get(rel)), path, st.st_ino)
+                state = update(state, _reader(fh), st.st_size, st.st_ino)
         except FileNotFoundError:
             continue
         except OSError:

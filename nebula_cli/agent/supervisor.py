@@ -7,6 +7,14 @@ status atomically in `<dir>/status.json`, restarts them within limits, and is wh
     python -m nebula_cli.agent start  DIR          # daemonize and supervise DIR/agent.json
     python -m nebula_cli.agent status DIR [DIR..]  # JSON list of reconciled statuses
     python -m nebula_cli.agent stop   DIR [DIR..] [--grace S] [--force]
+    python -m nebula_cli.agent revive DIR [DIR..]  # a dead (LOST) agent replaced; statuses
+
+An agent that died (SIGKILL, the OOM killer, a host reboot) is seen by `status` as LOST (its
+pid is gone or another process's), saying whether its processes still run. `revive` starts a
+new agent that ends what the old one left and restarts it as a failed rank is restarted
+(`max_restarts`), or records FAILED with what to do. The control plane calls it when it sees a
+LOST agent (`nebula status`, the live view); until someone looks, the processes run on
+unsupervised (a crash of theirs is not restarted).
 
 `agent.json` is the agent's part of the job plan: `nebula_cli.config.parts.AgentConfig`, loaded
 strictly (unknown or missing keys refused).
@@ -26,9 +34,11 @@ from pathlib import Path
 from typing import Any
 
 from nebula_cli.agent.leftovers import clear_world, remove_stale_locks
+from nebula_cli.agent.logpump import drain, start_pump
 from nebula_cli.agent.procs import pid_alive
 from nebula_cli.agent.tunnel import revoke_dir
 from nebula_cli.config.parts import ABORT_EXIT, AgentConfig, helper_env
+from nebula_cli.config.rotation import ROTATION_ENV, append, rotate
 from nebula_cli.config.staging import AGENT_DIR_ENV as ENV_MARK  # also names staging's record
 from nebula_cli.errors import NebulaError
 
@@ -36,6 +46,11 @@ ACTIVE = ("STARTING", "RUNNING", "RESTARTING", "STOPPING")
 POLL_S = 0.2
 LAST_OUTPUT_BYTES = 8192
 LAST_OUTPUT_CHARS = 300
+PUMP_DRAIN_S = 2.0
+"""Longest wait for a process's log pump to write what it ended with (it may be held open by
+a child the process left behind)."""
+OWN_LOG_CHECK_S = 10.0
+"""How often the agent checks the size of its own log (agent.log)."""
 TELLER_MARK = "NEBULA_AGENT_TELLER"
 """Marks the helper that tells a cluster's other hosts that a rank failed (agent dir)."""
 
@@ -146,11 +161,17 @@ def describe_exit(code: int | None) -> str:
 class Supervisor:
     """Runs the processes of agent.json in one process group and keeps status.json true."""
 
-    def __init__(self, agent_dir: Path) -> None:
+    def __init__(self, agent_dir: Path, lost: dict[str, Any] | None = None) -> None:
+        """`lost`: the reconciled status of this directory's earlier agent, which died while
+        its processes ran (`revive`): this agent ends what is left of them and restarts them
+        the way a failed rank is restarted."""
         self.dir = agent_dir
+        self.lost = lost
         self.config = AgentConfig.load(agent_dir / "agent.json")
         self.status_path = agent_dir / "status.json"
         self.procs: list[subprocess.Popen[bytes]] = []
+        self.pumps: list[subprocess.Popen[bytes]] = []  # each process's log writer
+        self.own_log_checked = time.monotonic()
         self.tellers: list[subprocess.Popen[bytes]] = []
         self.pgid: int | None = None
         self.stop_requested = False
@@ -168,9 +189,12 @@ class Supervisor:
             "ended": None,
             "exit_code": None,
             "exit_codes": {},
-            "restarts": 0,
+            "restarts": int(lost.get("restarts") or 0) if lost else 0,
             "reason": None,
         }
+        if lost:
+            self.pgid = lost.get("pgid")
+            self.status.update(state="RESTARTING", pgid=self.pgid, reason=lost_reason(lost))
 
     def save(self, **changes: Any) -> None:
         self.status.update(changes)
@@ -179,14 +203,14 @@ class Supervisor:
 
     def event(self, kind: str, message: str) -> None:
         line = json.dumps({"ts": time.time(), "kind": kind, "message": message})
-        with open(self.dir / "events.jsonl", "a") as fh:
-            fh.write(line + "\n")
+        append(self.dir / "events.jsonl", (line + "\n").encode(), self.config.rotation)
 
     def on_term(self, signum: int, frame: object) -> None:
         self.stop_requested = True
 
     def spawn(self) -> None:
         self.procs = []
+        self.pumps = []
         self.pgid = None
         cwd = self.config.cwd or None
         self.clear_leftovers()
@@ -196,17 +220,26 @@ class Supervisor:
         for spec in self.config.processes:
             log_path = self.dir / spec.log
             log_path.parent.mkdir(parents=True, exist_ok=True)
-            env = {**os.environ, **spec.env, ENV_MARK: str(self.dir)}
+            os.close(os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644))  # there
+            # from the start, whether or not the process writes (its pump appends to it)
+            env = {**os.environ, **spec.env, ENV_MARK: str(self.dir),
+                   ROTATION_ENV: self.config.rotation.to_env()}
             prepend = env.pop("NEBULA_PATH_PREPEND", None)
             if prepend:  # the cluster's python first, whatever PATH the host gave us
                 env["PATH"] = prepend + os.pathsep + env.get("PATH", os.defpath)
-            with open(log_path, "ab") as log:
+            read_end, write_end = os.pipe()
+            try:
+                self.pumps.append(start_pump(read_end, log_path, self.dir,
+                                             self.config.rotation))
                 # one new process group (in the agent's session) for all of them
                 kwargs: dict[str, Any] = {"process_group": self.pgid or 0}
                 proc = subprocess.Popen(
                     spec.argv, cwd=cwd, env=env, stdin=subprocess.DEVNULL,
-                    stdout=log, stderr=subprocess.STDOUT, **kwargs,
+                    stdout=write_end, stderr=subprocess.STDOUT, **kwargs,
                 )
+            finally:
+                os.close(read_end)
+                os.close(write_end)
             if self.pgid is None:
                 self.pgid = proc.pid
             self.procs.append(proc)
@@ -214,11 +247,32 @@ class Supervisor:
                   pids=[p.pid for p in self.procs], exit_code=None, exit_codes={})
         self.event("started", f"{len(self.procs)} process(es), pgid {self.pgid}")
 
+    def rotate_own_log(self) -> None:
+        """agent.log (the agent's stdout and stderr) rotated like the others, now and then."""
+        now = time.monotonic()
+        if now - self.own_log_checked < OWN_LOG_CHECK_S:
+            return
+        self.own_log_checked = now
+        path = self.dir / "agent.log"
+        try:
+            out = os.fstat(1)
+            if out.st_size <= self.config.rotation.max_bytes or out.st_ino != path.stat().st_ino:
+                return  # small yet, or not writing to agent.log (run in the foreground)
+            rotate(path, self.config.rotation.keep)
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        except OSError:
+            return
+        os.dup2(fd, 1)
+        os.dup2(fd, 2)
+        os.close(fd)
+
     def last_output(self, rank: str) -> str:
         """': <the rank's last log line>' (bounded), or '' when it printed nothing."""
         spec = next((p for p in self.config.processes if p.name == rank), None)
         if spec is None:
             return ""
+        at = [p.name for p in self.config.processes].index(rank)
+        drain(self.pumps[at:at + 1], PUMP_DRAIN_S)
         try:
             with open(self.dir / spec.log, "rb") as fh:
                 fh.seek(max(0, fh.seek(0, os.SEEK_END) - LAST_OUTPUT_BYTES))
@@ -282,6 +336,7 @@ class Supervisor:
         for proc in self.procs:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 proc.wait(timeout=10)
+        drain(self.pumps, PUMP_DRAIN_S)
         sweep(self.dir)
         self.clear_leftovers()
 
@@ -294,8 +349,11 @@ class Supervisor:
         signal.signal(signal.SIGINT, self.on_term)
         max_restarts = self.config.max_restarts
         backoff = self.config.restart_backoff
+        if self.lost and not self.take_over(max_restarts, backoff):
+            return 1
         try:
-            self.spawn()
+            if not self.stop_requested:
+                self.spawn()
         except OSError as exc:
             self.save(state="FAILED", reason=f"cannot start: {exc}", ended=time.time(),
                       exit_code=127)
@@ -325,12 +383,35 @@ class Supervisor:
                           ended=time.time())
                 return 1
             if all(c == 0 for c in codes.values()):
+                drain(self.pumps, PUMP_DRAIN_S)
                 self.clear_leftovers()
                 self.save(state="SUCCEEDED", exit_code=0, exit_codes=codes, ended=time.time())
                 self.event("succeeded", "all processes exited 0")
                 return 0
             self.reap_tellers()
+            self.rotate_own_log()
             time.sleep(POLL_S)
+
+    def take_over(self, max_restarts: int, backoff: float) -> bool:
+        """The processes a dead agent left: told, ended, and restarted when restarts are left
+        (then True); FAILED with what to do when none are."""
+        reason = lost_reason(self.lost or {})
+        self.event("agent-lost", reason)
+        self.tell_world(reason)
+        if self.pgid and not set(group_members(self.pgid)) & set(marked_pids(self.dir)):
+            self.pgid = None  # the old group is gone and its id may be another's now
+        self.end_group(self.config.grace)
+        restarts = self.status["restarts"]
+        if restarts >= max_restarts:
+            self.save(state="FAILED", ended=time.time(), exit_code=None, reason=(
+                f"{reason}; no restarts left (max_restarts {max_restarts}): `nebula resume "
+                f"{self.config.job_id}` restarts the job from its newest checkpoints"))
+            self.event("failed", self.status["reason"])
+            return False
+        self.save(state="RESTARTING", restarts=restarts + 1, reason=reason)
+        self.event("restarting", f"restart {restarts + 1} in {backoff:g} s (its agent died)")
+        self._sleep(backoff)
+        return True
 
     def _sleep(self, seconds: float) -> bool:
         """Sleep, waking early on a stop request (returns True then)."""
@@ -356,6 +437,17 @@ class Supervisor:
 # -- commands ---------------------------------------------------------------------------------
 def daemonize(agent_dir: Path) -> int:
     """Fork a supervisor detached from this session; print its pid once it has started."""
+    pid = start_detached(agent_dir)
+    if pid is None:
+        print(json.dumps({"error": "agent did not start; see agent.log"}))
+        return 1
+    print(json.dumps({"agent_pid": pid}))
+    return 0
+
+
+def start_detached(agent_dir: Path, lost: dict[str, Any] | None = None) -> int | None:
+    """Fork a supervisor detached from this session; its pid once it has started (None: it
+    did not start, agent.log says why)."""
     read_fd, write_fd = os.pipe()
     pid = os.fork()
     if pid:  # the caller: wait for the daemon to report its pid
@@ -363,11 +455,7 @@ def daemonize(agent_dir: Path) -> int:
         with os.fdopen(read_fd) as pipe:
             line = pipe.readline().strip()
         os.waitpid(pid, 0)
-        if not line:
-            print(json.dumps({"error": "agent did not start; see agent.log"}))
-            return 1
-        print(json.dumps({"agent_pid": int(line)}))
-        return 0
+        return int(line) if line else None
     os.close(read_fd)
     os.setsid()
     if os.fork():
@@ -380,7 +468,7 @@ def daemonize(agent_dir: Path) -> int:
     os.close(null)
     os.close(log)
     try:
-        supervisor = Supervisor(agent_dir)
+        supervisor = Supervisor(agent_dir, lost)
         supervisor.save()
     except Exception as exc:  # noqa: BLE001 - report anything that stops the start
         print(f"agent: cannot start: {exc}", flush=True)
@@ -402,9 +490,30 @@ def reconciled_status(agent_dir: Path) -> dict[str, Any]:
         status = {**(read_json(agent_dir / "status.json") or status), "dir": str(agent_dir)}
     if status.get("state") in ACTIVE and not is_agent_of(status.get("agent_pid"), agent_dir):
         status["state"] = "LOST"
-        status["reason"] = "the agent died without recording an end"
+        status["agent_lost"] = True
+        status["group_alive"] = group_alive(status.get("pgid"))
+        status["reason"] = lost_reason(status)
+        return status
     status["group_alive"] = group_alive(status.get("pgid"))
     return status
+
+
+def lost_reason(status: dict[str, Any]) -> str:
+    """Why an agent is LOST, and whether what it ran still runs (unsupervised)."""
+    left = ("its processes still run, unsupervised" if status.get("group_alive")
+            else "its processes are gone")
+    return f"its agent (pid {status.get('agent_pid')}) died without recording an end; {left}"
+
+
+def revive(agent_dir: Path) -> dict[str, Any]:
+    """A LOST agent (it died; a host reboot, the OOM killer, a stray kill) replaced: a new one
+    ends what the old one left, then restarts its processes if restarts are left
+    (`Supervisor.take_over`). Any other agent's status is returned as it is."""
+    status = reconciled_status(agent_dir)
+    if status.get("state") != "LOST" or not status.get("agent_lost"):
+        return status
+    start_detached(agent_dir, status)
+    return reconciled_status(agent_dir)
 
 
 def _configured_grace(agent_dir: Path) -> float:
@@ -466,6 +575,9 @@ def main(argv: list[str] | None = None) -> int:
     start.add_argument("--foreground", action="store_true", help="supervise in this process")
     status = sub.add_parser("status", help="print the reconciled status of each DIR as JSON")
     status.add_argument("dirs", type=Path, nargs="+")
+    revive_cmd = sub.add_parser("revive", help="replace each DIR's agent if it died (LOST); "
+                                "print each reconciled status as JSON")
+    revive_cmd.add_argument("dirs", type=Path, nargs="+")
     stop = sub.add_parser("stop", help="stop each DIR's processes; print what was stopped")
     stop.add_argument("dirs", type=Path, nargs="+")
     stop.add_argument("--grace", type=float, default=None,
@@ -491,6 +603,9 @@ def main(argv: list[str] | None = None) -> int:
 
         print(json.dumps([attach(reconciled_status(d.resolve()), d.resolve())
                           for d in args.dirs]))
+        return 0
+    if args.command == "revive":
+        print(json.dumps([revive(d.resolve()) for d in args.dirs]))
         return 0
     print(json.dumps(stop_all([d.resolve() for d in args.dirs], args.grace, args.force)))
     return 0

@@ -122,7 +122,8 @@ def _worker_agents(spec: JobSpec, job_id: str, sites: dict[str, Site], ports: Po
                 job_id=job_id, cluster=cluster.name, host=host.host, role=WORKER, cwd=cwd,
                 grace=spec.grace, max_restarts=spec.max_restarts
                 if cluster.max_restarts is None else cluster.max_restarts,
-                restart_backoff=WORKER_RESTART_BACKOFF, processes=processes)
+                restart_backoff=WORKER_RESTART_BACKOFF, processes=processes,
+                rotation=spec.logs.rotation())
             # nodes that share one file system (a Slurm cluster's): its first node uploads
             shared = cluster.scheduling.nodes_share_files and node_rank > 0
             uploads = {} if site.shares_files or shared else {spec.workdir: cwd}

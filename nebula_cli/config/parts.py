@@ -13,6 +13,7 @@ from pathlib import Path
 
 from nebula_cli.config import strict
 from nebula_cli.config.relay_config import AutoSteps, TlsFiles
+from nebula_cli.config.rotation import Rotation
 
 ABORT_EXIT = 75
 """Exit status of a rank that left its world because another host's rank failed
@@ -53,6 +54,9 @@ class AgentConfig:
     restart_backoff: float
     """Seconds between a failure and the restart."""
     processes: list[ProcessConfig]
+    rotation: Rotation
+    """How big each of its files may grow (spec: logs): the processes' logs, their metrics
+    records (the agent hands it to them in ``$NEBULA_ROTATION``), its own log and events."""
 
     @classmethod
     def load(cls, path: str | Path) -> AgentConfig:

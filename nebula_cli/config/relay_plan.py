@@ -114,7 +114,8 @@ def relay_agents(spec: JobSpec, job_id: str, sites: dict[str, Site], ports: Port
             grace=RELAY_GRACE, max_restarts=max(spec.max_restarts, RELAY_RESTARTS),
             restart_backoff=RELAY_RESTART_BACKOFF,
             processes=[ProcessConfig(name="relay", argv=argv, env=env, log="logs/relay.log",
-                                     metrics="metrics/relay.jsonl")])
+                                     metrics="metrics/relay.jsonl")],
+            rotation=spec.logs.rotation())
         cert, key = certs.relays[cluster.name]
         relay_json = relay_config(spec, job_id, cluster, adir, ports, sites)
         files = {"relay.json": strict.dumps(relay_json),

@@ -23,6 +23,7 @@ from nebula_cli.config.codec_params import (
     params_from_knobs,
 )
 from nebula_cli.config.fields import Duration, Port, StepsOrAuto
+from nebula_cli.config.rotation import Rotation
 from nebula_cli.config.yaml_positions import problems_error
 
 
@@ -277,3 +278,19 @@ class MetricsSpec(SpecModel):
     the hosts (`pip install 'nebula-cli[tb]'`)."""
     wandb: WandbSpec | None = None
     """Log to Weights & Biases. Default: none."""
+
+
+class LogsSpec(SpecModel):
+    """How big the files a job keeps growing on its hosts may get: each process's log
+    (``logs/rank0.log``, ``logs/relay.log``), its metrics records (``metrics/rank0.jsonl``), its
+    agent's log and events. Each file is rotated (`config.rotation`): the live file plus at
+    most `keep` older ones, so a month-long run holds at most ``(keep + 1) * max_mb`` per file.
+    `nebula logs`, `status`, the live view and `report` read across the rotated files."""
+
+    max_mb: float = Field(64.0, gt=0, le=1 << 20)
+    """Size at which a file is rotated, in MiB. Default: 64."""
+    keep: int = Field(3, ge=0, le=100)
+    """Rotated files kept per file (older ones are removed). Default: 3."""
+
+    def rotation(self) -> Rotation:
+        return Rotation(max_bytes=int(self.max_mb * (1 << 20)), keep=self.keep)

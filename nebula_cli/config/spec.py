@@ -37,6 +37,7 @@ from nebula_cli.config.schedulers.slurm_spec import SlurmSpec
 from nebula_cli.config.sections import (
     CheckpointSpec,
     CompressionSpec,
+    LogsSpec,
     MetricsSpec,
     ParallelismSpec,
     RelaySpec,
@@ -49,9 +50,9 @@ from nebula_cli.errors import SpecError
 
 __all__ = [
     "MAX_PROCESSES", "MAX_SLOTS", "CheckpointSpec", "ClusterSpec", "CompressionSpec", "DistillSpec",
-    "HostSpec",
-    "JobSpec", "MetricsSpec", "ParallelismSpec", "RelaySpec", "RuntimeSpec", "ShapingSpec",
-    "SlurmSpec", "SpecModel", "SyncSpec", "TeacherSpec", "load_spec", "parse_spec", "redact_env",
+    "HostSpec", "JobSpec", "LogsSpec", "MetricsSpec", "ParallelismSpec", "RelaySpec",
+    "RuntimeSpec", "ShapingSpec", "SlurmSpec", "SpecModel", "SyncSpec", "TeacherSpec",
+    "load_spec", "parse_spec", "redact_env",
 ]
 
 MAX_PROCESSES = 65536
@@ -108,6 +109,8 @@ class JobSpec(SpecModel):
     """The worker runtime: the automatic hook for unmodified scripts (on by default)."""
     metrics: MetricsSpec = Field(default_factory=MetricsSpec)
     """Metrics sinks besides metrics.jsonl: TensorBoard, Weights & Biases. Default: none."""
+    logs: LogsSpec = Field(default_factory=LogsSpec)
+    """Rotation of the logs and metrics records on the hosts. Default: 64 MiB, 3 kept."""
     placement: str | None = None
     """Which device holds which stage: the JSON of `nebula plan placement --json`, relative to
     the spec file; stored as an absolute path. Default: ranks in the spec's host order."""

@@ -1,8 +1,15 @@
 """Following files on hosts: log lines (prefixed by cluster/host/rank) and metric records.
 
 Reads are bounded: `--tail N` reads a log backwards from its end in chunks until it has N
-lines (never the whole file), the metrics follower starts at a file's last records, and a
-host that cannot be reached is reported once, skipped, and retried with a growing pause.
+lines (never the whole file; into its newest rotated file when the live one holds fewer), the
+metrics follower starts at a file's last records, and a host that cannot be reached is
+reported once, skipped, and retried with a growing pause.
+
+Rotated files (`config.rotation`): a file found shorter than the offset a follower had
+reached was renamed to ``<file>.1`` whole, so the follower reads the rest of ``.1`` from that
+offset before the new live file. This holds when a follower polls at least once per
+``logs.max_mb`` written (a file rotated and grown past the old offset between two polls would
+be read from the old offset).
 """
 
 from __future__ import annotations
@@ -17,6 +24,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from nebula_cli.agent.summary import SCAN_BYTES
+from nebula_cli.config.rotation import rotated
 from nebula_cli.control.fanout import GroupError, fanout
 from nebula_cli.control.state import HostRecord
 from nebula_cli.errors import NebulaError, TransportError
@@ -116,8 +124,8 @@ class LineTail:
         chunks = []
         while True:
             data, new_offset = self.transport.read_tail(self.path, self.offset, MAX_READ)
-            if new_offset - len(data) < self.offset:  # the file was replaced: start over
-                self._partial = b""
+            if new_offset - len(data) < self.offset:  # shorter than where we were: rotated
+                chunks.append(self._rest_of_rotated())  # (or replaced: nothing to finish)
             self.offset = new_offset
             if not data:
                 break
@@ -128,26 +136,54 @@ class LineTail:
         self._partial = lines.pop()
         return [ln.decode(errors="replace").rstrip("\r") for ln in lines]
 
+    def _rest_of_rotated(self) -> bytes:
+        """What the file we were reading got after our offset, now that it is ``<path>.1``
+        (`config.rotation` renames it whole). Nothing when ``.1`` is not that file (shorter
+        than our offset: the file was replaced, or rotated twice since the last read)."""
+        older, offset, parts = rotated(self.path, 1), self.offset, []
+        while True:
+            data, after = self.transport.read_tail(older, offset, MAX_READ)
+            if not data or after - len(data) != offset:
+                break
+            parts.append(data)
+            offset = after
+        if not parts:
+            self._partial = b""  # not the same file: a partial line of it cannot go on
+        return b"".join(parts)
+
     def _read_last(self, n: int, size: int | None) -> list[str]:
         if size is None:
             size = file_sizes(self.transport, [self.path]).get(self.path)
         if size is None:  # no such file yet: follow it from its start
             self.offset = 0
             return []
-        pos, buf = size, b""
-        while pos > 0 and buf.count(b"\n") <= n and size - pos < self.max_back:
-            step = min(TAIL_CHUNK, pos, self.max_back - (size - pos))
-            data, end = self.transport.read_tail(self.path, pos - step, step)
-            if end != pos or len(data) != step:  # replaced meanwhile: keep what we have
-                break
-            pos -= step
-            buf = data + buf
+        buf, pos = self._back(self.path, size, n, self.max_back)
+        if pos == 0 and buf.count(b"\n") <= n and len(buf) < self.max_back:
+            older = rotated(self.path, 1)  # a live file shorter than asked: its rotated one
+            older_size = file_sizes(self.transport, [older]).get(older)
+            if older_size:
+                more, pos = self._back(older, older_size, n - buf.count(b"\n"),
+                                       self.max_back - len(buf))
+                buf = more + buf
         lines = buf.split(b"\n")
         self._partial = lines.pop()
         if pos > 0 and lines:
             lines.pop(0)  # the first line may have started before what was read
         self.offset = size
         return [ln.decode(errors="replace").rstrip("\r") for ln in lines[-n:]] if n else []
+
+    def _back(self, path: str, size: int, n: int, budget: int) -> tuple[bytes, int]:
+        """The end of `path` (`size` bytes) read backwards until it holds more than `n`
+        lines or `budget` bytes; the bytes and where they start."""
+        pos, buf = size, b""
+        while pos > 0 and buf.count(b"\n") <= n and size - pos < budget:
+            step = min(TAIL_CHUNK, pos, budget - (size - pos))
+            data, end = self.transport.read_tail(path, pos - step, step)
+            if end != pos or len(data) != step:  # replaced meanwhile: keep what we have
+                break
+            pos -= step
+            buf = data + buf
+        return buf, pos
 
 
 class Reachability:

@@ -13,6 +13,7 @@ from nebula_cli.config import plan_model
 from nebula_cli.control import allocations, summaries
 from nebula_cli.control.fanout import GroupError, fanout
 from nebula_cli.control.follow import LogFollower, MetricsFollower
+from nebula_cli.control.renewal import renew_if_due
 from nebula_cli.control.session import Session
 from nebula_cli.control.state import ACTIVE_STATES, END_STATES, HostRecord, JobRecord
 from nebula_cli.errors import NebulaError, TransportError
@@ -129,6 +130,14 @@ class JobOps(Session):
                 for rec, status in zip(groups[key], replies, strict=True):
                     self._apply_status(rec, status)
             hosts = self.store.hosts(job.id)
+            if job.state == "RUNNING" and self._revive_lost(hosts):
+                hosts = self.store.hosts(job.id)
+            if job.state == "RUNNING":
+                try:
+                    renew_if_due(self.store, job, hosts, self.transport_of, self.abort)
+                except (NebulaError, OSError, ValueError) as exc:  # status still answers
+                    self.store.add_event(job.id, "warning", f"certificate renewal: {exc}")
+                hosts = self.store.hosts(job.id)
             if job.state == "RUNNING" and self._end_after_failure(
                     hosts, job.spec.get("min_clusters")):
                 hosts = self.store.hosts(job.id)
@@ -150,6 +159,26 @@ class JobOps(Session):
                 self.store.add_event(job.id, "state", f"job {state.lower()}")
                 job = self.store.get_job(job.id)
         return JobSnapshot(job=job, hosts=hosts)
+
+    def _revive_lost(self, hosts: list[HostRecord]) -> bool:
+        """Agents that died while their job runs (LOST: SIGKILL, the OOM killer, a host's
+        reboot) are replaced on their hosts (`agent revive`): the new agent ends what the old
+        one left and restarts it as a failed rank is restarted, or records FAILED with what to
+        do when no restarts are left. Until a `status` or the live view runs, a dead agent's
+        processes run on unsupervised."""
+        lost = [h for h in hosts if h.state == "LOST" and h.detail.get("agent_lost")]
+        if not lost:
+            return False
+        groups = self._by_machine(lost)
+        try:
+            answers = fanout(list(groups), lambda k: self._agent_call(
+                groups[k], "revive", timeout=60), timeout=90, cancel=self.abort)
+        except GroupError as exc:
+            answers = {k: v for k, v in exc.results.items() if isinstance(v, list)}
+        for key, replies in answers.items():
+            for rec, reply in zip(groups[key], replies, strict=True):
+                self._apply_status(rec, reply)
+        return True
 
     def _end_idle_relays(self, hosts: list[HostRecord]) -> bool:
         """Once every worker has ended, the relays have nothing left to do: end them."""
@@ -249,6 +278,7 @@ class JobOps(Session):
             "reason": status.get("reason"), "exit_codes": status.get("exit_codes") or {},
             "agent_pid": status.get("agent_pid"), "started": status.get("started"),
             "ended": status.get("ended"), "group_alive": status.get("group_alive"),
+            "agent_lost": bool(status.get("agent_lost")),
         })
         rec.detail.pop("unreachable", None)
         if isinstance(status.get("metrics"), dict):

@@ -2,10 +2,10 @@
 TensorBoard runs its workers wrote (for `report` and `logs`).
 
 Each agent's metrics files (workers' ranks, the relay) are read from the start in chunks over
-the host's transport, parsed, and kept as a local copy under
-``$NEBULA_HOME/jobs/<id>/metrics/<cluster>/<host>/<role>-<name>.jsonl``: a host that is gone
-later still has its records in the next report. A host that cannot be reached is named and
-its last local copy used.
+the host's transport (the rotated ones first, oldest first: `config.rotation`), parsed, and
+kept as a local copy under ``$NEBULA_HOME/jobs/<id>/metrics/<cluster>/<host>/<role>-<name>.jsonl``:
+a host that is gone later still has its records in the next report. A host that cannot be
+reached is named and its last local copy used.
 
 With the spec's ``metrics: {tensorboard: true}`` each cluster's first host writes the
 cluster's event files (the plan records where, in the host's ``tensorboard``); they are copied
@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from nebula_cli.config.rotation import paths_oldest_first
 from nebula_cli.control.fanout import GroupError, fanout
 from nebula_cli.control.follow import metric_sources, parse_metric
 from nebula_cli.control.jobs import JobOps
@@ -70,9 +71,10 @@ def fetch_records(ops: JobOps, job_id: str) -> JobRecords:
     files = [(rec, name, path, base / rec.cluster / rec.host / f"{rec.role}-{name}.jsonl")
              for rec in ops.store.hosts(job.id) for name, path in metric_sources(rec).items()]
 
-    def fetch(i: int) -> bytes:
+    def fetch(i: int) -> bytes:  # the rotated files, oldest first, then the live one
         rec, _, path, _ = files[i]
-        return _read_whole(ops, rec, path)
+        return b"".join(_read_whole(ops, rec, p)
+                        for p in paths_oldest_first(path, rec.rotated_kept))
 
     try:
         got = fanout(list(range(len(files))), fetch, timeout=300, cancel=ops.abort)

@@ -26,7 +26,7 @@ from nebula_cli.control.fanout import GroupError, fanout
 from nebula_cli.control.hostcheck import HostCheck, bootstrap, check_host, require_python
 from nebula_cli.control.jobs import JobOps, JobSnapshot, StopReport, job_state
 from nebula_cli.control.planning import AGENT_TIMEOUT, HostFacts, describe_host
-from nebula_cli.control.state import END_STATES, HostRecord, JobRecord
+from nebula_cli.control.state import END_STATES, ROTATED_KEY, HostRecord, JobRecord
 from nebula_cli.errors import (
     LaunchError,
     NebulaError,
@@ -306,7 +306,8 @@ class Orchestrator(JobOps, HostFacts):
             state=state, pid=pid,
             detail={"conn": agent.conn.to_data(), "logs": agent.logs,
                     "metrics": agent.metrics,
-                    "tensorboard": agent.tensorboard},
+                    "tensorboard": agent.tensorboard,
+                    ROTATED_KEY: agent.config.rotation.keep},
         ))
 
     def check_hosts(self, spec: JobSpec) -> list[HostCheck]:

@@ -8,6 +8,9 @@ a warning that says what was changed.
 Several nebula commands may run at once (a `launch` writing while two `status` read). WAL mode
 lets readers proceed while one writer writes; a generous busy timeout plus BEGIN IMMEDIATE for
 writes means a second writer waits instead of failing with "database is locked".
+
+A job's events are bounded (`MAX_EVENTS`, the launch and resumes always kept), so that a
+month-long run's store does not grow with its restarts; SQLite reuses the pages freed.
 """
 
 from __future__ import annotations
@@ -104,6 +107,17 @@ def new_job_id(name: str, now: float | None = None) -> str:
     return f"{name}-{stamp:%Y%m%d-%H%M%S}-{secrets.token_hex(2)}"
 
 
+MAX_EVENTS = 2000
+"""Events kept per job (the newest; `StateStore.add_event` prunes older ones)."""
+PRUNE_EVERY = 100
+"""A job's events are pruned back to MAX_EVENTS once they exceed it by this many."""
+KEPT_EVENTS = ("launch", "resume")
+"""Event kinds never pruned: the launch, and each resume (`count_events` numbers attempts)."""
+
+ROTATED_KEY = "rotated"
+"""A host record's detail: the rotated files kept per log and metrics file (`rotated_kept`)."""
+
+
 @dataclass
 class HostRecord:
     """One supervised process role (worker or relay) on one host, as last seen."""
@@ -128,6 +142,13 @@ class HostRecord:
         """How to reach the host: ``detail["conn"]``, kept as plain data (as every version of
         nebula wrote it), read back typed."""
         return conn_from_data(self.detail["conn"])
+
+    @property
+    def rotated_kept(self) -> int:
+        """How many rotated files each of its logs and metrics files may have
+        (``detail["rotated"]``, the spec's ``logs.keep``; 0 for jobs of earlier versions)."""
+        kept = self.detail.get(ROTATED_KEY)
+        return kept if isinstance(kept, int) and kept >= 0 else 0
 
 
 @dataclass
@@ -372,6 +393,20 @@ class StateStore:
                 " VALUES (?,?,?,?,?,?)",
                 (job_id, time.time(), cluster, host, kind, message),
             )
+            held = db.execute("SELECT COUNT(*) FROM events WHERE job_id = ?",
+                              (job_id,)).fetchone()[0]
+            if held > MAX_EVENTS + PRUNE_EVERY:
+                self._prune_events(db, job_id)
+
+    def _prune_events(self, db: sqlite3.Connection, job_id: str) -> None:
+        """Keep a job's newest MAX_EVENTS events (and every one of the KEPT_EVENTS kinds): a
+        month-long run that restarts processes now and then must not grow the store."""
+        kept = ",".join("?" * len(KEPT_EVENTS))
+        db.execute(
+            f"DELETE FROM events WHERE job_id = ? AND kind NOT IN ({kept}) AND id <= ("
+            "  SELECT id FROM events WHERE job_id = ? AND kind NOT IN"
+            f"  ({kept}) ORDER BY id DESC LIMIT 1 OFFSET ?)",
+            (job_id, *KEPT_EVENTS, job_id, *KEPT_EVENTS, MAX_EVENTS))
 
     def events(self, job_id: str, after_id: int = 0) -> list[Event]:
         rows = self._db.execute(

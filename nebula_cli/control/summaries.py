@@ -15,6 +15,7 @@ from typing import Any
 
 from nebula_cli.agent import summary
 from nebula_cli.config import plan_model
+from nebula_cli.config.rotation import rotated
 from nebula_cli.control.follow import file_sizes, metric_sources
 from nebula_cli.control.state import END_STATES, HostRecord
 from nebula_cli.transport import Transport
@@ -53,28 +54,38 @@ def needs_summary(rec: HostRecord) -> bool:
 
 
 def read_summaries(transport: Transport, rec: HostRecord) -> dict[str, Any]:
-    """rank -> summary of each metrics file of a host, from the files' tails (bounded reads)."""
+    """rank -> summary of each metrics file of a host, from the files' tails (bounded reads);
+    a live file shorter than what a summary reads is read after the end of its newest rotated
+    file (`config.rotation`), so that a rotation just now loses no newest value."""
     sources = metric_sources(rec)
-    sizes = file_sizes(transport, list(sources.values()))
+    older = {path: rotated(path, 1) for path in sources.values()}
+    sizes = file_sizes(transport, [*sources.values(), *older.values()])
     out = {}
     for rank, path in sources.items():
         size = sizes.get(path)
         if size is None:
             continue
-
-        def read(offset: int, length: int, path: str = path) -> bytes:
-            parts, end = [], offset + length
-            while offset < end:
-                data, after = transport.read_tail(path, offset, end - offset)
-                if not data or after - len(data) != offset:
-                    break
-                parts.append(data)
-                offset = after
-            return b"".join(parts)
-
-        state = summary.update(summary.new_state(), read, size)
+        state = summary.new_state()
+        before = sizes.get(older[path])
+        if before and size < summary.SCAN_BYTES:
+            state = summary.carry(summary.update(state, _reader(transport, older[path]), before))
+        state = summary.update(state, _reader(transport, path), size)
         out[rank] = summary.public(state, rec.detail["metrics"][rank])
     return out
+
+
+def _reader(transport: Transport, path: str) -> summary.Reader:
+    def read(offset: int, length: int) -> bytes:
+        parts, end = [], offset + length
+        while offset < end:
+            data, after = transport.read_tail(path, offset, end - offset)
+            if not data or after - len(data) != offset:
+                break
+            parts.append(data)
+            offset = after
+        return b"".join(parts)
+
+    return read
 
 
 def _ts(entry: dict[str, Any]) -> float:

@@ -22,11 +22,13 @@ from nebula_cli.pki.certs import (
     _write_pair,
     expiry,
     expiry_warning,
+    extend_job_pki,
     identity_of,
     issue_job_pki,
     load_pki,
     needs_renewal_warning,
     renew_job_pki,
+    renewal_due,
 )
 from nebula_cli.pki.sshkeys import ssh_keypair
 from nebula_cli.pki.tls import (
@@ -60,6 +62,8 @@ __all__ = [
     "needs_renewal_warning",
     "peer_identity",
     "renew_job_pki",
+    "renewal_due",
+    "extend_job_pki",
     "server_context",
     "ssh_keypair",
     "wrap_client",

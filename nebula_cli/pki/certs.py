@@ -12,6 +12,9 @@ Layout written by :func:`issue_job_pki`::
 earlier attempt, or a process of it still running somewhere, is refused by every process of the
 new one. Every process of a job starts again on a resume, with the new files;
 ``bench-network`` issues its own CA per run.
+:func:`extend_job_pki` renews a running job's certificates before they expire (the same CA
+key certified again, new leaves: old and new chain either way, so processes reload them one by
+one with nothing stopped); :func:`renewal_due` says when (a third of the period left).
 :func:`expiry` says when the first of them expires, :func:`needs_renewal_warning` whether to warn.
 """
 
@@ -402,6 +405,57 @@ def renew_job_pki(
     return pki
 
 
+def extend_job_pki(out_dir: Path, *, valid_for: dt.timedelta) -> JobPKI:
+    """Renew a running job's certificates before they expire, valid from now until now +
+    ``valid_for``, with no process stopped: the CA is certified again with the same key and
+    name (a new serial and period), and every relay and worker gets a new key and certificate
+    signed by that key. Old and new chain to either CA certificate, so a process that has not
+    reloaded its files yet and one that has accept each other; each process loads the new
+    files for its next handshake (`tls`), and established connections are not touched. Each
+    file is replaced atomically (the key before its certificate)."""
+    if valid_for <= dt.timedelta(0):
+        raise NebulaError(f"certificate lifetime must be positive, got {valid_for}")
+    pki = load_pki(out_dir)
+    old = _load_cert(pki.ca_cert)
+    try:
+        ca_key = serialization.load_pem_private_key(pki.ca_key.read_bytes(), password=None)
+    except (OSError, ValueError) as exc:
+        raise NebulaError(f"cannot read the job's CA key {pki.ca_key}: {exc}") from exc
+    if not isinstance(ca_key, ec.EllipticCurvePrivateKey):
+        raise NebulaError(f"the job's CA key {pki.ca_key} is not an EC key")
+    now = _now()
+    not_before, not_after = now - CLOCK_SKEW, now + valid_for
+    builder = (x509.CertificateBuilder().subject_name(old.subject).issuer_name(old.subject)
+               .public_key(ca_key.public_key()).serial_number(x509.random_serial_number())
+               .not_valid_before(not_before).not_valid_after(not_after))
+    for ext in old.extensions:
+        builder = builder.add_extension(ext.value, critical=ext.critical)
+    ca_cert = builder.sign(ca_key, hashes.SHA256())
+    _replace(pki.ca_cert, ca_cert.public_bytes(serialization.Encoding.PEM), 0o644)
+    for cluster, hosts in pki.clusters.items():
+        todo = [(Identity(pki.job_id, "relay", cluster, "relay"), pki.relay(cluster))]
+        todo += [(Identity(pki.job_id, "worker", cluster, h), pki.worker(cluster, h))
+                 for h in hosts]
+        for ident, pair in todo:
+            cert, key = _issue_leaf(ca_cert, ca_key, ident, not_before=not_before,
+                                    not_after=not_after)
+            _replace(pair.key, _key_pem(key), 0o600)
+            _replace(pair.cert, cert.public_bytes(serialization.Encoding.PEM), 0o644)
+    log.info("extended the certificates of job %s until %s", pki.job_id, not_after.isoformat())
+    return pki
+
+
+def renewal_due(out_dir: Path, now: dt.datetime | None = None) -> bool:
+    """Whether a running job's certificates should be renewed now: a third or less of their
+    period is left (a month-long run with lifetime_days 90 renews with 30 days left; a job of
+    short-lived certificates, as tests make, within seconds)."""
+    pki = load_pki(out_dir)
+    cert = _load_cert(pki.ca_cert)
+    now = now or dt.datetime.now(dt.UTC)
+    period = cert.not_valid_after_utc - cert.not_valid_before_utc
+    return now >= expiry(out_dir) - period / 3
+
+
 def expiry(out_dir: Path) -> dt.datetime:
     """When the first certificate of the job PKI in ``out_dir`` (CA, relays, workers) expires."""
     pki = load_pki(out_dir)
@@ -433,6 +487,6 @@ def expiry_warning(out_dir: Path, now: dt.datetime | None = None) -> str | None:
                 "job and launch it again (a launch issues new certificates)")
     days = (ends - now).total_seconds() / 86400
     return (f"the job's certificates expire on {when} (in {days:.1f} days): after that relays "
-            "cannot reconnect; give long jobs a larger lifetime_days (a new launch issues new "
-            "certificates)")
+            "cannot reconnect; `nebula status` on this machine (it holds the CA key) renews a "
+            "running job's certificates once a third of their period (lifetime_days) is left")
 

@@ -3,12 +3,19 @@
 TLS 1.3 only, certificates required both ways; ``ssl`` checks the chain to the job's CA,
 :func:`check_peer` checks the job id, role and cluster from the SAN after the handshake (no
 hostname checks: relays are reached by address, identity lives in the certificate).
+
+A context remembers its files: before each handshake (`_wrap`) it loads them again if they were
+renewed meanwhile (`reload_if_renewed`), so a month-long job's relays and workers take renewed
+certificates (`certs.extend_job_pki`) without a restart.
 """
 
 from __future__ import annotations
 
+import os
 import socket
 import ssl
+import threading
+import weakref
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -48,7 +55,46 @@ def _context(protocol: int, pair: CertPair, ca: Path) -> ssl.SSLContext:
         raise NebulaError(f"TLS file missing: {exc.filename}") from exc
     except (ssl.SSLError, OSError) as exc:
         raise NebulaError(f"cannot load TLS files {pair.cert}, {pair.key}, {ca}: {exc}") from exc
+    _LOADED[ctx] = (pair, Path(ca), _stamp(pair, Path(ca)))
     return ctx
+
+
+_LOADED: weakref.WeakKeyDictionary[ssl.SSLContext, tuple[CertPair, Path, tuple[int, ...]]] = (
+    weakref.WeakKeyDictionary())
+"""Each context made here: its files and their modification times when loaded."""
+_RELOAD_LOCK = threading.Lock()
+
+
+def _stamp(pair: CertPair, ca: Path) -> tuple[int, ...]:
+    try:
+        return tuple(os.stat(p).st_mtime_ns for p in (pair.cert, pair.key, ca))
+    except OSError:
+        return ()
+
+
+def reload_if_renewed(ctx: ssl.SSLContext) -> bool:
+    """Load a context's certificate, key and CA again when their files changed since it loaded
+    them (a running job's certificates renewed: `certs.extend_job_pki`); the next handshake
+    uses them, established connections keep theirs. A pair caught half replaced (a key that
+    does not match its certificate yet) is left for the next call. Whether it reloaded."""
+    entry = _LOADED.get(ctx)
+    if entry is None:
+        return False
+    pair, ca, stamp = entry
+    now = _stamp(pair, ca)
+    if not now or now == stamp:
+        return False
+    with _RELOAD_LOCK:
+        try:
+            ctx.load_cert_chain(certfile=str(pair.cert), keyfile=str(pair.key))
+            ctx.load_verify_locations(cafile=str(ca))  # the CA certified again, added
+        except (ssl.SSLError, OSError) as exc:
+            log.info("renewed TLS files not loaded yet (%s); the next handshake tries again",
+                     exc)
+            return False
+        _LOADED[ctx] = (pair, ca, now)
+    log.info("loaded renewed TLS files %s", pair.cert)
+    return True
 
 
 def server_context(pair: CertPair, ca: Path) -> ssl.SSLContext:
@@ -165,6 +211,7 @@ def _wrap(
     timeout: float | None,
 ) -> tuple[ssl.SSLSocket, Identity]:
     peer = _peer_addr(sock)
+    reload_if_renewed(ctx)
     previous = sock.gettimeout()
     sslsock: ssl.SSLSocket | None = None
     try:

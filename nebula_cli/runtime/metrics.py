@@ -1,7 +1,8 @@
 """Training metrics as JSON lines: written by workers, read back by the CLI.
 
 ``log(step=..., loss=...)`` appends one JSON object per call to the file named by
-``NEBULA_METRICS_FILE`` (when set) and prints the same object on stdout behind
+``NEBULA_METRICS_FILE`` (when set; rotated as ``$NEBULA_ROTATION`` says, `config.rotation`)
+and prints the same object on stdout behind
 ``METRICS_TAG``, so a follower of plain logs can pick metrics out too. Every record
 carries ``ts`` (unix time), ``step``, ``cluster``, ``host`` and ``rank`` from the worker's
 environment. Floats that are not finite become ``null``.
@@ -32,10 +33,10 @@ import sys
 import threading
 import time
 from collections.abc import Mapping
-from pathlib import Path
 from typing import Any, Protocol
 
 from nebula_cli.config.parts import METRICS_CONFIG_ENV, METRICS_FILE_ENV
+from nebula_cli.config.rotation import Rotation, append
 from nebula_cli.errors import NebulaError
 
 METRICS_TAG = "[nebula-metrics]"
@@ -66,15 +67,8 @@ class JsonlSink:
         line = format_record(rec)
         path = os.environ.get(METRICS_FILE_ENV)
         if path:
-            target = Path(path)
-            target.parent.mkdir(parents=True, exist_ok=True)
-            data = (line + "\n").encode("utf-8")
-            # One write on an O_APPEND descriptor: whole lines, even with several writers.
-            fd = os.open(target, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-            try:
-                os.write(fd, data)
-            finally:
-                os.close(fd)
+            # One write on an O_APPEND descriptor (whole lines); rotated as the agent says.
+            append(path, (line + "\n").encode("utf-8"), Rotation.from_env())
         sys.stdout.write(f"{METRICS_TAG} {line}\n")
         sys.stdout.flush()
 

@@ -14,6 +14,9 @@ import pytest
 from helpers.jobs import REPO
 
 SCRIPTS = {
+    "soak": ("rounds", "rss_growth_mb_per_1000_rounds", "fd_growth_per_1000_rounds",
+             "disk_bytes_end", "disk_bound_bytes", "status_time_ratio", "goodput_vs_clean",
+             "identical", "left_processes", "goals_met"),
     "chaos": ("goodput_vs_clean", "faults_injected", "lost_steps", "params_identical",
               "eval_loss_clean", "eval_loss_faults"),
     "wan_training": ("speedup_vs_flat", "utilization", "utilization_overlap", "loss_gap",

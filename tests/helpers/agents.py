@@ -22,7 +22,8 @@ def make_dir(tmp_path: Path, script: str, slots: int = 1, **config: Any) -> Path
     procs = [{"name": str(r), "argv": ["/bin/sh", "-c", script], "env": {"MY_RANK": str(r)},
               "log": f"logs/rank{r}.log", "metrics": None} for r in range(slots)]
     cfg = {"job_id": "t", "cluster": "c", "host": "h", "role": "worker", "cwd": str(tmp_path),
-           "grace": 5, "max_restarts": 0, "restart_backoff": 0.2, "processes": procs, **config}
+           "grace": 5, "max_restarts": 0, "restart_backoff": 0.2, "processes": procs,
+           "rotation": {"max_bytes": 1 << 20, "keep": 2}, **config}
     (d / "agent.json").write_text(json.dumps(cfg))
     return d
 

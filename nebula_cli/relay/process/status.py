@@ -1,7 +1,8 @@
 """The relay's status file and metrics lines, written by one thread.
 
 ``status_file`` (JSON, atomic rename) is rewritten after each round and whenever something
-changed (a peer, an event); ``metrics_file`` gets one JSON line per round. Other threads only
+changed (a peer, an event); ``metrics_file`` gets one JSON line per round, rotated as the
+agent says (``$NEBULA_ROTATION``, `config.rotation`). Other threads only
 record what happened (:meth:`Status.event`, :meth:`Status.record_round`, :meth:`Status.touch`);
 the writer thread turns it into files.
 """
@@ -17,6 +18,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from nebula_cli.config.rotation import Rotation, append
 from nebula_cli.relay.protocol.results import RoundOutcome
 
 log = logging.getLogger("nebula.relay")
@@ -32,6 +34,7 @@ class Status:
 
     def __init__(self, status_file: str | None, metrics_file: str | None, view: View) -> None:
         self.status_file, self.metrics_file, self._view = status_file, metrics_file, view
+        self._rotation = Rotation.from_env()  # what the agent set: metrics_file stays bounded
         self.stats = {"rounds": 0, "events": 0, "missed": 0, "rejected": 0, "partial_rounds": 0}
         self.last: dict[str, Any] = {}
         self._lines: list[dict[str, Any]] = []
@@ -121,10 +124,9 @@ class Status:
         if not self.metrics_file or not lines:
             return
         cluster = self._view().get("cluster")
+        data = "".join(json.dumps({"cluster": cluster, **rec}) + "\n" for rec in lines)
         try:
-            Path(self.metrics_file).parent.mkdir(parents=True, exist_ok=True)
-            with open(self.metrics_file, "a") as f:
-                f.writelines(json.dumps({"cluster": cluster, **rec}) + "\n" for rec in lines)
+            append(self.metrics_file, data.encode(), self._rotation)
         except OSError as exc:
             log.warning("cannot append to metrics file %s: %s", self.metrics_file, exc)
 

@@ -1,0 +1,337 @@
+"""A compressed month: one job trained for an hour (or --quick, a few minutes) under a seeded
+schedule of faults, sampled for what only length shows (memory, descriptors, disk, `status`'s
+time), then the same job without faults for goodput. On this machine (local transport, no root).
+
+    .venv/bin/python bench/soak.py [--quick] [--json] [--seed 7] [--minutes M] [--out DIR]
+
+The job: two clusters (east, west: one host, one CPU worker each) train the small GPT of
+examples/gpt through the relays (DiLoCo, int8, the relays' WAN emulation at 50 Mbit/s and 25 ms
+one way), a round every --inner-steps (2) steps, a checkpoint every 10 steps (keep 2), logs and
+records rotated small (`logs: {max_mb: 0.25, keep: 2}`) so that rotation happens within the run.
+Its step count is calibrated so that training takes about --minutes without faults.
+
+Faults, drawn from --seed about every --every seconds (uniform in [0.5, 1.5] x every):
+  kill-worker   SIGKILL of a cluster's training process (its agent restarts it);
+  kill-relay    SIGKILL of a relay (its agent restarts it; it resyncs from a peer);
+  stall-relay   SIGSTOP of a relay for dead_after + 2 s, then SIGCONT: a silent link, as far as
+                one machine without namespaces shows one;
+  kill-agent    SIGKILL of a host's agent alone (the next `status` replaces it: `agent revive`);
+  reboot-host   SIGKILL of a host's agent and everything it ran (a host reboot, as far as
+                processes show one): the next `status` replaces the agent and restarts its work;
+and, after a fault, with probability 0.3 a second one 3 s later (a fault during the recovery
+from the last). Once, half way, `nebula stop` then `nebula resume`. Not here: a cut of a real
+link and a full disk (both need the test bed's namespaces and a small file system per host).
+
+Every --sample-every seconds (30; --quick: 10): RSS and open descriptors of every nebula process
+by kind (agent, logpump, relay, worker), bytes on disk under `$NEBULA_HOME` (which holds the
+local hosts' job directories), `state.db`, and the time of `nebula status JOB --json`. Printed:
+per kind, the growth per 1,000 rounds (least squares over the samples after the first 20 %),
+the status time ratio (last 3 samples over the first 3), every worker's parameter checksum,
+goodput against the fault-free run of the same steps, processes left. Plots (PNG) go to --out.
+The last line is a JSON object (JSON_FIELDS).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import random
+import signal
+import sys
+import tempfile
+import time
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _local import GPT_DIR, REPO, Cli, records  # noqa: E402
+from _soak_sample import KINDS, Sample, growth, processes, take  # noqa: E402
+
+JSON_FIELDS = ("rounds", "rss_growth_mb_per_1000_rounds", "fd_growth_per_1000_rounds",
+               "disk_bytes_end", "disk_bound_bytes", "status_time_ratio", "goodput_vs_clean",
+               "identical", "left_processes", "goals_met")
+FAULTS = ("kill-worker", "kill-relay", "stall-relay", "kill-agent", "reboot-host")
+GOALS = {"rss_mb": 1.0, "status_ratio": 1.5, "goodput": 0.85}
+QUICK = {"minutes": 4.0, "every": 40.0, "sample": 10.0}
+FULL = {"minutes": 60.0, "every": 180.0, "sample": 30.0}
+LOGS = {"max_mb": 0.25, "keep": 2}
+CKPT_KEEP = 2
+DEAD_AFTER = 6.0
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--quick", action="store_true",
+                   help=f"{QUICK['minutes']:g} minutes of training per run, a fault every "
+                        f"~{QUICK['every']:g} s (both runs within 15 minutes)")
+    p.add_argument("--json", action="store_true", help="print a JSON object last (always)")
+    p.add_argument("--seed", type=int, default=7, help="seed of the fault schedule")
+    p.add_argument("--minutes", type=float, help="training minutes of the fault-free run "
+                                                 f"(default {FULL['minutes']:g})")
+    p.add_argument("--every", type=float, help="mean seconds between faults")
+    p.add_argument("--sample-every", type=float, help="seconds between samples")
+    p.add_argument("--inner-steps", type=int, default=2)
+    p.add_argument("--out", type=Path, default=REPO / "docs" / "soak",
+                   help="where the plots and the samples go")
+    args = p.parse_args(argv)
+    preset = QUICK if args.quick else FULL
+    args.minutes = args.minutes or preset["minutes"]
+    args.every = args.every or preset["every"]
+    args.sample_every = args.sample_every or preset["sample"]
+    return args
+
+
+def write_spec(tmp: Path, name: str, steps: int, args: argparse.Namespace) -> Path:
+    spec = yaml.safe_load((REPO / "templates" / "quickstart.yaml").read_text())
+    spec.update(name=name, workdir=str(GPT_DIR), max_restarts=1000, logs=LOGS,
+                run=f"python -u train.py --steps {steps} --eval-every {steps} --log-every 2",
+                checkpoint={"every": 10, "keep": CKPT_KEEP, "dir": "checkpoints"})
+    spec["clusters"] = [{"name": c, "transport": "local", "hosts": [{"host": h}]}
+                        for c, h in (("east", "e1"), ("west", "w1"))]
+    spec["relay"]["sync"]["inner_steps"] = args.inner_steps
+    spec["relay"].update(timeout=30, heartbeat=1.0, dead_after=DEAD_AFTER)
+    path = tmp / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(spec))
+    return path
+
+
+def host_pids(job_id: str, cluster: str, role: str) -> tuple[int | None, list[int]]:
+    """(the agent's pid, every process of its directory) of `role` on `cluster`'s host."""
+    mark = f"/{job_id}/{cluster}/"
+    agent, group = None, []
+    for pid in (p for pids in processes(job_id).values() for p in pids):
+        with contextlib.suppress(OSError):
+            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+            env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+            mine = any(x.startswith(b"NEBULA_AGENT_DIR=") and mark.encode() in x
+                       and x.endswith(f"/{role}".encode()) for x in env)
+            supervises = "nebula_cli.agent start" in cmd or "nebula_cli.agent revive" in cmd
+            if supervises and mark in cmd and cmd.rstrip().endswith(role):
+                agent = pid
+            elif mine:
+                group.append(pid)
+    return agent, group
+
+
+def inject(cli: Cli, job_id: str, kind: str, cluster: str) -> bool:
+    role = "relay" if "relay" in kind else "worker"
+    agent, group = host_pids(job_id, cluster, role)
+    procs = processes(job_id)
+    try:
+        if kind == "kill-worker":
+            targets = [p for p in group if p in procs["worker"]]
+        elif kind in ("kill-relay", "stall-relay"):
+            targets = [p for p in group if p in procs["relay"]]
+        elif kind == "kill-agent":
+            targets = [agent] if agent else []
+        else:  # reboot-host
+            targets = ([agent] if agent else []) + group
+        if not targets:
+            return False
+        if kind == "stall-relay":
+            for p in targets:
+                os.kill(p, signal.SIGSTOP)
+            time.sleep(DEAD_AFTER + 2.0)
+            for p in targets:
+                os.kill(p, signal.SIGCONT)
+        else:
+            for p in targets:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(p, signal.SIGKILL)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def run(cli: Cli, spec: Path, args: argparse.Namespace, faulty: bool
+        ) -> tuple[float, dict[str, Any], list[Sample], list[dict[str, Any]], str]:
+    t0 = time.monotonic()
+    job_id = cli("launch", str(spec), "--detach", timeout=600).stdout.strip().splitlines()[-1]
+    rng = random.Random(args.seed)
+    samples: list[Sample] = []
+    faults: list[dict[str, Any]] = []
+    next_fault = t0 + args.every * rng.uniform(0.5, 1.5)
+    next_sample = t0
+    resumed = not faulty
+    half = t0 + args.minutes * 30
+    while True:
+        now = time.monotonic()
+        if now >= next_sample:
+            a = time.monotonic()
+            st = cli.status(job_id)
+            took = time.monotonic() - a
+            samples.append(take(job_id, cli.home, now - t0, took))
+            s = samples[-1]
+            print(f"  {now - t0:7.1f}s  round {s.rounds:5d}  rss " + " ".join(
+                f"{k} {s.rss[k]:.0f}" for k in KINDS) + f"  disk {s.disk >> 20} MiB  "
+                f"status {took:.2f}s", flush=True)
+            next_sample = now + args.sample_every
+            if st.get("state") not in ("PENDING", "RUNNING", None):
+                break
+        if faulty and not resumed and now >= half:
+            print(f"  {now - t0:7.1f}s  stop, then resume", flush=True)
+            cli("stop", job_id, timeout=300)
+            cli("resume", job_id, "--detach", timeout=600)
+            faults.append({"at_s": round(now - t0, 1), "fault": "stop-resume"})
+            resumed = True
+        if faulty and now >= next_fault:
+            kind, cluster = rng.choice(FAULTS), rng.choice(["east", "west"])
+            chained = [kind] + ([rng.choice(FAULTS)] if rng.random() < 0.3 else [])
+            for i, k in enumerate(chained):
+                if i:
+                    time.sleep(3.0)
+                if inject(cli, job_id, k, cluster):
+                    faults.append({"at_s": round(time.monotonic() - t0, 1), "fault": k,
+                                   "cluster": cluster, "during_recovery": bool(i)})
+                    print(f"  {time.monotonic() - t0:7.1f}s  {k} {cluster}"
+                          + (" (during the recovery)" if i else ""), flush=True)
+            next_fault = time.monotonic() + args.every * rng.uniform(0.5, 1.5)
+        time.sleep(0.5)
+    seconds = time.monotonic() - t0
+    if st.get("state") != "SUCCEEDED":
+        cli("stop", job_id, "--force")
+        raise SystemExit(f"{spec.stem}: job {job_id} ended {st.get('state')}: {st.get('reason')}")
+    return seconds, st, samples, faults, job_id
+
+
+def calibrate(cli: Cli, tmp: Path, args: argparse.Namespace) -> int:
+    """Steps that take about --minutes of training here: a short job's step rate, from its
+    records' times (start-up and DeepSpeed's first build left out)."""
+    probe = 40
+    job_id = cli("launch", str(write_spec(tmp, "calibrate", probe, args)), "--detach",
+                 timeout=600).stdout.strip().splitlines()[-1]
+    while cli.status(job_id).get("state") in ("PENDING", "RUNNING", None):
+        time.sleep(1.0)
+    points = sorted((r["step"], r["ts"]) for r in records(cli.home, job_id)
+                    if isinstance(r.get("step"), int) and r.get("ts") and r["step"] >= 4
+                    and not r.get("final") and "loss" in r)
+    per_step = ((points[-1][1] - points[0][1]) / (points[-1][0] - points[0][0])
+                if len(points) > 1 and points[-1][0] > points[0][0] else 1.0)
+    steps = int(args.minutes * 60 / per_step) // 10 * 10
+    print(f"calibration: {per_step:.2f} s a step: {steps} steps for ~{args.minutes:g} min",
+          flush=True)
+    return max(steps, 60)
+
+
+def disk_bound(home: Path, job_id: str) -> int:
+    """What the spec allows on disk: every rotated file at its bound, checkpoints at keep + 1
+    (one being written) of the largest seen, plus what does not grow (code, configs)."""
+    job = home / "jobs" / job_id
+    series = {str(p).split(".jsonl")[0].split(".log")[0] for p in job.glob("*/*/*/logs/*")}
+    series |= {str(p).split(".jsonl")[0] for p in job.glob("*/*/*/metrics/*.jsonl*")}
+    series |= {str(p) for p in job.glob("*/*/*/events.jsonl")}
+    series |= {str(p) for p in job.glob("*/*/*/agent.log")}
+    per_file = (LOGS["keep"] + 1) * (int(LOGS["max_mb"] * (1 << 20)) + (64 << 10))
+    ckpts = [sum(f.stat().st_size for f in d.rglob("*") if f.is_file())
+             for d in job.glob("**/checkpoints/*/*/step*")]
+    hosts = len(list(job.glob("*/*/worker")))
+    fixed = 64 << 20  # agent.json, certificates, summaries, state.db, launch.log, pki
+    return len(series) * per_file + hosts * (CKPT_KEEP + 1) * max(ckpts, default=0) + fixed
+
+
+def plot(samples: list[Sample], out: Path, label: str) -> list[str]:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return []
+    out.mkdir(parents=True, exist_ok=True)
+    made = []
+    xs = [s.rounds for s in samples]
+    for name, values, unit in (
+            ("rss", lambda k: [s.rss[k] for s in samples], "RSS (MiB, summed per kind)"),
+            ("fds", lambda k: [s.fds[k] for s in samples], "open descriptors (per kind)")):
+        fig, ax = plt.subplots(figsize=(7, 4))
+        for k in KINDS:
+            ax.plot(xs, values(k), marker=".", label=k)
+        ax.set_xlabel("rounds")
+        ax.set_ylabel(unit)
+        ax.legend()
+        ax.set_title(f"soak ({label}): {name} against rounds")
+        path = out / f"soak-{label}-{name}.png"
+        fig.savefig(path, dpi=90, bbox_inches="tight")
+        plt.close(fig)
+        made.append(str(path))
+    fig, ax = plt.subplots(figsize=(7, 4))
+    ax.plot(xs, [s.disk / (1 << 20) for s in samples], marker=".", label="$NEBULA_HOME")
+    ax.plot(xs, [s.state_db / (1 << 20) for s in samples], marker=".", label="state.db")
+    ax.set_xlabel("rounds")
+    ax.set_ylabel("MiB on disk")
+    ax.legend()
+    ax.set_title(f"soak ({label}): disk against rounds")
+    path = out / f"soak-{label}-disk.png"
+    fig.savefig(path, dpi=90, bbox_inches="tight")
+    plt.close(fig)
+    made.append(str(path))
+    return made
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    label = "quick" if args.quick else f"{args.minutes:g}min"
+    with tempfile.TemporaryDirectory(prefix="nebula-soak-") as tmp:
+        cli = Cli(Path(tmp) / "home")
+        steps = calibrate(cli, Path(tmp), args)
+        print(f"(a) under faults: {steps} steps, a round every {args.inner_steps} steps, "
+              f"a fault every ~{args.every:g} s (seed {args.seed})", flush=True)
+        secs, st, samples, faults, job_id = run(
+            cli, write_spec(Path(tmp), "soak", steps, args), args, faulty=True)
+        recs = records(cli.home, job_id)
+        last: dict[str, dict[str, Any]] = {}  # each cluster's last final record (a stop, a
+        for r in sorted((r for r in recs if r.get("final")), key=lambda r: r.get("ts", 0)):
+            last[r.get("cluster", "?")] = r  # revive's graceful end, the end: each writes one)
+        finals = list(last.values())
+        sums = sorted(f"{c}: {r.get('param_sha256')}" for c, r in last.items())
+        end_disk, bound = samples[-1].disk, disk_bound(cli.home, job_id)
+        time.sleep(3)
+        left = sum(len(v) for v in processes(job_id).values())
+        print("(b) fault-free, the same steps", flush=True)
+        clean_s, *_ = run(cli, write_spec(Path(tmp), "clean", steps, args), args, faulty=False)
+    grown = growth(samples, warmup=0.2)
+    first = [s.status_s for s in samples[:3]]
+    last = [s.status_s for s in samples[-3:]]
+    ratio = (sum(last) / len(last)) / (sum(first) / len(first)) if first else 0.0
+    identical = len(finals) == 2 and len({r.get("param_sha256") for r in finals}) == 1
+    goodput = clean_s / secs
+    goals = (all(v <= GOALS["rss_mb"] for v in grown["rss_mb"].values())
+             and end_disk <= bound and ratio <= GOALS["status_ratio"]
+             and goodput >= GOALS["goodput"] and identical and left == 0)
+    plots = plot(samples, args.out, label)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / f"soak-{label}-samples.json").write_text(
+        json.dumps([asdict(s) for s in samples]))
+    print(f"\nrounds                  {samples[-1].rounds}")
+    for k in KINDS:
+        print(f"{k:8s} growth/1000 rounds  rss {grown['rss_mb'][k]:+.3f} MiB  "
+              f"fds {grown['fds'][k]:+.3f}")
+    print(f"disk at the end         {end_disk >> 20} MiB (bound {bound >> 20} MiB)")
+    print(f"status time ratio       {ratio:.2f}  (last 3 samples / first 3)")
+    print(f"goodput vs fault-free   {goodput:.3f}  ({clean_s:.0f} s / {secs:.0f} s)")
+    print(f"faults                  {len(faults)}: "
+          + ", ".join(f["fault"] for f in faults))
+    print("parameter checksums     " + "; ".join(sums))
+    print(f"processes left          {left}")
+    print(f"plots                   {', '.join(plots) or 'none (no matplotlib)'}")
+    summary = {"rounds": samples[-1].rounds, "rss_growth_mb_per_1000_rounds": grown["rss_mb"],
+               "fd_growth_per_1000_rounds": grown["fds"], "disk_bytes_end": end_disk,
+               "disk_bound_bytes": bound, "status_time_ratio": round(ratio, 3),
+               "goodput_vs_clean": round(goodput, 3), "identical": identical,
+               "left_processes": left, "goals_met": goals,
+               "settings": {"seed": args.seed, "minutes": args.minutes, "steps": steps,
+                            "every_s": args.every, "inner_steps": args.inner_steps,
+                            "sample_every_s": args.sample_every, "quick": args.quick},
+               "seconds_faults": round(secs, 1), "seconds_clean": round(clean_s, 1),
+               "faults": faults, "final_state": st.get("state")}
+    print(json.dumps(summary))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

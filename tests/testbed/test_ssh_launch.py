@@ -249,7 +249,7 @@ def test_pipeline_follows_the_placement_over_ssh(ssh_cli: CLI, bed_clean: TestBe
 def test_ctrl_c_during_setup_over_ssh_cancels_the_launch(ssh_cli: CLI, bed_clean: TestBed,
                                                          tmp_path: Path) -> None:
     from conftest import wait_for
-    from test_launch_cancel import launch_and_interrupt, mentions
+    from helpers.interrupts import launch_and_interrupt, mentions
 
     spec = ssh_spec(tmp_path, bed_clean, clusters={"east": ["e1"], "west": ["w1"]},
                     run="sleep 300", relay={},

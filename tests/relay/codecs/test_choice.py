@@ -195,7 +195,7 @@ def test_the_spec_and_plan_of_compression_auto(tmp_path: Path) -> None:
     assert sync.outer_by_codec == {"int8": [0.7, 0.5], "topk": [2.5, 0.5]}
     assert (sync.outer_lr, sync.outer_momentum, sync.codec) == (0.7, 0.5, "auto")
     with pytest.raises(RelayConfigError, match="auto_codec is set exactly when"):
-        from test_relay_rounds import config
+        from helpers.rounds_hub import config
         config("a", ["a", "b"], codec="auto")
 
 

@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 import yaml
-from helpers.jobs import CLI, REMOTE_JOBS, REPO, job_processes
+from helpers.interrupts import launch_and_interrupt, mentions
+from helpers.jobs import CLI, REMOTE_JOBS, REPO, job_processes, wait_for
 from helpers.quickstart import relay_logs
 from helpers.ssh_jobs import records, ssh_spec
 
@@ -248,9 +249,6 @@ def test_pipeline_follows_the_placement_over_ssh(ssh_cli: CLI, bed_clean: TestBe
 
 def test_ctrl_c_during_setup_over_ssh_cancels_the_launch(ssh_cli: CLI, bed_clean: TestBed,
                                                          tmp_path: Path) -> None:
-    from conftest import wait_for
-    from helpers.interrupts import launch_and_interrupt, mentions
-
     spec = ssh_spec(tmp_path, bed_clean, clusters={"east": ["e1"], "west": ["w1"]},
                     run="sleep 300", relay={},
                     extra={"setup": "echo setting up; sleep 120"})

@@ -375,6 +375,21 @@ def _key_pem(key: ec.EllipticCurvePrivateKey) -> bytes:
                              serialization.NoEncryption())
 
 
+def _reissue_leaves(pki: JobPKI, ca_cert: x509.Certificate, ca_key: ec.EllipticCurvePrivateKey,
+                    *, not_before: dt.datetime, not_after: dt.datetime) -> None:
+    """Every relay and worker of the job given a new key and a certificate signed by `ca_key`,
+    each file replaced atomically (the key before its certificate)."""
+    for cluster, hosts in pki.clusters.items():
+        todo = [(Identity(pki.job_id, "relay", cluster, "relay"), pki.relay(cluster))]
+        todo += [(Identity(pki.job_id, "worker", cluster, h), pki.worker(cluster, h))
+                 for h in hosts]
+        for ident, pair in todo:
+            cert, key = _issue_leaf(ca_cert, ca_key, ident, not_before=not_before,
+                                    not_after=not_after)
+            _replace(pair.key, _key_pem(key), 0o600)
+            _replace(pair.cert, cert.public_bytes(serialization.Encoding.PEM), 0o644)
+
+
 def renew_job_pki(
     out_dir: Path, *, valid_for: dt.timedelta
 ) -> JobPKI:
@@ -392,15 +407,7 @@ def renew_job_pki(
     ca_cert, ca_key = _issue_ca(pki.job_id, not_before, not_after)
     _replace(pki.ca_key, _key_pem(ca_key), 0o600)
     _replace(pki.ca_cert, ca_cert.public_bytes(serialization.Encoding.PEM), 0o644)
-    for cluster, hosts in pki.clusters.items():
-        todo = [(Identity(pki.job_id, "relay", cluster, "relay"), pki.relay(cluster))]
-        todo += [(Identity(pki.job_id, "worker", cluster, h), pki.worker(cluster, h))
-                 for h in hosts]
-        for ident, pair in todo:
-            cert, key = _issue_leaf(ca_cert, ca_key, ident, not_before=not_before,
-                                    not_after=not_after)
-            _replace(pair.key, _key_pem(key), 0o600)
-            _replace(pair.cert, cert.public_bytes(serialization.Encoding.PEM), 0o644)
+    _reissue_leaves(pki, ca_cert, ca_key, not_before=not_before, not_after=not_after)
     log.info("renewed the certificates of job %s until %s", pki.job_id, not_after.isoformat())
     return pki
 
@@ -432,15 +439,7 @@ def extend_job_pki(out_dir: Path, *, valid_for: dt.timedelta) -> JobPKI:
         builder = builder.add_extension(ext.value, critical=ext.critical)
     ca_cert = builder.sign(ca_key, hashes.SHA256())
     _replace(pki.ca_cert, ca_cert.public_bytes(serialization.Encoding.PEM), 0o644)
-    for cluster, hosts in pki.clusters.items():
-        todo = [(Identity(pki.job_id, "relay", cluster, "relay"), pki.relay(cluster))]
-        todo += [(Identity(pki.job_id, "worker", cluster, h), pki.worker(cluster, h))
-                 for h in hosts]
-        for ident, pair in todo:
-            cert, key = _issue_leaf(ca_cert, ca_key, ident, not_before=not_before,
-                                    not_after=not_after)
-            _replace(pair.key, _key_pem(key), 0o600)
-            _replace(pair.cert, cert.public_bytes(serialization.Encoding.PEM), 0o644)
+    _reissue_leaves(pki, ca_cert, ca_key, not_before=not_before, not_after=not_after)
     log.info("extended the certificates of job %s until %s", pki.job_id, not_after.isoformat())
     return pki
 

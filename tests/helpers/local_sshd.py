@@ -12,17 +12,10 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+from helpers.sshd_bed import PRIVSEP_DIR, SSHD, descendants, keygen
+
 from nebula_cli.transport.hostkeys import host_entry_name
 from nebula_cli.transport.ssh import SSHTransport
-
-SSHD = "/usr/sbin/sshd"
-PRIVSEP_DIR = Path("/run/sshd")
-
-
-def _keygen(path: Path) -> Path:
-    subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", path.name, "-f",
-                    str(path)], check=True, capture_output=True, timeout=30)
-    return path
 
 
 class LocalSshd:
@@ -36,8 +29,8 @@ class LocalSshd:
         this sshd alone (bound over /etc/pam.d/sshd in a mount namespace of its own; `extra`
         then says `UsePAM yes`)."""
         self.dir = directory
-        self.user_key = _keygen(directory / "user_key")
-        host_key = _keygen(directory / "host_key")
+        self.user_key = keygen(directory / "user_key")
+        host_key = keygen(directory / "host_key")
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             self.port = s.getsockname()[1]
@@ -82,27 +75,13 @@ class LocalSshd:
 
     def stop(self) -> None:
         """End the sshd and its sessions (its descendants)."""
-        for pid in [*_descendants(self.proc.pid), self.proc.pid]:
+        for pid in [*descendants(self.proc.pid), self.proc.pid]:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
         self.proc.wait(timeout=10)
         if self.made_privsep:
             with contextlib.suppress(OSError):
                 PRIVSEP_DIR.rmdir()
-
-
-def _descendants(pid: int) -> list[int]:
-    children: dict[int, list[int]] = {}
-    for entry in Path("/proc").glob("[0-9]*"):
-        with contextlib.suppress(OSError, ValueError, IndexError):
-            ppid = int(entry.joinpath("stat").read_text().rsplit(")", 1)[1].split()[1])
-            children.setdefault(ppid, []).append(int(entry.name))
-    found, todo = [], [pid]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            found.append(child)
-            todo.append(child)
-    return found
 
 
 @contextlib.contextmanager

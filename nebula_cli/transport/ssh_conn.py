@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, ClassVar
 
 from nebula_cli.transport.base import Transport
 from nebula_cli.transport.conn import Conn, Load
@@ -20,6 +20,7 @@ class SshConn(Conn):
     """`user@host:port` (or an ssh_config alias), through the bastion `jump` if any."""
 
     kind = "ssh"
+    _optional: ClassVar[tuple[str, ...]] = _OPTIONAL
 
     host: str | None = None
     """The address or ssh_config alias (None: the host's `name`)."""
@@ -44,24 +45,30 @@ class SshConn(Conn):
                    python=python)
 
     def machine_key(self) -> tuple[Any, ...]:
-        return ("ssh", self.user, self.host, self.port, self.jump)
+        return (self.kind, self.user, self.host, self.port, self.jump)
+
+    def _transport_args(self, accept_new_host_keys: bool) -> dict[str, Any]:
+        """What an SSH transport of this host is made with (a kind's `open` adds its own)."""
+        from nebula_cli.transport.ssh import CONNECT_TIMEOUT
+
+        return dict(user=self.user, port=self.port, key=self.key, jump=self.jump,
+                    python=self.python, home=self.home or "~/.nebula",
+                    ssh_config=self.ssh_config, known_hosts=self.known_hosts,
+                    accept_new_host_keys=accept_new_host_keys
+                    or bool(self.accept_new_host_keys),
+                    connect_timeout=float(self.connect_timeout or CONNECT_TIMEOUT))
 
     def open(self, *, accept_new_host_keys: bool = False,
              through: Transport | None = None) -> Transport:
-        from nebula_cli.transport.ssh import CONNECT_TIMEOUT, SSHTransport  # paramiko on demand
+        from nebula_cli.transport.ssh import SSHTransport  # paramiko on demand
 
-        return SSHTransport(
-            self.name, self.host, user=self.user, port=self.port, key=self.key,
-            jump=self.jump, python=self.python, home=self.home or "~/.nebula",
-            ssh_config=self.ssh_config, known_hosts=self.known_hosts,
-            accept_new_host_keys=accept_new_host_keys or bool(self.accept_new_host_keys),
-            connect_timeout=float(self.connect_timeout or CONNECT_TIMEOUT))
+        return SSHTransport(self.name, self.host, **self._transport_args(accept_new_host_keys))
 
     def to_data(self) -> dict[str, Any]:
         return {**self._common(), "host": self.host, "user": self.user, "port": self.port,
                 "key": self.key, "jump": self.jump, "python": self.python,
                 **self._pythonpath(),
-                **{k: v for k in _OPTIONAL if (v := getattr(self, k)) is not None}}
+                **{k: v for k in self._optional if (v := getattr(self, k)) is not None}}
 
     @classmethod
     def from_data(cls, data: Mapping[str, Any], load: Load) -> SshConn:
@@ -69,4 +76,4 @@ class SshConn(Conn):
                    port=data.get("port"), key=data.get("key"), jump=data.get("jump"),
                    python=data.get("python") or DEFAULT_PYTHON,
                    pythonpath=data.get("pythonpath"),
-                   **{k: data[k] for k in _OPTIONAL if data.get(k) is not None})
+                   **{k: data[k] for k in cls._optional if data.get(k) is not None})

@@ -7,6 +7,7 @@ the caller asks (`check=True`). Implementations translate their backend's errors
 
 from __future__ import annotations
 
+import posixpath
 import shlex
 import threading
 from abc import ABC, abstractmethod
@@ -72,6 +73,20 @@ class LineSplitter:
 def shell_join(argv: Sequence[str] | str) -> str:
     """A shell command line from an argv list (a string is taken as already a command line)."""
     return argv if isinstance(argv, str) else shlex.join(argv)
+
+
+def home_relative(path: str, home: Callable[[], str], host: str) -> str:
+    """`path` made absolute on a remote host: `~` and `~/x` expand to its home (`home()`, asked
+    only when needed), relative paths are taken from the home (as ssh and sftp do)."""
+    if path.startswith("/"):
+        return path
+    if path in ("~", ""):
+        return home()
+    if path.startswith("~/"):
+        path = path[2:]
+    elif path.startswith("~"):
+        raise TransportError(f"cannot expand {path!r}: only ~/ paths are supported", host=host)
+    return posixpath.normpath(posixpath.join(home(), path))
 
 
 class Transport(ABC):

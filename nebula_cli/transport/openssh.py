@@ -39,6 +39,7 @@ from nebula_cli.transport.base import (
     LineSplitter,
     OutputSink,
     Transport,
+    home_relative,
     shell_join,
 )
 from nebula_cli.transport.execfiles import ExecFiles, write_file
@@ -294,18 +295,12 @@ class OpenSSHTransport(Transport):
 
     def remote_path(self, path: str) -> str:
         """`path` made absolute on the host (`~`, `~/x` and relative paths from its home)."""
-        if path.startswith("/"):
-            return path
+        return home_relative(path, self._home_dir, self.name)
+
+    def _home_dir(self) -> str:
         if self._remote_home is None:
             self._remote_home = self._files.home()
-        if path in ("~", ""):
-            return self._remote_home
-        if path.startswith("~/"):
-            path = path[2:]
-        elif path.startswith("~"):
-            raise TransportError(f"cannot expand {path!r}: only ~/ paths are supported",
-                                 host=self.name)
-        return posixpath.normpath(posixpath.join(self._remote_home, path))
+        return self._remote_home
 
     # --- commands -----------------------------------------------------------------------------
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import posixpath
 import socket
 import threading
 import time
@@ -29,6 +28,7 @@ from nebula_cli.transport.base import (
     LineSplitter,
     OutputSink,
     Transport,
+    home_relative,
     shell_join,
 )
 from nebula_cli.transport.hostkeys import (
@@ -215,17 +215,7 @@ class SSHTransport(SFTPFiles, Transport):
     def remote_path(self, path: str) -> str:
         """`path` made absolute on the host: `~` and `~/x` expand to the remote home,
         relative paths are taken from the home directory (as ssh and sftp do)."""
-        if path.startswith("/"):
-            return path
-        home = self._home_dir()
-        if path in ("~", ""):
-            return home
-        if path.startswith("~/"):
-            path = path[2:]
-        elif path.startswith("~"):
-            raise TransportError(f"cannot expand {path!r}: only ~/ paths are supported",
-                                 host=self.name)
-        return posixpath.normpath(posixpath.join(home, path))
+        return home_relative(path, self._home_dir, self.name)
 
     # --- connection -------------------------------------------------------------------------
 

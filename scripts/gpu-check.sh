@@ -159,8 +159,11 @@ def launch(name, workdir, run, relay, deepspeed=None):
     wall = time.monotonic() - t0
     job = sorted(set(p.name for p in (home / "jobs").iterdir()) - before)
     if proc.returncode != 0 or len(job) != 1:
+        logs = subprocess.run([sys.executable, "-m", "nebula_cli", "logs", job[-1], "-n", "25"],
+                              capture_output=True, text=True, timeout=120) if job else None
         raise RuntimeError(f"nebula launch exited {proc.returncode}: "
-                           f"{(proc.stdout + proc.stderr)[-1500:]}")
+                           f"{(proc.stdout + proc.stderr)[-1500:]}\nthe job's logs, last lines:\n"
+                           f"{(logs.stdout + logs.stderr)[-4000:] if logs else '(no job)'}")
     status = json.loads(subprocess.run([sys.executable, "-m", "nebula_cli", "status", job[0],
                                         "--json"], capture_output=True, text=True,
                                        timeout=120).stdout or "{}")

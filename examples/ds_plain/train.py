@@ -73,7 +73,7 @@ def main() -> int:
     micro = engine.train_micro_batch_size_per_gpu()
     for step in range(1, args.steps + 1):
         for _ in range(accum):
-            x, y = batch(data, micro, gen)
+            x, y = (t.to(engine.device) for t in batch(data, micro, gen))
             loss = engine(x, y)
             engine.backward(loss)
             engine.step()

@@ -7,12 +7,14 @@
 #   1. environment: python, torch, CUDA, the GPU's name, deepspeed, nebula.
 #   2. codecs: each WAN codec's (none, fp16, int8, topk) encode and decode GB/s of fp32 input
 #      on the GPU (a CUDA tensor handed to the codec as the runtime hands it) against the CPU.
-#   3. quickstart: examples/gpt on two clusters of one rank each sharing the GPU (`nebula
+#   3. params: the outer round's host copies of 1 GiB of parameters (read to one flat fp32
+#      vector, written back) through pinned chunks (runtime.host_transfer) vs pageable copies.
+#   4. quickstart: examples/gpt on two clusters of one rank each sharing the GPU (`nebula
 #      launch`, local transport, DeepSpeed with NCCL inside each cluster, relays between them,
 #      int8, an outer round every H steps): the job's state, eval loss, s/step, whether both
 #      workers ended with the same parameters, and the relay's round time with CUDA tensors
 #      (the workers' round_s).
-#   4. hook: examples/ds_plain (an unmodified DeepSpeed script, nebula's automatic hook) the
+#   5. hook: examples/ds_plain (an unmodified DeepSpeed script, nebula's automatic hook) the
 #      same way: its exit path with NCCL (the job ends SUCCEEDED, no worker left running).
 # --dry-run: the same on this machine's CPU (gloo, smaller sizes) so that CI keeps it working;
 # it says "device": "cpu". Without --dry-run and without CUDA it stops with exit 2.
@@ -23,7 +25,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 DRY=0 PY="" WHEELS="" STEPS="" OUT=""
-usage() { sed -n '2,22p' "$0" | sed 's/^# \{0,1\}//'; }
+usage() { sed -n '2,23p' "$0" | sed 's/^# \{0,1\}//'; }
 while [ $# -gt 0 ]; do
   case "$1" in
     --dry-run) DRY=1 ;;
@@ -139,6 +141,50 @@ def codecs():
             except Exception as exc:
                 out[f"{name}/{dev}"] = {"error": f"{type(exc).__name__}: {exc}"}
     return {"elements": n, "results": out}
+
+
+@part("params")
+def params():
+    """The outer round's host copies: every parameter read into one flat fp32 CPU vector and
+    written back, through runtime.host_transfer's pinned chunks (ParamIO) against plain
+    pageable copies, with the results compared."""
+    import torch
+    from nebula_cli.runtime.params import _DirectIO
+    dev = "cpu" if DRY else "cuda"
+    count, each = (8, 1 << 16) if DRY else (64, 1 << 22)  # 1 GiB of fp32 on the GPU
+    ps = [torch.nn.Parameter(torch.randn(each, device=dev)) for _ in range(count)]
+    io = _DirectIO(ps)
+    sync = torch.cuda.synchronize if dev == "cuda" else (lambda: None)
+
+    def timed(fn):
+        fn()  # warm-up (pinned buffers, allocator)
+        sync()
+        t0 = time.perf_counter()
+        out = fn()
+        sync()
+        return out, time.perf_counter() - t0
+
+    def plain_read():
+        return torch.cat([p.detach().to("cpu", torch.float32).reshape(-1) for p in ps])
+
+    def plain_write(flat):
+        for i, p in enumerate(ps):
+            p.data.copy_(flat.narrow(0, i * each, each))
+
+    ref, t_plain_read = timed(plain_read)
+    got, t_read = timed(io.read)
+    target = ref + 1.0
+    _, t_plain_write = timed(lambda: plain_write(target))
+    plain_ok = bool(torch.equal(plain_read(), target))
+    _, t_write = timed(lambda: io.write(ref))
+    gb = io.numel * 4 / 1e9
+    return {"bytes": io.numel * 4, "read_gbs": round(gb / t_read, 2),
+            "plain_read_gbs": round(gb / t_plain_read, 2),
+            "write_gbs": round(gb / t_write, 2), "plain_write_gbs": round(gb / t_plain_write, 2),
+            "read_speedup": round(t_plain_read / t_read, 2),
+            "write_speedup": round(t_plain_write / t_write, 2),
+            "read_identical": bool(torch.equal(got, ref)),
+            "write_identical": plain_ok and bool(torch.equal(io.read(), ref))}
 
 
 def launch(name, workdir, run, relay, deepspeed=None):

@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 
+from nebula_cli.runtime.host_transfer import HostStage
 from nebula_cli.runtime.outer import SyncError
 
 
@@ -22,11 +23,14 @@ class ParamIO:
         self.shapes = [full_shape(p) for p in params]
         self.numels = [math.prod(s) for s in self.shapes]
         self.numel = sum(self.numels)
+        self.stage = HostStage()  # accelerator <-> host copies through pinned chunks
 
     def read(self) -> torch.Tensor:
         parts = [self._read_one(i, p) for i, p in enumerate(self.params)]
         if not parts:
             return torch.zeros(0, dtype=torch.float32)
+        if any(t.is_cuda for t in parts):
+            return self.stage.gather(parts, self.numel)
         return torch.cat([t.detach().to("cpu", torch.float32).reshape(-1) for t in parts])
 
     def write(self, flat: torch.Tensor) -> None:
@@ -53,7 +57,7 @@ class _DirectIO(ParamIO):
         return p.data
 
     def _write_one(self, i: int, p: torch.nn.Parameter, value: torch.Tensor) -> None:
-        p.data.copy_(value)
+        p.data.copy_(self.stage.upload(value, p.device))
 
 
 class _MasterCopyIO(ParamIO):
@@ -67,6 +71,7 @@ class _MasterCopyIO(ParamIO):
         return self.masters[i]
 
     def _write_one(self, i: int, p: torch.nn.Parameter, value: torch.Tensor) -> None:
+        value = self.stage.upload(value, self.masters[i].device)
         self.masters[i].copy_(value)
         p.data.copy_(value)
 
@@ -85,7 +90,8 @@ class _ZeroIO(ParamIO):
     def _write_one(self, i: int, p: torch.nn.Parameter, value: torch.Tensor) -> None:
         from deepspeed.utils import safe_set_full_fp32_param
 
-        safe_set_full_fp32_param(p, value.to(p.device))
+        value = self.stage.upload(value, p.device)
+        safe_set_full_fp32_param(p, value)
         p.data.copy_(value)  # the low-precision copy the next forward uses
 
 
@@ -101,7 +107,7 @@ class _Zero3IO(_ZeroIO):
 
         values = list(self._split(flat))
         for p, value in zip(self.params, values, strict=True):
-            _set_zero3_fp32(p, value.to(p.ds_tensor.device))
+            _set_zero3_fp32(p, self.stage.upload(value, p.ds_tensor.device))
         # Every rank holds the same values; rank 0's are broadcast and re-partitioned on exit.
         with GatheredParameters(self.params, modifier_rank=0):
             if self.rank == 0:

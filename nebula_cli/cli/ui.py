@@ -212,13 +212,14 @@ def metrics_table(
     history: dict[str, Any] | None = None,
 ) -> Table:
     """Per cluster: step, losses (with a sparkline of the recent train loss when `history`
-    holds the cluster's records), tokens/s, outer round, round time, WAN bytes, present, the
-    newest checkpoint (and whether saving fails)."""
+    holds the cluster's records), tokens/s, soft labels (in a job with students), outer round,
+    round time, WAN bytes, present, the newest checkpoint (and whether saving fails)."""
     colors = cluster_colors(clusters)
     table = Table(show_edge=False, title_justify="left")
+    distill = any("distill_batches" in latest.get(name, {}) for name in clusters)
     columns = ["cluster", "step", "loss", *(["loss trend"] if history else []), "eval loss",
-               "tokens/s (or samples/s)", "round", "round time", "WAN sent", "WAN recv",
-               "present", "checkpoint"]
+               "tokens/s (or samples/s)", *(["soft labels"] if distill else []), "round",
+               "round time", "WAN sent", "WAN recv", "present", "checkpoint"]
     for col in columns:
         table.add_column(col, justify="left" if col in ("cluster", "loss trend") else "right")
     for name in clusters:
@@ -231,7 +232,7 @@ def metrics_table(
             if history else []
         table.add_row(
             Text(name, style=colors[name]), str(m.get("step", "-")), num(m.get("loss")),
-            *trend, num(m.get("eval_loss")), _rate(m),
+            *trend, num(m.get("eval_loss")), _rate(m), *([_soft_labels(m)] if distill else []),
             str(m.get("outer_round", r.get("round", "-"))),
             num(m.get("round_s", r.get("round_s")), ".2f") + ("s" if finite(
                 m.get("round_s", r.get("round_s"))) else ""),
@@ -240,6 +241,18 @@ def metrics_table(
             str(present if present is not None else "-"), _checkpoint(m),
         )
     return table
+
+
+def _soft_labels(m: dict[str, Any]) -> Text:
+    """A student cluster's batches trained with its teacher's soft labels, of all so far, and
+    how many went without (when_no_teacher: ce_only) in yellow."""
+    if "distill_batches" not in m:
+        return Text("-")
+    total, without = int(m["distill_batches"]), int(m.get("distill_without_labels") or 0)
+    out = Text(f"{total - without}/{total}")
+    if without:
+        out.append(f" ({without} without)", style="yellow")
+    return out
 
 
 def _checkpoint(m: dict[str, Any]) -> Text:

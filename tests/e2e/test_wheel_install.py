@@ -13,6 +13,7 @@ starter specs) must be in it. Nothing needs the network.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -138,6 +139,34 @@ def test_init_validate_launch_from_an_empty_directory(
     assert len(agents) == 4 and set(agents) == {str(installed / "python")}, agents
     stopped = _run([nebula, "stop", job_id], work, env)
     assert stopped.returncode == 0 and f"{job_id} stopped" in stopped.stdout, stopped.stdout
+
+
+def test_a_two_cluster_job_with_relays_from_the_wheel_install(
+        installed: Path, elsewhere: tuple[Path, dict[str, str]]) -> None:
+    """An unmodified DeepSpeed script (examples/ds_plain, copied into the empty directory)
+    trained by two clusters joined by their relays, all from the wheel's install: the relays'
+    rounds happen, and both clusters end with the same parameters."""
+    work, env = elsewhere
+    for name in ("train.py", "ds_config.json"):
+        shutil.copy(REPO / "examples" / "ds_plain" / name, work / name)
+    (work / "job.yaml").write_text(
+        "name: wheel-relays\nworkdir: .\nrun: python -u train.py --steps 7\n"
+        "env: {OMP_NUM_THREADS: 1}\nclusters:\n"
+        "  - {name: east, transport: local, hosts: [e1]}\n"
+        "  - {name: west, transport: local, hosts: [w1]}\n"
+        "relay:\n  sync: {mode: diloco, inner_steps: 3}\n  compression: {codec: int8}\n"
+        "  timeout: 60\n")
+    env["PATH"] = f"{installed}:{env['PATH']}"  # `python` in run: is the install's, as pipx's
+    launched = _run([str(installed / "nebula"), "launch", "job.yaml"], work, env, timeout=400)
+    assert launched.returncode == 0, launched.stdout + launched.stderr
+    (job_dir,) = (Path(env["NEBULA_HOME"]) / "jobs").iterdir()
+    status = _run([str(installed / "nebula"), "status", job_dir.name, "--json"], work, env)
+    assert json.loads(status.stdout)["state"] == "SUCCEEDED", status.stdout
+    records = [json.loads(line) for f in job_dir.glob("*/*/worker/metrics/*.jsonl")
+               for line in f.read_text().splitlines() if line]
+    finals = [r for r in records if r.get("final")]
+    assert len(finals) == 2 and len({r["param_sha256"] for r in finals}) == 1, finals
+    assert sum(1 for r in records if "round_s" in r) >= 4, records  # 3 rounds + the last
 
 
 @pytest.mark.skipif(os.geteuid() != 0 or not os.path.exists(SSHD) or shutil.which("ssh") is None,

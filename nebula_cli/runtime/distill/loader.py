@@ -25,9 +25,12 @@ from nebula_cli.errors import NebulaError
 from nebula_cli.pki import CertPair, client_context
 from nebula_cli.relay.distill.label_client import LabelClient
 from nebula_cli.relay.distill.messages import TOKEN_BYTES
+from nebula_cli.runtime import metrics
 
 POLL_S = 0.05
 """How often a ce_only step looks again for its labels while a teacher is linked."""
+REPORT_EVERY = 20
+"""Batches between two of the loader's metric records (and one when the loader ends)."""
 
 
 class DistillError(NebulaError):
@@ -62,6 +65,13 @@ class DistillStats:
     def bytes_per_token(self) -> float:
         return self.wire_bytes / self.tokens if self.tokens else 0.0
 
+    def record(self) -> dict[str, Any]:
+        """The figures as metric values (``nebula status`` shows them per cluster)."""
+        return {"distill_batches": self.batches, "distill_without_labels": self.without_labels,
+                "distill_bytes_per_token": round(self.bytes_per_token, 2),
+                "distill_wait_s": round(self.waited_s, 3),
+                "distill_longest_wait_s": round(self.longest_wait_s, 3)}
+
 
 def _token_ids(batch: Any) -> torch.Tensor:
     if isinstance(batch, torch.Tensor):
@@ -72,17 +82,20 @@ def _token_ids(batch: Any) -> torch.Tensor:
 
 
 class DistillLoader:
-    """Yields ``(batch, SoftLabels | None)`` for every batch of ``loader``."""
+    """Yields ``(batch, SoftLabels | None)`` for every batch of ``loader``; every
+    ``report_every`` batches, and when the loader ends, a metric record of its `DistillStats`
+    (``distill_batches``, ``distill_without_labels``, ...) in the job's metrics (0: none)."""
 
     def __init__(self, loader: Iterable[Any], client: LabelClient, *, lookahead: int,
                  when_no_teacher: str, wait_s: float,
                  token_ids: Callable[[Any], torch.Tensor] = _token_ids,
-                 first_seq: int = 0) -> None:
+                 first_seq: int = 0, report_every: int = REPORT_EVERY) -> None:
         if when_no_teacher not in ("wait", "ce_only"):
             raise ValueError(f"when_no_teacher is 'wait' or 'ce_only', not {when_no_teacher!r}")
         self.loader, self.client, self.lookahead = loader, client, lookahead
         self.when_no_teacher, self.wait_s, self.token_ids = when_no_teacher, wait_s, token_ids
         self.seq = first_seq
+        self.report_every = report_every
         self.stats = DistillStats()
 
     def __iter__(self) -> Iterator[tuple[Any, SoftLabels | None]]:
@@ -104,7 +117,15 @@ class DistillLoader:
         while window:
             seq, batch, shape = window.popleft()
             fill()
-            yield batch, self._labels(seq, shape)
+            labels = self._labels(seq, shape)
+            if self.report_every and self.stats.batches % self.report_every == 0:
+                self._report(seq)
+            yield batch, labels
+        if self.report_every and self.stats.batches % self.report_every:
+            self._report(self.seq - 1)
+
+    def _report(self, seq: int) -> None:
+        metrics.emit(step=seq + 1, **self.stats.record())
 
     def _labels(self, seq: int, shape: tuple[int, ...]) -> SoftLabels | None:
         start = time.monotonic()

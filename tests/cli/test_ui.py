@@ -1,0 +1,29 @@
+"""cli/ui: the per-cluster metrics table of `nebula status` and the live view."""
+
+from __future__ import annotations
+
+from rich.console import Console
+
+from nebula_cli.cli.ui import metrics_table
+
+
+def _text(table: object) -> str:
+    console = Console(record=True, width=220, color_system=None)
+    console.print(table)
+    return console.export_text()
+
+
+def test_soft_labels_column_only_in_a_job_with_students() -> None:
+    """A student cluster shows the batches it trained with soft labels, of all, and those
+    without; a teacher cluster shows '-'; a job without distillation has no such column."""
+    latest = {"cloud": {"step": 40, "loss": 2.5, "distill_batches": 40,
+                        "distill_without_labels": 3},
+              "lab": {"step": 0}}
+    shown = _text(metrics_table(["lab", "cloud"], latest, {}))
+    assert "soft labels" in shown
+    cloud = next(line for line in shown.splitlines() if line.lstrip().startswith("cloud"))
+    assert "37/40 (3 without)" in cloud
+    lab = next(line for line in shown.splitlines() if line.lstrip().startswith("lab"))
+    assert "37/40" not in lab
+    plain = _text(metrics_table(["east"], {"east": {"step": 3, "loss": 1.0}}, {}))
+    assert "soft labels" not in plain and "east" in plain

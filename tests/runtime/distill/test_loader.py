@@ -1,0 +1,44 @@
+"""runtime/distill/loader: the loader's own metric records (what `nebula status` shows of a
+student's soft labels); its batches and labels are tested with a real teacher in
+test_distill_api.py."""
+
+from __future__ import annotations
+
+import json
+import socket
+from pathlib import Path
+
+import pytest
+import torch
+from helpers.label_teacher import distill_cfg, job_pki
+
+from nebula_cli.runtime.distill import soft_labelled
+
+
+def _unused_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_batches_without_a_teacher_are_counted_in_the_metrics(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """No teacher answers (ce_only): every batch trains without labels, and the records say so
+    every `report_every` batches and once more when the loader ends."""
+    path = tmp_path / "metrics.jsonl"
+    monkeypatch.setenv("NEBULA_METRICS_FILE", str(path))
+    monkeypatch.setenv("NEBULA_CLUSTER", "cloud")
+    cfg = distill_cfg(job_pki(tmp_path / "pki"), "cloud", "s1",
+                      teachers={"lab": f"127.0.0.1:{_unused_port()}"},
+                      when_no_teacher="ce_only", lookahead=1)
+    data = [{"input_ids": torch.zeros(2, 4, dtype=torch.long)} for _ in range(5)]
+    loader = soft_labelled(data, config=cfg, report_every=2)
+    try:
+        assert [soft for _, soft in loader] == [None] * 5
+    finally:
+        loader.client.close()
+    records = [json.loads(line) for line in path.read_text().splitlines()]
+    assert [(r["step"], r["distill_batches"], r["distill_without_labels"]) for r in records] == [
+        (2, 2, 2), (4, 4, 4), (5, 5, 5)]
+    assert all(r["cluster"] == "cloud" and r["distill_bytes_per_token"] == 0 for r in records)
+    assert records[-1]["distill_wait_s"] >= records[-1]["distill_longest_wait_s"] >= 0

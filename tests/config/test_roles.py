@@ -50,7 +50,8 @@ def at(spec: JobSpec) -> WorkerHost:
                       agent_dir="/home/u/.nebula/jobs/j/east/e1/worker", sites=sites,
                       ports=plan_model.Ports(masters={"east": 1, "west": 2},
                                              relays={"east": (29400, 29401),
-                                                     "west": (29400, 29401)}),
+                                                     "west": (29400, 29401)},
+                                             labels={"east": 29402}),
                       certs=certs)
 
 

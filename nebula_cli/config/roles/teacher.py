@@ -27,6 +27,7 @@ class TeacherRole:
 
     name = "teacher"
     relay_services = frozenset({RelayService.SOFT_LABELS})
+    trains = False
 
     def command(self, at: WorkerHost) -> list[str]:
         if at.cluster.run is not None:

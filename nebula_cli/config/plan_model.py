@@ -82,6 +82,8 @@ class Ports:
     tunnels: dict[str, int] = field(default_factory=dict)
     """link ("dialer>dialled", `reach.Link.key`) -> the local port of its SSH tunnel on the
     dialler's relay host."""
+    labels: dict[str, int] = field(default_factory=dict)
+    """teacher cluster -> the port of its label relay on its gateway (`distill_plan`)."""
 
 
 @dataclass(frozen=True)

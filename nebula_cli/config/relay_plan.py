@@ -48,6 +48,12 @@ def _gateway_site(cluster: ClusterSpec, sites: dict[str, Site]) -> Site:
     return sites[site_key(cluster, cluster.gateway_host)]
 
 
+def dial_address(cluster: ClusterSpec, sites: dict[str, Site]) -> str:
+    """The address other clusters dial the cluster's relay services at: its `relay_address`,
+    else what its gateway host's transport reported."""
+    return cluster.relay_address or _gateway_site(cluster, sites).address
+
+
 def relay_addr(spec: JobSpec, cluster: ClusterSpec, sites: dict[str, Site],
                 ports: Ports) -> str:
     """host:port where the cluster's workers reach their relay."""
@@ -133,9 +139,6 @@ def relay_config(spec: JobSpec, job_id: str, cluster: ClusterSpec, adir: str, po
     relay = spec.relay
     assert relay is not None
 
-    def dial_address(c: ClusterSpec) -> str:
-        return c.relay_address or _gateway_site(c, sites).address
-
     by_name = {c.name: c for c in spec.clusters}
     tunnelled = {link.dialled: _tunnel_listen(link, ports) for link in spec.links()
                  if link.dialer == cluster.name and link.tunnel}
@@ -153,7 +156,8 @@ def relay_config(spec: JobSpec, job_id: str, cluster: ClusterSpec, adir: str, po
         peer_listen=f"{bind}:{peer_port}",
         worker_listen=f"{site.bind}:{worker_port}",
         worker_socket=posixpath.join(adir, WORKER_SOCKET),
-        peers={c.name: tunnelled.get(c.name) or f"{dial_address(c)}:{ports.relays[c.name][0]}"
+        peers={c.name: tunnelled.get(c.name)
+               or f"{dial_address(c, sites)}:{ports.relays[c.name][0]}"
                for c in spec.clusters if c.name != cluster.name and c.averages},
         tls=tls_files(adir, RELAY),
         codec=relay.compression.codec,

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from nebula_cli.config import plan_model
+from nebula_cli.config.roles.registry import serving_clusters
 from nebula_cli.control import allocations, summaries
 from nebula_cli.control.fanout import GroupError, fanout
 from nebula_cli.control.follow import LogFollower, MetricsFollower
@@ -59,10 +60,17 @@ def survivors(hosts: list[HostRecord], min_clusters: int | None) -> set[str] | N
     return rest if lost and min_clusters and len(rest) >= min_clusters else None
 
 
-def job_state(hosts: list[HostRecord], current: str, min_clusters: int | None = None) -> str:
-    """The job's state from its agents' states. Relays serve the workers: once the workers
-    are done, relays ended by nebula do not make the job STOPPED. With `min_clusters`, lost
-    clusters do not count while enough others remain."""
+def training(hosts: list[HostRecord], servers: frozenset[str]) -> list[HostRecord]:
+    """The workers that train: not those of the `servers` clusters (a teacher's)."""
+    return [h for h in hosts if h.role == plan_model.WORKER and h.cluster not in servers]
+
+
+def job_state(hosts: list[HostRecord], current: str, min_clusters: int | None = None,
+              servers: frozenset[str] = frozenset()) -> str:
+    """The job's state from its agents' states. Relays and the workers of the `servers`
+    clusters (`registry.serving_clusters`: teachers) serve the training workers: once those
+    are done, services ended by nebula do not make the job STOPPED. With `min_clusters`,
+    lost clusters do not count while enough others remain."""
     if (rest := survivors(hosts, min_clusters)) is not None:
         hosts = [h for h in hosts if h.cluster in rest]
     states = {h.state for h in hosts}
@@ -72,7 +80,7 @@ def job_state(hosts: list[HostRecord], current: str, min_clusters: int | None = 
         return "RUNNING"
     if states & {"FAILED", "LOST"}:
         return "FAILED"
-    workers = {h.state for h in hosts if h.role == plan_model.WORKER} or states
+    workers = {h.state for h in training(hosts, servers)} or states
     if "STOPPED" in workers:
         return "STOPPED"
     return "SUCCEEDED"
@@ -141,19 +149,22 @@ class JobOps(Session):
             if job.state == "RUNNING" and self._end_after_failure(
                     hosts, job.spec.get("min_clusters")):
                 hosts = self.store.hosts(job.id)
-            if job.state not in ("PENDING", "QUEUED") and self._end_idle_relays(hosts):
+            if job.state not in ("PENDING", "QUEUED") and self._end_idle_services(
+                    hosts, serving_clusters(job.spec)):
                 hosts = self.store.hosts(job.id)
         waiting = any(h.role == plan_model.WORKER and h.state == "STOPPED" and h.cluster in said
                       and not allocations.ended_state(said[h.cluster]) for h in hosts)
         if job.state == "RUNNING" and not waiting:  # launching and ended jobs keep theirs
-            state = job_state(hosts, job.state, job.spec.get("min_clusters"))
+            state = job_state(hosts, job.state, job.spec.get("min_clusters"),
+                              serving_clusters(job.spec))
             if state != job.state:
                 failed = [h for h in hosts if h.state in ("FAILED", "LOST")]
                 reason = "; ".join(
                     f"{h.cluster}/{h.host} {h.role}: {h.detail.get('reason') or h.state}"
                     for h in failed
                 ) or None
-                ends = [h.detail.get("ended") for h in hosts if h.role == plan_model.WORKER]
+                ends = [h.detail.get("ended") for h in training(hosts, serving_clusters(
+                    job.spec))]
                 at = max(ends) if ends and all(ends) and state in END_STATES else None
                 self.store.set_job_state(job.id, state, reason=reason, at=at)
                 self.store.add_event(job.id, "state", f"job {state.lower()}")
@@ -180,13 +191,15 @@ class JobOps(Session):
                 self._apply_status(rec, reply)
         return True
 
-    def _end_idle_relays(self, hosts: list[HostRecord]) -> bool:
-        """Once every worker has ended, the relays have nothing left to do: end them."""
-        workers = [h for h in hosts if h.role == plan_model.WORKER]
-        relays = [h for h in hosts if h.role == plan_model.RELAY and h.state not in END_STATES]
-        if not relays or not workers or any(w.state not in END_STATES for w in workers):
+    def _end_idle_services(self, hosts: list[HostRecord], servers: frozenset[str]) -> bool:
+        """Once every training worker has ended, the relays and the serving clusters' workers
+        (a teacher's, which serve until told to stop) have nothing left to do: end them."""
+        workers = training(hosts, servers)
+        services = [h for h in hosts if h.state not in END_STATES
+                    and (h.role == plan_model.RELAY or h.cluster in servers)]
+        if not services or not workers or any(w.state not in END_STATES for w in workers):
             return False
-        self._stop_recs(relays, "ended after the workers finished", grace=None)
+        self._stop_recs(services, "ended after the training finished", grace=None)
         return True
 
     def _end_after_failure(self, hosts: list[HostRecord], min_clusters: int | None) -> bool:
@@ -337,7 +350,8 @@ class JobOps(Session):
             final = "STOPPED" if not any(h.state in ("FAILED", "LOST") for h in report.stopped) \
                 else "FAILED"
             self.store.set_job_state(snap.job.id, final if report.stopped else
-                                     job_state(hosts, snap.job.state))
+                                     job_state(hosts, snap.job.state,
+                                               servers=serving_clusters(snap.job.spec)))
         report.job = self.store.get_job(snap.job.id)
         if failures:
             def label(key: object) -> str:

@@ -1,6 +1,7 @@
 """What the plan needs from the hosts, asked of their transports: `HostFacts` (a part of the
 orchestrator) learns each host's site (directories, addresses, python, its sshd), the
-interfaces of multi-host worlds, free ports (the relays', their tunnels' local ends), issues
+interfaces of multi-host worlds, free ports (the relays', their tunnels' local ends, the
+teachers' label relays), issues
 the job's certificates and tunnel keys, then calls the pure `jobplan.build_plan`."""
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ import datetime as dt
 
 from nebula_cli import pki
 from nebula_cli.config import jobplan, plan_model, worlds
+from nebula_cli.config.distill_plan import labels_port
 from nebula_cli.config.relay_plan import tunnel_links
 from nebula_cli.config.spec import ClusterSpec, HostSpec, JobSpec
 from nebula_cli.control.fanout import fanout
@@ -90,7 +92,10 @@ class HostFacts(Session):
             for link in tunnel_links(spec):
                 dialer = by_name[link.dialer]
                 tunnels[link.key] = port(dialer, dialer.gateway_host, None)
-        return plan_model.Ports(masters=masters, relays=relays, tunnels=tunnels)
+        labels = {c.name: port(c, c.gateway_host, labels_port(spec)) for c in spec.clusters
+                  if spec.distill is not None and c.role == "teacher"}
+        return plan_model.Ports(masters=masters, relays=relays, tunnels=tunnels,
+                                labels=labels)
 
     def plan(self, spec: JobSpec, job_id: str, *, renew: bool = False,
              conns: dict[str, Conn] | None = None) -> plan_model.JobPlan:

@@ -86,15 +86,25 @@ def sites(spec: JobSpec) -> dict[str, plan_model.Site]:
         for c in spec.clusters for h in c.hosts}
 
 
+def ports(spec: JobSpec, labels: dict[str, int]) -> plan_model.Ports:
+    return plan_model.Ports(masters={c.name: 29500 + i for i, c in enumerate(spec.clusters)},
+                            relays={c.name: (29400, 29401) for c in spec.clusters},
+                            labels=labels)
+
+
 def test_each_cluster_gets_its_view_of_the_distillation(tmp_path: Path) -> None:
     spec = parse(SPEC.replace("{topk: 16}", "{topk: 16, values: int8}"))
-    port = labels_port(spec)
-    assert spec.relay is not None and port == spec.relay.port + 2
-    teacher = distill_config(spec, "job-1", spec.clusters[0], "/a/lab", sites(spec))
-    student = distill_config(spec, "job-1", spec.clusters[1], "/a/cloud", sites(spec))
+    assert spec.relay is not None and labels_port(spec) == spec.relay.port + 2
+    port = 31999  # the planned port (a free one on the local transport), not the preferred
+    teacher = distill_config(spec, "job-1", spec.clusters[0], "/a/lab", sites(spec),
+                             ports(spec, {"lab": port}))
+    student = distill_config(spec, "job-1", spec.clusters[1], "/a/cloud", sites(spec),
+                             ports(spec, {"lab": port}))
     assert teacher.teacher and teacher.listen == f"0.0.0.0:{port}"
     assert not student.teacher and student.listen == ""
-    assert student.teachers == teacher.teachers == {"lab": f"t1:{port}"}
+    # dialled at the address the teacher's gateway reported (as a relay is), not its name in
+    # the spec (t1, which resolves nowhere on the local transport)
+    assert student.teachers == teacher.teachers == {"lab": f"lab.ex:{port}"}
     assert teacher.students == ["cloud"] and student.values == "int8" and student.topk == 16
     assert student.tls.cert == "/a/cloud/certs/worker.pem"
     assert student.dead_after == spec.relay.dead_after
@@ -113,11 +123,10 @@ def test_the_plan_runs_no_averaging_relay_on_a_teacher_and_names_none_to_student
     spec = parse(SPEC.replace("    hosts: [s1]\n", "    hosts: [s1]\n  - name: edge\n"
                               "    transport: local\n    hosts: [e1]\n"))
     site_of = sites(spec)
-    ports = plan_model.Ports(masters={c.name: 29500 + i for i, c in enumerate(spec.clusters)},
-                             relays={c.name: (29400, 29401) for c in spec.clusters})
     certs = plan_model.Certs(ca=b"CA", relays={c.name: (b"c", b"k") for c in spec.clusters},
                              workers={k: (b"c", b"k") for k in site_of})
-    plan = jobplan.build_plan(spec, "job-1", sites=site_of, ports=ports, certs=certs)
+    plan = jobplan.build_plan(spec, "job-1", sites=site_of, ports=ports(spec, {"lab": 29402}),
+                              certs=certs)
     assert sorted(a.cluster for a in plan.role(plan_model.RELAY)) == ["cloud", "edge"]
     relay = next(a for a in plan.role(plan_model.RELAY) if a.cluster == "cloud")
     (tmp_path / "relay.json").write_bytes(relay.files["relay.json"])

@@ -19,7 +19,13 @@ from nebula_cli.config.parts import (
     SYNC_CONFIG_ENV,
     SyncConfig,
 )
-from nebula_cli.config.roles.registry import DEFAULT_ROLE, ROLES, role_named, role_of
+from nebula_cli.config.roles.registry import (
+    DEFAULT_ROLE,
+    ROLES,
+    role_named,
+    role_of,
+    serving_clusters,
+)
 from nebula_cli.config.roles.services import RelayService
 from nebula_cli.config.roles.teacher import BUILTIN_SERVER, TeacherRole
 from nebula_cli.config.roles.train import TrainRole
@@ -50,7 +56,8 @@ def at(spec: JobSpec) -> WorkerHost:
                       agent_dir="/home/u/.nebula/jobs/j/east/e1/worker", sites=sites,
                       ports=plan_model.Ports(masters={"east": 1, "west": 2},
                                              relays={"east": (29400, 29401),
-                                                     "west": (29400, 29401)}),
+                                                     "west": (29400, 29401)},
+                                             labels={"east": 29402}),
                       certs=certs)
 
 
@@ -60,6 +67,14 @@ def test_every_cluster_trains_and_an_unknown_role_names_the_roles() -> None:
     with pytest.raises(UsageError, match="unknown job role 'student'; the roles are: teacher, "
                                          "train"):
         role_named("student")
+
+
+def test_a_teacher_serves_the_training_and_a_recorded_spec_names_its_clusters() -> None:
+    assert TrainRole().trains and not TeacherRole().trains
+    spec = teacher_spec().model_dump(mode="json")  # as the state store keeps it
+    assert serving_clusters(spec) == {"east"}
+    assert serving_clusters(spec_of().model_dump(mode="json")) == frozenset()
+    assert serving_clusters({"clusters": [{"name": "old"}]}) == frozenset()  # no role: train
 
 
 def test_the_specs_role_names_are_the_registrys() -> None:

@@ -16,6 +16,10 @@ class JobRole(Protocol):
     """What names the role (issue 24's spec field `role:`)."""
     relay_services: frozenset[RelayService]
     """The relay services the role's clusters take part in."""
+    trains: bool
+    """Whether the role's processes are the job's training: the job is done when they are.
+    False: they serve the training (a teacher runs until told to stop) and, like the relays,
+    are ended by nebula once every training process has ended."""
 
     def command(self, at: WorkerHost) -> list[str]:
         """The argv of each of the host's worker processes."""

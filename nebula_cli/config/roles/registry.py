@@ -7,6 +7,8 @@ list.
 
 from __future__ import annotations
 
+from typing import Any
+
 from nebula_cli.config.roles.base import JobRole
 from nebula_cli.config.roles.teacher import TeacherRole
 from nebula_cli.config.roles.train import TrainRole
@@ -30,3 +32,10 @@ def role_named(name: str) -> JobRole:
 def role_of(cluster: ClusterSpec) -> JobRole:
     """What `cluster` runs."""
     return role_named(cluster.role)
+
+
+def serving_clusters(spec: dict[str, Any]) -> frozenset[str]:
+    """The clusters of a recorded job's spec (its JSON form, as the state store keeps it)
+    whose processes serve the training instead of training (`JobRole.trains` False)."""
+    return frozenset(c["name"] for c in spec.get("clusters", [])
+                     if not role_named(c.get("role") or DEFAULT_ROLE).trains)

@@ -27,6 +27,7 @@ class TeacherRole:
 
     name = "teacher"
     relay_services = frozenset({RelayService.SOFT_LABELS})
+    trains = False
 
     def command(self, at: WorkerHost) -> list[str]:
         if at.cluster.run is not None:
@@ -46,7 +47,8 @@ class TeacherRole:
 def distill_files(at: WorkerHost) -> tuple[dict[str, str], dict[str, bytes]]:
     """A cluster's distill.json and its workers' PEM files (teachers and students alike)."""
     assert at.certs is not None  # a teacher needs a relay: the spec's checks
-    cfg = distill_config(at.spec, at.job_id, at.cluster, at.agent_dir, at.sites)
+    cfg = distill_config(at.spec, at.job_id, at.cluster, at.agent_dir, at.sites,
+                         at.ports)
     cert, key = at.certs.workers[site_key(at.cluster, at.host)]
     files = {DISTILL_FILE: strict.dumps(cfg),
              **dict(zip(cert_names(WORKER), (at.certs.ca, cert, key), strict=True))}

@@ -26,6 +26,7 @@ class TrainRole:
 
     name = "train"
     relay_services = frozenset({RelayService.AVERAGE})
+    trains = True
 
     def command(self, at: WorkerHost) -> list[str]:
         return ["/bin/sh", "-c", at.cluster.run or at.spec.run]

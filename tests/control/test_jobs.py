@@ -1,0 +1,60 @@
+"""A job with a teacher cluster ends when its training does: `JobOps` ends the relays and the
+teacher's workers (which serve until told to stop) once every training worker has ended, and
+`job_state` decides by the training workers, so a teacher ended by nebula leaves the job
+SUCCEEDED. The real path: tests/e2e/test_distill_launch.py."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from nebula_cli.control.jobs import JobOps, job_state
+from nebula_cli.control.state import HostRecord, StateStore
+
+TEACHER = frozenset({"lab"})
+
+
+def hosts(student: str, teacher: str = "RUNNING", relay: str = "RUNNING") -> list[HostRecord]:
+    return [HostRecord("j", "cloud", "c1", "worker", 0, 2, "/c", student),
+            HostRecord("j", "cloud", "c1", "relay", 0, 1, "/r", relay),
+            HostRecord("j", "lab", "l1", "worker", 0, 1, "/l", teacher)]
+
+
+def test_a_teacher_ended_after_the_students_leaves_the_job_succeeded() -> None:
+    ended = hosts("SUCCEEDED", teacher="STOPPED", relay="STOPPED")
+    assert job_state(ended, "RUNNING", servers=TEACHER) == "SUCCEEDED"
+    assert job_state(hosts("SUCCEEDED"), "RUNNING", servers=TEACHER) == "RUNNING"
+    stopped = hosts("STOPPED", teacher="STOPPED", relay="STOPPED")  # `nebula stop`
+    assert job_state(stopped, "RUNNING", servers=TEACHER) == "STOPPED"
+    failed = hosts("SUCCEEDED", teacher="FAILED", relay="STOPPED")
+    assert job_state(failed, "RUNNING", servers=TEACHER) == "FAILED"
+    # a cluster that is no server counts as training: its stopped worker stops the job
+    assert job_state(ended, "RUNNING") == "STOPPED"
+
+
+class Recorded(JobOps):
+    """`JobOps` whose agents are not asked: the stops it would send are recorded."""
+
+    def __init__(self, store: StateStore) -> None:
+        super().__init__(store)
+        self.stopped: list[tuple[list[tuple[str, str]], str]] = []
+
+    def _stop_recs(self, recs: list[HostRecord], reason: str, grace: float | None) -> None:
+        self.stopped.append(([(r.cluster, r.role) for r in recs], reason))
+
+
+def test_the_teacher_and_the_relays_are_ended_once_every_student_has(tmp_path: Path) -> None:
+    with StateStore(tmp_path) as store:
+        ops = Recorded(store)
+        assert not ops._end_idle_services(hosts("RUNNING"), TEACHER)
+        assert not ops._end_idle_services(hosts("RESTARTING"), TEACHER)
+        assert ops.stopped == []
+        assert ops._end_idle_services(hosts("SUCCEEDED"), TEACHER)
+        assert ops.stopped == [([("cloud", "relay"), ("lab", "worker")],
+                                "ended after the training finished")]
+        ops.stopped.clear()  # an ended teacher is not stopped again
+        assert ops._end_idle_services(hosts("FAILED", teacher="STOPPED"), TEACHER)
+        assert ops.stopped == [([("cloud", "relay")], "ended after the training finished")]
+        ops.stopped.clear()
+        assert not ops._end_idle_services(
+            hosts("SUCCEEDED", teacher="STOPPED", relay="STOPPED"), TEACHER)
+        assert ops.stopped == []

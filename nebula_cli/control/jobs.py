@@ -47,15 +47,26 @@ FAILURE_STOP_GRACE = 5.0
 most likely blocked in a collective with it; longer would only keep GPUs idle)."""
 
 
-def failed_workers(hosts: list[HostRecord]) -> list[HostRecord]:
-    """Worker agents that failed for good (restarts used up) or were lost."""
-    return [h for h in hosts if h.role == plan_model.WORKER and h.state in ("FAILED", "LOST")]
+def failed_workers(hosts: list[HostRecord],
+                   servers: frozenset[str] = frozenset()) -> list[HostRecord]:
+    """Training worker agents that failed for good (restarts used up) or were lost; those of
+    the `servers` clusters (a teacher's) are not the training's: see `failed_servers`."""
+    return [h for h in hosts if h.role == plan_model.WORKER and h.cluster not in servers
+            and h.state in ("FAILED", "LOST")]
 
 
-def survivors(hosts: list[HostRecord], min_clusters: int | None) -> set[str] | None:
+def failed_servers(hosts: list[HostRecord], servers: frozenset[str]) -> list[HostRecord]:
+    """Workers of the `servers` clusters that failed for good or were lost: their cluster
+    ends, the training goes on (the students follow `distill.when_no_teacher`)."""
+    return [h for h in hosts if h.role == plan_model.WORKER and h.cluster in servers
+            and h.state in ("FAILED", "LOST")]
+
+
+def survivors(hosts: list[HostRecord], min_clusters: int | None,
+              servers: frozenset[str] = frozenset()) -> set[str] | None:
     """The clusters training on without the lost ones (those with a failed worker), when the
     spec's `min_clusters` lets them (None: the job stands or falls as a whole)."""
-    lost = {h.cluster for h in failed_workers(hosts)}
+    lost = {h.cluster for h in failed_workers(hosts, servers)}
     rest = {h.cluster for h in hosts} - lost
     return rest if lost and min_clusters and len(rest) >= min_clusters else None
 
@@ -69,16 +80,17 @@ def job_state(hosts: list[HostRecord], current: str, min_clusters: int | None = 
               servers: frozenset[str] = frozenset()) -> str:
     """The job's state from its agents' states. Relays and the workers of the `servers`
     clusters (`registry.serving_clusters`: teachers) serve the training workers: once those
-    are done, services ended by nebula do not make the job STOPPED. With `min_clusters`,
-    lost clusters do not count while enough others remain."""
-    if (rest := survivors(hosts, min_clusters)) is not None:
+    are done, services ended by nebula do not make the job STOPPED, and a serving cluster
+    that failed does not fail the job (its hosts say FAILED). With `min_clusters`, lost
+    clusters do not count while enough others remain."""
+    if (rest := survivors(hosts, min_clusters, servers)) is not None:
         hosts = [h for h in hosts if h.cluster in rest]
     states = {h.state for h in hosts}
     if not hosts:
         return current
     if states & ACTIVE_STATES:
         return "RUNNING"
-    if states & {"FAILED", "LOST"}:
+    if {h.state for h in hosts if h.cluster not in servers} & {"FAILED", "LOST"}:
         return "FAILED"
     workers = {h.state for h in training(hosts, servers)} or states
     if "STOPPED" in workers:
@@ -147,7 +159,7 @@ class JobOps(Session):
                     self.store.add_event(job.id, "warning", f"certificate renewal: {exc}")
                 hosts = self.store.hosts(job.id)
             if job.state == "RUNNING" and self._end_after_failure(
-                    hosts, job.spec.get("min_clusters")):
+                    hosts, job.spec.get("min_clusters"), serving_clusters(job.spec)):
                 hosts = self.store.hosts(job.id)
             if job.state not in ("PENDING", "QUEUED") and self._end_idle_services(
                     hosts, serving_clusters(job.spec)):
@@ -202,22 +214,27 @@ class JobOps(Session):
         self._stop_recs(services, "ended after the training finished", grace=None)
         return True
 
-    def _end_after_failure(self, hosts: list[HostRecord], min_clusters: int | None) -> bool:
+    def _end_after_failure(self, hosts: list[HostRecord], min_clusters: int | None,
+                           servers: frozenset[str] = frozenset()) -> bool:
         """A worker that failed for good (its restarts used up) leaves the other ranks of its
         DeepSpeed world waiting in a collective: end every process of the job at once (the job
         is FAILED with that worker's reason), or, when `min_clusters` lets the others train on,
-        every process of its cluster."""
-        failed = failed_workers(hosts)
+        every process of its cluster. A serving cluster's (a teacher's) failed worker ends
+        that cluster alone: the students go on without it."""
+        ended = self._end_failed_servers(hosts, servers)
+        if ended:
+            hosts = self.store.hosts(hosts[0].job_id)
+        failed = failed_workers(hosts, servers)
         active = [h for h in hosts if h.state not in END_STATES]
         if not failed or not active:
-            return False
+            return ended
         first = failed[0]
         why = (f"stopped: {first.cluster}/{first.host} {first.role} "
                f"{first.detail.get('reason') or first.state.lower()}")
-        if (rest := survivors(hosts, min_clusters)) is not None:
+        if (rest := survivors(hosts, min_clusters, servers)) is not None:
             active = [h for h in active if h.cluster not in rest]
             if not active:
-                return False
+                return ended
             lost = sorted({h.cluster for h in active})
             why = (f"cluster(s) {', '.join(lost)} lost ({why}); {len(rest)} of "
                    f"{len({h.cluster for h in hosts})} clusters train on "
@@ -228,6 +245,22 @@ class JobOps(Session):
         self._stop_recs([h for h in active if h.role == plan_model.RELAY], why,
                         grace=FAILURE_STOP_GRACE)
         self._sweep_recs(failed)  # what a failed agent left running (its world's teller)
+        return True
+
+    def _end_failed_servers(self, hosts: list[HostRecord], servers: frozenset[str]) -> bool:
+        """End what is left of each serving cluster with a worker that failed for good."""
+        failed = failed_servers(hosts, servers)
+        lost = sorted({h.cluster for h in failed})
+        rest = [h for h in hosts if h.cluster in lost and h.state not in END_STATES]
+        if not rest:
+            return False
+        first = failed[0]
+        why = (f"teacher cluster(s) {', '.join(lost)} lost ({first.cluster}/{first.host} "
+               f"{first.detail.get('reason') or first.state.lower()}); the students go on "
+               "with the other teachers, or as distill.when_no_teacher says")
+        self.store.add_event(first.job_id, "failure", why)
+        self._stop_recs(rest, why, grace=FAILURE_STOP_GRACE)
+        self._sweep_recs(failed)
         return True
 
     def _sweep_recs(self, recs: list[HostRecord]) -> None:

@@ -25,8 +25,12 @@ def test_a_teacher_ended_after_the_students_leaves_the_job_succeeded() -> None:
     assert job_state(hosts("SUCCEEDED"), "RUNNING", servers=TEACHER) == "RUNNING"
     stopped = hosts("STOPPED", teacher="STOPPED", relay="STOPPED")  # `nebula stop`
     assert job_state(stopped, "RUNNING", servers=TEACHER) == "STOPPED"
+    # a teacher that failed for good: its hosts say FAILED, the job follows its students
     failed = hosts("SUCCEEDED", teacher="FAILED", relay="STOPPED")
-    assert job_state(failed, "RUNNING", servers=TEACHER) == "FAILED"
+    assert job_state(failed, "RUNNING", servers=TEACHER) == "SUCCEEDED"
+    assert job_state(hosts("RUNNING", teacher="LOST"), "RUNNING", servers=TEACHER) == "RUNNING"
+    student_failed = hosts("FAILED", teacher="STOPPED", relay="STOPPED")
+    assert job_state(student_failed, "RUNNING", servers=TEACHER) == "FAILED"
     # a cluster that is no server counts as training: its stopped worker stops the job
     assert job_state(ended, "RUNNING") == "STOPPED"
 
@@ -40,6 +44,9 @@ class Recorded(JobOps):
 
     def _stop_recs(self, recs: list[HostRecord], reason: str, grace: float | None) -> None:
         self.stopped.append(([(r.cluster, r.role) for r in recs], reason))
+
+    def _sweep_recs(self, recs: list[HostRecord]) -> None:
+        self.stopped.append(([(r.cluster, r.role) for r in recs], "swept"))
 
 
 def test_the_teacher_and_the_relays_are_ended_once_every_student_has(tmp_path: Path) -> None:
@@ -58,3 +65,30 @@ def test_the_teacher_and_the_relays_are_ended_once_every_student_has(tmp_path: P
         assert not ops._end_idle_services(
             hosts("SUCCEEDED", teacher="STOPPED", relay="STOPPED"), TEACHER)
         assert ops.stopped == []
+
+
+def test_a_teacher_failed_for_good_ends_its_cluster_alone(tmp_path: Path) -> None:
+    """The students go on (their loader follows `when_no_teacher`); the event says why."""
+    with StateStore(tmp_path) as store:
+        ops = Recorded(store)
+        job = store.create_job("j", {"name": "j"}, None).id
+        two_ranks = [*hosts("RUNNING", teacher="FAILED"),
+                     HostRecord("j", "lab", "l2", "worker", 1, 1, "/l2", "RUNNING")]
+        for rec in two_ranks:
+            rec.job_id = job
+            store.upsert_host(rec)
+        assert ops._end_after_failure(two_ranks, None, TEACHER)
+        (stopped, why), swept = ops.stopped
+        assert stopped == [("lab", "worker")] and swept == ([("lab", "worker")], "swept")
+        assert why.startswith("teacher cluster(s) lab lost (lab/l1 failed)")
+        assert "distill.when_no_teacher" in why
+        ops.stopped.clear()  # nothing of the students is touched; a teacher ended stays so
+        ended = [*hosts("RUNNING", teacher="FAILED"),
+                 HostRecord(job, "lab", "l2", "worker", 1, 1, "/l2", "STOPPED")]
+        for rec in ended:
+            rec.job_id = job
+        assert not ops._end_after_failure(ended, None, TEACHER)
+        assert ops.stopped == []
+        # without the teacher known as a server, its failure ends the whole job, as before
+        assert ops._end_after_failure(ended, None)
+        assert ("cloud", "worker") in ops.stopped[0][0]

@@ -22,7 +22,9 @@ Saving (``save``), on every rank of the DeepSpeed world:
    training: DeepSpeed's save is synchronous (``torch.save`` in the training thread; its
    decoupled engines need a config given before ``deepspeed.initialize``). To tmpfs it costs
    about a memory copy of the model and optimizer states;
-3. local rank 0 of each host then publishes in a background thread: copies the staging tag
+3. once every rank has written its files (one more all-reduce, which also says whether every
+   rank's save succeeded: a checkpoint one rank could not write is published by nobody),
+   local rank 0 of each host publishes in a background thread: copies the staging tag
    into ``.tmp-step<N>-<pid>``, writes the outer state there, fsyncs every file, writes
    ``COMPLETE`` last, renames the directory to ``step<N>``, fsyncs the parent, points
    ``latest`` at it and removes the oldest complete checkpoints beyond ``keep``. A crash at
@@ -265,10 +267,16 @@ class Checkpointer:
         if all_shm and not self._reduce_min(int(shm_root is not None))[0]:
             shm_root = None  # a rank could not use its host's: every rank stages on disk
         root = shm_root or self.dir / ".staging"
+        problem = None
         try:
             self.engine.save_checkpoint(str(root), tag=tag_of(step), save_latest=False)
         except Exception as exc:  # a full /dev/shm, a DeepSpeed error: training goes on
-            self._failed(step, f"DeepSpeed's save_checkpoint failed: {exc}")
+            problem = f"DeepSpeed's save_checkpoint failed: {exc}"
+        # Every rank's files are written before a writer publishes them, and a checkpoint one
+        # rank could not write is published by nobody: one all-reduce, not DeepSpeed's own
+        # barriers inside save_checkpoint (which no contract promises).
+        if not self._reduce_min(int(problem is None))[0]:
+            self._failed(step, problem or "another rank's save_checkpoint failed")
             return False
         outer = self._outer_copy(step)
         self.stall_s = time.perf_counter() - t0

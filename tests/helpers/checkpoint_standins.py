@@ -3,6 +3,7 @@ the checkpoint tests (and the scripts they run in subprocesses)."""
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import Any
 
@@ -14,8 +15,9 @@ class StandInEngine(torch.nn.Module):
     module, local_rank (DeepSpeed's files: one torch file per tag, `rank_file` named per rank
     as DeepSpeed names each rank's optimizer shard). `saved_to` lists each save's directory."""
 
-    def __init__(self, seed: int = 0, local_rank: int = 0) -> None:
+    def __init__(self, seed: int = 0, local_rank: int = 0, save_delay: float = 0.0) -> None:
         super().__init__()
+        self.save_delay = save_delay  # seconds before writing: a rank slower than its writer
         torch.manual_seed(seed)
         self.module = torch.nn.Linear(4, 2)
         self.global_steps = 0
@@ -28,6 +30,7 @@ class StandInEngine(torch.nn.Module):
 
     def save_checkpoint(self, save_dir: str, tag: str, save_latest: bool = True) -> bool:
         self.saved_to.append(save_dir)
+        time.sleep(self.save_delay)
         where = Path(save_dir) / tag
         where.mkdir(parents=True, exist_ok=True)
         torch.save({"module": self.module.state_dict(), "global_steps": self.global_steps},

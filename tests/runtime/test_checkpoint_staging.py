@@ -204,7 +204,7 @@ from nebula_cli.runtime import checkpoint as ck
 
 rank, directory, store = int(sys.argv[1]), sys.argv[2], sys.argv[3]
 dist.init_process_group("gloo", init_method=f"file://{{store}}", rank=rank, world_size=2)
-engine = StandInEngine(local_rank=rank)
+engine = StandInEngine(local_rank=rank, save_delay=0.5 * rank)  # rank 1 writes late
 saver = ck.Checkpointer(engine, default_checkpoint(directory, every=5), sync=StandInSync(rank))
 for step in (5, 10):
     engine.global_steps = step
@@ -222,8 +222,9 @@ dist.destroy_process_group()
 def test_the_ranks_of_one_host_stage_in_the_directory_their_writer_made(
         tmp_path: Path, agent_dir: Path) -> None:
     """Two real ranks of one host (local ranks 0 and 1, a gloo world): rank 1 finds the
-    writer's staging directory through the agent's folder, writes its shard there, and the
-    published checkpoint holds both shards; both load it back."""
+    writer's staging directory through the agent's folder, writes its shard there (half a
+    second after the writer wrote its own: the writer publishes only once both are written),
+    and the published checkpoint holds both shards; both load it back."""
     script = tmp_path / "rank.py"
     script.write_text(RANK.format(tests=str(REPO / "tests")))
     directory, store = tmp_path / "ckpt", tmp_path / "store"

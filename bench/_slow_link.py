@@ -26,7 +26,11 @@ class SlowLink:
                 a, _ = self._server.accept()
             except OSError:
                 return
-            b = socket.create_connection(self.target)
+            try:
+                b = socket.create_connection(self.target)
+            except OSError:  # the far end is gone (a stopped replica): so is this connection
+                a.close()
+                continue
             self._socks += [a, b]
             for src, dst in ((a, b), (b, a)):
                 threading.Thread(target=self._pump, args=(src, dst), daemon=True).start()

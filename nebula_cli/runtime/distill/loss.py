@@ -1,9 +1,15 @@
 """The distillation loss on sparse soft labels, and the teacher's top k.
 
-With the teacher's top k ids ``i`` and log-probabilities at temperature T (renormalised over
-the k: ``p``), and the student's log-softmax at T (``log q``, over the whole vocabulary)::
+With the teacher's top k ids ``i`` and log-probabilities at temperature T (``p``, over the
+whole vocabulary as the teacher sent them), and the student's log-softmax at T (``log q``,
+over the whole vocabulary)::
 
-    KD  = sum_i p_i (log p_i - log q_i)            per token, averaged over tokens
+    KD  = sum_i p_i (log p_i - log q_i) + p_r (log p_r - log q_r)   per token, averaged
+
+where ``p_r = 1 - sum_i p_i`` and ``q_r = 1 - sum_i q_i`` are the mass outside the teacher's
+top k: one more bucket, so that the student is not taught to put all its mass on the k ids.
+(Renormalising ``p`` over the k instead, as a first version did, made a student at V=2048,
+k=32, T=2 end worse than training on the hard labels alone: bench/distill.py, 2026-11-27.)
     loss = alpha * T^2 * KD + (1 - alpha) * CE(student logits, hard labels)
 
 KD is the forward KL(teacher || student) that TRL's GKD computes with ``beta = 0``
@@ -24,6 +30,7 @@ if TYPE_CHECKING:
     from nebula_cli.runtime.distill.loader import SoftLabels
 
 IGNORE_INDEX = -100
+_TINY = 1e-12
 
 
 def topk_labels(logits: torch.Tensor, k: int, temperature: float
@@ -60,8 +67,12 @@ def kd_loss(student_logits: torch.Tensor, labels: torch.Tensor | None,
     ids = soft.ids.to(student.device)
     log_q = student.gather(-1, ids)
     log_p = soft.logp.to(student.device).float()
-    log_p = log_p - torch.logsumexp(log_p, dim=-1, keepdim=True)  # renormalised over the k
+    log_p = log_p - torch.logsumexp(log_p, dim=-1, keepdim=True).clamp(min=0.0)  # sum <= 1
     per_token = (log_p.exp() * (log_p - log_q)).sum(-1)
+    # the teacher's mass outside its top k, against the student's there: one more bucket
+    p_rest = (1.0 - log_p.exp().sum(-1)).clamp(min=0.0)
+    log_q_rest = torch.log((1.0 - log_q.exp().sum(-1)).clamp(min=_TINY))
+    per_token = per_token + p_rest * (torch.log(p_rest.clamp(min=_TINY)) - log_q_rest)
     if labels is not None:
         mask = (labels != ignore_index).float()
         kd = (per_token * mask).sum() / mask.sum().clamp(min=1.0)

@@ -121,6 +121,14 @@ def test_the_loss_is_forward_kl_on_the_top_k_and_the_full_kl_with_every_id() -> 
     top3 = SoftLabels(ids3.reshape(2, 5, 3), logp3.reshape(2, 5, 3), "lab")
     _, kd3, _ = kd_loss(student, labels, top3, temperature=t, alpha=0.25)
     assert kd3 is not None and kd3 > 0 and not torch.allclose(kd3, kd)
+    # the top 3 and the rest as a fourth bucket: the KL between those coarser distributions
+    p3 = logp3.exp()
+    q = F.log_softmax(student.reshape(-1, 11) / t, -1).exp()
+    q3 = q.gather(-1, ids3)
+    buckets_p = torch.cat([p3, 1 - p3.sum(-1, keepdim=True)], -1)
+    buckets_q = torch.cat([q3, 1 - q3.sum(-1, keepdim=True)], -1)
+    want3 = (buckets_p * (buckets_p.log() - buckets_q.log())).sum(-1)
+    assert torch.allclose(kd3, want3[mask.reshape(-1)].mean(), atol=1e-5)
     only_ce, none_kd, _ = kd_loss(student, labels, None, temperature=t, alpha=0.25)
     assert none_kd is None and torch.allclose(only_ce, want_ce)
     trained = student.clone().requires_grad_()  # the gradient pulls the student to the teacher

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers.label_teacher import distill_cfg, job_pki
+from helpers.label_teacher import distill_cfg, job_pki, peaked_teacher
 from transformers import GPT2Config, GPT2LMHeadModel
 
 from nebula_cli.config import strict
@@ -37,8 +37,9 @@ def free_port() -> int:
 def test_a_student_cluster_learns_from_a_teacher_cluster(tmp_path: Path) -> None:
     pki, port = job_pki(tmp_path / "pki"), free_port()
     torch.manual_seed(3)
-    GPT2LMHeadModel(GPT2Config(vocab_size=VOCAB, n_positions=WIDTH, n_embd=64, n_layer=2,
-                               n_head=2)).save_pretrained(tmp_path / "teacher")
+    teacher_model = GPT2LMHeadModel(GPT2Config(vocab_size=VOCAB, n_positions=WIDTH, n_embd=64,
+                                               n_layer=2, n_head=2))
+    peaked_teacher(teacher_model).save_pretrained(tmp_path / "teacher")
     torch.save(torch.randint(0, VOCAB, (2 * 4 * STEPS, WIDTH)), tmp_path / "data.pt")
     teachers = {"lab": f"127.0.0.1:{port}"}
     t_cfg = distill_cfg(pki, "lab", "t1", teachers=teachers, listen=f"127.0.0.1:{port}",

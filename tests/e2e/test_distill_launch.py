@@ -14,6 +14,7 @@ import pytest
 import torch
 import yaml
 from helpers.jobs import CLI, REPO, job_processes
+from helpers.label_teacher import peaked_teacher
 from transformers import GPT2Config, GPT2LMHeadModel
 
 pytestmark = pytest.mark.slow
@@ -25,8 +26,9 @@ def spec_file(tmp_path: Path) -> Path:
     work = tmp_path / "work"
     work.mkdir()
     torch.manual_seed(3)
-    GPT2LMHeadModel(GPT2Config(vocab_size=VOCAB, n_positions=WIDTH, n_embd=64, n_layer=2,
-                               n_head=2)).save_pretrained(work / "teacher")
+    teacher_model = GPT2LMHeadModel(GPT2Config(vocab_size=VOCAB, n_positions=WIDTH, n_embd=64,
+                                               n_layer=2, n_head=2))
+    peaked_teacher(teacher_model).save_pretrained(work / "teacher")
     torch.save(torch.randint(0, VOCAB, (2 * 4 * STEPS, WIDTH)), work / "data.pt")
     spec = {
         "name": "distill-launch", "workdir": str(work), "relay": {},

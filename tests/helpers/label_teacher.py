@@ -14,6 +14,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
+import torch
 
 from nebula_cli.config.distill_config import DistillConfig
 from nebula_cli.config.distill_spec import DistillSpec
@@ -105,3 +106,12 @@ def serving(link: ServeLink) -> Iterator[ServeLink]:
 if __name__ == "__main__":  # addr pki cluster host job_id delay_s
     addr, pki, cluster, host, job_id, delay = sys.argv[1:7]
     serve_link(addr, Path(pki), cluster, host, job_id, float(delay)).run(threading.Event())
+
+
+def peaked_teacher(model: torch.nn.Module) -> torch.nn.Module:
+    """A randomly initialised GPT-2 made confident: its (tied) token embeddings scaled, so its
+    next-token distributions are peaked, as a trained teacher's are, and there is something to
+    distil (a random teacher's are nearly uniform)."""
+    with torch.no_grad():
+        model.transformer.wte.weight.mul_(30.0)
+    return model

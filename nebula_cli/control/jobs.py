@@ -47,12 +47,16 @@ FAILURE_STOP_GRACE = 5.0
 most likely blocked in a collective with it; longer would only keep GPUs idle)."""
 
 
+def training(hosts: list[HostRecord], servers: frozenset[str]) -> list[HostRecord]:
+    """The workers that train: not those of the `servers` clusters (a teacher's)."""
+    return [h for h in hosts if h.role == plan_model.WORKER and h.cluster not in servers]
+
+
 def failed_workers(hosts: list[HostRecord],
                    servers: frozenset[str] = frozenset()) -> list[HostRecord]:
     """Training worker agents that failed for good (restarts used up) or were lost; those of
     the `servers` clusters (a teacher's) are not the training's: see `failed_servers`."""
-    return [h for h in hosts if h.role == plan_model.WORKER and h.cluster not in servers
-            and h.state in ("FAILED", "LOST")]
+    return [h for h in training(hosts, servers) if h.state in ("FAILED", "LOST")]
 
 
 def failed_servers(hosts: list[HostRecord], servers: frozenset[str]) -> list[HostRecord]:
@@ -69,11 +73,6 @@ def survivors(hosts: list[HostRecord], min_clusters: int | None,
     lost = {h.cluster for h in failed_workers(hosts, servers)}
     rest = {h.cluster for h in hosts} - lost
     return rest if lost and min_clusters and len(rest) >= min_clusters else None
-
-
-def training(hosts: list[HostRecord], servers: frozenset[str]) -> list[HostRecord]:
-    """The workers that train: not those of the `servers` clusters (a teacher's)."""
-    return [h for h in hosts if h.role == plan_model.WORKER and h.cluster not in servers]
 
 
 def job_state(hosts: list[HostRecord], current: str, min_clusters: int | None = None,
@@ -124,6 +123,7 @@ class JobOps(Session):
     def refresh(self, ref: str) -> JobSnapshot:
         """Ask every agent of an unfinished job for its state; record changes; derive the job's."""
         job = self.store.get_job(ref)
+        servers = serving_clusters(job.spec)  # a teacher's clusters: they serve the training
         hosts = self.store.hosts(job.id)
         live = [h for h in hosts if h.state not in END_STATES]
         # on Slurm: hosts STOPPED while the job runs were stopped by Slurm's notice (a time
@@ -159,24 +159,22 @@ class JobOps(Session):
                     self.store.add_event(job.id, "warning", f"certificate renewal: {exc}")
                 hosts = self.store.hosts(job.id)
             if job.state == "RUNNING" and self._end_after_failure(
-                    hosts, job.spec.get("min_clusters"), serving_clusters(job.spec)):
+                    hosts, job.spec.get("min_clusters"), servers):
                 hosts = self.store.hosts(job.id)
             if job.state not in ("PENDING", "QUEUED") and self._end_idle_services(
-                    hosts, serving_clusters(job.spec)):
+                    hosts, servers):
                 hosts = self.store.hosts(job.id)
         waiting = any(h.role == plan_model.WORKER and h.state == "STOPPED" and h.cluster in said
                       and not allocations.ended_state(said[h.cluster]) for h in hosts)
         if job.state == "RUNNING" and not waiting:  # launching and ended jobs keep theirs
-            state = job_state(hosts, job.state, job.spec.get("min_clusters"),
-                              serving_clusters(job.spec))
+            state = job_state(hosts, job.state, job.spec.get("min_clusters"), servers)
             if state != job.state:
                 failed = [h for h in hosts if h.state in ("FAILED", "LOST")]
                 reason = "; ".join(
                     f"{h.cluster}/{h.host} {h.role}: {h.detail.get('reason') or h.state}"
                     for h in failed
                 ) or None
-                ends = [h.detail.get("ended") for h in training(hosts, serving_clusters(
-                    job.spec))]
+                ends = [h.detail.get("ended") for h in training(hosts, servers)]
                 at = max(ends) if ends and all(ends) and state in END_STATES else None
                 self.store.set_job_state(job.id, state, reason=reason, at=at)
                 self.store.add_event(job.id, "state", f"job {state.lower()}")

@@ -5,12 +5,12 @@ whole vocabulary as the teacher sent them), and the student's log-softmax at T (
 over the whole vocabulary)::
 
     KD  = sum_i p_i (log p_i - log q_i) + p_r (log p_r - log q_r)   per token, averaged
+    loss = alpha * T^2 * KD + (1 - alpha) * CE(student logits, hard labels)
 
 where ``p_r = 1 - sum_i p_i`` and ``q_r = 1 - sum_i q_i`` are the mass outside the teacher's
 top k: one more bucket, so that the student is not taught to put all its mass on the k ids.
 (Renormalising ``p`` over the k instead, as a first version did, made a student at V=2048,
 k=32, T=2 end worse than training on the hard labels alone: bench/distill.py, 2026-11-27.)
-    loss = alpha * T^2 * KD + (1 - alpha) * CE(student logits, hard labels)
 
 KD is the forward KL(teacher || student) that TRL's GKD computes with ``beta = 0``
 (``F.kl_div(student_log_probs, teacher_log_probs, log_target=True)`` summed over the
@@ -68,9 +68,10 @@ def kd_loss(student_logits: torch.Tensor, labels: torch.Tensor | None,
     log_q = student.gather(-1, ids)
     log_p = soft.logp.to(student.device).float()
     log_p = log_p - torch.logsumexp(log_p, dim=-1, keepdim=True).clamp(min=0.0)  # sum <= 1
-    per_token = (log_p.exp() * (log_p - log_q)).sum(-1)
+    p = log_p.exp()
+    per_token = (p * (log_p - log_q)).sum(-1)
     # the teacher's mass outside its top k, against the student's there: one more bucket
-    p_rest = (1.0 - log_p.exp().sum(-1)).clamp(min=0.0)
+    p_rest = (1.0 - p.sum(-1)).clamp(min=0.0)
     log_q_rest = torch.log((1.0 - log_q.exp().sum(-1)).clamp(min=_TINY))
     per_token = per_token + p_rest * (torch.log(p_rest.clamp(min=_TINY)) - log_q_rest)
     if labels is not None:

@@ -64,10 +64,10 @@ class HostStage:
         return out
 
     def upload(self, value: torch.Tensor, device: torch.device) -> torch.Tensor:
-        """`value` (fp32, CPU) as a new tensor on `device`, the same shape; `value` itself when
-        `device` is the CPU."""
+        """`value` (fp32, CPU) as a new tensor on `device`, the same shape; on a device other
+        than CUDA, `value.to(device)` (`value` itself on the CPU)."""
         if device.type != "cuda":
-            return value
+            return value.to(device)
         flat = value.reshape(-1)
         out = torch.empty(flat.numel(), dtype=flat.dtype, device=device)
         events: list[torch.cuda.Event | None] = [None, None]

@@ -5,20 +5,14 @@ test_distill_api.py."""
 from __future__ import annotations
 
 import json
-import socket
 from pathlib import Path
 
 import pytest
 import torch
 from helpers.label_teacher import distill_cfg, job_pki
+from helpers.sshd_bed import free_port
 
 from nebula_cli.runtime.distill import soft_labelled
-
-
-def _unused_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_batches_without_a_teacher_are_counted_in_the_metrics(
@@ -29,7 +23,7 @@ def test_batches_without_a_teacher_are_counted_in_the_metrics(
     monkeypatch.setenv("NEBULA_METRICS_FILE", str(path))
     monkeypatch.setenv("NEBULA_CLUSTER", "cloud")
     cfg = distill_cfg(job_pki(tmp_path / "pki"), "cloud", "s1",
-                      teachers={"lab": f"127.0.0.1:{_unused_port()}"},
+                      teachers={"lab": f"127.0.0.1:{free_port()}"},
                       when_no_teacher="ce_only", lookahead=1)
     data = [{"input_ids": torch.zeros(2, 4, dtype=torch.long)} for _ in range(5)]
     loader = soft_labelled(data, config=cfg, report_every=2)

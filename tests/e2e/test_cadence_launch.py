@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 import yaml
 from helpers.jobs import CLI
-from helpers.quickstart import check_finished_job, metric_records, short_spec
+from helpers.quickstart import SHORT_CONTEXT, check_finished_job, metric_records, short_spec
 
 pytestmark = pytest.mark.slow
 
@@ -24,10 +24,9 @@ def relay_rounds(cli: CLI, job_id: str, cluster: str) -> list[dict[str, Any]]:
 def launch(cli: CLI, spec_path: Path, edit: dict[str, Any],
            env: dict[str, dict[str, str]] | None = None) -> str:
     """Launch with `edit` in relay.sync and each cluster's `env` (where it names NEBULA_STEPS,
-    the cluster's own number of steps); wait for the end."""
+    the cluster's own number of steps: the spec from `short_spec(steps=0)`); wait for the
+    end."""
     spec = yaml.safe_load(spec_path.read_text())
-    if env:
-        spec["run"] = "python -u train.py --eval-every 10 --log-every 5"
     spec["relay"]["sync"].pop("inner_steps")
     spec["relay"]["sync"].update(edit)
     for cluster in spec["clusters"]:
@@ -41,7 +40,7 @@ def launch(cli: CLI, spec_path: Path, edit: dict[str, Any],
 def test_time_based_rounds_weight_a_slower_cluster_by_its_samples(cli: CLI,
                                                                   tmp_path: Path) -> None:
     spec_path = short_spec(tmp_path, clusters={"fast": ["f1"], "slow": ["s1"]}, steps=0,
-                           inner=10, name="every")
+                           inner=10, name="every", model=SHORT_CONTEXT)
     # the slow cluster takes 2.5 times as long a step: as long for 20 steps as fast for 50
     job_id = launch(cli, spec_path, {"every": "2s"}, {
         "fast": {"NEBULA_STEPS": "50"}, "slow": {"NEBULA_STEPS": "20", "GPT_SLOWDOWN": "2.5"}})

@@ -19,6 +19,7 @@ from types import ModuleType
 import pytest
 import torch
 from helpers.jobs import REPO
+from helpers.quickstart import TINY_GPT
 
 from nebula_cli.agent.leftovers import remove_shm_buffers
 
@@ -214,7 +215,8 @@ def _records(tmp_path: Path) -> list[dict]:
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_two_rank_deepspeed_run_loss_falls(tmp_path: Path) -> None:
-    procs = _start_ranks(tmp_path, "--steps", "20", "--log-every", "5", "--eval-every", "10")
+    procs = _start_ranks(tmp_path, "--steps", "20", "--log-every", "5", "--eval-every", "10",
+                         *TINY_GPT.split())
     try:
         _wait(procs, tmp_path, timeout=500)  # includes a first-time JIT build (~80 s)
     finally:

@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 import yaml
 from helpers.jobs import CLI, REMOTE_JOBS, REPO, job_processes, wait_for
+from helpers.quickstart import SHORT_CONTEXT
 from testbed import TestBed
 
 pytestmark = [pytest.mark.testbed, pytest.mark.slow]
@@ -33,7 +34,7 @@ def test_a_cut_link_is_a_dead_peer_on_each_side_and_heals_without_a_restart(
         ssh_cli: CLI, bed_clean: TestBed, tmp_path: Path) -> None:
     spec = {
         "name": "cut", "workdir": str(REPO / "examples" / "gpt"),
-        "run": "python -u train.py --steps 150 --eval-every 150 --log-every 10",
+        "run": f"python -u train.py --steps 150 --eval-every 150 --log-every 10 {SHORT_CONTEXT}",
         "deepspeed": "ds_config.json", "env": {"OMP_NUM_THREADS": "1"},
         "clusters": [{"name": c, "transport": "ssh", "python": sys.executable,
                       "interface": bed_clean.interface(h), "hosts": [{"host": h}]}

@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 import yaml
 from helpers.jobs import CLI, REPO, job_processes, wait_for, write_spec
+from helpers.quickstart import SHORT_CONTEXT
 
 # The first attempt marks the workdir and waits to be stopped; the second one sees the mark
 # and ends at once (a stand-in for a worker that finds its checkpoint).
@@ -110,7 +111,7 @@ def test_a_stopped_training_job_resumes_from_its_checkpoints(cli: CLI, tmp_path:
     checkpoint, the job ends SUCCEEDED at the full step count with identical parameters."""
     spec = yaml.safe_load((REPO / "templates" / "quickstart.yaml").read_text())
     spec.update(name="ckpt", workdir=str(REPO / "examples" / "gpt"),
-                run="python -u train.py --steps 80 --eval-every 80 --log-every 5",
+                run=f"python -u train.py --steps 80 --eval-every 80 --log-every 5 {SHORT_CONTEXT}",
                 checkpoint={"every": 10, "keep": 2})
     spec["clusters"] = [{"name": c, "transport": "local", "hosts": [{"host": h}]}
                         for c, h in (("east", "e1"), ("west", "w1"))]

@@ -14,6 +14,7 @@ from typing import Any, TypeVar
 import pytest
 import yaml
 from helpers.jobs import CLI, REMOTE_JOBS, REPO, job_processes, wait_for
+from helpers.quickstart import TINY_GPT
 from helpers.specs import one, write
 from helpers.ssh_jobs import records, ssh_spec
 
@@ -167,7 +168,7 @@ def quick_spec(tmp_path: Path, bed: TestBed, clusters: dict[str, list[str]],
     relay = {**quick["relay"], "shaping": {"rate_mbit": None, "delay_ms": 10}}
     relay["sync"]["inner_steps"] = 10
     path = ssh_spec(tmp_path, bed, clusters=clusters, relay=relay, name=name,
-                    run="python -u train.py --steps 20 --eval-every 10 --log-every 5",
+                    run=f"python -u train.py --steps 20 --eval-every 10 --log-every 5 {TINY_GPT}",
                     workdir=REPO / "examples" / "gpt", deepspeed="ds_config.json")
     spec = yaml.safe_load(path.read_text())
     for c in spec["clusters"]:

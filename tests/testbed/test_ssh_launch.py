@@ -13,7 +13,7 @@ import pytest
 import yaml
 from helpers.interrupts import launch_and_interrupt, mentions
 from helpers.jobs import CLI, REMOTE_JOBS, REPO, job_processes, wait_for
-from helpers.quickstart import relay_logs
+from helpers.quickstart import SHORT_CONTEXT, relay_logs
 from helpers.ssh_jobs import records, ssh_spec
 
 from testbed import TestBed
@@ -29,7 +29,8 @@ def test_quickstart_model_over_ssh(ssh_cli: CLI, bed_clean: TestBed, tmp_path: P
     relay["sync"]["inner_steps"] = 10
     relay["shaping"] = {"rate_mbit": None, "delay_ms": 25}  # the bed's tc shapes the rate
     spec = ssh_spec(tmp_path, bed_clean, clusters={"east": ["e1", "e2"], "west": ["w1", "w2"]},
-                    run="python -u train.py --steps 30 --eval-every 10 --log-every 5",
+                    run=f"python -u train.py --steps 30 --eval-every 10 --log-every 5 "
+                        f"{SHORT_CONTEXT}",
                     relay=relay, workdir=REPO / "examples" / "gpt", deepspeed="ds_config.json")
     text = yaml.safe_load(spec.read_text())
     text["clusters"][0]["gateway"] = "e2"

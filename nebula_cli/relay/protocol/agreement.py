@@ -9,7 +9,10 @@ first READY: who is present, missing, rejected or diverged, the weights of the a
 one named by the newest decision any READY knows; a cluster that encoded with another, e.g.
 after its relay restarted, is rejected and fetches the average) and the next round's
 (relay.codec_choice). A READY for a round some relay already completed gets
-:data:`BEHIND` (that cluster catches up instead).
+:data:`BEHIND` (that cluster catches up instead). A cluster whose newest READY is for a later
+round will not be ready for an earlier one (after a resume, clusters can restart from rounds one
+apart: the one that ran a last round alone when it was stopped is ahead): nobody waits for it
+there.
 """
 
 from __future__ import annotations
@@ -147,6 +150,8 @@ class Coordinator:
         self.round_timeout = round_timeout
         self._open: dict[tuple[int, int], _Collection] = {}
         self._decided: dict[int, Decision] = {}
+        self._said: dict[str, int] = {}
+        """Each cluster's newest READY's round."""
         self._lock = threading.Lock()
 
     def ready(
@@ -182,17 +187,23 @@ class Coordinator:
             col.lineage[cluster] = lineage
             col.info[cluster] = info or RoundInfo()
             col.codec[cluster] = codec
-            if set(col.ready) >= set(self.clusters if expected is None else expected):
+            self._said[cluster] = round_id
+            if self._all_ready(key[0], col, self.clusters if expected is None else expected):
                 return self._decide(*key)
             return None
 
     def complete(self, expected: Sequence[str]) -> list[Decision]:
-        """Decide the open rounds in which every cluster of ``expected`` is ready (called when
-        a peer is gone: nobody waits for it until the deadline)."""
+        """Decide the open rounds in which every cluster of ``expected`` is ready, or already
+        ready for a later round (called when a peer is gone: nobody waits for it until the
+        deadline, and after each READY: nobody waits for a cluster that is past the round)."""
         with self._lock:
-            keys = [k for k, col in self._open.items() if col.ready
-                    and set(col.ready) >= set(expected)]
+            keys = [k for k, col in self._open.items()
+                    if col.ready and self._all_ready(k[0], col, expected)]
             return [self._decide(*key) for key in sorted(keys)]
+
+    def _all_ready(self, round_id: int, col: _Collection, expected: Sequence[str]) -> bool:
+        """Whether every cluster of ``expected`` is ready for ``round_id`` or past it."""
+        return all(c in col.ready or self._said.get(c, -1) > round_id for c in expected)
 
     def due(self, now: float) -> list[Decision]:
         """Decide every collection whose deadline has passed."""

@@ -285,6 +285,8 @@ class RoundControl:
             self._tell_behind(cluster, m.round)
         elif isinstance(res, Decision):
             self._announce(res)
+        for d in self.coordinator.complete(self._reachable()):  # rounds ``cluster`` is past
+            self._announce(d)
 
     def _announce(self, d: Decision) -> None:
         """Send a decision to every connected peer and apply it here."""

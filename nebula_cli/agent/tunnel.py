@@ -66,6 +66,9 @@ MAX_SESSIONS = 8
 POLL = 0.2
 STOP_WAIT = 5.0
 LAST_WORDS = 300
+LOG_BOUND = 1 << 20
+"""ssh's messages file is emptied once this many bytes of it were echoed into the relay's log
+(which rotates): a tunnel that reconnects for a month does not fill the disk."""
 
 
 def say(message: str) -> None:
@@ -155,6 +158,17 @@ class Tunnel:
             if (line := line.strip()) and line != self.said:
                 self.said = line
                 say(f"tunnel to {self.dial.peer}: ssh: {line[:LAST_WORDS]}")
+        self._bound()
+
+    def _bound(self) -> None:
+        """Empty ssh's messages file once LOG_BOUND of it was echoed and nothing more came
+        (the sessions' ssh append to it: they go on writing at its new end)."""
+        try:
+            if self.seen >= LOG_BOUND and os.path.getsize(self.dial.log) == self.seen:
+                os.truncate(self.dial.log, 0)
+                self.seen = 0
+        except OSError:
+            return
 
     def reap(self) -> None:
         """Forget the sessions that ended; one that failed is said."""

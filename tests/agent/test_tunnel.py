@@ -20,7 +20,7 @@ import pytest
 from helpers.jobs import REPO, wait_for
 from helpers.sshd_bed import SSHD, Sshd, descendants, free_port, start_sshd
 
-from nebula_cli.agent import authkeys
+from nebula_cli.agent import authkeys, tunnel
 from nebula_cli.config import strict
 from nebula_cli.config.tunnel_config import TunnelConfig, TunnelDial, TunnelGrant
 from nebula_cli.pki import ssh_keypair
@@ -242,3 +242,29 @@ def test_ssh_missing_on_the_host_is_one_line(tmp_path: Path) -> None:
     assert proc.returncode == 127
     assert "ssh not found on this host (install openssh-client): relay lab cannot reach hpc" \
         in proc.stdout
+
+
+def test_ssh_messages_are_echoed_and_their_file_stays_bounded(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """A month of reconnections writes ssh's messages again and again: once LOG_BOUND bytes of
+    them were echoed into the relay's log, the file is emptied, and what comes after is still
+    echoed (an appending writer goes on at the new end)."""
+    monkeypatch.setattr(tunnel, "LOG_BOUND", 4096)
+    log = tmp_path / "ssh.log"
+    dial = TunnelDial(peer="hpc", listen="127.0.0.1:1", target="127.0.0.1:2", host="h", port=22,
+                      user="u", key="k", known_hosts="k", alias="a", log=str(log))
+    t = tunnel.Tunnel(dial, keepalive=5, count=3)
+    with open(log, "ab") as ssh_stderr:  # as a session's ssh holds it
+        for i in range(200):
+            ssh_stderr.write(f"Connection to h closed by remote host ({i}).\n".encode())
+            ssh_stderr.flush()
+            t.echo()
+            assert log.stat().st_size <= 4096 + 64
+        said = capsys.readouterr().out.splitlines()
+        assert len(said) == 200 and said[-1].endswith("(199).")
+        assert "tunnel to hpc: ssh: Connection to h closed by remote host (0)." in said[0]
+        ssh_stderr.write(b"Permission denied (publickey).\n")
+        ssh_stderr.flush()
+        t.echo()
+    assert capsys.readouterr().out.strip().endswith("ssh: Permission denied (publickey).")

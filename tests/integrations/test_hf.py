@@ -99,6 +99,8 @@ def test_lora_adapters_are_all_that_travels(cli: CLI, tmp_path: Path) -> None:
     trainable, total = int(found[1]), int(found[2])
     assert trainable * 10 < total
     sent = {r["wan_bytes_sent"] for r in recs if r.get("outer_round") is not None}
-    assert sent and all(trainable <= b <= 1.2 * trainable for b in sent), (sent, trainable)
+    # a round's bytes: the adapters' int8 payload, its frames, and the heartbeats sent while it
+    # lasted (more on a loaded machine); the whole model would be over 10 times as much
+    assert sent and all(trainable <= b <= 1.5 * trainable for b in sent), (sent, trainable)
     finals = [r for r in recs if r.get("final")]  # the callback's on_train_end ended it
     assert len(finals) == 3 and {r["ended_by"] for r in finals} == {"trainer end"}, finals

@@ -3,18 +3,25 @@ server of a tiny Hugging Face GPT-2) and a student cluster (`cloud`, two gloo ra
 helpers.distill_student) on the local transport. The job ends SUCCEEDED by itself: the
 teacher's processes are ended once the students are done; every student batch came with soft
 labels (the loader's metric records, in `nebula status --json`), the KD loss fell, both
-ranks end identical, and nothing of the job is left running."""
+ranks end identical, and nothing of the job is left running. The teacher's server killed by
+SIGKILL mid-run: its agent starts it again, the students wait for it and go on. `nebula stop`
+and `resume`: the students go on from their checkpoint, asking again for the batches from there,
+and the teacher is started again with them."""
 
 from __future__ import annotations
 
 import json
+import os
+import signal
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 import yaml
-from helpers.jobs import CLI, REPO, job_processes
+from helpers.jobs import CLI, REPO, job_processes, wait_for
 from helpers.label_teacher import peaked_teacher
+from helpers.sshd_bed import descendants
 from transformers import GPT2Config, GPT2LMHeadModel
 
 pytestmark = pytest.mark.slow
@@ -22,17 +29,19 @@ pytestmark = pytest.mark.slow
 VOCAB, WIDTH, STEPS = 512, 32, 8
 
 
-def spec_file(tmp_path: Path) -> Path:
+def spec_file(tmp_path: Path, steps: int = STEPS, **change: Any) -> Path:
+    """The job: `change` updated into the distill section, the teacher cluster and the
+    student cluster's env (keys ``distill``, ``lab``, ``cloud_env``)."""
     work = tmp_path / "work"
     work.mkdir()
     torch.manual_seed(3)
     teacher_model = GPT2LMHeadModel(GPT2Config(vocab_size=VOCAB, n_positions=WIDTH, n_embd=64,
                                                n_layer=2, n_head=2))
     peaked_teacher(teacher_model).save_pretrained(work / "teacher")
-    torch.save(torch.randint(0, VOCAB, (2 * 4 * STEPS, WIDTH)), work / "data.pt")
+    torch.save(torch.randint(0, VOCAB, (2 * 4 * steps, WIDTH)), work / "data.pt")
     spec = {
         "name": "distill-launch", "workdir": str(work), "relay": {},
-        "run": f"python -u -m helpers.distill_student {work}/r$RANK.json {STEPS}",
+        "run": f"python -u -m helpers.distill_student {work}/r$RANK.json {steps}",
         "runtime": {"auto": False},  # the student trains with gloo, not DeepSpeed
         "env": {"OMP_NUM_THREADS": "1"},
         "distill": {"topk": 16, "lookahead": 2, "wait_s": 60.0},
@@ -44,6 +53,9 @@ def spec_file(tmp_path: Path) -> Path:
                      "DISTILL_VOCAB": str(VOCAB)}},
         ],
     }
+    spec["distill"].update(change.get("distill", {}))
+    spec["clusters"][0].update(change.get("lab", {}))
+    spec["clusters"][1]["env"].update(change.get("cloud_env", {}))
     path = tmp_path / "distill.yaml"
     path.write_text(yaml.safe_dump(spec))
     return path
@@ -75,3 +87,70 @@ def test_a_launched_student_cluster_learns_from_its_teacher_cluster(
     assert lab["detail"]["reason"] == "ended after the training finished"
     assert lab["detail"]["ended"] >= cloud["detail"]["ended"]
     assert lab["detail"]["exit_codes"] == {"0": 0}  # hf_server left cleanly on SIGTERM
+
+
+def test_a_teacher_killed_by_sigkill_is_restarted_and_the_students_go_on(
+        cli: CLI, tmp_path: Path) -> None:
+    """The teacher cluster's server (and all it ran) SIGKILLed while the students train: its
+    agent starts it again (`max_restarts`), the students wait for it (`when_no_teacher:
+    wait`) and every batch still comes with its soft labels; the job ends SUCCEEDED."""
+    steps = 40
+    spec = spec_file(tmp_path, steps, distill={"wait_s": 120.0, "when_no_teacher": "wait"},
+                     lab={"max_restarts": 2}, cloud_env={"DISTILL_STEP_S": "0.25"})
+    job_id = cli("launch", str(spec), "--detach", check=True).stdout.strip()
+
+    def status() -> dict[str, Any]:
+        return json.loads(cli("status", job_id, "--json", check=True).stdout)
+
+    wait_for(lambda: status()["metrics"].get("cloud", {}).get("distill_batches", 0) >= 1,
+             timeout=120)  # the students are training with labels (the loader's first record)
+    (lab,) = [h for h in status()["hosts"] if h["cluster"] == "lab"]
+    killed = [lab["pid"], *descendants(lab["pid"])]
+    for pid in killed:
+        os.kill(pid, signal.SIGKILL)
+    st = wait_for(lambda: (s := status())["state"] not in ("RUNNING", "PENDING") and s,
+                  timeout=300, every=1.0)
+    assert st["state"] == "SUCCEEDED", st
+    (lab,) = [h for h in st["hosts"] if h["cluster"] == "lab"]
+    assert lab["restarts"] == 1 and lab["state"] == "STOPPED", lab
+    results = [json.loads((tmp_path / "work" / f"r{r}.json").read_text()) for r in range(2)]
+    assert results[0]["digest"] == results[1]["digest"]
+    assert all(r["steps"] == steps and r["without_labels"] == 0 for r in results), results
+    assert max(r["longest_wait_s"] for r in results) > 0.5  # they waited for the restart
+    assert st["metrics"]["cloud"]["distill_batches"] == steps
+    assert job_processes(job_id) == []
+
+
+def test_a_stopped_distillation_resumes_from_the_students_checkpoint(
+        cli: CLI, tmp_path: Path) -> None:
+    """`stop` mid-run, then `resume`: every student rank goes on from the newest step both
+    saved, asks for the soft labels of exactly the batches from there (none skipped, none
+    twice), the teacher cluster is started again, and the job ends SUCCEEDED."""
+    steps, ckpt = 40, tmp_path / "ckpt"
+    spec = spec_file(tmp_path, steps,
+                     cloud_env={"DISTILL_STEP_S": "0.2", "DISTILL_CKPT": str(ckpt)})
+    job_id = cli("launch", str(spec), "--detach", check=True).stdout.strip()
+
+    def saved() -> int:
+        per_rank = [[int(p.stem.split("-step")[1]) for p in ckpt.glob(f"rank{r}-step*.pt")]
+                    for r in range(2)]
+        return min(max(s, default=0) for s in per_rank)
+
+    wait_for(lambda: saved() >= 10, timeout=180)
+    cli("stop", job_id, check=True, timeout=180)
+    st = json.loads(cli("status", job_id, "--json", check=True).stdout)
+    assert st["state"] == "STOPPED" and job_processes(job_id) == [], st
+    stopped_at = saved()
+    assert 10 <= stopped_at < steps
+    cli("resume", job_id, "--detach", check=True, timeout=300)
+    st = wait_for(lambda: (s := json.loads(cli("status", job_id, "--json", check=True).stdout))
+                  ["state"] not in ("RUNNING", "PENDING") and s, timeout=300, every=1.0)
+    assert st["state"] == "SUCCEEDED" and st["attempt"] == 2, st
+    results = [json.loads((tmp_path / "work" / f"r{r}.json").read_text()) for r in range(2)]
+    assert results[0]["digest"] == results[1]["digest"]
+    for r in results:
+        assert (r["first_step"], r["steps"]) == (stopped_at, steps), r
+        assert r["batches"] == steps - stopped_at and r["without_labels"] == 0, r
+    (lab,) = [h for h in st["hosts"] if h["cluster"] == "lab"]
+    assert lab["state"] == "STOPPED", lab  # served the second attempt, ended after it
+    assert job_processes(job_id) == []

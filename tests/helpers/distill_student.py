@@ -5,7 +5,10 @@ parallel over gloo (gradients averaged with all_reduce), its result written as J
 ``python -m helpers.distill_student OUT STEPS`` with RANK, WORLD_SIZE, MASTER_ADDR,
 MASTER_PORT and NEBULA_DISTILL_CONFIG set; DISTILL_DATA names a .pt of token ids
 (sequences, width) to train on (each rank takes every WORLD_SIZE-th batch of 4 sequences),
-DISTILL_EVAL one to measure the eval loss on, DISTILL_HARD=1 trains on hard labels only.
+DISTILL_EVAL one to measure the eval loss on, DISTILL_HARD=1 trains on hard labels only,
+DISTILL_STEP_S=s makes each step last s seconds more (a slower student, for fault tests),
+DISTILL_CKPT=dir saves the rank's model, optimizer and step there every 5 steps and, when one is
+there at the start, resumes from it (the loader's first ask numbered by that step).
 """
 
 from __future__ import annotations
@@ -31,6 +34,29 @@ def student(vocab: int, width: int) -> GPT2LMHeadModel:
                                       n_layer=2, n_head=2))
 
 
+def save(model: GPT2LMHeadModel, opt: torch.optim.Optimizer, ckpt: str, rank: int,
+         step: int) -> None:
+    os.makedirs(ckpt, exist_ok=True)
+    path = f"{ckpt}/rank{rank}-step{step}.pt"
+    torch.save({"model": model.state_dict(), "opt": opt.state_dict()}, path + ".tmp")
+    os.replace(path + ".tmp", path)
+
+
+def resume(model: GPT2LMHeadModel, opt: torch.optim.Optimizer, ckpt: str, rank: int) -> int:
+    """Load the newest step every rank saved (a stop can land between two ranks' saves); 0 if
+    none."""
+    names = os.listdir(ckpt) if os.path.isdir(ckpt) else []
+    mine = [int(p.split("-step")[1][:-3]) for p in names
+            if p.startswith(f"rank{rank}-step") and p.endswith(".pt")]
+    newest = torch.tensor(max(mine, default=0))
+    dist.all_reduce(newest, op=dist.ReduceOp.MIN)
+    if newest.item():
+        state = torch.load(f"{ckpt}/rank{rank}-step{newest.item()}.pt")
+        model.load_state_dict(state["model"])
+        opt.load_state_dict(state["opt"])
+    return int(newest.item())
+
+
 def main() -> None:
     out, steps = sys.argv[1], int(sys.argv[2])
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
@@ -42,10 +68,14 @@ def main() -> None:
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     mine = [data[i:i + BATCH] for i in range(BATCH * rank, BATCH * steps * world, BATCH * world)]
     hard = os.environ.get("DISTILL_HARD") == "1"
-    loader = None if hard else soft_labelled(mine)
+    pause = float(os.environ.get("DISTILL_STEP_S") or 0)
+    ckpt = os.environ.get("DISTILL_CKPT")
+    first = resume(model, opt, ckpt, rank) if ckpt else 0
+    loader = None if hard else soft_labelled(mine[first:], first_seq=first)
     kd_first = kd_last = None
     start = time.monotonic()
-    for batch, soft in (((b, None) for b in mine) if loader is None else loader):
+    step = first
+    for batch, soft in (((b, None) for b in mine[first:]) if loader is None else loader):
         logits = model(batch).logits
         loss, kd, _ = kd_loss(logits, batch, soft, temperature=2.0, alpha=0.5)
         opt.zero_grad()
@@ -54,6 +84,10 @@ def main() -> None:
             dist.all_reduce(p.grad)
             p.grad /= world
         opt.step()
+        step += 1
+        if ckpt and step % 5 == 0:
+            save(model, opt, ckpt, rank, step)
+        time.sleep(pause)
         if kd is not None:
             kd_first = kd.item() if kd_first is None else kd_first
             kd_last = kd.item()
@@ -68,7 +102,8 @@ def main() -> None:
                                      for p in model.parameters())).hexdigest()
     stats = loader.stats if loader is not None else None
     with open(out, "w") as f:
-        json.dump({"rank": rank, "digest": digest, "steps": len(mine), "elapsed_s": elapsed,
+        json.dump({"rank": rank, "digest": digest, "steps": step, "first_step": first,
+                   "batches": stats.batches if stats else None, "elapsed_s": elapsed,
                    "tokens": sum(b.numel() for b in mine), "kd_first": kd_first,
                    "kd_last": kd_last, "eval_loss": eval_loss,
                    "without_labels": stats.without_labels if stats else None,

@@ -1,7 +1,7 @@
 """A stand-in teacher for the soft-label service's tests: a fixed function from a token id to
 its top-k (the next ids and falling log-probabilities), served by a real `ServeLink`, in this
 process (`serving`) or as its own process (``python -m helpers.label_teacher``, so that a
-test can SIGKILL it)."""
+test can SIGKILL it); and a model's teacher through the whole serving API (`serving_teacher`)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import datetime as dt
 import ssl
 import sys
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import numpy as np
@@ -25,6 +25,7 @@ from nebula_cli.relay.distill.label_client import LabelClient
 from nebula_cli.relay.distill.label_relay import LabelRelay
 from nebula_cli.relay.distill.serve_link import ServeLink
 from nebula_cli.relay.distill.sparse import SparseLabels, Values
+from nebula_cli.runtime.distill import serve
 
 VOCAB = 5000
 K = 4
@@ -100,6 +101,25 @@ def serving(link: ServeLink) -> Iterator[ServeLink]:
     finally:
         stop.set()
         t.join(timeout=10)
+        assert not t.is_alive()
+
+
+@contextlib.contextmanager
+def serving_teacher(pki: Path, port: int,
+                    forward: Callable[[torch.Tensor], torch.Tensor]) -> Iterator[None]:
+    """`runtime.distill.serve(forward)` as teacher cluster lab's host t1, in a thread, its label
+    relay on 127.0.0.1:``port``, while the block runs."""
+    cfg = distill_cfg(pki, "lab", "t1", teachers={"lab": f"127.0.0.1:{port}"},
+                      listen=f"127.0.0.1:{port}")
+    stop = threading.Event()
+    t = threading.Thread(target=serve, args=(forward,), kwargs=dict(config=cfg, rank=0, stop=stop),
+                         daemon=True)
+    t.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        t.join(timeout=15)
         assert not t.is_alive()
 
 

@@ -5,19 +5,16 @@ top k; with no teacher, `ce_only` trains on and counts, `wait` fails naming the 
 
 from __future__ import annotations
 
-import contextlib
-import socket
-import threading
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers.label_teacher import distill_cfg, job_pki
+from helpers.label_teacher import distill_cfg, job_pki, serving_teacher
+from helpers.sshd_bed import free_port
 
 from nebula_cli.config.distill_config import DistillConfig
-from nebula_cli.runtime.distill import kd_loss, serve, soft_labelled, topk_labels
+from nebula_cli.runtime.distill import kd_loss, soft_labelled, topk_labels
 from nebula_cli.runtime.distill.loader import DistillError, SoftLabels
 
 VOCAB, WIDTH = 300, 6
@@ -26,28 +23,6 @@ VOCAB, WIDTH = 300, 6
 def teacher_model() -> torch.nn.Module:
     torch.manual_seed(0)
     return torch.nn.Sequential(torch.nn.Embedding(VOCAB, 16), torch.nn.Linear(16, VOCAB))
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@contextlib.contextmanager
-def teacher(pki: Path, port: int) -> Iterator[None]:
-    cfg = distill_cfg(pki, "lab", "t1", teachers={"lab": f"127.0.0.1:{port}"},
-                      listen=f"127.0.0.1:{port}")
-    stop = threading.Event()
-    t = threading.Thread(target=serve, args=(teacher_model(),),
-                         kwargs=dict(config=cfg, rank=0, stop=stop), daemon=True)
-    t.start()
-    try:
-        yield
-    finally:
-        stop.set()
-        t.join(timeout=15)
-        assert not t.is_alive()
 
 
 def batches(n: int) -> list[dict[str, torch.Tensor]]:
@@ -63,7 +38,7 @@ def test_every_batch_comes_once_in_order_with_its_teachers_top_k(tmp_path: Path)
     pki, port = job_pki(tmp_path / "pki"), free_port()
     data = batches(10)
     model = teacher_model()
-    with teacher(pki, port):
+    with serving_teacher(pki, port, teacher_model()):
         loader = soft_labelled(data, config=student_cfg(pki, port, lookahead=3))
         try:
             seen = list(loader)

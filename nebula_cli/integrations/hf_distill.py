@@ -1,0 +1,109 @@
+"""Distillation in a Hugging Face Trainer script, by naming one class (issue 24's Trainer path):
+
+    from nebula_cli.integrations.hf_distill import DistillTrainer as Trainer
+
+:class:`DistillTrainer` is a ``transformers.Trainer`` whose training batches come with the job's
+teachers' sparse soft labels (``runtime.distill.soft_labelled`` around the Trainer's own
+training dataloader: ``lookahead`` batches asked ahead, ``when_no_teacher`` followed) and whose
+training loss is ``runtime.distill.kd_loss``: KL at the job's temperature on the teacher's top k,
+mixed with the model's hard-label loss by ``distill.alpha`` (a batch without soft labels, under
+``ce_only``, trains on the hard labels alone). Evaluation and prediction are the Trainer's own.
+
+The settings are the job's distill.json (``NEBULA_DISTILL_CONFIG``, written by nebula for a
+student cluster of a job with ``distill:``), or ``distill_config=``. Without either it is the
+plain Trainer. The model is a causal LM: position t's soft labels are the teacher's for the
+same position, and the hard labels are shifted as the model's own loss shifts them. Needs the
+``hf`` extra (transformers).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from transformers import Trainer
+
+from nebula_cli.config.distill_config import DISTILL_CONFIG_ENV, DistillConfig
+from nebula_cli.runtime.distill import DistillLoader, SoftLabels, kd_loss, soft_labelled
+
+SOFT_KEY = "nebula_soft_labels"
+"""Where a training batch carries its soft labels from the dataloader to ``compute_loss``."""
+
+
+def _input_ids(batch: Any) -> torch.Tensor:
+    return batch["input_ids"]
+
+
+class SoftLabelledBatches:
+    """The Trainer's training dataloader, each batch (a mapping) with its soft labels under
+    :data:`SOFT_KEY`; everything else (``len``, ``set_epoch``, ``sampler``, ...) is the
+    dataloader's."""
+
+    def __init__(self, dataloader: Any, labelled: Callable[[Any], DistillLoader]) -> None:
+        self.dataloader = dataloader
+        self.loader = labelled(dataloader)
+
+    def __len__(self) -> int:
+        return len(self.dataloader)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.dataloader, name)
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        for batch, soft in self.loader:
+            yield {**batch, SOFT_KEY: soft}
+
+
+class DistillTrainer(Trainer):  # type: ignore[misc]
+    """A Trainer that distils from the job's teachers (see the module docstring)."""
+
+    def __init__(self, *args: Any, distill_config: DistillConfig | None = None,
+                 **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        path = os.environ.get(DISTILL_CONFIG_ENV)
+        self.distill_config = distill_config or (DistillConfig.load(path) if path else None)
+        if self.distill_config is not None and self.distill_config.teacher:
+            raise ValueError(f"cluster {self.distill_config.cluster} is a teacher: it serves "
+                             "soft labels (nebula_cli.runtime.distill.serve), it does not "
+                             "train a student")
+        self.soft_batches: SoftLabelledBatches | None = None
+        """The training batches with their soft labels (``.loader.stats``: what came)."""
+
+    def get_train_dataloader(self) -> Any:
+        dataloader = super().get_train_dataloader()
+        if self.distill_config is None:
+            return dataloader
+        self._close_labels()
+        cfg = self.distill_config
+        self.soft_batches = SoftLabelledBatches(
+            dataloader, lambda d: soft_labelled(d, config=cfg, token_ids=_input_ids))
+        return self.soft_batches
+
+    def compute_loss(self, model: Any, inputs: dict[str, Any], return_outputs: bool = False,
+                     **kwargs: Any) -> Any:
+        if SOFT_KEY not in inputs:  # evaluation, or no distillation
+            return super().compute_loss(model, inputs, return_outputs=return_outputs, **kwargs)
+        inputs = dict(inputs)
+        soft: SoftLabels | None = inputs.pop(SOFT_KEY)
+        labels = inputs.pop("labels", None)
+        outputs = model(**inputs)
+        logits = outputs["logits"]
+        if soft is not None:
+            soft = SoftLabels(soft.ids.to(logits.device), soft.logp.to(logits.device),
+                              soft.teacher)
+        cfg = self.distill_config
+        assert cfg is not None
+        loss, _, _ = kd_loss(logits, labels, soft, temperature=cfg.temperature, alpha=cfg.alpha)
+        return (loss, outputs) if return_outputs else loss
+
+    def train(self, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return super().train(*args, **kwargs)
+        finally:
+            self._close_labels()
+
+    def _close_labels(self) -> None:
+        if self.soft_batches is not None:
+            self.soft_batches.loader.client.close()

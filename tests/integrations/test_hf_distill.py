@@ -1,0 +1,90 @@
+"""integrations/hf_distill: a Trainer script distils by naming `DistillTrainer`, against a real
+teacher (`runtime.distill.serve` of a peaked GPT-2, its label relay on loopback, mutual TLS):
+every training batch comes with the teacher's soft labels and the loss is `kd_loss`; without
+`distill:` it is the plain Trainer, loss for loss."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from helpers.label_teacher import distill_cfg, job_pki, peaked_teacher, serving_teacher
+from helpers.sshd_bed import free_port
+from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
+
+from nebula_cli.config.distill_config import DISTILL_CONFIG_ENV
+from nebula_cli.integrations.hf_distill import DistillTrainer
+
+VOCAB, WIDTH, STEPS = 256, 16, 6
+
+
+class Tokens(torch.utils.data.Dataset):
+    def __init__(self) -> None:
+        self.ids = torch.randint(0, VOCAB, (4 * STEPS, WIDTH),
+                                 generator=torch.Generator().manual_seed(2))
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        return {"input_ids": self.ids[i], "labels": self.ids[i]}
+
+
+def gpt2(seed: int, n_embd: int = 32) -> GPT2LMHeadModel:
+    torch.manual_seed(seed)
+    return GPT2LMHeadModel(GPT2Config(vocab_size=VOCAB, n_positions=WIDTH, n_embd=n_embd,
+                                      n_layer=1, n_head=2))
+
+
+def args(out: Path) -> TrainingArguments:
+    return TrainingArguments(output_dir=str(out), max_steps=STEPS, per_device_train_batch_size=4,
+                             learning_rate=3e-3, logging_steps=1, report_to=[], use_cpu=True,
+                             save_strategy="no", seed=0, dataloader_num_workers=0)
+
+
+def losses(trainer: Trainer) -> list[float]:
+    return [r["loss"] for r in trainer.state.log_history if "loss" in r]
+
+
+def test_a_trainer_named_distilltrainer_trains_on_its_teachers_soft_labels(
+        tmp_path: Path) -> None:
+    pki, port = job_pki(tmp_path / "pki"), free_port()
+    teacher = peaked_teacher(gpt2(seed=7, n_embd=64)).eval()
+    cfg = distill_cfg(pki, "cloud", "s1", teachers={"lab": f"127.0.0.1:{port}"}, lookahead=2,
+                      alpha=1.0, wait_s=60.0)  # the KD term alone: it must fall
+    with serving_teacher(pki, port, lambda ids: teacher(ids).logits):
+        trainer = DistillTrainer(model=gpt2(seed=0), args=args(tmp_path / "kd"),
+                                 train_dataset=Tokens(), distill_config=cfg)
+        trainer.train()
+    assert trainer.soft_batches is not None
+    stats = trainer.soft_batches.loader.stats
+    assert stats.batches == STEPS and stats.without_labels == 0, stats
+    assert stats.tokens == STEPS * 4 * WIDTH and stats.bytes_per_token > 0
+    kd = losses(trainer)
+    assert len(kd) == STEPS and kd[-1] < kd[0], kd
+
+    plain = Trainer(model=gpt2(seed=0), args=args(tmp_path / "plain"), train_dataset=Tokens())
+    plain.train()
+    assert losses(plain)[0] != pytest.approx(kd[0], rel=1e-3)  # a different loss: the KD
+
+
+def test_without_distill_it_is_the_plain_trainer(tmp_path: Path,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(DISTILL_CONFIG_ENV, raising=False)
+    runs = []
+    for cls in (Trainer, DistillTrainer):
+        trainer = cls(model=gpt2(seed=0), args=args(tmp_path / cls.__name__),
+                      train_dataset=Tokens())
+        trainer.train()
+        runs.append(losses(trainer))
+    assert runs[0] == runs[1] and len(runs[0]) == STEPS
+    assert trainer.soft_batches is None
+
+
+def test_a_teacher_clusters_config_is_refused(tmp_path: Path) -> None:
+    pki = job_pki(tmp_path / "pki")
+    cfg = distill_cfg(pki, "lab", "t1", teachers={"lab": "127.0.0.1:1"}, listen="127.0.0.1:1")
+    with pytest.raises(ValueError, match="cluster lab is a teacher"):
+        DistillTrainer(model=gpt2(seed=0), args=args(tmp_path / "t"), train_dataset=Tokens(),
+                       distill_config=cfg)

@@ -61,7 +61,7 @@ def test_time_based_rounds_weight_a_slower_cluster_by_its_samples(cli: CLI,
 
 
 def test_auto_inner_steps_are_agreed_by_every_cluster(cli: CLI, tmp_path: Path) -> None:
-    spec_path = short_spec(tmp_path, clusters={"east": ["e1"], "west": ["w1"]}, steps=60,
+    spec_path = short_spec(tmp_path, clusters={"east": ["e1"], "west": ["w1"]}, steps=36,
                            inner=10, name="auto")
     job_id = launch(cli, spec_path, {"inner_steps": "auto", "min_inner_steps": 3,
                                      "max_inner_steps": 12, "target_utilization": 0.9})

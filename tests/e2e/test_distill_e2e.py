@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -18,6 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 from helpers.label_teacher import distill_cfg, job_pki, peaked_teacher
+from helpers.sshd_bed import free_port
 from transformers import GPT2Config, GPT2LMHeadModel
 
 from nebula_cli.config import strict
@@ -25,12 +25,6 @@ from nebula_cli.config.distill_config import DISTILL_CONFIG_ENV
 
 TESTS = Path(__file__).resolve().parents[1]
 VOCAB, WIDTH, STEPS = 512, 32, 8
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.mark.slow

@@ -8,7 +8,6 @@ import json
 import math
 import os
 import signal
-import socket
 import subprocess
 import sys
 import sysconfig
@@ -20,6 +19,7 @@ import pytest
 import torch
 from helpers.jobs import REPO
 from helpers.quickstart import TINY_GPT
+from helpers.sshd_bed import free_port
 
 from nebula_cli.agent.leftovers import remove_shm_buffers
 
@@ -151,14 +151,8 @@ def test_eval_batches_fixed_and_evaluate() -> None:
 # --- a real 2-rank DeepSpeed run -------------------------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _start_ranks(tmp_path: Path, *args: str) -> list[subprocess.Popen[bytes]]:
-    port = _free_port()
+    port = free_port()
     procs = []
     for rank in range(2):
         env = {k: v for k, v in os.environ.items() if not k.startswith(("NEBULA_", "OMP_"))}

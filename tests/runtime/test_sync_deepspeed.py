@@ -6,7 +6,6 @@ from __future__ import annotations
 import copy
 import faulthandler
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -17,6 +16,7 @@ from typing import Any
 import pytest
 import torch
 from helpers.jobs import REPO
+from helpers.sshd_bed import free_port
 from helpers.sync_reference import (
     CFG,
     LR,
@@ -220,17 +220,11 @@ def _worker_main(out_dir: str) -> None:
         dist.barrier()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def ds_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict[str, Any]]]:
     """Launches the 2-rank world once; returns {scenario: [rank0 record, rank1 record]}."""
     out = tmp_path_factory.mktemp("sync-ds")
-    port = _free_port()
+    port = free_port()
     here, tests_dir = str(Path(__file__).resolve().parent), str(REPO / "tests")
     code = (f"import sys; sys.path[:0] = [{here!r}, {tests_dir!r}]; "
             f"import test_sync_deepspeed; test_sync_deepspeed._worker_main({str(out)!r})")

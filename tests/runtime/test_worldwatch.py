@@ -13,6 +13,7 @@ import sys
 import time
 
 import pytest
+from helpers.sshd_bed import free_port
 from torch.distributed import TCPStore
 
 from nebula_cli.runtime import worldwatch
@@ -24,12 +25,6 @@ assert worldwatch.start()
 time.sleep(float(sys.argv[1]))
 print("the rank ended on its own", flush=True)
 """
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def world_env(port: int, nodes: int = 2) -> dict[str, str]:

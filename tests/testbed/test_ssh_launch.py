@@ -13,7 +13,7 @@ import pytest
 import yaml
 from helpers.interrupts import launch_and_interrupt, mentions
 from helpers.jobs import CLI, REMOTE_JOBS, REPO, job_processes, wait_for
-from helpers.quickstart import SHORT_CONTEXT, relay_logs
+from helpers.quickstart import SHORT_CONTEXT, TINY_GPT, relay_logs
 from helpers.ssh_jobs import records, ssh_spec
 
 from testbed import TestBed
@@ -29,8 +29,7 @@ def test_quickstart_model_over_ssh(ssh_cli: CLI, bed_clean: TestBed, tmp_path: P
     relay["sync"]["inner_steps"] = 10
     relay["shaping"] = {"rate_mbit": None, "delay_ms": 25}  # the bed's tc shapes the rate
     spec = ssh_spec(tmp_path, bed_clean, clusters={"east": ["e1", "e2"], "west": ["w1", "w2"]},
-                    run=f"python -u train.py --steps 30 --eval-every 10 --log-every 5 "
-                        f"{SHORT_CONTEXT}",
+                    run=f"python -u train.py --steps 30 --eval-every 10 --log-every 5 {TINY_GPT}",
                     relay=relay, workdir=REPO / "examples" / "gpt", deepspeed="ds_config.json")
     text = yaml.safe_load(spec.read_text())
     text["clusters"][0]["gateway"] = "e2"
@@ -198,7 +197,7 @@ def test_pipeline_follows_the_placement_over_ssh(ssh_cli: CLI, bed_clean: TestBe
     """2 stages x 2 replicas over 2 clusters in one DeepSpeed world: `nebula plan placement`
     picks the devices, the launch puts every stage of every replica where the plan says."""
     clusters = {"east": ["e1", "e2"], "west": ["w1", "w2"]}
-    run = "python -u train_pipe.py --steps 16 --eval-every 8 --log-every 4"
+    run = f"python -u train_pipe.py --steps 16 --eval-every 8 --log-every 4 {SHORT_CONTEXT}"
     gpt = REPO / "examples" / "gpt"
     pipe = {"parallelism": {"pipeline_stages": 2, "cleartext_wan": True}}
     bare = ssh_spec(tmp_path, bed_clean, clusters=clusters, run=run, name="pipe",

@@ -23,6 +23,7 @@ import pytest
 import torch
 from helpers.crowd import Crowd
 from helpers.plan_defaults import relay_defaults
+from helpers.sshd_bed import free_port
 
 from nebula_cli.config.relay_config import RelayConfig
 from nebula_cli.pki import JobPKI, issue_job_pki
@@ -33,12 +34,6 @@ from nebula_cli.relay.process.server import Relay
 
 JOB = "job-crowded"
 CLUSTERS = ["a", "b"]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class TwoClusters:

@@ -316,10 +316,26 @@ def wan_totals(records: list[dict[str, Any]], cluster: str) -> tuple[float | Non
     return sums[0], sums[1]
 
 
+def soft_labels_table(clusters: dict[str, list[dict[str, Any]]]) -> str:
+    """A student cluster's soft labels at the end (its loader's newest record: batches trained
+    with labels of all, bytes per token, time waited), as `nebula status` shows them; "" for a
+    job without distillation."""
+    rows = "".join(
+        f"<tr><td>{html.escape(c)}</td><td>{_cell(_latest(recs, 'distill_batches'))}</td>"
+        f"<td>{_cell(_latest(recs, 'distill_without_labels'))}</td>"
+        f"<td>{_cell(_latest(recs, 'distill_bytes_per_token'), '.1f')}</td>"
+        f"<td>{_cell(_latest(recs, 'distill_wait_s'), '.2f')}</td>"
+        f"<td>{_cell(_latest(recs, 'distill_longest_wait_s'), '.2f')}</td></tr>"
+        for c, recs in clusters.items() if _latest(recs, "distill_batches") is not None)
+    return ("<h2>soft labels (distillation)</h2><table><tr><th>cluster</th><th>batches</th>"
+            "<th>without labels</th><th>bytes per token</th><th>waited (s)</th>"
+            f"<th>longest wait (s)</th></tr>{rows}</table>") if rows else ""
+
+
 def html_page(records: list[dict[str, Any]], title: str, order: Sequence[str] = ()) -> str:
     """The report page: the figure embedded, the panels left out and why, what the live view
-    shows of each cluster at the end, its restarts and missed rounds, and every worker's final
-    parameters."""
+    shows of each cluster at the end (with distillation, its soft labels), its restarts and
+    missed rounds, and every worker's final parameters."""
     png, omitted = figure_png(records, DPI["html"], order)
     clusters = by_cluster(records, order)
     colours = page_colours(order, clusters)
@@ -362,7 +378,7 @@ def html_page(records: list[dict[str, Any]], title: str, order: Sequence[str] = 
         f"<th>eval loss</th><th>{html.escape(rate[1] if rate else 'throughput')}</th>"
         "<th>round</th><th>round time (s)</th><th>present</th><th>checkpoint</th>"
         "<th>WAN sent</th><th>WAN received</th></tr>"
-        f"{latest}</table>"
+        f"{latest}</table>{soft_labels_table(clusters)}"
         "<h2>per cluster</h2><table><tr><th>cluster</th><th>restarts</th>"
         f"<th>rounds missed</th><th>which</th></tr>{counts}</table>"
         "<h2>final parameters</h2><table><tr><th>worker</th><th>rank</th><th>step</th>"

@@ -13,7 +13,8 @@ The settings are the job's distill.json (``NEBULA_DISTILL_CONFIG``, written by n
 student cluster of a job with ``distill:``), or ``distill_config=``. Without either it is the
 plain Trainer. The model is a causal LM: position t's soft labels are the teacher's for the
 same position, and the hard labels are shifted as the model's own loss shifts them. Needs the
-``hf`` extra (transformers).
+``hf`` extra (transformers). Not yet: ``resume_from_checkpoint`` in the middle of an epoch
+(the Trainer then skips batches with a plain DataLoader: refused with `DistillError`).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from transformers import Trainer
 
 from nebula_cli.config.distill_config import DISTILL_CONFIG_ENV, DistillConfig
 from nebula_cli.runtime.distill import DistillLoader, SoftLabels, kd_loss, soft_labelled
+from nebula_cli.runtime.distill.loader import DistillError
 
 SOFT_KEY = "nebula_soft_labels"
 """Where a training batch carries its soft labels from the dataloader to ``compute_loss``."""
@@ -70,6 +72,10 @@ class DistillTrainer(Trainer):  # type: ignore[misc]
                              "train a student")
         self.soft_batches: SoftLabelledBatches | None = None
         """The training batches with their soft labels (``.loader.stats``: what came)."""
+        if self.distill_config is not None:
+            # kd_loss is a mean over the batch: the Trainer divides it by the accumulation
+            # steps itself only when the model is not handed `num_items_in_batch`
+            self.model_accepts_loss_kwargs = False
 
     def get_train_dataloader(self) -> Any:
         dataloader = super().get_train_dataloader()
@@ -84,6 +90,12 @@ class DistillTrainer(Trainer):  # type: ignore[misc]
     def compute_loss(self, model: Any, inputs: dict[str, Any], return_outputs: bool = False,
                      **kwargs: Any) -> Any:
         if SOFT_KEY not in inputs:  # evaluation, or no distillation
+            if self.distill_config is not None and model.training:
+                raise DistillError(
+                    "a training batch came without the soft labels' slot: the Trainer replaced "
+                    "the training dataloader (resume_from_checkpoint in the middle of an epoch "
+                    "skips batches with a plain DataLoader); DistillTrainer cannot resume "
+                    "mid-epoch yet: resume from a checkpoint at an epoch's end, or train anew")
             return super().compute_loss(model, inputs, return_outputs=return_outputs, **kwargs)
         inputs = dict(inputs)
         soft: SoftLabels | None = inputs.pop(SOFT_KEY)

@@ -148,3 +148,23 @@ def test_panels_with_nothing_to_draw_are_left_out_and_said_why(cli: CLI,
     assert "<th>samples/s</th>" in text  # the throughput they did log, named
     png = cli("report", job_id, "--output", str(tmp_path / "bare.png"), check=True)
     assert "panel 'eval loss by step' left out: the workers logged no eval_loss" in png.stderr
+
+
+def test_a_student_clusters_soft_labels_are_a_table_and_other_jobs_have_none() -> None:
+    from nebula_cli.cli.report_draw import by_cluster, soft_labels_table
+
+    def rec(cluster: str, step: int, **kw: Any) -> dict[str, Any]:
+        return {"ts": 100.0 + step, "role": "worker", "rank": 0, "cluster": cluster,
+                "step": step, **kw}
+
+    records = [rec("cloud", 20, distill_batches=20, distill_without_labels=0,
+                   distill_bytes_per_token=9.5, distill_wait_s=0.25, distill_longest_wait_s=0.1),
+               rec("cloud", 30, loss=2.0),
+               rec("cloud", 40, distill_batches=40, distill_without_labels=3,
+                   distill_bytes_per_token=9.25, distill_wait_s=1.5, distill_longest_wait_s=1.0),
+               rec("east", 40, loss=2.0)]
+    table = soft_labels_table(by_cluster(records, ["east", "cloud"]))
+    assert "<tr><td>cloud</td><td>40</td><td>3</td><td>9.2</td><td>1.50</td><td>1.00</td></tr>" \
+        in table
+    assert "east" not in table
+    assert soft_labels_table(by_cluster([rec("east", 40, loss=2.0)])) == ""

@@ -73,6 +73,11 @@ def test_a_launched_student_cluster_learns_from_its_teacher_cluster(
     soft = st["metrics"]["cloud"]  # the loader's last record (its end)
     assert soft["distill_batches"] == STEPS and soft["distill_without_labels"] == 0, soft
     assert "distill_batches" not in st["metrics"].get("lab", {})
+    page = tmp_path / "report.html"  # the report says it too
+    assert cli("report", job_id, "--output", str(page)).returncode == 0
+    text = page.read_text()
+    assert "<h2>soft labels (distillation)</h2>" in text
+    assert f"<tr><td>cloud</td><td>{STEPS}</td><td>0</td>" in text
 
     results = [json.loads((tmp_path / "work" / f"r{r}.json").read_text()) for r in range(2)]
     assert results[0]["digest"] == results[1]["digest"]  # identical parameters
@@ -94,7 +99,7 @@ def test_a_teacher_killed_by_sigkill_is_restarted_and_the_students_go_on(
     """The teacher cluster's server (and all it ran) SIGKILLed while the students train: its
     agent starts it again (`max_restarts`), the students wait for it (`when_no_teacher:
     wait`) and every batch still comes with its soft labels; the job ends SUCCEEDED."""
-    steps = 40
+    steps = 100  # 25 s of training: the kill lands well before the end, however loaded
     spec = spec_file(tmp_path, steps, distill={"wait_s": 120.0, "when_no_teacher": "wait"},
                      lab={"max_restarts": 2}, cloud_env={"DISTILL_STEP_S": "0.25"})
     job_id = cli("launch", str(spec), "--detach", check=True).stdout.strip()
@@ -126,7 +131,7 @@ def test_a_stopped_distillation_resumes_from_the_students_checkpoint(
     """`stop` mid-run, then `resume`: every student rank goes on from the newest step both
     saved, asks for the soft labels of exactly the batches from there (none skipped, none
     twice), the teacher cluster is started again, and the job ends SUCCEEDED."""
-    steps, ckpt = 40, tmp_path / "ckpt"
+    steps, ckpt = 80, tmp_path / "ckpt"  # 16 s of training: `stop` lands before the end
     spec = spec_file(tmp_path, steps,
                      cloud_env={"DISTILL_STEP_S": "0.2", "DISTILL_CKPT": str(ckpt)})
     job_id = cli("launch", str(spec), "--detach", check=True).stdout.strip()

@@ -37,10 +37,12 @@ def gpt2(seed: int, n_embd: int = 32) -> GPT2LMHeadModel:
                                       n_layer=1, n_head=2))
 
 
-def args(out: Path) -> TrainingArguments:
-    return TrainingArguments(output_dir=str(out), max_steps=STEPS, per_device_train_batch_size=4,
-                             learning_rate=3e-3, logging_steps=1, report_to=[], use_cpu=True,
-                             save_strategy="no", seed=0, dataloader_num_workers=0)
+def args(out: Path, batch: int = 4, accumulate: int = 1) -> TrainingArguments:
+    return TrainingArguments(output_dir=str(out), max_steps=STEPS,
+                             per_device_train_batch_size=batch,
+                             gradient_accumulation_steps=accumulate, learning_rate=3e-3,
+                             logging_steps=1, report_to=[], use_cpu=True, save_strategy="no",
+                             seed=0, dataloader_num_workers=0)
 
 
 def losses(trainer: Trainer) -> list[float]:
@@ -67,6 +69,23 @@ def test_a_trainer_named_distilltrainer_trains_on_its_teachers_soft_labels(
     plain = Trainer(model=gpt2(seed=0), args=args(tmp_path / "plain"), train_dataset=Tokens())
     plain.train()
     assert losses(plain)[0] != pytest.approx(kd[0], rel=1e-3)  # a different loss: the KD
+
+
+def test_gradient_accumulation_gives_the_loss_of_the_whole_batch(tmp_path: Path) -> None:
+    """Two micro-batches of 2 accumulated: the logged loss is that of one batch of 4 (kd_loss is
+    a mean; the Trainer divides it by the accumulation steps), not twice it."""
+    pki, port = job_pki(tmp_path / "pki"), free_port()
+    teacher = peaked_teacher(gpt2(seed=7, n_embd=64)).eval()
+    cfg = distill_cfg(pki, "cloud", "s1", teachers={"lab": f"127.0.0.1:{port}"}, lookahead=2)
+    first = {}
+    with serving_teacher(pki, port, lambda ids: teacher(ids).logits):
+        for batch, accumulate in ((4, 1), (2, 2)):
+            trainer = DistillTrainer(model=gpt2(seed=0),
+                                     args=args(tmp_path / f"ga{accumulate}", batch, accumulate),
+                                     train_dataset=Tokens(), distill_config=cfg)
+            trainer.train()
+            first[accumulate] = losses(trainer)[0]
+    assert first[2] == pytest.approx(first[1], rel=1e-3), first
 
 
 def test_without_distill_it_is_the_plain_trainer(tmp_path: Path,

@@ -18,22 +18,6 @@ from testbed import TestBed
 pytest_plugins = ["testbed.fixtures", "helpers.sshd_bed"]  # the bed fixtures; `bed`: one sshd
 
 
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """The modules with test-bed tests first, then those with slow tests, then the rest, each
-    module's tests together and in their order: scripts/test.sh's xdist workers take a module
-    at a time in this order (`--no-loadscope-reorder`), so the long ones start at once and the
-    short ones fill in at the end."""
-    def module(item: pytest.Item) -> str:
-        return item.nodeid.split("::")[0]
-
-    rank: dict[str, int] = {}
-    for item in items:
-        kind = 0 if item.get_closest_marker("testbed") else (
-            1 if item.get_closest_marker("slow") else 2)
-        rank[module(item)] = min(rank.get(module(item), 2), kind)
-    items.sort(key=lambda item: rank[module(item)])  # stable
-
-
 @pytest.fixture
 def nebula_home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     home = tmp_path / "nebula-home"

@@ -99,9 +99,9 @@ def test_a_teacher_killed_by_sigkill_is_restarted_and_the_students_go_on(
     """The teacher cluster's server (and all it ran) SIGKILLed while the students train: its
     agent starts it again (`max_restarts`), the students wait for it (`when_no_teacher:
     wait`) and every batch still comes with its soft labels; the job ends SUCCEEDED."""
-    steps = 100  # 25 s of training: the kill lands well before the end, however loaded
+    steps = 100  # 50 s of training: the kill lands well before the end, however loaded
     spec = spec_file(tmp_path, steps, distill={"wait_s": 120.0, "when_no_teacher": "wait"},
-                     lab={"max_restarts": 2}, cloud_env={"DISTILL_STEP_S": "0.25"})
+                     lab={"max_restarts": 2}, cloud_env={"DISTILL_STEP_S": "0.5"})
     job_id = cli("launch", str(spec), "--detach", check=True).stdout.strip()
 
     def status() -> dict[str, Any]:

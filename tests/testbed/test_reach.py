@@ -177,9 +177,12 @@ def quick_spec(tmp_path: Path, bed: TestBed, clusters: dict[str, list[str]],
     return path
 
 
-def _ssh_clients(bed: TestBed, host: str) -> list[str]:
+def _ssh_clients(bed: TestBed, host: str, mark: str) -> list[str]:
+    """The tunnel ssh clients on ``host`` whose command line names ``mark`` (the job's id or
+    the netbench run's: their keys live under it), as another test's bed may run its own."""
     out = bed.run(host, ["pgrep", "-a", "-x", "ssh"]).stdout
-    return [line for line in out.splitlines() if line.endswith(" 127.0.0.1:29400")]
+    return [line for line in out.splitlines()
+            if line.endswith(" 127.0.0.1:29400") and mark in line]
 
 
 @pytest.mark.testbed
@@ -200,7 +203,7 @@ def test_a_cluster_reached_only_by_ssh_trains_through_a_tunnel(
         (job_id,) = ssh_cli.job_ids()
         # `launch` has returned: the tunnel is east's relay host's own ssh (one per connection:
         # the relays' link), the key on w1, its forced command joining it to the relay's port
-        (client,) = wait_for(lambda: _ssh_clients(bed, "e1"), timeout=60)
+        (client,) = wait_for(lambda: _ssh_clients(bed, "e1", job_id), timeout=60)
         assert f"-- {bed.hosts['w1'].address} 127.0.0.1:29400" in client and " -L " not in client
         (line,) = [x for x in keys.read_text().splitlines() if "nebula-tunnel:" in x]
         assert line.startswith('restrict,command="env PYTHONPATH=') and "forwarding" not in line
@@ -216,7 +219,8 @@ def test_a_cluster_reached_only_by_ssh_trains_through_a_tunnel(
     relay_log = (REMOTE_JOBS / job_id / "east" / "e1" / "relay" / "logs" / "relay.log")
     assert "tunnel to west up: 127.0.0.1:" in relay_log.read_text()
     # the relays ended with the job: no tunnel, no key line, no process left
-    wait_for(lambda: not _ssh_clients(bed, "e1") and "nebula-tunnel" not in keys.read_text(),
+    wait_for(lambda: not _ssh_clients(bed, "e1", job_id)
+             and "nebula-tunnel" not in keys.read_text(),
              timeout=60)
     wait_for(lambda: job_processes(job_id) == [], timeout=30)
 
@@ -279,7 +283,7 @@ def test_bench_network_measures_through_the_tunnel(
         assert pair["plain_throughput_mbit"] > 1 and 0 < pair["rtt_ms"] < 50, pair
     assert "dialled by east, through an SSH tunnel" in proc.stdout
     assert "w1: the run's tunnel keys let in" in proc.stderr
-    assert not keys.read_text().strip() and not _ssh_clients(bed, "e1")
+    assert not keys.read_text().strip() and not _ssh_clients(bed, "e1", report["run"])
     assert not (REMOTE_JOBS.parent / "netbench" / report["run"]).exists()
 
 

@@ -20,10 +20,9 @@ same position, and the hard labels are shifted as the model's own loss shifts th
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
-import torch
 from transformers import Trainer
 
 from nebula_cli.config.distill_config import DISTILL_CONFIG_ENV, DistillConfig
@@ -34,18 +33,13 @@ SOFT_KEY = "nebula_soft_labels"
 """Where a training batch carries its soft labels from the dataloader to ``compute_loss``."""
 
 
-def _input_ids(batch: Any) -> torch.Tensor:
-    return batch["input_ids"]
-
-
 class SoftLabelledBatches:
     """The Trainer's training dataloader, each batch (a mapping) with its soft labels under
     :data:`SOFT_KEY`; everything else (``len``, ``set_epoch``, ``sampler``, ...) is the
     dataloader's."""
 
-    def __init__(self, dataloader: Any, labelled: Callable[[Any], DistillLoader]) -> None:
-        self.dataloader = dataloader
-        self.loader = labelled(dataloader)
+    def __init__(self, dataloader: Any, loader: DistillLoader) -> None:
+        self.dataloader, self.loader = dataloader, loader
 
     def __len__(self) -> int:
         return len(self.dataloader)
@@ -82,9 +76,8 @@ class DistillTrainer(Trainer):  # type: ignore[misc]
         if self.distill_config is None:
             return dataloader
         self._close_labels()
-        cfg = self.distill_config
         self.soft_batches = SoftLabelledBatches(
-            dataloader, lambda d: soft_labelled(d, config=cfg, token_ids=_input_ids))
+            dataloader, soft_labelled(dataloader, config=self.distill_config))
         return self.soft_batches
 
     def compute_loss(self, model: Any, inputs: dict[str, Any], return_outputs: bool = False,

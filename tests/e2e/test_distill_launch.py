@@ -19,6 +19,7 @@ from typing import Any
 import pytest
 import torch
 import yaml
+from helpers.distill_student import saved_steps
 from helpers.jobs import CLI, REPO, job_processes, wait_for
 from helpers.label_teacher import peaked_teacher
 from helpers.sshd_bed import descendants
@@ -137,9 +138,7 @@ def test_a_stopped_distillation_resumes_from_the_students_checkpoint(
     job_id = cli("launch", str(spec), "--detach", check=True).stdout.strip()
 
     def saved() -> int:
-        per_rank = [[int(p.stem.split("-step")[1]) for p in ckpt.glob(f"rank{r}-step*.pt")]
-                    for r in range(2)]
-        return min(max(s, default=0) for s in per_rank)
+        return min(max(saved_steps(ckpt, r), default=0) for r in range(2))
 
     wait_for(lambda: saved() >= 10, timeout=180)
     cli("stop", job_id, check=True, timeout=180)

@@ -42,13 +42,17 @@ def save(model: GPT2LMHeadModel, opt: torch.optim.Optimizer, ckpt: str, rank: in
     os.replace(path + ".tmp", path)
 
 
+def saved_steps(ckpt: str | os.PathLike[str], rank: int) -> list[int]:
+    """The steps ``rank`` saved under ``ckpt`` (`save`'s files; none while being written)."""
+    names = os.listdir(ckpt) if os.path.isdir(ckpt) else []
+    return [int(p.split("-step")[1][:-3]) for p in names
+            if p.startswith(f"rank{rank}-step") and p.endswith(".pt")]
+
+
 def resume(model: GPT2LMHeadModel, opt: torch.optim.Optimizer, ckpt: str, rank: int) -> int:
     """Load the newest step every rank saved (a stop can land between two ranks' saves); 0 if
     none."""
-    names = os.listdir(ckpt) if os.path.isdir(ckpt) else []
-    mine = [int(p.split("-step")[1][:-3]) for p in names
-            if p.startswith(f"rank{rank}-step") and p.endswith(".pt")]
-    newest = torch.tensor(max(mine, default=0))
+    newest = torch.tensor(max(saved_steps(ckpt, rank), default=0))
     dist.all_reduce(newest, op=dist.ReduceOp.MIN)
     if newest.item():
         state = torch.load(f"{ckpt}/rank{rank}-step{newest.item()}.pt")

@@ -12,7 +12,7 @@ from __future__ import annotations
 import collections
 import os
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -76,7 +76,7 @@ class DistillStats:
 def _token_ids(batch: Any) -> torch.Tensor:
     if isinstance(batch, torch.Tensor):
         return batch
-    if isinstance(batch, dict):
+    if isinstance(batch, Mapping):  # a dict, or a tokenizer's BatchEncoding
         return batch["input_ids"]
     return batch[0]
 

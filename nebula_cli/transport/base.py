@@ -18,10 +18,6 @@ from nebula_cli.errors import CommandFailed, TransportError
 from nebula_cli.transport.routes import ROUTE_PY, parse_route
 
 DEFAULT_TIMEOUT = 120.0
-FREE_PORT_PY = (
-    "import socket; s = socket.socket(); s.bind(('', 0)); print(s.getsockname()[1]); s.close()"
-)
-"""Prints a port free on the host it runs on."""
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,6 @@ import contextlib
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -29,6 +28,7 @@ from nebula_cli.transport.base import (
     Transport,
     shell_join,
 )
+from nebula_cli.transport.freeport import free_port
 from nebula_cli.transport.tree import DEFAULT_EXCLUDES
 
 DEFAULT_PYTHON = "python3"
@@ -99,9 +99,7 @@ class LocalTransport(Transport):
 
     def listen_port(self, preferred: int | None = None) -> int:
         """Always a free port: the "hosts" of local clusters share this machine's ports."""
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            return int(s.getsockname()[1])
+        return free_port("127.0.0.1")
 
     def upload_tree(self, local_dir: str, remote_dir: str,
                     exclude: Sequence[str] = DEFAULT_EXCLUDES,

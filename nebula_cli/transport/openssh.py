@@ -34,7 +34,6 @@ from nebula_cli.errors import TransportError
 from nebula_cli.transport import shellenv
 from nebula_cli.transport.base import (
     DEFAULT_TIMEOUT,
-    FREE_PORT_PY,
     CommandResult,
     LineSplitter,
     OutputSink,
@@ -43,6 +42,7 @@ from nebula_cli.transport.base import (
     shell_join,
 )
 from nebula_cli.transport.execfiles import ExecFiles, write_file
+from nebula_cli.transport.freeport import FREE_PORT_PY
 from nebula_cli.transport.hostkeys import GLOBAL_KNOWN_HOSTS, SSH_PORT, KnownHosts
 from nebula_cli.transport.openssh_config import ssh_binary
 from nebula_cli.transport.ssh import (

@@ -14,11 +14,11 @@ from collections.abc import Callable, Mapping, Sequence
 
 from nebula_cli.transport.base import (
     DEFAULT_TIMEOUT,
-    FREE_PORT_PY,
     CommandResult,
     OutputSink,
     Transport,
 )
+from nebula_cli.transport.freeport import FREE_PORT_PY
 
 STEP_ENV_SH = ('for v in $(env | sed -n "s/^\\([A-Z]*_[A-Za-z0-9_]*\\)=.*/\\1/p"); do '
                'case $v in SLURM_CONF) ;; SLURM_*|SRUN_*|SALLOC_*) unset "$v" ;; esac; done; '

@@ -23,7 +23,6 @@ from nebula_cli.errors import TransportError
 from nebula_cli.transport import shellenv
 from nebula_cli.transport.base import (
     DEFAULT_TIMEOUT,
-    FREE_PORT_PY,
     CommandResult,
     LineSplitter,
     OutputSink,
@@ -31,6 +30,7 @@ from nebula_cli.transport.base import (
     home_relative,
     shell_join,
 )
+from nebula_cli.transport.freeport import FREE_PORT_PY
 from nebula_cli.transport.hostkeys import (
     GLOBAL_KNOWN_HOSTS,
     SSH_PORT,

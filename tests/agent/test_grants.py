@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 from helpers.jobs import wait_for
 from helpers.local_sshd import SSHD, LocalSshd, local_sshd
+from helpers.sshd_bed import free_port
 
 from nebula_cli.agent.grants import Grants, key_line
 from nebula_cli.config.tunnel_config import TunnelConfig, TunnelGrant
@@ -146,9 +147,7 @@ def test_the_key_may_forward_nothing(granted: Granted, tmp_path: Path) -> None:
 def _local_forward(granted: Granted, target: str) -> bytes:
     """What a connection to `ssh -L PORT:target`'s local end reads (b"": closed at once, the
     channel refused)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     log = granted.key.with_name(f"forward-{port}.log")
     with log.open("wb") as err:
         proc = subprocess.Popen([*granted.argv("-N", "-L", f"127.0.0.1:{port}:{target}"),

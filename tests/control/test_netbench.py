@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 import yaml
 from helpers.jobs import CLI, write_spec
+from helpers.sshd_bed import free_port
 from testbed import TestBed
 
 from nebula_cli import pki
@@ -283,9 +284,7 @@ def test_plain_probe_opens_only_with_a_ticket_from_tls(tmp_path: Path) -> None:
     for name, src in (("ca.pem", issued.ca_cert), ("cert.pem", issued.relay("west").cert),
                       ("key.pem", issued.relay("west").key)):
         (d / name).write_bytes(src.read_bytes())
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     log = tmp_path / "serve.log"
     served = subprocess.run([sys.executable, "-m", "nebula_cli.netbench.probe", "serve", "--run",
                              "netbench-t", "--certs", str(d), "--bind", "127.0.0.1", "--port",

@@ -6,13 +6,12 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-import socket
 import subprocess
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
-from helpers.sshd_bed import PRIVSEP_DIR, SSHD, descendants, keygen
+from helpers.sshd_bed import PRIVSEP_DIR, SSHD, descendants, free_port, keygen
 
 from nebula_cli.transport.hostkeys import host_entry_name
 from nebula_cli.transport.ssh import SSHTransport
@@ -31,9 +30,7 @@ class LocalSshd:
         self.dir = directory
         self.user_key = keygen(directory / "user_key")
         host_key = keygen(directory / "host_key")
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = s.getsockname()[1]
+        self.port = free_port()
         authorized = directory / "authorized_keys"
         authorized.write_text(self.user_key.with_suffix(".pub").read_text())
         keys_file = authorized if authorized_keys else "none"

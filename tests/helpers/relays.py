@@ -7,7 +7,6 @@ from __future__ import annotations
 import datetime
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -20,6 +19,7 @@ from typing import Any
 import torch
 from helpers.jobs import REPO
 from helpers.plan_defaults import relay_defaults
+from helpers.sshd_bed import free_port
 
 from nebula_cli.config.relay_config import RelayConfig
 from nebula_cli.pki import JobPKI, issue_job_pki
@@ -130,11 +130,8 @@ DAY = datetime.timedelta(days=1)  # certificates for a test's lifetime
 
 
 def free_ports(n: int) -> list[int]:
-    socks = [socket.socket() for _ in range(n)]
-    try:
-        for s in socks:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
+    """`n` different free loopback ports (see `sshd_bed.free_port`)."""
+    ports: set[int] = set()
+    while len(ports) < n:
+        ports.add(free_port())
+    return sorted(ports)

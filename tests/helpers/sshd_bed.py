@@ -9,7 +9,6 @@ import os
 import pwd
 import shutil
 import signal
-import socket
 import subprocess
 import time
 import uuid
@@ -19,6 +18,7 @@ from pathlib import Path
 
 import pytest
 
+from nebula_cli.transport import freeport
 from nebula_cli.transport.hostkeys import host_entry_name
 from nebula_cli.transport.ssh import (
     SSHTransport,
@@ -34,9 +34,9 @@ NEEDS_SSHD = [
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A loopback port for a test's server, drawn as the product draws its services' ports
+    (below the ephemeral range, where other tests' connections and bind(0)s take theirs)."""
+    return freeport.free_port("127.0.0.1")
 
 
 def descendants(pid: int) -> list[int]:

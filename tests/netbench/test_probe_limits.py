@@ -24,6 +24,7 @@ from typing import Any
 
 import pytest
 from helpers.crowd import Crowd
+from helpers.sshd_bed import free_port
 
 from nebula_cli import pki
 from nebula_cli.errors import NebulaError
@@ -63,9 +64,7 @@ def server(tmp_path: Path) -> Iterator[dict[str, Any]]:
                                valid_for=datetime.timedelta(days=1))
     west, east = certs_for(issued, "west", tmp_path / "west"), certs_for(
         issued, "east", tmp_path / "east")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     log = tmp_path / "serve.log"
     served = probe("serve", "--run", RUN, "--certs", str(west), "--bind", "0.0.0.0",
                    "--port", str(port), "--lifetime", "120", "--log", str(log))

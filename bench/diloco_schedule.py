@@ -115,6 +115,7 @@ def run_diloco(args: argparse.Namespace, seed: int, split: Any, held: Any, lr: f
     codec = (TopKCodec(args.density, args.bits, span=args.span) if args.span
              else get_codec(args.codec, density=args.density, bits=args.bits))
     feedback = [ErrorFeedback(codec) for _ in worlds]  # the relay's codec, one residual each
+    flush_codec = get_codec("int8") if args.codec == "topk" else None
     sent_bytes = 0
     anchor: list[torch.Tensor] = [theta] * CLUSTERS
     pending: torch.Tensor | None = None
@@ -154,6 +155,15 @@ def run_diloco(args: argparse.Namespace, seed: int, split: Any, held: Any, lr: f
         due = step + args.tau if mode == "overlap" else None
     if pending is not None:  # the flush at the end of training
         merge()
+    if args.flush and flush_codec is not None and mode == "sync":
+        # the relays' last round: what error feedback still holds, sent with int8
+        encs = [fb.encode(theta - w.read(), key="delta", codec=flush_codec)
+                for fb, w in zip(feedback, worlds, strict=True)]
+        sent_bytes += sum(e.nbytes for e in encs)
+        flush_outer = OuterOptimizer(args.flush_lr, 0.0, nesterov=True)
+        flush_outer.step(theta, torch.stack([flush_codec.decode(e) for e in encs]).mean(0))
+        for w in worlds:
+            w.write(theta)
     finals = [w.read() for w in worlds]
     losses = [evaluate(w.model, held) for w in worlds]
     # flat data parallel sends every step's fp32 gradient (one model's worth per cluster); DiLoCo
@@ -192,6 +202,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--micro-batch", type=int, default=4,
                    help="per-worker 128-token sequences: 4 as in bench/wan_training.py, 16 as "
                         "in bench/hetero.py (examples/gpt's ds_config.json)")
+    p.add_argument("--flush", action="store_true",
+                   help="sync mode: a last round sends what error feedback still holds (int8)")
+    p.add_argument("--flush-lr", type=float, default=1.0, help="--flush: that round's outer lr")
     p.add_argument("--json", action="store_true", help="print one JSON object as the last line")
     args = p.parse_args(argv)
     if args.workers_per_cluster < 1 or args.micro_batch < 1:

@@ -121,10 +121,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="per-rank micro batch of 128-token sequences (examples/gpt uses 16; "
                         "see the note on compute below)")
     p.add_argument("--outer-lr", type=float, default=None,
-                   help="outer learning rate (default: 0.6 with momentum 0.5, which suits a "
-                        "schedule of a few outer rounds with int8; topk: H=10, 2.5 with "
-                        "momentum 0, its error feedback already carries the past rounds; "
-                        "DiLoCo's 0.7/0.9 is for long runs: docs/benchmarks.md)")
+                   help="outer learning rate (default: the spec's, 0.6 with momentum 0.5; "
+                        "topk: H=10, 2.5 with momentum 0, its error feedback already carries "
+                        "the past rounds; DiLoCo's 0.7/0.9 is for runs of hundreds of rounds: "
+                        "docs/benchmarks.md)")
     p.add_argument("--outer-momentum", type=float, default=None,
                    help="outer Nesterov momentum (default: see --outer-lr)")
     p.add_argument("--codec", default=DEFAULT_CODEC, choices=KNOWN_CODECS,

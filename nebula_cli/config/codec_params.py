@@ -34,8 +34,12 @@ AUTO_CODEC = "auto"
 """The spec's ``compression: auto``: the relays choose each round's codec among AUTO_CODECS."""
 AUTO_CODECS = ("int8", "topk")
 """The codecs ``compression: auto`` chooses from, the most faithful first (the first rounds')."""
-DENSE_OUTER = (0.7, 0.9)
-"""DiLoCo's outer lr and Nesterov momentum (long runs): a codec's unless it says otherwise."""
+DENSE_OUTER = (0.6, 0.5)
+"""The outer lr and Nesterov momentum of a round of a dense codec: a codec's unless it says
+otherwise. 0.6 / 0.5 loses at most 3 % of eval loss against flat data parallel with int8 at 2,
+5 and 20 rounds (bench/diloco_schedule.py, three seeds); DiLoCo's 0.7 / 0.9, chosen for runs of
+hundreds of rounds, lost 4.8-8.3 % at 2 and 5 rounds (docs/benchmarks.md, "A default safe at
+every length")."""
 TOPK_BIT_CHOICES = (2, 4, 8)
 """Bits a topk value may take on the wire."""
 TOPK_SCALE_BLOCK = 1024

@@ -55,9 +55,9 @@ class SyncSpec(SpecModel):
     """inner_steps: auto: the largest H."""
     outer_lr: float | None = Field(None, gt=0.0)
     """Outer optimizer learning rate (diloco). Default: the codec's (`CodecParams.outer_lr`:
-    0.7, and 2.5 for topk)."""
+    0.6, and 2.5 for topk)."""
     outer_momentum: float | None = Field(None, ge=0.0, lt=1.0)
-    """Outer SGD momentum in [0, 1) (diloco). Default: the codec's (0.9, and 0 for topk, whose
+    """Outer SGD momentum in [0, 1) (diloco). Default: the codec's (0.5, and 0 for topk, whose
     error feedback already carries the past rounds, as in SparseLoCo)."""
     nesterov: bool = True
     """Nesterov momentum for the outer step."""
@@ -105,7 +105,7 @@ CodecName = Literal[(*CODEC_PARAMS, AUTO_CODEC)]  # type: ignore[valid-type]
 class _Compression(SpecModel):
     """CompressionSpec's fields other than the codecs' knobs, and its checks."""
 
-    codec: CodecName = "topk"
+    codec: CodecName = "int8"
     """Wire codec: none (fp32), fp16, bf16, int8 (blockwise), topk (sparse, low-bit values), or
     auto: the relays choose each round's codec among int8 and topk from the measured round and
     step times (the most faithful that lets the clusters sync as often as the utilisation
@@ -156,7 +156,10 @@ def _knob_field(params: type[CodecParams], knob: dataclasses.Field[Any]) -> tupl
 CompressionSpec = create_model(
     "CompressionSpec", __base__=_Compression, __module__=__name__,
     __doc__="""How tensors are encoded on the WAN; also written as a codec name (``compression:
-    int8``). The default, topk, met bench/wan_training.py's goals (docs/benchmarks.md). Besides
+    int8``). The default, int8, loses at most 3 % of eval loss against flat data parallel at every
+    run length bench/diloco_schedule.py covers (2, 5 and 20 rounds); topk sends about 20x fewer
+    bytes but loses 10-16 % on runs of a few rounds (what it leaves out is still in its error
+    feedback, or arrives stale): docs/benchmarks.md, "A default safe at every length". Besides
     ``codec`` and ``error_feedback``, one field per codec knob, flat (``block_size`` of int8,
     ``density`` and ``bits`` of topk: see `nebula_cli.config.codec_params`); a knob of a codec
     the rounds do not use is refused unless left at its default.""",

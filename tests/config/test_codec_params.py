@@ -135,7 +135,7 @@ def test_ranking_outer_defaults_labels_and_handshake() -> None:
     assert ranked == ["none", "fp16", "bf16", "int8", "topk"]
     assert [n for n, c in CODEC_PARAMS.items() if c.sparse] == ["topk"]
     assert {n: (c.outer_lr, c.outer_momentum) for n, c in CODEC_PARAMS.items()} == {
-        "none": (0.7, 0.9), "fp16": (0.7, 0.9), "bf16": (0.7, 0.9), "int8": (0.7, 0.9),
+        "none": (0.6, 0.5), "fp16": (0.6, 0.5), "bf16": (0.6, 0.5), "int8": (0.6, 0.5),
         "topk": (2.5, 0.0)}
     assert TopKParams(density=0.125, bits=4).label() == "topk (density 0.125, 4 bits)"
     assert Int8Params(block_size=64).label() == "int8"
@@ -248,5 +248,5 @@ def test_a_knob_belongs_to_a_codec_the_rounds_use() -> None:
 def test_outer_defaults_come_from_the_codec() -> None:
     assert RelaySpec(compression=CompressionSpec(codec="topk")).outer_for("topk") == (2.5, 0.0)
     relay = RelaySpec(compression=CompressionSpec(codec="int8"))
-    assert relay.outer_for("int8") == (0.7, 0.9)
-    assert (relay.sync.outer_lr, relay.sync.outer_momentum) == (0.7, 0.9)
+    assert relay.outer_for("int8") == (0.6, 0.5)
+    assert (relay.sync.outer_lr, relay.sync.outer_momentum) == (0.6, 0.5)

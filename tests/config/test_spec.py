@@ -49,9 +49,9 @@ def test_model_defaults() -> None:
     assert (relay.port, relay.worker_port, relay.effective_worker_port) == (29400, None, 29401)
     assert relay.timeout == 120 and relay.heartbeat == 2.0 and relay.dead_after == 10.0
     assert relay.shaping is None
-    assert relay.sync == SyncSpec(mode="diloco", inner_steps=100, outer_lr=2.5,
-                                  outer_momentum=0.0, nesterov=True, overlap=False)
-    assert relay.compression == CompressionSpec(codec="topk", error_feedback=True, block_size=256,
+    assert relay.sync == SyncSpec(mode="diloco", inner_steps=100, outer_lr=0.6,
+                                  outer_momentum=0.5, nesterov=True, overlap=False)
+    assert relay.compression == CompressionSpec(codec="int8", error_feedback=True, block_size=256,
                                                 density=0.0625, bits=2)
     host = HostSpec(host="h")
     assert (host.user, host.port, host.slots, host.key, host.reach_address) == (
@@ -60,7 +60,7 @@ def test_model_defaults() -> None:
 
 def test_outer_defaults_follow_the_codec(tmp_path: Path) -> None:
     """Unset outer lr and momentum take the codec's (topk: 2.5 without momentum, its error
-    feedback carries the past rounds; dense codecs: DiLoCo's 0.7 / 0.9); set ones stay."""
+    feedback carries the past rounds; dense codecs: 0.6 / 0.5); set ones stay."""
     def sync(relay: str) -> SyncSpec:
         spec = parse_spec(BASE + relay, base_dir=tmp_path)
         assert spec.relay is not None
@@ -69,7 +69,7 @@ def test_outer_defaults_follow_the_codec(tmp_path: Path) -> None:
     assert (sync("relay: {compression: topk}\n").outer_lr,
             sync("relay: {compression: topk}\n").outer_momentum) == (2.5, 0.0)
     assert (sync("relay: {compression: bf16}\n").outer_lr,
-            sync("relay: {compression: bf16}\n").outer_momentum) == (0.7, 0.9)
+            sync("relay: {compression: bf16}\n").outer_momentum) == (0.6, 0.5)
     mine = sync("relay: {compression: topk, sync: {outer_lr: 1.5, outer_momentum: 0.3}}\n")
     assert (mine.outer_lr, mine.outer_momentum) == (1.5, 0.3)
     half = sync("relay: {compression: topk, sync: {outer_momentum: 0.5}}\n")

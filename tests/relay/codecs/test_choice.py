@@ -192,8 +192,8 @@ def test_the_spec_and_plan_of_compression_auto(tmp_path: Path) -> None:
     sync = sync_plan.sync_config(spec, "j", spec.clusters[0], "/x", relay_addr="h:1",
                                  checkpoint=None)
     # each codec its own outer lr; the momentum the spec names for both
-    assert sync.outer_by_codec == {"int8": [0.7, 0.5], "topk": [2.5, 0.5]}
-    assert (sync.outer_lr, sync.outer_momentum, sync.codec) == (0.7, 0.5, "auto")
+    assert sync.outer_by_codec == {"int8": [0.6, 0.5], "topk": [2.5, 0.5]}
+    assert (sync.outer_lr, sync.outer_momentum, sync.codec) == (0.6, 0.5, "auto")
     with pytest.raises(RelayConfigError, match="auto_codec is set exactly when"):
         from helpers.rounds_hub import config
         config("a", ["a", "b"], codec="auto")

@@ -318,8 +318,8 @@ def wan_totals(records: list[dict[str, Any]], cluster: str) -> tuple[float | Non
 
 def soft_labels_table(clusters: dict[str, list[dict[str, Any]]]) -> str:
     """A student cluster's soft labels at the end (its loader's newest record: batches trained
-    with labels of all, bytes per token, time waited), as `nebula status` shows them; "" for a
-    job without distillation."""
+    with labels of all, bytes per token, time waited), as `nebula status` shows them, and a
+    teacher cluster's answers (`teacher_table`); "" for a job without distillation."""
     rows = "".join(
         f"<tr><td>{html.escape(c)}</td><td>{_cell(_latest(recs, 'distill_batches'))}</td>"
         f"<td>{_cell(_latest(recs, 'distill_without_labels'))}</td>"
@@ -327,9 +327,40 @@ def soft_labels_table(clusters: dict[str, list[dict[str, Any]]]) -> str:
         f"<td>{_cell(_latest(recs, 'distill_wait_s'), '.2f')}</td>"
         f"<td>{_cell(_latest(recs, 'distill_longest_wait_s'), '.2f')}</td></tr>"
         for c, recs in clusters.items() if _latest(recs, "distill_batches") is not None)
-    return ("<h2>soft labels (distillation)</h2><table><tr><th>cluster</th><th>batches</th>"
-            "<th>without labels</th><th>bytes per token</th><th>waited (s)</th>"
-            f"<th>longest wait (s)</th></tr>{rows}</table>") if rows else ""
+    students = ("<h2>soft labels (distillation)</h2><table><tr><th>cluster</th><th>batches</th>"
+                "<th>without labels</th><th>bytes per token</th><th>waited (s)</th>"
+                f"<th>longest wait (s)</th></tr>{rows}</table>") if rows else ""
+    return students + teacher_table(clusters)
+
+
+def teacher_table(clusters: dict[str, list[dict[str, Any]]]) -> str:
+    """A teacher cluster's answers over the run (from its label relay's records): answers and
+    tokens in all, answers per second over the run and at their busiest, mean and worst latency
+    of the records' intervals, the longest queue; "" without a teacher cluster."""
+    rows = []
+    for c, recs in clusters.items():
+        mine = [r for r in recs if _number(r.get("teacher_answers"))]
+        if not mine:
+            continue
+        def values(key: str, recs: list[dict[str, Any]] = mine) -> list[float]:
+            return [r[key] for r in recs if _number(r.get(key))]
+
+        rates, lat = values("teacher_answers_per_s"), values("teacher_latency_ms")
+        span = mine[-1]["ts"] - mine[0]["ts"] if len(mine) > 1 and all(
+            _number(r.get("ts")) for r in (mine[0], mine[-1])) else 0.0
+        overall = (mine[-1]["teacher_answers"] - mine[0]["teacher_answers"]) / span \
+            if span > 0 else None
+        queue = max(values("teacher_queue"), default=None)
+        rows.append(
+            f"<tr><td>{html.escape(c)}</td><td>{_cell(mine[-1]['teacher_answers'])}</td>"
+            f"<td>{_cell(_latest(mine, 'teacher_tokens'))}</td>"
+            f"<td>{_cell(overall, '.2f')}</td><td>{_cell(max(rates, default=None), '.2f')}</td>"
+            f"<td>{_cell(sum(lat) / len(lat) if lat else None, '.1f')}</td>"
+            f"<td>{_cell(max(lat, default=None), '.1f')}</td><td>{_cell(queue)}</td></tr>")
+    return ("<h2>teacher (distillation)</h2><table><tr><th>cluster</th><th>answers</th>"
+            "<th>tokens</th><th>answers/s</th><th>busiest answers/s</th>"
+            "<th>latency (ms)</th><th>worst latency (ms)</th><th>longest queue</th></tr>"
+            f"{''.join(rows)}</table>") if rows else ""
 
 
 def html_page(records: list[dict[str, Any]], title: str, order: Sequence[str] = ()) -> str:

@@ -213,10 +213,13 @@ def metrics_table(
 ) -> Table:
     """Per cluster: step, losses (with a sparkline of the recent train loss when `history`
     holds the cluster's records), tokens/s, soft labels (in a job with students), outer round,
-    round time, WAN bytes, present, the newest checkpoint (and whether saving fails)."""
+    round time, WAN bytes, present, the newest checkpoint (and whether saving fails). In a
+    job with distillation the soft labels column says a student cluster's batches with labels
+    and a teacher cluster's answers per second, their latency and the queue."""
     colors = cluster_colors(clusters)
     table = Table(show_edge=False, title_justify="left")
-    distill = any("distill_batches" in latest.get(name, {}) for name in clusters)
+    distill = any(key in latest.get(name, {}) for name in clusters
+                  for key in ("distill_batches", "teacher_answers"))
     columns = ["cluster", "step", "loss", *(["loss trend"] if history else []), "eval loss",
                "tokens/s (or samples/s)", *(["soft labels"] if distill else []), "round",
                "round time", "WAN sent", "WAN recv", "present", "checkpoint"]
@@ -245,7 +248,14 @@ def metrics_table(
 
 def _soft_labels(m: dict[str, Any]) -> Text:
     """A student cluster's batches trained with its teacher's soft labels, of all so far, and
-    how many went without (when_no_teacher: ce_only) in yellow."""
+    how many went without (when_no_teacher: ce_only) in yellow; a teacher cluster's answers per
+    second, their latency and its queue (in yellow when asks wait)."""
+    if "teacher_answers" in m:
+        queue = int(m.get("teacher_queue") or 0)
+        out = Text(f"{num(m.get('teacher_answers_per_s'), '.1f')} answers/s, "
+                   f"{num(m.get('teacher_latency_ms'), '.0f')} ms")
+        out.append(f", queue {queue}", style="yellow" if queue else "")
+        return out
     if "distill_batches" not in m:
         return Text("-")
     total, without = int(m["distill_batches"]), int(m.get("distill_without_labels") or 0)

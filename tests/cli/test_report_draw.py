@@ -168,3 +168,24 @@ def test_a_student_clusters_soft_labels_are_a_table_and_other_jobs_have_none() -
         in table
     assert "east" not in table
     assert soft_labels_table(by_cluster([rec("east", 40, loss=2.0)])) == ""
+
+
+def test_a_teacher_clusters_answers_are_a_table() -> None:
+    from nebula_cli.cli.report_draw import by_cluster, soft_labels_table, teacher_table
+
+    def rec(ts: float, answers: int, rate: float, latency: float | None, queue: int
+            ) -> dict[str, Any]:
+        return {"ts": ts, "role": "worker", "rank": 0, "cluster": "lab", "step": answers,
+                "teacher_answers": answers, "teacher_tokens": 64 * answers,
+                "teacher_answers_per_s": rate, "teacher_latency_ms": latency,
+                "teacher_queue": queue}
+
+    records = [rec(100.0, 10, 2.0, 30.0, 0), rec(105.0, 60, 10.0, 50.0, 4),
+               rec(110.0, 60, 0.0, None, 0)]
+    table = teacher_table(by_cluster(records))
+    # 50 answers in the 10 s between the first and last records; busiest 10/s; latency: the
+    # mean of the intervals that answered (30, 50) and the worst; the longest queue
+    assert ("<tr><td>lab</td><td>60</td><td>3840</td><td>5.00</td><td>10.00</td><td>40.0</td>"
+            "<td>50.0</td><td>4</td></tr>") in table
+    assert table in soft_labels_table(by_cluster(records))  # in the report's distill part
+    assert teacher_table(by_cluster([rec(100.0, 0, 0.0, None, 0)])).count("<td>-</td>") == 3

@@ -73,12 +73,17 @@ def test_a_launched_student_cluster_learns_from_its_teacher_cluster(
 
     soft = st["metrics"]["cloud"]  # the loader's last record (its end)
     assert soft["distill_batches"] == STEPS and soft["distill_without_labels"] == 0, soft
-    assert "distill_batches" not in st["metrics"].get("lab", {})
+    teacher = st["metrics"]["lab"]  # the teacher's label relay's last record (at its stop)
+    assert "distill_batches" not in teacher
+    assert teacher["teacher_answers"] >= STEPS and teacher["teacher_queue"] == 0, teacher
+    assert teacher["step"] == teacher["teacher_answers"]
     page = tmp_path / "report.html"  # the report says it too
     assert cli("report", job_id, "--output", str(page)).returncode == 0
     text = page.read_text()
     assert "<h2>soft labels (distillation)</h2>" in text
     assert f"<tr><td>cloud</td><td>{STEPS}</td><td>0</td>" in text
+    assert "<h2>teacher (distillation)</h2>" in text
+    assert f"<tr><td>lab</td><td>{teacher['teacher_answers']}</td>" in text
 
     results = [json.loads((tmp_path / "work" / f"r{r}.json").read_text()) for r in range(2)]
     assert results[0]["digest"] == results[1]["digest"]  # identical parameters

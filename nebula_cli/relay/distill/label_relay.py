@@ -19,6 +19,7 @@ import itertools
 import logging
 import socket
 import threading
+import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -54,6 +55,8 @@ class _Ask:
     tokens: int
     width: int
     payload: bytes | bytearray
+    arrived: float = field(default_factory=time.monotonic)
+    """When the student's ask reached the relay (its answer's latency counts from here)."""
 
 
 @dataclass
@@ -69,9 +72,14 @@ class RelayCounts:
     asks: int
     answers: int
     pending: int
+    """Asks waiting for a server with room (the queue)."""
     servers: int
     students: int
     refused: int
+    tokens: int = 0
+    """Tokens answered (rows of every answer)."""
+    latency_s: float = 0.0
+    """Seconds from each answered ask's arrival to its answer, summed over the answers."""
 
 
 class LabelRelay:
@@ -92,7 +100,8 @@ class LabelRelay:
         self._servers: list[_Server] = []
         self._students: list[LabelLink] = []
         self._ids = itertools.count()
-        self._asks = self._answers = self._refused = 0
+        self._asks = self._answers = self._refused = self._tokens = 0
+        self._latency_s = 0.0
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
 
@@ -122,7 +131,8 @@ class LabelRelay:
     def counts(self) -> RelayCounts:
         with self._lock:
             return RelayCounts(self._asks, self._answers, len(self._pending),
-                               len(self._servers), len(self._students), self._refused)
+                               len(self._servers), len(self._students), self._refused,
+                               self._tokens, self._latency_s)
 
     def _links(self) -> list[LabelLink]:
         with self._lock:
@@ -261,6 +271,8 @@ class LabelRelay:
             if ans.rows != ask.tokens:
                 raise WireError(f"LABELS of {ans.rows} rows for an ask of {ask.tokens} tokens")
             self._answers += 1
+            self._tokens += ans.rows
+            self._latency_s += time.monotonic() - ask.arrived
         out = LabelAnswer(ask.seq, ans.rows, ans.k, ans.vocab, ans.values, self.cluster)
         ask.student.send(out.to_frame(frame.payload))
         self._dispatch()

@@ -5,6 +5,11 @@ process takes the top k at the job's temperature and sends them through its clus
 relay, which rank 0 of the teacher cluster runs (on the cluster's first host, the relay's:
 ``gateway`` must be left at its default). Every rank (rank 0 too) serves; they share the
 students' asks. Runs until SIGTERM or SIGINT (or ``stop``).
+
+Rank 0 writes the label relay's figures into the job's metrics every `REPORT_S` seconds and
+when it stops (`teacher_record`: answers per second, their latency, the queue), which
+``nebula status``, the live view and ``nebula report`` show for the teacher cluster. A
+record's ``step`` is the number of answers so far (a teacher takes no optimizer steps).
 """
 
 from __future__ import annotations
@@ -13,20 +18,26 @@ import logging
 import os
 import signal
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from nebula_cli.config.distill_config import DISTILL_CONFIG_ENV, DistillConfig
 from nebula_cli.pki import CertPair, client_context
 from nebula_cli.relay.distill.dial import split_addr
-from nebula_cli.relay.distill.label_relay import LabelRelay
+from nebula_cli.relay.distill.label_relay import LabelRelay, RelayCounts
 from nebula_cli.relay.distill.serve_link import ServeLink
 from nebula_cli.relay.distill.sparse import SparseLabels, Values
+from nebula_cli.runtime import metrics
 from nebula_cli.runtime.distill.loss import topk_labels
 
 log = logging.getLogger("nebula.distill")
+
+REPORT_S = 5.0
+"""Seconds between a teacher's metric records."""
 
 Forward = Callable[[torch.Tensor], torch.Tensor]
 
@@ -42,6 +53,31 @@ def answerer(forward: Forward, cfg: DistillConfig, device: str | torch.device = 
         return SparseLabels(ids.cpu().numpy(), logp.cpu().numpy())
 
     return answer
+
+
+def teacher_record(before: RelayCounts, now: RelayCounts, seconds: float) -> dict[str, Any]:
+    """The label relay's figures over an interval of ``seconds`` (``before``: its counts at the
+    interval's start) as metric values: answers so far, answers per second and their mean
+    latency in the interval (None without answers), the queue, servers and students now."""
+    answers = now.answers - before.answers
+    latency = (now.latency_s - before.latency_s) / answers if answers else None
+    return {"teacher_answers": now.answers, "teacher_tokens": now.tokens,
+            "teacher_answers_per_s": round(answers / seconds, 3) if seconds > 0 else None,
+            "teacher_latency_ms": None if latency is None else round(1000 * latency, 1),
+            "teacher_queue": now.pending, "teacher_servers": now.servers,
+            "teacher_students": now.students}
+
+
+def report_figures(relay: LabelRelay, served: threading.Event, every: float) -> None:
+    """Rank 0: a record of `teacher_record` every ``every`` seconds, and one when ``served``."""
+    before, since = relay.counts(), time.monotonic()
+    while True:
+        stopped = served.wait(every)
+        now, at = relay.counts(), time.monotonic()
+        metrics.emit(step=now.answers, **teacher_record(before, now, at - since))
+        if stopped:
+            return
+        before, since = now, at
 
 
 def _stop_on_signals() -> threading.Event:
@@ -79,9 +115,17 @@ def serve(forward: Forward, *, vocab: int | None = None, config: DistillConfig |
         addr = f"{'127.0.0.1' if bound in ('', '0.0.0.0', '::') else bound}:{relay.port}"
     link = ServeLink(addr, client_context(pair, ca), job_id=cfg.job_id, cluster=cfg.cluster,
                      vocab=vocab, answer=answerer(forward, cfg, device))
+    reporter, served = None, threading.Event()
+    if relay is not None:
+        reporter = threading.Thread(target=report_figures, args=(relay, served, REPORT_S),
+                                    daemon=True, name="teacher-figures")
+        reporter.start()
     try:
         link.run(stop)
     finally:
+        served.set()
+        if reporter is not None:
+            reporter.join(timeout=5.0)
         if relay is not None:
             relay.close()
         log.info("teacher %s: %d answers served", cfg.cluster, link.answered)

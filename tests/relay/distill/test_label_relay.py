@@ -11,6 +11,7 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -76,13 +77,19 @@ def test_a_students_asks_are_answered_by_the_teachers_servers(pki: Path, closing
     client = label_client(pki, {"lab": addr(relay)})
     closing.append(client)
     asks = {seq: tokens(50 + seq, seq) for seq in range(12)}
+    first = time.monotonic()
     for seq, toks in asks.items():  # asked before any server: they wait at the relay
         client.ask(seq, toks)
+    assert wait_for(lambda: relay.counts().pending == 12)  # the queue
+    time.sleep(0.3)
     with serving(serve_link(addr(relay), pki, "lab", "t1", JOB)), \
             serving(serve_link(addr(relay), pki, "lab", "t2", JOB)):
         assert {check(client, seq, toks) for seq, toks in asks.items()} == {"lab"}
     counts = relay.counts()
     assert counts.asks == counts.answers == 12 and counts.pending == 0
+    assert counts.tokens == sum(len(t) for t in asks.values())
+    # every answer's latency counts from its ask's arrival, the wait for a server included
+    assert 12 * 0.3 <= counts.latency_s <= 12 * (time.monotonic() - first)
     assert client.outstanding() == 0 and client.answered == 12
     with pytest.raises(ValueError, match="distill.max_tokens is 1024"):
         client.ask(99, tokens(1025, 0))

@@ -1,0 +1,66 @@
+"""A teacher's figures (`serve.teacher_record`, rank 0's records of its label relay): answers
+per second, their latency and the queue, written into the job's metrics while it serves and once
+when it stops. The real label relay's counts are tested in tests/relay/distill/test_label_relay.py,
+and the records through `nebula launch` in tests/e2e/test_distill_launch.py."""
+
+from __future__ import annotations
+
+import json
+import threading
+from pathlib import Path
+
+import pytest
+
+from nebula_cli.relay.distill.label_relay import RelayCounts
+from nebula_cli.runtime.distill.serve import report_figures, teacher_record
+
+
+def counts(answers: int, latency_s: float, pending: int = 0) -> RelayCounts:
+    return RelayCounts(asks=answers + pending, answers=answers, pending=pending, servers=2,
+                       students=1, refused=0, tokens=64 * answers, latency_s=latency_s)
+
+
+def test_a_record_says_the_intervals_rate_and_latency_and_the_queue_now() -> None:
+    rec = teacher_record(counts(10, 2.0), counts(30, 3.0, pending=3), seconds=4.0)
+    assert rec == {"teacher_answers": 30, "teacher_tokens": 1920, "teacher_answers_per_s": 5.0,
+                   "teacher_latency_ms": 50.0, "teacher_queue": 3, "teacher_servers": 2,
+                   "teacher_students": 1}
+    idle = teacher_record(counts(30, 3.0), counts(30, 3.0), seconds=5.0)
+    assert idle["teacher_answers_per_s"] == 0.0 and idle["teacher_latency_ms"] is None
+
+
+class Scripted:
+    """A label relay's counts as a script of them (the real one: test_label_relay.py)."""
+
+    def __init__(self) -> None:
+        self.answers = 0
+        self.lock = threading.Lock()
+
+    def counts(self) -> RelayCounts:
+        with self.lock:
+            self.answers += 4
+            return counts(self.answers, 0.01 * self.answers)
+
+
+def test_rank_0_writes_a_record_every_interval_and_one_at_the_end(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    path = tmp_path / "rank0.jsonl"
+    monkeypatch.setenv("NEBULA_METRICS_FILE", str(path))
+    served = threading.Event()
+    reporter = threading.Thread(target=report_figures, args=(Scripted(), served, 0.05))
+    reporter.start()
+    try:
+        deadline = threading.Event()
+        while not (path.exists() and len(path.read_text().splitlines()) >= 3):
+            assert not deadline.wait(0.02) and reporter.is_alive()
+    finally:
+        served.set()
+        reporter.join(5)
+    assert not reporter.is_alive()  # stopped at once, with a last record
+    records = [json.loads(line) for line in path.read_text().splitlines()]
+    assert len(records) >= 4
+    assert all(r["step"] == r["teacher_answers"] for r in records)  # a teacher's "step"
+    answers = [r["teacher_answers"] for r in records]
+    assert answers == sorted(answers) and len(set(answers)) == len(answers)
+    assert all(r["teacher_latency_ms"] == 10.0 and r["teacher_answers_per_s"] > 0
+               for r in records)

@@ -174,13 +174,14 @@ def test_slurm_refusal_names_the_spec_field_and_nothing_is_submitted(
     assert not log.exists() or f"nebula-{job_id}" not in log.read_text()
 
 
-@pytest.mark.timeout(600)  # Slurm's own minutes: a 2-minute limit, then a resume
+@pytest.mark.timeout(600)  # Slurm's own minutes: a 3-minute limit, then a resume
 def test_time_limit_is_shown_as_timeout_and_resume_continues_from_the_checkpoint(
         slurm_cli: CLI, slurm_bed: TestBed, tmp_path: Path) -> None:
-    # Slurm's notice comes 60 s before the 2-minute limit (up to a minute late: Slurm checks
-    # about once a minute): the workers stop and checkpoint, then Slurm ends the job TIMEOUT
+    # Slurm's notice comes 60 s before the 3-minute limit (up to a minute earlier: Slurm checks
+    # about once a minute): the workers stop and checkpoint, then Slurm ends the job TIMEOUT.
+    # (A 2-minute limit left a loaded machine's workers no checkpoint before the notice.)
     spec = slurm_spec(tmp_path, steps=100_000, with_ssh=False, checkpoint={"every": 5},
-                      slurm={"time": "2", "sbatch_args": ["--signal=TERM@60"]},
+                      slurm={"time": "3", "sbatch_args": ["--signal=TERM@60"]},
                       model="--d-model 32 --n-layer 1 --n-head 2 --context 32")
     slurm_cli("launch", "--detach", str(spec), check=True, timeout=600)
     (job_id,) = slurm_cli.job_ids()

@@ -3,8 +3,8 @@
 # Tests that need root (network namespaces, sshd) skip with a reason when not root.
 # NEBULA_TEST_WORKERS=N: N pytest-xdist workers, a test module to each at a time (its module
 # fixtures made once; each worker that runs test-bed tests makes its own bed); 0: one process.
-# Default 2 on a machine of 2 cores or more (most tests wait on processes, sockets and sleeps
-# more than they compute), else 0.
+# Default 2 on a machine of 2 cores or more, else 0 (on 2 cores, 4 workers were no faster than
+# 2 and timing tests failed under the load: CHANGELOG, Changed).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/bootstrap.sh

@@ -74,7 +74,10 @@ def report_figures(relay: LabelRelay, served: threading.Event, every: float) -> 
     while True:
         stopped = served.wait(every)
         now, at = relay.counts(), time.monotonic()
-        metrics.emit(step=now.answers, **teacher_record(before, now, at - since))
+        try:
+            metrics.emit(step=now.answers, **teacher_record(before, now, at - since))
+        except OSError as exc:  # a full disk, say: serving goes on, the figures come back
+            log.warning("teacher %s: could not write its figures: %s", relay.cluster, exc)
         if stopped:
             return
         before, since = now, at

@@ -10,6 +10,7 @@ import threading
 from pathlib import Path
 
 import pytest
+from helpers.jobs import wait_for
 
 from nebula_cli.relay.distill.label_relay import RelayCounts
 from nebula_cli.runtime.distill.serve import report_figures, teacher_record
@@ -32,6 +33,8 @@ def test_a_record_says_the_intervals_rate_and_latency_and_the_queue_now() -> Non
 class Scripted:
     """A label relay's counts as a script of them (the real one: test_label_relay.py)."""
 
+    cluster = "lab"
+
     def __init__(self) -> None:
         self.answers = 0
         self.lock = threading.Lock()
@@ -50,9 +53,8 @@ def test_rank_0_writes_a_record_every_interval_and_one_at_the_end(
     reporter = threading.Thread(target=report_figures, args=(Scripted(), served, 0.05))
     reporter.start()
     try:
-        deadline = threading.Event()
-        while not (path.exists() and len(path.read_text().splitlines()) >= 3):
-            assert not deadline.wait(0.02) and reporter.is_alive()
+        assert wait_for(lambda: path.exists() and len(path.read_text().splitlines()) >= 3,
+                        timeout=10)
     finally:
         served.set()
         reporter.join(5)
@@ -64,3 +66,25 @@ def test_rank_0_writes_a_record_every_interval_and_one_at_the_end(
     assert answers == sorted(answers) and len(set(answers)) == len(answers)
     assert all(r["teacher_latency_ms"] == 10.0 and r["teacher_answers_per_s"] > 0
                for r in records)
+
+
+def test_a_record_that_cannot_be_written_does_not_end_the_figures(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """A metrics file that cannot be written (here a directory stands where it should be)
+    costs those records only: the figures come back once it can be written again."""
+    path = tmp_path / "rank0.jsonl"
+    path.mkdir()  # opening it for writing fails (IsADirectoryError, an OSError)
+    monkeypatch.setenv("NEBULA_METRICS_FILE", str(path))
+    served = threading.Event()
+    reporter = threading.Thread(target=report_figures, args=(Scripted(), served, 0.05))
+    reporter.start()
+    try:
+        assert wait_for(lambda: "could not write its figures" in caplog.text, timeout=10)
+        assert reporter.is_alive()
+        path.rmdir()
+        assert wait_for(lambda: path.is_file() and path.read_text().strip(), timeout=10)
+    finally:
+        served.set()
+        reporter.join(5)
+    assert not reporter.is_alive()
+    assert json.loads(path.read_text().splitlines()[-1])["teacher_answers"] > 0

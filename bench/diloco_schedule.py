@@ -115,7 +115,6 @@ def run_diloco(args: argparse.Namespace, seed: int, split: Any, held: Any, lr: f
     codec = (TopKCodec(args.density, args.bits, span=args.span) if args.span
              else get_codec(args.codec, density=args.density, bits=args.bits))
     feedback = [ErrorFeedback(codec) for _ in worlds]  # the relay's codec, one residual each
-    flush_codec = get_codec("int8") if args.codec == "topk" else None
     sent_bytes = 0
     anchor: list[torch.Tensor] = [theta] * CLUSTERS
     pending: torch.Tensor | None = None
@@ -155,8 +154,9 @@ def run_diloco(args: argparse.Namespace, seed: int, split: Any, held: Any, lr: f
         due = step + args.tau if mode == "overlap" else None
     if pending is not None:  # the flush at the end of training
         merge()
-    if args.flush and flush_codec is not None and mode == "sync":
+    if args.flush and args.codec == "topk" and mode == "sync":
         # the relays' last round: what error feedback still holds, sent with int8
+        flush_codec = get_codec("int8")
         encs = [fb.encode(theta - w.read(), key="delta", codec=flush_codec)
                 for fb, w in zip(feedback, worlds, strict=True)]
         sent_bytes += sum(e.nbytes for e in encs)

@@ -297,6 +297,11 @@ def _cell(v: object, fmt: str = "") -> str:
     return html.escape(str(v))
 
 
+def _numbers(recs: list[dict[str, Any]], key: str) -> list[float]:
+    """Every number the records hold under ``key``, in order."""
+    return [r[key] for r in recs if _number(r.get(key))]
+
+
 def _latest(recs: list[dict[str, Any]], key: str) -> Any:
     return next((r[key] for r in reversed(recs) if r.get(key) is not None), None)
 
@@ -339,24 +344,21 @@ def teacher_table(clusters: dict[str, list[dict[str, Any]]]) -> str:
     of the records' intervals, the longest queue; "" without a teacher cluster."""
     rows = []
     for c, recs in clusters.items():
-        mine = [r for r in recs if _number(r.get("teacher_answers"))]
+        mine = [r for r in recs if _number(r.get("teacher_answers")) and _number(r.get("ts"))]
         if not mine:
             continue
-        def values(key: str, recs: list[dict[str, Any]] = mine) -> list[float]:
-            return [r[key] for r in recs if _number(r.get(key))]
-
-        rates, lat = values("teacher_answers_per_s"), values("teacher_latency_ms")
-        span = mine[-1]["ts"] - mine[0]["ts"] if len(mine) > 1 and all(
-            _number(r.get("ts")) for r in (mine[0], mine[-1])) else 0.0
-        overall = (mine[-1]["teacher_answers"] - mine[0]["teacher_answers"]) / span \
-            if span > 0 else None
-        queue = max(values("teacher_queue"), default=None)
+        first, last = mine[0], mine[-1]
+        span = last["ts"] - first["ts"]
+        overall = (last["teacher_answers"] - first["teacher_answers"]) / span if span > 0 \
+            else None
+        lat = _numbers(mine, "teacher_latency_ms")
         rows.append(
-            f"<tr><td>{html.escape(c)}</td><td>{_cell(mine[-1]['teacher_answers'])}</td>"
-            f"<td>{_cell(_latest(mine, 'teacher_tokens'))}</td>"
-            f"<td>{_cell(overall, '.2f')}</td><td>{_cell(max(rates, default=None), '.2f')}</td>"
+            f"<tr><td>{html.escape(c)}</td><td>{_cell(last['teacher_answers'])}</td>"
+            f"<td>{_cell(_latest(mine, 'teacher_tokens'))}</td><td>{_cell(overall, '.2f')}</td>"
+            f"<td>{_cell(max(_numbers(mine, 'teacher_answers_per_s'), default=None), '.2f')}</td>"
             f"<td>{_cell(sum(lat) / len(lat) if lat else None, '.1f')}</td>"
-            f"<td>{_cell(max(lat, default=None), '.1f')}</td><td>{_cell(queue)}</td></tr>")
+            f"<td>{_cell(max(lat, default=None), '.1f')}</td>"
+            f"<td>{_cell(max(_numbers(mine, 'teacher_queue'), default=None))}</td></tr>")
     return ("<h2>teacher (distillation)</h2><table><tr><th>cluster</th><th>answers</th>"
             "<th>tokens</th><th>answers/s</th><th>busiest answers/s</th>"
             "<th>latency (ms)</th><th>worst latency (ms)</th><th>longest queue</th></tr>"

@@ -14,7 +14,11 @@
 #      int8, an outer round every H steps): the job's state, eval loss, s/step, whether both
 #      workers ended with the same parameters, and the relay's round time with CUDA tensors
 #      (the workers' round_s).
-#   5. hook: examples/ds_plain (an unmodified DeepSpeed script, nebula's automatic hook) the
+#   5. distill: examples/distill (phase b) as its nebula.yaml says: a GPT-2 teacher served on the
+#      GPU by one cluster, the example's student trained on the GPU by another from its top-k
+#      soft labels through the label relay: the teacher's answers/s and latency, the student's
+#      bytes per token, batches without labels, its eval loss and device.
+#   6. hook: examples/ds_plain (an unmodified DeepSpeed script, nebula's automatic hook) the
 #      same way: its exit path with NCCL (the job ends SUCCEEDED, no worker left running).
 # --dry-run: the same on this machine's CPU (gloo, smaller sizes) so that CI keeps it working;
 # it says "device": "cpu". Without --dry-run and without CUDA it stops with exit 2.
@@ -25,7 +29,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 DRY=0 PY="" WHEELS="" STEPS="" OUT=""
-usage() { sed -n '2,23p' "$0" | sed 's/^# \{0,1\}//'; }
+usage() { sed -n '2,27p' "$0" | sed 's/^# \{0,1\}//'; }
 while [ $# -gt 0 ]; do
   case "$1" in
     --dry-run) DRY=1 ;;
@@ -197,6 +201,12 @@ def launch(name, workdir, run, relay, deepspeed=None):
         spec["deepspeed"] = deepspeed
     path = WORK / f"{name}.yaml"
     path.write_text(yaml.safe_dump(spec, sort_keys=False))
+    return launch_spec(path)
+
+
+def launch_spec(path):
+    """`nebula launch` the spec at ``path`` until the job ends: (job, its status --json, every
+    worker's metric records, wall seconds); a failed launch raises with the job's last logs."""
     home = Path(os.environ["NEBULA_HOME"])
     before = set(p.name for p in (home / "jobs").iterdir()) if (home / "jobs").is_dir() else set()
     t0 = time.monotonic()
@@ -217,6 +227,11 @@ def launch(name, workdir, run, relay, deepspeed=None):
     for f in sorted((home / "jobs" / job[0]).glob("*/*/worker/metrics/*.jsonl")):
         records += [json.loads(x) for x in f.read_text().splitlines() if x.strip()]
     return job[0], status, records, wall
+
+
+def job_logs(job):
+    return subprocess.run([sys.executable, "-m", "nebula_cli", "logs", job], capture_output=True,
+                          text=True, timeout=120).stdout
 
 
 @part("quickstart")
@@ -244,6 +259,55 @@ def quickstart():
                               "max": round(max(rounds), 4) if rounds else None,
                               "rounds": len(rounds)},
             "wall_s": round(wall, 1)}
+
+@part("distill")
+def distill():
+    """examples/distill as its nebula.yaml says (phase b): the built-in example teacher (a
+    GPT-2 over the example's 2048-token BPE vocabulary) served on the GPU by one cluster, the
+    example student trained on the GPU by another from its top-k soft labels through the label
+    relay (mutual TLS, loopback); the teacher's answers per second and latency, the student's
+    tokens per second, bytes per token, batches without labels, and the devices both ran on."""
+    import shutil
+
+    import torch
+    from transformers import GPT2Config, GPT2LMHeadModel
+    examples = WORK / "examples"
+    shutil.copytree(REPO / "examples", examples, ignore=shutil.ignore_patterns("out", "teacher"))
+    torch.manual_seed(0)
+    embd, layers = (64, 2) if DRY else (512, 8)
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=2048, n_positions=64, n_embd=embd,
+                                       n_layer=layers, n_head=8))
+    params = sum(p.numel() for p in model.parameters())
+    model.save_pretrained(examples / "distill" / "teacher")
+    spec = yaml.safe_load((examples / "distill" / "nebula.yaml").read_text())
+    steps = 20 if DRY else 200
+    spec["env"] = {"STEPS": str(steps), "OMP_NUM_THREADS": "1"}
+    path = examples / "distill" / "gpu-check.yaml"
+    path.write_text(yaml.safe_dump(spec, sort_keys=False))
+    job, status, records, wall = launch_spec(path)
+    logs = job_logs(job)
+    evals = [line for line in logs.splitlines() if "eval loss" in line]
+    student = status.get("metrics", {}).get("cloud", {})
+    teacher = status.get("metrics", {}).get("lab", {})
+    # the teacher's figures over its busy intervals (its last record, at its stop, has none)
+    busy = [r for r in records if r.get("teacher_latency_ms") is not None]
+    served = sum(r["teacher_answers_per_s"] for r in busy) or 1.0
+    if status.get("state") != "SUCCEEDED" or not evals:
+        raise RuntimeError(f"job {job}: state {status.get('state')}; logs:\n{logs[-3000:]}")
+    tail = evals[-1].split("|", 1)[-1].strip()
+    return {"job": job, "state": status.get("state"), "steps": steps,
+            "teacher": {"params": params, "answers": teacher.get("teacher_answers"),
+                "busiest_answers_per_s": max((r["teacher_answers_per_s"] for r in busy),
+                                             default=None),
+                "latency_ms": round(sum(r["teacher_latency_ms"] * r["teacher_answers_per_s"]
+                                        for r in busy) / served, 1) if busy else None},
+            "student": {"batches": student.get("distill_batches"),
+                        "without_labels": student.get("distill_without_labels"),
+                        "bytes_per_token": student.get("distill_bytes_per_token"),
+                        "longest_wait_s": student.get("distill_longest_wait_s"),
+                        "final": tail},
+            "wall_s": round(wall, 1)}
+
 
 
 def job_processes(job):

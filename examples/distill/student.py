@@ -1,6 +1,7 @@
 """Phase b, the students' site: a smaller GPT-2 trained on the BPE-tokenized corpus from the
 teacher's sparse soft labels (`soft_labelled` asks `lookahead` batches ahead; `kd_loss` mixes
-KL at temperature T on the top k with the hard labels), as a cluster's `run:`."""
+KL at temperature T on the top k with the hard labels), as a cluster's `run:`, on this rank's
+GPU when there is one."""
 
 from __future__ import annotations
 
@@ -22,12 +23,15 @@ if __name__ == "__main__":
     train, held = token_split(tok)
     seqs = sequences(train, WIDTH)
     batches = [seqs[(i * BATCH) % (len(seqs) - BATCH):][:BATCH] for i in range(STEPS)]
+    device = (torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+              if torch.cuda.is_available() else torch.device("cpu"))
     torch.manual_seed(0)
     model = GPT2LMHeadModel(GPT2Config(vocab_size=tok.get_vocab_size(), n_positions=WIDTH,
-                                       n_embd=64, n_layer=2, n_head=2))
+                                       n_embd=64, n_layer=2, n_head=2)).to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     loader = soft_labelled(batches, config=cfg)
     for step, (batch, soft) in enumerate(loader):
+        batch = batch.to(device)
         loss, kd, ce = kd_loss(model(batch).logits, batch, soft, temperature=cfg.temperature,
                                alpha=cfg.alpha)
         opt.zero_grad()
@@ -37,7 +41,7 @@ if __name__ == "__main__":
             print(f"step {step} loss {loss.item():.3f} kd {kd and kd.item()} "
                   f"without labels {loader.stats.without_labels}", flush=True)
     with torch.no_grad():
-        ev = sequences(held, WIDTH)[:32]
+        ev = sequences(held, WIDTH)[:32].to(device)
         print(f"eval loss {model(ev, labels=ev).loss.item():.4f}; "
-              f"{loader.stats.bytes_per_token:.1f} bytes per token", flush=True)
+              f"{loader.stats.bytes_per_token:.1f} bytes per token; on {device}", flush=True)
     loader.client.close()

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from nebula_cli.relay.distill.dial import LabelRefused, dial
+from nebula_cli.relay.distill.idpack import bits_needed, pack_ids
 from nebula_cli.relay.distill.link import LabelLink, keep_alive
 from nebula_cli.relay.distill.messages import (
     LabelAnswer,
@@ -40,15 +41,16 @@ class Answer:
     teacher: str
     wire_bytes: int
     """Bytes of the answer's frame payload (what crossed the WAN for it, TLS aside)."""
+    ask_bytes: int
+    """Bytes of the ask's frame payload (its token ids, packed), as sent once."""
     latency_s: float
     """Seconds from the ask (its latest sending) to the answer."""
 
 
 @dataclass
 class _Asked:
+    ask: LabelAsk
     payload: bytes
-    tokens: int
-    width: int
     sent: float
     link: str | None = None
 
@@ -111,18 +113,20 @@ class LabelClient:
     # ------------------------------------------------------------------ asks and answers
 
     def ask(self, seq: int, tokens: np.ndarray) -> None:
-        """Ask for the soft labels of ``tokens`` (sequences: (batch, width), or one sequence),
-        named ``seq``."""
+        """Ask for the soft labels of ``tokens`` (integer ids 0 .. 2**24 - 1, sent in the bits
+        the largest needs; sequences: (batch, width), or one sequence), named ``seq``. An id
+        out of range is a `WireError` naming it."""
         width = int(tokens.shape[-1]) if tokens.ndim else 1
-        flat = np.ascontiguousarray(tokens, dtype="<u4").reshape(-1)
-        if not 1 <= flat.size <= self.max_tokens:
-            raise ValueError(f"an ask of {flat.size} tokens; distill.max_tokens is "
+        if not 1 <= tokens.size <= self.max_tokens:
+            raise ValueError(f"an ask of {tokens.size} tokens; distill.max_tokens is "
                              f"{self.max_tokens}")
+        bits = bits_needed(tokens)
+        asked = _Asked(LabelAsk(seq, int(tokens.size), width, bits), pack_ids(tokens, bits),
+                       time.monotonic())
         with self._cond:
             if seq in self._asked or seq in self._answers:
                 raise ValueError(f"ask {seq} was already made")
-            self._asked[seq] = _Asked(flat.tobytes(), int(flat.size), width,
-                                       time.monotonic())
+            self._asked[seq] = asked
         self._assign()
 
     def take(self, seq: int, timeout: float | None) -> Answer | None:
@@ -149,7 +153,7 @@ class LabelClient:
 
     def _assign(self) -> None:
         """Send every ask no live link holds to the least loaded live link."""
-        sends: list[tuple[str, LabelLink, int, _Asked]] = []
+        sends: list[tuple[LabelLink, _Asked]] = []
         with self._cond:
             if not self._links:
                 return
@@ -162,9 +166,9 @@ class LabelClient:
                     name = min(load, key=load.__getitem__)
                     load[name] += 1
                     a.link, a.sent = name, time.monotonic()
-                    sends.append((name, self._links[name], seq, a))
-        for _, link, seq, a in sends:  # a failed send ends the link: its asks go elsewhere
-            link.send(LabelAsk(seq, a.tokens, a.width).to_frame(a.payload))
+                    sends.append((self._links[name], a))
+        for link, a in sends:  # a failed send ends the link: its asks go elsewhere
+            link.send(a.ask.to_frame(a.payload))
 
     # ------------------------------------------------------------------ links
 
@@ -211,13 +215,13 @@ class LabelClient:
                 asked = self._asked.get(ans.seq)
                 if asked is None or ans.seq in self._answers:
                     continue  # answered already (by a teacher that was taken for gone)
-                if ans.rows != asked.tokens:
-                    raise WireError(f"{ans.rows} rows of labels for {asked.tokens} tokens")
+                if ans.rows != asked.ask.tokens:
+                    raise WireError(f"{ans.rows} rows of labels for {asked.ask.tokens} tokens")
             labels = decode(frame.payload, ans.rows, ans.k, ans.vocab, ans.values)
             with self._cond:
                 if ans.seq in self._asked and ans.seq not in self._answers:
                     self._answers[ans.seq] = Answer(labels, ans.teacher or name,
-                                                    len(frame.payload),
+                                                    len(frame.payload), len(asked.payload),
                                                     time.monotonic() - asked.sent)
                     self.answered += 1
                     self._cond.notify_all()

@@ -21,20 +21,20 @@ import socket
 import threading
 import time
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from nebula_cli.pki import CertPair, PeerRejected, server_context, wrap_server
 from nebula_cli.relay.distill.link import LabelLink, keep_alive
 from nebula_cli.relay.distill.messages import (
     PROTOCOL,
-    TOKEN_BYTES,
     LabelAnswer,
     LabelAsk,
     LabelHello,
     LabelWelcome,
     Side,
     max_answer_bytes,
+    max_ask_bytes,
 )
 from nebula_cli.relay.distill.sparse import Values, payload_nbytes
 from nebula_cli.relay.net.admission import Admission, first_bytes
@@ -51,10 +51,10 @@ HANDSHAKE_S = 10.0
 @dataclass
 class _Ask:
     student: LabelLink
-    seq: int
-    tokens: int
-    width: int
+    ask: LabelAsk
+    """As the student sent it (its ``seq``: the student's number)."""
     payload: bytes | bytearray
+    """The packed token ids, forwarded as they came."""
     arrived: float = field(default_factory=time.monotonic)
     """When the student's ask reached the relay (its answer's latency counts from here)."""
 
@@ -80,6 +80,8 @@ class RelayCounts:
     """Tokens answered (rows of every answer)."""
     latency_s: float = 0.0
     """Seconds from each answered ask's arrival to its answer, summed over the answers."""
+    ask_bytes: int = 0
+    """Payload bytes of the students' asks (their packed token ids)."""
 
 
 class LabelRelay:
@@ -100,7 +102,7 @@ class LabelRelay:
         self._servers: list[_Server] = []
         self._students: list[LabelLink] = []
         self._ids = itertools.count()
-        self._asks = self._answers = self._refused = self._tokens = 0
+        self._asks = self._answers = self._refused = self._tokens = self._ask_bytes = 0
         self._latency_s = 0.0
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
@@ -132,7 +134,7 @@ class LabelRelay:
         with self._lock:
             return RelayCounts(self._asks, self._answers, len(self._pending),
                                len(self._servers), len(self._students), self._refused,
-                               self._tokens, self._latency_s)
+                               self._tokens, self._latency_s, self._ask_bytes)
 
     def _links(self) -> list[LabelLink]:
         with self._lock:
@@ -190,7 +192,7 @@ class LabelRelay:
             tls.close()
             raise
         cap = (max_answer_bytes(self.welcome.max_tokens, self.welcome.topk)
-               if hello.side is Side.SERVER else self.welcome.max_tokens * TOKEN_BYTES)
+               if hello.side is Side.SERVER else max_ask_bytes(self.welcome.max_tokens))
         return LabelLink(tls, f"{ident.cluster}/{ident.name}", cap), hello.side, ident.cluster
 
     def _refusal(self, hello: LabelHello, role: str, cluster: str) -> str | None:
@@ -220,9 +222,9 @@ class LabelRelay:
                     raise WireError(f"a student sent {frame.type.name}; only asks are taken")
                 ask = LabelAsk.from_frame(frame, self.welcome.max_tokens)
                 with self._lock:
-                    self._pending.append(_Ask(link, ask.seq, ask.tokens, ask.width,
-                                              frame.payload))
+                    self._pending.append(_Ask(link, ask, frame.payload))
                     self._asks += 1
+                    self._ask_bytes += len(frame.payload)
                 self._dispatch()
         except (WireError, OSError) as exc:
             if not link.closed.is_set():
@@ -265,16 +267,17 @@ class LabelRelay:
         if len(frame.payload) != payload_nbytes(ans.rows, ans.k, ans.vocab, ans.values):
             raise WireError(f"LABELS of {ans.rows} x {ans.k} in {len(frame.payload)} bytes")
         with self._lock:
-            ask = server.inflight.pop(ans.seq, None)
-            if ask is None:
+            asked = server.inflight.pop(ans.seq, None)
+            if asked is None:
                 raise WireError(f"LABELS for {ans.seq}, which was not asked")
-            if ans.rows != ask.tokens:
-                raise WireError(f"LABELS of {ans.rows} rows for an ask of {ask.tokens} tokens")
+            if ans.rows != asked.ask.tokens:
+                raise WireError(f"LABELS of {ans.rows} rows for an ask of {asked.ask.tokens} "
+                                "tokens")
             self._answers += 1
             self._tokens += ans.rows
-            self._latency_s += time.monotonic() - ask.arrived
-        out = LabelAnswer(ask.seq, ans.rows, ans.k, ans.vocab, ans.values, self.cluster)
-        ask.student.send(out.to_frame(frame.payload))
+            self._latency_s += time.monotonic() - asked.arrived
+        out = LabelAnswer(asked.ask.seq, ans.rows, ans.k, ans.vocab, ans.values, self.cluster)
+        asked.student.send(out.to_frame(frame.payload))
         self._dispatch()
 
     def _dispatch(self) -> None:
@@ -287,12 +290,12 @@ class LabelRelay:
                 if not open_:
                     break
                 server = min(open_, key=lambda s: len(s.inflight))
-                ask = self._pending.popleft()
-                if ask.student.closed.is_set():
+                asked = self._pending.popleft()
+                if asked.student.closed.is_set():
                     continue
                 number = next(self._ids)
-                server.inflight[number] = ask
-                sends.append((server.link, LabelAsk(number, ask.tokens, ask.width).to_frame(
-                    ask.payload)))
+                server.inflight[number] = asked
+                sends.append((server.link,
+                              replace(asked.ask, seq=number).to_frame(asked.payload)))
         for link, frame in sends:
             link.send(frame)  # a failed send ends the link: its reader gives the ask back

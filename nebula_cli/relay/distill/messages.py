@@ -5,7 +5,10 @@ payload) and its answer (``LabelAnswer``, sparse labels in its payload, `sparse`
 Each is a frozen dataclass with ``to_frame`` and one strict ``from_meta``
 (:mod:`nebula_cli.relay.net.schema`), called where its frame is received. Every size is
 bounded: an ask carries at most ``max_tokens`` tokens (the label relay's, said in its
-WELCOME), an answer's payload is exactly what its rows, k, vocabulary and encoding make.
+WELCOME), its payload exactly ``(tokens * bits + 7) // 8`` bytes: the token ids in ``bits``
+bits each (1..24, the bit length of the largest id asked), packed as an answer's ids are
+(`idpack`; protocol 2, where protocol 1 sent 4-byte ids); an answer's payload is exactly what
+its rows, k, vocabulary and encoding make.
 """
 
 from __future__ import annotations
@@ -14,16 +17,15 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
 
+from nebula_cli.relay.distill.idpack import MAX_ID_BITS, packed_nbytes
 from nebula_cli.relay.distill.sparse import MAX_VOCAB, Values
 from nebula_cli.relay.net.schema import Fields, MessageError
 from nebula_cli.relay.net.wire import Frame, FrameType
 
-PROTOCOL = 1
-"""The soft-label service's version (a HELLO of another is refused)."""
+PROTOCOL = 2
+"""The soft-label service's version (a HELLO of another is refused); 2: asks pack their ids."""
 MAX_TOPK = 1024
 MAX_SEQ = (1 << 62)
-TOKEN_BYTES = 4
-"""An asked token id: a little-endian uint32."""
 
 
 class Side(StrEnum):
@@ -77,29 +79,37 @@ class LabelWelcome:
 
 @dataclass(frozen=True)
 class LabelAsk:
-    """Soft labels asked for ``tokens`` token ids (the payload: ``tokens`` uint32s, sequences
-    of ``width`` tokens one after the other); ``seq`` names the ask to its asker (on a
-    server's link: the relay's own number)."""
+    """Soft labels asked for ``tokens`` token ids (the payload: ``tokens`` ids of ``bits``
+    bits each, packed (`idpack`), sequences of ``width`` tokens one after the other); ``seq``
+    names the ask to its asker (on a server's link: the relay's own number)."""
 
     seq: int
     tokens: int
     width: int
+    bits: int
+
+    @property
+    def payload_nbytes(self) -> int:
+        """The exact length of the ask's payload."""
+        return packed_nbytes(self.tokens, self.bits)
 
     def to_frame(self, payload: bytes | bytearray | memoryview) -> Frame:
         return Frame(FrameType.LABELS_ASK, {"seq": self.seq, "tokens": self.tokens,
-                                            "width": self.width}, payload)
+                                            "width": self.width, "bits": self.bits}, payload)
 
     @classmethod
     def from_frame(cls, frame: Frame, max_tokens: int) -> LabelAsk:
         f = Fields("LABELS_ASK", frame.meta)
         ask = cls(f.integer("seq", low=0, high=MAX_SEQ),
                   f.integer("tokens", low=1, high=max_tokens),
-                  f.integer("width", low=1, high=max_tokens))
+                  f.integer("width", low=1, high=max_tokens),
+                  f.integer("bits", low=1, high=MAX_ID_BITS))
         if ask.tokens % ask.width:
             raise MessageError(f"LABELS_ASK: {ask.tokens} tokens are not sequences of "
                                f"{ask.width}")
-        if len(frame.payload) != ask.tokens * TOKEN_BYTES:
-            raise MessageError(f"LABELS_ASK: {ask.tokens} tokens in {len(frame.payload)} bytes")
+        if len(frame.payload) != ask.payload_nbytes:
+            raise MessageError(f"LABELS_ASK: {ask.tokens} tokens of {ask.bits} bits in "
+                               f"{len(frame.payload)} bytes; expected {ask.payload_nbytes}")
         return ask
 
 
@@ -129,6 +139,11 @@ class LabelAnswer:
                    f.integer("rows", low=1, high=max_tokens),
                    f.integer("k", low=1, high=MAX_TOPK), f.integer("vocab", low=2, high=MAX_VOCAB),
                    f.choice("values", Values), f.text("teacher", "", max_chars=64))
+
+
+def max_ask_bytes(max_tokens: int) -> int:
+    """The largest ask payload a link may receive (``max_tokens`` ids of 24 bits)."""
+    return packed_nbytes(max_tokens, MAX_ID_BITS)
 
 
 def max_answer_bytes(max_tokens: int, topk: int) -> int:

@@ -1,6 +1,6 @@
 """`ServeLink`: a teacher's serving rank on its cluster's label relay: it takes asks (token
-ids) and answers each with its sparse soft labels, computed by the caller's ``answer``; it
-dials again while the relay is away, until told to stop."""
+ids, packed: `idpack`) and answers each with its sparse soft labels, computed by the caller's
+``answer``; it dials again while the relay is away, until told to stop."""
 
 from __future__ import annotations
 
@@ -13,8 +13,9 @@ from collections.abc import Callable
 import numpy as np
 
 from nebula_cli.relay.distill.dial import LabelRefused, dial
+from nebula_cli.relay.distill.idpack import unpack_ids
 from nebula_cli.relay.distill.link import LabelLink
-from nebula_cli.relay.distill.messages import TOKEN_BYTES, LabelAnswer, LabelAsk, Side
+from nebula_cli.relay.distill.messages import LabelAnswer, LabelAsk, Side, max_ask_bytes
 from nebula_cli.relay.distill.sparse import SparseLabels, Values, encode
 from nebula_cli.relay.net.wire import Frame, FrameType, WireError
 
@@ -50,10 +51,10 @@ class ServeLink:
                 log.debug("%s", exc)
                 stop.wait(RETRY_S)
                 continue
-            link.max_payload = welcome.max_tokens * TOKEN_BYTES
+            link.max_payload = max_ask_bytes(welcome.max_tokens)
             self.connected.set()
             try:
-                self._serve(link, welcome.values, stop)
+                self._serve(link, welcome.values, welcome.max_tokens, stop)
             except (WireError, OSError) as exc:
                 if not stop.is_set():
                     log.warning("label relay %s lost: %s; dialling again", self.addr, exc)
@@ -63,7 +64,8 @@ class ServeLink:
             if not stop.is_set():
                 time.sleep(RETRY_S)
 
-    def _serve(self, link: LabelLink, values: Values, stop: threading.Event) -> None:
+    def _serve(self, link: LabelLink, values: Values, max_tokens: int,
+               stop: threading.Event) -> None:
         beat = threading.Event()
         threading.Thread(target=self._beat, args=(link, beat, stop), daemon=True).start()
         try:
@@ -73,9 +75,8 @@ class ServeLink:
                     return
                 if frame.type is not FrameType.LABELS_ASK:
                     raise WireError(f"the label relay sent {frame.type.name}")
-                ask = LabelAsk.from_frame(frame, link.max_payload // TOKEN_BYTES)
-                tokens = np.frombuffer(frame.payload, dtype="<u4").astype(np.int64)
-                tokens = tokens.reshape(-1, ask.width)
+                ask = LabelAsk.from_frame(frame, max_tokens)
+                tokens = unpack_ids(frame.payload, ask.tokens, ask.bits).reshape(-1, ask.width)
                 labels = self.answer(tokens)
                 if labels.rows != ask.tokens:
                     raise ValueError(f"answer gave {labels.rows} rows for {ask.tokens} tokens")

@@ -3,7 +3,8 @@
 An answer for ``rows`` tokens is one payload, in this order:
 
 - ids: ``rows * k`` ids of ``id_bits(vocab)`` bits each (the fewest that hold ``vocab - 1``),
-  packed big-endian bit after bit, the last byte padded with zeros;
+  packed big-endian bit after bit, the last byte padded with zeros (`idpack`, as an ask's
+  token ids are);
 - values, by ``Values``: ``fp16``: ``rows * k`` IEEE half floats (little-endian), 2 bytes each;
   ``int8``: per row its lowest and highest value as two half floats, then ``rows * k`` bytes,
   each value quantized linearly between them (255 steps; 1 byte a label, 4 bytes a row).
@@ -20,9 +21,10 @@ from enum import StrEnum
 
 import numpy as np
 
+from nebula_cli.relay.distill.idpack import MAX_ID_BITS, pack_ids, packed_nbytes, unpack_ids
 from nebula_cli.relay.net.wire import WireError
 
-MAX_VOCAB = 1 << 24
+MAX_VOCAB = 1 << MAX_ID_BITS
 """The largest vocabulary an id may index (24 bits)."""
 
 
@@ -42,7 +44,7 @@ def id_bits(vocab: int) -> int:
 
 def payload_nbytes(rows: int, k: int, vocab: int, values: Values) -> int:
     """The exact length of an answer's payload."""
-    ids = (rows * k * id_bits(vocab) + 7) // 8
+    ids = packed_nbytes(rows * k, id_bits(vocab))
     vals = rows * k * 2 if values is Values.FP16 else rows * (4 + k)
     return ids + vals
 
@@ -69,17 +71,16 @@ def encode(labels: SparseLabels, vocab: int, values: Values) -> bytes:
     ids = np.ascontiguousarray(labels.ids, dtype=np.int64).reshape(-1)
     if ids.size and (ids.min() < 0 or ids.max() >= vocab):
         raise WireError(f"a soft label's id outside the vocabulary of {vocab}")
-    shifts = np.arange(bits - 1, -1, -1, dtype=np.int64)
-    packed = np.packbits(((ids[:, None] >> shifts) & 1).astype(np.uint8).reshape(-1))
+    packed = pack_ids(ids, bits)
     logp = np.asarray(labels.logp, dtype=np.float32)
     if values is Values.FP16:
-        return packed.tobytes() + logp.astype("<f2").tobytes()
+        return packed + logp.astype("<f2").tobytes()
     lo, hi = logp.min(axis=1, keepdims=True), logp.max(axis=1, keepdims=True)
     lo16, hi16 = lo.astype("<f2"), hi.astype("<f2")
     span = hi16.astype(np.float32) - lo16.astype(np.float32)
     scaled = (logp - lo16.astype(np.float32)) / np.where(span > 0, span, 1.0) * 255.0
     q = np.clip(np.rint(scaled), 0, 255).astype(np.uint8)
-    return packed.tobytes() + np.concatenate([lo16, hi16], axis=1).tobytes() + q.tobytes()
+    return packed + np.concatenate([lo16, hi16], axis=1).tobytes() + q.tobytes()
 
 
 def decode(payload: bytes | bytearray | memoryview, rows: int, k: int, vocab: int,
@@ -91,9 +92,8 @@ def decode(payload: bytes | bytearray | memoryview, rows: int, k: int, vocab: in
                         f"expected {want}")
     bits = id_bits(vocab)
     data = np.frombuffer(payload, dtype=np.uint8)
-    id_bytes = (rows * k * bits + 7) // 8
-    flat = np.unpackbits(data[:id_bytes])[: rows * k * bits].reshape(rows * k, bits)
-    ids = flat.astype(np.int64) @ (np.int64(1) << np.arange(bits - 1, -1, -1, dtype=np.int64))
+    id_bytes = packed_nbytes(rows * k, bits)
+    ids = unpack_ids(data[:id_bytes], rows * k, bits)
     if ids.size and ids.max() >= vocab:
         raise WireError(f"a soft label's id {int(ids.max())} outside the vocabulary of {vocab}")
     rest = data[id_bytes:]

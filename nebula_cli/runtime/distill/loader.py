@@ -24,7 +24,6 @@ from nebula_cli.config.distill_config import DISTILL_CONFIG_ENV, DistillConfig
 from nebula_cli.errors import NebulaError
 from nebula_cli.pki import CertPair, client_context
 from nebula_cli.relay.distill.label_client import LabelClient
-from nebula_cli.relay.distill.messages import TOKEN_BYTES
 from nebula_cli.runtime import metrics
 
 POLL_S = 0.05
@@ -55,7 +54,7 @@ class DistillStats:
     without_labels: int = 0
     tokens: int = 0
     wire_bytes: int = 0
-    """Bytes of the answers' payloads and of the asks' token ids."""
+    """Bytes of the answers' payloads and of the asks' (their token ids, packed)."""
     latency_s: float = 0.0
     waited_s: float = 0.0
     """Seconds steps spent waiting for their labels."""
@@ -110,7 +109,7 @@ class DistillLoader:
                     return
                 ids = self.token_ids(batch)
                 seq, self.seq = self.seq, self.seq + 1
-                self.client.ask(seq, ids.detach().cpu().numpy().astype(np.uint32))
+                self.client.ask(seq, ids.detach().cpu().numpy())
                 window.append((seq, batch, tuple(ids.shape)))
 
         fill()
@@ -153,7 +152,7 @@ class DistillLoader:
             self.client.forget(seq)
             self.stats.without_labels += 1
             return None
-        self.stats.wire_bytes += got.wire_bytes + tokens * TOKEN_BYTES
+        self.stats.wire_bytes += got.ask_bytes + got.wire_bytes
         self.stats.latency_s += got.latency_s
         k = got.labels.k
         return SoftLabels(torch.from_numpy(got.labels.ids).reshape(*shape, k),

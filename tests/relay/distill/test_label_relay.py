@@ -32,6 +32,7 @@ from helpers.label_teacher import (
 
 from nebula_cli.pki import wrap_client
 from nebula_cli.relay.distill.dial import LabelRefused, dial
+from nebula_cli.relay.distill.idpack import pack_ids
 from nebula_cli.relay.distill.label_client import LabelClient
 from nebula_cli.relay.distill.label_relay import LabelRelay
 from nebula_cli.relay.distill.messages import LabelAsk, LabelHello, Side
@@ -61,6 +62,11 @@ def tokens(n: int, seed: int) -> np.ndarray:
     return np.random.default_rng(seed).integers(0, 5000, size=n).astype(np.uint32)
 
 
+def ask_bytes(toks: np.ndarray) -> int:
+    """An ask's payload: its ids in the bits of the largest (4 bytes a token in protocol 1)."""
+    return (len(toks) * int(toks.max()).bit_length() + 7) // 8
+
+
 def check(client: LabelClient, seq: int, toks: np.ndarray, timeout: float = 20.0) -> str:
     got = client.take(seq, timeout)
     assert got is not None, f"no answer to ask {seq}"
@@ -68,6 +74,7 @@ def check(client: LabelClient, seq: int, toks: np.ndarray, timeout: float = 20.0
     assert np.array_equal(got.labels.ids, want.ids)
     assert np.allclose(got.labels.logp, want.logp, atol=1e-3)
     assert got.wire_bytes == len(toks) * K * (13 + 16) // 8 + (1 if len(toks) * K * 13 % 8 else 0)
+    assert got.ask_bytes == ask_bytes(toks)
     return got.teacher
 
 
@@ -77,20 +84,24 @@ def test_a_students_asks_are_answered_by_the_teachers_servers(pki: Path, closing
     client = label_client(pki, {"lab": addr(relay)})
     closing.append(client)
     asks = {seq: tokens(50 + seq, seq) for seq in range(12)}
+    asks[12] = np.arange(40, dtype=np.uint32) % 3  # ids 0..2: 2 bits a token, 10 bytes
     first = time.monotonic()
     for seq, toks in asks.items():  # asked before any server: they wait at the relay
         client.ask(seq, toks)
-    assert wait_for(lambda: relay.counts().pending == 12)  # the queue
+    assert wait_for(lambda: relay.counts().pending == 13)  # the queue
     time.sleep(0.3)
     with serving(serve_link(addr(relay), pki, "lab", "t1", JOB)), \
             serving(serve_link(addr(relay), pki, "lab", "t2", JOB)):
         assert {check(client, seq, toks) for seq, toks in asks.items()} == {"lab"}
     counts = relay.counts()
-    assert counts.asks == counts.answers == 12 and counts.pending == 0
+    assert counts.asks == counts.answers == 13 and counts.pending == 0
     assert counts.tokens == sum(len(t) for t in asks.values())
+    # what the students' asks took on the wire: their ids packed (13 bits at ids < 5000)
+    assert counts.ask_bytes == sum(ask_bytes(t) for t in asks.values())
+    assert ask_bytes(asks[12]) == 10 and ask_bytes(asks[0]) == (50 * 13 + 7) // 8
     # every answer's latency counts from its ask's arrival, the wait for a server included
-    assert 12 * 0.3 <= counts.latency_s <= 12 * (time.monotonic() - first)
-    assert client.outstanding() == 0 and client.answered == 12
+    assert 13 * 0.3 <= counts.latency_s <= 13 * (time.monotonic() - first)
+    assert client.outstanding() == 0 and client.answered == 13
     with pytest.raises(ValueError, match="distill.max_tokens is 1024"):
         client.ask(99, tokens(1025, 0))
 
@@ -121,11 +132,24 @@ def test_an_ask_over_the_bound_ends_the_link(pki: Path, closing: list) -> None:
     with contextlib.closing(tls):
         send_frame(tls, LabelHello(JOB, Side.STUDENT).to_frame())
         assert recv_frame(tls).type is FrameType.WELCOME
-        send_frame(tls, LabelAsk(0, 17, 17).to_frame(bytes(17 * 4)))  # over max_tokens
+        send_frame(tls, LabelAsk(0, 17, 17, 11).to_frame(pack_ids(np.arange(17), 11)))  # > 16
         with pytest.raises(WireError):
             tls.settimeout(5)
             recv_frame(tls)  # the relay ended the link (closed, no answer)
     assert wait_for(lambda: relay.counts().students == 0) and relay.counts().asks == 0
+
+
+def test_a_student_of_protocol_1_is_refused_naming_both(pki: Path, closing: list) -> None:
+    relay = label_relay(pki)
+    closing.append(relay)
+    raw = socket.create_connection(("127.0.0.1", relay.port), timeout=5)
+    tls, _ = wrap_client(raw, worker_ctx(pki, "cloud", "s1"), job_id=JOB, roles={"relay"})
+    with contextlib.closing(tls):
+        send_frame(tls, LabelHello(JOB, Side.STUDENT, protocol=1).to_frame())  # 4-byte ids
+        tls.settimeout(5)
+        got = recv_frame(tls)
+    assert got.type is FrameType.ERROR
+    assert got.meta["reason"] == "soft-label protocol 1; this relay speaks 2"
 
 
 def spawn_teacher(relay: LabelRelay, pki: Path, host: str, delay: float) -> subprocess.Popen:

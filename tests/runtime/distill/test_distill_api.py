@@ -52,7 +52,13 @@ def test_every_batch_comes_once_in_order_with_its_teachers_top_k(tmp_path: Path)
         assert torch.allclose(soft.logp, logp.reshape(2, WIDTH, 4), atol=2e-2)
     stats = loader.stats
     assert stats.batches == 10 and stats.without_labels == 0 and stats.tokens == 10 * 2 * WIDTH
-    assert stats.bytes_per_token == (4 * 9 + 7) // 8 * 0 + (4 * 9 / 8 + 4 * 2 + 4)  # 9-bit ids
+    # an answer: 2 x WIDTH tokens' top 4, 9-bit ids and fp16 values; an ask: its ids in the
+    # bits of its largest (protocol 1: 4 bytes an id)
+    answers = 10 * ((2 * WIDTH * 4 * 9 + 7) // 8 + 2 * WIDTH * 4 * 2)
+    asks = sum((2 * WIDTH * int(b["input_ids"].max()).bit_length() + 7) // 8 for b in data)
+    assert asks <= 10 * (2 * WIDTH * 9 + 7) // 8
+    assert stats.wire_bytes == answers + asks
+    assert stats.bytes_per_token == (answers + asks) / (10 * 2 * WIDTH)
     assert loader.client.outstanding() == 0
 
 

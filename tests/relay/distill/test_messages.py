@@ -1,0 +1,52 @@
+"""The soft-label service's messages (`relay.distill.messages`): an ask's token ids take the bits
+its largest id needs (11 at a vocabulary of 2048, against 32 in protocol 1), and an ask of
+another length, or of a width outside 1..24, is refused."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from nebula_cli.relay.distill.idpack import pack_ids, unpack_ids
+from nebula_cli.relay.distill.messages import PROTOCOL, LabelAsk, LabelHello, Side, max_ask_bytes
+from nebula_cli.relay.net.schema import MessageError
+from nebula_cli.relay.net.wire import Frame, FrameType
+
+V = 2048
+
+
+@pytest.mark.parametrize("n", [1, 7, 8, 64, 1000])
+def test_an_ask_at_a_vocabulary_of_2048_takes_11_bits_a_token(n: int) -> None:
+    ids = np.random.default_rng(n).integers(0, V, size=n)
+    ids[-1] = V - 1
+    ask = LabelAsk(3, n, 1, 11)
+    frame = ask.to_frame(pack_ids(ids, ask.bits))
+    assert len(frame.payload) == ask.payload_nbytes == (n * 11 + 7) // 8
+    got = LabelAsk.from_frame(frame, max_tokens=1024)
+    assert got == ask
+    assert np.array_equal(unpack_ids(frame.payload, got.tokens, got.bits), ids)
+    if n == 1000:  # 1.375 bytes a token where protocol 1 sent 4
+        assert len(frame.payload) / n == 1.375
+
+
+def test_an_ask_of_another_length_or_width_is_refused() -> None:
+    payload = pack_ids(np.arange(8), 11)
+    with pytest.raises(MessageError, match=r"8 tokens of 11 bits in 32 bytes; expected 11"):
+        LabelAsk.from_frame(LabelAsk(0, 8, 8, 11).to_frame(bytes(8 * 4)), 16)
+    with pytest.raises(MessageError, match="expected 11"):
+        LabelAsk.from_frame(LabelAsk(0, 8, 8, 11).to_frame(payload[:-1]), 16)
+    with pytest.raises(MessageError, match="expected 11"):
+        LabelAsk.from_frame(LabelAsk(0, 8, 8, 11).to_frame(payload + b"\0"), 16)
+    for bits in (0, 25):
+        with pytest.raises(MessageError, match="bits"):
+            LabelAsk.from_frame(LabelAsk(0, 8, 8, bits).to_frame(payload), 16)
+    no_bits = Frame(FrameType.LABELS_ASK, {"seq": 0, "tokens": 8, "width": 8}, payload)
+    with pytest.raises(MessageError, match="bits"):
+        LabelAsk.from_frame(no_bits, 16)
+    with pytest.raises(MessageError, match="tokens"):
+        LabelAsk.from_frame(LabelAsk(0, 17, 17, 11).to_frame(pack_ids(np.arange(17), 11)), 16)
+
+
+def test_a_link_bounds_asks_by_24_bit_ids_and_speaks_protocol_2() -> None:
+    assert max_ask_bytes(1024) == 1024 * 3 and max_ask_bytes(5) == 15
+    assert PROTOCOL == 2 and LabelHello("j", Side.STUDENT).to_frame().meta["protocol"] == 2

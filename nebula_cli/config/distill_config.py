@@ -40,7 +40,8 @@ class DistillConfig:
     when_no_teacher: str
     """"wait" or "ce_only"."""
     values: str
-    """"fp16" or "int8"."""
+    """How labels cross the wire (`relay.distill.sparse.Values`): "fp16" or "int8" (a top k
+    and its values), or "draws" (`labels: sampled`: k drawn ids, no values)."""
     max_tokens: int
     wait_s: float
     dead_after: float

@@ -25,7 +25,14 @@ class DistillSpec(SpecModel):
     """How the training (student) clusters distil from the job's teacher cluster(s)."""
 
     topk: int = Field(32, ge=1, le=MAX_TOPK)
-    """Soft labels per token: the teacher's k most likely next tokens (ids and values)."""
+    """Soft labels per token, k: the teacher's k most likely next tokens (ids and values), or
+    with `labels: sampled` k tokens drawn from its distribution."""
+    labels: Literal["topk", "sampled"] = "topk"
+    """What a token's soft labels are: 'topk': the teacher's k most likely next tokens with
+    their log-probabilities (`values`); 'sampled': k tokens drawn, with repeats, from the
+    teacher's distribution at `temperature`, each worth how often it was drawn over k. Sampled
+    labels send ids only (no values) and, unlike a top k, are an unbiased estimate of the whole
+    distribution ("sparse logit sampling", ACL 2025): docs/benchmarks.md measures both."""
     temperature: float = Field(2.0, gt=0.0, le=100.0)
     """Softening temperature T of the teacher's and the student's distributions."""
     alpha: float = Field(0.5, ge=0.0, le=1.0)
@@ -36,8 +43,9 @@ class DistillSpec(SpecModel):
     """With no teacher answering: 'wait' for one, or 'ce_only': train on the hard labels
     (counted in the metrics) until a teacher answers again."""
     values: Literal["fp16", "int8"] = "fp16"
-    """How a soft label's value (a log-probability) crosses the WAN: 'fp16' (2 bytes), or
-    'int8' (1 byte, linear between the row's lowest and highest value, 4 bytes per token)."""
+    """How a top-k soft label's value (a log-probability) crosses the WAN: 'fp16' (2 bytes), or
+    'int8' (1 byte, linear between the row's lowest and highest value, 4 bytes per token).
+    Sampled labels send no values."""
     max_tokens: int = Field(65536, ge=1, le=MAX_TOKENS)
     """Most tokens one request may carry (a student's batch, flattened); larger is refused."""
     port: Port | None = None

@@ -68,6 +68,7 @@ def test_a_teacher_cluster_and_the_distill_section_with_their_defaults() -> None
      "expected one of 'train', 'teacher', found 'student'"),
     (("{topk: 16}", "{topk: 0}"), "<spec>:4:17: distill.topk", "an integer >= 1"),
     (("{topk: 16}", "{values: int4}"), "distill.values", "one of 'fp16', 'int8'"),
+    (("{topk: 16}", "{labels: top}"), "distill.labels", "one of 'topk', 'sampled'"),
     (("{topk: 16}", "{when_no_teacher: skip}"), "distill.when_no_teacher",
      "one of 'wait', 'ce_only', found 'skip'"),
     (("run: python serve.py", "run: torchrun serve.py"), "clusters[0].run", "torchrun"),
@@ -108,6 +109,10 @@ def test_each_cluster_gets_its_view_of_the_distillation(tmp_path: Path) -> None:
     assert teacher.students == ["cloud"] and student.values == "int8" and student.topk == 16
     assert student.tls.cert == "/a/cloud/certs/worker.pem"
     assert student.dead_after == spec.relay.dead_after
+    sampled = parse(SPEC.replace("{topk: 16}", "{topk: 12, labels: sampled, values: int8}"))
+    drawn = distill_config(sampled, "job-1", sampled.clusters[1], "/a/cloud", sites(sampled),
+                           ports(sampled, {"lab": port}))
+    assert drawn.values == "draws" and drawn.topk == 12  # k draws, no values on the wire
     path = tmp_path / "distill.json"  # what the runtime loads, strictly
     path.write_bytes(strict.dumps(student))
     assert DistillConfig.load(path) == student

@@ -105,12 +105,12 @@ def serving(link: ServeLink) -> Iterator[ServeLink]:
 
 
 @contextlib.contextmanager
-def serving_teacher(pki: Path, port: int,
-                    forward: Callable[[torch.Tensor], torch.Tensor]) -> Iterator[None]:
+def serving_teacher(pki: Path, port: int, forward: Callable[[torch.Tensor], torch.Tensor],
+                    **kw: object) -> Iterator[None]:
     """`runtime.distill.serve(forward)` as teacher cluster lab's host t1, in a thread, its label
-    relay on 127.0.0.1:``port``, while the block runs."""
+    relay on 127.0.0.1:``port``, while the block runs (``kw``: its distill.json's fields)."""
     cfg = distill_cfg(pki, "lab", "t1", teachers={"lab": f"127.0.0.1:{port}"},
-                      listen=f"127.0.0.1:{port}")
+                      listen=f"127.0.0.1:{port}", **kw)
     stop = threading.Event()
     t = threading.Thread(target=serve, args=(forward,), kwargs=dict(config=cfg, rank=0, stop=stop),
                          daemon=True)

@@ -1,4 +1,4 @@
-"""Sparse soft labels on the wire: per token the teacher's top k (ids, log-probabilities).
+"""Sparse soft labels on the wire: per token k (id, log-probability) pairs of the teacher's.
 
 An answer for ``rows`` tokens is one payload, in this order:
 
@@ -7,12 +7,14 @@ An answer for ``rows`` tokens is one payload, in this order:
   token ids are);
 - values, by ``Values``: ``fp16``: ``rows * k`` IEEE half floats (little-endian), 2 bytes each;
   ``int8``: per row its lowest and highest value as two half floats, then ``rows * k`` bytes,
-  each value quantized linearly between them (255 steps; 1 byte a label, 4 bytes a row).
+  each value quantized linearly between them (255 steps; 1 byte a label, 4 bytes a row);
+  ``draws``: none. The ids are k tokens drawn from the teacher's distribution, with repeats,
+  in ascending order; a token's value is how often it was drawn, over k (`from_draws`).
 
-The values are the teacher's log-probabilities at the job's temperature, highest first. The
-length of a payload is known from (rows, k, vocab, values) alone: a payload of another length
-is refused before anything is read from it.
-"""
+With ``fp16`` and ``int8`` the ids are the teacher's top k and the values their
+log-probabilities at the job's temperature, highest first. The length of a payload is known
+from (rows, k, vocab, values) alone: a payload of another length is refused before anything
+is read from it."""
 
 from __future__ import annotations
 
@@ -33,6 +35,13 @@ class Values(StrEnum):
 
     FP16 = "fp16"
     INT8 = "int8"
+    DRAWS = "draws"
+    """No values: the ids are draws from the teacher's distribution (`from_draws`)."""
+
+
+ABSENT = -1.0e4
+"""The log-probability of a slot that holds no token (``draws``: a row with fewer distinct
+tokens than draws): finite, so that 0 * (ABSENT - log q) stays 0 in the loss."""
 
 
 def id_bits(vocab: int) -> int:
@@ -45,13 +54,14 @@ def id_bits(vocab: int) -> int:
 def payload_nbytes(rows: int, k: int, vocab: int, values: Values) -> int:
     """The exact length of an answer's payload."""
     ids = packed_nbytes(rows * k, id_bits(vocab))
-    vals = rows * k * 2 if values is Values.FP16 else rows * (4 + k)
+    vals = {Values.FP16: rows * k * 2, Values.INT8: rows * (4 + k), Values.DRAWS: 0}[values]
     return ids + vals
 
 
 @dataclass(frozen=True)
 class SparseLabels:
-    """``rows`` tokens' top k: ``ids`` (rows, k) int64 and ``logp`` (rows, k) float32."""
+    """``rows`` tokens' k labels: ``ids`` (rows, k) int64 and ``logp`` (rows, k) float32, the
+    log-probabilities the teacher gives those ids (a row's probabilities sum to at most 1)."""
 
     ids: np.ndarray
     logp: np.ndarray
@@ -65,14 +75,52 @@ class SparseLabels:
         return int(self.ids.shape[1])
 
 
+def from_draws(draws: np.ndarray) -> SparseLabels:
+    """The labels of ``draws`` (rows, k): token ids drawn from the teacher's distribution. Per
+    row its distinct ids, ascending, each with log(times drawn / k), then slots of the row's
+    first id with `ABSENT`: an unbiased estimate of the teacher's distribution ("sparse logit
+    sampling", Anshumann et al., ACL 2025), where a top k leaves the tail out."""
+    draws = np.sort(np.asarray(draws, dtype=np.int64), axis=1)
+    rows, k = draws.shape
+    if not draws.size:
+        return SparseLabels(draws, np.zeros((rows, k), np.float32))
+    # rows apart by their index (each row's ids < span): one sorted array, one search each way
+    span = int(draws.max()) + 1
+    flat = (draws + np.arange(rows, dtype=np.int64)[:, None] * span).reshape(-1)
+    first = np.searchsorted(flat, flat, side="left")
+    times = np.searchsorted(flat, flat, side="right") - first
+    distinct = first == np.arange(flat.size)
+    slot = (np.cumsum(distinct.reshape(rows, k), axis=1) - 1).reshape(-1)
+    where = np.arange(rows).repeat(k) * k + slot
+    ids = np.repeat(draws[:, :1], k, axis=1).reshape(-1)
+    logp = np.full(rows * k, ABSENT, np.float32)
+    ids[where[distinct]] = draws.reshape(-1)[distinct]
+    logp[where[distinct]] = np.log(times[distinct] / k)
+    return SparseLabels(ids.reshape(rows, k), logp.reshape(rows, k))
+
+
+def to_draws(labels: SparseLabels) -> np.ndarray:
+    """The draws (rows, k), ascending, that `from_draws` made ``labels`` of; labels whose
+    probabilities are not whole draws summing to k are refused."""
+    k = labels.k
+    times = np.rint(np.exp(np.asarray(labels.logp, np.float64)) * k).astype(np.int64)
+    if labels.rows and not (times.sum(axis=1) == k).all():
+        raise WireError(f"labels that are not {k} draws a row")
+    draws = np.repeat(np.asarray(labels.ids, np.int64).reshape(-1), times.reshape(-1))
+    return np.sort(draws.reshape(labels.rows, k), axis=1)
+
+
 def encode(labels: SparseLabels, vocab: int, values: Values) -> bytes:
     """The payload of ``labels`` (see the module's docstring)."""
     bits = id_bits(vocab)
-    ids = np.ascontiguousarray(labels.ids, dtype=np.int64).reshape(-1)
+    ids = np.ascontiguousarray(to_draws(labels) if values is Values.DRAWS else labels.ids,
+                               dtype=np.int64).reshape(-1)
     if ids.size and (ids.min() < 0 or ids.max() >= vocab):
         raise WireError(f"a soft label's id outside the vocabulary of {vocab}")
     packed = pack_ids(ids, bits)
     logp = np.asarray(labels.logp, dtype=np.float32)
+    if values is Values.DRAWS:
+        return packed
     if values is Values.FP16:
         return packed + logp.astype("<f2").tobytes()
     lo, hi = logp.min(axis=1, keepdims=True), logp.max(axis=1, keepdims=True)
@@ -97,6 +145,8 @@ def decode(payload: bytes | bytearray | memoryview, rows: int, k: int, vocab: in
     if ids.size and ids.max() >= vocab:
         raise WireError(f"a soft label's id {int(ids.max())} outside the vocabulary of {vocab}")
     rest = data[id_bytes:]
+    if values is Values.DRAWS:
+        return from_draws(ids.reshape(rows, k))
     if values is Values.FP16:
         logp = rest.view("<f2").astype(np.float32).reshape(rows, k)
     else:

@@ -1,4 +1,5 @@
-"""The distillation loss on sparse soft labels, and the teacher's top k.
+"""The distillation loss on sparse soft labels, and the teacher's labels: its top k, or k
+tokens drawn from its distribution.
 
 With the teacher's top k ids ``i`` and log-probabilities at temperature T (``p``, over the
 whole vocabulary as the teacher sent them), and the student's log-softmax at T (``log q``,
@@ -16,7 +17,9 @@ KD is the forward KL(teacher || student) that TRL's GKD computes with ``beta = 0
 (``F.kl_div(student_log_probs, teacher_log_probs, log_target=True)`` summed over the
 vocabulary, averaged over the tokens whose label is not ``ignore_index``), restricted to the
 teacher's top k; T^2 keeps the gradient's scale independent of T (Hinton et al. 2015; GKD
-leaves it out). With k = vocabulary size it is the full KL.
+leaves it out). With k = vocabulary size it is the full KL. Drawn labels (``p_i`` = times
+drawn / k, summing to 1) leave no mass outside: KD is then the KL to the draws' distribution,
+whose gradient is, in expectation over the draws, the full KL's.
 """
 
 from __future__ import annotations
@@ -40,6 +43,15 @@ def topk_labels(logits: torch.Tensor, k: int, temperature: float
     logp = F.log_softmax(logits.float().reshape(-1, logits.shape[-1]) / temperature, dim=-1)
     values, ids = logp.topk(min(k, logp.shape[-1]), dim=-1)
     return ids, values
+
+
+def sampled_labels(logits: torch.Tensor, k: int, temperature: float,
+                   generator: torch.Generator | None = None) -> torch.Tensor:
+    """``k`` tokens drawn with repeats from the teacher's distribution at ``temperature`` for
+    every position of ``logits`` (..., vocab), as (positions, k) int64: the labels of
+    ``distill.labels: sampled`` (`relay.distill.sparse.from_draws` makes them probabilities)."""
+    p = F.softmax(logits.float().reshape(-1, logits.shape[-1]) / temperature, dim=-1)
+    return torch.multinomial(p, k, replacement=True, generator=generator)
 
 
 def kd_loss(student_logits: torch.Tensor, labels: torch.Tensor | None,
@@ -72,7 +84,8 @@ def kd_loss(student_logits: torch.Tensor, labels: torch.Tensor | None,
     per_token = (p * (log_p - log_q)).sum(-1)
     # the teacher's mass outside its top k, against the student's there: one more bucket
     p_rest = (1.0 - p.sum(-1)).clamp(min=0.0)
-    log_q_rest = torch.log((1.0 - log_q.exp().sum(-1)).clamp(min=_TINY))
+    # (a slot with p = 0 holds no token: drawn labels' padding, which repeats an id)
+    log_q_rest = torch.log((1.0 - (log_q.exp() * (p > 0)).sum(-1)).clamp(min=_TINY))
     per_token = per_token + p_rest * (torch.log(p_rest.clamp(min=_TINY)) - log_q_rest)
     if labels is not None:
         mask = (labels != ignore_index).float()

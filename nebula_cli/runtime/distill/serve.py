@@ -14,6 +14,7 @@ record's ``step`` is the number of answers so far (a teacher takes no optimizer 
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import signal
@@ -23,6 +24,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from nebula_cli.config.distill_config import DISTILL_CONFIG_ENV, DistillConfig
@@ -30,9 +32,9 @@ from nebula_cli.pki import CertPair, client_context
 from nebula_cli.relay.distill.dial import split_addr
 from nebula_cli.relay.distill.label_relay import LabelRelay, RelayCounts
 from nebula_cli.relay.distill.serve_link import ServeLink
-from nebula_cli.relay.distill.sparse import SparseLabels, Values
+from nebula_cli.relay.distill.sparse import SparseLabels, Values, from_draws
 from nebula_cli.runtime import metrics
-from nebula_cli.runtime.distill.loss import topk_labels
+from nebula_cli.runtime.distill.loss import sampled_labels, topk_labels
 
 log = logging.getLogger("nebula.distill")
 
@@ -44,11 +46,20 @@ Forward = Callable[[torch.Tensor], torch.Tensor]
 
 def answerer(forward: Forward, cfg: DistillConfig, device: str | torch.device = "cpu"
              ) -> Callable[..., SparseLabels]:
-    """What a serving link calls: token ids (numpy) -> the top k of every position."""
+    """What a serving link calls: token ids (numpy) -> every position's labels: its top k, or
+    (``values: draws``) k tokens drawn from its distribution, seeded by the tokens."""
+
+    drawn = Values(cfg.values) is Values.DRAWS
 
     @torch.no_grad()
     def answer(tokens):  # type: ignore[no-untyped-def]
         logits = forward(torch.from_numpy(tokens).to(device))
+        if drawn:  # the same tokens draw the same labels, on any replica, after any restart
+            gen = torch.Generator(device=logits.device)
+            gen.manual_seed(int.from_bytes(hashlib.blake2b(
+                np.ascontiguousarray(tokens).tobytes(), digest_size=8).digest()) >> 1)
+            draws = sampled_labels(logits, cfg.topk, cfg.temperature, gen)
+            return from_draws(draws.cpu().numpy())
         ids, logp = topk_labels(logits, cfg.topk, cfg.temperature)
         return SparseLabels(ids.cpu().numpy(), logp.cpu().numpy())
 

@@ -11,8 +11,10 @@ from nebula_cli.relay.distill.sparse import (
     Values,
     decode,
     encode,
+    from_draws,
     id_bits,
     payload_nbytes,
+    to_draws,
 )
 from nebula_cli.relay.net.wire import WireError
 
@@ -46,10 +48,27 @@ def test_round_trip_ids_exact_and_values_within_their_encodings_error(vocab: int
 
 def test_bytes_per_token_against_full_fp32_logits() -> None:
     vocab, k = 4096, 32
-    fp16, int8 = (payload_nbytes(1000, k, vocab, v) / 1000 for v in Values)
+    fp16, int8, draws = (payload_nbytes(1000, k, vocab, v) / 1000 for v in Values)
     assert fp16 == k * 12 / 8 + k * 2 == 112  # 12-bit ids, 2-byte values
     assert int8 == k * 12 / 8 + k + 4 == 84
-    assert vocab * 4 / fp16 > 100 and vocab * 4 / int8 > 150
+    assert draws == k * 12 / 8 == 48  # ids only
+    assert vocab * 4 / fp16 > 100 and vocab * 4 / int8 > 150 and vocab * 4 / draws > 300
+
+
+def test_draws_cross_as_their_ids_and_come_back_as_their_frequencies() -> None:
+    draws = np.array([[5, 3, 5, 7], [1, 1, 1, 1], [9, 8, 7, 6], [2, 2, 0, 2]])
+    lab = from_draws(draws)
+    p = np.exp(lab.logp)
+    assert lab.ids.tolist() == [[3, 5, 7, 3], [1, 1, 1, 1], [6, 7, 8, 9], [0, 2, 0, 0]]
+    assert np.allclose(p, [[.25, .5, .25, 0], [1, 0, 0, 0], [.25] * 4, [.25, .75, 0, 0]])
+    assert np.isfinite(lab.logp).all()  # an empty slot's log-probability is finite
+    data = encode(lab, 10, Values.DRAWS)
+    assert len(data) == payload_nbytes(4, 4, 10, Values.DRAWS) == (16 * 4 + 7) // 8
+    out = decode(data, 4, 4, 10, Values.DRAWS)
+    assert np.array_equal(out.ids, lab.ids) and np.allclose(out.logp, lab.logp)
+    assert np.array_equal(to_draws(out), np.sort(draws, axis=1))
+    with pytest.raises(WireError, match="not 4 draws a row"):  # a top k is no draws
+        encode(labels(2, 4, 10), 10, Values.DRAWS)
 
 
 def test_a_payload_of_another_length_or_with_ids_outside_the_vocabulary_is_refused() -> None:

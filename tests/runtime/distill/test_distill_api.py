@@ -14,8 +14,10 @@ from helpers.label_teacher import distill_cfg, job_pki, serving_teacher
 from helpers.sshd_bed import free_port
 
 from nebula_cli.config.distill_config import DistillConfig
+from nebula_cli.relay.distill.sparse import from_draws
 from nebula_cli.runtime.distill import kd_loss, soft_labelled, topk_labels
 from nebula_cli.runtime.distill.loader import DistillError, SoftLabels
+from nebula_cli.runtime.distill.loss import sampled_labels
 
 VOCAB, WIDTH = 300, 6
 
@@ -60,6 +62,64 @@ def test_every_batch_comes_once_in_order_with_its_teachers_top_k(tmp_path: Path)
     assert stats.wire_bytes == answers + asks
     assert stats.bytes_per_token == (answers + asks) / (10 * 2 * WIDTH)
     assert loader.client.outstanding() == 0
+
+
+def test_sampled_labels_cross_as_ids_only_and_the_same_tokens_draw_the_same_labels(
+        tmp_path: Path) -> None:
+    """`distill.labels: sampled` (values "draws"): every batch's labels are K tokens drawn from
+    the teacher's distribution, seeded by the batch's tokens (a batch asked twice, as after a
+    resume, gets the same labels); only the ids cross (9 bits each here), no values."""
+    pki, port = job_pki(tmp_path / "pki"), free_port()
+    data = batches(4) + batches(1)  # the fifth batch repeats the first
+    with serving_teacher(pki, port, teacher_model(), values="draws", topk=16):
+        loader = soft_labelled(data, config=student_cfg(pki, port, values="draws", topk=16,
+                                                        lookahead=2))
+        try:
+            seen = list(loader)
+        finally:
+            loader.client.close()
+    for _, soft in seen:
+        assert soft is not None and soft.ids.shape == (2, WIDTH, 16)
+        p = soft.logp.exp()
+        assert torch.allclose(p.sum(-1), torch.ones(2, WIDTH))  # whole draws, nothing left out
+        assert torch.equal(torch.round(p * 16), p * 16)  # each worth times drawn / 16
+    assert torch.equal(seen[0][1].ids, seen[4][1].ids) and not torch.equal(seen[0][1].ids,
+                                                                           seen[1][1].ids)
+    answers = 5 * ((2 * WIDTH * 16 * 9 + 7) // 8)  # 9-bit ids, nothing else
+    asks = sum((2 * WIDTH * int(b["input_ids"].max()).bit_length() + 7) // 8 for b in data)
+    assert loader.stats.wire_bytes == answers + asks
+
+
+def test_drawn_labels_estimate_the_teachers_distribution_without_bias() -> None:
+    """Many draws' frequencies meet the teacher's probabilities (a top k would leave the tail
+    out); on drawn labels the loss is the KL to the draws' distribution, whose gradient
+    averages, over draws, to the full KL's."""
+    torch.manual_seed(4)
+    teacher_logits, student = torch.randn(1, 3, 7), torch.randn(1, 3, 7, requires_grad=True)
+    t = 1.5
+    p = F.softmax(teacher_logits.reshape(3, 7) / t, -1)
+    gen = torch.Generator().manual_seed(0)
+    draws = sampled_labels(teacher_logits, 20000, t, gen)
+    freq = torch.zeros(3, 7).scatter_add_(1, draws, torch.ones_like(draws, dtype=torch.float))
+    assert torch.allclose(freq / 20000, p, atol=0.015)
+    full_ids, full_logp = topk_labels(teacher_logits, 7, t)
+    full = SoftLabels(full_ids.reshape(1, 3, 7), full_logp.reshape(1, 3, 7), "lab")
+    kd_full = kd_loss(student, None, full, temperature=t, alpha=1.0)[1]
+    (want,) = torch.autograd.grad(kd_full, student)
+    grads = []
+    for _ in range(400):
+        lab = from_draws(sampled_labels(teacher_logits, 8, t, gen).numpy())
+        soft = SoftLabels(torch.from_numpy(lab.ids).reshape(1, 3, 8),
+                          torch.from_numpy(lab.logp).reshape(1, 3, 8), "lab")
+        _, kd, _ = kd_loss(student, None, soft, temperature=t, alpha=1.0)
+        empirical = torch.from_numpy(lab.logp).exp()
+        q = F.log_softmax(student.detach().reshape(3, 7) / t, -1).gather(
+            -1, torch.from_numpy(lab.ids))
+        exact = (empirical * (torch.from_numpy(lab.logp) - q)).sum(-1).mean()
+        assert torch.allclose(kd, exact, atol=1e-5)  # padding slots (p = 0) count nothing
+        grads.append(torch.autograd.grad(kd, student)[0])
+    mean = torch.stack(grads).mean(0)
+    assert (mean - want).abs().max() < 0.1 * want.abs().max()
 
 
 def test_no_teacher_ce_only_trains_on_and_counts_wait_names_the_teachers(tmp_path: Path) -> None:

@@ -10,11 +10,16 @@ the same steps on the same batches five ways, side by side:
 - ``failover``: ``wan`` with two teacher replicas, one stopped (its label relay closed, its
   server gone) a third of the way in.
 
-Prints one line per run, then the issue's figures as JSON on the last line. ``identical``
-(every student rank ends with identical parameters) is the end-to-end test's
-(tests/e2e/test_distill_e2e.py, two gloo ranks); this bench runs one student rank: null here.
+- ``two_ranks``: ``wan`` again with two student ranks (two processes, gloo; each asks for
+  its half of every batch through its own loader): ``identical`` is whether both end with the
+  same parameters.
+
+The labels (``--labels topk|sampled``, ``--k``, ``--values``), ``--temperature`` and
+``--alpha`` default to the spec's; ``full`` uses the same temperature and alpha. Prints one line
+per run, then the issue's figures as JSON on the last line.
 
     .venv/bin/python bench/distill.py --quick --json
+    .venv/bin/python bench/distill.py --json --labels sampled --k 12 --temperature 1 --alpha 0.9
 """
 
 from __future__ import annotations
@@ -65,25 +70,24 @@ def free_port() -> int:
 
 
 def cfg(pki: Path, cluster: str, host: str, teachers: dict[str, str], listen: str,
-        topk: int, values: str) -> DistillConfig:
+        args: argparse.Namespace) -> DistillConfig:
     d = DistillSpec()
     return DistillConfig(
         job_id=JOB, cluster=cluster, teacher=bool(listen), listen=listen, teachers=teachers,
         students=["cloud"],
         tls=TlsFiles(str(pki / "ca.pem"), str(pki / cluster / f"worker-{host}.pem"),
                      str(pki / cluster / f"worker-{host}.key")),
-        topk=topk, temperature=d.temperature, alpha=d.alpha, lookahead=d.lookahead,
-        when_no_teacher="wait", values=values, max_tokens=d.max_tokens, wait_s=120.0,
-        dead_after=2.0, model=None, batch_tokens=None)
+        topk=args.k, temperature=args.temperature, alpha=args.alpha, lookahead=d.lookahead,
+        when_no_teacher="wait", values="draws" if args.labels == "sampled" else args.values,
+        max_tokens=d.max_tokens, wait_s=120.0, dead_after=2.0, model=None, batch_tokens=None)
 
 
 @contextlib.contextmanager
-def teacher_site(model: torch.nn.Module, pki: Path, cluster: str, topk: int, values: str
+def teacher_site(model: torch.nn.Module, pki: Path, cluster: str, args: argparse.Namespace
                  ) -> Iterator[tuple[int, threading.Event]]:
     port = free_port()
     stop = threading.Event()
-    c = cfg(pki, cluster, "t1", {cluster: f"127.0.0.1:{port}"}, f"127.0.0.1:{port}", topk,
-            values)
+    c = cfg(pki, cluster, "t1", {cluster: f"127.0.0.1:{port}"}, f"127.0.0.1:{port}", args)
     t = threading.Thread(target=serve, args=(lambda ids: model(ids).logits,),
                          kwargs=dict(config=c, rank=0, stop=stop), daemon=True)
     t.start()
@@ -106,7 +110,8 @@ def train_student(args: argparse.Namespace, batches: list[torch.Tensor], held: t
         pairs = iter(soft_source)
         stats = soft_source.stats
     for batch, soft in pairs:
-        loss, _, _ = kd_loss(model(batch).logits, batch, soft, temperature=2.0, alpha=0.5)
+        loss, _, _ = kd_loss(model(batch).logits, batch, soft, temperature=args.temperature,
+                             alpha=args.alpha)
         opt.zero_grad()
         loss.backward()
         opt.step()
@@ -134,8 +139,12 @@ def run(work: Path) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="fewer steps (fits 20 minutes on 2 cores)")
     p.add_argument("--json", action="store_true", help="the last line is the figures as JSON")
-    p.add_argument("--topk", type=int, default=32)
-    p.add_argument("--values", choices=["fp16", "int8"], default="fp16")
+    d = DistillSpec()
+    p.add_argument("--labels", choices=["topk", "sampled"], default=d.labels)
+    p.add_argument("--k", type=int, default=d.topk, help="labels per token (top k, or draws)")
+    p.add_argument("--values", choices=["fp16", "int8"], default=d.values)
+    p.add_argument("--temperature", type=float, default=d.temperature)
+    p.add_argument("--alpha", type=float, default=d.alpha)
     p.add_argument("--rate-mbit", type=float, default=20.0)
     p.add_argument("--delay-ms", type=float, default=50.0)
     p.add_argument("--lr", type=float, default=3e-3)
@@ -165,42 +174,34 @@ def run(work: Path) -> None:
 
     batches = pick(student_steps)
     pki = work / "pki"
-    issue_job_pki(JOB, {"lab": ["t1"], "lab2": ["t1"], "cloud": ["s1"]}, pki,
+    issue_job_pki(JOB, {"lab": ["t1"], "lab2": ["t1"], "cloud": ["s1", "s2"]}, pki,
                   valid_for=dt.timedelta(days=1))
     runs: dict[str, dict] = {}
     runs["hard"] = train_student(args, batches, held, vocab, None)
 
     def full(batch: torch.Tensor) -> SoftLabels:
         with torch.no_grad():
-            ids, logp = topk_labels(teacher(batch).logits, vocab, 2.0)
-        return SoftLabels(ids.reshape(*batch.shape, -1), logp.reshape(*batch.shape, -1), "here")
-
-    def topk_here(batch: torch.Tensor) -> SoftLabels:
-        with torch.no_grad():
-            ids, logp = topk_labels(teacher(batch).logits, args.topk, 2.0)
+            ids, logp = topk_labels(teacher(batch).logits, vocab, args.temperature)
         return SoftLabels(ids.reshape(*batch.shape, -1), logp.reshape(*batch.shape, -1), "here")
 
     runs["full"] = train_student(args, batches, held, vocab, full)
-    runs["topk_in_process"] = train_student(args, batches, held, vocab, topk_here)
-    with teacher_site(teacher, pki, "lab", args.topk, args.values) as (port, _):
-        student = cfg(pki, "cloud", "s1", {"lab": f"127.0.0.1:{port}"}, "", args.topk,
-                      args.values)
+    with teacher_site(teacher, pki, "lab", args) as (port, _):
+        student = cfg(pki, "cloud", "s1", {"lab": f"127.0.0.1:{port}"}, "", args)
         loader = soft_labelled(batches, config=student)
         runs["colocated"] = train_student(args, batches, held, vocab, loader)
         loader.client.close()
         link = SlowLink(("127.0.0.1", port), args.delay_ms, args.rate_mbit)
-        student = cfg(pki, "cloud", "s1", {"lab": f"127.0.0.1:{link.port}"}, "", args.topk,
-                      args.values)
+        student = cfg(pki, "cloud", "s1", {"lab": f"127.0.0.1:{link.port}"}, "", args)
         loader = soft_labelled(batches, config=student)
         runs["wan"] = train_student(args, batches, held, vocab, loader)
         loader.client.close()
+        runs["two_ranks"] = two_ranks(args, batches, held, vocab, pki, link.port, work)
         link.close()
-    with teacher_site(teacher, pki, "lab", args.topk, args.values) as (p1, stop1), \
-            teacher_site(teacher, pki, "lab2", args.topk, args.values) as (p2, _):
+    with teacher_site(teacher, pki, "lab", args) as (p1, stop1), \
+            teacher_site(teacher, pki, "lab2", args) as (p2, _):
         links = [SlowLink(("127.0.0.1", p), args.delay_ms, args.rate_mbit) for p in (p1, p2)]
         student = cfg(pki, "cloud", "s1", {"lab": f"127.0.0.1:{links[0].port}",
-                                           "lab2": f"127.0.0.1:{links[1].port}"}, "",
-                      args.topk, args.values)
+                                           "lab2": f"127.0.0.1:{links[1].port}"}, "", args)
         loader = soft_labelled(batches, config=student)
         killer = threading.Thread(target=lambda: (
             _wait_batches(loader, len(batches) // 3), stop1.set()), daemon=True)
@@ -223,8 +224,11 @@ def run(work: Path) -> None:
         "kd_gain_vs_hard_labels": 1 - runs["wan"]["eval_loss"] / runs["hard"]["eval_loss"],
         "failover_stall_s": runs["failover"]["longest_wait_s"],
         "failover_throughput_vs_clean": speed["failover"] / speed["wan"],
-        "identical": None,
-        "teacher_eval_loss": t_eval, "vocab": vocab, "topk": args.topk, "values": args.values,
+        "identical": runs["two_ranks"]["identical"],
+        "two_ranks_eval_loss": runs["two_ranks"]["eval_loss"],
+        "teacher_eval_loss": t_eval, "vocab": vocab, "labels": args.labels, "k": args.k,
+        "values": "draws" if args.labels == "sampled" else args.values,
+        "temperature": args.temperature, "alpha": args.alpha,
         "link": f"{args.rate_mbit:g} Mbit/s, {args.delay_ms:g} ms (loopback proxy)",
         "student_steps": student_steps, "teacher_steps": teacher_steps,
     }
@@ -235,6 +239,54 @@ def run(work: Path) -> None:
         and figures["kd_gain_vs_hard_labels"] >= 0.03 and figures["identical"])
     if args.json:
         print(json.dumps(figures))
+
+
+def two_ranks(args: argparse.Namespace, batches: list[torch.Tensor], held: torch.Tensor,
+              vocab: int, pki: Path, port: int, work: Path) -> dict:
+    """The ``wan`` student as two ranks (processes, gloo): rank r trains on rows r::2 of every
+    batch with its own loader (host s{r+1}'s certificate), gradients averaged each step."""
+    init = f"file://{work / 'gloo-init'}"
+    out = work / "two_ranks.json"
+    start = time.monotonic()
+    torch.multiprocessing.spawn(_rank, args=(args, batches, held, vocab, pki, port, init, out),
+                                nprocs=2, join=True)
+    elapsed = time.monotonic() - start
+    ranks = [json.loads(out.with_suffix(f".{r}").read_text()) for r in range(2)]
+    return {"eval_loss": ranks[0]["eval_loss"], "identical": ranks[0]["sha"] == ranks[1]["sha"],
+            "tokens_per_s": sum(b.numel() for b in batches) / elapsed,
+            "bytes_per_token": ranks[0]["bytes_per_token"],
+            "longest_wait_s": max(r["longest_wait_s"] for r in ranks)}
+
+
+def _rank(rank: int, args: argparse.Namespace, batches: list[torch.Tensor], held: torch.Tensor,
+          vocab: int, pki: Path, port: int, init: str, out: Path) -> None:
+    import hashlib
+
+    import torch.distributed as dist
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2)
+    model = gpt(vocab, args.student_embd, 2, seed=1)
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
+    student = cfg(pki, "cloud", f"s{rank + 1}", {"lab": f"127.0.0.1:{port}"}, "", args)
+    loader = soft_labelled([b[rank::2] for b in batches], config=student)
+    for batch, soft in loader:
+        loss, _, _ = kd_loss(model(batch).logits, batch, soft, temperature=args.temperature,
+                             alpha=args.alpha)
+        opt.zero_grad()
+        loss.backward()
+        for p in model.parameters():
+            dist.all_reduce(p.grad)
+            p.grad /= 2
+        opt.step()
+    loader.client.close()
+    with torch.no_grad():
+        ev = sum(model(held[i:i + 16], labels=held[i:i + 16]).loss.item()
+                 for i in range(0, len(held), 16)) / len(range(0, len(held), 16))
+    sha = hashlib.sha256(b"".join(p.detach().numpy().tobytes() for p in model.parameters()))
+    out.with_suffix(f".{rank}").write_text(json.dumps(
+        {"eval_loss": ev, "sha": sha.hexdigest(), "bytes_per_token": loader.stats.bytes_per_token,
+         "longest_wait_s": loader.stats.longest_wait_s}))
+    dist.destroy_process_group()
 
 
 def _wait_batches(loader: object, n: int) -> None:

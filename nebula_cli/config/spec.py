@@ -221,7 +221,13 @@ class JobSpec(SpecModel):
                             "training cluster (role: train, the default)")]
         if self.parallelism is not None:
             return [(("parallelism",), "a pipeline cannot be combined with a teacher cluster")]
-        return []
+        return [(("clusters", i, "relay_reach"), (
+            f"the students dial teacher {self.clusters[i].name}'s label relay directly, and "
+            f"relay_reach: {self.clusters[i].relay_reach} says nothing can reach it; soft "
+            "labels do not ride SSH tunnels yet: open the teacher's label port "
+            "(distill.port, default the relay's port + 2) to the students and leave "
+            "relay_reach at inbound"))
+            for i in teachers if self.clusters[i].relay_reach != "inbound"]
 
     def _check_min_clusters(self) -> list[tuple[PathKey, str]]:
         n = len(self.clusters)

@@ -72,6 +72,8 @@ def test_a_teacher_cluster_and_the_distill_section_with_their_defaults() -> None
     (("{topk: 16}", "{when_no_teacher: skip}"), "distill.when_no_teacher",
      "one of 'wait', 'ce_only', found 'skip'"),
     (("run: python serve.py", "run: torchrun serve.py"), "clusters[0].run", "torchrun"),
+    (("    role: teacher\n", "    role: teacher\n    relay_reach: outbound\n"),
+     "clusters[0].relay_reach", "soft labels do not ride SSH tunnels yet"),
 ])
 def test_distillation_problems_are_located(edit: tuple[str, str], where: str, says: str) -> None:
     text = SPEC.replace(*edit)

@@ -13,8 +13,14 @@ The settings are the job's distill.json (``NEBULA_DISTILL_CONFIG``, written by n
 student cluster of a job with ``distill:``), or ``distill_config=``. Without either it is the
 plain Trainer. The model is a causal LM: position t's soft labels are the teacher's for the
 same position, and the hard labels are shifted as the model's own loss shifts them. Needs the
-``hf`` extra (transformers). Not yet: ``resume_from_checkpoint`` in the middle of an epoch
-(the Trainer then skips batches with a plain DataLoader: refused with `DistillError`).
+``hf`` extra (transformers).
+
+``resume_from_checkpoint`` in the middle of an epoch: the Trainer skips the epoch's batches
+already trained with accelerate's ``skip_first_batches``, which rebuilds a plain DataLoader. This
+module routes that call (the name ``transformers.trainer.skip_first_batches``, set when it is
+imported; any other dataloader goes to accelerate's unchanged) to
+`SoftLabelledBatches.skipped`: the same skip, then soft labels asked for the batches from there,
+numbered from the first one trained. None is skipped twice or trained without its labels.
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ import os
 from collections.abc import Iterator
 from typing import Any
 
+import transformers.trainer
 from transformers import Trainer
 
 from nebula_cli.config.distill_config import DISTILL_CONFIG_ENV, DistillConfig
@@ -38,8 +45,10 @@ class SoftLabelledBatches:
     :data:`SOFT_KEY`; everything else (``len``, ``set_epoch``, ``sampler``, ...) is the
     dataloader's."""
 
-    def __init__(self, dataloader: Any, loader: DistillLoader) -> None:
-        self.dataloader, self.loader = dataloader, loader
+    def __init__(self, dataloader: Any, loader: DistillLoader, config: DistillConfig) -> None:
+        self.dataloader, self.loader, self.config = dataloader, loader, config
+        self.skips: list[SoftLabelledBatches] = []
+        """What `skipped` made (a resumed epoch's batches): closed with this one."""
 
     def __len__(self) -> int:
         return len(self.dataloader)
@@ -50,6 +59,32 @@ class SoftLabelledBatches:
     def __iter__(self) -> Iterator[dict[str, Any]]:
         for batch, soft in self.loader:
             yield {**batch, SOFT_KEY: soft}
+
+    def skipped(self, num_batches: int) -> SoftLabelledBatches:
+        """The batches after the first ``num_batches`` (accelerate's skip, as the Trainer's
+        own), with their soft labels; this one is left whole for the epochs after."""
+        rest = _accelerate_skip(self.dataloader, num_batches)
+        skip = SoftLabelledBatches(rest, soft_labelled(rest, config=self.config,
+                                                       first_seq=num_batches), self.config)
+        self.skips.append(skip)
+        return skip
+
+    def close(self) -> None:
+        for batches in (self, *self.skips):
+            batches.loader.client.close()
+
+
+_accelerate_skip = transformers.trainer.skip_first_batches
+
+
+def _skip_first_batches(dataloader: Any, num_batches: int = 0) -> Any:
+    """The Trainer's skip of a resumed epoch's trained batches (see the module docstring)."""
+    if isinstance(dataloader, SoftLabelledBatches):
+        return dataloader.skipped(num_batches)
+    return _accelerate_skip(dataloader, num_batches)
+
+
+transformers.trainer.skip_first_batches = _skip_first_batches
 
 
 class DistillTrainer(Trainer):  # type: ignore[misc]
@@ -77,7 +112,8 @@ class DistillTrainer(Trainer):  # type: ignore[misc]
             return dataloader
         self._close_labels()
         self.soft_batches = SoftLabelledBatches(
-            dataloader, soft_labelled(dataloader, config=self.distill_config))
+            dataloader, soft_labelled(dataloader, config=self.distill_config),
+            self.distill_config)
         return self.soft_batches
 
     def compute_loss(self, model: Any, inputs: dict[str, Any], return_outputs: bool = False,
@@ -85,10 +121,10 @@ class DistillTrainer(Trainer):  # type: ignore[misc]
         if SOFT_KEY not in inputs:  # evaluation, or no distillation
             if self.distill_config is not None and model.training:
                 raise DistillError(
-                    "a training batch came without the soft labels' slot: the Trainer replaced "
-                    "the training dataloader (resume_from_checkpoint in the middle of an epoch "
-                    "skips batches with a plain DataLoader); DistillTrainer cannot resume "
-                    "mid-epoch yet: resume from a checkpoint at an epoch's end, or train anew")
+                    "a training batch came without the soft labels' slot: something replaced "
+                    "the training dataloader DistillTrainer.get_train_dataloader made "
+                    "(transformers.trainer.skip_first_batches, set by "
+                    "nebula_cli.integrations.hf_distill, was replaced again?)")
             return super().compute_loss(model, inputs, return_outputs=return_outputs, **kwargs)
         inputs = dict(inputs)
         soft: SoftLabels | None = inputs.pop(SOFT_KEY)
@@ -111,4 +147,4 @@ class DistillTrainer(Trainer):  # type: ignore[misc]
 
     def _close_labels(self) -> None:
         if self.soft_batches is not None:
-            self.soft_batches.loader.client.close()
+            self.soft_batches.close()

@@ -107,3 +107,33 @@ def test_a_teacher_clusters_config_is_refused(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="cluster lab is a teacher"):
         DistillTrainer(model=gpt2(seed=0), args=args(tmp_path / "t"), train_dataset=Tokens(),
                        distill_config=cfg)
+
+
+def test_a_resume_in_the_middle_of_an_epoch_trains_the_rest_with_labels_as_if_never_stopped(
+        tmp_path: Path) -> None:
+    """A checkpoint at step 3 of a 6-step epoch, resumed by a new DistillTrainer: the Trainer's
+    skip of the 3 trained batches keeps the soft labels (it used to rebuild a plain DataLoader
+    and the run failed), the 3 batches after it are asked for and trained once each, and the
+    model ends where the run that never stopped ends."""
+    pki, port = job_pki(tmp_path / "pki"), free_port()
+    teacher = peaked_teacher(gpt2(seed=7, n_embd=64)).eval()
+    cfg = distill_cfg(pki, "cloud", "s1", teachers={"lab": f"127.0.0.1:{port}"}, lookahead=2)
+
+    def trainer(out: Path, **kw: object) -> DistillTrainer:
+        a = args(out)
+        a.save_strategy, a.save_steps = "steps", 3  # type: ignore[assignment]
+        return DistillTrainer(model=gpt2(seed=0), args=a, train_dataset=Tokens(),
+                              distill_config=cfg, **kw)
+
+    with serving_teacher(pki, port, lambda ids: teacher(ids).logits):
+        whole = trainer(tmp_path / "whole")
+        whole.train()
+        resumed = trainer(tmp_path / "whole")  # the same output: its checkpoint-3
+        resumed.train(resume_from_checkpoint=str(tmp_path / "whole" / "checkpoint-3"))
+    assert resumed.soft_batches is not None
+    (rest,) = resumed.soft_batches.skips
+    assert rest.loader.stats.batches == STEPS - 3 and rest.loader.stats.without_labels == 0
+    assert resumed.soft_batches.loader.stats.batches == 0  # the whole epoch was not run
+    assert resumed.state.global_step == STEPS
+    for a, b in zip(whole.model.parameters(), resumed.model.parameters(), strict=True):
+        assert torch.allclose(a, b, atol=1e-6)

@@ -1,4 +1,6 @@
-"""A teacher's figures (`serve.teacher_record`, rank 0's records of its label relay): answers
+"""What a teacher's serving link answers (`serve.answerer`: its top k, or k drawn tokens seeded
+by the asked tokens, on the CPU and on a CUDA device where there is one), and a teacher's
+figures (`serve.teacher_record`, rank 0's records of its label relay): answers
 per second, their latency and the queue, written into the job's metrics while it serves and once
 when it stops. The real label relay's counts are tested in tests/relay/distill/test_label_relay.py,
 and the records through `nebula launch` in tests/e2e/test_distill_launch.py."""
@@ -9,11 +11,37 @@ import json
 import threading
 from pathlib import Path
 
+import numpy as np
 import pytest
+import torch
 from helpers.jobs import wait_for
+from helpers.label_teacher import distill_cfg
 
 from nebula_cli.relay.distill.label_relay import RelayCounts
-from nebula_cli.runtime.distill.serve import report_figures, teacher_record
+from nebula_cli.runtime.distill import topk_labels
+from nebula_cli.runtime.distill.serve import answerer, report_figures, teacher_record
+
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_the_answer_is_the_top_k_or_draws_seeded_by_the_tokens(device: str,
+                                                                tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Embedding(50, 8), torch.nn.Linear(8, 50)).to(device)
+    forward = lambda ids: model(ids)  # noqa: E731
+    tokens = np.random.default_rng(1).integers(0, 50, size=(3, 5))
+    cfg = distill_cfg(tmp_path, "lab", "t1", teachers={}, topk=6)
+    top = answerer(forward, cfg, device)(tokens)
+    ids, logp = topk_labels(model(torch.from_numpy(tokens).to(device)).detach(), 6, 2.0)
+    assert np.array_equal(top.ids, ids.cpu().numpy())
+    assert np.allclose(top.logp, logp.cpu().numpy())
+    drawn = answerer(forward, distill_cfg(tmp_path, "lab", "t1", teachers={}, topk=6,
+                                          values="draws"), device)
+    first, again, other = drawn(tokens), drawn(tokens.copy()), drawn(tokens[::-1].copy())
+    assert np.array_equal(first.ids, again.ids) and np.array_equal(first.logp, again.logp)
+    assert not np.array_equal(first.ids, other.ids)
+    assert first.ids.shape == (15, 6) and np.allclose(np.exp(first.logp).sum(1), 1.0)
 
 
 def counts(answers: int, latency_s: float, pending: int = 0) -> RelayCounts:

@@ -11,10 +11,13 @@ import time
 
 class SlowLink:
     """Listens on 127.0.0.1 (``port``); each connection goes to ``target`` with ``delay_ms``
-    one way and at most ``rate_mbit`` per direction."""
+    one way and at most ``rate_mbit`` per direction (None: no pacing; on the test bed the
+    link's tbf paces)."""
 
-    def __init__(self, target: tuple[str, int], delay_ms: float, rate_mbit: float) -> None:
-        self.target, self.delay, self.rate = target, delay_ms / 1000, rate_mbit * 1e6 / 8
+    def __init__(self, target: tuple[str, int], delay_ms: float,
+                 rate_mbit: float | None) -> None:
+        self.target, self.delay = target, delay_ms / 1000
+        self.rate = rate_mbit * 1e6 / 8 if rate_mbit else float("inf")
         self._server = socket.create_server(("127.0.0.1", 0))
         self.port = self._server.getsockname()[1]
         self._socks: list[socket.socket] = []

@@ -4,9 +4,15 @@ the same steps on the same batches five ways, side by side:
 
 - ``hard``: hard labels only;
 - ``full``: KD from the teacher's full logits, the teacher in the student's process (one site);
-- ``colocated``: KD from top-k soft labels through the label relay, no link between;
-- ``wan``: the same across a ``--rate-mbit``/``--delay-ms`` link (a delaying, pacing proxy on
-  loopback in front of the label relay: a stand-in for the test bed's link);
+- ``colocated``: KD from the soft labels through the label relay, the teacher on the student's
+  site;
+- ``wan``: the same across a ``--rate-mbit``/``--delay-ms`` link: on this machine a delaying,
+  pacing proxy on loopback in front of the label relay; with ``--bed`` (root) the test bed's
+  link between two sites, shaped to the rate by its tbf, the delay added by the same proxy on
+  the student's host (the bed's kernel has no netem). With ``--bed`` the teachers serve from
+  hosts of the east site (the colocated one from the student's own west site), the student
+  trains on w1: every thread in its host's network namespace (bench/_netns.py), and the
+  ``wan`` run's bytes are also counted on the link (``link_bytes_per_token``);
 - ``failover``: ``wan`` with two teacher replicas, one stopped (its label relay closed, its
   server gone) a third of the way in.
 
@@ -35,13 +41,17 @@ import tempfile
 import threading
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "examples" / "distill"), str(Path(__file__).parent)]
 
+from _bed import link_bytes, make_bed, require_bed  # noqa: E402
+from _netns import in_netns  # noqa: E402
 from _slow_link import SlowLink  # noqa: E402
 from bpe import sequences, token_split, train_tokenizer  # noqa: E402
 from transformers import GPT2Config, GPT2LMHeadModel  # noqa: E402
@@ -55,6 +65,38 @@ from nebula_cli.runtime.distill.loader import SoftLabels  # noqa: E402
 
 JOB = "job-bench-distill"
 WIDTH = 64
+BED = {"east": ["e1", "e2"], "west": ["w1", "w2"]}
+
+
+@dataclass(frozen=True)
+class Place:
+    """Where a process of the bench runs: a network namespace (None: this one) and the
+    address it serves on there."""
+
+    ns: str | None
+    address: str
+
+
+@dataclass(frozen=True)
+class Sites:
+    """The student's place, a teacher's on its site (``near``), two across the link (``far``),
+    and the pacing the proxy adds (None: the bed's link paces)."""
+
+    student: Place
+    near: Place
+    far: tuple[Place, Place]
+    pace_mbit: float | None
+    bed: Any = None
+
+
+def sites(args: argparse.Namespace, stack: contextlib.ExitStack) -> Sites:
+    if not args.bed:
+        here = Place(None, "127.0.0.1")
+        return Sites(here, here, (here, here), args.rate_mbit)
+    require_bed()
+    bed = stack.enter_context(make_bed(BED, args.rate_mbit))
+    at = {name: Place(h.ns, h.address) for name, h in bed.hosts.items()}
+    return Sites(at["w1"], at["w2"], (at["e1"], at["e2"]), None, bed)
 
 
 def gpt(vocab: int, embd: int, layers: int, seed: int) -> GPT2LMHeadModel:
@@ -83,13 +125,18 @@ def cfg(pki: Path, cluster: str, host: str, teachers: dict[str, str], listen: st
 
 
 @contextlib.contextmanager
-def teacher_site(model: torch.nn.Module, pki: Path, cluster: str, args: argparse.Namespace
-                 ) -> Iterator[tuple[int, threading.Event]]:
+def teacher_site(model: torch.nn.Module, pki: Path, cluster: str, args: argparse.Namespace,
+                 place: Place) -> Iterator[tuple[int, threading.Event]]:
     port = free_port()
     stop = threading.Event()
-    c = cfg(pki, cluster, "t1", {cluster: f"127.0.0.1:{port}"}, f"127.0.0.1:{port}", args)
-    t = threading.Thread(target=serve, args=(lambda ids: model(ids).logits,),
-                         kwargs=dict(config=c, rank=0, stop=stop), daemon=True)
+    addr = f"{place.address}:{port}"
+    c = cfg(pki, cluster, "t1", {cluster: addr}, addr, args)
+
+    def serving() -> None:
+        with in_netns(place.ns):
+            serve(lambda ids: model(ids).logits, config=c, rank=0, stop=stop)
+
+    t = threading.Thread(target=serving, daemon=True)
     t.start()
     try:
         yield port, stop
@@ -149,6 +196,8 @@ def run(work: Path) -> None:
     p.add_argument("--delay-ms", type=float, default=50.0)
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--student-embd", type=int, default=64)
+    p.add_argument("--bed", action="store_true",
+                   help="the sites on the test bed (root): a shaped link between them")
     args = p.parse_args()
     teacher_steps, student_steps = (300, 120) if args.quick else (1500, 600)
     torch.set_num_threads(2)
@@ -185,31 +234,11 @@ def run(work: Path) -> None:
         return SoftLabels(ids.reshape(*batch.shape, -1), logp.reshape(*batch.shape, -1), "here")
 
     runs["full"] = train_student(args, batches, held, vocab, full)
-    with teacher_site(teacher, pki, "lab", args) as (port, _):
-        student = cfg(pki, "cloud", "s1", {"lab": f"127.0.0.1:{port}"}, "", args)
-        loader = soft_labelled(batches, config=student)
-        runs["colocated"] = train_student(args, batches, held, vocab, loader)
-        loader.client.close()
-        link = SlowLink(("127.0.0.1", port), args.delay_ms, args.rate_mbit)
-        student = cfg(pki, "cloud", "s1", {"lab": f"127.0.0.1:{link.port}"}, "", args)
-        loader = soft_labelled(batches, config=student)
-        runs["wan"] = train_student(args, batches, held, vocab, loader)
-        loader.client.close()
-        runs["two_ranks"] = two_ranks(args, batches, held, vocab, pki, link.port, work)
-        link.close()
-    with teacher_site(teacher, pki, "lab", args) as (p1, stop1), \
-            teacher_site(teacher, pki, "lab2", args) as (p2, _):
-        links = [SlowLink(("127.0.0.1", p), args.delay_ms, args.rate_mbit) for p in (p1, p2)]
-        student = cfg(pki, "cloud", "s1", {"lab": f"127.0.0.1:{links[0].port}",
-                                           "lab2": f"127.0.0.1:{links[1].port}"}, "", args)
-        loader = soft_labelled(batches, config=student)
-        killer = threading.Thread(target=lambda: (
-            _wait_batches(loader, len(batches) // 3), stop1.set()), daemon=True)
-        killer.start()
-        runs["failover"] = train_student(args, batches, held, vocab, loader)
-        loader.client.close()
-        for link in links:
-            link.close()
+    with contextlib.ExitStack() as stack:
+        where = sites(args, stack)
+        with in_netns(where.student.ns):
+            link_bytes_per_token = soft_label_runs(args, runs, teacher, batches, held, vocab,
+                                                   pki, work, where)
     for name, r in runs.items():
         print(f"{name:16s} eval loss {r['eval_loss']:.4f}  {r['tokens_per_s']:8.0f} tok/s"
               + (f"  {r['bytes_per_token']:.1f} B/token, longest wait {r['longest_wait_s']:.2f}"
@@ -229,7 +258,10 @@ def run(work: Path) -> None:
         "teacher_eval_loss": t_eval, "vocab": vocab, "labels": args.labels, "k": args.k,
         "values": "draws" if args.labels == "sampled" else args.values,
         "temperature": args.temperature, "alpha": args.alpha,
-        "link": f"{args.rate_mbit:g} Mbit/s, {args.delay_ms:g} ms (loopback proxy)",
+        "link_bytes_per_token": link_bytes_per_token,
+        "link": f"{args.rate_mbit:g} Mbit/s, {args.delay_ms:g} ms ("
+                + ("the test bed's link, the delay by a proxy" if args.bed else "loopback proxy")
+                + ")",
         "student_steps": student_steps, "teacher_steps": teacher_steps,
     }
     figures["goals_met"] = bool(
@@ -239,6 +271,46 @@ def run(work: Path) -> None:
         and figures["kd_gain_vs_hard_labels"] >= 0.03 and figures["identical"])
     if args.json:
         print(json.dumps(figures))
+
+
+def soft_label_runs(args: argparse.Namespace, runs: dict[str, dict], teacher: torch.nn.Module,
+                    batches: list[torch.Tensor], held: torch.Tensor, vocab: int, pki: Path,
+                    work: Path, where: Sites) -> float | None:
+    """The runs through the label relay (colocated, wan, two_ranks, failover), from the
+    student's place; the wan run's bytes on the bed's link per token (None off the bed)."""
+    with teacher_site(teacher, pki, "lab", args, where.near) as (port, _):
+        student = cfg(pki, "cloud", "s1", {"lab": f"{where.near.address}:{port}"}, "", args)
+        loader = soft_labelled(batches, config=student)
+        runs["colocated"] = train_student(args, batches, held, vocab, loader)
+        loader.client.close()
+    far, far2 = where.far
+    on_link = None
+    with teacher_site(teacher, pki, "lab", args, far) as (port, _):
+        link = SlowLink((far.address, port), args.delay_ms, where.pace_mbit)
+        student = cfg(pki, "cloud", "s1", {"lab": f"127.0.0.1:{link.port}"}, "", args)
+        loader = soft_labelled(batches, config=student)
+        before = link_bytes(where.bed) if where.bed else 0
+        runs["wan"] = train_student(args, batches, held, vocab, loader)
+        if where.bed:
+            on_link = (link_bytes(where.bed) - before) / sum(b.numel() for b in batches)
+        loader.client.close()
+        runs["two_ranks"] = two_ranks(args, batches, held, vocab, pki, link.port, work)
+        link.close()
+    with teacher_site(teacher, pki, "lab", args, far) as (p1, stop1), \
+            teacher_site(teacher, pki, "lab2", args, far2) as (p2, _):
+        links = [SlowLink((place.address, p), args.delay_ms, where.pace_mbit)
+                 for place, p in ((far, p1), (far2, p2))]
+        student = cfg(pki, "cloud", "s1", {"lab": f"127.0.0.1:{links[0].port}",
+                                           "lab2": f"127.0.0.1:{links[1].port}"}, "", args)
+        loader = soft_labelled(batches, config=student)
+        killer = threading.Thread(target=lambda: (
+            _wait_batches(loader, len(batches) // 3), stop1.set()), daemon=True)
+        killer.start()
+        runs["failover"] = train_student(args, batches, held, vocab, loader)
+        loader.client.close()
+        for link in links:
+            link.close()
+    return on_link
 
 
 def two_ranks(args: argparse.Namespace, batches: list[torch.Tensor], held: torch.Tensor,

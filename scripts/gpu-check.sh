@@ -14,9 +14,9 @@
 #      int8, an outer round every H steps): the job's state, eval loss, s/step, whether both
 #      workers ended with the same parameters, and the relay's round time with CUDA tensors
 #      (the workers' round_s).
-#   5. distill: examples/distill (phase b) as its nebula.yaml says: a GPT-2 teacher served on the
-#      GPU by one cluster, the example's student trained on the GPU by another from its top-k
-#      soft labels through the label relay: the teacher's answers/s and latency, the student's
+#   5. distill: examples/distill (phase b) as its nebula.yaml says, then with sampled labels: a
+#      GPT-2 teacher served on the GPU by one cluster, the example's student trained on the GPU
+#      by another through the label relay: the teacher's answers/s and latency, the student's
 #      bytes per token, batches without labels, its eval loss and device.
 #   6. hook: examples/ds_plain (an unmodified DeepSpeed script, nebula's automatic hook) the
 #      same way: its exit path with NCCL (the job ends SUCCEEDED, no worker left running).
@@ -58,10 +58,10 @@ cleanup() {  # nothing left running: every job of this check stopped, its files 
 }
 trap cleanup EXIT
 trap 'exit 143' TERM INT  # through cleanup: a killed check leaves no job running
-export NEBULA_HOME="$WORK/home" GPU_CHECK_DRY="$DRY" GPU_CHECK_STEPS="$STEPS" \
+export NEBULA_HOME="$WORK/home" GPU_CHECK_DRY="$DRY" GPU_CHECK_STEPS="$STEPS" GPU_CHECK_OUT="$OUT" \
   GPU_CHECK_WORK="$WORK" NO_COLOR=1 COLUMNS=200 PYTHONUNBUFFERED=1
 
-"$PY" - "$@" <<'PYTHON' | tee "${OUT:-/dev/null}"
+"$PY" - "$@" <<'PYTHON'  # the JSON line also into --out (alone: libraries print to stdout too)
 """gpu-check's body: each part below records its figures or its error; one JSON line last."""
 import json
 import os
@@ -262,11 +262,12 @@ def quickstart():
 
 @part("distill")
 def distill():
-    """examples/distill as its nebula.yaml says (phase b): the built-in example teacher (a
-    GPT-2 over the example's 2048-token BPE vocabulary) served on the GPU by one cluster, the
-    example student trained on the GPU by another from its top-k soft labels through the label
-    relay (mutual TLS, loopback); the teacher's answers per second and latency, the student's
-    tokens per second, bytes per token, batches without labels, and the devices both ran on."""
+    """examples/distill as its nebula.yaml says (phase b), twice: its top-k labels, then
+    sampled labels (`labels: sampled`, 12 draws, T 1, alpha 0.9): the built-in example teacher
+    (a GPT-2 over the example's 2048-token BPE vocabulary) served on the GPU by one cluster, the
+    example student trained on the GPU by another through the label relay (mutual TLS,
+    loopback); the teacher's busiest answers per second and mean latency, the student's bytes
+    per token, batches without labels, its eval loss and the device both ran on."""
     import shutil
 
     import torch
@@ -279,35 +280,37 @@ def distill():
                                        n_layer=layers, n_head=8))
     params = sum(p.numel() for p in model.parameters())
     model.save_pretrained(examples / "distill" / "teacher")
-    spec = yaml.safe_load((examples / "distill" / "nebula.yaml").read_text())
     steps = 20 if DRY else 200
-    spec["env"] = {"STEPS": str(steps), "OMP_NUM_THREADS": "1"}
-    path = examples / "distill" / "gpu-check.yaml"
-    path.write_text(yaml.safe_dump(spec, sort_keys=False))
-    job, status, records, wall = launch_spec(path)
-    logs = job_logs(job)
-    evals = [line for line in logs.splitlines() if "eval loss" in line]
-    student = status.get("metrics", {}).get("cloud", {})
-    teacher = status.get("metrics", {}).get("lab", {})
-    # the teacher's figures over its busy intervals (its last record, at its stop, has none)
-    busy = [r for r in records if r.get("teacher_latency_ms") is not None]
-    served = sum(r["teacher_answers_per_s"] for r in busy) or 1.0
-    if status.get("state") != "SUCCEEDED" or not evals:
-        raise RuntimeError(f"job {job}: state {status.get('state')}; logs:\n{logs[-3000:]}")
-    tail = evals[-1].split("|", 1)[-1].strip()
-    return {"job": job, "state": status.get("state"), "steps": steps,
-            "teacher": {"params": params, "answers": teacher.get("teacher_answers"),
-                "busiest_answers_per_s": max((r["teacher_answers_per_s"] for r in busy),
-                                             default=None),
-                "latency_ms": round(sum(r["teacher_latency_ms"] * r["teacher_answers_per_s"]
-                                        for r in busy) / served, 1) if busy else None},
-            "student": {"batches": student.get("distill_batches"),
-                        "without_labels": student.get("distill_without_labels"),
-                        "bytes_per_token": student.get("distill_bytes_per_token"),
-                        "longest_wait_s": student.get("distill_longest_wait_s"),
-                        "final": tail},
-            "wall_s": round(wall, 1)}
-
+    out = {"teacher_params": params, "steps": steps}
+    for name, change in (("topk", {}), ("sampled", {"labels": "sampled", "topk": 12,
+                                                    "temperature": 1.0, "alpha": 0.9})):
+        spec = yaml.safe_load((examples / "distill" / "nebula.yaml").read_text())
+        spec["env"] = {"STEPS": str(steps), "OMP_NUM_THREADS": "1"}
+        spec["distill"].update(change)
+        path = examples / "distill" / f"gpu-check-{name}.yaml"
+        path.write_text(yaml.safe_dump(spec, sort_keys=False))
+        job, status, records, wall = launch_spec(path)
+        logs = job_logs(job)
+        evals = [line for line in logs.splitlines() if "eval loss" in line]
+        if status.get("state") != "SUCCEEDED" or not evals:
+            raise RuntimeError(f"job {job}: state {status.get('state')}; logs:\n{logs[-3000:]}")
+        student = status.get("metrics", {}).get("cloud", {})
+        # the teacher's figures over its busy intervals (its last record, at its stop, has none)
+        busy = [r for r in records if r.get("teacher_latency_ms") is not None]
+        served = sum(r["teacher_answers_per_s"] for r in busy) or 1.0
+        out[name] = {
+            "job": job, "state": status.get("state"), "distill": change or "as nebula.yaml",
+            "teacher_answers": status.get("metrics", {}).get("lab", {}).get("teacher_answers"),
+            "teacher_busiest_answers_per_s": max((r["teacher_answers_per_s"] for r in busy),
+                                                 default=None),
+            "teacher_latency_ms": round(sum(r["teacher_latency_ms"] * r["teacher_answers_per_s"]
+                                            for r in busy) / served, 1) if busy else None,
+            "batches": student.get("distill_batches"),
+            "without_labels": student.get("distill_without_labels"),
+            "bytes_per_token": student.get("distill_bytes_per_token"),
+            "longest_wait_s": student.get("distill_longest_wait_s"),
+            "final": evals[-1].split("|", 1)[-1].strip(), "wall_s": round(wall, 1)}
+    return out
 
 
 def job_processes(job):
@@ -340,5 +343,7 @@ def hook():
 result["ok"] = not result["errors"] and (result["parts"].get("hook") or {}).get(
     "processes_left", 1) == 0
 print(json.dumps(result), flush=True)
+if os.environ.get("GPU_CHECK_OUT"):
+    Path(os.environ["GPU_CHECK_OUT"]).write_text(json.dumps(result) + "\n")
 sys.exit(0 if result["ok"] else 1)
 PYTHON

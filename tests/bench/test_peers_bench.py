@@ -158,3 +158,9 @@ def test_gpu_check_dry_run_on_the_cpu() -> None:
     assert out["parts"]["hook"]["state"] == "SUCCEEDED"
     assert out["parts"]["hook"]["processes_left"] == 0
     assert out["parts"]["codecs"]["results"]["int8/cpu"]["encode_gbs"] > 0
+    for labels in ("topk", "sampled"):  # examples/distill under nebula launch, both label kinds
+        part = out["parts"]["distill"][labels]
+        assert part["state"] == "SUCCEEDED" and part["without_labels"] == 0, part
+        assert part["final"].endswith("on cpu"), part
+    assert (out["parts"]["distill"]["sampled"]["bytes_per_token"]
+            < out["parts"]["distill"]["topk"]["bytes_per_token"] / 4)

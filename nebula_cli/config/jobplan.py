@@ -83,7 +83,7 @@ def _worker_agents(spec: JobSpec, job_id: str, sites: dict[str, Site], ports: Po
                             node_rank=node_rank, site=site, job_root=job_root, agent_dir=adir,
                             sites=sites, ports=ports, certs=certs)
             cwd = spec.workdir if site.shares_files else posixpath.join(job_root, "work")
-            env = {**spec.env, **cluster.env, **base_env(site, job_root)}
+            env = base_env(site, job_root, {**spec.env, **cluster.env})
             env.update(world_env(spec, job_id, ci, node_rank, ports.masters[world],
                                   masters[world], interface_of(cluster, host, site)))
             if layout is not None:

@@ -192,15 +192,16 @@ def conn_of(site: Site, job_root: str) -> HostConn:
     return site.conn.with_pythonpath(lib_dir(job_root))
 
 
-def base_env(site: Site, job_root: str) -> dict[str, str]:
-    """So that `python` in a command is the site's, and nebula_cli is importable there; a
-    process that dies in native code (SIGSEGV, SIGABRT) leaves every thread's Python stack in
-    its log (the spec's `env` can say otherwise)."""
-    env: dict[str, str] = {"PYTHONUNBUFFERED": "1", "PYTHONFAULTHANDLER": "1"}
+def base_env(site: Site, job_root: str, user: dict[str, str] | None = None) -> dict[str, str]:
+    """``user`` (the spec's `env` and the cluster's) and what nebula adds: `python` in a command
+    is the site's, nebula_cli is importable there (its uploaded folder first on PYTHONPATH, the
+    user's PYTHONPATH after it), and a process that dies in native code (SIGSEGV, SIGABRT)
+    leaves every thread's Python stack in its log (unless ``user`` says otherwise)."""
+    env: dict[str, str] = {"PYTHONUNBUFFERED": "1", "PYTHONFAULTHANDLER": "1", **(user or {})}
     if posixpath.isabs(site.python):  # the agent puts it first on PATH
         env["NEBULA_PATH_PREPEND"] = posixpath.dirname(site.python)
     if not site.shares_files:
-        env["PYTHONPATH"] = lib_dir(job_root)
+        env["PYTHONPATH"] = ":".join(p for p in (lib_dir(job_root), env.get("PYTHONPATH")) if p)
     return env
 
 

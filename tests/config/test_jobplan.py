@@ -248,3 +248,17 @@ def test_rank_0_on_the_relays_host_gets_the_relays_socket(tmp_path: Path) -> Non
             else:
                 assert sync.relay_socket is None, agent.key
         assert [a.host for a in plan.role(plan_model.WORKER) if a.node_rank == 0] == ["e1", "w1"]
+
+
+def test_a_users_pythonpath_follows_nebulas_own_on_hosts_that_get_an_upload() -> None:
+    """Over SSH nebula_cli is uploaded and its folder goes first on PYTHONPATH; the spec's and
+    the cluster's PYTHONPATH come after it (they were dropped: a worker could not import the
+    user's modules), and the user's own PYTHONUNBUFFERED wins over nebula's."""
+    spec = parse_spec(MINIMAL.replace("hosts: [e1]}", "hosts: [e1], env: {PYTHONPATH: /c}}")
+                      + "env: {PYTHONPATH: /s, PYTHONUNBUFFERED: '0'}\n",
+                      base_dir=Path(__file__).parent)
+    env = {a.cluster: a.config.processes[0].env for a in _plan(spec).role(plan_model.WORKER)}
+    lib = "/home/u/.nebula-{}/jobs/job-1/lib"
+    assert env["east"]["PYTHONPATH"].split(":")[-2:] == [lib.format("east"), "/c"]
+    assert env["west"]["PYTHONPATH"].split(":")[-2:] == [lib.format("west"), "/s"]
+    assert env["west"]["PYTHONUNBUFFERED"] == "0"

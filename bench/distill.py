@@ -21,7 +21,9 @@ the same steps on the same batches five ways, side by side:
   same parameters.
 
 The labels (``--labels topk|sampled``, ``--k``, ``--values``), ``--temperature`` and
-``--alpha`` default to the spec's; ``full`` uses the same temperature and alpha. Prints one line
+``--alpha`` default to the spec's; ``full`` uses the same temperature and alpha. ``--seeds N``
+trains the hard, full and wan students from N initial weights each (the same labels): the loss
+figures are the medians of each seed's ratios (one seed's final loss moves by a few per cent). Prints one line
 per run, then the issue's figures as JSON on the last line.
 
     .venv/bin/python bench/distill.py --quick --json
@@ -43,6 +45,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from statistics import median
 from typing import Any
 
 import torch
@@ -146,8 +149,8 @@ def teacher_site(model: torch.nn.Module, pki: Path, cluster: str, args: argparse
 
 
 def train_student(args: argparse.Namespace, batches: list[torch.Tensor], held: torch.Tensor,
-                  vocab: int, soft_source: object) -> dict:
-    model = gpt(vocab, args.student_embd, 2, seed=1)
+                  vocab: int, soft_source: object, seed: int = 1) -> dict:
+    model = gpt(vocab, args.student_embd, 2, seed=seed)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
     start = time.monotonic()
     stats = None
@@ -196,6 +199,9 @@ def run(work: Path) -> None:
     p.add_argument("--delay-ms", type=float, default=50.0)
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--student-embd", type=int, default=64)
+    p.add_argument("--seeds", type=int, default=1,
+                   help="student seeds (initial weights) of the hard, full and wan runs; the "
+                        "loss figures are the medians of each seed's ratios")
     p.add_argument("--bed", action="store_true",
                    help="the sites on the test bed (root): a shaped link between them")
     args = p.parse_args()
@@ -226,7 +232,10 @@ def run(work: Path) -> None:
     issue_job_pki(JOB, {"lab": ["t1"], "lab2": ["t1"], "cloud": ["s1", "s2"]}, pki,
                   valid_for=dt.timedelta(days=1))
     runs: dict[str, dict] = {}
+    seeds = range(1, args.seeds + 1)
     runs["hard"] = train_student(args, batches, held, vocab, None)
+    for seed in seeds[1:]:
+        runs[f"hard_seed{seed}"] = train_student(args, batches, held, vocab, None, seed)
 
     def full(batch: torch.Tensor) -> SoftLabels:
         with torch.no_grad():
@@ -234,6 +243,8 @@ def run(work: Path) -> None:
         return SoftLabels(ids.reshape(*batch.shape, -1), logp.reshape(*batch.shape, -1), "here")
 
     runs["full"] = train_student(args, batches, held, vocab, full)
+    for seed in seeds[1:]:
+        runs[f"full_seed{seed}"] = train_student(args, batches, held, vocab, full, seed)
     with contextlib.ExitStack() as stack:
         where = sites(args, stack)
         with in_netns(where.student.ns):
@@ -244,13 +255,17 @@ def run(work: Path) -> None:
               + (f"  {r['bytes_per_token']:.1f} B/token, longest wait {r['longest_wait_s']:.2f}"
                  " s" if "bytes_per_token" in r else ""), flush=True)
     full_bytes = vocab * 4
+    tags = ["", *(f"_seed{seed}" for seed in seeds[1:])]  # each student seed's runs
     speed = {name: r["tokens_per_s"] for name, r in runs.items()}
     figures = {
         "student_util_vs_colocated": speed["wan"] / speed["colocated"],
         "bytes_per_token": runs["wan"]["bytes_per_token"],
         "bytes_reduction_vs_full_logits": full_bytes / runs["wan"]["bytes_per_token"],
-        "loss_cost_vs_full_logits": runs["wan"]["eval_loss"] / runs["full"]["eval_loss"] - 1,
-        "kd_gain_vs_hard_labels": 1 - runs["wan"]["eval_loss"] / runs["hard"]["eval_loss"],
+        "loss_cost_vs_full_logits": median(
+            runs[f"wan{tag}"]["eval_loss"] / runs[f"full{tag}"]["eval_loss"] - 1 for tag in tags),
+        "kd_gain_vs_hard_labels": median(
+            1 - runs[f"wan{tag}"]["eval_loss"] / runs[f"hard{tag}"]["eval_loss"] for tag in tags),
+        "student_seeds": list(seeds),
         "failover_stall_s": runs["failover"]["longest_wait_s"],
         "failover_throughput_vs_clean": speed["failover"] / speed["wan"],
         "identical": runs["two_ranks"]["identical"],
@@ -294,6 +309,10 @@ def soft_label_runs(args: argparse.Namespace, runs: dict[str, dict], teacher: to
         if where.bed:
             on_link = (link_bytes(where.bed) - before) / sum(b.numel() for b in batches)
         loader.client.close()
+        for seed in range(2, args.seeds + 1):  # the same labels, another student
+            loader = soft_labelled(batches, config=student)
+            runs[f"wan_seed{seed}"] = train_student(args, batches, held, vocab, loader, seed)
+            loader.client.close()
         runs["two_ranks"] = two_ranks(args, batches, held, vocab, pki, link.port, work)
         link.close()
     with teacher_site(teacher, pki, "lab", args, far) as (p1, stop1), \

@@ -7,12 +7,14 @@ the same steps on the same batches five ways, side by side:
 - ``colocated``: KD from the soft labels through the label relay, the teacher on the student's
   site;
 - ``wan``: the same across a ``--rate-mbit``/``--delay-ms`` link: on this machine a delaying,
-  pacing proxy on loopback in front of the label relay; with ``--bed`` (root) the test bed's
-  link between two sites, shaped to the rate by its tbf, the delay added by the same proxy on
-  the student's host (the bed's kernel has no netem). With ``--bed`` the teachers serve from
-  hosts of the east site (the colocated one from the student's own west site), the student
-  trains on w1: every thread in its host's network namespace (bench/_netns.py), and the
-  ``wan`` run's bytes are also counted on the link (``link_bytes_per_token``);
+  pacing proxy on loopback in front of the label relay (bench/_slow_link.py, in this
+  process); with ``--bed`` (root) the test bed's link between two sites, shaped to the rate by
+  its tbf, the delay added by the bed's delay proxy (tests/testbed/delay_proxy.py, its own
+  process on the student's host, so that both directions cross the shaped link: the bed's
+  kernel has no netem). With ``--bed`` the teachers serve from hosts of the east site (the
+  colocated one from the student's own west site), the student trains on w1: every thread in
+  its host's network namespace (bench/_netns.py), and the ``wan`` run's bytes are also counted
+  on the link (``link_bytes_per_token``);
 - ``failover``: ``wan`` with two teacher replicas, one stopped (its label relay closed, its
   server gone) a third of the way in.
 
@@ -37,8 +39,10 @@ import argparse
 import contextlib
 import datetime as dt
 import json
+import selectors
 import shutil
 import socket
+import subprocess
 import sys
 import tempfile
 import threading
@@ -74,33 +78,65 @@ BED = {"east": ["e1", "e2"], "west": ["w1", "w2"]}
 
 @dataclass(frozen=True)
 class Place:
-    """Where a process of the bench runs: a network namespace (None: this one) and the
-    address it serves on there."""
+    """Where a process of the bench runs: a network namespace (None: this one), the address
+    it serves on there, and its host's name on the bed."""
 
     ns: str | None
     address: str
+    host: str = ""
 
 
 @dataclass(frozen=True)
 class Sites:
-    """The student's place, a teacher's on its site (``near``), two across the link (``far``),
-    and the pacing the proxy adds (None: the bed's link paces)."""
+    """The student's place, a teacher's on its site (``near``), two across the link
+    (``far``), and the bed (None: this machine alone)."""
 
     student: Place
     near: Place
     far: tuple[Place, Place]
-    pace_mbit: float | None
     bed: Any = None
+
+    @contextlib.contextmanager
+    def across(self, place: Place, port: int, args: argparse.Namespace
+               ) -> Iterator[tuple[str, int]]:
+        """Where the student dials a teacher serving at ``place`` on ``port`` across the link:
+        the bed's delay proxy (the link's tbf paces), or a pacing, delaying one on loopback."""
+        if self.bed is not None:  # on the student's host: the traffic crosses the link
+            proc = self.bed.popen(self.student.host, [
+                sys.executable, str(ROOT / "tests" / "testbed" / "delay_proxy.py"), "--listen",
+                "127.0.0.1:0", "--target", f"{place.address}:{port}", "--delay-ms",
+                str(args.delay_ms)], stdout=subprocess.PIPE, text=True)
+            try:
+                said = _first_line(proc, timeout=10).split()
+                if len(said) != 3 or said[0] != "LISTENING":
+                    raise RuntimeError(f"the delay proxy on {self.student.host} said {said}")
+                yield said[1], int(said[2])
+            finally:
+                proc.terminate()
+                proc.wait(timeout=10)
+            return
+        link = SlowLink((place.address, port), args.delay_ms, args.rate_mbit)
+        try:
+            yield "127.0.0.1", link.port
+        finally:
+            link.close()
+
+
+def _first_line(proc: subprocess.Popen, timeout: float) -> str:
+    """The first line ``proc`` prints, or "" when none comes within ``timeout`` seconds."""
+    with selectors.DefaultSelector() as sel:
+        sel.register(proc.stdout, selectors.EVENT_READ)  # type: ignore[arg-type]
+        return proc.stdout.readline().strip() if sel.select(timeout) else ""  # type: ignore
 
 
 def sites(args: argparse.Namespace, stack: contextlib.ExitStack) -> Sites:
     if not args.bed:
         here = Place(None, "127.0.0.1")
-        return Sites(here, here, (here, here), args.rate_mbit)
+        return Sites(here, here, (here, here))
     require_bed()
     bed = stack.enter_context(make_bed(BED, args.rate_mbit))
-    at = {name: Place(h.ns, h.address) for name, h in bed.hosts.items()}
-    return Sites(at["w1"], at["w2"], (at["e1"], at["e2"]), None, bed)
+    at = {name: Place(h.ns, h.address, name) for name, h in bed.hosts.items()}
+    return Sites(at["w1"], at["w2"], (at["e1"], at["e2"]), bed)
 
 
 def gpt(vocab: int, embd: int, layers: int, seed: int) -> GPT2LMHeadModel:
@@ -274,7 +310,8 @@ def run(work: Path) -> None:
         "temperature": args.temperature, "alpha": args.alpha,
         "link_bytes_per_token": link_bytes_per_token,
         "link": f"{args.rate_mbit:g} Mbit/s, {args.delay_ms:g} ms ("
-                + ("the test bed's link, the delay by a proxy" if args.bed else "loopback proxy")
+                + ("the test bed's link, the delay by its proxy" if args.bed
+                   else "loopback proxy")
                 + ")",
         "student_steps": student_steps, "teacher_steps": teacher_steps,
     }
@@ -305,9 +342,9 @@ def soft_label_runs(args: argparse.Namespace, runs: dict[str, dict], teacher: to
             loader.client.close()
     far, far2 = where.far
     on_link = None
-    with teacher_site(teacher, pki, "lab", args, far) as (port, _):
-        link = SlowLink((far.address, port), args.delay_ms, where.pace_mbit)
-        student = cfg(pki, "cloud", "s1", {"lab": f"127.0.0.1:{link.port}"}, "", args)
+    with teacher_site(teacher, pki, "lab", args, far) as (port, _), \
+            where.across(far, port, args) as (host, via):
+        student = cfg(pki, "cloud", "s1", {"lab": f"{host}:{via}"}, "", args)
         loader = soft_labelled(batches, config=student)
         before = link_bytes(where.bed) if where.bed else 0
         runs["wan"] = train_student(args, batches, held, vocab, loader)
@@ -318,33 +355,29 @@ def soft_label_runs(args: argparse.Namespace, runs: dict[str, dict], teacher: to
             loader = soft_labelled(batches, config=student)
             runs[f"wan{tag}"] = train_student(args, batches, held, vocab, loader, seed)
             loader.client.close()
-        runs["two_ranks"] = two_ranks(args, batches, held, vocab, pki, link.port, work)
-        link.close()
+        runs["two_ranks"] = two_ranks(args, batches, held, vocab, pki, f"{host}:{via}", work)
     with teacher_site(teacher, pki, "lab", args, far) as (p1, stop1), \
-            teacher_site(teacher, pki, "lab2", args, far2) as (p2, _):
-        links = [SlowLink((place.address, p), args.delay_ms, where.pace_mbit)
-                 for place, p in ((far, p1), (far2, p2))]
-        student = cfg(pki, "cloud", "s1", {"lab": f"127.0.0.1:{links[0].port}",
-                                           "lab2": f"127.0.0.1:{links[1].port}"}, "", args)
+            teacher_site(teacher, pki, "lab2", args, far2) as (p2, _), \
+            where.across(far, p1, args) as (h1, v1), where.across(far2, p2, args) as (h2, v2):
+        student = cfg(pki, "cloud", "s1", {"lab": f"{h1}:{v1}", "lab2": f"{h2}:{v2}"}, "",
+                      args)
         loader = soft_labelled(batches, config=student)
         killer = threading.Thread(target=lambda: (
             _wait_batches(loader, len(batches) // 3), stop1.set()), daemon=True)
         killer.start()
         runs["failover"] = train_student(args, batches, held, vocab, loader)
         loader.client.close()
-        for link in links:
-            link.close()
     return on_link
 
 
 def two_ranks(args: argparse.Namespace, batches: list[torch.Tensor], held: torch.Tensor,
-              vocab: int, pki: Path, port: int, work: Path) -> dict:
+              vocab: int, pki: Path, teacher: str, work: Path) -> dict:
     """The ``wan`` student as two ranks (processes, gloo): rank r trains on rows r::2 of every
     batch with its own loader (host s{r+1}'s certificate), gradients averaged each step."""
     init = f"file://{work / 'gloo-init'}"
     out = work / "two_ranks.json"
     start = time.monotonic()
-    torch.multiprocessing.spawn(_rank, args=(args, batches, held, vocab, pki, port, init, out),
+    torch.multiprocessing.spawn(_rank, args=(args, batches, held, vocab, pki, teacher, init, out),
                                 nprocs=2, join=True)
     elapsed = time.monotonic() - start
     ranks = [json.loads(out.with_suffix(f".{r}").read_text()) for r in range(2)]
@@ -355,7 +388,7 @@ def two_ranks(args: argparse.Namespace, batches: list[torch.Tensor], held: torch
 
 
 def _rank(rank: int, args: argparse.Namespace, batches: list[torch.Tensor], held: torch.Tensor,
-          vocab: int, pki: Path, port: int, init: str, out: Path) -> None:
+          vocab: int, pki: Path, teacher: str, init: str, out: Path) -> None:
     import hashlib
 
     import torch.distributed as dist
@@ -363,7 +396,7 @@ def _rank(rank: int, args: argparse.Namespace, batches: list[torch.Tensor], held
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2)
     model = gpt(vocab, args.student_embd, 2, seed=1)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
-    student = cfg(pki, "cloud", f"s{rank + 1}", {"lab": f"127.0.0.1:{port}"}, "", args)
+    student = cfg(pki, "cloud", f"s{rank + 1}", {"lab": teacher}, "", args)
     loader = soft_labelled([b[rank::2] for b in batches], config=student)
     for batch, soft in loader:
         loss, _, _ = kd_loss(model(batch).logits, batch, soft, temperature=args.temperature,

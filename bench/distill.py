@@ -272,14 +272,16 @@ def run(work: Path) -> None:
             link_bytes_per_token = soft_label_runs(args, runs, teacher, batches, held, vocab,
                                                    pki, work, where)
     for name, r in runs.items():
-        print(f"{name:16s} eval loss {r['eval_loss']:.4f}  {r['tokens_per_s']:8.0f} tok/s "
-              f"({r['steady_tokens_per_s']:.0f} after the first step)"
+        print(f"{name:16s} eval loss {r['eval_loss']:.4f}  {r['tokens_per_s']:8.0f} tok/s"
+              + (f" ({r['steady_tokens_per_s']:.0f} after the first step)"
+                 if "steady_tokens_per_s" in r else "")
               + (f"  {r['bytes_per_token']:.1f} B/token, longest wait {r['longest_wait_s']:.2f}"
                  " s" if "bytes_per_token" in r else ""), flush=True)
     full_bytes = vocab * 4
     tags = [tag for tag, _ in seed_tags(args)]
     speed = {name: r["tokens_per_s"] for name, r in runs.items()}
-    steady = {name: r["steady_tokens_per_s"] for name, r in runs.items()}
+    steady = {name: r["steady_tokens_per_s"] for name, r in runs.items()
+              if "steady_tokens_per_s" in r}
     figures = {
         "student_util_vs_colocated": median(steady[f"wan{tag}"] / steady[f"colocated{tag}"]
                                             for tag in tags),

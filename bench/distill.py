@@ -143,7 +143,7 @@ def cfg(pki: Path, cluster: str, host: str, teachers: dict[str, str], listen: st
         students=["cloud"],
         tls=TlsFiles(str(pki / "ca.pem"), str(pki / cluster / f"worker-{host}.pem"),
                      str(pki / cluster / f"worker-{host}.key")),
-        topk=args.k, temperature=args.temperature, alpha=args.alpha, lookahead=d.lookahead,
+        topk=args.k, temperature=args.temperature, alpha=args.alpha, lookahead=args.lookahead,
         when_no_teacher="wait", values="draws" if args.labels == "sampled" else args.values,
         max_tokens=d.max_tokens, wait_s=120.0, dead_after=2.0, model=None, batch_tokens=None)
 
@@ -197,7 +197,7 @@ def train_student(args: argparse.Namespace, batches: list[torch.Tensor], held: t
            / (start + elapsed - (first or start)), "elapsed_s": elapsed}
     if stats is not None:
         out |= {"bytes_per_token": stats.bytes_per_token, "longest_wait_s": stats.longest_wait_s,
-                "without_labels": stats.without_labels}
+                "waited_s": stats.waited_s, "without_labels": stats.without_labels}
     return out
 
 
@@ -219,6 +219,9 @@ def run(work: Path) -> None:
     p.add_argument("--values", choices=["fp16", "int8"], default=d.values)
     p.add_argument("--temperature", type=float, default=d.temperature)
     p.add_argument("--alpha", type=float, default=d.alpha)
+    p.add_argument("--lookahead", type=int, default=d.lookahead,
+                   help="batches asked ahead (to hide the link, at least its round trip x "
+                        "the student's batches per second)")
     p.add_argument("--rate-mbit", type=float, default=20.0)
     p.add_argument("--delay-ms", type=float, default=50.0)
     p.add_argument("--lr", type=float, default=3e-3)
@@ -275,8 +278,9 @@ def run(work: Path) -> None:
         print(f"{name:16s} eval loss {r['eval_loss']:.4f}  {r['tokens_per_s']:8.0f} tok/s"
               + (f" ({r['steady_tokens_per_s']:.0f} after the first step)"
                  if "steady_tokens_per_s" in r else "")
-              + (f"  {r['bytes_per_token']:.1f} B/token, longest wait {r['longest_wait_s']:.2f}"
-                 " s" if "bytes_per_token" in r else ""), flush=True)
+              + (f"  {r['bytes_per_token']:.1f} B/token, waited {r.get('waited_s', 0):.2f} s, "
+                 f"longest wait {r['longest_wait_s']:.2f} s" if "bytes_per_token" in r else ""),
+              flush=True)
     full_bytes = vocab * 4
     tags = [tag for tag, _ in seed_tags(args)]
     speed = {name: r["tokens_per_s"] for name, r in runs.items()}
@@ -300,7 +304,9 @@ def run(work: Path) -> None:
         "two_ranks_eval_loss": runs["two_ranks"]["eval_loss"],
         "teacher_eval_loss": t_eval, "vocab": vocab, "labels": args.labels, "k": args.k,
         "values": "draws" if args.labels == "sampled" else args.values,
-        "temperature": args.temperature, "alpha": args.alpha,
+        "temperature": args.temperature, "alpha": args.alpha, "lookahead": args.lookahead,
+        "wan_waited_s": runs["wan"]["waited_s"],
+        "colocated_waited_s": runs["colocated"]["waited_s"],
         "link_bytes_per_token": link_bytes_per_token,
         "link": f"{args.rate_mbit:g} Mbit/s, {args.delay_ms:g} ms ("
                 + ("the test bed's link, the delay by its proxy" if args.bed

@@ -306,6 +306,10 @@ def _latest(recs: list[dict[str, Any]], key: str) -> Any:
     return next((r[key] for r in reversed(recs) if r.get(key) is not None), None)
 
 
+def _first(recs: list[dict[str, Any]], key: str) -> Any:
+    return next((r[key] for r in recs if r.get(key) is not None), None)
+
+
 def wan_totals(records: list[dict[str, Any]], cluster: str) -> tuple[float | None, float | None]:
     """(sent, received) bytes over the WAN by a cluster so far, as the live view shows them:
     its relay's running totals, else the sum of its workers' per-round figures."""
@@ -323,18 +327,22 @@ def wan_totals(records: list[dict[str, Any]], cluster: str) -> tuple[float | Non
 
 def soft_labels_table(clusters: dict[str, list[dict[str, Any]]]) -> str:
     """A student cluster's soft labels at the end (its loader's newest record: batches trained
-    with labels of all, bytes per token, time waited), as `nebula status` shows them, and a
+    with labels of all, bytes per token, time waited; the KD term of its first and its last
+    interval), as `nebula status` shows them, and a
     teacher cluster's answers (`teacher_table`); "" for a job without distillation."""
     rows = "".join(
         f"<tr><td>{html.escape(c)}</td><td>{_cell(_latest(recs, 'distill_batches'))}</td>"
         f"<td>{_cell(_latest(recs, 'distill_without_labels'))}</td>"
         f"<td>{_cell(_latest(recs, 'distill_bytes_per_token'), '.1f')}</td>"
         f"<td>{_cell(_latest(recs, 'distill_wait_s'), '.2f')}</td>"
-        f"<td>{_cell(_latest(recs, 'distill_longest_wait_s'), '.2f')}</td></tr>"
+        f"<td>{_cell(_latest(recs, 'distill_longest_wait_s'), '.2f')}</td>"
+        f"<td>{_cell(_first(recs, 'distill_kd'), '.4f')}</td>"
+        f"<td>{_cell(_latest(recs, 'distill_kd'), '.4f')}</td></tr>"
         for c, recs in clusters.items() if _latest(recs, "distill_batches") is not None)
     students = ("<h2>soft labels (distillation)</h2><table><tr><th>cluster</th><th>batches</th>"
                 "<th>without labels</th><th>bytes per token</th><th>waited (s)</th>"
-                f"<th>longest wait (s)</th></tr>{rows}</table>") if rows else ""
+                "<th>longest wait (s)</th><th>KD, first</th><th>KD, last</th></tr>"
+                f"{rows}</table>") if rows else ""
     return students + teacher_table(clusters)
 
 

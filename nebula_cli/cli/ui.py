@@ -247,8 +247,9 @@ def metrics_table(
 
 
 def _soft_labels(m: dict[str, Any]) -> Text:
-    """A student cluster's batches trained with its teacher's soft labels, of all so far, and
-    how many went without (when_no_teacher: ce_only) in yellow; a teacher cluster's answers per
+    """A student cluster's batches trained with its teacher's soft labels, of all so far, how
+    many went without (when_no_teacher: ce_only) in yellow, and its recent KD term (the
+    loader's last interval, where the script trains with `kd_loss`); a teacher cluster's answers per
     second, their latency and its queue (in yellow when asks wait)."""
     if "teacher_answers" in m:
         queue = int(m.get("teacher_queue") or 0)
@@ -262,6 +263,8 @@ def _soft_labels(m: dict[str, Any]) -> Text:
     out = Text(f"{total - without}/{total}")
     if without:
         out.append(f" ({without} without)", style="yellow")
+    if m.get("distill_kd") is not None:
+        out.append(f", KD {num(m['distill_kd'], '.3f')}")
     return out
 
 

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterator
+from dataclasses import replace
 from typing import Any
 
 import transformers.trainer
@@ -132,8 +133,7 @@ class DistillTrainer(Trainer):  # type: ignore[misc]
         outputs = model(**inputs)
         logits = outputs["logits"]
         if soft is not None:
-            soft = SoftLabels(soft.ids.to(logits.device), soft.logp.to(logits.device),
-                              soft.teacher)
+            soft = replace(soft, ids=soft.ids.to(logits.device), logp=soft.logp.to(logits.device))
         cfg = self.distill_config
         assert cfg is not None
         loss, _, _ = kd_loss(logits, labels, soft, temperature=cfg.temperature, alpha=cfg.alpha)

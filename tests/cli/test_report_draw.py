@@ -158,14 +158,17 @@ def test_a_student_clusters_soft_labels_are_a_table_and_other_jobs_have_none() -
                 "step": step, **kw}
 
     records = [rec("cloud", 20, distill_batches=20, distill_without_labels=0,
-                   distill_bytes_per_token=9.5, distill_wait_s=0.25, distill_longest_wait_s=0.1),
+                   distill_bytes_per_token=9.5, distill_wait_s=0.25, distill_longest_wait_s=0.1,
+                   distill_kd=0.75),
                rec("cloud", 30, loss=2.0),
                rec("cloud", 40, distill_batches=40, distill_without_labels=3,
-                   distill_bytes_per_token=9.25, distill_wait_s=1.5, distill_longest_wait_s=1.0),
+                   distill_bytes_per_token=9.25, distill_wait_s=1.5, distill_longest_wait_s=1.0,
+                   distill_kd=0.25),
                rec("east", 40, loss=2.0)]
     table = soft_labels_table(by_cluster(records, ["east", "cloud"]))
-    assert "<tr><td>cloud</td><td>40</td><td>3</td><td>9.2</td><td>1.50</td><td>1.00</td></tr>" \
-        in table
+    assert ("<tr><td>cloud</td><td>40</td><td>3</td><td>9.2</td><td>1.50</td><td>1.00</td>"
+            "<td>0.7500</td><td>0.2500</td></tr>") in table  # the KD term, first and last
+    assert "<th>KD, first</th><th>KD, last</th>" in table
     assert "east" not in table
     assert soft_labels_table(by_cluster([rec("east", 40, loss=2.0)])) == ""
 

@@ -18,12 +18,12 @@ def test_soft_labels_column_only_in_a_job_with_students() -> None:
     without; a teacher cluster before its first record shows '-'; a job without distillation
     has no such column."""
     latest = {"cloud": {"step": 40, "loss": 2.5, "distill_batches": 40,
-                        "distill_without_labels": 3},
+                        "distill_without_labels": 3, "distill_kd": 0.4321},
               "lab": {"step": 0}}
     shown = _text(metrics_table(["lab", "cloud"], latest, {}))
     assert "soft labels" in shown
     cloud = next(line for line in shown.splitlines() if line.lstrip().startswith("cloud"))
-    assert "37/40 (3 without)" in cloud
+    assert "37/40 (3 without), KD 0.432" in cloud
     lab = next(line for line in shown.splitlines() if line.lstrip().startswith("lab"))
     assert "37/40" not in lab
     latest["lab"] = {"step": 120, "teacher_answers": 120, "teacher_answers_per_s": 7.5,

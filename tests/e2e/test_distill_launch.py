@@ -73,6 +73,7 @@ def test_a_launched_student_cluster_learns_from_its_teacher_cluster(
 
     soft = st["metrics"]["cloud"]  # the loader's last record (its end)
     assert soft["distill_batches"] == STEPS and soft["distill_without_labels"] == 0, soft
+    assert soft["distill_kd"] > 0, soft  # the student's KD term, as kd_loss computed it
     teacher = st["metrics"]["lab"]  # the teacher's label relay's last record (at its stop)
     assert "distill_batches" not in teacher
     assert teacher["teacher_answers"] >= STEPS and teacher["teacher_queue"] == 0, teacher

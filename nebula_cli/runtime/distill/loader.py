@@ -13,7 +13,7 @@ import collections
 import os
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -39,11 +39,13 @@ class DistillError(NebulaError):
 @dataclass(frozen=True)
 class SoftLabels:
     """One batch's soft labels: ``ids`` (batch, width, k) int64 and ``logp`` (batch, width, k)
-    float32, the teacher's log-probabilities at the job's temperature."""
+    float32, the teacher's log-probabilities at the job's temperature; ``stats``: the loader's
+    figures, where `kd_loss` adds the batch's KD term."""
 
     ids: torch.Tensor
     logp: torch.Tensor
     teacher: str
+    stats: DistillStats | None = field(default=None, compare=False, repr=False)
 
 
 @dataclass
@@ -59,17 +61,31 @@ class DistillStats:
     waited_s: float = 0.0
     """Seconds steps spent waiting for their labels."""
     longest_wait_s: float = 0.0
+    kd_sum: torch.Tensor | float = 0.0
+    """The KD terms `kd_loss` computed since the last record, summed (a tensor on the model's
+    device: read once a record, so that a step waits for no device)."""
+    kd_steps: int = 0
 
     @property
     def bytes_per_token(self) -> float:
         return self.wire_bytes / self.tokens if self.tokens else 0.0
 
+    def add_kd(self, kd: torch.Tensor) -> None:
+        """A step's KD term (`kd_loss`)."""
+        self.kd_sum = self.kd_sum + kd.detach()
+        self.kd_steps += 1
+
     def record(self) -> dict[str, Any]:
-        """The figures as metric values (``nebula status`` shows them per cluster)."""
+        """The figures as metric values (``nebula status`` shows them per cluster):
+        ``distill_kd`` is the mean KD term of the steps since the last record (None without
+        one)."""
+        kd = float(self.kd_sum) / self.kd_steps if self.kd_steps else None
+        self.kd_sum, self.kd_steps = 0.0, 0
         return {"distill_batches": self.batches, "distill_without_labels": self.without_labels,
                 "distill_bytes_per_token": round(self.bytes_per_token, 2),
                 "distill_wait_s": round(self.waited_s, 3),
-                "distill_longest_wait_s": round(self.longest_wait_s, 3)}
+                "distill_longest_wait_s": round(self.longest_wait_s, 3),
+                "distill_kd": None if kd is None else round(kd, 5)}
 
 
 def _token_ids(batch: Any) -> torch.Tensor:
@@ -156,7 +172,8 @@ class DistillLoader:
         self.stats.latency_s += got.latency_s
         k = got.labels.k
         return SoftLabels(torch.from_numpy(got.labels.ids).reshape(*shape, k),
-                          torch.from_numpy(got.labels.logp).reshape(*shape, k), got.teacher)
+                          torch.from_numpy(got.labels.logp).reshape(*shape, k), got.teacher,
+                          self.stats)
 
 
 def client_of(cfg: DistillConfig) -> LabelClient:

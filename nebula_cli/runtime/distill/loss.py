@@ -92,6 +92,8 @@ def kd_loss(student_logits: torch.Tensor, labels: torch.Tensor | None,
         kd = (per_token * mask).sum() / mask.sum().clamp(min=1.0)
     else:
         kd = per_token.mean()
+    if soft.stats is not None:  # the loader's figures: status and the report show its mean
+        soft.stats.add_kd(kd)
     kd_term = kd * temperature ** 2
     loss = kd_term if ce is None else alpha * kd_term + (1 - alpha) * ce
     return loss, kd, ce

@@ -54,6 +54,14 @@ def test_every_batch_comes_once_in_order_with_its_teachers_top_k(tmp_path: Path)
         assert torch.allclose(soft.logp, logp.reshape(2, WIDTH, 4), atol=2e-2)
     stats = loader.stats
     assert stats.batches == 10 and stats.without_labels == 0 and stats.tokens == 10 * 2 * WIDTH
+    # kd_loss adds each batch's KD term to the loader's figures: the record has their mean
+    student = torch.nn.Linear(1, VOCAB)
+    kds = [kd_loss(student(torch.ones(2, WIDTH, 1)), None, soft, temperature=2.0,
+                   alpha=1.0)[1] for _, soft in seen[:4]]
+    assert stats.kd_steps == 4
+    record = stats.record()
+    assert record["distill_kd"] == pytest.approx(float(sum(kds)) / 4, abs=1e-5)
+    assert stats.kd_steps == 0 and stats.record()["distill_kd"] is None  # an interval's mean
     # an answer: 2 x WIDTH tokens' top 4, 9-bit ids and fp16 values; an ask: its ids in the
     # bits of its largest (protocol 1: 4 bytes an id)
     answers = 10 * ((2 * WIDTH * 4 * 9 + 7) // 8 + 2 * WIDTH * 4 * 2)

@@ -28,7 +28,9 @@ labels): the loss and throughput figures are the medians of each seed's ratios (
 final loss moves by a few per cent, a 30-second run's throughput by up to 10 %). The student's
 throughput across the link against colocated (``student_util_vs_colocated``) counts from the
 end of the first step (the links' TLS handshakes and the first round trip are a job's one-time
-cost, 1-2 % of a 30-second run); ``student_util_whole_run`` counts it too. Prints one line
+cost, 1-2 % of a 30-second run); ``student_util_whole_run`` counts it too. Both teachers (the
+colocated and the far one) serve at once and each seed's colocated and wan runs come one after
+the other, so that the machine's drift between minutes falls on both alike. Prints one line
 per run, then the issue's figures as JSON on the last line.
 
     .venv/bin/python bench/distill.py --quick --json
@@ -333,28 +335,28 @@ def soft_label_runs(args: argparse.Namespace, runs: dict[str, dict], teacher: to
                     work: Path, where: Sites) -> float | None:
     """The runs through the label relay (colocated, wan, two_ranks, failover), from the
     student's place; the wan run's bytes on the bed's link per token (None off the bed)."""
-    with teacher_site(teacher, pki, "lab", args, where.near) as (port, _):
-        student = cfg(pki, "cloud", "s1", {"lab": f"{where.near.address}:{port}"}, "", args)
-        for tag, seed in seed_tags(args):
-            loader = soft_labelled(batches, config=student)
-            runs[f"colocated{tag}"] = train_student(args, batches, held, vocab, loader, seed)
-            loader.client.close()
     far, far2 = where.far
     on_link = None
-    with teacher_site(teacher, pki, "lab", args, far) as (port, _), \
+    # both teachers up at once, each seed's colocated and wan runs one after the other: the
+    # machine's speed drifts by 10-20 % between minutes, which runs minutes apart would count
+    with teacher_site(teacher, pki, "lab", args, where.near) as (near_port, _), \
+            teacher_site(teacher, pki, "lab2", args, far) as (port, _), \
             where.across(far, port, args) as (host, via):
-        student = cfg(pki, "cloud", "s1", {"lab": f"{host}:{via}"}, "", args)
-        loader = soft_labelled(batches, config=student)
-        before = link_bytes(where.bed) if where.bed else 0
-        runs["wan"] = train_student(args, batches, held, vocab, loader)
-        if where.bed:
-            on_link = (link_bytes(where.bed) - before) / sum(b.numel() for b in batches)
-        loader.client.close()
-        for tag, seed in seed_tags(args)[1:]:  # the same labels, another student
-            loader = soft_labelled(batches, config=student)
-            runs[f"wan{tag}"] = train_student(args, batches, held, vocab, loader, seed)
+        colocated = cfg(pki, "cloud", "s1", {"lab": f"{where.near.address}:{near_port}"}, "",
+                        args)
+        student = cfg(pki, "cloud", "s1", {"lab2": f"{host}:{via}"}, "", args)
+        for tag, seed in seed_tags(args):
+            loader = soft_labelled(batches, config=colocated)
+            runs[f"colocated{tag}"] = train_student(args, batches, held, vocab, loader, seed)
             loader.client.close()
-        runs["two_ranks"] = two_ranks(args, batches, held, vocab, pki, f"{host}:{via}", work)
+            loader = soft_labelled(batches, config=student)
+            before = link_bytes(where.bed) if where.bed else 0
+            runs[f"wan{tag}"] = train_student(args, batches, held, vocab, loader, seed)
+            if where.bed and on_link is None:
+                on_link = (link_bytes(where.bed) - before) / sum(b.numel() for b in batches)
+            loader.client.close()
+        runs["two_ranks"] = two_ranks(args, batches, held, vocab, pki, {"lab2": f"{host}:{via}"},
+                                      work)
     with teacher_site(teacher, pki, "lab", args, far) as (p1, stop1), \
             teacher_site(teacher, pki, "lab2", args, far2) as (p2, _), \
             where.across(far, p1, args) as (h1, v1), where.across(far2, p2, args) as (h2, v2):
@@ -370,13 +372,13 @@ def soft_label_runs(args: argparse.Namespace, runs: dict[str, dict], teacher: to
 
 
 def two_ranks(args: argparse.Namespace, batches: list[torch.Tensor], held: torch.Tensor,
-              vocab: int, pki: Path, teacher: str, work: Path) -> dict:
+              vocab: int, pki: Path, teachers: dict[str, str], work: Path) -> dict:
     """The ``wan`` student as two ranks (processes, gloo): rank r trains on rows r::2 of every
     batch with its own loader (host s{r+1}'s certificate), gradients averaged each step."""
     init = f"file://{work / 'gloo-init'}"
     out = work / "two_ranks.json"
     start = time.monotonic()
-    torch.multiprocessing.spawn(_rank, args=(args, batches, held, vocab, pki, teacher, init, out),
+    torch.multiprocessing.spawn(_rank, args=(args, batches, held, vocab, pki, teachers, init, out),
                                 nprocs=2, join=True)
     elapsed = time.monotonic() - start
     ranks = [json.loads(out.with_suffix(f".{r}").read_text()) for r in range(2)]
@@ -387,7 +389,7 @@ def two_ranks(args: argparse.Namespace, batches: list[torch.Tensor], held: torch
 
 
 def _rank(rank: int, args: argparse.Namespace, batches: list[torch.Tensor], held: torch.Tensor,
-          vocab: int, pki: Path, teacher: str, init: str, out: Path) -> None:
+          vocab: int, pki: Path, teachers: dict[str, str], init: str, out: Path) -> None:
     import hashlib
 
     import torch.distributed as dist
@@ -395,7 +397,7 @@ def _rank(rank: int, args: argparse.Namespace, batches: list[torch.Tensor], held
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2)
     model = gpt(vocab, args.student_embd, 2, seed=1)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
-    student = cfg(pki, "cloud", f"s{rank + 1}", {"lab": teacher}, "", args)
+    student = cfg(pki, "cloud", f"s{rank + 1}", teachers, "", args)
     loader = soft_labelled([b[rank::2] for b in batches], config=student)
     for batch, soft in loader:
         loss, _, _ = kd_loss(model(batch).logits, batch, soft, temperature=args.temperature,

@@ -44,7 +44,6 @@ import contextlib
 import datetime as dt
 import json
 import shutil
-import socket
 import sys
 import tempfile
 import threading
@@ -72,6 +71,7 @@ from nebula_cli.config.relay_config import TlsFiles  # noqa: E402
 from nebula_cli.pki.certs import issue_job_pki  # noqa: E402
 from nebula_cli.runtime.distill import kd_loss, serve, soft_labelled, topk_labels  # noqa: E402
 from nebula_cli.runtime.distill.loader import SoftLabels  # noqa: E402
+from nebula_cli.transport.freeport import free_port  # noqa: E402
 
 JOB = "job-bench-distill"
 WIDTH = 64
@@ -131,12 +131,6 @@ def gpt(vocab: int, embd: int, layers: int, seed: int) -> GPT2LMHeadModel:
                                       n_layer=layers, n_head=4))
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def cfg(pki: Path, cluster: str, host: str, teachers: dict[str, str], listen: str,
         args: argparse.Namespace) -> DistillConfig:
     d = DistillSpec()
@@ -153,7 +147,7 @@ def cfg(pki: Path, cluster: str, host: str, teachers: dict[str, str], listen: st
 @contextlib.contextmanager
 def teacher_site(model: torch.nn.Module, pki: Path, cluster: str, args: argparse.Namespace,
                  place: Place) -> Iterator[tuple[int, threading.Event]]:
-    port = free_port()
+    port = free_port("127.0.0.1")
     stop = threading.Event()
     addr = f"{place.address}:{port}"
     c = cfg(pki, cluster, "t1", {cluster: addr}, addr, args)
@@ -169,6 +163,14 @@ def teacher_site(model: torch.nn.Module, pki: Path, cluster: str, args: argparse
     finally:
         stop.set()
         t.join(timeout=30)
+
+
+@torch.no_grad()
+def eval_loss(model: torch.nn.Module, held: torch.Tensor) -> float:
+    """The mean loss over ``held`` in batches of 16 sequences."""
+    starts = range(0, len(held), 16)
+    return sum(model(held[i:i + 16], labels=held[i:i + 16]).loss.item() for i in starts) / len(
+        starts)
 
 
 def train_student(args: argparse.Namespace, batches: list[torch.Tensor], held: torch.Tensor,
@@ -191,9 +193,7 @@ def train_student(args: argparse.Namespace, batches: list[torch.Tensor], held: t
         opt.step()
         first = first or time.monotonic()
     elapsed = time.monotonic() - start
-    with torch.no_grad():
-        ev = sum(model(held[i:i + 16], labels=held[i:i + 16]).loss.item()
-                 for i in range(0, len(held), 16)) / len(range(0, len(held), 16))
+    ev = eval_loss(model, held)
     out = {"eval_loss": ev, "tokens_per_s": sum(b.numel() for b in batches) / elapsed,
            "steady_tokens_per_s": sum(b.numel() for b in batches[1:])
            / (start + elapsed - (first or start)), "elapsed_s": elapsed}
@@ -409,9 +409,7 @@ def _rank(rank: int, args: argparse.Namespace, batches: list[torch.Tensor], held
             p.grad /= 2
         opt.step()
     loader.client.close()
-    with torch.no_grad():
-        ev = sum(model(held[i:i + 16], labels=held[i:i + 16]).loss.item()
-                 for i in range(0, len(held), 16)) / len(range(0, len(held), 16))
+    ev = eval_loss(model, held)
     sha = hashlib.sha256(b"".join(p.detach().numpy().tobytes() for p in model.parameters()))
     out.with_suffix(f".{rank}").write_text(json.dumps(
         {"eval_loss": ev, "sha": sha.hexdigest(), "bytes_per_token": loader.stats.bytes_per_token,

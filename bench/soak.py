@@ -292,6 +292,12 @@ def main(argv: list[str] | None = None) -> int:
         end_disk, bound = samples[-1].disk, disk_bound(cli.home, job_id)
         time.sleep(3)
         left = sum(len(v) for v in processes(job_id).values())
+        args.out.mkdir(parents=True, exist_ok=True)  # kept before (b), should (b) not end
+        (args.out / f"soak-{label}-samples.json").write_text(
+            json.dumps([asdict(s) for s in samples]))
+        plots = plot(samples, args.out, label)
+        print(f"(a) took {secs:.0f} s, {len(faults)} faults; samples and plots in {args.out}; "
+              f"checksums {'; '.join(sums)}; processes left {left}", flush=True)
         print("(b) fault-free, the same steps", flush=True)
         clean_s, *_ = run(cli, write_spec(Path(tmp), "clean", steps, args), args, faulty=False)
     grown = growth(samples, warmup=0.2)
@@ -303,10 +309,6 @@ def main(argv: list[str] | None = None) -> int:
     goals = (all(v <= GOALS["rss_mb"] for v in grown["rss_mb"].values())
              and end_disk <= bound and ratio <= GOALS["status_ratio"]
              and goodput >= GOALS["goodput"] and identical and left == 0)
-    plots = plot(samples, args.out, label)
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / f"soak-{label}-samples.json").write_text(
-        json.dumps([asdict(s) for s in samples]))
     print(f"\nrounds                  {samples[-1].rounds}")
     for k in KINDS:
         print(f"{k:8s} growth/1000 rounds  rss {grown['rss_mb'][k]:+.3f} MiB  "

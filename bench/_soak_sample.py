@@ -3,8 +3,8 @@
 - `processes(job_id)`: every live process of the job by kind (agent, logpump, relay, worker),
   found in /proc by the job id in its command line or its environment.
 - `Sample`: one look at the job: rounds so far, RSS (MiB) and open descriptors summed per kind,
-  bytes on disk under the job's directories (its hosts' and `$NEBULA_HOME/jobs/<id>`) and
-  `state.db`, `state.db`'s size, the time
+  bytes on disk under the job's directories (its hosts' and `$NEBULA_HOME/jobs/<id>`, and
+  any given outside it) and `state.db`, `state.db`'s size, the time
   `nebula status JOB --json` took.
 - `slope(xs, ys)`: the least-squares slope; `growth(samples, warmup)`: per kind, MiB and
   descriptors per 1,000 rounds, fitted per process after its warm-up (the largest slope).
@@ -126,7 +126,10 @@ class Sample:
     status_s: float = 0.0
 
 
-def take(job_id: str, home: Path, t: float, status_s: float) -> Sample:
+def take(job_id: str, home: Path, t: float, status_s: float,
+         extra: Iterable[Path] = ()) -> Sample:
+    """A sample now; `extra`: directories of the job outside `$NEBULA_HOME` (checkpoints at
+    an absolute `checkpoint.dir`) counted in its disk bytes."""
     procs = processes(job_id)
     job_dir = home / "jobs" / job_id
     db = sum(p.stat().st_size for p in home.glob("state.db*"))
@@ -135,7 +138,7 @@ def take(job_id: str, home: Path, t: float, status_s: float) -> Sample:
                   rss={k: round(sum(x[0] for x in v.values()), 2) for k, v in per_pid.items()},
                   fds={k: sum(x[1] for x in v.values()) for k, v in per_pid.items()},
                   count={k: len(v) for k, v in procs.items()}, per_pid=per_pid,
-                  disk=disk_bytes([job_dir]) + db, state_db=db, status_s=status_s)
+                  disk=disk_bytes([job_dir, *extra]) + db, state_db=db, status_s=status_s)
 
 
 def slope(xs: list[float], ys: list[float]) -> float:

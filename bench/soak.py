@@ -1,6 +1,7 @@
 """A compressed month: one job trained for an hour (or --quick, a few minutes) under a seeded
 schedule of faults, sampled for what only length shows (memory, descriptors, disk, `status`'s
-time), then the same job without faults for goodput. On this machine (local transport, no root).
+time), then the same job without faults for goodput. On this machine (local transport; as root,
+also a cut link and a full disk).
 
     .venv/bin/python bench/soak.py [--quick] [--json] [--seed 7] [--minutes M] [--out DIR]
 
@@ -13,14 +14,17 @@ Its step count is calibrated so that training takes about --minutes without faul
 Faults, drawn from --seed about every --every seconds (uniform in [0.5, 1.5] x every):
   kill-worker   SIGKILL of a cluster's training process (its agent restarts it);
   kill-relay    SIGKILL of a relay (its agent restarts it; it resyncs from a peer);
-  stall-relay   SIGSTOP of a relay for dead_after + 2 s, then SIGCONT: a silent link, as far as
-                one machine without namespaces shows one;
+  stall-relay   SIGSTOP of a relay for dead_after + 2 s, then SIGCONT (a frozen relay);
   kill-agent    SIGKILL of a host's agent alone (the next `status` replaces it: `agent revive`);
   reboot-host   SIGKILL of a host's agent and everything it ran (a host reboot, as far as
                 processes show one): the next `status` replaces the agent and restarts its work;
+  cut-link      (root) every packet between the clusters' relays dropped for 10-40 s, then the
+                link restored (nftables on loopback: a silent link, as a cut WAN link is);
+  full-disk     (root) one host's checkpoint volume (a tmpfs of its own) filled until ENOSPC for
+                30-90 s, then emptied;
 and, after a fault, with probability 0.3 a second one 3 s later (a fault during the recovery
-from the last). Once, half way, `nebula stop` then `nebula resume`. Not here: a cut of a real
-link and a full disk (both need the test bed's namespaces and a small file system per host).
+from the last). Once, half way, `nebula stop` then `nebula resume`. The faults are injected by
+bench/_soak_faults.py.
 
 Every --sample-every seconds (30; --quick: 10): RSS and open descriptors of every nebula process
 by kind (agent, logpump, relay, worker), bytes on disk under `$NEBULA_HOME` (which holds the
@@ -38,11 +42,10 @@ import contextlib
 import json
 import os
 import random
-import signal
 import sys
 import tempfile
 import time
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -50,18 +53,21 @@ import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _local import GPT_DIR, REPO, Cli, records  # noqa: E402
+from _soak_faults import CheckpointVolumes, Injector, available  # noqa: E402
 from _soak_sample import KINDS, Sample, growth, processes, take  # noqa: E402
 
 JSON_FIELDS = ("rounds", "rss_growth_mb_per_1000_rounds", "fd_growth_per_1000_rounds",
                "disk_bytes_end", "disk_bound_bytes", "status_time_ratio", "goodput_vs_clean",
                "identical", "left_processes", "goals_met")
-FAULTS = ("kill-worker", "kill-relay", "stall-relay", "kill-agent", "reboot-host")
 GOALS = {"rss_mb": 1.0, "status_ratio": 1.5, "goodput": 0.85}
 QUICK = {"minutes": 4.0, "every": 40.0, "sample": 10.0}
 FULL = {"minutes": 60.0, "every": 180.0, "sample": 30.0}
 LOGS = {"max_mb": 0.25, "keep": 2}
 CKPT_KEEP = 2
 DEAD_AFTER = 6.0
+HOLD_S = {"stall-relay": (DEAD_AFTER + 2, DEAD_AFTER + 2), "cut-link": (10.0, 40.0),
+          "full-disk": (30.0, 90.0)}
+HOSTS = {"east": "e1", "west": "w1"}
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -87,12 +93,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def write_spec(tmp: Path, name: str, steps: int, args: argparse.Namespace) -> Path:
+    """The job; its checkpoints under the absolute `<tmp>/checkpoints` (`<job id>/<cluster>/
+    <host>` below it), where each host's may get a volume of its own."""
     spec = yaml.safe_load((REPO / "templates" / "quickstart.yaml").read_text())
     spec.update(name=name, workdir=str(GPT_DIR), max_restarts=1000, logs=LOGS,
                 run=f"python -u train.py --steps {steps} --eval-every {steps} --log-every 2",
-                checkpoint={"every": 10, "keep": CKPT_KEEP, "dir": "checkpoints"})
+                checkpoint={"every": 10, "keep": CKPT_KEEP, "dir": str(tmp / "checkpoints")})
     spec["clusters"] = [{"name": c, "transport": "local", "hosts": [{"host": h}]}
-                        for c, h in (("east", "e1"), ("west", "w1"))]
+                        for c, h in HOSTS.items()]
     spec["relay"]["sync"]["inner_steps"] = args.inner_steps
     spec["relay"].update(timeout=30, heartbeat=1.0, dead_after=DEAD_AFTER)
     path = tmp / f"{name}.yaml"
@@ -100,103 +108,88 @@ def write_spec(tmp: Path, name: str, steps: int, args: argparse.Namespace) -> Pa
     return path
 
 
-def host_pids(job_id: str, cluster: str, role: str) -> tuple[int | None, list[int]]:
-    """(the agent's pid, every process of its directory) of `role` on `cluster`'s host."""
-    mark = f"/{job_id}/{cluster}/"
-    agent, group = None, []
-    for pid in (p for pids in processes(job_id).values() for p in pids):
-        with contextlib.suppress(OSError):
-            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
-            env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-            mine = any(x.startswith(b"NEBULA_AGENT_DIR=") and mark.encode() in x
-                       and x.endswith(f"/{role}".encode()) for x in env)
-            supervises = "nebula_cli.agent start" in cmd or "nebula_cli.agent revive" in cmd
-            if supervises and mark in cmd and cmd.rstrip().endswith(role):
-                agent = pid
-            elif mine:
-                group.append(pid)
-    return agent, group
+@dataclass
+class Outcome:
+    """One run of the job to its end."""
+
+    seconds: float
+    status: dict[str, Any]
+    samples: list[Sample]
+    faults: list[dict[str, Any]]
+    job_id: str
+    disk_bound: int
+    """What the spec allows on disk (`disk_bound`), taken before the volumes go."""
 
 
-def inject(cli: Cli, job_id: str, kind: str, cluster: str) -> bool:
-    role = "relay" if "relay" in kind else "worker"
-    agent, group = host_pids(job_id, cluster, role)
-    procs = processes(job_id)
-    try:
-        if kind == "kill-worker":
-            targets = [p for p in group if p in procs["worker"]]
-        elif kind in ("kill-relay", "stall-relay"):
-            targets = [p for p in group if p in procs["relay"]]
-        elif kind == "kill-agent":
-            targets = [agent] if agent else []
-        else:  # reboot-host
-            targets = ([agent] if agent else []) + group
-        if not targets:
-            return False
-        if kind == "stall-relay":
-            for p in targets:
-                os.kill(p, signal.SIGSTOP)
-            time.sleep(DEAD_AFTER + 2.0)
-            for p in targets:
-                os.kill(p, signal.SIGCONT)
-        else:
-            for p in targets:
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(p, signal.SIGKILL)
-    except ProcessLookupError:
-        return False
-    return True
-
-
-def run(cli: Cli, spec: Path, args: argparse.Namespace, faulty: bool
-        ) -> tuple[float, dict[str, Any], list[Sample], list[dict[str, Any]], str]:
+def run(cli: Cli, spec: Path, args: argparse.Namespace, faults_here: tuple[str, ...]
+        ) -> Outcome:
+    """One job to its end: with `faults_here` (a fault schedule drawn from them, and the stop
+    and resume half way), or without any. Each host's checkpoints get a volume of their own
+    where this machine allows one (root), for both runs alike."""
+    faulty = bool(faults_here)
+    ckpt_root = spec.parent / "checkpoints"
     t0 = time.monotonic()
-    job_id = cli("launch", str(spec), "--detach", timeout=600).stdout.strip().splitlines()[-1]
-    rng = random.Random(args.seed)
-    samples: list[Sample] = []
-    faults: list[dict[str, Any]] = []
-    next_fault = t0 + args.every * rng.uniform(0.5, 1.5)
-    next_sample = t0
-    resumed = not faulty
-    half = t0 + args.minutes * 30
-    while True:
-        now = time.monotonic()
-        if now >= next_sample:
-            a = time.monotonic()
-            st = cli.status(job_id)
-            took = time.monotonic() - a
-            samples.append(take(job_id, cli.home, now - t0, took))
-            s = samples[-1]
-            print(f"  {now - t0:7.1f}s  round {s.rounds:5d}  rss " + " ".join(
-                f"{k} {s.rss[k]:.0f}" for k in KINDS) + f"  disk {s.disk >> 20} MiB  "
-                f"status {took:.2f}s", flush=True)
-            next_sample = now + args.sample_every
-            if st.get("state") not in ("PENDING", "RUNNING", None):
-                break
-        if faulty and not resumed and now >= half:
-            print(f"  {now - t0:7.1f}s  stop, then resume", flush=True)
-            cli("stop", job_id, timeout=300)
-            cli("resume", job_id, "--detach", timeout=600)
-            faults.append({"at_s": round(now - t0, 1), "fault": "stop-resume"})
-            resumed = True
-        if faulty and now >= next_fault:
-            kind, cluster = rng.choice(FAULTS), rng.choice(["east", "west"])
-            chained = [kind] + ([rng.choice(FAULTS)] if rng.random() < 0.3 else [])
-            for i, k in enumerate(chained):
-                if i:
-                    time.sleep(3.0)
-                if inject(cli, job_id, k, cluster):
-                    faults.append({"at_s": round(time.monotonic() - t0, 1), "fault": k,
-                                   "cluster": cluster, "during_recovery": bool(i)})
-                    print(f"  {time.monotonic() - t0:7.1f}s  {k} {cluster}"
-                          + (" (during the recovery)" if i else ""), flush=True)
-            next_fault = time.monotonic() + args.every * rng.uniform(0.5, 1.5)
-        time.sleep(0.5)
-    seconds = time.monotonic() - t0
-    if st.get("state") != "SUCCEEDED":
-        cli("stop", job_id, "--force")
-        raise SystemExit(f"{spec.stem}: job {job_id} ended {st.get('state')}: {st.get('reason')}")
-    return seconds, st, samples, faults, job_id
+    with contextlib.ExitStack() as stack:
+        job_id = cli("launch", str(spec), "--detach",
+                     timeout=600).stdout.strip().splitlines()[-1]
+        volumes = None
+        if os.geteuid() == 0:
+            volumes = CheckpointVolumes(ckpt_root)
+            stack.callback(volumes.close)
+            volumes.mount(job_id, HOSTS)
+        injector = Injector(job_id, cli.home / "jobs" / job_id, volumes)
+        stack.callback(injector.close)
+        rng = random.Random(args.seed)
+        samples: list[Sample] = []
+        faults: list[dict[str, Any]] = []
+        next_fault = t0 + args.every * rng.uniform(0.5, 1.5)
+        next_sample = t0
+        resumed = not faulty
+        half = t0 + args.minutes * 30
+        while True:
+            now = time.monotonic()
+            for kind in injector.due():
+                print(f"  {now - t0:7.1f}s  {kind}: undone", flush=True)
+            if now >= next_sample:
+                a = time.monotonic()
+                st = cli.status(job_id)
+                took = time.monotonic() - a
+                samples.append(take(job_id, cli.home, now - t0, took,
+                                    extra=[ckpt_root / job_id]))
+                s = samples[-1]
+                print(f"  {now - t0:7.1f}s  round {s.rounds:5d}  rss " + " ".join(
+                    f"{k} {s.rss[k]:.0f}" for k in KINDS) + f"  disk {s.disk >> 20} MiB  "
+                    f"status {took:.2f}s", flush=True)
+                next_sample = now + args.sample_every
+                if st.get("state") not in ("PENDING", "RUNNING", None):
+                    break
+            if faulty and not resumed and now >= half:
+                print(f"  {now - t0:7.1f}s  stop, then resume", flush=True)
+                cli("stop", job_id, timeout=300)
+                cli("resume", job_id, "--detach", timeout=600)
+                faults.append({"at_s": round(now - t0, 1), "fault": "stop-resume"})
+                resumed = True
+            if faulty and now >= next_fault:
+                kind, cluster = rng.choice(faults_here), rng.choice(list(HOSTS))
+                chained = [kind] + ([rng.choice(faults_here)] if rng.random() < 0.3 else [])
+                for i, k in enumerate(chained):
+                    if i:
+                        time.sleep(3.0)
+                    low, high = HOLD_S.get(k, (0.0, 0.0))
+                    if injector.inject(k, cluster, hold_s=rng.uniform(low, high)):
+                        faults.append({"at_s": round(time.monotonic() - t0, 1), "fault": k,
+                                       "cluster": cluster, "during_recovery": bool(i)})
+                        print(f"  {time.monotonic() - t0:7.1f}s  {k} {cluster}"
+                              + (" (during the recovery)" if i else ""), flush=True)
+                next_fault = time.monotonic() + args.every * rng.uniform(0.5, 1.5)
+            time.sleep(0.5)
+        seconds = time.monotonic() - t0
+        if st.get("state") != "SUCCEEDED":
+            cli("stop", job_id, "--force")
+            raise SystemExit(f"{spec.stem}: job {job_id} ended {st.get('state')}: "
+                             f"{st.get('reason')}")
+        bound = disk_bound(cli.home, ckpt_root, job_id)
+    return Outcome(seconds, st, samples, faults, job_id, bound)
 
 
 def calibrate(cli: Cli, tmp: Path, args: argparse.Namespace) -> int:
@@ -218,7 +211,7 @@ def calibrate(cli: Cli, tmp: Path, args: argparse.Namespace) -> int:
     return max(steps, 60)
 
 
-def disk_bound(home: Path, job_id: str) -> int:
+def disk_bound(home: Path, ckpt_root: Path, job_id: str) -> int:
     """What the spec allows on disk: every rotated file at its bound, checkpoints at keep + 1
     (one being written) of the largest seen, plus what does not grow (code, configs)."""
     job = home / "jobs" / job_id
@@ -228,7 +221,7 @@ def disk_bound(home: Path, job_id: str) -> int:
     series |= {str(p) for p in job.glob("*/*/*/agent.log")}
     per_file = (LOGS["keep"] + 1) * (int(LOGS["max_mb"] * (1 << 20)) + (64 << 10))
     ckpts = [sum(f.stat().st_size for f in d.rglob("*") if f.is_file())
-             for d in job.glob("**/checkpoints/*/*/step*")]
+             for d in ckpt_root.glob(f"{job_id}/*/*/step*")]
     hosts = len(list(job.glob("*/*/worker")))
     fixed = 64 << 20  # agent.json, certificates, summaries, state.db, launch.log, pki
     return len(series) * per_file + hosts * (CKPT_KEEP + 1) * max(ckpts, default=0) + fixed
@@ -279,17 +272,20 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="nebula-soak-") as tmp:
         cli = Cli(Path(tmp) / "home")
         steps = calibrate(cli, Path(tmp), args)
+        kinds, left_out = available()
         print(f"(a) under faults: {steps} steps, a round every {args.inner_steps} steps, "
-              f"a fault every ~{args.every:g} s (seed {args.seed})", flush=True)
-        secs, st, samples, faults, job_id = run(
-            cli, write_spec(Path(tmp), "soak", steps, args), args, faulty=True)
+              f"a fault every ~{args.every:g} s (seed {args.seed}): {', '.join(kinds)}"
+              + (f" ({left_out})" if left_out else ""), flush=True)
+        faulted = run(cli, write_spec(Path(tmp), "soak", steps, args), args, kinds)
+        secs, st, samples, faults, job_id = (faulted.seconds, faulted.status, faulted.samples,
+                                             faulted.faults, faulted.job_id)
         recs = records(cli.home, job_id)
         last: dict[str, dict[str, Any]] = {}  # each cluster's last final record (a stop, a
         for r in sorted((r for r in recs if r.get("final")), key=lambda r: r.get("ts", 0)):
             last[r.get("cluster", "?")] = r  # revive's graceful end, the end: each writes one)
         finals = list(last.values())
         sums = sorted(f"{c}: {r.get('param_sha256')}" for c, r in last.items())
-        end_disk, bound = samples[-1].disk, disk_bound(cli.home, job_id)
+        end_disk, bound = samples[-1].disk, faulted.disk_bound
         time.sleep(3)
         left = sum(len(v) for v in processes(job_id).values())
         args.out.mkdir(parents=True, exist_ok=True)  # kept before (b), should (b) not end
@@ -299,7 +295,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"(a) took {secs:.0f} s, {len(faults)} faults; samples and plots in {args.out}; "
               f"checksums {'; '.join(sums)}; processes left {left}", flush=True)
         print("(b) fault-free, the same steps", flush=True)
-        clean_s, *_ = run(cli, write_spec(Path(tmp), "clean", steps, args), args, faulty=False)
+        clean_s = run(cli, write_spec(Path(tmp), "clean", steps, args), args, ()).seconds
     grown = growth(samples, warmup=0.2)
     first = [s.status_s for s in samples[:3]]
     last = [s.status_s for s in samples[-3:]]

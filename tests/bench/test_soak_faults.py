@@ -1,0 +1,131 @@
+"""bench/_soak_faults.py on real processes, sockets and file systems: a relay frozen and thawed
+after its hold (or at close), a link cut by nftables (connects time out, an open connection's
+bytes wait and arrive once restored), one host's checkpoint volume full while the other's
+is not."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+root_only = pytest.mark.skipif(os.geteuid() != 0, reason="needs root (nftables, tmpfs mounts)")
+
+
+def _module() -> ModuleType:
+    sys.path.insert(0, str(REPO / "bench"))  # it imports its sibling _soak_sample
+    spec = importlib.util.spec_from_file_location("soak_faults", REPO / "bench" /
+                                                  "_soak_faults.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def _state(pid: int) -> str:
+    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+
+
+@pytest.fixture
+def fake_relay(tmp_path: Path) -> Iterator[tuple[str, int]]:
+    """A process that bench/_soak_sample.py takes for job `job-x`'s relay on east's host."""
+    agent_dir = tmp_path / "jobs" / "job-x" / "east" / "e1" / "relay"
+    proc = subprocess.Popen(
+        [sys.executable, "-c", "import time; time.sleep(120)", "nebula_cli.relay"],
+        env={**os.environ, "NEBULA_JOB_ID": "job-x", "NEBULA_AGENT_DIR": str(agent_dir)})
+    try:
+        yield "job-x", proc.pid
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_a_stalled_relay_is_thawed_after_its_hold_and_at_close(
+        fake_relay: tuple[str, int], tmp_path: Path) -> None:
+    m = _module()
+    job_id, pid = fake_relay
+    time.sleep(0.3)  # its command line is the one above by now
+    inj = m.Injector(job_id, tmp_path / "jobs" / job_id, None)
+    assert inj.inject("stall-relay", "east", hold_s=0.5)
+    assert _state(pid) == "T"
+    assert inj.due() == [] and inj.pending()
+    time.sleep(0.6)
+    assert inj.due() == ["stall-relay"]
+    time.sleep(0.1)
+    assert _state(pid) != "T" and not inj.pending()
+    assert inj.inject("stall-relay", "east", hold_s=3600)
+    inj.close()  # the bench's end, whatever happened: nothing is left frozen
+    time.sleep(0.1)
+    assert _state(pid) != "T"
+    assert not inj.inject("stall-relay", "west", hold_s=1)  # no relay there
+
+
+def test_relay_ports_are_read_from_each_relays_config(tmp_path: Path) -> None:
+    m = _module()
+    for cluster, port in (("east", 26741), ("west", 30828)):
+        d = tmp_path / cluster / "h" / "relay"
+        d.mkdir(parents=True)
+        (d / "relay.json").write_text(json.dumps({"peer_listen": f"127.0.0.1:{port}"}))
+    assert m.relay_ports(tmp_path) == [26741, 30828]
+
+
+@root_only
+@pytest.mark.skipif(shutil.which("nft") is None, reason="no nft")
+def test_a_cut_link_is_silent_and_restored() -> None:
+    m = _module()
+    server = socket.create_server(("127.0.0.1", 0))
+    port = server.getsockname()[1]
+    client = socket.create_connection(("127.0.0.1", port), timeout=5)
+    peer, _ = server.accept()
+    undo = m.cut([port])
+    try:
+        probe = socket.socket()
+        probe.settimeout(1.0)
+        with pytest.raises(TimeoutError):
+            probe.connect(("127.0.0.1", port))  # no answer at all: silent, not refused
+        probe.close()
+        client.sendall(b"during the cut")
+        peer.settimeout(1.0)
+        with pytest.raises(TimeoutError):
+            peer.recv(64)
+    finally:
+        undo()
+    peer.settimeout(10.0)  # TCP retransmits: the bytes sent during the cut arrive
+    assert peer.recv(64) == b"during the cut"
+    socket.create_connection(("127.0.0.1", port), timeout=5).close()
+    listed = subprocess.run(["nft", "list", "tables"], capture_output=True, text=True).stdout
+    assert m.NFT_TABLE not in listed
+    for s in (client, peer, server):
+        s.close()
+
+
+@root_only
+def test_one_hosts_volume_fills_and_empties(tmp_path: Path) -> None:
+    m = _module()
+    volumes = m.CheckpointVolumes(tmp_path)
+    try:
+        volumes.mount("job-x", {"east": "e1", "west": "w1"})
+        east, west = volumes.of("job-x", "east"), volumes.of("job-x", "west")
+        assert east == tmp_path / "job-x" / "east" / "e1" and west is not None
+        undo = m.fill(east)
+        with pytest.raises(OSError, match="No space"):
+            (east / "step10").write_bytes(b"\0" * (1 << 20))
+        (west / "step10").write_bytes(b"\0" * (1 << 20))  # the other host's disk is not full
+        undo()
+        (east / "step10").write_bytes(b"\0" * (1 << 20))
+    finally:
+        volumes.close()
+    assert not any((tmp_path / "job-x" / "east" / "e1").iterdir())  # unmounted: its files went
+    assert str(tmp_path) not in Path("/proc/mounts").read_text()

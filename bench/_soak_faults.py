@@ -114,7 +114,9 @@ def fill(volume: Path) -> Callable[[], None]:
 @dataclass
 class CheckpointVolumes:
     """A tmpfs of VOLUME_MB per host, mounted at each host's checkpoint directory of a job
-    whose `checkpoint.dir` is the absolute `root` (`<root>/<job id>/<cluster>/<host>`)."""
+    whose `checkpoint.dir` is the absolute `root` (`<root>/<job id>/<cluster>/<host>`); 0700,
+    as the runtime loads checkpoints only from a directory no other user can write (a tmpfs
+    is 1777 by default)."""
 
     root: Path
     mounted: list[Path] = field(default_factory=list)
@@ -125,7 +127,7 @@ class CheckpointVolumes:
             where.mkdir(parents=True, exist_ok=True)
             if any(where.iterdir()):
                 raise OSError(f"{where} already holds checkpoints: mounted too late")
-            subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={VOLUME_MB}m", "tmpfs",
+            subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={VOLUME_MB}m,mode=0700", "tmpfs",
                             str(where)], check=True, capture_output=True, timeout=10)
             self.mounted.append(where)
 

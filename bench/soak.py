@@ -42,6 +42,7 @@ import contextlib
 import json
 import os
 import random
+import signal
 import sys
 import tempfile
 import time
@@ -129,13 +130,15 @@ def run(cli: Cli, spec: Path, args: argparse.Namespace, faults_here: tuple[str, 
     faulty = bool(faults_here)
     ckpt_root = spec.parent / "checkpoints"
     t0 = time.monotonic()
-    with contextlib.ExitStack() as stack:
+    with contextlib.ExitStack() as stack:  # undone last to first: faults, job, volumes
+        volumes = CheckpointVolumes(ckpt_root) if os.geteuid() == 0 else None
+        if volumes is not None:
+            stack.callback(volumes.close)
         job_id = cli("launch", str(spec), "--detach",
                      timeout=600).stdout.strip().splitlines()[-1]
-        volumes = None
-        if os.geteuid() == 0:
-            volumes = CheckpointVolumes(ckpt_root)
-            stack.callback(volumes.close)
+        ended = False
+        stack.callback(lambda: ended or cli("stop", job_id, "--force", timeout=300))
+        if volumes is not None:
             volumes.mount(job_id, HOSTS)
         injector = Injector(job_id, cli.home / "jobs" / job_id, volumes)
         stack.callback(injector.close)
@@ -185,10 +188,10 @@ def run(cli: Cli, spec: Path, args: argparse.Namespace, faults_here: tuple[str, 
             time.sleep(0.5)
         seconds = time.monotonic() - t0
         if st.get("state") != "SUCCEEDED":
-            cli("stop", job_id, "--force")
             raise SystemExit(f"{spec.stem}: job {job_id} ended {st.get('state')}: "
                              f"{st.get('reason')}")
         bound = disk_bound(cli.home, ckpt_root, job_id)
+        ended = True  # (an interrupt, an error, a job that failed: it is stopped, --force)
     return Outcome(seconds, st, samples, faults, job_id, bound)
 
 
@@ -268,6 +271,9 @@ def plot(samples: list[Sample], out: Path, label: str) -> list[str]:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    # SIGTERM (and SIGINT, which a shell's background job ignores) unwinds: jobs stopped,
+    # volumes unmounted, faults undone
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     label = "quick" if args.quick else f"{args.minutes:g}min"
     with tempfile.TemporaryDirectory(prefix="nebula-soak-") as tmp:
         cli = Cli(Path(tmp) / "home")

@@ -38,6 +38,16 @@ def _state(pid: int) -> str:
     return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
 
 
+def _comes_to(pid: int, stopped: bool, within: float = 5.0) -> bool:
+    """Whether the process is (or is not) stopped within `within` s (a signal lands later)."""
+    deadline = time.monotonic() + within
+    while (_state(pid) == "T") != stopped:
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.02)
+    return True
+
+
 @pytest.fixture
 def fake_relay(tmp_path: Path) -> Iterator[tuple[str, int]]:
     """A process that bench/_soak_sample.py takes for job `job-x`'s relay on east's host."""
@@ -56,19 +66,21 @@ def test_a_stalled_relay_is_thawed_after_its_hold_and_at_close(
         fake_relay: tuple[str, int], tmp_path: Path) -> None:
     m = _module()
     job_id, pid = fake_relay
-    time.sleep(0.3)  # its command line is the one above by now
+    deadline = time.monotonic() + 10
+    while b"nebula_cli.relay" not in Path(f"/proc/{pid}/cmdline").read_bytes():
+        assert time.monotonic() < deadline, "the fake relay never ran"
+        time.sleep(0.02)  # (still the fork's copy of pytest)
     inj = m.Injector(job_id, tmp_path / "jobs" / job_id, None)
     assert inj.inject("stall-relay", "east", hold_s=0.5)
-    assert _state(pid) == "T"
-    assert inj.due() == [] and inj.pending()
+    assert _comes_to(pid, stopped=True)
+    assert inj.pending()
     time.sleep(0.6)
     assert inj.due() == ["stall-relay"]
-    time.sleep(0.1)
-    assert _state(pid) != "T" and not inj.pending()
+    assert _comes_to(pid, stopped=False) and not inj.pending()
     assert inj.inject("stall-relay", "east", hold_s=3600)
+    assert _comes_to(pid, stopped=True)
     inj.close()  # the bench's end, whatever happened: nothing is left frozen
-    time.sleep(0.1)
-    assert _state(pid) != "T"
+    assert _comes_to(pid, stopped=False)
     assert not inj.inject("stall-relay", "west", hold_s=1)  # no relay there
 
 
@@ -119,6 +131,7 @@ def test_one_hosts_volume_fills_and_empties(tmp_path: Path) -> None:
         volumes.mount("job-x", {"east": "e1", "west": "w1"})
         east, west = volumes.of("job-x", "east"), volumes.of("job-x", "west")
         assert east == tmp_path / "job-x" / "east" / "e1" and west is not None
+        assert east.stat().st_mode & 0o777 == 0o700  # checkpoints load only from such a dir
         undo = m.fill(east)
         with pytest.raises(OSError, match="No space"):
             (east / "step10").write_bytes(b"\0" * (1 << 20))

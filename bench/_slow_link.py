@@ -3,6 +3,7 @@ to a rate, each way: the distillation bench's stand-in for a WAN link between tw
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import socket
 import threading
@@ -39,13 +40,40 @@ class SlowLink:
                 threading.Thread(target=self._pump, args=(src, dst), daemon=True).start()
 
     def _pump(self, src: socket.socket, dst: socket.socket) -> None:
+        """One direction: a delay line. What is read is queued with the time it arrives at
+        the far end (after the bytes ahead of it are paced out, plus the delay) and a writer
+        sends it then, so that bytes sent one after the other each take the delay once (a
+        reader that slept out each chunk's delay before reading the next would add them
+        up)."""
+        line: collections.deque[tuple[float, bytes | None]] = collections.deque()
+        ready = threading.Condition()
+        threading.Thread(target=self._deliver, args=(line, ready, dst), daemon=True).start()
         free_at = 0.0  # when the link is free to send the next byte
         try:
             while data := src.recv(65536):
                 now = time.monotonic()
                 free_at = max(free_at, now) + len(data) / self.rate
-                arrive = free_at + self.delay
+                with ready:
+                    line.append((free_at + self.delay, data))
+                    ready.notify()
+        except OSError:
+            pass
+        with ready:
+            line.append((time.monotonic() + self.delay, None))  # the end, delayed as well
+            ready.notify()
+
+    @staticmethod
+    def _deliver(line: collections.deque[tuple[float, bytes | None]],
+                 ready: threading.Condition, dst: socket.socket) -> None:
+        try:
+            while True:
+                with ready:
+                    while not line:
+                        ready.wait()
+                    arrive, data = line.popleft()
                 time.sleep(max(0.0, arrive - time.monotonic()))
+                if data is None:
+                    break
                 dst.sendall(data)
         except OSError:
             pass

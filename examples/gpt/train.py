@@ -204,7 +204,8 @@ def main(argv: list[str] | None = None) -> int:
     t_start = t_window = time.perf_counter()
     t_first_step = None
     step = start
-    try:
+    stopping = False  # (resumed at its last step, from a checkpoint made before its end: no
+    try:  # step is left, and the round over the steps since the last one is still owed)
         for step in range(start + 1, args.steps + 1):
             step_loss = 0.0
             info: dict[str, Any] = {}

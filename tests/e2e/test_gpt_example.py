@@ -17,8 +17,10 @@ from types import ModuleType
 
 import pytest
 import torch
-from helpers.jobs import REPO
-from helpers.quickstart import TINY_GPT
+import yaml
+from helpers.checkpoint_jobs import kill_rank, wait_ended
+from helpers.jobs import CLI, REPO, job_processes, wait_for
+from helpers.quickstart import TINY_GPT, metric_records
 from helpers.sshd_bed import free_port
 
 from nebula_cli.agent.leftovers import remove_shm_buffers
@@ -256,3 +258,54 @@ def test_sigterm_finishes_the_step_and_exits_zero(tmp_path: Path) -> None:
     assert final["final"] is True and 4 <= final["step"] < 100000
     assert math.isfinite(final["eval_loss"]) and len(final["param_sha256"]) == 64
     assert "SIGTERM" in (tmp_path / "rank0.log").read_text()
+
+
+# --- a worker killed after its last checkpoint, before its end -------------------------------
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_a_worker_killed_after_its_last_checkpoint_resumes_there_and_ends(
+        cli: CLI, tmp_path: Path) -> None:
+    """East checkpoints at its last step (20), then waits in the job's final round for west
+    (20x slower); SIGKILLed there, its agent restarts it, it resumes at step 20 with no step
+    left and must still take its part in the final round. Found by bench/soak.py: the example
+    died at once (`stopping` never set), and every restart did the same."""
+    spec = yaml.safe_load((REPO / "templates" / "quickstart.yaml").read_text())
+    spec.update(name="lastckpt", workdir=str(GPT_DIR), max_restarts=1,
+                run=f"python -u train.py --steps 20 --eval-every 20 --log-every 5 {TINY_GPT}",
+                checkpoint={"every": 10, "keep": 2})
+    spec["clusters"] = [
+        {"name": "east", "transport": "local", "hosts": [{"host": "e1"}]},
+        {"name": "west", "transport": "local", "hosts": [{"host": "w1"}],
+         "env": {"GPT_SLOWDOWN": "20"}}]
+    spec["relay"]["sync"]["inner_steps"] = 15  # a round at 15, the last one after step 20
+    spec["relay"].pop("shaping", None)
+    path = tmp_path / "lastckpt.yaml"
+    path.write_text(yaml.safe_dump(spec))
+    job_id = cli("launch", str(path), "--detach", check=True).stdout.strip()
+    try:
+        def east_waits() -> bool:
+            recs = metric_records(cli.home, job_id)
+            saved = any(r.get("cluster") == "east" and r.get("checkpoint_step") == 20
+                        and not r.get("checkpoint_error") for r in recs)
+            west_at = max((r["step"] for r in recs if r.get("cluster") == "west"), default=0)
+            ended = any(r.get("final") for r in recs)
+            return saved and west_at < 20 and not ended
+
+        wait_for(east_waits, timeout=300, every=0.2)
+        kill_rank(job_id, "east", "0")
+        st = wait_ended(cli, job_id, timeout=300)
+    finally:
+        cli("stop", job_id, "--force")
+    assert st["state"] == "SUCCEEDED", st
+    (east,) = [h for h in st["hosts"] if h["role"] == "worker" and h["cluster"] == "east"]
+    assert east["restarts"] == 1
+    recs = metric_records(cli.home, job_id)
+    assert [r["resumed_from_step"] for r in recs if r.get("cluster") == "east"
+            and "resumed_from_step" in r and not r.get("final")] == [20]
+    finals = [r for r in recs if r.get("final")]
+    assert sorted(r["cluster"] for r in finals) == ["east", "west"]
+    assert all(r["step"] == 20 for r in finals)
+    assert len({r["param_sha256"] for r in finals}) == 1, finals  # the final round was had
+    assert job_processes(job_id) == []

@@ -7,15 +7,21 @@ the same steps on the same batches five ways, side by side:
 - ``colocated``: KD from the soft labels through the label relay, the teacher on the student's
   site;
 - ``wan``: the same across a ``--rate-mbit``/``--delay-ms`` link: on this machine a delaying,
-  pacing proxy on loopback in front of the label relay (bench/_slow_link.py, in this
-  process); with ``--bed`` (root) the test bed's link between two sites, shaped to the rate by
-  its tbf, the delay added by the same proxy on the student's host (the bed's kernel has no
-  netem). With ``--bed`` the teachers serve from hosts of the east site (the
-  colocated one from the student's own west site), the student trains on w1: every thread in
-  its host's network namespace (bench/_netns.py), and the ``wan`` run's bytes are also counted
-  on the link (``link_bytes_per_token``);
-- ``failover``: ``wan`` with two teacher replicas, one stopped (its label relay closed, its
-  server gone) a third of the way in.
+  pacing proxy on loopback in front of the label relay (bench/_slow_link.py); with ``--bed``
+  (root) the test bed's link between two sites, shaped to the rate by its tbf, the delay added
+  by the same proxy on the student's host (the bed's kernel has no netem). With ``--bed`` the
+  teachers serve from hosts of the east site (the colocated one from the student's own west
+  site) and the student trains on w1, each in its host's network namespace
+  (bench/_netns.py), and the ``wan`` run's bytes are also counted on the link
+  (``link_bytes_per_token``);
+- ``failover``: ``wan`` with two teacher replicas, one killed (SIGKILL) a third of the way in.
+
+Every teacher and every link's proxy is a process of its own (bench/_distill_site.py), pinned
+to the first CPU while the student trains on the others (``--no-pin``: all share every CPU): a
+teacher at another site has hardware of its own and a link costs its ends nothing, so the
+student's process holds only the student and its label client, in ``colocated`` and ``wan``
+alike (with the teacher as a thread of the student's process, as before, both runs shared the
+interpreter and the CPUs with it).
 
 - ``two_ranks``: ``wan`` again with two student ranks (two processes, gloo; each asks for
   its half of every batch through its own loader): ``identical`` is whether both end with the
@@ -43,13 +49,14 @@ import argparse
 import contextlib
 import datetime as dt
 import json
+import os
 import shutil
 import sys
 import tempfile
 import threading
 import time
-from collections.abc import Iterator
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from statistics import median
 from typing import Any
@@ -60,8 +67,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "examples" / "distill"), str(Path(__file__).parent)]
 
 from _bed import link_bytes, make_bed, require_bed  # noqa: E402
+from _distill_site import site  # noqa: E402
 from _netns import in_netns  # noqa: E402
-from _slow_link import SlowLink  # noqa: E402
 from bpe import sequences, token_split, train_tokenizer  # noqa: E402
 from transformers import GPT2Config, GPT2LMHeadModel  # noqa: E402
 
@@ -69,12 +76,13 @@ from nebula_cli.config.distill_config import DistillConfig  # noqa: E402
 from nebula_cli.config.distill_spec import DistillSpec  # noqa: E402
 from nebula_cli.config.relay_config import TlsFiles  # noqa: E402
 from nebula_cli.pki.certs import issue_job_pki  # noqa: E402
-from nebula_cli.runtime.distill import kd_loss, serve, soft_labelled, topk_labels  # noqa: E402
+from nebula_cli.runtime.distill import kd_loss, soft_labelled, topk_labels  # noqa: E402
 from nebula_cli.runtime.distill.loader import SoftLabels  # noqa: E402
 from nebula_cli.transport.freeport import free_port  # noqa: E402
 
 JOB = "job-bench-distill"
 WIDTH = 64
+TEACHER = {"embd": 128, "layers": 4}
 BED = {"east": ["e1", "e2"], "west": ["w1", "w2"]}
 
 
@@ -102,17 +110,13 @@ class Sites:
     def across(self, place: Place, port: int, args: argparse.Namespace
                ) -> Iterator[tuple[str, int]]:
         """Where the student dials a teacher serving at ``place`` on ``port`` across the link:
-        a delaying proxy on the student's loopback (bench/_slow_link.py, in this process),
-        which also paces off the bed."""
-        # on the bed the link's tbf paces; the bed's own delay proxy (a process) made the
-        # student 23 % slower in one run (10.3k against 13.3k tokens/s colocated, three seeds
-        # alike; not understood) and the router's would leave the answers unshaped
-        link = SlowLink((place.address, port), args.delay_ms,
-                        None if self.bed is not None else args.rate_mbit)
-        try:
-            yield "127.0.0.1", link.port
-        finally:
-            link.close()
+        a delaying proxy on the student's loopback (bench/_slow_link.py, a process of its own
+        on the sites' CPUs, started in the calling thread's namespace: the student's), which
+        also paces off the bed (on the bed the link's tbf paces)."""
+        rate = [] if self.bed is not None else [str(args.rate_mbit)]
+        with site("link", place.address, str(port), str(args.delay_ms), *rate,
+                  cpus=args.site_cpus) as (_, line):
+            yield "127.0.0.1", int(line.split()[1])
 
 
 def sites(args: argparse.Namespace, stack: contextlib.ExitStack) -> Sites:
@@ -145,24 +149,20 @@ def cfg(pki: Path, cluster: str, host: str, teachers: dict[str, str], listen: st
 
 
 @contextlib.contextmanager
-def teacher_site(model: torch.nn.Module, pki: Path, cluster: str, args: argparse.Namespace,
-                 place: Place) -> Iterator[tuple[int, threading.Event]]:
+def teacher_site(weights: Path, vocab: int, pki: Path, cluster: str, args: argparse.Namespace,
+                 place: Place) -> Iterator[tuple[int, Callable[[], None]]]:
+    """A teacher serving at ``place`` (a process of its own in its host's namespace, on the
+    sites' CPUs): its port, and what kills it (SIGKILL: a teacher process lost mid-run)."""
     port = free_port("127.0.0.1")
-    stop = threading.Event()
     addr = f"{place.address}:{port}"
-    c = cfg(pki, cluster, "t1", {cluster: addr}, addr, args)
-
-    def serving() -> None:
+    config = pki.parent / f"distill-{cluster}-{place.host or 'here'}.json"
+    config.write_text(json.dumps(asdict(cfg(pki, cluster, "t1", {cluster: addr}, addr, args))))
+    with contextlib.ExitStack() as stack:
         with in_netns(place.ns):
-            serve(lambda ids: model(ids).logits, config=c, rank=0, stop=stop)
-
-    t = threading.Thread(target=serving, daemon=True)
-    t.start()
-    try:
-        yield port, stop
-    finally:
-        stop.set()
-        t.join(timeout=30)
+            proc, _ = stack.enter_context(site(
+                "teacher", str(config), str(weights), str(vocab), str(TEACHER["embd"]),
+                str(TEACHER["layers"]), str(WIDTH), cpus=args.site_cpus))
+        yield port, proc.kill
 
 
 @torch.no_grad()
@@ -233,7 +233,14 @@ def run(work: Path) -> None:
                         "runs; the loss and throughput figures are the medians of their ratios")
     p.add_argument("--bed", action="store_true",
                    help="the sites on the test bed (root): a shaped link between them")
+    p.add_argument("--no-pin", dest="pin", action="store_false",
+                   help="do not pin the teachers and links to the first CPU and the student "
+                        "to the others (a site's own hardware, where the machine has two CPUs "
+                        "or more)")
     args = p.parse_args()
+    cpus = sorted(os.sched_getaffinity(0))
+    args.site_cpus = {cpus[0]} if args.pin and len(cpus) > 1 else None
+    student_cpus = set(cpus[1:]) if args.site_cpus else set(cpus)
     teacher_steps, student_steps = (300, 120) if args.quick else (1500, 600)
     torch.set_num_threads(2)
     tok = train_tokenizer(work / "bpe.json")
@@ -244,7 +251,8 @@ def run(work: Path) -> None:
     pick = lambda n: [seqs[torch.randint(0, len(seqs), (8,), generator=g)] for _ in range(n)]  # noqa: E731
     print(f"vocab {vocab}; {len(train)} train tokens, {held.numel()} eval tokens", flush=True)
 
-    teacher = gpt(vocab, 128, 4, seed=0)  # phase a (one site here: the gpt example does two)
+    # phase a (one site here: the gpt example does two)
+    teacher = gpt(vocab, TEACHER["embd"], TEACHER["layers"], seed=0)
     opt = torch.optim.AdamW(teacher.parameters(), lr=1e-3)
     for batch in pick(teacher_steps):
         loss = teacher(batch, labels=batch).loss
@@ -257,6 +265,8 @@ def run(work: Path) -> None:
     print(f"teacher: {teacher_steps} steps, eval loss {t_eval:.4f}", flush=True)
 
     batches = pick(student_steps)
+    os.sched_setaffinity(0, student_cpus)  # from here on the student's (its threads too)
+    torch.set_num_threads(len(student_cpus))
     pki = work / "pki"
     issue_job_pki(JOB, {"lab": ["t1"], "lab2": ["t1"], "cloud": ["s1", "s2"]}, pki,
                   valid_for=dt.timedelta(days=1))
@@ -339,8 +349,10 @@ def soft_label_runs(args: argparse.Namespace, runs: dict[str, dict], teacher: to
     on_link = None
     # both teachers up at once, each seed's colocated and wan runs one after the other: the
     # machine's speed drifts by 10-20 % between minutes, which runs minutes apart would count
-    with teacher_site(teacher, pki, "lab", args, where.near) as (near_port, _), \
-            teacher_site(teacher, pki, "lab2", args, far) as (port, _), \
+    weights = work / "teacher.pt"
+    torch.save(teacher.state_dict(), weights)
+    with teacher_site(weights, vocab, pki, "lab", args, where.near) as (near_port, _), \
+            teacher_site(weights, vocab, pki, "lab2", args, far) as (port, _), \
             where.across(far, port, args) as (host, via):
         colocated = cfg(pki, "cloud", "s1", {"lab": f"{where.near.address}:{near_port}"}, "",
                         args)
@@ -357,14 +369,14 @@ def soft_label_runs(args: argparse.Namespace, runs: dict[str, dict], teacher: to
             loader.client.close()
         runs["two_ranks"] = two_ranks(args, batches, held, vocab, pki, {"lab2": f"{host}:{via}"},
                                       work)
-    with teacher_site(teacher, pki, "lab", args, far) as (p1, stop1), \
-            teacher_site(teacher, pki, "lab2", args, far2) as (p2, _), \
+    with teacher_site(weights, vocab, pki, "lab", args, far) as (p1, kill1), \
+            teacher_site(weights, vocab, pki, "lab2", args, far2) as (p2, _), \
             where.across(far, p1, args) as (h1, v1), where.across(far2, p2, args) as (h2, v2):
         student = cfg(pki, "cloud", "s1", {"lab": f"{h1}:{v1}", "lab2": f"{h2}:{v2}"}, "",
                       args)
         loader = soft_labelled(batches, config=student)
         killer = threading.Thread(target=lambda: (
-            _wait_batches(loader, len(batches) // 3), stop1.set()), daemon=True)
+            _wait_batches(loader, len(batches) // 3), kill1()), daemon=True)
         killer.start()
         runs["failover"] = train_student(args, batches, held, vocab, loader)
         loader.client.close()

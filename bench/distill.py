@@ -37,7 +37,8 @@ end of the first step (the links' TLS handshakes and the first round trip are a 
 cost, 1-2 % of a 30-second run); ``student_util_whole_run`` counts it too. Both teachers (the
 colocated and the far one) serve at once and each seed's colocated and wan runs come one after
 the other, so that the machine's drift between minutes falls on both alike. Prints one line
-per run, then the issue's figures as JSON on the last line.
+per run, then the issue's figures as JSON on the last line (with ``left_processes``: site processes
+still running at the end, which goals_met requires to be 0).
 
     .venv/bin/python bench/distill.py --quick --json
     .venv/bin/python bench/distill.py --json --labels sampled --k 12 --temperature 1 --alpha 0.9
@@ -67,7 +68,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "examples" / "distill"), str(Path(__file__).parent)]
 
 from _bed import link_bytes, make_bed, require_bed  # noqa: E402
-from _distill_site import site  # noqa: E402
+from _distill_site import site, site_processes  # noqa: E402
 from _netns import in_netns  # noqa: E402
 from bpe import sequences, token_split, train_tokenizer  # noqa: E402
 from transformers import GPT2Config, GPT2LMHeadModel  # noqa: E402
@@ -326,11 +327,13 @@ def run(work: Path) -> None:
                 + ")",
         "student_steps": student_steps, "teacher_steps": teacher_steps,
     }
+    figures["left_processes"] = len(site_processes())
     figures["goals_met"] = bool(
         figures["student_util_vs_colocated"] >= 0.95
         and figures["bytes_reduction_vs_full_logits"] >= 100
         and figures["loss_cost_vs_full_logits"] <= 0.01
-        and figures["kd_gain_vs_hard_labels"] >= 0.03 and figures["identical"])
+        and figures["kd_gain_vs_hard_labels"] >= 0.03 and figures["identical"]
+        and figures["left_processes"] == 0)
     if args.json:
         print(json.dumps(figures))
 

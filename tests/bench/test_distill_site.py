@@ -34,6 +34,7 @@ def test_a_link_site_carries_bytes_on_its_cpu_and_ends_with_its_block() -> None:
     with m.site("link", "127.0.0.1", str(server.getsockname()[1]), "10",
                 cpus={cpu}) as (proc, line):
         assert line.startswith("port ")
+        assert proc.pid in m.site_processes()
         assert os.sched_getaffinity(proc.pid) == {cpu}
         client = socket.create_connection(("127.0.0.1", int(line.split()[1])), timeout=10)
         conn, _ = server.accept()
@@ -43,6 +44,7 @@ def test_a_link_site_carries_bytes_on_its_cpu_and_ends_with_its_block() -> None:
         client.close()
         conn.close()
     assert proc.poll() is not None  # ended with the block
+    assert proc.pid not in m.site_processes()
     server.close()
 
 

@@ -39,14 +39,14 @@ def test_pipelined_messages_each_take_the_delay_once() -> None:
     got: list[tuple[float, int]] = []
     done = threading.Event()
     threading.Thread(target=_receiver, args=(server, got, done), daemon=True).start()
-    link = m.SlowLink(server.getsockname(), delay_ms=200, rate_mbit=None)
+    link = m.SlowLink(server.getsockname(), delay_ms=300, rate_mbit=None)
     try:
         client = socket.create_connection(("127.0.0.1", link.port))
         sent = []
-        for _ in range(5):  # 100 ms apart: a reader that slept out each chunk's delay before
-            sent.append(time.monotonic())  # reading on would deliver some 300 ms late
+        for _ in range(5):  # 150 ms apart: a reader that slept out each chunk's delay before
+            sent.append(time.monotonic())  # reading on would deliver some 450 ms late
             client.sendall(b"x" * 100)
-            time.sleep(0.1)
+            time.sleep(0.15)
         client.close()
         assert done.wait(10)
     finally:
@@ -58,7 +58,7 @@ def test_pipelined_messages_each_take_the_delay_once() -> None:
         total += n
         arrived += [at] * (total // 100 - len(arrived))
     latency = [a - s for a, s in zip(arrived, sent, strict=True)]
-    assert all(0.19 <= x <= 0.28 for x in latency), latency
+    assert all(0.29 <= x <= 0.42 for x in latency), latency  # (slack for a loaded machine)
 
 
 def test_a_large_message_is_paced_at_the_rate() -> None:

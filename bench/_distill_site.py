@@ -35,6 +35,7 @@ def site(*argv: str, cpus: set[int] | None = None, timeout: float = 120
     proc = subprocess.Popen([sys.executable, str(HERE / "_distill_site.py"), *pin, *argv],
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
                             cwd=HERE.parent)
+    _STARTED.append(proc)
     try:
         assert proc.stdout is not None
         line: list[str] = []
@@ -50,15 +51,12 @@ def site(*argv: str, cpus: set[int] | None = None, timeout: float = 120
         proc.wait()
 
 
+_STARTED: list[subprocess.Popen[str]] = []
+
+
 def site_processes() -> list[int]:
-    """The pids of every site process still running here (zombies left out)."""
-    pids = []
-    for entry in Path("/proc").glob("[0-9]*"):
-        with contextlib.suppress(OSError, IndexError):
-            if (b"_distill_site.py" in (entry / "cmdline").read_bytes()
-                    and (entry / "stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"):
-                pids.append(int(entry.name))
-    return pids
+    """The pids of the site processes this process started that still run."""
+    return [p.pid for p in _STARTED if p.poll() is None]
 
 
 def _until_stdin_closes(stop: threading.Event) -> None:
@@ -91,6 +89,7 @@ def main(argv: list[str] | None = None) -> None:
 
         proxy = SlowLink((args.host, args.port), args.delay_ms, args.rate_mbit)
         print(f"port {proxy.port}", flush=True)
+        os.dup2(2, 1)
         stop.wait()
         proxy.close()
         return
@@ -108,6 +107,9 @@ def main(argv: list[str] | None = None) -> None:
     model.eval()
     config = DistillConfig.load(args.config)
     print("ready", flush=True)
+    # from here on its stdout (the teacher's figures) goes to stderr: the bench reads the
+    # pipe once, and a full pipe would stop the teacher
+    os.dup2(2, 1)
     serve(lambda ids: model(ids).logits, vocab=args.vocab, config=config, rank=0, stop=stop)
 
 

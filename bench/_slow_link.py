@@ -47,7 +47,7 @@ class SlowLink:
         up)."""
         line: collections.deque[tuple[float, bytes | None]] = collections.deque()
         ready = threading.Condition()
-        threading.Thread(target=self._deliver, args=(line, ready, dst), daemon=True).start()
+        threading.Thread(target=self._deliver, args=(line, ready, src, dst), daemon=True).start()
         free_at = 0.0  # when the link is free to send the next byte
         try:
             while data := src.recv(65536):
@@ -64,7 +64,9 @@ class SlowLink:
 
     @staticmethod
     def _deliver(line: collections.deque[tuple[float, bytes | None]],
-                 ready: threading.Condition, dst: socket.socket) -> None:
+                 ready: threading.Condition, src: socket.socket, dst: socket.socket) -> None:
+        """Sends what the reader queued when it is due; if the far end is gone, the reader is
+        stopped too (nothing would drain its queue)."""
         try:
             while True:
                 with ready:
@@ -76,7 +78,8 @@ class SlowLink:
                     break
                 dst.sendall(data)
         except OSError:
-            pass
+            with contextlib.suppress(OSError):
+                src.shutdown(socket.SHUT_RDWR)
         finally:
             with contextlib.suppress(OSError):
                 dst.shutdown(socket.SHUT_WR)

@@ -93,7 +93,14 @@ def cut(ports: list[int]) -> Callable[[], None]:
         if done.returncode:
             _nft("delete", "table", "inet", NFT_TABLE)
             raise OSError(f"nft {' '.join(cmd)}: {done.stderr.strip()}")
-    return lambda: _nft("delete", "table", "inet", NFT_TABLE) and None
+    return uncut
+
+
+def uncut() -> None:
+    """The link restored: the table gone (it is, or an OSError says why not)."""
+    done = _nft("delete", "table", "inet", NFT_TABLE)
+    if done.returncode and NFT_TABLE in _nft("list", "tables").stdout:
+        raise OSError(f"nft delete table inet {NFT_TABLE}: {done.stderr.strip()}")
 
 
 def fill(volume: Path) -> Callable[[], None]:
@@ -122,6 +129,8 @@ class CheckpointVolumes:
     mounted: list[Path] = field(default_factory=list)
 
     def mount(self, job_id: str, hosts: dict[str, str]) -> None:
+        """Mount each host's volume; OSError if a host already wrote a checkpoint there (it
+        would be hidden under the volume: mounted too late)."""
         for cluster, host in hosts.items():
             where = self.root / job_id / cluster / host
             where.mkdir(parents=True, exist_ok=True)
@@ -136,9 +145,29 @@ class CheckpointVolumes:
                      and m.parent.parent.name == job_id), None)
 
     def close(self) -> None:
+        """Unmount every volume (lazily: a process still in one keeps it until it leaves);
+        raises after trying all if one could not be."""
+        failed = []
         for where in reversed(self.mounted):
-            subprocess.run(["umount", "-l", str(where)], capture_output=True, timeout=10)
+            done = subprocess.run(["umount", "-l", str(where)], capture_output=True, text=True,
+                                  timeout=10)
+            if done.returncode:
+                failed.append(f"{where}: {done.stderr.strip()}")
         self.mounted.clear()
+        if failed:
+            raise OSError("umount -l " + "; ".join(failed))
+
+
+@dataclass
+class Lasting:
+    """A fault in force until `due` (monotonic), undone by `undo`; `key` says what it holds
+    (one at a time each: a second cut, or a second fill of the same volume, would be undone
+    by the first's undo)."""
+
+    due: float
+    kind: str
+    key: str
+    undo: Callable[[], None]
 
 
 @dataclass
@@ -148,10 +177,15 @@ class Injector:
     job_id: str
     job_dir: Path
     volumes: CheckpointVolumes | None
-    undos: list[tuple[float, str, Callable[[], None]]] = field(default_factory=list)
+    lasting: list[Lasting] = field(default_factory=list)
+    cut_made: bool = False
 
     def inject(self, kind: str, cluster: str, hold_s: float) -> bool:
-        """Inject `kind` on `cluster` now; a fault that lasts is undone after `hold_s`."""
+        """Inject `kind` on `cluster` now; a fault that lasts is undone after `hold_s`. False
+        when there is nothing to inject it into, or the same one is still in force."""
+        key = "link" if kind == "cut-link" else f"{kind}:{cluster}"
+        if any(x.key == key for x in self.lasting):
+            return False
         role = "relay" if "relay" in kind else "worker"
         agent, group = host_pids(self.job_id, cluster, role)
         procs = processes(self.job_id)
@@ -159,13 +193,14 @@ class Injector:
             ports = relay_ports(self.job_dir)
             if not ports:
                 return False
-            self._later(hold_s, kind, cut(ports))
+            self.cut_made = True
+            self._later(hold_s, kind, key, cut(ports))
             return True
         if kind == "full-disk":
             volume = self.volumes.of(self.job_id, cluster) if self.volumes else None
             if volume is None:
                 return False
-            self._later(hold_s, kind, fill(volume))
+            self._later(hold_s, kind, key, fill(volume))
             return True
         if kind == "kill-worker":
             targets = [p for p in group if p in procs["worker"]]
@@ -178,29 +213,42 @@ class Injector:
         sent = [p for p in targets if _signal(p, signal.SIGSTOP if kind == "stall-relay"
                                               else signal.SIGKILL)]
         if kind == "stall-relay" and sent:
-            self._later(hold_s, kind, lambda: [_signal(p, signal.SIGCONT) for p in sent] and None)
+            self._later(hold_s, kind, key,
+                        lambda: [_signal(p, signal.SIGCONT) for p in sent] and None)
         return bool(sent)
 
-    def _later(self, hold_s: float, kind: str, undo: Callable[[], None]) -> None:
-        self.undos.append((time.monotonic() + hold_s, kind, undo))
+    def _later(self, hold_s: float, kind: str, key: str, undo: Callable[[], None]) -> None:
+        self.lasting.append(Lasting(time.monotonic() + hold_s, kind, key, undo))
 
-    def due(self) -> list[str]:
-        """Undo what is due now; the kinds undone."""
+    def due(self, everything: bool = False) -> list[str]:
+        """Undo what is due now (`everything`: all that is in force); the kinds undone. One
+        that fails stays, to be tried again, and the first failure is raised after the rest
+        were tried."""
         now = time.monotonic()
-        ready = [u for u in self.undos if u[0] <= now]
-        self.undos = [u for u in self.undos if u[0] > now]
-        for _, _, undo in ready:
-            undo()
-        return [kind for _, kind, _ in ready]
+        done, failure = [], None
+        for x in [x for x in self.lasting if everything or x.due <= now]:
+            try:
+                x.undo()
+            except (OSError, subprocess.SubprocessError) as exc:
+                failure = failure or exc
+                continue
+            self.lasting.remove(x)
+            done.append(x.kind)
+        if failure is not None:
+            raise failure
+        return done
 
     def pending(self) -> bool:
-        return bool(self.undos)
+        return bool(self.lasting)
 
     def close(self) -> None:
-        for _, _, undo in self.undos:
-            with contextlib.suppress(OSError, subprocess.SubprocessError):
-                undo()
-        self.undos.clear()
+        """Undo everything still in force, whatever happened; the link restored even if its
+        undo was lost. Raises if something could not be undone."""
+        try:
+            self.due(everything=True)
+        finally:
+            if self.cut_made:
+                uncut()
 
 
 def _signal(pid: int, sig: int) -> bool:

@@ -266,7 +266,9 @@ def run(work: Path) -> None:
     print(f"teacher: {teacher_steps} steps, eval loss {t_eval:.4f}", flush=True)
 
     batches = pick(student_steps)
-    os.sched_setaffinity(0, student_cpus)  # from here on the student's (its threads too)
+    for task in Path("/proc/self/task").iterdir():  # every thread (torch's pool is made)
+        with contextlib.suppress(OSError):
+            os.sched_setaffinity(int(task.name), student_cpus)
     torch.set_num_threads(len(student_cpus))
     pki = work / "pki"
     issue_job_pki(JOB, {"lab": ["t1"], "lab2": ["t1"], "cloud": ["s1", "s2"]}, pki,

@@ -43,6 +43,7 @@ import json
 import os
 import random
 import signal
+import subprocess
 import sys
 import tempfile
 import time
@@ -117,6 +118,8 @@ class Outcome:
     status: dict[str, Any]
     samples: list[Sample]
     faults: list[dict[str, Any]]
+    undone: list[dict[str, Any]]
+    """When each lasting fault was undone (its hold, or before the stop or the end)."""
     job_id: str
     disk_bound: int
     """What the spec allows on disk (`disk_bound`), taken before the volumes go."""
@@ -139,12 +142,19 @@ def run(cli: Cli, spec: Path, args: argparse.Namespace, faults_here: tuple[str, 
         ended = False
         stack.callback(lambda: ended or cli("stop", job_id, "--force", timeout=300))
         if volumes is not None:
-            volumes.mount(job_id, HOSTS)
+            try:
+                volumes.mount(job_id, HOSTS)
+            except OSError as exc:  # a checkpoint came first: this run goes without full-disk
+                print(f"  no checkpoint volumes: {exc}", flush=True)
+                volumes.close()
+                volumes = None
+                faults_here = tuple(f for f in faults_here if f != "full-disk")
         injector = Injector(job_id, cli.home / "jobs" / job_id, volumes)
         stack.callback(injector.close)
         rng = random.Random(args.seed)
         samples: list[Sample] = []
         faults: list[dict[str, Any]] = []
+        undone: list[dict[str, Any]] = []
         next_fault = t0 + args.every * rng.uniform(0.5, 1.5)
         next_sample = t0
         resumed = not faulty
@@ -152,6 +162,7 @@ def run(cli: Cli, spec: Path, args: argparse.Namespace, faults_here: tuple[str, 
         while True:
             now = time.monotonic()
             for kind in injector.due():
+                undone.append({"at_s": round(now - t0, 1), "undone": kind})
                 print(f"  {now - t0:7.1f}s  {kind}: undone", flush=True)
             if now >= next_sample:
                 a = time.monotonic()
@@ -165,9 +176,16 @@ def run(cli: Cli, spec: Path, args: argparse.Namespace, faults_here: tuple[str, 
                     f"status {took:.2f}s", flush=True)
                 next_sample = now + args.sample_every
                 if st.get("state") not in ("PENDING", "RUNNING", None):
+                    if injector.pending():  # a full volume's filler is not the job's disk
+                        undone += [{"at_s": round(now - t0, 1), "undone": k, "at_end": True}
+                                   for k in injector.due(everything=True)]
+                        samples[-1] = take(job_id, cli.home, now - t0, took,
+                                           extra=[ckpt_root / job_id])
                     break
             if faulty and not resumed and now >= half:
                 print(f"  {now - t0:7.1f}s  stop, then resume", flush=True)
+                undone += [{"at_s": round(now - t0, 1), "undone": k, "before_stop": True}
+                           for k in injector.due(everything=True)]  # no fault overlaps it
                 cli("stop", job_id, timeout=300)
                 cli("resume", job_id, "--detach", timeout=600)
                 faults.append({"at_s": round(now - t0, 1), "fault": "stop-resume"})
@@ -192,7 +210,22 @@ def run(cli: Cli, spec: Path, args: argparse.Namespace, faults_here: tuple[str, 
                              f"{st.get('reason')}")
         bound = disk_bound(cli.home, ckpt_root, job_id)
         ended = True  # (an interrupt, an error, a job that failed: it is stopped, --force)
-    return Outcome(seconds, st, samples, faults, job_id, bound)
+    return Outcome(seconds, st, samples, faults, undone, job_id, bound)
+
+
+def terminate(*_: object) -> None:
+    """SIGTERM: unwind (jobs stopped, volumes unmounted, faults undone), deaf to a second one
+    while the cleanup runs."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    sys.exit(143)
+
+
+def stop_every_job(cli: Cli) -> None:
+    """Every job of the bench's `$NEBULA_HOME` stopped (--force), whatever state it is in: a
+    launch cut short, the calibration's job, a run's job (already ended ones say so)."""
+    for job in sorted((cli.home / "jobs").glob("*")):
+        with contextlib.suppress(OSError, subprocess.SubprocessError):
+            cli("stop", job.name, "--force", timeout=300)
 
 
 def calibrate(cli: Cli, tmp: Path, args: argparse.Namespace) -> int:
@@ -201,7 +234,10 @@ def calibrate(cli: Cli, tmp: Path, args: argparse.Namespace) -> int:
     probe = 40
     job_id = cli("launch", str(write_spec(tmp, "calibrate", probe, args)), "--detach",
                  timeout=600).stdout.strip().splitlines()[-1]
-    while cli.status(job_id).get("state") in ("PENDING", "RUNNING", None):
+    deadline = time.monotonic() + 900
+    while (state := cli.status(job_id).get("state")) in ("PENDING", "RUNNING", None):
+        if time.monotonic() > deadline:
+            raise SystemExit(f"calibration: job {job_id} still {state} after 15 minutes")
         time.sleep(1.0)
     points = sorted((r["step"], r["ts"]) for r in records(cli.home, job_id)
                     if isinstance(r.get("step"), int) and r.get("ts") and r["step"] >= 4
@@ -271,12 +307,12 @@ def plot(samples: list[Sample], out: Path, label: str) -> list[str]:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    # SIGTERM (and SIGINT, which a shell's background job ignores) unwinds: jobs stopped,
-    # volumes unmounted, faults undone
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    signal.signal(signal.SIGTERM, terminate)  # (SIGINT too; a shell's background job ignores it)
     label = "quick" if args.quick else f"{args.minutes:g}min"
-    with tempfile.TemporaryDirectory(prefix="nebula-soak-") as tmp:
+    with tempfile.TemporaryDirectory(prefix="nebula-soak-") as tmp, \
+            contextlib.ExitStack() as stack:
         cli = Cli(Path(tmp) / "home")
+        stack.callback(stop_every_job, cli)
         steps = calibrate(cli, Path(tmp), args)
         kinds, left_out = available()
         print(f"(a) under faults: {steps} steps, a round every {args.inner_steps} steps, "
@@ -332,7 +368,7 @@ def main(argv: list[str] | None = None) -> int:
                             "every_s": args.every, "inner_steps": args.inner_steps,
                             "sample_every_s": args.sample_every, "quick": args.quick},
                "seconds_faults": round(secs, 1), "seconds_clean": round(clean_s, 1),
-               "faults": faults, "final_state": st.get("state")}
+               "faults": faults, "undone": faulted.undone, "final_state": st.get("state")}
     print(json.dumps(summary))
     return 0
 

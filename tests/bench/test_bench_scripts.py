@@ -4,13 +4,12 @@ issue asks for."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import subprocess
 import sys
-from types import ModuleType
 
 import pytest
+from helpers.bench_modules import load_bench as load
 from helpers.jobs import REPO
 
 SCRIPTS = {
@@ -29,15 +28,6 @@ SCRIPTS = {
     "relay_loopback": ("end_to_end_vs_tcp", "tls_vs_tcp", "end_to_end_tls_vs_tcp",
                        "wan_hop_vs_tcp", "duplex_vs_tcp", "records_duplex_vs_tcp", "stages"),
 }
-
-
-def load(name: str) -> ModuleType:
-    spec = importlib.util.spec_from_file_location(f"bench_{name}", REPO / "bench" / f"{name}.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
 
 
 @pytest.mark.parametrize("name", sorted(SCRIPTS))

@@ -4,53 +4,39 @@ so instead of hanging the bench."""
 
 from __future__ import annotations
 
-import importlib.util
+import contextlib
 import os
 import socket
-import sys
-from pathlib import Path
-from types import ModuleType
 
 import pytest
-
-REPO = Path(__file__).resolve().parents[2]
-
-
-def _module() -> ModuleType:
-    sys.path.insert(0, str(REPO / "bench"))
-    spec = importlib.util.spec_from_file_location("distill_site", REPO / "bench" /
-                                                  "_distill_site.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+from helpers.bench_modules import load_bench
 
 
 def test_a_link_site_carries_bytes_on_its_cpu_and_ends_with_its_block() -> None:
-    m = _module()
-    server = socket.create_server(("127.0.0.1", 0))
+    m = load_bench("_distill_site")
     cpu = min(os.sched_getaffinity(0))
-    with m.site("link", "127.0.0.1", str(server.getsockname()[1]), "10",
-                cpus={cpu}) as (proc, line):
+    with contextlib.ExitStack() as stack:
+        server = stack.enter_context(socket.create_server(("127.0.0.1", 0)))
+        server.settimeout(10)
+        proc, line = stack.enter_context(m.site(
+            "link", "127.0.0.1", str(server.getsockname()[1]), "10", cpus={cpu}))
         assert line.startswith("port ")
-        assert proc.pid in m.site_processes()
         assert os.sched_getaffinity(proc.pid) == {cpu}
-        client = socket.create_connection(("127.0.0.1", int(line.split()[1])), timeout=10)
-        conn, _ = server.accept()
+        assert m.site_processes() == [proc.pid]
+        client = stack.enter_context(
+            socket.create_connection(("127.0.0.1", int(line.split()[1])), timeout=10))
+        conn = stack.enter_context(server.accept()[0])
         client.sendall(b"soft labels")
         conn.settimeout(10)
         assert conn.recv(64) == b"soft labels"
-        client.close()
-        conn.close()
-    assert proc.poll() is not None  # ended with the block
-    assert proc.pid not in m.site_processes()
-    server.close()
+        stack.close()  # the sockets, the site (its process killed), the server
+        assert proc.poll() is not None
+    assert m.site_processes() == []
 
 
-def test_a_site_that_cannot_start_says_so(tmp_path: Path) -> None:
-    m = _module()
+def test_a_site_that_cannot_start_says_so() -> None:
+    m = load_bench("_distill_site")
     with pytest.raises(RuntimeError, match="did not come up"), \
-            m.site("teacher", str(tmp_path / "missing.json"), str(tmp_path / "w.pt"), "8", "8",
-                   "1", "8"):
+            m.site("link", "127.0.0.1", "not-a-port", "10"):
         pass
+    assert m.site_processes() == []

@@ -5,29 +5,17 @@ on this CPU (nebula launch of two small jobs: marked slow)."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import signal
 import subprocess
 import sys
-from types import ModuleType, SimpleNamespace
+from types import SimpleNamespace
 
 import pytest
+from helpers.bench_modules import BENCH
+from helpers.bench_modules import load_bench as load
 from helpers.jobs import REPO
-
-BENCH = REPO / "bench"
-
-
-def load(name: str) -> ModuleType:
-    if str(BENCH) not in sys.path:
-        sys.path.insert(0, str(BENCH))  # the bench's modules import each other by name
-    spec = importlib.util.spec_from_file_location(f"peers_bench_{name}", BENCH / f"{name}.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
 
 
 def test_help_runs_without_a_bed() -> None:

@@ -4,14 +4,11 @@ kind had fewer processes than usual (a restart)."""
 
 from __future__ import annotations
 
-import importlib.util
 import subprocess
 import sys
 import time
-from pathlib import Path
-from types import ModuleType
 
-REPO = Path(__file__).resolve().parents[2]
+from helpers.bench_modules import load_bench
 
 GROWER = """
 import sys, time
@@ -24,18 +21,8 @@ for line in sys.stdin:
 """
 
 
-def _module() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("soak_sample", REPO / "bench" /
-                                                  "_soak_sample.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_growth_per_1000_rounds_of_a_real_process() -> None:
-    m = _module()
+    m = load_bench("_soak_sample")
     proc = subprocess.Popen([sys.executable, "-c", GROWER], stdin=subprocess.PIPE,
                             stdout=subprocess.PIPE, text=True)
     assert proc.stdin is not None and proc.stdout is not None
@@ -62,7 +49,7 @@ def test_growth_per_1000_rounds_of_a_real_process() -> None:
 
 
 def test_a_restart_is_neither_growth_nor_shrinking() -> None:
-    m = _module()
+    m = load_bench("_soak_sample")
     samples = []
     for i in range(12):  # pid 10 lives 6 samples, then its restart (pid 11) starts small
         pid, age = (10, i) if i < 6 else (11, i - 6)

@@ -186,9 +186,6 @@ class Injector:
         key = "link" if kind == "cut-link" else f"{kind}:{cluster}"
         if any(x.key == key for x in self.lasting):
             return False
-        role = "relay" if "relay" in kind else "worker"
-        agent, group = host_pids(self.job_id, cluster, role)
-        procs = processes(self.job_id)
         if kind == "cut-link":
             ports = relay_ports(self.job_dir)
             if not ports:
@@ -202,6 +199,10 @@ class Injector:
                 return False
             self._later(hold_s, kind, key, fill(volume))
             return True
+        # (the processes are looked up only for the faults that signal them)
+        role = "relay" if "relay" in kind else "worker"
+        agent, group = host_pids(self.job_id, cluster, role)
+        procs = processes(self.job_id)
         if kind == "kill-worker":
             targets = [p for p in group if p in procs["worker"]]
         elif kind in ("kill-relay", "stall-relay"):

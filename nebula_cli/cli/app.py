@@ -31,7 +31,9 @@ from nebula_cli.cli.ui import (
     spec_summary,
     upload_bars,
 )
+from nebula_cli.config.roles.registry import serving_clusters
 from nebula_cli.config.spec import JobSpec, load_spec
+from nebula_cli.control import final_parameters
 from nebula_cli.control.dryrun import measure
 from nebula_cli.control.netbench import run_bench, write_report
 from nebula_cli.control.orchestrator import Orchestrator
@@ -253,11 +255,14 @@ def status(
         view = orch.metrics_view(snap)  # the agents' summaries: no metrics file is re-read
         if as_json:
             hosts = [dataclasses.asdict(h) for h in snap.hosts]
+            said = final_parameters.verdict(view.finals, serving_clusters(snap.job.spec))
             out.print_json(json.dumps({**_job_json(snap.job, orch.attempt(snap.job.id)),
                                        "hosts": hosts,
-                                       "metrics": view.latest, "relays": view.relay}))
+                                       "metrics": view.latest, "relays": view.relay,
+                                       "final_parameters": said and said.to_json()}))
             return
-        out.print(job_detail(snap, view.latest, view.relay, orch.attempt(snap.job.id)))
+        out.print(job_detail(snap, view.latest, view.relay, orch.attempt(snap.job.id),
+                             view.finals))
 
 
 def _job_json(job: Any, attempt: int) -> dict[str, Any]:

@@ -35,6 +35,8 @@ from typing import Any
 
 from nebula_cli.cli.palette import cluster_colours
 from nebula_cli.cli.ui import human_bytes
+from nebula_cli.control import final_parameters
+from nebula_cli.control.final_parameters import newest_finals
 
 EXTRA = "pip install 'nebula-cli[report]'"
 SCALARS = ("loss", "eval_loss", "steps_per_s", "samples_per_s", "tokens_per_s", "lr",
@@ -373,10 +375,12 @@ def teacher_table(clusters: dict[str, list[dict[str, Any]]]) -> str:
             f"{''.join(rows)}</table>") if rows else ""
 
 
-def html_page(records: list[dict[str, Any]], title: str, order: Sequence[str] = ()) -> str:
+def html_page(records: list[dict[str, Any]], title: str, order: Sequence[str] = (),
+              serving: frozenset[str] = frozenset()) -> str:
     """The report page: the figure embedded, the panels left out and why, what the live view
     shows of each cluster at the end (with distillation, its soft labels), its restarts and
-    missed rounds, and every worker's final parameters."""
+    missed rounds, and every worker's final parameters with whether they agree (``serving``:
+    teacher clusters, whose parameters are their own)."""
     png, omitted = figure_png(records, DPI["html"], order)
     clusters = by_cluster(records, order)
     colours = page_colours(order, clusters)
@@ -402,6 +406,11 @@ def html_page(records: list[dict[str, Any]], title: str, order: Sequence[str] = 
     left_out = ("<h2>panels left out</h2><table><tr><th>panel</th><th>why</th></tr>"
                 f"{left}</table>") if omitted else ""
     finals = [r for r in records if r.get("final") and r.get("role") == "worker"]
+    said = final_parameters.verdict(newest_finals(finals), serving)
+    verdict = "" if said is None else (
+        f"<p style='color:{'green' if said.identical else 'red'}'>"
+        f"{'' if said.identical else '<b>'}{html.escape(said.sentence())}"
+        f"{'' if said.identical else '</b>'} (each worker's last final record)</p>")
     rows = "".join(
         f"<tr><td>{html.escape(str(r.get('cluster')))}/{html.escape(str(r.get('host')))}"
         f"</td><td>{r.get('rank')}</td><td>{r.get('step')}</td>"
@@ -423,7 +432,7 @@ def html_page(records: list[dict[str, Any]], title: str, order: Sequence[str] = 
         "<h2>per cluster</h2><table><tr><th>cluster</th><th>restarts</th>"
         f"<th>rounds missed</th><th>which</th></tr>{counts}</table>"
         "<h2>final parameters</h2><table><tr><th>worker</th><th>rank</th><th>step</th>"
-        f"<th>sha256</th></tr>{rows}</table></body></html>")
+        f"<th>sha256</th></tr>{rows}</table>{verdict}</body></html>")
 
 
 def write_tensorboard(records: list[dict[str, Any]], directory: Path) -> int:

@@ -22,11 +22,13 @@ from rich.table import Table
 from rich.text import Text
 
 from nebula_cli.cli.palette import cluster_colours
+from nebula_cli.config.roles.registry import serving_clusters
 from nebula_cli.config.spec import JobSpec
+from nebula_cli.control import final_parameters
 from nebula_cli.control.follow import LogLine, finite
 from nebula_cli.control.hostcheck import HostCheck
 from nebula_cli.control.orchestrator import JobSnapshot
-from nebula_cli.control.state import HostRecord, JobRecord
+from nebula_cli.control.state import END_STATES, HostRecord, JobRecord
 from nebula_cli.errors import SpecError
 
 STATE_STYLE = {
@@ -156,8 +158,10 @@ def spec_summary(path: object, spec: JobSpec) -> str:
 
 
 def job_detail(snap: JobSnapshot, metrics: dict[str, dict[str, Any]] | None = None,
-               relay: dict[str, dict[str, Any]] | None = None, attempt: int = 1) -> Group:
-    """A job's hosts, and its newest metrics per cluster (workers' and relays')."""
+               relay: dict[str, dict[str, Any]] | None = None, attempt: int = 1,
+               finals: list[dict[str, Any]] | None = None) -> Group:
+    """A job's hosts, its newest metrics per cluster (workers' and relays'), and once it has
+    ended, whether its workers hold the same parameters (from their ``finals`` records)."""
     job = snap.job
     colors = cluster_colors(job.clusters)
     head = Text.assemble(
@@ -182,6 +186,8 @@ def job_detail(snap: JobSnapshot, metrics: dict[str, dict[str, Any]] | None = No
     parts: list[Any] = [head, table]
     if metrics or relay:
         parts.append(metrics_table(job.clusters, metrics or {}, relay or {}))
+    if finals and job.state in END_STATES:
+        parts.extend(parameter_verdict(finals, serving_clusters(job.spec)))
     return Group(*parts)
 
 
@@ -313,7 +319,8 @@ def spec_error_text(err: SpecError) -> Text:
     return text
 
 
-def final_summary(finals: list[dict[str, Any]], clusters: list[str]) -> Group | None:
+def final_summary(finals: list[dict[str, Any]], clusters: list[str],
+                  serving: frozenset[str] = frozenset()) -> Group | None:
     """The workers' final records: losses, speed, and whether the workers that should hold the
     same parameters do (every worker; in a pipelined job, the replicas of each stage)."""
     if not finals:
@@ -334,26 +341,17 @@ def final_summary(finals: list[dict[str, Any]], clusters: list[str]) -> Group | 
                       str(f.get("rank", "-")), *where, str(f.get("step", "-")),
                       num(f.get("first_loss")), num(f.get("last_loss")), num(f.get("eval_loss")),
                       num(f.get("s_per_step"), ".2f"), str(f.get("param_sha256", "-"))[:16])
-    return Group(table, *parameter_verdict(finals, staged))
+    return Group(table, *parameter_verdict(finals, serving))
 
 
-def parameter_verdict(finals: list[dict[str, Any]], staged: bool) -> list[Text]:
-    """Whether the workers that should hold the same parameters do; nothing to say without
-    checksums."""
-    if all(f.get("param_sha256") is None for f in finals):
+def parameter_verdict(finals: list[dict[str, Any]],
+                      serving: frozenset[str] = frozenset()) -> list[Text]:
+    """Whether the workers that should hold the same parameters do (green or bold red);
+    nothing to say without checksums."""
+    said = final_parameters.verdict(finals, serving)
+    if said is None:
         return []
-    groups: dict[Any, set[Any]] = {}
-    for f in finals:
-        groups.setdefault(f.get("stage") if staged else None, set()).add(f.get("param_sha256"))
-    split = {k: v for k, v in groups.items() if len(v) > 1 or None in v}
-    if not split:
-        what = "each stage's replicas hold" if staged else f"all {len(finals)} workers hold"
-        return [Text(f"{what} identical parameters", style="green")]
-    if staged:
-        stages = ", ".join(str(k) for k in sorted(split, key=str))
-        return [Text(f"the replicas of stage(s) {stages} hold different parameters",
-                     style="bold red")]
-    return [Text(f"workers hold {len(groups[None])} different parameter sets", style="bold red")]
+    return [Text(said.sentence(), style="green" if said.identical else "bold red")]
 
 
 def host_checks_table(checks: list[HostCheck]) -> Table:

@@ -26,6 +26,7 @@ from typing import Any
 from nebula_cli.agent.summary import SCAN_BYTES
 from nebula_cli.config.rotation import rotated
 from nebula_cli.control.fanout import GroupError, fanout
+from nebula_cli.control.final_parameters import newest_finals
 from nebula_cli.control.state import HostRecord
 from nebula_cli.errors import NebulaError, TransportError
 from nebula_cli.transport import Transport
@@ -359,14 +360,8 @@ class MetricsFollower:
         if rec.role == "relay":
             self.relay.setdefault(rec.cluster, {}).update(m)
         elif m.get("final"):
-            final = {"cluster": rec.cluster, "host": rec.host, **m}
-            same = [i for i, f in enumerate(self.finals)
-                    if (f["cluster"], f["host"], f.get("rank")) == (rec.cluster, rec.host,
-                                                                   m.get("rank"))]
-            if same:
-                self.finals[same[0]] = final
-            else:
-                self.finals.append(final)
+            self.finals = newest_finals([*self.finals,
+                                         {"cluster": rec.cluster, "host": rec.host, **m}])
             self.latest.setdefault(rec.cluster, {}).update(
                 {k: v for k, v in m.items() if k in ("step", "eval_loss")})
         else:

@@ -53,6 +53,7 @@ def test_report_draws_every_cluster_and_writes_tensorboard_runs(cli: CLI,
     pixels = image.imread(io.BytesIO(base64.b64decode(data)), format="png")
     assert pixels.shape[0] > 400 and pixels.std() > 0.05  # drawn, not blank
     assert text.count("abababababababab") == 2  # both clusters' final parameters listed
+    assert "all 2 workers hold identical parameters" in text and "warning" not in proc.stderr
     for cluster in ("east", "west"):
         run = EventAccumulator(str(cli.home / "jobs" / job_id / "tb" / cluster))
         run.Reload()
@@ -141,6 +142,21 @@ def test_the_report_marks_restarts_and_the_rounds_a_cluster_missed(
     rows = re.findall(r"<tr><td>(\w+)</td><td>(\d+)</td><td>(\d+)</td><td>([\d, ]*)</td></tr>",
                       page.read_text())
     assert rows == [("east", "0", "0", ""), ("west", "1", "1", "1")]  # restarts, missed, which
+
+
+def test_the_report_says_when_the_workers_ended_with_different_parameters(
+        cli: CLI, tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib")
+    diverged = LOGGED.replace("param_sha256='ab' * 32",
+                              "param_sha256=os.environ['NEBULA_CLUSTER'] * 8")
+    job_id = cli("launch", str(write_spec(tmp_path, diverged)), "--detach", check=True
+                 ).stdout.strip()
+    wait_for(lambda: json.loads(cli("status", job_id, "--json").stdout)["state"]
+             == "SUCCEEDED", timeout=90)
+    page = tmp_path / "diverged.html"
+    proc = cli("report", job_id, "--output", str(page), check=True)
+    assert "warning: workers hold 2 different parameter sets at the end" in proc.stderr
+    assert "<b>workers hold 2 different parameter sets</b>" in page.read_text()
 
 
 def chromium() -> str | None:

@@ -171,6 +171,32 @@ def test_status_shows_the_agents_metric_summaries(cli: CLI, tmp_path: Path) -> N
     kept = st["hosts"][0]["detail"]["metrics_summary"]
     assert kept["complete"] and kept["ranks"]["0"]["final"]["last_loss"] == 8.0 / 3000
     assert "3000" in cli("status", job_id, check=True).stdout
+    assert st["final_parameters"] is None  # its final record has no checksum
+
+
+DIVERGED = """
+name: diverged
+workdir: .
+run: >-
+  python -c "import os; from nebula_cli.runtime import log;
+  log(step=5, final=True, param_sha256=os.environ['NEBULA_CLUSTER'] * 8)"
+clusters:
+  - {name: east, transport: local, hosts: [{host: e1}]}
+  - {name: west, transport: local, hosts: [{host: w1}]}
+"""
+
+
+def test_status_says_when_the_workers_ended_with_different_parameters(
+        cli: CLI, tmp_path: Path) -> None:
+    """Two clusters ending with their own parameters (seen in the soak after a partition at
+    the end) was a red line in the live view only; `status` says it too, text and JSON."""
+    job_id = cli("launch", str(write_spec(tmp_path, DIVERGED)), "--detach", check=True
+                 ).stdout.strip()
+    st = wait_for(lambda: (s := status_json(cli, job_id))["state"] == "SUCCEEDED" and s, 60)
+    assert st["final_parameters"] == {"identical": False, "workers": 2, "sets": 2,
+                                      "differing": ["all"], "without_checksum": 0}
+    shown = cli("status", job_id, check=True).stdout
+    assert "workers hold 2 different parameter sets" in shown
 
 
 def test_logs_follow_until_the_job_ends(cli: CLI, tmp_path: Path) -> None:

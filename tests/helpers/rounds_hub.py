@@ -29,6 +29,8 @@ class Hub:
     def __init__(self, clusters: list[str], **kw: Any) -> None:
         self.order = clusters
         self.up = set(clusters)
+        self.left: set[str] = set()
+        """Clusters whose relay said goodbye as it went (stopped, as by `leave`)."""
         self.events: dict[str, list[str]] = {c: [] for c in clusters}
         self.outcomes: dict[str, list[RoundOutcome]] = {c: [] for c in clusters}
         self.rounds = {
@@ -51,6 +53,18 @@ class Hub:
         for c, r in self.rounds.items():
             for other in ([x for x in self.order if x != c] if c == cluster else [cluster]):
                 r.control.on_link_down(other, "cut")
+
+    def leave(self, cluster: str) -> None:
+        """``cluster``'s relay is stopped: it says goodbye to its peers, then its links go."""
+        self.left.add(cluster)
+        self.cut(cluster)
+
+    def rejoin(self, cluster: str) -> None:
+        """``cluster`` is back: its links to every cluster that is up come up again."""
+        self.up.add(cluster)
+        self.left.discard(cluster)
+        for r in self.rounds.values():
+            r.control.on_link_up()
 
     def close(self) -> None:
         self.stop.set()
@@ -151,3 +165,6 @@ class FakeNet:
     def finish_view(self) -> dict[str, tuple[int | None, str | None, int]]:
         return {c: (r.finished, r.lineage, r.done_round) for c in self.connected()
                 if (r := self.hub.rounds[c].state)}
+
+    def departed(self) -> frozenset[str]:
+        return frozenset(c for c in self.hub.left if c not in self.connected())

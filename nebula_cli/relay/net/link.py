@@ -106,6 +106,8 @@ class PeerLink:
         self.connected_at = time.time()
         self.closed = False
         self.reason = ""
+        self.said_bye = False
+        """The peer said goodbye (its relay stopped) before the link closed."""
         self._on_frame, self._on_close = on_frame, on_close
         self._beat, self._payload_cap = beat, payload_cap
         self._control: deque[tuple[Frame, float]] = deque()
@@ -212,6 +214,7 @@ class PeerLink:
                 self.bytes_received += (HEADER_SIZE + len(encode_meta(frame.meta))
                                         + len(frame.payload))
                 if frame.type == FrameType.BYE:
+                    self.said_bye = True
                     self.close("peer said goodbye")
                     break
                 if frame.type == FrameType.ERROR:

@@ -147,6 +147,7 @@ class Peers:
         self.changed = threading.Condition(self.lock)
         self.links: dict[str, PeerLink] = {}
         self.ever_linked: set[str] = set()
+        self._departed: set[str] = set()  # peers whose relay said goodbye on its last link
         self.closed_bytes = [0, 0]  # bytes of links that are gone
         self.pings: dict[int, list[float]] = {}
         self._ids = itertools.count(1)
@@ -274,6 +275,7 @@ class Peers:
             old = self.links.get(cluster)
             self.links[cluster] = link
             self.ever_linked.add(cluster)
+            self._departed.discard(cluster)
             self.changed.notify_all()
         if old is not None:
             old.close("replaced by a new connection")
@@ -291,6 +293,8 @@ class Peers:
             current = self.links.get(link.cluster) is link
             if current:
                 del self.links[link.cluster]
+                if link.said_bye:
+                    self._departed.add(link.cluster)
             self.changed.notify_all()
         if current:
             self._on_down(link, reason)
@@ -325,6 +329,11 @@ class Peers:
         """Connected peers: (round their workers finished at or None, lineage, newest round)."""
         with self.lock:
             return {c: (lk.finished, lk.lineage, lk.done) for c, lk in self.links.items()}
+
+    def departed(self) -> frozenset[str]:
+        """Peers not connected whose relay said goodbye on its last link (it was stopped)."""
+        with self.lock:
+            return frozenset(self._departed)
 
     def state_sources(self) -> list[tuple[str, int | None]]:
         with self.lock:

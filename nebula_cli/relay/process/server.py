@@ -74,7 +74,7 @@ class _Net:
         self.peers_done, self.all_linked_once = peers.peers_done, peers.all_linked_once
         self.send, self.flush, self.holders = peers.send, peers.flush, peers.holders
         self.state_sources, self.wan_bytes = peers.state_sources, peers.wan_bytes
-        self.finish_view = peers.finish_view
+        self.finish_view, self.departed = peers.finish_view, peers.departed
 
     def fetch(self, cluster: str, ask: FetchRequest, timeout: float
               ) -> Average | GlobalState | None:

@@ -60,3 +60,8 @@ class Net(Protocol):
         """Connected peers: (the round their workers finished at or None, their lineage,
         their newest round)."""
         ...
+
+    def departed(self) -> frozenset[str]:
+        """Peers not connected whose relay said goodbye when it went (stopped, not lost): the
+        end does not wait for them."""
+        ...

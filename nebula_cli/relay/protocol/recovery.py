@@ -135,28 +135,44 @@ class Recovery:
         return best
 
     def final_state(self, wait: float | None) -> GlobalState | None:
-        """After ``RoundState.mark_finished``: wait until every connected peer's workers have
-        finished too (at most ``wait`` seconds; a peer that is gone is not waited for), then
-        the global state every cluster should end with, when it is not this cluster's: that
-        of the cluster that finished last (the highest final round, ties to the earliest in
-        the job's order), whose last round came after the others'. None: keep your own."""
+        """After ``RoundState.mark_finished``: wait until every other cluster's workers have
+        finished too (at most ``wait`` seconds), then the global state every cluster should end
+        with, when it is not this cluster's: that of the cluster that finished last (the
+        highest final round, ties to the earliest in the job's order), whose last round came
+        after the others'. None: keep your own.
+
+        A peer that is not connected is waited for as one that still trains: a link cut or a
+        host gone down near the end comes back, its cluster finishes, and whichever finished
+        last hands its state over (ending without it left two parameter sets). Not waited
+        for: a peer whose relay said goodbye when it went (stopped: its cluster left the job).
+        A peer that makes no round and does not come back for ``final_stall`` seconds is
+        given up, and so is every peer after ``wait``."""
         state = self.state
         deadline = None if wait is None else self.clock() + wait
-        seen, moved = None, self.clock()
+        seen, moved, told = None, self.clock(), []
         while True:
             view = self.net.finish_view()  # not under the lock: the peers' lock comes first
-            training = sorted(c for c, (f, _, _) in view.items() if f is None)
-            if not training or state.stopping:
+            left = self.net.departed()
+            absent = [c for c in self.cfg.clusters
+                      if c != self.me and c not in view and c not in left]
+            waiting = sorted([c for c, (f, _, _) in view.items() if f is None] + absent,
+                             key=self.order.__getitem__)
+            if not waiting or state.stopping:
                 break
+            if absent and absent != told:
+                told = absent
+                self._event("peers %s are not connected as this cluster finishes; waiting for "
+                            "them to come back and finish (at most %g s without news of them)",
+                            ", ".join(absent), self.final_stall)
             if view != seen:
                 seen, moved = view, self.clock()
             if deadline is not None and self.clock() >= deadline:
-                self._event("peers %s still train after %g s; this cluster ends without "
-                            "their last rounds", ", ".join(training), wait)
+                self._event("peers %s have not finished after %g s; this cluster ends without "
+                            "their last rounds", ", ".join(waiting), wait)
                 break
             if self.clock() - moved > self.final_stall:
                 self._event("peers %s made no round in %g s; this cluster ends without "
-                            "them", ", ".join(training), self.final_stall)
+                            "them", ", ".join(waiting), self.final_stall)
                 break
             with state.lock:
                 state.cv.wait(0.5)

@@ -145,3 +145,31 @@ def test_a_silent_connection_and_a_trickled_handshake_are_ended_in_time(
         silent_s, trickled_s = silent.result(timeout=60), trickled.result(timeout=60)
     assert FIRST_BYTES_TIMEOUT - 1 < silent_s < FIRST_BYTES_TIMEOUT + 2, silent_s
     assert HANDSHAKE_TIMEOUT - 1 < trickled_s < HANDSHAKE_TIMEOUT + 3, trickled_s
+
+
+def test_a_stopped_relay_departs_and_a_lost_one_does_not(job: TwoClusters,
+                                                         relay_a: Relay) -> None:
+    """A relay that is stopped says goodbye: its peers know it left the job (the end does not
+    wait for it). A link that just goes (a cut, a crash) is not a departure; a relay that
+    comes back is no longer departed."""
+    b = Relay(job.cfg["b"])
+    b.start()
+    try:
+        wait_until(lambda: relay_a.connected() == ["b"], 20, "b to reach a")
+        link = relay_a.peers.link("b")
+        assert link is not None and relay_a.peers.departed() == frozenset()
+        b.peers.link("a").close("cut")  # type: ignore[union-attr]  # gone without a goodbye
+        wait_until(lambda: link.closed, 10, "a to see the link go")
+        assert not link.said_bye and "b" not in relay_a.peers.departed()
+        wait_until(lambda: relay_a.connected() == ["b"], 20, "b to dial again")
+    finally:
+        b.stop()
+    wait_until(lambda: relay_a.connected() == [], 10, "a to see b go")
+    assert relay_a.peers.departed() == frozenset({"b"})
+    back = Relay(job.cfg["b"])
+    back.start()
+    try:
+        wait_until(lambda: relay_a.connected() == ["b"], 20, "b to come back")
+        assert relay_a.peers.departed() == frozenset()
+    finally:
+        back.stop()

@@ -5,6 +5,8 @@ tests/relay/protocol/test_rounds.py."""
 
 from __future__ import annotations
 
+import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import pytest
@@ -36,6 +38,7 @@ class TableNet:
         self.results: dict[str, Average] = {}
         self.states: dict[str, GlobalState] = {}
         self.finished: dict[str, tuple[int | None, str | None, int]] = {}
+        self.left: frozenset[str] = frozenset()
         self.asked: list[tuple[str, FetchRequest]] = []
         self.done = -1
 
@@ -55,6 +58,9 @@ class TableNet:
 
     def finish_view(self) -> dict[str, tuple[int | None, str | None, int]]:
         return dict(self.finished)
+
+    def departed(self) -> frozenset[str]:
+        return self.left
 
     def peers_done(self) -> int:
         return self.done
@@ -155,7 +161,7 @@ def test_the_final_state_is_that_of_the_cluster_that_finished_last(
     rec, state, net, _ = recovery()
     state.done_round, state.lineage = mine, "same"
     state.mark_finished()
-    net.finished = {"c": theirs}
+    net.finished = {"a": (3, "a's", 3), "c": theirs}  # a finished first: never the one
     net.states = {"c": GlobalState(5, torch.full((N,), 5.0), "lin-c")}
     got = rec.final_state(None)
     if want is None:
@@ -174,5 +180,48 @@ def test_the_end_does_not_wait_forever_for_a_peer_that_still_trains() -> None:
     rec, state, net, events = recovery(clock=clock)
     state.mark_finished()
     net.finished = {"c": (None, "x", 2)}  # c trains on
+    net.left = frozenset({"a"})
     assert rec.final_state(1.0) is None
-    assert "peers c still train after 1 s" in events.lines[-1]
+    assert "peers c have not finished after 1 s" in events.lines[-1]
+
+
+def test_a_peer_not_connected_at_the_end_is_waited_for_and_its_state_taken_if_it_is_last(
+        ) -> None:
+    """c's link is down as b finishes (a cut link, a host that went down): b waits for c to
+    come back and finish instead of ending alone (seen in the soak: two parameter sets)."""
+    rec, state, net, events = recovery()
+    state.done_round, state.lineage = 4, "lin-b"
+    state.mark_finished()
+    net.finished = {"a": (4, "lin-b", 4)}  # a finished with b; c is not connected
+    with ThreadPoolExecutor(1) as pool:
+        got = pool.submit(rec.final_state, None)
+        time.sleep(1.2)
+        assert not got.done()
+        assert "peers c are not connected as this cluster finishes" in events.lines[-1]
+        net.states = {"c": GlobalState(6, torch.full((N,), 6.0), "lin-c")}
+        net.finished = {"a": (4, "lin-b", 4), "c": (6, "lin-c", 6)}  # back, finished later
+        st = got.result(timeout=5)
+    assert st is not None and st.round_id == 6 and state.lineage == "lin-c"
+
+
+def test_a_peer_whose_relay_said_goodbye_is_not_waited_for_at_the_end() -> None:
+    """A cluster nebula stopped (a lost cluster under `min_clusters`) left the job: its relay
+    said goodbye; the end does not wait for it."""
+    rec, state, net, events = recovery()
+    state.mark_finished()
+    net.left = frozenset({"a", "c"})
+    assert rec.final_state(None) is None and events.lines == []
+
+
+def test_a_peer_that_does_not_come_back_is_given_up_after_the_final_stall() -> None:
+    now = [0.0]
+
+    def clock() -> float:
+        now[0] += 100.0
+        return now[0]
+
+    rec, state, net, events = recovery(clock=clock)
+    state.mark_finished()
+    net.left = frozenset({"a"})  # c is not connected and never comes back
+    assert rec.final_state(None) is None
+    assert "peers c made no round in 600 s" in events.lines[-1]

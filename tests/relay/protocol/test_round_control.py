@@ -69,6 +69,9 @@ class Recorder:
     def finish_view(self) -> dict[str, tuple[int | None, str | None, int]]:
         return {c: (None, None, -1) for c in self.up}
 
+    def departed(self) -> frozenset[str]:
+        return frozenset()
+
 
 class Clock:
     def __init__(self) -> None:

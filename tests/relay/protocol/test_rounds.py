@@ -350,6 +350,48 @@ def test_clusters_that_end_at_different_rounds_end_with_the_same_state() -> None
         hub.close()
 
 
+def test_a_cluster_cut_off_as_the_other_finishes_is_waited_for_and_both_end_alike() -> None:
+    """b's link is cut as a's workers finish (seen in the soak: a cut link and a host reboot
+    at the end, then each cluster ended with its own parameters). a waits for b; b comes back,
+    makes its last round and finishes; a takes b's state."""
+    hub = Hub(["a", "b"], round_timeout=30.0)
+    try:
+        run_round(hub, 0, {c: torch.ones(32) for c in hub.order})
+        hub.cut("b")
+        hub.rounds["a"].state.mark_finished()
+        with ThreadPoolExecutor(1) as pool:
+            a_final = pool.submit(hub.rounds["a"].recovery.final_state, None)
+            time.sleep(1.0)
+            assert not a_final.done()  # the old code ended a alone here
+            assert any("b are not connected" in e for e in hub.events["a"]), hub.events["a"]
+            hub.rejoin("b")
+            last = hub.rounds["b"].local_round(1, torch.full((32,), 4.0))
+            assert last.present == ["b"]
+            theta_b = torch.full((32,), 3.0)
+            hub.rounds["b"].state.publish(GlobalState(1, theta_b))
+            hub.rounds["b"].state.mark_finished()
+            assert hub.rounds["b"].recovery.final_state(None) is None  # b finished last
+            got = a_final.result(timeout=10)
+        assert got is not None and got.round_id == 1 and torch.equal(got.tensor, theta_b)
+    finally:
+        hub.close()
+
+
+def test_a_cluster_that_left_the_job_is_not_waited_for_at_the_end() -> None:
+    """b was stopped (a lost cluster under `min_clusters`): its relay said goodbye, and a's
+    end does not wait for it."""
+    hub = Hub(["a", "b"], round_timeout=30.0)
+    try:
+        run_round(hub, 0, {c: torch.ones(32) for c in hub.order})
+        hub.leave("b")
+        hub.rounds["a"].state.mark_finished()
+        t0 = time.monotonic()
+        assert hub.rounds["a"].recovery.final_state(None) is None
+        assert time.monotonic() - t0 < 2
+    finally:
+        hub.close()
+
+
 def test_resumed_workers_ahead_of_fresh_relays_meet_at_once() -> None:
     """After `nebula resume` every relay starts at round -1 while the workers go on from their
     checkpoint's round: a peer's READY for round 7 that comes before this relay's own worker

@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from nebula_cli.config.parts import SyncConfig
+from nebula_cli.heap import HeapTrim
 from nebula_cli.runtime import checkpoint as checkpoints
 from nebula_cli.runtime import worldwatch
 from nebula_cli.runtime.cadence import Cadence
@@ -185,6 +186,7 @@ class OuterSync:
         self._last_round_step = self._optimizer_steps()
         self._averager = averager
         self._inflight = InFlight()  # overlap: the round in flight
+        self.heap = HeapTrim()  # after rounds, freed memory back to the system
         self._closed = False
         self.checkpointer: checkpoints.Checkpointer | None = None  # built by checkpoint()
         if self.dry_run and self.rank == 0:  # what `nebula plan` needs; no round will run
@@ -211,9 +213,12 @@ class OuterSync:
             return None
         self.cadence.step_done(self._inflight.active)
         try:
-            return self._after_step()
+            stats = self._after_step()
         finally:
             self.cadence.mark()
+        if stats is not None:
+            self.heap.trim()  # what the round freed (its tensors, other threads'): nebula_cli.heap
+        return stats
 
     def _after_step(self) -> dict[str, Any] | None:
         steps = self._optimizer_steps()

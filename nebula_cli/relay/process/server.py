@@ -40,6 +40,7 @@ from pathlib import Path
 from typing import Any
 
 from nebula_cli.config.relay_config import RelayConfig
+from nebula_cli.heap import HeapTrim
 from nebula_cli.pki import CertPair, client_context, server_context
 from nebula_cli.relay.codecs.registry import relay_codecs
 from nebula_cli.relay.net import local_socket as local
@@ -98,6 +99,8 @@ class Relay:
         """Set once every cluster's workers have finished (for ``linger`` s): the relay's work
         is over, whoever looks at the job (its process then exits 0)."""
         self.linger = ALL_DONE_LINGER
+        self.heap = HeapTrim()
+        self._trim_due = threading.Event()
         self.refusals = Refusals()
         self.status = Status(cfg.status_file, cfg.metrics_file, self._view)
         self.peers = Peers(cfg, server_ctx, client_context(pair, ca),
@@ -272,6 +275,7 @@ class Relay:
     def _finished(self, r: int, out: RoundOutcome) -> None:
         self._broadcast_progress()
         self.status.record_round(r, out, len(self.cfg.clusters), self.peers.wan_bytes())
+        self._trim_due.set()  # the ticker gives the round's freed memory back (nebula_cli.heap)
 
     def _view(self) -> dict[str, Any]:
         sent, recv = self.peers.wan_bytes()
@@ -308,6 +312,9 @@ class Relay:
             elif self.rounds.clock() - done_since >= self.linger and not self.ended.is_set():
                 log.info("every cluster's workers have finished: relay %s ends", self.me)
                 self.ended.set()
+            if self._trim_due.is_set():
+                self._trim_due.clear()
+                self.heap.trim()
             nxt = self.rounds.control.tick()
             wait = 0.2 if nxt is None else min(0.2, max(0.0, nxt - self.rounds.clock()))
             self.stopping.wait(wait)

@@ -27,7 +27,7 @@ TRIM_EVERY_S = 10.0
 def _malloc_trim() -> Callable[[int], int] | None:
     try:
         fn = ctypes.CDLL(None).malloc_trim  # the process's own C library
-    except (AttributeError, OSError):
+    except (AttributeError, OSError, TypeError):  # no such function; no C library to open
         return None
     fn.argtypes, fn.restype = [ctypes.c_size_t], ctypes.c_int
     return fn
@@ -51,7 +51,8 @@ class HeapTrim:
         return self._fn is not None
 
     def trim(self) -> bool:
-        """Whether memory was given back now (glibc's answer: some could be)."""
+        """Whether a trim ran now (not: too soon after the last, another thread's running,
+        no ``malloc_trim`` here)."""
         if self._fn is None or not self._lock.acquire(blocking=False):
             return False
         try:
@@ -60,6 +61,7 @@ class HeapTrim:
                 return False
             self._last = now
             self.trims += 1
-            return bool(self._fn(0))
+            self._fn(0)  # 1 if memory was given back, 0 if there was none to give
+            return True
         finally:
             self._lock.release()

@@ -6,7 +6,7 @@ status atomically in `<dir>/status.json`, restarts them within limits, and is wh
 
     python -m nebula_cli.agent start  DIR          # daemonize and supervise DIR/agent.json
     python -m nebula_cli.agent status DIR [DIR..]  # JSON list of reconciled statuses
-    python -m nebula_cli.agent stop   DIR [DIR..] [--grace S] [--force]
+    python -m nebula_cli.agent stop   DIR [DIR..] [--grace S] [--force] [--leave]
     python -m nebula_cli.agent revive DIR [DIR..]  # a dead (LOST) agent replaced; statuses
 
 An agent that died (SIGKILL, the OOM killer, a host reboot) is seen by `status` as LOST (its
@@ -37,7 +37,8 @@ from nebula_cli.agent.leftovers import clear_world, remove_stale_locks
 from nebula_cli.agent.logpump import drain, start_pump
 from nebula_cli.agent.procs import pid_alive
 from nebula_cli.agent.tunnel import revoke_dir
-from nebula_cli.config.parts import ABORT_EXIT, AgentConfig, helper_env
+from nebula_cli.config.parts import ABORT_EXIT, LEAVE_SIGNAL, AgentConfig, helper_env
+from nebula_cli.config.plan_model import RELAY
 from nebula_cli.config.rotation import ROTATION_ENV, append, rotate
 from nebula_cli.config.staging import AGENT_DIR_ENV as ENV_MARK  # also names staging's record
 from nebula_cli.errors import NebulaError
@@ -427,6 +428,8 @@ class Supervisor:
         grace = 0.0 if request.get("force") else float(
             request.get("grace", self.config.grace))
         self.save(state="STOPPING")
+        if request.get("leave") and self.config.role == RELAY:
+            signal_group(self.pgid, LEAVE_SIGNAL)  # its peers are told not to wait for it
         self.end_group(grace)
         self.save(state="STOPPED", exit_codes=self.codes(), ended=time.time(),
                   reason="stopped on request")
@@ -523,15 +526,17 @@ def _configured_grace(agent_dir: Path) -> float:
         return 0.0  # no usable config: nothing the agent would wait for either
 
 
-def stop_all(agent_dirs: list[Path], grace: float | None, force: bool) -> list[dict[str, Any]]:
+def stop_all(agent_dirs: list[Path], grace: float | None, force: bool,
+             leave: bool = False) -> list[dict[str, Any]]:
     """Ask every agent to stop its group at once; make sure nothing of them is left either way.
-    `grace` None: each agent's own (its agent.json's, from the spec)."""
+    `grace` None: each agent's own (its agent.json's, from the spec). `leave`: the cluster
+    leaves the job for good (a relay says so to its peers: `config.parts.LEAVE_SIGNAL`)."""
     before = {d: read_json(d / "status.json") or {} for d in agent_dirs}
     graces = [0.0]
     for d, status in before.items():
         if not d.is_dir():
             continue  # never provisioned: only the sweep below can find anything of it
-        request: dict[str, Any] = {"force": force, "ts": time.time()}
+        request: dict[str, Any] = {"force": force, "leave": leave, "ts": time.time()}
         if grace is not None:
             request["grace"] = grace
         graces.append(grace if grace is not None else _configured_grace(d))
@@ -583,6 +588,8 @@ def main(argv: list[str] | None = None) -> int:
     stop.add_argument("--grace", type=float, default=None,
                       help="seconds between SIGTERM and SIGKILL (default: each agent's own)")
     stop.add_argument("--force", action="store_true")
+    stop.add_argument("--leave", action="store_true",
+                      help="the cluster leaves the job for good: a relay tells its peers first")
     args = parser.parse_args(argv)
 
     if args.command == "start":
@@ -607,7 +614,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "revive":
         print(json.dumps([revive(d.resolve()) for d in args.dirs]))
         return 0
-    print(json.dumps(stop_all([d.resolve() for d in args.dirs], args.grace, args.force)))
+    print(json.dumps(stop_all([d.resolve() for d in args.dirs], args.grace, args.force,
+                                args.leave)))
     return 0
 
 

@@ -31,7 +31,6 @@ from nebula_cli.cli.ui import (
     spec_summary,
     upload_bars,
 )
-from nebula_cli.config.roles.registry import serving_clusters
 from nebula_cli.config.spec import JobSpec, load_spec
 from nebula_cli.control import final_parameters
 from nebula_cli.control.dryrun import measure
@@ -255,7 +254,7 @@ def status(
         view = orch.metrics_view(snap)  # the agents' summaries: no metrics file is re-read
         if as_json:
             hosts = [dataclasses.asdict(h) for h in snap.hosts]
-            said = final_parameters.verdict(view.finals, serving_clusters(snap.job.spec))
+            said = final_parameters.of_job(snap.job, view.finals)
             out.print_json(json.dumps({**_job_json(snap.job, orch.attempt(snap.job.id)),
                                        "hosts": hosts,
                                        "metrics": view.latest, "relays": view.relay,

@@ -11,7 +11,7 @@ from rich.live import Live
 from rich.text import Text
 
 from nebula_cli.cli.ui import cluster_colors, final_summary, job_detail, log_text, status_panel
-from nebula_cli.config.roles.registry import serving_clusters
+from nebula_cli.control import final_parameters
 from nebula_cli.control.follow import LogLine
 from nebula_cli.control.orchestrator import JobSnapshot, Orchestrator
 from nebula_cli.runtime.metrics import METRICS_TAG
@@ -49,7 +49,8 @@ def watch(orch: Orchestrator, job_id: str, console: Console) -> JobSnapshot:
         metrics.poll()
     console.print(status_panel(snap, metrics.latest, metrics.relay, metrics.history))
     console.print(job_detail(snap))
-    summary = final_summary(metrics.finals, snap.job.clusters, serving_clusters(snap.job.spec))
+    summary = final_summary(metrics.finals, snap.job.clusters,
+                            final_parameters.of_job(snap.job, metrics.finals))
     if summary is not None:
         console.print(summary)
     return snap

@@ -13,7 +13,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from nebula_cli.cli.report_draw import DPI, EXTRA, figure_png, html_page, write_tensorboard
-from nebula_cli.config.roles.registry import serving_clusters
 from nebula_cli.control import final_parameters
 from nebula_cli.control.final_parameters import newest_finals
 from nebula_cli.control.jobs import JobOps
@@ -57,8 +56,7 @@ def make_report(ops: JobOps, job_id: str, output: Path | None) -> Report:
         raise NebulaError(f"no metrics recorded yet for {job_id}")
     job = ops.store.get_job(job_id)
     order = job.clusters  # the live view's order, and so its colours
-    serving = serving_clusters(job.spec)
-    said = final_parameters.verdict(newest_finals(found.workers()), serving)
+    said = final_parameters.of_job(job, newest_finals(found.workers()))
     if said is not None and not said.identical:
         made.warnings.append(f"{said.sentence()} at the end (see the report's final parameters)")
     try:
@@ -67,7 +65,7 @@ def make_report(ops: JobOps, job_id: str, output: Path | None) -> Report:
             page.write_bytes(png)
             made.notes += [f"panel '{o.title}' left out: {o.reason}" for o in omitted]
         else:
-            page.write_text(html_page(found.records, job_id, order, serving))
+            page.write_text(html_page(found.records, job_id, order, said))
         made.page = page
     except ImportError as exc:
         made.warnings.append(f"no {kind.upper()} report: {exc}; {EXTRA}")

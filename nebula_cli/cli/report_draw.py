@@ -36,7 +36,6 @@ from typing import Any
 from nebula_cli.cli.palette import cluster_colours
 from nebula_cli.cli.ui import human_bytes
 from nebula_cli.control import final_parameters
-from nebula_cli.control.final_parameters import newest_finals
 
 EXTRA = "pip install 'nebula-cli[report]'"
 SCALARS = ("loss", "eval_loss", "steps_per_s", "samples_per_s", "tokens_per_s", "lr",
@@ -376,11 +375,11 @@ def teacher_table(clusters: dict[str, list[dict[str, Any]]]) -> str:
 
 
 def html_page(records: list[dict[str, Any]], title: str, order: Sequence[str] = (),
-              serving: frozenset[str] = frozenset()) -> str:
+              said: final_parameters.ParameterVerdict | None = None) -> str:
     """The report page: the figure embedded, the panels left out and why, what the live view
     shows of each cluster at the end (with distillation, its soft labels), its restarts and
-    missed rounds, and every worker's final parameters with whether they agree (``serving``:
-    teacher clusters, whose parameters are their own)."""
+    missed rounds, and every worker's final parameters with whether they agree (``said``:
+    `control.final_parameters.of_job`'s verdict)."""
     png, omitted = figure_png(records, DPI["html"], order)
     clusters = by_cluster(records, order)
     colours = page_colours(order, clusters)
@@ -406,7 +405,6 @@ def html_page(records: list[dict[str, Any]], title: str, order: Sequence[str] = 
     left_out = ("<h2>panels left out</h2><table><tr><th>panel</th><th>why</th></tr>"
                 f"{left}</table>") if omitted else ""
     finals = [r for r in records if r.get("final") and r.get("role") == "worker"]
-    said = final_parameters.verdict(newest_finals(finals), serving)
     verdict = "" if said is None else (
         f"<p style='color:{'green' if said.identical else 'red'}'>"
         f"{'' if said.identical else '<b>'}{html.escape(said.sentence())}"

@@ -22,13 +22,12 @@ from rich.table import Table
 from rich.text import Text
 
 from nebula_cli.cli.palette import cluster_colours
-from nebula_cli.config.roles.registry import serving_clusters
 from nebula_cli.config.spec import JobSpec
 from nebula_cli.control import final_parameters
 from nebula_cli.control.follow import LogLine, finite
 from nebula_cli.control.hostcheck import HostCheck
 from nebula_cli.control.orchestrator import JobSnapshot
-from nebula_cli.control.state import END_STATES, HostRecord, JobRecord
+from nebula_cli.control.state import HostRecord, JobRecord
 from nebula_cli.errors import SpecError
 
 STATE_STYLE = {
@@ -186,8 +185,7 @@ def job_detail(snap: JobSnapshot, metrics: dict[str, dict[str, Any]] | None = No
     parts: list[Any] = [head, table]
     if metrics or relay:
         parts.append(metrics_table(job.clusters, metrics or {}, relay or {}))
-    if finals and job.state in END_STATES:
-        parts.extend(parameter_verdict(finals, serving_clusters(job.spec)))
+    parts.extend(parameter_verdict(final_parameters.of_job(job, finals or [])))
     return Group(*parts)
 
 
@@ -320,7 +318,7 @@ def spec_error_text(err: SpecError) -> Text:
 
 
 def final_summary(finals: list[dict[str, Any]], clusters: list[str],
-                  serving: frozenset[str] = frozenset()) -> Group | None:
+                  said: final_parameters.ParameterVerdict | None) -> Group | None:
     """The workers' final records: losses, speed, and whether the workers that should hold the
     same parameters do (every worker; in a pipelined job, the replicas of each stage)."""
     if not finals:
@@ -341,14 +339,12 @@ def final_summary(finals: list[dict[str, Any]], clusters: list[str],
                       str(f.get("rank", "-")), *where, str(f.get("step", "-")),
                       num(f.get("first_loss")), num(f.get("last_loss")), num(f.get("eval_loss")),
                       num(f.get("s_per_step"), ".2f"), str(f.get("param_sha256", "-"))[:16])
-    return Group(table, *parameter_verdict(finals, serving))
+    return Group(table, *parameter_verdict(said))
 
 
-def parameter_verdict(finals: list[dict[str, Any]],
-                      serving: frozenset[str] = frozenset()) -> list[Text]:
-    """Whether the workers that should hold the same parameters do (green or bold red);
-    nothing to say without checksums."""
-    said = final_parameters.verdict(finals, serving)
+def parameter_verdict(said: final_parameters.ParameterVerdict | None) -> list[Text]:
+    """Whether the workers that should hold the same parameters do (green or bold red; see
+    `control.final_parameters.of_job`); nothing to say without a verdict."""
     if said is None:
         return []
     return [Text(said.sentence(), style="green" if said.identical else "bold red")]

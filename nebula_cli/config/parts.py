@@ -8,6 +8,7 @@ Each part is written next to its process with mode 0600; the environment only sa
 
 from __future__ import annotations
 
+import signal
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -18,6 +19,11 @@ from nebula_cli.config.rotation import Rotation
 ABORT_EXIT = 75
 """Exit status of a rank that left its world because another host's rank failed
 (`nebula_cli.runtime.worldwatch`); its agent does not tell the world again."""
+LEAVE_SIGNAL = signal.SIGUSR1
+"""What a relay's agent sends it, just before SIGTERM, when its cluster leaves the job for good
+(`agent stop --leave`: nebula dropped the cluster under `min_clusters`): the relay then tells its
+peers that it left, and they do not wait for it at the end. A plain SIGTERM (`nebula stop`, a
+host shutting down, a scheduler's notice) leaves them waiting for it to come back."""
 SYNC_CONFIG_ENV = "NEBULA_SYNC_CONFIG"
 """The environment variable that names a worker's sync.json."""
 SHM = Path("/dev/shm")

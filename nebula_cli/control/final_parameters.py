@@ -9,6 +9,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from nebula_cli.config.roles.registry import serving_clusters
+from nebula_cli.control.state import JobRecord
+
 
 @dataclass(frozen=True)
 class ParameterVerdict:
@@ -16,35 +19,39 @@ class ParameterVerdict:
 
     workers: int
     """Final records compared (one per worker)."""
-    staged: bool
-    """A pipelined job: each stage's replicas are compared, not all workers."""
     sets: int
     """Distinct checksums among the workers that should agree (the most of any stage)."""
-    split: tuple[str, ...]
-    """The groups whose workers differ: ("all",) or the stages, by number."""
     unknown: int
     """Workers that gave no checksum."""
+    stages: tuple[int, ...] | None
+    """A pipelined job (each stage's replicas compared, not all workers): the stages whose
+    replicas differ; None: not pipelined."""
 
     @property
     def identical(self) -> bool:
-        return not self.split
+        return self.sets <= 1 and self.unknown == 0
 
     def sentence(self) -> str:
         """What the views print."""
         if self.identical:
-            if self.staged:
+            if self.stages is not None:
                 return "each stage's replicas hold identical parameters"
             return f"all {self.workers} workers hold identical parameters"
-        if self.staged:
-            return f"the replicas of stage(s) {', '.join(self.split)} hold different parameters"
+        said = []
+        if self.stages:
+            said.append("the replicas of stage(s) "
+                        f"{', '.join(map(str, self.stages))} hold different parameters")
+        elif self.sets > 1:
+            said.append(f"workers hold {self.sets} different parameter sets")
         if self.unknown:
-            return (f"workers hold {self.sets} different parameter sets "
-                    f"({self.unknown} gave no checksum)")
-        return f"workers hold {self.sets} different parameter sets"
+            said.append(f"{self.unknown} of {self.workers} workers gave no checksum: their "
+                        "parameters cannot be compared")
+        return "; ".join(said)
 
     def to_json(self) -> dict[str, Any]:
         return {"identical": self.identical, "workers": self.workers, "sets": self.sets,
-                "differing": list(self.split), "without_checksum": self.unknown}
+                "without_checksum": self.unknown,
+                "stages_differing": None if self.stages is None else list(self.stages)}
 
 
 def newest_finals(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -59,21 +66,34 @@ def newest_finals(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def verdict(finals: list[dict[str, Any]],
-            serving: frozenset[str] = frozenset()) -> ParameterVerdict | None:
+            serving: frozenset[str]) -> ParameterVerdict | None:
     """The verdict on the final records ``finals`` (dicts with ``cluster``, ``param_sha256``
     and, in a pipelined job, ``stage``), leaving out the ``serving`` clusters (teachers: their
-    parameters are their own). None when there is nothing to compare: no record has a
-    checksum."""
-    finals = [f for f in finals if f.get("cluster") not in serving]
+    parameters are their own) and workers that never synced across clusters
+    (``cross_cluster_sync: false``: nothing to agree on). None when there is nothing to
+    compare: no record has a checksum. Call it for a job that SUCCEEDED: a stopped or failed
+    one ends before the clusters' final agreement."""
+    finals = [f for f in finals
+              if f.get("cluster") not in serving and f.get("cross_cluster_sync") is not False]
     if all(f.get("param_sha256") is None for f in finals):
         return None
     staged = any("stage" in f for f in finals)
-    groups: dict[Any, set[Any]] = {}
+    groups: dict[Any, set[str]] = {}
     for f in finals:
-        groups.setdefault(f.get("stage") if staged else None, set()).add(f.get("param_sha256"))
-    split = sorted((k for k, v in groups.items() if len(v) > 1 or None in v), key=str)
+        sha = f.get("param_sha256")
+        groups.setdefault(f.get("stage") if staged else None, set()).update(
+            [] if sha is None else [sha])
+    unknown = sum(1 for f in finals if f.get("param_sha256") is None)
     return ParameterVerdict(
-        workers=len(finals), staged=staged,
-        sets=max(len(v - {None}) for v in groups.values()),
-        split=tuple("all" if k is None else str(k) for k in split),
-        unknown=sum(1 for f in finals if f.get("param_sha256") is None))
+        workers=len(finals), sets=max(len(v) for v in groups.values()), unknown=unknown,
+        stages=tuple(sorted(k for k, v in groups.items() if len(v) > 1 and k is not None))
+        if staged else None)
+
+
+def of_job(job: JobRecord, finals: list[dict[str, Any]]) -> ParameterVerdict | None:
+    """What every view says of a job's final parameters: the verdict on its workers' final
+    records once it SUCCEEDED (its teachers left out), None before that or when it ended
+    otherwise (stopped or failed before the clusters' final agreement)."""
+    if job.state != "SUCCEEDED":
+        return None
+    return verdict(finals, serving_clusters(job.spec))

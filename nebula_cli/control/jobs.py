@@ -241,7 +241,7 @@ class JobOps(Session):
         self._stop_recs([h for h in active if h.role == plan_model.WORKER], why,
                         grace=FAILURE_STOP_GRACE)
         self._stop_recs([h for h in active if h.role == plan_model.RELAY], why,
-                        grace=FAILURE_STOP_GRACE)
+                        grace=FAILURE_STOP_GRACE, leave=rest is not None)
         self._sweep_recs(failed)  # what a failed agent left running (its world's teller)
         return True
 
@@ -270,12 +270,16 @@ class JobOps(Session):
                                                             timeout=60),
                    timeout=90, cancel=self.abort)
 
-    def _stop_recs(self, recs: list[HostRecord], reason: str, grace: float | None) -> None:
-        """Stop these agents (best effort: an unreachable host keeps its last state)."""
+    def _stop_recs(self, recs: list[HostRecord], reason: str, grace: float | None,
+                   leave: bool = False) -> None:
+        """Stop these agents (best effort: an unreachable host keeps its last state).
+        `leave`: their clusters leave the job for good (their relays tell the others' not to
+        wait for them at the end)."""
         if not recs:
             return
         groups = self._by_machine(recs)
-        args = ["stop", *(["--grace", str(grace)] if grace is not None else [])]
+        args = ["stop", *(["--grace", str(grace)] if grace is not None else []),
+                *(["--leave"] if leave else [])]
         try:
             answers = fanout(list(groups), lambda k: self._agent_call(
                 groups[k], *args, timeout=60 + (grace or 0)), timeout=90 + (grace or 0),

@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from nebula_cli.config.parts import LEAVE_SIGNAL
 from nebula_cli.config.relay_config import RelayConfig
 from nebula_cli.errors import NebulaError
 
@@ -46,8 +47,14 @@ def main(argv: list[str] | None = None, prog: str = "python -m nebula_cli.relay"
         log.info("signal %d: stopping", signum)
         stop.set()
 
+    def on_leave(signum: int, _frame: Any) -> None:
+        log.info("signal %d: this cluster leaves the job; stopping", signum)
+        relay.leaving = True
+        stop.set()
+
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
+    signal.signal(LEAVE_SIGNAL, on_leave)
     try:
         relay.start()
     except NebulaError as exc:

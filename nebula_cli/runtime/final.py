@@ -3,10 +3,11 @@
 Clusters do not always end on the same outer round: one that caught up from a peer's state
 skipped round ids, and one whose peers had finished made its last round alone. After its last
 round (``OuterSync.finish``) a cluster's rank 0 asks its relay for the final state
-(``RelayClient.final_state``): the relay waits until every connected peer's workers have
-finished, then hands over the state of the cluster that finished last when it is not this
-cluster's own (see ``nebula_cli.relay.protocol.recovery``). Every rank of the cluster takes it (a
-broadcast), so that all workers of all clusters hold identical parameters at the end.
+(``RelayClient.final_state``): the relay waits until every other cluster's workers have
+finished (also a cluster not connected just then, which may come back), then hands over
+the state of the cluster that finished last when it is not this cluster's own (see
+``nebula_cli.relay.protocol.recovery``). Every rank of the cluster takes it (a broadcast), so
+that all workers of all clusters hold identical parameters at the end.
 """
 
 from __future__ import annotations

@@ -137,3 +137,29 @@ def test_an_agent_that_ends_between_the_reads_is_not_lost(tmp_path: Path,
     supervisor.write_json(d / "status.json", {"state": "RUNNING", "agent_pid": 999_999_9})
     monkeypatch.setattr(supervisor, "is_agent_of", lambda pid, agent_dir: False)
     assert supervisor.reconciled_status(d)["state"] == "LOST"  # truly gone: still LOST
+
+
+def test_stop_leave_tells_a_relay_that_its_cluster_leaves_the_job(tmp_path: Path,
+                                                                   cleanup: list[Path]) -> None:
+    """`stop --leave` (a cluster nebula drops under `min_clusters`) sends a relay
+    `LEAVE_SIGNAL` before SIGTERM, so that it tells its peers not to wait for it; a plain stop
+    does not, nor does `--leave` to a worker (its script would die of the signal)."""
+    said: dict[str, Path] = {}
+    dirs: dict[str, Path] = {}
+    for name, role in (("leaving", "relay"), ("stopped", "relay"), ("worker", "worker")):
+        (tmp_path / name).mkdir()
+        said[name] = tmp_path / name / "said"
+        script = (f"trap 'echo leave >> {said[name]}; exit 0' USR1; "
+                  f"trap 'echo term >> {said[name]}; exit 0' TERM; "
+                  "while true; do sleep 0.1; done")
+        dirs[name] = make_dir(tmp_path / name, script, role=role)
+        cleanup.append(dirs[name])
+        agent("start", str(dirs[name]))
+    for d in dirs.values():
+        wait_for(lambda d=d: status(d)["state"] == "RUNNING")
+    agent("stop", "--leave", str(dirs["leaving"]))
+    agent("stop", str(dirs["stopped"]))
+    agent("stop", "--leave", str(dirs["worker"]))
+    assert said["leaving"].read_text().split() == ["leave"]
+    assert said["stopped"].read_text().split() == ["term"]
+    assert said["worker"].read_text().split() == ["term"]

@@ -22,6 +22,7 @@ from nebula_cli.config.pipeline import (
     read_placement,
 )
 from nebula_cli.config.spec import parse_spec
+from nebula_cli.control.final_parameters import verdict
 from nebula_cli.errors import SpecError
 from nebula_cli.transport.ssh_conn import SshConn
 
@@ -194,7 +195,7 @@ def test_summary_checks_each_stage_replicas() -> None:
 
     def text(finals: list[dict]) -> str:
         console = Console(record=True, width=200)
-        console.print(final_summary(finals, ["east"]))
+        console.print(final_summary(finals, ["east"], verdict(finals, frozenset())))
         return console.export_text()
 
     same = [fin(0, 0, "a"), fin(0, 1, "a"), fin(1, 0, "b"), fin(1, 1, "b")]

@@ -41,9 +41,12 @@ class Recorded(JobOps):
     def __init__(self, store: StateStore) -> None:
         super().__init__(store)
         self.stopped: list[tuple[list[tuple[str, str]], str]] = []
+        self.left: list[tuple[str, str]] = []  # stopped as leaving the job for good
 
-    def _stop_recs(self, recs: list[HostRecord], reason: str, grace: float | None) -> None:
+    def _stop_recs(self, recs: list[HostRecord], reason: str, grace: float | None,
+                   leave: bool = False) -> None:
         self.stopped.append(([(r.cluster, r.role) for r in recs], reason))
+        self.left += [(r.cluster, r.role) for r in recs] if leave else []
 
     def _sweep_recs(self, recs: list[HostRecord]) -> None:
         self.stopped.append(([(r.cluster, r.role) for r in recs], "swept"))
@@ -92,3 +95,25 @@ def test_a_teacher_failed_for_good_ends_its_cluster_alone(tmp_path: Path) -> Non
         # without the teacher known as a server, its failure ends the whole job, as before
         assert ops._end_after_failure(ended, None)
         assert ("cloud", "worker") in ops.stopped[0][0]
+
+
+def test_a_cluster_dropped_under_min_clusters_leaves_and_a_failed_job_just_stops(
+        tmp_path: Path) -> None:
+    """Under `min_clusters` the lost cluster's relay is stopped as leaving the job (its peers
+    do not wait for it at the end); when the whole job fails, every relay is only stopped."""
+    with StateStore(tmp_path) as store:
+        ops = Recorded(store)
+        job = store.create_job("j", {"name": "j"}, None).id
+        recs = [HostRecord(job, "west", "w1", "worker", 0, 1, "/w", "FAILED"),
+                HostRecord(job, "west", "w1", "relay", 0, 1, "/wr", "RUNNING"),
+                HostRecord(job, "east", "e1", "worker", 0, 1, "/e", "RUNNING"),
+                HostRecord(job, "east", "e1", "relay", 0, 1, "/er", "RUNNING")]
+        for rec in recs:
+            store.upsert_host(rec)
+        assert ops._end_after_failure(recs, 1)
+        assert ops.left == [("west", "relay")]
+        assert all(c == "west" for stopped, _ in ops.stopped[:2] for c, _ in stopped)
+        ops.stopped.clear()
+        ops.left.clear()
+        assert ops._end_after_failure(recs, None)  # no min_clusters: the job fails whole
+        assert ops.left == [] and ("east", "relay") in ops.stopped[1][0]

@@ -113,7 +113,7 @@ def test_plain_rounds_apply_nesterov_and_sync_only_trainable_params() -> None:
         torch.testing.assert_close(flat(model).double(), theta, rtol=0, atol=1e-6)
         assert torch.equal(flat(model), sync.theta_global)
     assert averager.rounds == [0, 1]
-    assert sync.heap.trims == 1  # after the first round (then at most once per 10 s)
+    assert sync.heap.trims >= 1  # after a round (at most once per 10 s)
     assert [r["outer_round"] for r in results] == [0, 1]
     assert results[0]["clusters_present"] == 2 and results[0]["clusters"] == ["a", "b"]
     assert results[0]["wan_bytes_sent"] == 27 * 4 and results[0]["delta_norm"] > 0

@@ -30,7 +30,7 @@ from nebula_cli.relay.net.buffers import BufferPool
 from nebula_cli.relay.net.duplex import DuplexTLS
 from nebula_cli.relay.net.framing import send_frames
 from nebula_cli.relay.net.gcm_records import RecordConn
-from nebula_cli.relay.net.messages import Progress, Refusal
+from nebula_cli.relay.net.messages import Goodbye, Progress, Refusal
 from nebula_cli.relay.net.shaping import Shaper
 from nebula_cli.relay.net.wire import (
     HEADER_SIZE,
@@ -106,8 +106,8 @@ class PeerLink:
         self.connected_at = time.time()
         self.closed = False
         self.reason = ""
-        self.said_bye = False
-        """The peer said goodbye (its relay stopped) before the link closed."""
+        self.left_job = False
+        """The peer said goodbye as its cluster left the job for good (`Goodbye.leaving`)."""
         self._on_frame, self._on_close = on_frame, on_close
         self._beat, self._payload_cap = beat, payload_cap
         self._control: deque[tuple[Frame, float]] = deque()
@@ -214,7 +214,7 @@ class PeerLink:
                 self.bytes_received += (HEADER_SIZE + len(encode_meta(frame.meta))
                                         + len(frame.payload))
                 if frame.type == FrameType.BYE:
-                    self.said_bye = True
+                    self.left_job = Goodbye.from_meta(frame.meta).leaving
                     self.close("peer said goodbye")
                     break
                 if frame.type == FrameType.ERROR:

@@ -1,5 +1,5 @@
 """The messages of a peer link itself, typed: a relay's progress (in its HELLO or WELCOME and
-in every heartbeat), the hello's identity, round-trip pings, and a refusal.
+in every heartbeat), the hello's identity, round-trip pings, a goodbye and a refusal.
 
 Each is a frozen dataclass with ``to_meta`` (what the sender puts in the frame) and one
 strict ``from_meta`` (:mod:`nebula_cli.relay.net.schema`), called where the frame is received;
@@ -97,6 +97,27 @@ def decode_heartbeat(meta: object) -> Ping | Pong | Progress:
     if op is None:
         return Progress.from_meta(meta, "HEARTBEAT")
     return (Ping if op == HeartbeatOp.PING else Pong)(f.integer("id"))
+
+
+@dataclass(frozen=True)
+class Goodbye:
+    """A BYE frame: the sender closes the link. ``leaving``: its cluster has left the job for
+    good (nebula dropped it, or every cluster has finished), so that its peers do not wait for
+    it at the end; a relay that is only stopped (a `nebula stop`, a host shutting down, a
+    scheduler's notice, its agent replaced) may come back, and says False."""
+
+    leaving: bool = False
+
+    def to_frame(self) -> Frame:
+        return Frame(FrameType.BYE, {"leaving": self.leaving})
+
+    @classmethod
+    def from_meta(cls, meta: object) -> Goodbye:
+        """Whatever the sender said; a goodbye without a word (older relays) is not leaving."""
+        try:
+            return cls(bool(Fields("BYE", meta).flag("leaving", False)))
+        except MessageError:
+            return cls()
 
 
 @dataclass(frozen=True)

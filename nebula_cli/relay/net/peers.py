@@ -41,7 +41,7 @@ from nebula_cli.relay.net.limits import (
     Refusals,
 )
 from nebula_cli.relay.net.link import LinkConn, LinkDown, PeerLink, peer_addr, refuse
-from nebula_cli.relay.net.messages import PeerHello, Ping, Progress, Refusal
+from nebula_cli.relay.net.messages import Goodbye, PeerHello, Ping, Progress, Refusal
 from nebula_cli.relay.net.schema import MessageError
 from nebula_cli.relay.net.wire import Frame, FrameType, WireError, recv_frame, tune_socket
 
@@ -147,7 +147,7 @@ class Peers:
         self.changed = threading.Condition(self.lock)
         self.links: dict[str, PeerLink] = {}
         self.ever_linked: set[str] = set()
-        self._departed: set[str] = set()  # peers whose relay said goodbye on its last link
+        self._departed: set[str] = set()  # peers whose relay said it left the job
         self.closed_bytes = [0, 0]  # bytes of links that are gone
         self.pings: dict[int, list[float]] = {}
         self._ids = itertools.count(1)
@@ -293,7 +293,7 @@ class Peers:
             current = self.links.get(link.cluster) is link
             if current:
                 del self.links[link.cluster]
-                if link.said_bye:
+                if link.left_job:
                     self._departed.add(link.cluster)
             self.changed.notify_all()
         if current:
@@ -331,7 +331,7 @@ class Peers:
             return {c: (lk.finished, lk.lineage, lk.done) for c, lk in self.links.items()}
 
     def departed(self) -> frozenset[str]:
-        """Peers not connected whose relay said goodbye on its last link (it was stopped)."""
+        """Peers not connected whose relay said, as it went, that its cluster left the job."""
         with self.lock:
             return frozenset(self._departed)
 
@@ -400,14 +400,15 @@ class Peers:
             with self.lock:
                 self.pings.pop(req, None)
 
-    def stop(self) -> list[PeerLink]:
-        """Say goodbye on every link and close them; the links, to join."""
+    def stop(self, leaving: bool = False) -> list[PeerLink]:
+        """Say goodbye on every link (``leaving``: this cluster left the job for good) and
+        close them; the links, to join."""
         with self.lock:
             links = list(self.links.values())
             self.changed.notify_all()
         for link in links:
             with contextlib.suppress(LinkDown):
-                link.send(Frame(FrameType.BYE))
+                link.send(Goodbye(leaving).to_frame())
         time.sleep(0.05 if links else 0)
         for link in links:
             link.close("relay stopping")

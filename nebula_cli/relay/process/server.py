@@ -99,6 +99,9 @@ class Relay:
         """Set once every cluster's workers have finished (for ``linger`` s): the relay's work
         is over, whoever looks at the job (its process then exits 0)."""
         self.linger = ALL_DONE_LINGER
+        self.leaving = False
+        """This cluster leaves the job for good (see config.parts.LEAVE_SIGNAL): the goodbye
+        at ``stop()`` says so, and its peers do not wait for it at the end."""
         self.heap = HeapTrim()
         self._trim_due = threading.Event()
         self.refusals = Refusals()
@@ -180,7 +183,7 @@ class Relay:
             with contextlib.suppress(OSError):
                 os.unlink(self.local_socket)
         self.rounds.stop()
-        links = self.peers.stop()
+        links = self.peers.stop(leaving=self.leaving or self.ended.is_set())
         self.workers.close_all()
         for link in links:
             link.join(2.0)
@@ -312,9 +315,8 @@ class Relay:
             elif self.rounds.clock() - done_since >= self.linger and not self.ended.is_set():
                 log.info("every cluster's workers have finished: relay %s ends", self.me)
                 self.ended.set()
-            if self._trim_due.is_set():
+            if self._trim_due.is_set() and self.heap.trim():  # due until one runs
                 self._trim_due.clear()
-                self.heap.trim()
             nxt = self.rounds.control.tick()
             wait = 0.2 if nxt is None else min(0.2, max(0.0, nxt - self.rounds.clock()))
             self.stopping.wait(wait)

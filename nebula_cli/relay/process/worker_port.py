@@ -11,7 +11,7 @@ must be the relay's; tensors travel as sealed memfds, :mod:`nebula_cli.relay.net
     STATE_REQUEST {op: fetch}                       -> STATE {op: state, round|null, numel,
                                                               parts} + chunks
     STATE_REQUEST {op: final[, wait]}               -> STATE {op: final, round|null, ...} (after
-        every connected peer's workers finished: the state to end with, or null: keep yours)
+        every peer's workers finished or gave up: the state to end with, or null: keep yours)
     BYE                                             (rank 0 is done: peers stop waiting for it)
 
 ``info`` (relay.cadence.RoundInfo: samples, step time, the previous round's cost, with overlap

@@ -62,6 +62,6 @@ class Net(Protocol):
         ...
 
     def departed(self) -> frozenset[str]:
-        """Peers not connected whose relay said goodbye when it went (stopped, not lost): the
-        end does not wait for them."""
+        """Peers not connected whose relay said, as it went, that its cluster left the job for
+        good (nebula dropped it): the end does not wait for them."""
         ...

@@ -144,17 +144,28 @@ class Recovery:
         A peer that is not connected is waited for as one that still trains: a link cut or a
         host gone down near the end comes back, its cluster finishes, and whichever finished
         last hands its state over (ending without it left two parameter sets). Not waited
-        for: a peer whose relay said goodbye when it went (stopped: its cluster left the job).
-        A peer that makes no round and does not come back for ``final_stall`` seconds is
-        given up, and so is every peer after ``wait``."""
+        for: a peer whose relay said, as it went, that its cluster left the job
+        (``Net.departed``), and one seen to finish. The wait ends when no peer it waits for
+        has made a round (or finished) for ``final_stall`` seconds, a link that only comes and
+        goes being no round; and after ``wait``."""
         state = self.state
         deadline = None if wait is None else self.clock() + wait
-        seen, moved, told = None, self.clock(), []
+        rounds: dict[str, tuple[int | None, int]] = {}  # peer -> (finished, done) last seen
+        ends: dict[str, tuple[int, str | None]] = {}  # peer -> (final round, lineage) seen
+        moved, told = self.clock(), []
         while True:
             view = self.net.finish_view()  # not under the lock: the peers' lock comes first
             left = self.net.departed()
+            for c, (f, lin, done) in view.items():
+                if rounds.get(c, (f, done)) != (f, done):
+                    moved = self.clock()  # a round, a finish: news of it
+                rounds[c] = (f, done)
+                if f is None:
+                    ends.pop(c, None)  # training again (resumed)
+                else:
+                    ends[c] = (f, lin)
             absent = [c for c in self.cfg.clusters
-                      if c != self.me and c not in view and c not in left]
+                      if c != self.me and c not in view and c not in left and c not in ends]
             waiting = sorted([c for c, (f, _, _) in view.items() if f is None] + absent,
                              key=self.order.__getitem__)
             if not waiting or state.stopping:
@@ -162,10 +173,8 @@ class Recovery:
             if absent and absent != told:
                 told = absent
                 self._event("peers %s are not connected as this cluster finishes; waiting for "
-                            "them to come back and finish (at most %g s without news of them)",
-                            ", ".join(absent), self.final_stall)
-            if view != seen:
-                seen, moved = view, self.clock()
+                            "them to come back and finish (until none has made a round for "
+                            "%g s)", ", ".join(absent), self.final_stall)
             if deadline is not None and self.clock() >= deadline:
                 self._event("peers %s have not finished after %g s; this cluster ends without "
                             "their last rounds", ", ".join(waiting), wait)
@@ -179,9 +188,9 @@ class Recovery:
         with state.lock:
             mine = state.finished if state.finished is not None else state.done_round
             lineage = state.lineage
-        ends = [(mine, self.me, lineage)] + [(f, c, lin) for c, (f, lin, _) in view.items()
-                                              if f is not None]
-        last, cluster, theirs = max(ends, key=lambda e: (e[0], -self.order[e[1]]))
+        last, cluster, theirs = max([(mine, self.me, lineage)]
+                                    + [(f, c, lin) for c, (f, lin) in ends.items()],
+                                    key=lambda e: (e[0], -self.order[e[1]]))
         if cluster == self.me or theirs == lineage:
             return None
         st = self.fetch_state(cluster, last)

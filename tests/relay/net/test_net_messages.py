@@ -8,6 +8,7 @@ import pytest
 
 from nebula_cli.relay.net.limits import SyncSize
 from nebula_cli.relay.net.messages import (
+    Goodbye,
     PeerHello,
     Ping,
     Pong,
@@ -59,3 +60,11 @@ def test_a_refusal_is_shown_whatever_it_says() -> None:
     assert Refusal("no").to_frame().type == FrameType.ERROR
     assert Refusal.from_meta({}).reason == ""
     assert Refusal.from_meta({"reason": 42}).reason == "42"
+
+
+def test_a_goodbye_says_whether_the_cluster_leaves_the_job() -> None:
+    leaving = Goodbye(True).to_frame()
+    assert leaving.type == FrameType.BYE and Goodbye.from_meta(leaving.meta).leaving
+    assert not Goodbye.from_meta(Goodbye().to_frame().meta).leaving
+    assert not Goodbye.from_meta({}).leaving  # an older relay's goodbye: not leaving
+    assert not Goodbye.from_meta({"leaving": "yes"}).leaving  # malformed: not leaving

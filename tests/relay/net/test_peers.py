@@ -147,11 +147,12 @@ def test_a_silent_connection_and_a_trickled_handshake_are_ended_in_time(
     assert HANDSHAKE_TIMEOUT - 1 < trickled_s < HANDSHAKE_TIMEOUT + 3, trickled_s
 
 
-def test_a_stopped_relay_departs_and_a_lost_one_does_not(job: TwoClusters,
-                                                         relay_a: Relay) -> None:
-    """A relay that is stopped says goodbye: its peers know it left the job (the end does not
-    wait for it). A link that just goes (a cut, a crash) is not a departure; a relay that
-    comes back is no longer departed."""
+def test_a_relay_whose_cluster_leaves_departs_and_a_stopped_or_lost_one_does_not(
+        job: TwoClusters, relay_a: Relay) -> None:
+    """A relay that leaves the job for good (nebula dropped its cluster) says so in its
+    goodbye: its peers do not wait for it at the end. A link that just goes (a cut, a crash)
+    and a relay that is only stopped (it may come back: a host shutting down, a scheduler's
+    notice) are no departure; a relay that comes back is no longer departed."""
     b = Relay(job.cfg["b"])
     b.start()
     try:
@@ -160,16 +161,25 @@ def test_a_stopped_relay_departs_and_a_lost_one_does_not(job: TwoClusters,
         assert link is not None and relay_a.peers.departed() == frozenset()
         b.peers.link("a").close("cut")  # type: ignore[union-attr]  # gone without a goodbye
         wait_until(lambda: link.closed, 10, "a to see the link go")
-        assert not link.said_bye and "b" not in relay_a.peers.departed()
+        assert not link.left_job and "b" not in relay_a.peers.departed()
         wait_until(lambda: relay_a.connected() == ["b"], 20, "b to dial again")
     finally:
-        b.stop()
+        b.stop()  # stopped: may come back
     wait_until(lambda: relay_a.connected() == [], 10, "a to see b go")
-    assert relay_a.peers.departed() == frozenset({"b"})
+    assert relay_a.peers.departed() == frozenset()
     back = Relay(job.cfg["b"])
     back.start()
     try:
         wait_until(lambda: relay_a.connected() == ["b"], 20, "b to come back")
-        assert relay_a.peers.departed() == frozenset()
+        back.leaving = True  # as on LEAVE_SIGNAL
     finally:
         back.stop()
+    wait_until(lambda: relay_a.connected() == [], 10, "a to see b leave")
+    assert relay_a.peers.departed() == frozenset({"b"})
+    again = Relay(job.cfg["b"])
+    again.start()
+    try:
+        wait_until(lambda: relay_a.connected() == ["b"], 20, "b to come back once more")
+        assert relay_a.peers.departed() == frozenset()
+    finally:
+        again.stop()

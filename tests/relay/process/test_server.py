@@ -184,7 +184,7 @@ def test_two_clusters_direct_several_rounds(tmp_path: Path) -> None:
             assert res["west"].present == ["east", "west"]
         status = json.loads(Path(job.cfg["east"].status_file).read_text())
         # after a round each relay gives back what it freed (nebula_cli.heap), on its ticker
-        wait_until(lambda: all(r.heap.trims == 1 for r in relays.values()), 5, "trims")
+        wait_until(lambda: all(r.heap.trims >= 1 for r in relays.values()), 5, "trims")
     lines = read_jsonl(job.cfg["east"].metrics_file)
     assert [m["mode"] for m in lines] == ["direct"] * 4
     # int8: ~1 byte per element each way (plus scales and frames), not 4

@@ -405,10 +405,11 @@ def html_page(records: list[dict[str, Any]], title: str, order: Sequence[str] = 
     left_out = ("<h2>panels left out</h2><table><tr><th>panel</th><th>why</th></tr>"
                 f"{left}</table>") if omitted else ""
     finals = [r for r in records if r.get("final") and r.get("role") == "worker"]
+    said_html = "" if said is None else html.escape(said.sentence())
     verdict = "" if said is None else (
-        f"<p style='color:{'green' if said.identical else 'red'}'>"
-        f"{'' if said.identical else '<b>'}{html.escape(said.sentence())}"
-        f"{'' if said.identical else '</b>'} (each worker's last final record)</p>")
+        f"<p style='color:green'>{said_html} (each worker's last final record)</p>"
+        if said.identical else
+        f"<p style='color:red'><b>{said_html}</b> (each worker's last final record)</p>")
     rows = "".join(
         f"<tr><td>{html.escape(str(r.get('cluster')))}/{html.escape(str(r.get('host')))}"
         f"</td><td>{r.get('rank')}</td><td>{r.get('step')}</td>"

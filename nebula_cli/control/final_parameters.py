@@ -75,17 +75,17 @@ def verdict(finals: list[dict[str, Any]],
     one ends before the clusters' final agreement."""
     finals = [f for f in finals
               if f.get("cluster") not in serving and f.get("cross_cluster_sync") is not False]
-    if all(f.get("param_sha256") is None for f in finals):
+    shas = [f.get("param_sha256") for f in finals]
+    if all(sha is None for sha in shas):
         return None
     staged = any("stage" in f for f in finals)
     groups: dict[Any, set[str]] = {}
-    for f in finals:
-        sha = f.get("param_sha256")
-        groups.setdefault(f.get("stage") if staged else None, set()).update(
-            [] if sha is None else [sha])
-    unknown = sum(1 for f in finals if f.get("param_sha256") is None)
+    for f, sha in zip(finals, shas, strict=True):
+        group = groups.setdefault(f.get("stage") if staged else None, set())
+        if sha is not None:
+            group.add(sha)
     return ParameterVerdict(
-        workers=len(finals), sets=max(len(v) for v in groups.values()), unknown=unknown,
+        workers=len(finals), sets=max(len(v) for v in groups.values()), unknown=shas.count(None),
         stages=tuple(sorted(k for k, v in groups.items() if len(v) > 1 and k is not None))
         if staged else None)
 

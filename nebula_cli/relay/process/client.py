@@ -252,9 +252,8 @@ class RelayClient:
                     ) -> tuple[int | None, torch.Tensor | None, torch.Tensor | None]:
         """This cluster's workers are done: wait (at most ``wait`` s, default as long as a
         peer still trains or may come back: `Recovery.final_state`) until every cluster has
-        finished, then (round, theta,
-        momentum) of the state every cluster should end with when it is not this one's, else
-        (None, None, None)."""
+        finished, then (round, theta, momentum) of the state every cluster should end with
+        when it is not this one's, else (None, None, None)."""
 
         def call(sock: Conn) -> tuple[int | None, torch.Tensor | None,
                                                torch.Tensor | None]:

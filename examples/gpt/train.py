@@ -257,8 +257,9 @@ def main(argv: list[str] | None = None) -> int:
                     print(f"gpt: SIGTERM, stopped after step {step}", flush=True)
                 break
         t_loop = time.perf_counter()
-        if sync is not None:  # the round in flight, and a last one over the steps since the
-            flushed = sync.finish(agree=not stopping)  # every cluster ends with one model
+        if sync is not None:  # the round in flight, a last one over the steps since the last
+            # boundary, then the state every cluster ends with (a SIGTERM ends the wait for it)
+            flushed = sync.finish(agree=not stopping, stop=lambda: stop.requested)
             sync.checkpoint(step, final=True)
             if flushed is not None:  # the same on every rank
                 eval_loss = evaluate(engine, held_out, device)

@@ -204,6 +204,11 @@ class ClusterShare:
         if self.world_size > 1:
             dist.broadcast(keep(tensor), src=0, group=self.group)
 
+    def reduce_max(self, tensor: torch.Tensor) -> None:
+        """Every rank's ``tensor`` becomes its element-wise maximum over the cluster's ranks."""
+        if self.world_size > 1:
+            dist.all_reduce(keep(tensor), op=dist.ReduceOp.MAX, group=self.group)
+
 
 def round_stats(shared: Shared, t0: float, delta: torch.Tensor) -> dict[str, Any]:
     """What OuterSync returns (and logs) after a round that started at ``t0``

@@ -299,7 +299,8 @@ class EngineDriver:
         if self.sync is not None:
             try:
                 if alive or self.world_size == 1:
-                    stats = self.sync.finish(agree=reason != "SIGTERM")
+                    stats = self.sync.finish(agree=reason != "SIGTERM",
+                                             stop=lambda: self.stop_requested)
                 else:
                     error = "the process group was already gone: no final outer round"
             except NebulaError as exc:

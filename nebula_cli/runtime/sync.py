@@ -18,6 +18,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -270,10 +271,12 @@ class OuterSync:
             return None
         return self._merge(self._optimizer_steps() - self._last_round_step)
 
-    def finish(self, agree: bool = True) -> dict[str, Any] | None:
+    def finish(self, agree: bool = True, stop: Callable[[], bool] | None = None
+               ) -> dict[str, Any] | None:
         """End of training, on every rank: apply the round in flight, then a last round over
         the steps since the last boundary (then, with ``agree``, the final state: runtime.final;
-        not on SIGTERM). Returns that round's stats (``final_round``), the flushed round's."""
+        not on SIGTERM; ``stop``, when it turns true on any rank, ends the wait for it).
+        Returns that round's stats (``final_round``), the flushed round's."""
         self._check_open()
         if self.mode != "diloco" or self.dry_run:
             return None
@@ -285,7 +288,7 @@ class OuterSync:
             stats = {**self._sync_round(info), "final_round": True}
         return stats if not agree else final_agreement(
             self._averager if self.rank == 0 else None, self._cluster, self._apply,
-            lambda: self._io.write(self.theta_global), stats)
+            lambda: self._io.write(self.theta_global), stats, stop or (lambda: False))
 
     def close(self) -> None:
         """Close the averager and join a round still in flight (bounded); wait for the

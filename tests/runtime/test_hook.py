@@ -13,6 +13,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -335,3 +336,37 @@ def test_a_stop_request_finishes_and_leaves_with_status_0(metrics_file: Path) ->
     (final,) = [r for r in records(metrics_file) if r.get("final")]
     assert final["ended_by"] == "SIGTERM" and final["step"] == 5 and final["final_round"]
     assert final["final_round_present"] == 2 and final["outer_rounds"] == 2
+
+
+class NeverAnswers(Averager):
+    """An averager whose relay waits for a cluster that never finishes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.asked = threading.Event()
+
+    def final_state(self, wait: float | None) -> Any:
+        self.asked.set()
+        threading.Event().wait()
+
+
+def test_a_stop_request_during_the_final_wait_ends_it_and_the_run_finishes(
+        metrics_file: Path) -> None:
+    """A SIGTERM that comes while rank 0 waits for the other clusters to finish (the
+    hook's handler sets stop_requested) ends the wait: the final record is written (the
+    final checkpoint would be too) instead of the kill after the grace finding it blocked."""
+    engine = StandInEngine(accum=1)
+    driver = EngineDriver(engine, watch_stop=True)
+    averager = NeverAnswers()
+    driver.sync = OuterSync(engine, config=CFG, averager=averager, inner_steps=3)
+    driver.started = True
+    train(engine, micro_steps=4)
+    ending = threading.Thread(target=driver.finish, args=("exit",), daemon=True)
+    ending.start()
+    assert averager.asked.wait(30)
+    driver.stop_requested = True
+    ending.join(15)
+    assert not ending.is_alive()
+    (final,) = [r for r in records(metrics_file) if r.get("final")]
+    assert final["ended_by"] == "exit" and final["step"] == 4 and final["final_round"]
+    assert "final_state_round" not in final and averager.rounds == [0, 1]

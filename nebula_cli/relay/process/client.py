@@ -19,6 +19,7 @@ on the Unix socket a header frame with a memfd).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import socket
 import ssl
@@ -153,6 +154,8 @@ class RelayClient:
         """Longest wait for a round's result (a slow WAN and a large model take a while)."""
         self._ctx = client_context(CertPair(Path(cert), Path(key)), Path(ca))
         self._sock: Conn | None = None
+        self._closed = False
+        """Set by :meth:`close`: a call still in another thread ends, without reconnecting."""
         self.relay_info: WorkerWelcome | None = None
         """The relay's WELCOME on the current connection."""
         self.layout = layout
@@ -271,6 +274,10 @@ class RelayClient:
         return self._call(call, "final_state")
 
     def close(self) -> None:
+        """Say goodbye and close; a call another thread still waits in (a final state the
+        worker stopped waiting for) wakes up and ends with a RelayError, without reconnecting.
+        Safe to call twice."""
+        self._closed = True
         sock, self._sock = self._sock, None
         if sock is None:
             return
@@ -279,6 +286,8 @@ class RelayClient:
             send_frames(sock, [Frame(FrameType.BYE)])
         except (OSError, WireError):
             pass
+        with contextlib.suppress(OSError):
+            sock.shutdown(socket.SHUT_RDWR)  # close() alone does not wake a reader
         sock.close()
 
     def __enter__(self) -> RelayClient:
@@ -314,6 +323,8 @@ class RelayClient:
                 return fn(self._connect())
             except (ConnectionClosed, OSError, PeerRejected) as exc:
                 self._drop()
+                if self._closed:
+                    raise RelayError(f"{what}: the relay client was closed") from exc
                 where = self.addr if self.local is None else f"{self.local} or {self.addr}"
                 if time.monotonic() + delay > give_up:
                     raise RelayError(f"{what}: relay at {where} unreachable: {exc}") from exc
@@ -344,6 +355,8 @@ class RelayClient:
     def _connect(self) -> Conn:
         if self._sock is not None:
             return self._sock
+        if self._closed:
+            raise ConnectionClosed("the relay client was closed")
         sock = self._open()
         try:
             sock.settimeout(self.connect_timeout)

@@ -7,7 +7,8 @@ inside their own venvs, so it needs only torch and examples/gpt (model.py, data.
   (the same stream as nebula's worker of that cluster and rank), the 8 held-out eval batches of
   train.py, and the inner optimizer of examples/gpt/ds_config.json as DeepSpeed builds it:
   torch AdamW (lr 0.002, betas 0.9/0.95, eps 1e-8, weight decay 0.01), WarmupLR linear from 0
-  over 30 steps, gradient clipping 1.0.
+  over 30 steps with the lr a DeepSpeed engine gives each step (`warmup_factor`: 0 on the
+  first two), gradient clipping 1.0.
 - `Log`: JSON lines as nebula's metrics (`ts`, `step`, `cluster`, `rank`, and `loss`,
   `eval_loss`, `final`, `param_sha256`, `s_per_step`), so bench/peers.py reads every system's
   records with one function.
@@ -43,12 +44,19 @@ def adamw(params: Any) -> torch.optim.Optimizer:
                              weight_decay=p["weight_decay"])
 
 
-def warmup(optimizer: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LambdaLR:
-    """ds_config.json's WarmupLR (linear from warmup_min_lr 0 to the optimizer's lr over
-    warmup_num_steps, then flat): DeepSpeed's lr at its step k (k = 0 on the first step) is
-    max_lr * k / warmup_num_steps; a LambdaLR stepped after each optimizer step gives the same."""
+def warmup_factor(step: int) -> float:
+    """The share of the optimizer's lr that ds_config.json's WarmupLR (linear from
+    warmup_min_lr 0 over warmup_num_steps, then flat) gives optimizer step ``step`` (1-based),
+    as a DeepSpeed engine applies it: 0 on the first two steps, then (step - 2) / warmup_num_steps
+    (tests/bench/test_peers_train.py reads it off a real engine)."""
     n = DS_CONFIG["scheduler"]["params"]["warmup_num_steps"]
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda k: min(1.0, k / n))
+    return min(1.0, max(0, step - 2) / n)
+
+
+def warmup(optimizer: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LambdaLR:
+    """DeepSpeed's warmup (``warmup_factor``) for a torch optimizer: a LambdaLR stepped after
+    each optimizer step (its k is the number of steps made, so step k + 1's lr)."""
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda k: warmup_factor(k + 1))
 
 
 def clip(model: torch.nn.Module) -> None:

@@ -42,6 +42,7 @@ import torch
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "bench"))
+from _peers_train import warmup_factor  # noqa: E402
 from _schedules import schedule  # noqa: E402
 
 sys.path.insert(0, str(REPO / "examples" / "gpt"))
@@ -56,7 +57,7 @@ from nebula_cli.relay.codecs.registry import KNOWN_CODECS, get_codec  # noqa: E4
 from nebula_cli.relay.codecs.topk import TopKCodec  # noqa: E402
 from nebula_cli.runtime.sync import OuterOptimizer  # noqa: E402
 
-CONTEXT, LR, WARMUP, CLIP, CLUSTERS = 128, 2e-3, 30, 1.0, 2
+CONTEXT, LR, CLIP, CLUSTERS = 128, 2e-3, 1.0, 2
 EVAL_BATCHES, EVAL_MICRO = 8, 4  # the held-out set, whatever the training batch
 JSON_FIELDS = ("loss_gap", "bytes_per_token_reduction", "medians", "runs")
 DEFAULT_CODEC: str = CompressionSpec.model_fields["codec"].default
@@ -64,7 +65,7 @@ DEFAULT_CODEC: str = CompressionSpec.model_fields["codec"].default
 
 def inner_lr(step: int) -> float:
     """The lr of optimizer step `step` (1-based) under DeepSpeed's WarmupLR (linear from 0)."""
-    return LR * min(1.0, max(0, step - 2) / WARMUP)
+    return LR * warmup_factor(step)
 
 
 class World:

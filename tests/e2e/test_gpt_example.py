@@ -309,3 +309,51 @@ def test_a_worker_killed_after_its_last_checkpoint_resumes_there_and_ends(
     assert all(r["step"] == 20 for r in finals)
     assert len({r["param_sha256"] for r in finals}) == 1, finals  # the final round was had
     assert job_processes(job_id) == []
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_a_stop_while_a_cluster_waits_at_its_end_keeps_its_final_checkpoint(
+        cli: CLI, tmp_path: Path) -> None:
+    """East (two ranks) ends after 20 steps, long before west (60 steps, 40x slower), and
+    waits for west to finish, to end on the state of the cluster that finished last. A
+    `nebula stop` during that wait ends it within seconds: east writes its final checkpoint
+    (step 20: the last periodic one was at 15) and both ranks their final records. Before,
+    rank 0 stayed blocked in its relay and the kill after the grace lost both."""
+    spec = yaml.safe_load((REPO / "templates" / "quickstart.yaml").read_text())
+    spec.update(name="stopwait", workdir=str(GPT_DIR), grace=10,
+                run=f"python -u train.py --eval-every 10 --log-every 5 {TINY_GPT}",
+                checkpoint={"every": 15, "keep": 2})
+    spec["clusters"] = [
+        {"name": "east", "transport": "local", "hosts": [{"host": "e1"}, {"host": "e2"}],
+         "env": {"NEBULA_STEPS": "20"}},
+        {"name": "west", "transport": "local", "hosts": [{"host": "w1"}],
+         "env": {"NEBULA_STEPS": "60", "GPT_SLOWDOWN": "40"}}]
+    spec["relay"]["sync"]["inner_steps"] = 10
+    spec["relay"].pop("shaping", None)
+    path = tmp_path / "stopwait.yaml"
+    path.write_text(yaml.safe_dump(spec))
+    job_id = cli("launch", str(path), "--detach", check=True).stdout.strip()
+    try:
+        def east_waits() -> bool:
+            recs = metric_records(cli.home, job_id)
+            east_at = max((r["step"] for r in recs if r.get("cluster") == "east"), default=0)
+            west_at = max((r["step"] for r in recs if r.get("cluster") == "west"), default=0)
+            return east_at == 20 and 20 < west_at < 45 and not any(r.get("final") for r in recs)
+
+        wait_for(east_waits, timeout=400, every=0.2)
+        time.sleep(2.0)  # east's last round (with west's at 20) is over: east waits
+        t0 = time.monotonic()
+        cli("stop", job_id, check=True)
+        took = time.monotonic() - t0
+    finally:
+        cli("stop", job_id, "--force")
+    recs = metric_records(cli.home, job_id)
+    east = [r for r in recs if r.get("cluster") == "east"]
+    assert sorted(r["rank"] for r in east if r.get("final")) == [0, 1]
+    assert all(r["step"] == 20 for r in east if r.get("final"))
+    assert any(r.get("checkpoint_step") == 20 and not r.get("checkpoint_error") for r in east)
+    assert not any(r.get("final_state_round") for r in east)  # it kept its own parameters
+    assert took < 10.0  # not the grace's kill
+    st = json.loads(cli("status", job_id, "--json", check=True).stdout)
+    assert st["state"] == "STOPPED" and job_processes(job_id) == []

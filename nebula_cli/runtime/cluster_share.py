@@ -124,7 +124,8 @@ class RoundHeader:
 
 class ClusterShare:
     """Rank 0's round outcome, broadcast to the cluster's ranks (``group``: a gloo group, or
-    None for the default one)."""
+    None for the default one); and small flags all the ranks agree on (``reduce_max``: the end's
+    wait, runtime.final)."""
 
     def __init__(self, rank: int, world_size: int, group: Any, numel: int) -> None:
         self.rank = rank

@@ -8,6 +8,11 @@ finished (also a cluster not connected just then, which may come back), then han
 the state of the cluster that finished last when it is not this cluster's own (see
 ``nebula_cli.relay.protocol.recovery``). Every rank of the cluster takes it (a broadcast), so
 that all workers of all clusters hold identical parameters at the end.
+
+The wait can be long (another cluster much slower, or cut off). Rank 0 asks in a thread of its
+own, and every ``HEARTBEAT_S`` the cluster's ranks agree (one small all-reduce) on whether the
+answer came and whether any of them was asked to stop: no rank sits in one collective for the
+whole wait, and a stop ends it.
 """
 
 from __future__ import annotations
@@ -63,9 +68,14 @@ class _Asking:
 
     def __init__(self, ask: Callable[[float | None], tuple[Any, Any, Any]]) -> None:
         self.taken: _FinalState | None = None
+        self.abandoned = False
+        """Set when a stop ended the wait: the answer no longer matters (nor its failure)."""
         self._done = threading.Event()
-        threading.Thread(target=self._run, args=(ask,), name="nebula-final-state",
-                         daemon=True).start()
+        try:
+            threading.Thread(target=self._run, args=(ask,), name="nebula-final-state",
+                             daemon=True).start()
+        except RuntimeError:  # no new thread at interpreter shutdown (Python 3.12.0-3.12.1):
+            self._run(ask)  # ask here; the other ranks wait in the first beat's all-reduce
 
     def _run(self, ask: Callable[[float | None], tuple[Any, Any, Any]]) -> None:
         try:
@@ -73,8 +83,9 @@ class _Asking:
             if theta is not None:
                 self.taken = _FinalState(int(round_id), theta, momentum)
         except Exception as exc:  # the run is over: keep this cluster's parameters, say so
-            log.warning("could not agree on the final state with the other clusters: %s "
-                        "(this cluster keeps its own)", exc)
+            if not self.abandoned:
+                log.warning("could not agree on the final state with the other clusters: %s "
+                            "(this cluster keeps its own)", exc)
         finally:
             self._done.set()
 
@@ -87,25 +98,27 @@ class _Asking:
 
 def final_agreement(averager: Any, cluster: ClusterShare, apply: Callable[[Shared], bool],
                     write: Callable[[], None], stats: dict[str, Any] | None,
-                    stop: Callable[[], bool] = lambda: False, beat: float = HEARTBEAT_S
+                    stop: Callable[[], bool] | None = None, beat: float = HEARTBEAT_S
                     ) -> dict[str, Any] | None:
     """On every rank, after the last round: take the final state every cluster ends with when
     it is not ours (``averager``: rank 0's, None elsewhere). ``apply`` sets theta_global (and
     the outer momentum) from it, ``write`` puts theta_global into the parameters. Every
-    ``beat`` seconds of the wait the ranks agree on whether it is over and whether any of them
-    was asked to ``stop`` (then the cluster keeps its own parameters at once). Returns
+    ``beat`` seconds of the wait the ranks agree on whether it is over and whether ``stop``
+    (None: never) is true on any of them (then the cluster keeps its own parameters). Returns
     ``stats`` with ``final_state_round`` when a state was taken."""
     ask = getattr(averager, "final_state", None)
     asking = _Asking(ask) if ask is not None else None
     while True:
         word = asking.word(beat) if asking is not None else Word.NONE
-        said = torch.tensor([float(word), float(bool(stop()))], dtype=torch.float64)
+        stopping = stop is not None and bool(stop())
+        said = torch.tensor([float(word), float(stopping)], dtype=torch.float64)
         cluster.reduce_max(said)
         word = Word(int(said[0].item()))
         if word is not Word.WAITING:
             break
         if said[1].item() > 0:
             if asking is not None:
+                asking.abandoned = True
                 log.warning("stopped while waiting for the other clusters to finish: this "
                             "cluster keeps its own parameters")
             return stats

@@ -75,8 +75,11 @@ class OuterSync:
             sync.after_backward()        # gradient mode: averages grads across clusters
             engine.step()
             stats = sync.after_step(step)  # DiLoCo mode: a dict after each outer round
-        sync.finish()                    # one last round: every cluster ends identical
+        sync.finish(stop=term.is_set)    # one last round: every cluster ends identical
         sync.close()
+
+    ``stop`` (optional): true once the script was asked to stop (``term``: a threading.Event
+    its SIGTERM handler sets); it ends the wait for the other clusters to finish.
 
     Both hooks may always be called; the one that does not belong to the mode is a no-op.
     Building an OuterSync on an engine tells the automatic hook (``runtime.engine``) to leave
@@ -288,7 +291,7 @@ class OuterSync:
             stats = {**self._sync_round(info), "final_round": True}
         return stats if not agree else final_agreement(
             self._averager if self.rank == 0 else None, self._cluster, self._apply,
-            lambda: self._io.write(self.theta_global), stats, stop or (lambda: False))
+            lambda: self._io.write(self.theta_global), stats, stop)
 
     def close(self) -> None:
         """Close the averager and join a round still in flight (bounded); wait for the

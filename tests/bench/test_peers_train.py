@@ -35,7 +35,8 @@ print(json.dumps(lrs))
 
 def deepspeed_lrs() -> list[float]:
     env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "RANK": "0",
-           "WORLD_SIZE": "1", "LOCAL_RANK": "0", "PATH": "/usr/bin:/bin"}
+           "WORLD_SIZE": "1", "LOCAL_RANK": "0", "PATH": "/usr/bin:/bin",
+           "CUDA_VISIBLE_DEVICES": ""}  # the CPU engine, on a GPU machine too
     proc = subprocess.run([sys.executable, "-c", ENGINE,
                            str(REPO / "examples" / "gpt" / "ds_config.json"), str(STEPS)],
                           capture_output=True, text=True, timeout=300, env=env)

@@ -316,12 +316,14 @@ def test_a_worker_killed_after_its_last_checkpoint_resumes_there_and_ends(
 def test_a_stop_while_a_cluster_waits_at_its_end_keeps_its_final_checkpoint(
         cli: CLI, tmp_path: Path) -> None:
     """East (two ranks) ends after 20 steps, long before west (60 steps, 40x slower), and
-    waits for west to finish, to end on the state of the cluster that finished last. A
-    `nebula stop` during that wait ends it within seconds: east writes its final checkpoint
-    (step 20: the last periodic one was at 15) and both ranks their final records. Before,
-    rank 0 stayed blocked in its relay and the kill after the grace lost both."""
+    waits for west to finish, to end on the state of the cluster that finished last. West's
+    relay then hangs (SIGSTOP), so that nothing but the stop can end east's wait (a west that
+    ended would end it). `nebula stop`: east's ranks leave the wait within a beat, write the
+    final checkpoint (step 20: the last periodic one was at 15) and their final records, and
+    exit 0 before the grace. Before, rank 0 stayed blocked in its relay and the kill after
+    the grace lost both."""
     spec = yaml.safe_load((REPO / "templates" / "quickstart.yaml").read_text())
-    spec.update(name="stopwait", workdir=str(GPT_DIR), grace=10,
+    spec.update(name="stopwait", workdir=str(GPT_DIR), grace=30,
                 run=f"python -u train.py --eval-every 10 --log-every 5 {TINY_GPT}",
                 checkpoint={"every": 15, "keep": 2})
     spec["clusters"] = [
@@ -342,10 +344,11 @@ def test_a_stop_while_a_cluster_waits_at_its_end_keeps_its_final_checkpoint(
             return east_at == 20 and 20 < west_at < 45 and not any(r.get("final") for r in recs)
 
         wait_for(east_waits, timeout=400, every=0.2)
-        time.sleep(2.0)  # east's last round (with west's at 20) is over: east waits
-        t0 = time.monotonic()
+        st = json.loads(cli("status", job_id, "--json", check=True).stdout)
+        (relay,) = [h for h in st["hosts"] if h["role"] == "relay" and h["cluster"] == "west"]
+        os.kill(relay["pid"], signal.SIGSTOP)
+        time.sleep(2.0)
         cli("stop", job_id, check=True)
-        took = time.monotonic() - t0
     finally:
         cli("stop", job_id, "--force")
     recs = metric_records(cli.home, job_id)
@@ -354,6 +357,7 @@ def test_a_stop_while_a_cluster_waits_at_its_end_keeps_its_final_checkpoint(
     assert all(r["step"] == 20 for r in east if r.get("final"))
     assert any(r.get("checkpoint_step") == 20 and not r.get("checkpoint_error") for r in east)
     assert not any(r.get("final_state_round") for r in east)  # it kept its own parameters
-    assert took < 10.0  # not the grace's kill
     st = json.loads(cli("status", job_id, "--json", check=True).stdout)
     assert st["state"] == "STOPPED" and job_processes(job_id) == []
+    east_workers = [h for h in st["hosts"] if h["role"] == "worker" and h["cluster"] == "east"]
+    assert [h["exit_code"] for h in east_workers] == [0, 0]  # they ended, not the grace's kill

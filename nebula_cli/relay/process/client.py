@@ -156,6 +156,9 @@ class RelayClient:
         self._sock: Conn | None = None
         self._closed = False
         """Set by :meth:`close`: a call still in another thread ends, without reconnecting."""
+        self._calling = False
+        """A call is in progress (perhaps in another thread: the socket is not :meth:`close`'s
+        to write on)."""
         self.relay_info: WorkerWelcome | None = None
         """The relay's WELCOME on the current connection."""
         self.layout = layout
@@ -281,11 +284,12 @@ class RelayClient:
         sock, self._sock = self._sock, None
         if sock is None:
             return
-        try:
-            sock.settimeout(1.0)
-            send_frames(sock, [Frame(FrameType.BYE)])
-        except (OSError, WireError):
-            pass
+        if not self._calling:  # one TLS connection is not written by two threads at once
+            try:
+                sock.settimeout(1.0)
+                send_frames(sock, [Frame(FrameType.BYE)])
+            except (OSError, WireError):
+                pass
         with contextlib.suppress(OSError):
             sock.shutdown(socket.SHUT_RDWR)  # close() alone does not wake a reader
         sock.close()
@@ -320,6 +324,7 @@ class RelayClient:
         delay = 0.2
         while True:
             try:
+                self._calling = True
                 return fn(self._connect())
             except (ConnectionClosed, OSError, PeerRejected) as exc:
                 self._drop()
@@ -334,6 +339,8 @@ class RelayClient:
             except WireError as exc:
                 self._drop()
                 raise RelayError(f"{what}: {exc}") from exc
+            finally:
+                self._calling = False
 
     def _open(self) -> Conn:
         """The relay's Unix socket when the plan names one and it is there, else mutual TLS."""
@@ -366,6 +373,9 @@ class RelayClient:
             sock.close()
             raise
         self._sock = sock
+        if self._closed:  # closed meanwhile (close() set the flag before it took the socket)
+            self._drop()
+            raise ConnectionClosed("the relay client was closed")
         return sock
 
     def _drop(self) -> None:

@@ -282,10 +282,14 @@ class Checkpointer:
         self.stall_s = time.perf_counter() - t0
         self.last_step = step
         if self.writer:
-            self._thread = threading.Thread(
-                target=self._publish, args=(root / tag_of(step), step, outer, self.stall_s),
-                name=f"nebula-checkpoint-{step}", daemon=True)
-            self._thread.start()
+            args = (root / tag_of(step), step, outer, self.stall_s)
+            thread = threading.Thread(target=self._publish, args=args,
+                                      name=f"nebula-checkpoint-{step}", daemon=True)
+            try:
+                thread.start()
+                self._thread = thread
+            except RuntimeError:  # no new thread at interpreter shutdown (Python 3.12's
+                self._publish(*args)  # atexit, where the hook's final checkpoint is made)
         return True
 
     def wait(self) -> None:

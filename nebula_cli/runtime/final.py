@@ -74,8 +74,8 @@ class _Asking:
         try:
             threading.Thread(target=self._run, args=(ask,), name="nebula-final-state",
                              daemon=True).start()
-        except RuntimeError:  # no new thread at interpreter shutdown (Python 3.12.0-3.12.1):
-            self._run(ask)  # ask here; the other ranks wait in the first beat's all-reduce
+        except RuntimeError:  # no new thread at interpreter shutdown (Python 3.12's atexit,
+            self._run(ask)  # where the hook ends): ask here; the others wait in the first beat
 
     def _run(self, ask: Callable[[float | None], tuple[Any, Any, Any]]) -> None:
         try:

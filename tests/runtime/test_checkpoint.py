@@ -114,6 +114,23 @@ def test_every_larger_than_the_run_saves_only_the_final_checkpoint(tmp_path: Pat
     assert ck.Checkpointer(StandInEngine(), settings).load_newest() == 39
 
 
+def test_with_no_thread_to_be_had_the_final_checkpoint_is_published_in_place(
+        tmp_path: Path, metrics_file: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The hook's final checkpoint is made in atexit, where Python 3.12 may refuse new threads:
+    the checkpoint is then published on the calling thread."""
+    settings = default_checkpoint(tmp_path / "ckpt", every=1000)
+    saver = ck.Checkpointer(StandInEngine(), settings)
+
+    def refuse(self: threading.Thread) -> None:
+        raise RuntimeError("can't create new thread at interpreter shutdown")
+
+    monkeypatch.setattr(threading.Thread, "start", refuse)
+    assert saver.maybe_save(7, final=True)
+    saver.close()
+    assert ck.complete_steps(settings.dir) == [7]
+    assert [r["checkpoint_step"] for r in records(metrics_file) if "checkpoint_step" in r] == [7]
+
+
 def test_no_checkpoint_yet_starts_from_the_beginning(tmp_path: Path) -> None:
     settings = default_checkpoint(tmp_path / "never-made")
     assert ck.Checkpointer(StandInEngine(), settings).load_newest() is None

@@ -102,8 +102,8 @@ def test_a_relay_without_the_question_keeps_the_clusters_own() -> None:
 
 
 def test_with_no_thread_to_be_had_rank_0_asks_itself(monkeypatch: pytest.MonkeyPatch) -> None:
-    """At interpreter shutdown (the hook's atexit end) Python 3.12.0-3.12.1 refuse new
-    threads: rank 0 then asks in its own thread, and the other ranks wait in the first beat."""
+    """At interpreter shutdown (the hook's end, in atexit) Python 3.12 may refuse new threads:
+    rank 0 then asks in its own thread, and the other ranks wait in the first beat."""
     def refuse(self: threading.Thread) -> None:
         raise RuntimeError("can't create new thread at interpreter shutdown")
 

@@ -233,10 +233,12 @@ def stop_every_job(cli: Cli) -> None:
 
 def calibrate(cli: Cli, tmp: Path, args: argparse.Namespace) -> int:
     """Steps that take about --minutes of training here: a short job's step rate, from its
-    records' times after its tenth step and before its last (DeepSpeed's start-up and first
-    steps, and the last step's evaluation, are no step's time: with them the rate read slow,
-    and the soak meant to train 50 minutes under faults was done in 46)."""
-    probe = 40
+    records' times after its sixtieth step and before its last (DeepSpeed's start-up and
+    first steps, the relays' and workers' warm-up over the first rounds, and the last step's
+    evaluation are no step's time: with them the rate read slow, and soaks meant to train 50
+    and 62 minutes under faults were done in 46 and 56, with a probe of 40 steps read from
+    the tenth)."""
+    probe, settled = 120, 60
     job_id = cli("launch", str(write_spec(tmp, "calibrate", probe, args)), "--detach",
                  timeout=600).stdout.strip().splitlines()[-1]
     deadline = time.monotonic() + 900
@@ -245,7 +247,7 @@ def calibrate(cli: Cli, tmp: Path, args: argparse.Namespace) -> int:
             raise SystemExit(f"calibration: job {job_id} still {state} after 15 minutes")
         time.sleep(1.0)
     points = sorted((r["step"], r["ts"]) for r in records(cli.home, job_id)
-                    if isinstance(r.get("step"), int) and r.get("ts") and r["step"] >= 10
+                    if isinstance(r.get("step"), int) and r.get("ts") and r["step"] >= settled
                     and not r.get("final") and "loss" in r
                     and "eval_loss" not in r)  # (the last step's eval is no step's time)
     per_step = ((points[-1][1] - points[0][1]) / (points[-1][0] - points[0][0])

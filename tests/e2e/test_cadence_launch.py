@@ -41,8 +41,10 @@ def test_time_based_rounds_weight_a_slower_cluster_by_its_samples(cli: CLI,
                                                                   tmp_path: Path) -> None:
     spec_path = short_spec(tmp_path, clusters={"fast": ["f1"], "slow": ["s1"]}, steps=0,
                            inner=10, name="every", model=SHORT_CONTEXT)
-    # the slow cluster takes 2.5 times as long a step: as long for 20 steps as fast for 50
-    job_id = launch(cli, spec_path, {"every": "2s"}, {
+    # the slow cluster takes 2.5 times as long a step: as long for 20 steps as fast for 50.
+    # A round every second: an idle machine trains all this in ~5 s (every 2 s made only two
+    # joint rounds there)
+    job_id = launch(cli, spec_path, {"every": "1s"}, {
         "fast": {"NEBULA_STEPS": "50"}, "slow": {"NEBULA_STEPS": "20", "GPT_SLOWDOWN": "2.5"}})
     records = metric_records(cli.home, job_id)
     finals = {r["cluster"]: r for r in records if r.get("final")}

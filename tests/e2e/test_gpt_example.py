@@ -263,6 +263,14 @@ def test_sigterm_finishes_the_step_and_exits_zero(tmp_path: Path) -> None:
 # --- a worker killed after its last checkpoint, before its end -------------------------------
 
 
+def launch_unshaped(cli: CLI, tmp_path: Path, spec: dict) -> str:
+    """Launch ``spec`` detached, its relays' own link shaping off; the job's id."""
+    spec["relay"].pop("shaping", None)
+    path = tmp_path / f"{spec['name']}.yaml"
+    path.write_text(yaml.safe_dump(spec))
+    return cli("launch", str(path), "--detach", check=True).stdout.strip()
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_a_worker_killed_after_its_last_checkpoint_resumes_there_and_ends(
@@ -280,10 +288,7 @@ def test_a_worker_killed_after_its_last_checkpoint_resumes_there_and_ends(
         {"name": "west", "transport": "local", "hosts": [{"host": "w1"}],
          "env": {"GPT_SLOWDOWN": "20"}}]
     spec["relay"]["sync"]["inner_steps"] = 15  # a round at 15, the last one after step 20
-    spec["relay"].pop("shaping", None)
-    path = tmp_path / "lastckpt.yaml"
-    path.write_text(yaml.safe_dump(spec))
-    job_id = cli("launch", str(path), "--detach", check=True).stdout.strip()
+    job_id = launch_unshaped(cli, tmp_path, spec)
     try:
         def east_waits() -> bool:
             recs = metric_records(cli.home, job_id)
@@ -332,10 +337,7 @@ def test_a_stop_while_a_cluster_waits_at_its_end_keeps_its_final_checkpoint(
         {"name": "west", "transport": "local", "hosts": [{"host": "w1"}],
          "env": {"NEBULA_STEPS": "60", "GPT_SLOWDOWN": "40"}}]
     spec["relay"]["sync"]["inner_steps"] = 10
-    spec["relay"].pop("shaping", None)
-    path = tmp_path / "stopwait.yaml"
-    path.write_text(yaml.safe_dump(spec))
-    job_id = cli("launch", str(path), "--detach", check=True).stdout.strip()
+    job_id = launch_unshaped(cli, tmp_path, spec)
     try:
         def east_waits() -> bool:
             recs = metric_records(cli.home, job_id)

@@ -4,14 +4,12 @@ ranks in two processes, and the header on its own."""
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
+from helpers.gloo_ranks import run_ranks
 
 from nebula_cli.relay.protocol.next_round import WHY_CHARS, NextRound
 from nebula_cli.relay.protocol.pacing import CODEC_CHARS
@@ -46,18 +44,7 @@ print(json.dumps(said))
 
 
 def test_every_rank_gets_rank_0s_outcome_and_next_round(tmp_path: Path) -> None:
-    store = tmp_path / "store"
-    procs = [subprocess.Popen([sys.executable, "-c", RANK, str(rank), str(store)],
-                              stdout=subprocess.PIPE, text=True) for rank in (0, 1)]
-    try:
-        outs = [proc.communicate(timeout=120)[0] for proc in procs]
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
-    assert [proc.returncode for proc in procs] == [0, 0], outs
-    said = [json.loads(out.strip().splitlines()[-1]) for out in outs]
+    said = run_ranks(RANK, tmp_path / "store")
     for s in said:
         assert s["next"] == [7, 2, "topk", "ü: why"] and s["codec"] == "int8"
         assert s["present"] == 2 and s["round"] == 3 and s["bytes"] == [10, 20]

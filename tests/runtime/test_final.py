@@ -6,10 +6,7 @@ without the question, and one whose answer fails."""
 
 from __future__ import annotations
 
-import json
 import logging
-import subprocess
-import sys
 import threading
 from pathlib import Path
 from types import SimpleNamespace
@@ -17,6 +14,7 @@ from typing import Any
 
 import pytest
 import torch
+from helpers.gloo_ranks import run_ranks
 
 from nebula_cli.runtime.cluster_share import ClusterShare
 from nebula_cli.runtime.final import final_agreement
@@ -55,19 +53,7 @@ print(json.dumps({"out": out, "got": got, "seconds": seconds}))
 
 
 def two_ranks(tmp_path: Path, case: str) -> list[dict[str, Any]]:
-    store = tmp_path / "store"
-    procs = [subprocess.Popen([sys.executable, "-c", RANK, str(rank), str(store), case],
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for rank in (0, 1)]
-    try:
-        outs = [proc.communicate(timeout=120) for proc in procs]
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
-    assert [proc.returncode for proc in procs] == [0, 0], outs
-    return [json.loads(out.strip().splitlines()[-1]) for out, _ in outs]
+    return run_ranks(RANK, tmp_path / "store", case)
 
 
 def test_a_wait_longer_than_the_groups_timeout_ends_with_the_state_on_every_rank(

@@ -67,6 +67,7 @@ from nebula_cli.config.parts import SHM, CheckpointSettings
 from nebula_cli.runtime.metrics import emit
 from nebula_cli.runtime.outer import SyncError
 from nebula_cli.runtime.settle import keep
+from nebula_cli.runtime.threads import start_or_run
 
 MARKER = "COMPLETE"
 """Written last into a checkpoint: a tag without it is never loaded."""
@@ -282,14 +283,9 @@ class Checkpointer:
         self.stall_s = time.perf_counter() - t0
         self.last_step = step
         if self.writer:
-            args = (root / tag_of(step), step, outer, self.stall_s)
-            thread = threading.Thread(target=self._publish, args=args,
-                                      name=f"nebula-checkpoint-{step}", daemon=True)
-            try:
-                thread.start()
-                self._thread = thread
-            except RuntimeError:  # no new thread at interpreter shutdown (Python 3.12's
-                self._publish(*args)  # atexit, where the hook's final checkpoint is made)
+            self._thread = start_or_run(self._publish, (root / tag_of(step), step, outer,
+                                                        self.stall_s),
+                                        f"nebula-checkpoint-{step}")
         return True
 
     def wait(self) -> None:

@@ -27,6 +27,7 @@ from typing import Any
 import torch
 
 from nebula_cli.runtime.cluster_share import ClusterShare, Shared
+from nebula_cli.runtime.threads import start_or_run
 
 log = logging.getLogger("nebula.sync")
 
@@ -71,11 +72,8 @@ class _Asking:
         self.abandoned = False
         """Set when a stop ended the wait: the answer no longer matters (nor its failure)."""
         self._done = threading.Event()
-        try:
-            threading.Thread(target=self._run, args=(ask,), name="nebula-final-state",
-                             daemon=True).start()
-        except RuntimeError:  # no new thread at interpreter shutdown (Python 3.12's atexit,
-            self._run(ask)  # where the hook ends): ask here; the others wait in the first beat
+        # (where no thread can be had: asked here, the other ranks wait in the first beat)
+        start_or_run(self._run, (ask,), "nebula-final-state")
 
     def _run(self, ask: Callable[[float | None], tuple[Any, Any, Any]]) -> None:
         try:

@@ -14,7 +14,9 @@ The keeper listens on a Unix socket file, ``~/.nebula/keepers/<name>@<node>.sock
 first), and serves only processes of its own user (SO_PEERCRED); `call` checks the same of the
 keeper before it sends a byte (an abstract socket, as before, had no permissions: whoever bound
 its name first received the callers' argv and environment). The node's name in the file's
-name keeps the keepers of one job apart where the home directory is shared.
+name keeps the keepers of one job apart where the home directory is shared. A keeper does not
+take over a file a live keeper serves (two Slurm clusters sharing a home, a job id and a node
+name), and removes only its own file when it ends.
 
 It ends, releasing the node, `LINGER` seconds after every
 agent it started has ended, when nothing was started for `IDLE_TIMEOUT` seconds after it came
@@ -111,11 +113,13 @@ def _short(path: str) -> Iterator[str]:
 
 def listen(path: str) -> socket.socket:
     """The keeper's listening socket at `path` (0600; a socket file a killed keeper left there
-    is replaced; anything else refused)."""
+    is replaced; one a live keeper serves, or anything else, refused)."""
     private_dir(os.path.dirname(path), make=True)
     with contextlib.suppress(FileNotFoundError):
         if not stat.S_ISSOCK(os.lstat(path).st_mode):
             raise OSError(f"{path} exists and is not a socket: remove it")
+        if _answers(path):
+            raise OSError(f"another keeper serves {path}")
         os.unlink(path)
     server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
@@ -127,6 +131,28 @@ def listen(path: str) -> socket.socket:
         server.close()
         raise
     return server
+
+
+def _answers(path: str) -> bool:
+    """Whether a process listens on the socket file at `path`."""
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    probe.settimeout(5)
+    try:
+        with _short(path) as where:
+            probe.connect(where)
+    except OSError:
+        return False
+    finally:
+        probe.close()
+    return True
+
+
+def unlink_own(path: str, inode: int) -> None:
+    """Remove the socket file at `path` if it is still the one bound as `inode` (another keeper
+    may have replaced a file it took for a dead one's)."""
+    with contextlib.suppress(OSError):
+        if os.lstat(path).st_ino == inode:
+            os.unlink(path)
 
 
 def _recv_all(sock: socket.socket) -> bytes:
@@ -203,18 +229,18 @@ class Keeper:
         node = node_name()
         try:
             server = listen(path)
+            mine = os.stat(path).st_ino
         except OSError as exc:
             print(f"nebula keeper {self.name} on {node}: cannot listen on {path}: {exc}",
                   file=sys.stderr, flush=True)
             return 1
         try:
-            return self._serve(server, path, node)
+            return self._serve(server, path, node, mine)
         finally:
             server.close()
-            with contextlib.suppress(OSError):
-                os.unlink(path)
+            unlink_own(path, mine)
 
-    def _serve(self, server: socket.socket, path: str, node: str) -> int:
+    def _serve(self, server: socket.socket, path: str, node: str, mine: int) -> int:
         server.settimeout(POLL)
         signal.signal(signal.SIGTERM, self.on_term)
         print(f"nebula keeper {self.name} on {node}: ready (pid {os.getpid()})", flush=True)
@@ -225,8 +251,7 @@ class Keeper:
                 continue
             threading.Thread(target=self.handle, args=(conn,), daemon=True).start()
         server.close()
-        with contextlib.suppress(OSError):
-            os.unlink(path)
+        unlink_own(path, mine)
         if self.terminated.is_set():
             self.stop_agents()
             if not self.exit_after_notice:  # the scheduler ends the job and says why

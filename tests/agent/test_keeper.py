@@ -6,6 +6,7 @@ first."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import secrets
@@ -67,18 +68,30 @@ def home(monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
         shutil.rmtree(where, ignore_errors=True)
 
 
+def serve(name: str) -> subprocess.Popen[str]:
+    """A keeper `name` (leaving after a SIGTERM), its stdout and stderr piped."""
+    return subprocess.Popen([PY, "-m", "nebula_cli.agent.keeper", "serve", name,
+                             "--idle-timeout", "30", "--exit-after-notice"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+@contextlib.contextmanager
+def serving(name: str) -> Iterator[subprocess.Popen[str]]:
+    """A keeper `name` that said it is ready; killed at the end."""
+    proc = serve(name)
+    try:
+        assert "ready" in (proc.stdout.readline() if proc.stdout else "")
+        yield proc
+    finally:
+        proc.kill()
+        proc.communicate(timeout=10)
+
+
 @pytest.fixture
 def keeper() -> Iterator[tuple[str, subprocess.Popen[str]]]:
     name = "test-" + secrets.token_hex(4)
-    proc = subprocess.Popen([PY, "-m", "nebula_cli.agent.keeper", "serve", name,
-                             "--idle-timeout", "30", "--exit-after-notice"],
-                            stdout=subprocess.PIPE, text=True)
-    try:
-        assert "ready" in (proc.stdout.readline() if proc.stdout else "")
+    with serving(name) as proc:
         yield name, proc
-    finally:
-        proc.kill()
-        proc.wait(timeout=10)
 
 
 def test_started_process_outlives_the_call_and_the_keeper_ends_after_it(
@@ -222,3 +235,27 @@ def test_after_the_notice_it_waits_to_be_ended_unless_told_to_leave(tmp_path) ->
     finally:
         proc.kill()
         proc.wait(timeout=10)
+
+
+def test_a_second_keeper_of_the_same_name_is_refused_and_the_first_serves_on() -> None:
+    """Two Slurm clusters whose nodes share a home may run a job of the same id on nodes of the
+    same name (the test beds did: job 6 on c1 in two beds): the second keeper used to remove
+    the first's socket file ("no nebula keeper answers", the first's launch failed)."""
+    name = "test-" + secrets.token_hex(4)
+    with serving(name):
+        second = serve(name)
+        _, err = second.communicate(timeout=30)
+        assert second.returncode == 1 and "another keeper serves" in err, err
+        assert call(name, "true").returncode == 0
+
+
+def test_a_keeper_leaves_a_socket_file_that_replaced_its_own(home: Path) -> None:
+    """Its file removed (by hand, or taken for a dead keeper's) and a new keeper serving the
+    same name: the old one ending does not remove the new one's file."""
+    name = "test-" + secrets.token_hex(4)
+    with serving(name) as old:
+        next((home / ".nebula" / "keepers").glob(f"{name}@*.sock")).unlink()
+        with serving(name):
+            old.send_signal(signal.SIGTERM)
+            assert old.wait(timeout=20) == 0
+            assert call(name, "true").returncode == 0

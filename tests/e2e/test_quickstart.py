@@ -85,7 +85,7 @@ def _is_rank_of(pid: int, agent_child: int) -> bool:
 
 def test_relay_killed_mid_run_is_left_out_then_catches_up(cli: CLI, tmp_path: Path) -> None:
     spec_path = short_spec(tmp_path, clusters={"east": ["e1"], "west": ["w1"]},
-                           steps=80, inner=5, name="relaykill", model=SHORT_CONTEXT)
+                           steps=120, inner=5, name="relaykill", model=SHORT_CONTEXT)
     spec = yaml.safe_load(spec_path.read_text())
     spec["relay"].update(timeout=4, heartbeat=1, dead_after=3)
     spec_path.write_text(yaml.safe_dump(spec))

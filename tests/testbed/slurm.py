@@ -40,6 +40,7 @@ import signal
 import stat
 import subprocess
 import time
+import zlib
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -182,6 +183,9 @@ class SlurmCluster:
         self.dir = directory
         self.cluster = cluster
         self.cluster_name = bed_id  # ClusterName
+        self.first_job_id = 1000 + zlib.crc32(f"{bed_id}/{cluster}".encode()) % 60_000_000
+        """Job ids of their own (as sites' are): beds running at once share the home where the
+        keepers' socket files are named by job id and node name (c1, c2 in every bed)."""
         self.login = login
         self.nodes = {node.name: node for node in nodes}
         self.partitions = dict(PARTITIONS)
@@ -281,7 +285,7 @@ class SlurmCluster:
         node_names = ",".join(self.nodes)
         lines = [
             f"# nebula test bed {self.bed_id}: Slurm of cluster {self.cluster}",
-            f"ClusterName={self.cluster_name}",
+            f"ClusterName={self.cluster_name}", f"FirstJobId={self.first_job_id}",
             f"SlurmctldHost={self.login.name}({self.login.address})",
             f"SlurmctldPort={self.ctld_port}", f"SlurmdPort={self.slurmd_port}",
             "SlurmUser=root", "SlurmdUser=root",

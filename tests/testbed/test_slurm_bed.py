@@ -10,6 +10,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from helpers.jobs import wait_for
 
 from testbed import TestBed
 from testbed.slurm import SlurmCluster
@@ -165,6 +166,12 @@ def _slurm_processes(bed_id: str) -> list[str]:
     return [n for n in names if re.match(r"(slurm|munged|/usr/sbin/(slurm|munged))", n)]
 
 
+def _with_a_step(bed_id: str) -> str:
+    """The bed's Slurm processes' command lines, once a slurmstepd is among them ("" before)."""
+    running = " ".join(_slurm_processes(bed_id))
+    return running if "slurmstepd" in running else ""
+
+
 def test_down_and_cleanup_stale_end_every_slurm_process(make_testbed, tmp_path: Path) -> None:
     import json
 
@@ -181,7 +188,8 @@ def test_down_and_cleanup_stale_end_every_slurm_process(make_testbed, tmp_path: 
         job = slurm.client("sbatch", "--parsable", f"--chdir={tmp_path}", "-o", "/dev/null",
                            "--wrap", "sleep 300").stdout.strip()
         slurm.wait_state(job, ("RUNNING",))
-        running = " ".join(_slurm_processes(bed.id))
+        # RUNNING once slurmctld dispatched it: the node's slurmstepd follows
+        running = wait_for(lambda b=bed.id: _with_a_step(b), timeout=30)
         for name in ("munged", "slurmctld", "slurmd", "slurmstepd"):
             assert name in running
         if ending == "down":

@@ -6,8 +6,10 @@
   bytes on disk under the job's directories (its hosts' and `$NEBULA_HOME/jobs/<id>`, and
   any given outside it) and `state.db`, `state.db`'s size, the time
   `nebula status JOB --json` took.
-- `slope(xs, ys)`: the least-squares slope; `growth(samples, warmup)`: per kind, MiB and
-  descriptors per 1,000 rounds, fitted per process after its warm-up (the largest slope).
+- `slope(xs, ys)`: the least-squares slope; `fit(xs, ys)`: the slope with its standard error;
+  `lives(samples, kind)`: each process's (rounds, MiB, descriptors) over its life;
+  `growth(samples, warmup)`: per kind, MiB and descriptors per 1,000 rounds, fitted per process
+  after its warm-up (the largest slope).
 """
 
 from __future__ import annotations
@@ -141,13 +143,41 @@ def take(job_id: str, home: Path, t: float, status_s: float,
                   disk=disk_bytes([job_dir, *extra]) + db, state_db=db, status_s=status_s)
 
 
-def slope(xs: list[float], ys: list[float]) -> float:
+@dataclass(frozen=True)
+class Fit:
+    """A least-squares line's slope and the slope's standard error (from the residuals, as if
+    they were independent: samples of a process's memory are not quite, so it reads small)."""
+
+    slope: float
+    stderr: float
+
+
+def fit(xs: list[float], ys: list[float]) -> Fit:
     n = len(xs)
     if n < 2:
-        return 0.0
+        return Fit(0.0, 0.0)
     mx, my = sum(xs) / n, sum(ys) / n
     var = sum((x - mx) ** 2 for x in xs)
-    return sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / var if var else 0.0
+    if not var:
+        return Fit(0.0, 0.0)
+    b = sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / var
+    if n < 3:
+        return Fit(b, 0.0)
+    resid = sum((y - my - b * (x - mx)) ** 2 for x, y in zip(xs, ys, strict=True))
+    return Fit(b, (resid / (n - 2) / var) ** 0.5)
+
+
+def slope(xs: list[float], ys: list[float]) -> float:
+    return fit(xs, ys).slope
+
+
+def lives(samples: list[Sample], kind: str) -> dict[int, list[tuple[int, float, int]]]:
+    """pid -> (rounds, RSS MiB, descriptors) at each sample of its life, for one kind."""
+    out: dict[int, list[tuple[int, float, int]]] = {}
+    for s in samples:
+        for pid, (rss, fd) in s.per_pid.get(kind, {}).items():
+            out.setdefault(pid, []).append((s.rounds, rss, fd))
+    return out
 
 
 def growth(samples: list[Sample], warmup: float) -> dict[str, Any]:
@@ -158,19 +188,16 @@ def growth(samples: list[Sample], warmup: float) -> dict[str, Any]:
     Without per-process samples, the kind's sums over the run after `warmup` are fitted."""
     out: dict[str, Any] = {"rss_mb": {}, "fds": {}}
     for kind in KINDS:
-        lives: dict[int, list[tuple[int, float, int]]] = {}
-        for s in samples:
-            for pid, (rss, fd) in s.per_pid.get(kind, {}).items():
-                lives.setdefault(pid, []).append((s.rounds, rss, fd))
+        each = lives(samples, kind)
         rss_slopes, fd_slopes = [], []
-        for points in lives.values():
+        for points in each.values():
             rest = points[max(1, int(len(points) * warmup)):]
             if len(rest) < 3 or rest[-1][0] - rest[0][0] < 10:
                 continue  # too short a life to say
             xs = [r / 1000 for r, _, _ in rest]
             rss_slopes.append(slope(xs, [m for _, m, _ in rest]))
             fd_slopes.append(slope(xs, [float(f) for _, _, f in rest]))
-        if not lives:
+        if not each:
             rest = samples[int(len(samples) * warmup):]
             usual = max((s.count.get(kind, 0) for s in rest), default=0)
             pts = [s for s in rest if usual and s.count.get(kind, 0) == usual]

@@ -97,17 +97,24 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
-def write_spec(tmp: Path, name: str, steps: int, args: argparse.Namespace) -> Path:
+def write_spec(tmp: Path, name: str, steps: int, args: argparse.Namespace, *,
+               model_args: str = "", checkpoint_every: int = 10, wan: bool = True) -> Path:
     """The job; its checkpoints under the absolute `<tmp>/checkpoints` (`<job id>/<cluster>/
-    <host>` below it), where each host's may get a volume of its own."""
+    <host>` below it), where each host's may get a volume of its own. `model_args`: train.py's
+    model options (the quickstart GPT without); `wan`: the relays' WAN emulation (the
+    quickstart's) or none."""
     spec = yaml.safe_load((REPO / "templates" / "quickstart.yaml").read_text())
     spec.update(name=name, workdir=str(GPT_DIR), max_restarts=1000, logs=LOGS,
-                run=f"python -u train.py --steps {steps} --eval-every {steps} --log-every 2",
-                checkpoint={"every": 10, "keep": CKPT_KEEP, "dir": str(tmp / "checkpoints")})
+                run=f"python -u train.py --steps {steps} --eval-every {steps} --log-every 2"
+                    + (f" {model_args}" if model_args else ""),
+                checkpoint={"every": checkpoint_every, "keep": CKPT_KEEP,
+                            "dir": str(tmp / "checkpoints")})
     spec["clusters"] = [{"name": c, "transport": "local", "hosts": [{"host": h}]}
                         for c, h in HOSTS.items()]
     spec["relay"]["sync"]["inner_steps"] = args.inner_steps
     spec["relay"].update(timeout=30, heartbeat=1.0, dead_after=DEAD_AFTER)
+    if not wan:
+        spec["relay"].pop("shaping", None)
     path = tmp / f"{name}.yaml"
     path.write_text(yaml.safe_dump(spec))
     return path

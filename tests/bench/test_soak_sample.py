@@ -60,3 +60,19 @@ def test_a_restart_is_neither_growth_nor_shrinking() -> None:
     grown = m.growth(samples, warmup=0.2)
     assert 1.9 <= grown["rss_mb"]["worker"] <= 2.1  # not the -400 MiB of the restart
     assert grown["fds"]["worker"] == 0.0
+
+
+def test_a_fit_says_how_sure_it_is() -> None:
+    m = load_bench("_soak_sample")
+    exact = m.fit([0, 1, 2, 3], [1, 3, 5, 7])
+    assert exact.slope == 2.0 and exact.stderr == 0.0
+    noisy = m.fit([0, 1, 2, 3, 4, 5], [0, 1.5, 1.5, 3.5, 3.5, 5])  # slope ~1, residuals ~0.4
+    assert 0.9 <= noisy.slope <= 1.1 and 0.05 <= noisy.stderr <= 0.2
+    assert m.fit([1], [1]) == m.Fit(0.0, 0.0) and m.fit([2, 2, 2], [1, 2, 3]).slope == 0.0
+    points = {7: [(0, 10.0, 3), (100, 10.5, 3)], 8: [(100, 20.0, 4)]}
+    samples = [m.Sample(t=i, rounds=r, per_pid={"relay": {pid: (rss, fd) for pid, pts in
+                                                          points.items() for rr, rss, fd in pts
+                                                          if rr == r}})
+               for i, r in enumerate((0, 100))]
+    assert m.lives(samples, "relay") == {7: [(0, 10.0, 3), (100, 10.5, 3)], 8: [(100, 20.0, 4)]}
+    assert m.lives(samples, "worker") == {}

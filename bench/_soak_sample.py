@@ -8,6 +8,7 @@
   `nebula status JOB --json` took.
 - `slope(xs, ys)`: the least-squares slope; `fit(xs, ys)`: the slope with its standard error;
   `lives(samples, kind)`: each process's (rounds, MiB, descriptors) over its life;
+  `settled(points, warmup)`: those after its warm-up;
   `growth(samples, warmup)`: per kind, MiB and descriptors per 1,000 rounds, fitted per process
   after its warm-up (the largest slope).
 """
@@ -171,6 +172,12 @@ def slope(xs: list[float], ys: list[float]) -> float:
     return fit(xs, ys).slope
 
 
+def settled(points: list[Any], warmup: float) -> list[Any]:
+    """A process's samples after its own warm-up: its first `warmup` fraction left out, at least
+    one."""
+    return points[max(1, int(len(points) * warmup)):]
+
+
 def lives(samples: list[Sample], kind: str) -> dict[int, list[tuple[int, float, int]]]:
     """pid -> (rounds, RSS MiB, descriptors) at each sample of its life, for one kind."""
     out: dict[int, list[tuple[int, float, int]]] = {}
@@ -191,7 +198,7 @@ def growth(samples: list[Sample], warmup: float) -> dict[str, Any]:
         each = lives(samples, kind)
         rss_slopes, fd_slopes = [], []
         for points in each.values():
-            rest = points[max(1, int(len(points) * warmup)):]
+            rest = settled(points, warmup)
             if len(rest) < 3 or rest[-1][0] - rest[0][0] < 10:
                 continue  # too short a life to say
             xs = [r / 1000 for r, _, _ in rest]

@@ -36,7 +36,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import soak  # noqa: E402
 from _local import REPO, Cli  # noqa: E402
-from _soak_sample import KINDS, Sample, fit, lives, processes  # noqa: E402
+from _soak_sample import KINDS, Sample, fit, lives, processes, settled  # noqa: E402
 
 JSON_FIELDS = ("rounds", "rss_growth_mb_per_1000_rounds", "rss_growth_stderr",
                "fd_growth_per_1000_rounds", "rounds_per_s", "left_processes", "goals_met")
@@ -67,7 +67,7 @@ def per_process(samples: list[Sample], warmup: float) -> list[dict[str, Any]]:
     out = []
     for kind in KINDS:
         for pid, points in lives(samples, kind).items():
-            rest = points[max(1, int(len(points) * warmup)):]
+            rest = settled(points, warmup)
             if len(rest) < 6 or rest[-1][0] - rest[0][0] < 100:
                 continue
             half = points[len(points) // 2:]

@@ -68,17 +68,18 @@ def home(monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
         shutil.rmtree(where, ignore_errors=True)
 
 
-def serve(name: str) -> subprocess.Popen[str]:
-    """A keeper `name` (leaving after a SIGTERM), its stdout and stderr piped."""
+def serve(name: str, leave: bool = True) -> subprocess.Popen[str]:
+    """A keeper `name` (leaving after a SIGTERM, or with `leave` False waiting to be ended as
+    in an allocation), its stdout and stderr piped."""
     return subprocess.Popen([PY, "-m", "nebula_cli.agent.keeper", "serve", name,
-                             "--idle-timeout", "30", "--exit-after-notice"],
+                             "--idle-timeout", "30", *(["--exit-after-notice"] if leave else [])],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
 @contextlib.contextmanager
-def serving(name: str) -> Iterator[subprocess.Popen[str]]:
+def serving(name: str, leave: bool = True) -> Iterator[subprocess.Popen[str]]:
     """A keeper `name` that said it is ready; killed at the end."""
-    proc = serve(name)
+    proc = serve(name, leave)
     try:
         assert "ready" in (proc.stdout.readline() if proc.stdout else "")
         yield proc
@@ -219,10 +220,8 @@ def test_after_the_notice_it_waits_to_be_ended_unless_told_to_leave(tmp_path) ->
     """In an allocation the scheduler ends the job after its notice and records why (TIMEOUT,
     PREEMPTED): leaving first would make the job COMPLETED. Only outside one it leaves."""
     name = "test-" + secrets.token_hex(4)
-    proc = subprocess.Popen([PY, "-m", "nebula_cli.agent.keeper", "serve", name,
-                             "--idle-timeout", "30"], stdout=subprocess.PIPE, text=True)
-    try:
-        assert proc.stdout is not None and "ready" in proc.stdout.readline()
+    with serving(name, leave=False) as proc:
+        assert proc.stdout is not None
         mark = tmp_path / "term"
         out = call(name, PY, "-c", DAEMON, "60", str(mark))
         pid = json.loads(out.stdout)["agent_pid"]
@@ -232,9 +231,6 @@ def test_after_the_notice_it_waits_to_be_ended_unless_told_to_leave(tmp_path) ->
         assert mark.read_text() == "term" and not pid_alive(pid)
         time.sleep(1.0)
         assert proc.poll() is None  # still there: the scheduler ends it
-    finally:
-        proc.kill()
-        proc.wait(timeout=10)
 
 
 def test_a_second_keeper_of_the_same_name_is_refused_and_the_first_serves_on() -> None:

@@ -33,9 +33,9 @@ MAX_HANDSHAKES_PER_ADDRESS = 4
 """Of those, from one address (an IPv6 /64); a new one beyond them ends that address's oldest:
 one flooding host crowds out only itself. Real peers dial one connection at a time."""
 MAX_WORKER_CONNECTIONS = 8
+"""Worker connections served at once (only a cluster's rank 0 talks to its relay)."""
 WORKER_KEEPALIVE_IDLE = 30
 """Seconds of silence on a worker's connection before TCP keepalive probes start."""
-"""Worker connections served at once (only a cluster's rank 0 talks to its relay)."""
 MAX_REQUESTS_PER_LINK = 4
 """Result or state requests of one peer served at once; more are answered "busy"."""
 CONTROL_PAYLOAD = 64 * 1024
@@ -46,9 +46,10 @@ MAX_ROUNDS_AHEAD = 2
 """Round-control messages and early chunks for rounds further beyond this relay's newest are
 refused (a real peer is never more than one round ahead of a cluster it exchanges with)."""
 EARLY_COPIES = 2
+"""Early chunks held from one peer (all its rounds and attempts): at most this many fp32 copies
+of the sync size. Each peer has its own budget: one peer's chunks never crowd out another's."""
 EARLY_FRAME_COST = 512
 """What a held early frame counts beyond its payload and its meta (the objects holding it)."""
-"""Early chunks held (all peers, all rounds): at most this many fp32 copies of the sync size."""
 MAX_OPEN_ROUNDS = 32
 """Round-control state (decisions, behind notices) kept for this many rounds at most."""
 MAX_SYNC_NUMEL = 1 << 34
@@ -195,12 +196,15 @@ def held_size(frame: Any) -> int:
 class EarlyChunks:
     """Chunks that arrived before this relay started their round's exchange, held for it.
 
-    Held only for rounds in (done, done + MAX_ROUNDS_AHEAD], attempts below `max_attempts`,
-    coordinators that are clusters of the job, one per (round key, sender, chunk index) with an
-    index the sync size allows; EARLY_COPIES x the sync size in all, every frame counted with
-    its meta and EARLY_FRAME_COST on top of its payload (a zero-length chunk is not free).
-    Every check comes before anything is stored; anything else is refused (LimitExceeded says
-    why). ``size(chunk)`` is what holding one costs (default :func:`held_size` of a frame)."""
+    Held only from senders and coordinators that are clusters of the job, for rounds in
+    (done, done + MAX_ROUNDS_AHEAD], attempts below `max_attempts`, one per (round key, sender,
+    chunk index) with an index the sync size allows; EARLY_COPIES x the sync size from each
+    sender, every frame counted with its meta and EARLY_FRAME_COST on top of its payload (a
+    zero-length chunk is not free). A sender that fills its budget (a peer gone wrong, or an
+    attacker holding a certificate of the job) is refused alone: the others' chunks are still
+    held, so the round goes on with them. Every check comes before anything is stored; anything
+    else is refused (LimitExceeded says why). ``size(chunk)`` is what holding one costs (default
+    :func:`held_size` of a frame)."""
 
     def __init__(self, clusters: Sequence[str], max_attempts: int,
                  size: Callable[[Any], int] = held_size) -> None:
@@ -209,12 +213,16 @@ class EarlyChunks:
         self._max_attempts = max_attempts
         self._size = size
         self.bytes = 0
+        """Bytes held, all senders."""
+        self._by_sender: dict[str, int] = {}
 
     def add(self, key: tuple[int, int, str], src: str, k: Any, frame: Any, *, done: int,
             sync_numel: int | None, num_chunks: int) -> None:
         round_id, attempt, coord = key
         if sync_numel is None:
             raise LimitExceeded("a chunk before this cluster's workers registered")
+        if src not in self._clusters:
+            raise LimitExceeded(f"a chunk from {src!r}, not a cluster of this job")
         if not done < round_id <= done + MAX_ROUNDS_AHEAD:
             raise LimitExceeded(f"a chunk for round {round_id} (this relay is at round {done})")
         if not 0 <= attempt < self._max_attempts or coord not in self._clusters:
@@ -225,16 +233,29 @@ class EarlyChunks:
         slot = self._held.get(key)
         if slot is not None and (src, k) in slot:
             raise LimitExceeded(f"chunk {k} of round {round_id} twice")
-        if self.bytes + size > EARLY_COPIES * (4 * sync_numel + num_chunks * EARLY_FRAME_COST) \
+        theirs = self._by_sender.get(src, 0)
+        if theirs + size > EARLY_COPIES * (4 * sync_numel + num_chunks * EARLY_FRAME_COST) \
                 + CHUNK_SLACK:
-            raise LimitExceeded(f"early chunks beyond {EARLY_COPIES}x the sync size")
+            raise LimitExceeded(f"early chunks from {src} beyond {EARLY_COPIES}x the sync size")
         self._held.setdefault(key, {})[(src, k)] = frame
+        self._by_sender[src] = theirs + size
         self.bytes += size
 
     def pop(self, key: tuple[int, int, str]) -> list[tuple[str, Any]]:
         slot = self._held.pop(key, {})
-        self.bytes -= sum(self._size(f) for f in slot.values())
+        for (src, _), f in slot.items():
+            size = self._size(f)
+            self.bytes -= size
+            left = self._by_sender[src] - size
+            if left:
+                self._by_sender[src] = left
+            else:
+                del self._by_sender[src]
         return [(src, f) for (src, _), f in slot.items()]
+
+    def held_from(self, src: str) -> int:
+        """Bytes held from ``src``."""
+        return self._by_sender.get(src, 0)
 
     def drop_through(self, round_id: int) -> None:
         """Forget rounds up to ``round_id`` (done)."""

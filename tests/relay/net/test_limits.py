@@ -162,3 +162,4 @@ def test_an_attacker_with_valid_certificates_cannot_make_the_relay_hold_memory(
     assert "refused worker request from h1 (127.0.0.1:" in log
     assert "refused connection from 127.0.0.1: " in log and "handshakes in progress" in log
     assert log.count("refused connection from") < 10  # a flood makes a few lines, not 500
+    assert "refused chunk from b" not in log  # c's early chunks never crowd out the real peer's

@@ -174,18 +174,29 @@ def test_early_chunks_are_held_within_the_sync_size_only(hub3: Hub) -> None:
         hub3.rounds["a"].state.register(SyncSize.flat(513))
 
 
-def test_early_chunk_budget_is_a_few_copies_of_the_sync_size() -> None:
-    early = EarlyChunks(["a"], max_attempts=3)
+def test_early_chunk_budget_is_a_few_copies_of_the_sync_size_per_sender() -> None:
+    """A sender past its budget is refused alone: another cluster's chunks are still held
+    (an attacker with a certificate of the job once filled a shared budget, and the real
+    peer's chunks for the next round were refused: the round stalled for 30 s)."""
+    early = EarlyChunks(["a", "b", "c"], max_attempts=3)
     numel = 100_000  # (CHUNK_SLACK is small beside it)
     frame = Frame(FrameType.PEER_CHUNK, {}, bytes(4 * numel))
     held = 0
-    with pytest.raises(LimitExceeded, match="beyond"):
-        for k in range(100):
-            early.add((1, 0, "a"), f"peer{k}", 0, frame, done=0, sync_numel=numel,
+    with pytest.raises(LimitExceeded, match="from c beyond"):
+        for attempt in range(3):
+            early.add((1, attempt, "a"), "c", 0, frame, done=0, sync_numel=numel,
                       num_chunks=1)
             held += 1
-    assert held == EARLY_COPIES and early.bytes == EARLY_COPIES * held_size(frame)
-    assert len(early.pop((1, 0, "a"))) == EARLY_COPIES and early.bytes == 0
+    assert held == EARLY_COPIES and early.held_from("c") == EARLY_COPIES * held_size(frame)
+    for attempt in range(EARLY_COPIES):
+        early.add((1, attempt, "a"), "b", 0, frame, done=0, sync_numel=numel, num_chunks=1)
+    assert early.held_from("b") == early.held_from("c")
+    assert early.bytes == 2 * EARLY_COPIES * held_size(frame)
+    with pytest.raises(LimitExceeded, match="not a cluster of this job"):
+        early.add((1, 0, "a"), "zz", 0, frame, done=0, sync_numel=numel, num_chunks=1)
+    assert len(early.pop((1, 0, "a"))) == 2 and early.held_from("b") == held_size(frame)
+    early.drop_through(1)
+    assert early.bytes == 0 and early.held_from("b") == early.held_from("c") == 0
 
 
 def test_zero_length_chunks_under_made_up_attempts_and_coordinators_are_bounded() -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -16,6 +17,14 @@ from helpers.jobs import (
 from testbed import TestBed
 
 pytest_plugins = ["testbed.fixtures", "helpers.sshd_bed"]  # the bed fixtures; `bed`: one sshd
+
+# A suite started in the background (`./scripts/test.sh &`, nohup, a CI runner's shell) may
+# start with SIGINT ignored, and an ignored signal stays ignored across exec: every `nebula
+# launch` a test interrupts with a real SIGINT would then go on as if no Ctrl-C came, and the
+# tests of Ctrl-C fail with timeouts. Catching it here makes the children's SIGINT the default
+# again (a caught signal is reset at exec), as it is in a terminal.
+if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 @pytest.fixture

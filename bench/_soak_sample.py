@@ -126,10 +126,11 @@ class Sample:
     growth)."""
     disk: int = 0
     state_db: int = 0
-    status_s: float = 0.0
+    status_s: float | None = None
+    """Seconds one `nebula status --json` took at this sample (None: not asked at it)."""
 
 
-def take(job_id: str, home: Path, t: float, status_s: float,
+def take(job_id: str, home: Path, t: float, status_s: float | None,
          extra: Iterable[Path] = ()) -> Sample:
     """A sample now; `extra`: directories of the job outside `$NEBULA_HOME` (checkpoints at
     an absolute `checkpoint.dir`) counted in its disk bytes."""

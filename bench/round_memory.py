@@ -1,7 +1,8 @@
 """Memory per round at a resolution the hour soak cannot give: bench/soak.py's job without
 faults, its rounds as fast as this machine turns them, for thousands of rounds.
 
-    .venv/bin/python bench/round_memory.py [--quick] [--json] [--rounds 30000] [--out DIR]
+    .venv/bin/python bench/round_memory.py [--quick] [--json] [--rounds 30000]
+        [--model tiny|quickstart] [--sample-every 10] [--out DIR]
 
 The hour soak's per-process fits (~3,500 rounds, a round every ~0.8 s) carry 1-1.6 MiB of
 standard error per 1,000 rounds: they cannot tell the goal's 1 MiB from 3. Here the same job
@@ -11,7 +12,10 @@ one layer, context 32: a step of a few milliseconds) with a round every step and
 link unshaped. A round then costs what nebula's own work in it costs (the worker's hook and
 relay client, the relays' agreement, exchange and average, the records and logs written), so
 that many more rounds fit in the same time and a fit's error per 1,000 rounds is smaller. What
-stays out: the model's own size (a larger model's buffers are larger, made once, not per round).
+stays out: the model's own size. ``--model quickstart`` trains the quickstart's GPT (the hour
+soak's) instead, for growth that scales with the model: ~2 rounds a second here, so fewer
+rounds, sampled more often (``--sample-every 3``: the fit's error falls with the square root
+of the samples); the job's state is read every STATUS_EVERY seconds, not at every sample.
 
 Every --sample-every seconds (10): RSS and descriptors of every process of the job by kind
 (bench/_soak_sample.py). Printed per process: its growth per 1,000 rounds after its warm-up
@@ -41,7 +45,10 @@ from _soak_sample import KINDS, Sample, fit, lives, processes, settled  # noqa: 
 JSON_FIELDS = ("rounds", "rss_growth_mb_per_1000_rounds", "rss_growth_stderr",
                "fd_growth_per_1000_rounds", "rounds_per_s", "left_processes", "goals_met")
 GOAL_MB = 1.0
-TINY = "--d-model 32 --n-layer 1 --n-head 2 --context 32"
+MODELS = {"tiny": "--d-model 32 --n-layer 1 --n-head 2 --context 32", "quickstart": ""}
+"""train.py's model options per --model (the quickstart's GPT: train.py's defaults)."""
+STATUS_EVERY = 30.0
+"""Seconds between two reads of the job's state (one takes about a second of a core)."""
 CHECKPOINT_EVERY = 500
 """Steps between checkpoints (the soak's 10 would write one every few seconds here)."""
 
@@ -51,6 +58,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--quick", action="store_true", help="3,000 rounds (a few minutes)")
     p.add_argument("--json", action="store_true", help="print a JSON object last (always)")
     p.add_argument("--rounds", type=int, help="rounds of the job (default 30,000)")
+    p.add_argument("--model", choices=sorted(MODELS), default="tiny",
+                   help="the GPT trained: tiny (a step of milliseconds) or the quickstart's")
     p.add_argument("--sample-every", type=float, default=10.0, help="seconds between samples")
     p.add_argument("--warmup", type=float, default=0.2,
                    help="fraction of each process's samples left out of its fit")
@@ -87,18 +96,21 @@ def per_process(samples: list[Sample], warmup: float) -> list[dict[str, Any]]:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     signal.signal(signal.SIGTERM, soak.terminate)
-    label = f"rounds-{args.rounds}"
+    label = f"rounds-{args.rounds}" + ("" if args.model == "tiny" else f"-{args.model}")
+    model_args = MODELS[args.model]
     run_args = argparse.Namespace(inner_steps=1, sample_every=args.sample_every, every=0.0,
                                   minutes=0.0, seed=0)
     with tempfile.TemporaryDirectory(prefix="nebula-round-memory-") as tmp, \
             contextlib.ExitStack() as stack:
         cli = Cli(Path(tmp) / "home")
         stack.callback(soak.stop_every_job, cli)
-        print(f"{args.rounds} rounds: a round every step of a tiny GPT ({TINY}), the relays' "
-              f"link unshaped, a sample every {args.sample_every:g} s", flush=True)
-        spec = soak.write_spec(Path(tmp), "rounds", args.rounds, run_args, model_args=TINY,
-                               checkpoint_every=CHECKPOINT_EVERY, wan=False)
-        outcome = soak.run(cli, spec, run_args, ())
+        print(f"{args.rounds} rounds: a round every step of the {args.model} GPT "
+              f"({model_args or 'train.py defaults'}), the relays' link unshaped, a sample "
+              f"every {args.sample_every:g} s", flush=True)
+        spec = soak.write_spec(Path(tmp), "rounds", args.rounds, run_args,
+                               model_args=model_args, checkpoint_every=CHECKPOINT_EVERY,
+                               wan=False)
+        outcome = soak.run(cli, spec, run_args, (), status_every=STATUS_EVERY)
         time.sleep(3)
         left = sum(len(v) for v in processes(outcome.job_id).values())
     samples = outcome.samples
@@ -132,7 +144,8 @@ def main(argv: list[str] | None = None) -> int:
                "rss_growth_stderr": stderr, "fd_growth_per_1000_rounds": fds,
                "rounds_per_s": round(rounds / outcome.seconds, 2), "left_processes": left,
                "goals_met": goals, "processes": procs, "seconds": round(outcome.seconds, 1),
-               "settings": {"rounds": args.rounds, "model": TINY, "inner_steps": 1,
+               "settings": {"rounds": args.rounds, "model": args.model,
+                            "model_args": model_args, "inner_steps": 1,
                             "sample_every_s": args.sample_every, "warmup": args.warmup,
                             "checkpoint_every": CHECKPOINT_EVERY, "quick": args.quick},
                "final_state": outcome.status.get("state")}

@@ -138,11 +138,14 @@ class Outcome:
     """What the spec allows on disk (`disk_bound`), taken before the volumes go."""
 
 
-def run(cli: Cli, spec: Path, args: argparse.Namespace, faults_here: tuple[str, ...]
-        ) -> Outcome:
+def run(cli: Cli, spec: Path, args: argparse.Namespace, faults_here: tuple[str, ...], *,
+        status_every: float | None = None) -> Outcome:
     """One job to its end: with `faults_here` (a fault schedule drawn from them, and the stop
     and resume half way), or without any. Each host's checkpoints get a volume of their own
-    where this machine allows one (root), for both runs alike."""
+    where this machine allows one (root), for both runs alike. `status_every`: seconds
+    between `status` reads (the job's state, and the time one takes), at most one per sample
+    (default: at every sample; a read takes about a second of a core, too much for samples
+    a few seconds apart on two cores)."""
     faulty = bool(faults_here)
     ckpt_root = spec.parent / "checkpoints"
     t0 = time.monotonic()
@@ -169,7 +172,7 @@ def run(cli: Cli, spec: Path, args: argparse.Namespace, faults_here: tuple[str, 
         faults: list[dict[str, Any]] = []
         undone: list[dict[str, Any]] = []
         next_fault = t0 + args.every * rng.uniform(0.5, 1.5)
-        next_sample = t0
+        next_sample = next_status = t0
         resumed = not faulty
         half = t0 + args.minutes * 30
         while True:
@@ -178,17 +181,20 @@ def run(cli: Cli, spec: Path, args: argparse.Namespace, faults_here: tuple[str, 
                 undone.append({"at_s": round(now - t0, 1), "undone": kind})
                 print(f"  {now - t0:7.1f}s  {kind}: undone", flush=True)
             if now >= next_sample:
-                a = time.monotonic()
-                st = cli.status(job_id)
-                took = time.monotonic() - a
+                took: float | None = None
+                if now >= next_status:
+                    a = time.monotonic()
+                    st = cli.status(job_id)
+                    took = time.monotonic() - a
+                    next_status = now + (status_every or 0.0)
                 samples.append(take(job_id, cli.home, now - t0, took,
                                     extra=[ckpt_root / job_id]))
                 s = samples[-1]
                 print(f"  {now - t0:7.1f}s  round {s.rounds:5d}  rss " + " ".join(
-                    f"{k} {s.rss[k]:.0f}" for k in KINDS) + f"  disk {s.disk >> 20} MiB  "
-                    f"status {took:.2f}s", flush=True)
+                    f"{k} {s.rss[k]:.0f}" for k in KINDS) + f"  disk {s.disk >> 20} MiB"
+                    + ("" if took is None else f"  status {took:.2f}s"), flush=True)
                 next_sample = now + args.sample_every
-                if st.get("state") not in ("PENDING", "RUNNING", None):
+                if took is not None and st.get("state") not in ("PENDING", "RUNNING", None):
                     if injector.pending():  # a full volume's filler is not the job's disk
                         undone += [{"at_s": round(now - t0, 1), "undone": k, "at_end": True}
                                    for k in injector.due(everything=True)]
@@ -370,8 +376,8 @@ def main(argv: list[str] | None = None) -> int:
     grown = growth(clean.samples, warmup=0.2)
     peak = {k: round(max(max((v[0] for v in s.per_pid.get(k, {}).values()), default=0.0)
                          for s in samples + clean.samples), 1) for k in KINDS}
-    first = [s.status_s for s in samples[:3]]
-    last = [s.status_s for s in samples[-3:]]
+    asked = [s.status_s for s in samples if s.status_s is not None]
+    first, last = asked[:3], asked[-3:]
     ratio = (sum(last) / len(last)) / (sum(first) / len(first)) if first else 0.0
     identical = len(finals) == 2 and len({r.get("param_sha256") for r in finals}) == 1
     goodput = clean_s / secs

@@ -28,3 +28,13 @@ def test_each_process_is_fitted_after_its_warm_up_and_over_its_last_half() -> No
     assert procs["relay"]["rss_growth_last_half"] == pytest.approx(0.5, abs=1e-3)
     assert abs(procs["worker"]["rss_growth"]) < 0.05 and procs["worker"]["stderr"] > 0
     assert procs["relay"]["rounds"] == [2000, 9500] and procs["relay"]["fd_growth"] == 0.0
+
+
+def test_the_model_is_chosen_by_name_and_the_quickstarts_is_train_pys_own() -> None:
+    m = load_bench("round_memory")
+    assert m.parse_args([]).model == "tiny" and "--d-model 32" in m.MODELS["tiny"]
+    args = m.parse_args(["--model", "quickstart", "--rounds", "6000", "--sample-every", "3"])
+    assert (args.model, args.rounds, args.sample_every) == ("quickstart", 6000, 3.0)
+    assert m.MODELS["quickstart"] == ""  # train.py's defaults: the quickstart's GPT
+    with pytest.raises(SystemExit):
+        m.parse_args(["--model", "huge"])

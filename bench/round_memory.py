@@ -93,6 +93,13 @@ def per_process(samples: list[Sample], warmup: float) -> list[dict[str, Any]]:
     return out
 
 
+def training(samples: list[Sample]) -> list[Sample]:
+    """The samples taken while workers ran: the launch before them and the job's end after
+    them (the final agreement's wait, the exits: the relays shrink over no new round) are no
+    round's memory."""
+    return [s for s in samples if s.count.get("worker")]
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     signal.signal(signal.SIGTERM, soak.terminate)
@@ -117,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / f"soak-{label}-samples.json").write_text(json.dumps([asdict(s) for s in samples]))
     plots = soak.plot(samples, args.out, label)
-    procs = per_process(samples, args.warmup)
+    procs = per_process(training(samples), args.warmup)
     rounds = samples[-1].rounds if samples else 0
     worst = {k: max((p for p in procs if p["kind"] == k), key=lambda p: p["rss_growth"],
                     default=None) for k in KINDS}

@@ -38,3 +38,11 @@ def test_the_model_is_chosen_by_name_and_the_quickstarts_is_train_pys_own() -> N
     assert m.MODELS["quickstart"] == ""  # train.py's defaults: the quickstart's GPT
     with pytest.raises(SystemExit):
         m.parse_args(["--model", "huge"])
+
+
+def test_only_samples_taken_while_workers_ran_are_fitted() -> None:
+    m = load_bench("round_memory")
+    s = load_bench("_soak_sample")
+    samples = [s.Sample(t=i, rounds=r, count={"relay": 2, "worker": w})
+               for i, (r, w) in enumerate([(0, 0), (10, 2), (20, 2), (30, 0), (30, 0)])]
+    assert [x.rounds for x in m.training(samples)] == [10, 20]

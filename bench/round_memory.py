@@ -13,7 +13,7 @@ link unshaped. A round then costs what nebula's own work in it costs (the worker
 relay client, the relays' agreement, exchange and average, the records and logs written), so
 that many more rounds fit in the same time and a fit's error per 1,000 rounds is smaller. What
 stays out: the model's own size. ``--model quickstart`` trains the quickstart's GPT (the hour
-soak's) instead, for growth that scales with the model: ~2 rounds a second here, so fewer
+soak's) instead, for growth that scales with the model: ~3 rounds a second here, so fewer
 rounds, sampled more often (``--sample-every 3``: the fit's error falls with the square root
 of the samples); the job's state is read every STATUS_EVERY seconds, not at every sample.
 

@@ -236,7 +236,7 @@ class EarlyChunks:
         theirs = self._by_sender.get(src, 0)
         if theirs + size > EARLY_COPIES * (4 * sync_numel + num_chunks * EARLY_FRAME_COST) \
                 + CHUNK_SLACK:
-            raise LimitExceeded(f"early chunks from {src} beyond {EARLY_COPIES}x the sync size")
+            raise LimitExceeded(f"its early chunks beyond {EARLY_COPIES}x the sync size")
         self._held.setdefault(key, {})[(src, k)] = frame
         self._by_sender[src] = theirs + size
         self.bytes += size

@@ -182,7 +182,7 @@ def test_early_chunk_budget_is_a_few_copies_of_the_sync_size_per_sender() -> Non
     numel = 100_000  # (CHUNK_SLACK is small beside it)
     frame = Frame(FrameType.PEER_CHUNK, {}, bytes(4 * numel))
     held = 0
-    with pytest.raises(LimitExceeded, match="from c beyond"):
+    with pytest.raises(LimitExceeded, match="its early chunks beyond"):
         for attempt in range(3):
             early.add((1, attempt, "a"), "c", 0, frame, done=0, sync_numel=numel,
                       num_chunks=1)

@@ -212,9 +212,12 @@ class EarlyChunks:
         self._clusters = frozenset(clusters)
         self._max_attempts = max_attempts
         self._size = size
-        self.bytes = 0
+        self._by_sender: dict[str, int] = {}  # bytes held per sender
+
+    @property
+    def bytes(self) -> int:
         """Bytes held, all senders."""
-        self._by_sender: dict[str, int] = {}
+        return sum(self._by_sender.values())
 
     def add(self, key: tuple[int, int, str], src: str, k: Any, frame: Any, *, done: int,
             sync_numel: int | None, num_chunks: int) -> None:
@@ -239,14 +242,11 @@ class EarlyChunks:
             raise LimitExceeded(f"its early chunks beyond {EARLY_COPIES}x the sync size")
         self._held.setdefault(key, {})[(src, k)] = frame
         self._by_sender[src] = theirs + size
-        self.bytes += size
 
     def pop(self, key: tuple[int, int, str]) -> list[tuple[str, Any]]:
         slot = self._held.pop(key, {})
         for (src, _), f in slot.items():
-            size = self._size(f)
-            self.bytes -= size
-            left = self._by_sender[src] - size
+            left = self._by_sender[src] - self._size(f)
             if left:
                 self._by_sender[src] = left
             else:

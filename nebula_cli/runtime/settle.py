@@ -10,7 +10,13 @@ releases its work the same way. Seen on a restarted two-rank cluster under CPU c
 
 So nebula's own collectives register their tensors with :func:`keep`, and the end of training
 calls :func:`settle`: it waits (bounded) until only Python holds each tensor, then drops them,
-in the main thread, with the GIL. ``Tensor._use_count()`` is the tensor's C++ reference count.
+in the main thread, with the GIL. ``Tensor._use_count()`` is the tensor's C++ reference count:
+the Python object holds one, a collective's work another; Python names for the same object do
+not count. A tensor the backend has let go of is dropped from the list at the next
+:func:`keep` and by :func:`release`, which the runtime calls once a round's outcome is applied:
+from then on only the caller's names hold it, and the last of them goes in the caller's thread.
+So no rank keeps a round's average (a copy of the synced vector) past its round, and a tensor
+the backend still holds stays listed until it lets go.
 
 The script's own collectives (a Trainer's evaluate() after train(), a plain torch.distributed
 loop) leave the same race behind when the script returns without destroying its process group,
@@ -28,7 +34,6 @@ import torch
 import torch.distributed as dist
 
 SETTLE_S = 10.0
-_TRIM_AT = 64
 
 _kept: list[torch.Tensor] = []
 
@@ -39,11 +44,17 @@ def _released(t: torch.Tensor) -> bool:
 
 def keep(tensor: torch.Tensor) -> torch.Tensor:
     """Hold `tensor` (just given to a collective) until settle(); returns it."""
-    global _kept
+    release()
     _kept.append(tensor)
-    if len(_kept) > _TRIM_AT:  # the released ones go now, in this thread
-        _kept = [t for t in _kept if not _released(t)]
     return tensor
+
+
+def release() -> int:
+    """Drop the kept tensors the backend has let go of (in this thread); returns how many are
+    still held by it."""
+    global _kept
+    _kept = [t for t in _kept if not _released(t)]
+    return len(_kept)
 
 
 def settle(timeout: float = SETTLE_S) -> bool:

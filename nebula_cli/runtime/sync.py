@@ -52,7 +52,7 @@ from nebula_cli.runtime.settings import (
     sync_layout,
     wanted,
 )
-from nebula_cli.runtime.settle import settle
+from nebula_cli.runtime.settle import release, settle
 
 MODES = ("diloco", "gradient")
 __all__ = [
@@ -364,6 +364,7 @@ class OuterSync:
         if self._apply(shared):
             self._io.write(self.theta_global)
         # else: nobody's average this round; the local progress carries into the next delta
+        release()  # the round's broadcast tensors go with `shared` (runtime/settle.py)
         stats = round_stats(shared, t0, delta)
         self.cadence.restart(cost=stats["round_s"], next_round=shared.next)
         return stats
@@ -400,6 +401,7 @@ class OuterSync:
         if self._apply(shared):
             self._io.write(self.theta_global - progress)
         # else: nobody's average; the progress carries into the next delta
+        release()
         stats = round_stats(shared, t0, progress)
         stats.update(wait_s=t1 - t0, apply_s=stats["round_s"] - (t1 - t0),
                      **self.cadence.step_times())  # the overlap's timeline

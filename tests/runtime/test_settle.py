@@ -10,6 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from helpers.gloo_ranks import run_ranks
 from helpers.jobs import HOOK_DIR
 
 RANK = r"""
@@ -87,3 +88,65 @@ def test_a_script_that_leaves_its_group_open_exits_0_under_the_hook(tmp_path: Pa
         said = [[line for line in out.splitlines() if not line.startswith("[nebula-metrics]")]
                 for out, _ in outs]  # the hook's record of a process without an engine
         assert said == [["trained", "destroyed"]] * 2, outs
+
+
+ROUNDS = r"""
+import gc, json, sys
+import torch, torch.distributed as dist
+rank, store_path, tests = int(sys.argv[1]), sys.argv[2], sys.argv[3]
+sys.path.insert(0, tests)
+from helpers.sync_reference import CFG, Result
+from nebula_cli.runtime import settle
+from nebula_cli.runtime.sync import OuterSync
+dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank, world_size=2)
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(6, 3000), torch.nn.Tanh(), torch.nn.Linear(3000, 3))
+opt = torch.optim.SGD(model.parameters(), lr=0.01)
+
+
+class Halving:  # the average of this cluster's delta and a zero one; keeps nothing
+    def allreduce(self, round_id, tensor, info=None):
+        return Result(0.5 * tensor, ["a", "b"], round_id, 4, 4, 0.01)
+
+    def close(self):
+        pass
+
+
+sync = OuterSync(model, config=CFG, averager=Halving() if rank == 0 else None,
+                 inner_steps=1, outer_lr=0.7, outer_momentum=0.9, mode="diloco", overlap=False)
+
+def vectors():  # live tensors the size of the synced vector (or larger)
+    return sum(1 for o in gc.get_objects()
+               if isinstance(o, torch.Tensor) and o.numel() >= sync.numel)
+
+kept, live = [], []
+for step in range(1, 51):
+    x = torch.randn(4, 6, generator=torch.Generator().manual_seed(step))
+    opt.zero_grad()
+    model(x).pow(2).mean().backward()
+    opt.step()
+    assert sync.after_step(step) is not None
+    gc.collect()
+    kept.append(len(settle._kept))
+    live.append(vectors())
+sync.close()
+dist.destroy_process_group()
+print(json.dumps({"kept": kept, "live": live, "numel": sync.numel}))
+"""
+
+
+def test_no_rank_keeps_a_rounds_average_after_it_is_applied(tmp_path: Path) -> None:
+    """50 rounds on a cluster of two gloo ranks: after each, nebula's list of collective tensors
+    holds at most a round's last tensors (those gloo had not let go of yet, dropped at the next
+    round), and the number of live tensors the size of the synced vector stays flat
+    (theta_global and the outer momentum, and now and then the one gloo still held), where the
+    old trim (past 64 tensors) kept up to 32 rounds' averages alive."""
+    tests = str(Path(__file__).resolve().parents[1])
+    said = run_ranks(ROUNDS, tmp_path / "store", tests, timeout=300)
+    for s in said:
+        assert s["numel"] > 20_000
+        base = min(s["live"])
+        assert base <= 2 and sorted(s["live"])[25] == base, said  # most rounds: none kept
+        # now and then gloo still held the round's last tensors (under load): dropped a round
+        # later, never accumulating
+        assert max(s["kept"]) <= 2 and max(s["live"]) <= base + 2, said

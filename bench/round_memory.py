@@ -39,7 +39,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import soak  # noqa: E402
-from _local import REPO, Cli  # noqa: E402
+from _local import Cli  # noqa: E402
 from _soak_sample import KINDS, Sample, fit, lives, processes, settled  # noqa: E402
 
 JSON_FIELDS = ("rounds", "rss_growth_mb_per_1000_rounds", "rss_growth_stderr",
@@ -63,8 +63,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--sample-every", type=float, default=10.0, help="seconds between samples")
     p.add_argument("--warmup", type=float, default=0.2,
                    help="fraction of each process's samples left out of its fit")
-    p.add_argument("--out", type=Path, default=REPO / "docs" / "soak",
-                   help="where the plots and the samples go")
+    p.add_argument("--out", type=Path, default=None, help=soak.OUT_HELP)
     args = p.parse_args(argv)
     args.rounds = args.rounds or (3000 if args.quick else 30_000)
     return args
@@ -121,9 +120,10 @@ def main(argv: list[str] | None = None) -> int:
         time.sleep(3)
         left = sum(len(v) for v in processes(outcome.job_id).values())
     samples = outcome.samples
-    args.out.mkdir(parents=True, exist_ok=True)
+    args.out = soak.out_folder(args.out)
     (args.out / f"soak-{label}-samples.json").write_text(json.dumps([asdict(s) for s in samples]))
     plots = soak.plot(samples, args.out, label)
+    print(f"samples and plots in {args.out}", flush=True)
     procs = per_process(training(samples), args.warmup)
     rounds = samples[-1].rounds if samples else 0
     worst = {k: max((p for p in procs if p["kind"] == k), key=lambda p: p["rss_growth"],

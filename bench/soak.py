@@ -75,6 +75,18 @@ HOLD_S = {"stall-relay": (DEAD_AFTER + 2, DEAD_AFTER + 2), "cut-link": (10.0, 40
 HOSTS = {"east": "e1", "west": "w1"}
 
 
+OUT_HELP = ("where the plots and the samples go (default: a new temporary folder, printed; "
+            "the committed ones are docs/soak's, written only when named)")
+
+
+def out_folder(given: Path | None) -> Path:
+    """The folder --out names, or a new temporary one: a run never writes over tracked files
+    unless told to."""
+    out = given if given is not None else Path(tempfile.mkdtemp(prefix="nebula-soak-out-"))
+    out.mkdir(parents=True, exist_ok=True)
+    return out
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true",
@@ -90,8 +102,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--every", type=float, help="mean seconds between faults")
     p.add_argument("--sample-every", type=float, help="seconds between samples")
     p.add_argument("--inner-steps", type=int, default=2)
-    p.add_argument("--out", type=Path, default=REPO / "docs" / "soak",
-                   help="where the plots and the samples go")
+    p.add_argument("--out", type=Path, default=None, help=OUT_HELP)
     args = p.parse_args(argv)
     preset = QUICK if args.quick else FULL
     args.minutes = args.minutes or preset["minutes"]
@@ -357,7 +368,7 @@ def main(argv: list[str] | None = None) -> int:
         end_disk, bound = samples[-1].disk, faulted.disk_bound
         time.sleep(3)
         left = sum(len(v) for v in processes(job_id).values())
-        args.out.mkdir(parents=True, exist_ok=True)  # kept before (b), should (b) not end
+        args.out = out_folder(args.out)  # kept before (b), should (b) not end
         (args.out / f"soak-{label}-samples.json").write_text(
             json.dumps([asdict(s) for s in samples]))
         plots = plot(samples, args.out, label)

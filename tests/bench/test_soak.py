@@ -14,3 +14,23 @@ def test_steps_set_the_length_and_minutes_keep_their_default() -> None:
     assert calibrated.steps is None and calibrated.minutes == 70
     quick = soak.parse_args(["--quick"])
     assert quick.steps is None and quick.minutes == soak.QUICK["minutes"]
+
+
+def test_a_run_writes_its_plots_to_a_folder_it_is_given_or_a_new_one() -> None:
+    """Without --out the plots and samples go to a new temporary folder, never over the
+    committed docs/soak (round_memory.py takes the same default)."""
+    soak = load_bench("soak")
+    assert soak.parse_args([]).out is None
+    assert load_bench("round_memory").parse_args([]).out is None
+    made = soak.out_folder(None)
+    try:
+        assert made.is_dir() and not list(made.iterdir())
+        assert soak.REPO not in made.parents
+    finally:
+        made.rmdir()
+    given = soak.out_folder(made / "named")
+    try:
+        assert given == made / "named" and given.is_dir()
+    finally:
+        given.rmdir()
+        made.rmdir()

@@ -63,6 +63,16 @@ class ExecFiles:
         self._sh(WRITE_SH, path, f"{mode & 0o7777:o}", "" if mtime is None else str(int(mtime)),
                  stdin=data, what=f"write {path}")
 
+    def put(self, local: str, path: str, mode: int | None) -> None:
+        """A local file's bytes, with its own mode unless one is given."""
+        try:
+            data = Path(local).read_bytes()
+            file_mode = mode if mode is not None else os.stat(local).st_mode & 0o7777
+        except OSError as exc:
+            raise TransportError(f"cannot copy {local} to {path}: {exc}",
+                                 host=self.runner.name) from exc
+        self.write(data, path, file_mode)
+
     def get(self, path: str, local: str) -> None:
         data, _ = self.read_tail(path, 0, max_bytes=1 << 62)
         if not data and not self.exists(path):
@@ -123,14 +133,3 @@ class ExecFiles:
         if progress is not None:
             progress(total, total)
         return len(todo), total
-
-
-def write_file(files: ExecFiles, local: str, path: str, mode: int | None) -> None:
-    """`put`: a local file's bytes, with its own mode unless one is given."""
-    try:
-        data = Path(local).read_bytes()
-        file_mode = mode if mode is not None else os.stat(local).st_mode & 0o7777
-    except OSError as exc:
-        raise TransportError(f"cannot copy {local} to {path}: {exc}",
-                             host=files.runner.name) from exc
-    files.write(data, path, file_mode)

@@ -28,7 +28,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 
 from nebula_cli.errors import TransportError
 from nebula_cli.transport import shellenv
@@ -37,13 +37,10 @@ from nebula_cli.transport.base import (
     CommandResult,
     LineSplitter,
     OutputSink,
-    Transport,
-    home_relative,
     shell_join,
 )
-from nebula_cli.transport.execfiles import ExecFiles, write_file
-from nebula_cli.transport.freeport import FREE_PORT_PY
-from nebula_cli.transport.hostkeys import GLOBAL_KNOWN_HOSTS, SSH_PORT, KnownHosts
+from nebula_cli.transport.execfiles import ExecFiles
+from nebula_cli.transport.hostkeys import SSH_PORT, KnownHosts
 from nebula_cli.transport.openssh_config import ssh_binary
 from nebula_cli.transport.ssh import (
     CONNECT_TIMEOUT,
@@ -55,10 +52,9 @@ from nebula_cli.transport.ssh import (
 from nebula_cli.transport.sshconfig import (
     KNOWN_HOSTS_ENV,
     SSH_CONFIG_ENV,
-    SSHTarget,
-    default_known_hosts,
     resolve,
 )
+from nebula_cli.transport.sshhost import SSHHost
 
 CONTROL_DIR = "~/.nebula/ssh"
 """Where the masters' sockets live (short: a socket path has at most 104 bytes)."""
@@ -92,7 +88,7 @@ def _auth_method(log: str) -> str | None:
     return ", then ".join(dict.fromkeys(steps)) + (f" (key {keys[-1]})" if keys else "")
 
 
-class OpenSSHTransport(Transport):
+class OpenSSHTransport(SSHHost):
     """A host reached with the user's `ssh` over a master connection (see the module)."""
 
     def __init__(
@@ -116,28 +112,26 @@ class OpenSSHTransport(Transport):
         if ssh_binary() is None:
             raise TransportError("`transport: openssh` needs OpenSSH's `ssh` client on PATH",
                                  host=name)
-        self.name = name
         self._alias = host or name
-        self._python = python or "python3"
-        self._home = home
-        self.connect_timeout = connect_timeout
         named = ssh_config or os.environ.get(SSH_CONFIG_ENV)
         self._config = os.path.expanduser(named) if named else None
-        self.target: SSHTarget = resolve(self._alias, user=user, port=port, key=key,
-                                         jump=jump, config_path=self._config)
+        target = resolve(self._alias, user=user, port=port, key=key, jump=jump,
+                         config_path=self._config)
+        super().__init__(name, target, python=python, home=home, connect_timeout=connect_timeout)
         self._user, self._port, self._key, self._jump = user, port, key, jump
         named = known_hosts or os.environ.get(KNOWN_HOSTS_ENV)
         self._known_hosts = os.path.expanduser(named) if named else None
         self._accept_new = accept_new_host_keys
         self._control_dir = os.path.expanduser(control_dir or CONTROL_DIR)
         self._persist = control_persist
-        self._files = ExecFiles(self)
-        self._remote_home: str | None = None
         self._procs: set[subprocess.Popen[bytes]] = set()
         self._procs_lock = threading.Lock()
         self._master_ok = False
         self.auth_method: str | None = None
         """How the master authenticated, as `ssh -v` said (`validate --hosts` shows it)."""
+
+    def _make_files(self) -> ExecFiles:
+        return ExecFiles(self)
 
     def reached_as(self) -> str:
         auth = f"; auth {self.auth_method}" if self.auth_method else ""
@@ -247,60 +241,19 @@ class OpenSSHTransport(Transport):
             subprocess.run([*self._options(), "-O", "exit", "--", self._alias],
                            capture_output=True, timeout=30, stdin=subprocess.DEVNULL)
 
-    # --- properties ---------------------------------------------------------------------------
-
-    @property
-    def home(self) -> str:
-        return self.remote_path(self._home)
-
-    @property
-    def python(self) -> str:
-        return self._python
-
-    @property
-    def address(self) -> str:
-        return self.target.hostname
-
-    @property
-    def bind_address(self) -> str:
-        return "0.0.0.0"
-
-    @property
-    def shares_files(self) -> bool:
-        return False
-
-    def listen_port(self, preferred: int | None = None) -> int:
-        if preferred is not None:
-            return preferred
-        result = self.run([self.python, "-c", FREE_PORT_PY], timeout=self.connect_timeout * 4)
-        try:
-            return int(result.stdout.strip())
-        except ValueError as exc:
-            raise TransportError(f"cannot find a free port: {result}", host=self.name) from exc
-
     def ssh_login(self) -> tuple[str, int, str] | None:
         """The host's key as its known_hosts records it (the one OpenSSH verified)."""
         self._master()
         tgt = self.target
         host, port = (tgt.host_key_alias, SSH_PORT) if tgt.host_key_alias else (
             tgt.hostname, tgt.port)
-        files = ([self._known_hosts] if self._known_hosts else
-                 list(tgt.known_hosts_files or (default_known_hosts(),)))
-        extra = [*files[1:], *(tgt.global_known_hosts_files or (GLOBAL_KNOWN_HOSTS,))]
+        files = self.known_hosts_files(self._known_hosts)
+        extra = [*files[1:], *self.global_known_hosts_files()]
         recorded = KnownHosts(files[0], extra_files=extra).recorded(host, port)
         if not recorded:
             raise TransportError(f"no host key of {host}:{port} on record in {files[0]}",
                                  host=self.name)
         return tgt.user, tgt.port, recorded[0]
-
-    def remote_path(self, path: str) -> str:
-        """`path` made absolute on the host (`~`, `~/x` and relative paths from its home)."""
-        return home_relative(path, self._home_dir, self.name)
-
-    def _home_dir(self) -> str:
-        if self._remote_home is None:
-            self._remote_home = self._files.home()
-        return self._remote_home
 
     # --- commands -----------------------------------------------------------------------------
 
@@ -377,31 +330,6 @@ class OpenSSHTransport(Transport):
                                    host=self.name)
         return CommandResult(command=command, exit_code=code,
                              stdout=b"".join(out).decode(errors="replace"), stderr=stderr)
-
-    # --- files (over exec sessions) -----------------------------------------------------------
-
-    def upload_tree(self, local_dir: str, remote_dir: str, exclude: Sequence[str] = (),
-                    progress: Callable[[int, int], None] | None = None) -> tuple[int, int]:
-        return self._files.upload_tree(local_dir, self.remote_path(remote_dir), exclude,
-                                       progress)
-
-    def put_bytes(self, data: bytes, remote: str, *, mode: int = 0o644) -> None:
-        self._files.write(data, self.remote_path(remote), mode)
-
-    def put(self, local: str, remote: str, *, mode: int | None = None) -> None:
-        write_file(self._files, local, self.remote_path(remote), mode)
-
-    def get(self, remote: str, local: str) -> None:
-        self._files.get(self.remote_path(remote), local)
-
-    def read_tail(self, remote: str, offset: int, max_bytes: int = 1 << 20) -> tuple[bytes, int]:
-        return self._files.read_tail(self.remote_path(remote), offset, max_bytes)
-
-    def makedirs(self, remote: str, *, mode: int = 0o700) -> None:
-        self._files.makedirs(self.remote_path(remote), mode)
-
-    def exists(self, remote: str) -> bool:
-        return self._files.exists(self.remote_path(remote))
 
     def close(self) -> None:
         """Sessions still running end; the master stays (for `status`, `logs`, `stop`)."""

@@ -26,13 +26,9 @@ from nebula_cli.transport.base import (
     CommandResult,
     LineSplitter,
     OutputSink,
-    Transport,
-    home_relative,
     shell_join,
 )
-from nebula_cli.transport.freeport import FREE_PORT_PY
 from nebula_cli.transport.hostkeys import (
-    GLOBAL_KNOWN_HOSTS,
     SSH_PORT,
     ChangedHostKey,
     HostKeyError,
@@ -42,13 +38,13 @@ from nebula_cli.transport.hostkeys import (
 from nebula_cli.transport.keyfiles import key_identities
 from nebula_cli.transport.sshconfig import (
     KNOWN_HOSTS_ENV,
-    SSHTarget,
     default_known_hosts,
     parse_destination,
     resolve,
 )
 from nebula_cli.transport.sshfiles import CHUNK as _CHUNK
-from nebula_cli.transport.sshfiles import SFTPFiles
+from nebula_cli.transport.sshfiles import SftpFiles
+from nebula_cli.transport.sshhost import SSHHost
 from nebula_cli.transport.tree import DEFAULT_EXCLUDES
 
 __all__ = [
@@ -84,8 +80,10 @@ def _drain(read: Callable[[int], bytes], sink: list[bytes],
                 lines.feed(data)
 
 
-class SSHTransport(SFTPFiles, Transport):
+class SSHTransport(SSHHost):
     """A host reached over SSH. No network I/O until the first command or file operation."""
+
+    _files: SftpFiles
 
     def __init__(
         self,
@@ -107,17 +105,12 @@ class SSHTransport(SFTPFiles, Transport):
         fallback_keys: Sequence[str] = (),
         _depth: int = 0,
     ) -> None:
-        self.name = name
-        self.connect_timeout = connect_timeout
         self.keepalive = keepalive
-        self._python = python or "python3"
         self._fallback_keys = [os.path.expanduser(k) for k in fallback_keys]
-        self._home = home
         config_path = os.path.expanduser(ssh_config) if ssh_config else None
-        self.target: SSHTarget = resolve(
-            host or name, user=user, port=port, key=key,
-            jump=jump if isinstance(jump, str) else None, config_path=config_path,
-        )
+        target = resolve(host or name, user=user, port=port, key=key,
+                         jump=jump if isinstance(jump, str) else None, config_path=config_path)
+        super().__init__(name, target, python=python, home=home, connect_timeout=connect_timeout)
         self.known_hosts = self._known_hosts(known_hosts, accept_new_host_keys)
         self._owns_jump = False
         self.jump: SSHTransport | None = None
@@ -140,13 +133,9 @@ class SSHTransport(SFTPFiles, Transport):
             )
             self._owns_jump = True
         self._lock = threading.Lock()
-        self._sftp_lock = threading.RLock()
         self._channels = threading.BoundedSemaphore(max_channels)
         self._conn: paramiko.Transport | None = None
         self._sock: socket.socket | paramiko.Channel | None = None
-        self._sftp: paramiko.SFTPClient | None = None
-        self._sftp_conn: paramiko.Transport | None = None
-        self._remote_home: str | None = None
         self.auth_method: str | None = None
         """How the last connection authenticated (`validate --hosts` shows it)."""
 
@@ -157,10 +146,12 @@ class SSHTransport(SFTPFiles, Transport):
         if explicit or os.environ.get(KNOWN_HOSTS_ENV):
             path = os.path.expanduser(explicit) if explicit else default_known_hosts()
             return KnownHosts(path, accept_new=accept_new, hash_names=tgt.hash_known_hosts)
-        user_files = tgt.known_hosts_files or (default_known_hosts(),)
+        user_files = self.known_hosts_files(None)
         return KnownHosts(user_files[0], accept_new=accept_new, hash_names=tgt.hash_known_hosts,
-                          extra_files=(*user_files[1:], *(tgt.global_known_hosts_files
-                                                          or (GLOBAL_KNOWN_HOSTS,))))
+                          extra_files=(*user_files[1:], *self.global_known_hosts_files()))
+
+    def _make_files(self) -> SftpFiles:
+        return SftpFiles(self, self._connection)
 
     def reached_as(self) -> str:
         auth = f"; auth {self.auth_method}" if self.auth_method else ""
@@ -169,38 +160,6 @@ class SSHTransport(SFTPFiles, Transport):
     def __repr__(self) -> str:
         via = f" via {self.jump.target}" if self.jump else ""
         return f"SSHTransport({self.name!r}, {self.target}{via})"
-
-    # --- properties -------------------------------------------------------------------------
-
-    @property
-    def home(self) -> str:
-        return self.remote_path(self._home)
-
-    @property
-    def python(self) -> str:
-        return self._python
-
-    @property
-    def address(self) -> str:
-        """The HostName ssh_config resolved the host to."""
-        return self.target.hostname
-
-    @property
-    def bind_address(self) -> str:
-        return "0.0.0.0"
-
-    @property
-    def shares_files(self) -> bool:
-        return False
-
-    def listen_port(self, preferred: int | None = None) -> int:
-        if preferred is not None:
-            return preferred
-        result = self.run([self.python, "-c", FREE_PORT_PY], timeout=self.connect_timeout * 4)
-        try:
-            return int(result.stdout.strip())
-        except ValueError as exc:
-            raise TransportError(f"cannot find a free port: {result}", host=self.name) from exc
 
     def ssh_login(self) -> tuple[str, int, str]:
         key = self._connection().get_remote_server_key()  # verified at the handshake
@@ -211,11 +170,6 @@ class SSHTransport(SFTPFiles, Transport):
         """The open paramiko connection, or None before first use / after close()."""
         conn = self._conn
         return conn if conn is not None and conn.is_active() else None
-
-    def remote_path(self, path: str) -> str:
-        """`path` made absolute on the host: `~` and `~/x` expand to the remote home,
-        relative paths are taken from the home directory (as ssh and sftp do)."""
-        return home_relative(path, self._home_dir, self.name)
 
     # --- connection -------------------------------------------------------------------------
 
@@ -418,8 +372,7 @@ class SSHTransport(SFTPFiles, Transport):
 
     def _drop(self) -> None:
         """Forget the current connection (caller holds self._lock)."""
-        sftp, conn, sock = self._sftp, self._conn, self._sock
-        self._sftp = self._sftp_conn = None
+        sftp, conn, sock = self._files.drop(), self._conn, self._sock
         self._conn = self._sock = None
         for thing in (sftp, conn, sock):
             if thing is not None:

@@ -1,6 +1,8 @@
-"""The file half of SSHTransport: one SFTP session per connection, held exclusively; uploads
-written to a temporary name and renamed over; paramiko's errors translated here. A host whose
-sshd refuses the SFTP subsystem gets the same operations over exec channels (`execfiles`).
+"""SftpFiles, the files of an SSHTransport: one SFTP session per connection, held exclusively;
+uploads written to a temporary name and renamed over; paramiko's errors translated here. A host
+whose sshd refuses the SFTP subsystem gets the same operations over exec channels
+(`execfiles`). It takes absolute paths (the transport makes them) and is handed the transport's
+connection and command runner, which it shares rather than inherits.
 
 Files are created with their final mode (0600 for keys) and O_EXCL, never chmod-ed after a
 window in which another user could open them; directories nebula makes are 0700 (DIR_MODE)."""
@@ -26,8 +28,7 @@ from paramiko.sftp import CMD_HANDLE, CMD_OPEN, SFTP_FLAG_CREATE, SFTP_FLAG_EXCL
 from nebula_cli.errors import TransportError
 from nebula_cli.transport import tree
 from nebula_cli.transport.base import DEFAULT_TIMEOUT
-from nebula_cli.transport.execfiles import ExecFiles, write_file
-from nebula_cli.transport.tree import DEFAULT_EXCLUDES
+from nebula_cli.transport.execfiles import ExecFiles, Runner
 
 SFTP_TIMEOUT = DEFAULT_TIMEOUT
 CHUNK = 1 << 16
@@ -36,18 +37,18 @@ DIR_MODE = 0o700
 log = logging.getLogger("nebula.transport")
 
 
-class SFTPFiles:
-    """File operations over the connection's SFTP session (mixed into SSHTransport)."""
+class SftpFiles:
+    """File operations over the SFTP session of `connection()` (see the module); absolute
+    paths only."""
 
-    name: str
-    _sftp_lock: threading.RLock
-    _sftp: paramiko.SFTPClient | None
-    _sftp_conn: paramiko.Transport | None
-    _remote_home: str | None
-    _exec_files: ExecFiles | None = None
-
-    def _connection(self) -> paramiko.Transport:
-        raise NotImplementedError
+    def __init__(self, runner: Runner, connection: Callable[[], paramiko.Transport]) -> None:
+        self.runner = runner
+        self.name = runner.name
+        self._connection = connection
+        self._lock = threading.RLock()
+        self._sftp: paramiko.SFTPClient | None = None
+        self._sftp_conn: paramiko.Transport | None = None
+        self._exec_files: ExecFiles | None = None
 
     def _over_exec(self) -> ExecFiles | None:
         """None while SFTP serves; the exec-channel fallback once the host refused SFTP (the
@@ -55,7 +56,7 @@ class SFTPFiles:
         if self._exec_files is not None or self._sftp is not None:
             return self._exec_files
         conn = self._connection()
-        with self._sftp_lock:
+        with self._lock:
             try:
                 self._open_sftp(conn)
             except (EOFError, paramiko.SSHException) as exc:
@@ -64,11 +65,11 @@ class SFTPFiles:
                     raise TransportError(f"cannot open SFTP: {exc}", host=self.name) from exc
                 log.warning("%s: the host's sshd has no SFTP subsystem (%s); files go over "
                             "exec channels (sh, cat, base64, tar) instead", self.name, exc)
-                self._exec_files = ExecFiles(self)  # type: ignore[arg-type]
+                self._exec_files = ExecFiles(self.runner)
         return self._exec_files
 
     def _open_sftp(self, conn: paramiko.Transport) -> paramiko.SFTPClient:
-        """Open the SFTP session on `conn` (with _sftp_lock held)."""
+        """Open the SFTP session on `conn` (with the lock held)."""
         self._sftp = paramiko.SFTPClient.from_transport(conn)
         if self._sftp is None:
             raise paramiko.SSHException("the server refused the sftp subsystem")
@@ -76,14 +77,17 @@ class SFTPFiles:
         self._sftp_conn = conn
         return self._sftp
 
-    def remote_path(self, path: str) -> str:
-        raise NotImplementedError
+    def drop(self) -> paramiko.SFTPClient | None:
+        """Forget the session (its connection is being dropped); returns it, for the caller to
+        close with the connection."""
+        sftp, self._sftp, self._sftp_conn = self._sftp, None, None
+        return sftp
 
     @contextlib.contextmanager
     def _sftp_session(self, what: str) -> Iterator[paramiko.SFTPClient]:
         """The one SFTP session (opened on demand), held exclusively; errors translated."""
         conn = self._connection()
-        with self._sftp_lock:
+        with self._lock:
             try:
                 if self._sftp is None or self._sftp_conn is not conn:
                     self._open_sftp(conn)
@@ -93,13 +97,12 @@ class SFTPFiles:
                 raise TransportError(f"cannot {what}: {detail or type(exc).__name__}",
                                      host=self.name) from exc
 
-    def _home_dir(self) -> str:
-        if self._remote_home is None and (x := self._over_exec()) is not None:
-            self._remote_home = x.home()
-        if self._remote_home is None:
-            with self._sftp_session("find the remote home directory") as sftp:
-                self._remote_home = sftp.normalize(".")
-        return self._remote_home
+    def home(self) -> str:
+        """The remote home directory."""
+        if (x := self._over_exec()) is not None:
+            return x.home()
+        with self._sftp_session("find the remote home directory") as sftp:
+            return sftp.normalize(".")
 
     def _upload(self, sftp: paramiko.SFTPClient, src: IO[bytes], path: str, mode: int,
                 mtime: float | None = None, sent: Callable[[int], None] | None = None) -> int:
@@ -126,18 +129,16 @@ class SFTPFiles:
             raise
         return total
 
-    def put_bytes(self, data: bytes, remote: str, *, mode: int = 0o644) -> None:
-        path = self.remote_path(remote)
+    def write(self, data: bytes, path: str, mode: int) -> None:
         if (x := self._over_exec()) is not None:
             return x.write(data, path, mode)
         with self._sftp_session(f"write {path}") as sftp:
             self._mkdirs(sftp, posixpath.dirname(path), DIR_MODE)
             self._upload(sftp, io.BytesIO(data), path, mode)
 
-    def put(self, local: str, remote: str, *, mode: int | None = None) -> None:
-        path = self.remote_path(remote)
+    def put(self, local: str, path: str, mode: int | None) -> None:
         if (x := self._over_exec()) is not None:
-            return write_file(x, local, path, mode)
+            return x.put(local, path, mode)
         try:
             src = open(local, "rb")  # noqa: SIM115 - closed below
         except OSError as exc:
@@ -147,8 +148,7 @@ class SFTPFiles:
             file_mode = mode if mode is not None else os.fstat(src.fileno()).st_mode & 0o7777
             self._upload(sftp, src, path, file_mode)
 
-    def get(self, remote: str, local: str) -> None:
-        path = self.remote_path(remote)
+    def get(self, path: str, local: str) -> None:
         if (x := self._over_exec()) is not None:
             return x.get(path, local)
         target = Path(local)
@@ -165,8 +165,7 @@ class SFTPFiles:
         finally:
             Path(tmp).unlink(missing_ok=True)
 
-    def read_tail(self, remote: str, offset: int, max_bytes: int = 1 << 20) -> tuple[bytes, int]:
-        path = self.remote_path(remote)
+    def read_tail(self, path: str, offset: int, max_bytes: int) -> tuple[bytes, int]:
         if (x := self._over_exec()) is not None:
             return x.read_tail(path, offset, max_bytes)
         with self._sftp_session(f"read {path}") as sftp:
@@ -202,15 +201,13 @@ class SFTPFiles:
             if not stat.S_ISDIR(sftp.stat(path).st_mode or 0):  # lost a race: fine if a dir
                 raise
 
-    def makedirs(self, remote: str, *, mode: int = DIR_MODE) -> None:
-        path = self.remote_path(remote)
+    def makedirs(self, path: str, mode: int) -> None:
         if (x := self._over_exec()) is not None:
             return x.makedirs(path, mode)
         with self._sftp_session(f"make directory {path}") as sftp:
             self._mkdirs(sftp, path, mode)
 
-    def exists(self, remote: str) -> bool:
-        path = self.remote_path(remote)
+    def exists(self, path: str) -> bool:
         if (x := self._over_exec()) is not None:
             return x.exists(path)
         with self._sftp_session(f"check {path}") as sftp:
@@ -220,13 +217,9 @@ class SFTPFiles:
                 return False
         return True
 
-    def upload_tree(self, local_dir: str, remote_dir: str,
-                    exclude: Sequence[str] = DEFAULT_EXCLUDES,
-                    progress: Callable[[int, int], None] | None = None) -> tuple[int, int]:
+    def upload_tree(self, local_dir: str, base: str, exclude: Sequence[str],
+                    progress: Callable[[int, int], None] | None) -> tuple[int, int]:
         """See `Transport.upload_tree`; copies get the local mtime (SFTP)."""
-        if not Path(local_dir).is_dir():
-            raise TransportError(f"cannot upload {local_dir}: not a directory", host=self.name)
-        base = self.remote_path(remote_dir)
         if (x := self._over_exec()) is not None:
             return x.upload_tree(local_dir, base, exclude, progress)
         dirs, files = tree.walk(local_dir, exclude)

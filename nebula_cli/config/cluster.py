@@ -15,9 +15,9 @@ from nebula_cli.config.fields import EnvDict, HostName, Interface, Jump, Name, P
 from nebula_cli.config.hosts import HostSpec
 from nebula_cli.config.schedulers.base import Scheduler
 from nebula_cli.config.schedulers.registry import SCHEDULERS, scheduler_named
-from nebula_cli.config.schedulers.slurm_spec import SlurmSpec
 from nebula_cli.config.sections import SpecModel
 from nebula_cli.config.yaml_positions import PathKey, problems_error
+from nebula_cli.schedulers.slurm.spec import SlurmSpec
 
 RESERVED_CLUSTER_NAMES = frozenset({"lib", "work", "pki"})
 """Names of what a job's directory holds beside its clusters' directories."""

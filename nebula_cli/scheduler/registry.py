@@ -9,7 +9,7 @@ from __future__ import annotations
 from nebula_cli.config.spec import ClusterSpec
 from nebula_cli.errors import UsageError
 from nebula_cli.scheduler.base import Allocator
-from nebula_cli.scheduler.slurm import SlurmAllocator
+from nebula_cli.schedulers.slurm.allocator import SlurmAllocator
 
 ALLOCATORS: dict[str, Allocator] = {a.name: a for a in (SlurmAllocator(),)}
 

@@ -13,10 +13,10 @@ from collections.abc import Mapping
 from typing import Any
 
 from nebula_cli.errors import UsageError
+from nebula_cli.schedulers.slurm.node_conn import SlurmNodeConn
 from nebula_cli.transport.conn import Conn
 from nebula_cli.transport.local_conn import LocalConn
 from nebula_cli.transport.openssh_conn import OpensshConn
-from nebula_cli.transport.slurmnode_conn import SlurmNodeConn
 from nebula_cli.transport.ssh_conn import SshConn
 
 SPEC_KINDS: dict[str, type[LocalConn] | type[SshConn] | type[OpensshConn]] = {

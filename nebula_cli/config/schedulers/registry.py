@@ -8,8 +8,8 @@ one), and, when it allocates hosts, its `Allocator` in `nebula_cli.scheduler.reg
 from __future__ import annotations
 
 from nebula_cli.config.schedulers.base import Scheduler
-from nebula_cli.config.schedulers.none import NoScheduler
-from nebula_cli.config.schedulers.slurm import SlurmScheduler
+from nebula_cli.schedulers.none.scheduler import NoScheduler
+from nebula_cli.schedulers.slurm.scheduler import SlurmScheduler
 
 SCHEDULERS: dict[str, Scheduler] = {s.name: s for s in (NoScheduler(), SlurmScheduler())}
 

@@ -26,7 +26,7 @@ from testbed.slurm import NODE_CPUS, NODE_GPUS, SBIN_PATH, cgroup_available
 
 from nebula_cli.config.spec import parse_spec
 from nebula_cli.errors import SpecError
-from nebula_cli.scheduler.slurm import SlurmAllocator
+from nebula_cli.schedulers.slurm.allocator import SlurmAllocator
 from nebula_cli.transport import LocalTransport
 from nebula_cli.transport.local_conn import LocalConn
 

@@ -15,16 +15,16 @@ from collections.abc import Callable
 from pathlib import Path
 
 from nebula_cli.config import plan_model
-from nebula_cli.config.schedulers.slurm import slurm_request
 from nebula_cli.config.spec import ClusterSpec, JobSpec
 from nebula_cli.errors import LaunchError, NebulaError, UsageError
 from nebula_cli.launchers import launcher
-from nebula_cli.scheduler import batch, slurm_cli
 from nebula_cli.scheduler.allocation import Allocation
 from nebula_cli.scheduler.allocation_state import AllocationState
 from nebula_cli.scheduler.base import GetTransport, Progress
+from nebula_cli.schedulers.slurm import batch, slurm_cli
+from nebula_cli.schedulers.slurm.node_conn import SlurmNodeConn
+from nebula_cli.schedulers.slurm.scheduler import slurm_request
 from nebula_cli.transport import Conn, Transport
-from nebula_cli.transport.slurmnode_conn import SlurmNodeConn
 
 POLL = 2.0
 """Seconds between looks at the queue."""
@@ -38,7 +38,7 @@ def template_of(spec: JobSpec, cluster: ClusterSpec) -> str:
     launchers/slurm.sbatch."""
     request = slurm_request(cluster)
     if request.template is None:
-        return launcher("slurm.sbatch").decode()
+        return launcher("slurm.sbatch", __package__).decode()
     path = Path(request.template).expanduser()
     if not path.is_absolute() and spec.source:
         path = Path(spec.source).parent / path

@@ -6,9 +6,9 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
+from nebula_cli.schedulers.slurm.node_transport import SlurmNodeTransport
 from nebula_cli.transport.base import Transport
 from nebula_cli.transport.conn import Conn, Load
-from nebula_cli.transport.slurmnode import SlurmNodeTransport
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

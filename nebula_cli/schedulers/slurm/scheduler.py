@@ -1,8 +1,8 @@
 """`SlurmScheduler` (`scheduler: slurm`): the cluster's one host is a Slurm login node; one
 batch job (its `slurm:` section, `SlurmSpec`) holds the nodes that run the workers.
 
-Submitting and cancelling that job is `nebula_cli.scheduler.slurm`; here is what the spec and
-the plan know of it beforehand.
+Submitting and cancelling that job is `allocator`; here is what the spec and the plan know of
+it beforehand.
 """
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from nebula_cli.config.hosts import HostSpec
-from nebula_cli.config.schedulers.slurm_spec import SlurmSpec
 from nebula_cli.config.yaml_positions import PathKey
+from nebula_cli.schedulers.slurm.spec import SlurmSpec
 
 if TYPE_CHECKING:
     from nebula_cli.config.cluster import ClusterSpec

@@ -9,7 +9,7 @@ import pytest
 
 from nebula_cli.errors import LaunchError
 from nebula_cli.scheduler.allocation import Allocation
-from nebula_cli.scheduler.slurm import SlurmAllocator, keeper_name, output_path
+from nebula_cli.schedulers.slurm.allocator import SlurmAllocator, keeper_name, output_path
 from nebula_cli.transport import LocalTransport
 from nebula_cli.transport.ssh_conn import SshConn
 

@@ -184,3 +184,7 @@ def _output(t: Transport, alloc: Allocation) -> str:
         return ""
     lines = data.decode(errors="replace").strip().splitlines()[-OUTPUT_LINES:]
     return f"\n  {path}:\n    " + "\n    ".join(lines) if lines else ""
+
+
+ALLOCATOR = SlurmAllocator()
+"""Slurm's allocations (`nebula_cli.schedulers.registry`)."""

@@ -53,3 +53,7 @@ class SlurmNodeConn(Conn):
         return cls(name=data["name"], login=load(data["login"]), job=data["job"],
                    node=data["node"], address=data["address"], keeper=data["keeper"],
                    python=data["python"], pythonpath=data.get("pythonpath"))
+
+
+CONN = SlurmNodeConn
+"""The transport kind of a Slurm node (`nebula_cli.schedulers.registry`)."""

@@ -16,7 +16,7 @@ class SlurmNodeConn(Conn):
     """Node `node` of Slurm job `job`, whose commands run as steps started on `login`."""
 
     kind = "slurm-node"
-    in_allocation = True
+    allocator = "slurm"
 
     login: Conn
     """The cluster's login node (every node of the allocation shares its connection)."""

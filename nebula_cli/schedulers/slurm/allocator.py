@@ -1,7 +1,7 @@
 """`SlurmAllocator`: one batch job per Slurm cluster holds its nodes for the whole run.
 
 `preview` (``sbatch --test-only``: what Slurm would give the spec, for `validate --hosts`),
-`submit` (on the login node: nebula_cli uploaded, `launchers/slurm.sbatch` rendered, `sbatch`),
+`submit` (on the login node: nebula_cli uploaded, `slurm.sbatch` rendered, `sbatch`),
 `wait_running` (the job QUEUED with Slurm's reason until it starts, then every node's keeper
 answering), `node_conn` (a node, reached through the login node), `state` and `cancel`.
 """
@@ -35,7 +35,7 @@ OUTPUT_LINES = 15
 
 def template_of(spec: JobSpec, cluster: ClusterSpec) -> str:
     """The batch template: the spec's own (relative to the spec) or the packaged
-    launchers/slurm.sbatch."""
+    schedulers/slurm/slurm.sbatch."""
     request = slurm_request(cluster)
     if request.template is None:
         return launcher("slurm.sbatch", __package__).decode()
@@ -50,7 +50,7 @@ def template_of(spec: JobSpec, cluster: ClusterSpec) -> str:
 
 
 def keeper_name(alloc: Allocation) -> str:
-    """The name its nodes' keepers serve under (launchers/slurm.sbatch: the Slurm job id)."""
+    """The name its nodes' keepers serve under (schedulers/slurm/slurm.sbatch: the Slurm job id)."""
     return alloc.job
 
 

@@ -1,4 +1,4 @@
-"""The batch script of a Slurm cluster: `launchers/slurm.sbatch` (or the spec's own template)
+"""The batch script of a Slurm cluster: `schedulers/slurm/slurm.sbatch` (or the spec's own template)
 with its placeholders filled in."""
 
 from __future__ import annotations

@@ -20,7 +20,7 @@ ALLOC = Allocation(cluster="hpc", login=SshConn(name="login", python="python3"),
 def test_names_and_places_of_a_slurm_job() -> None:
     slurm = SlurmAllocator()
     assert slurm.label(ALLOC) == "Slurm job 12" and keeper_name(ALLOC) == "12"
-    assert output_path(ALLOC) == "/r/slurm/hpc-12.out"  # launchers/slurm.sbatch's --output
+    assert output_path(ALLOC) == "/r/slurm/hpc-12.out"  # schedulers/slurm/slurm.sbatch's --output
     node = slurm.node_conn(ALLOC, "n1")
     assert node.name == "n1" and node.python == "python3" and node.pythonpath == "/r/lib"
 

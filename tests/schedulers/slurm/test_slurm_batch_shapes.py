@@ -1,4 +1,4 @@
-"""nebula's batch script (launchers/slurm.sbatch, rendered by `scheduler.batch`) in the shapes
+"""nebula's batch script (slurm.sbatch, rendered by `batch`) in the shapes
 sites give their jobs, on the test bed's real Slurm (nodes declaring 8 CPUs and 4 fake GPUs):
 the keeper step holds each node's whole allocation, one keeper per node, whatever the batch
 step's SLURM_* variables say; short steps from a login shell inside another allocation keep

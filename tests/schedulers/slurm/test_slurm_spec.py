@@ -1,5 +1,5 @@
 """The spec's Slurm clusters: what is accepted, what is refused (exit 2, the field and the
-reason, nothing submitted), and the batch script rendered from launchers/slurm.sbatch."""
+reason, nothing submitted), and the batch script rendered from schedulers/slurm/slurm.sbatch."""
 
 from __future__ import annotations
 

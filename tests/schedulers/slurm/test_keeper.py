@@ -50,7 +50,7 @@ for _ in range(int(float(sys.argv[1]) * 10)):
 def call(name: str, *argv: str, env: dict[str, str] | None = None,
          user: str | None = None) -> subprocess.CompletedProcess[str]:
     prefix = ["setpriv", f"--reuid={user}", "--regid=nogroup", "--clear-groups"] if user else []
-    return subprocess.run([*prefix, PY, "-m", "nebula_cli.schedulers.slurm.keeper", "call", name,
+    return subprocess.run([*prefix, PY, "-m", "nebula_cli.agent.keeper", "call", name,
                            "--env-json", json.dumps(env or {}), "--", *argv],
                           capture_output=True, text=True, timeout=60,
                           env={**os.environ, "PYTHONPATH": os.getcwd()})
@@ -71,7 +71,7 @@ def home(monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
 def serve(name: str, leave: bool = True) -> subprocess.Popen[str]:
     """A keeper `name` (leaving after a SIGTERM, or with `leave` False waiting to be ended as
     in an allocation), its stdout and stderr piped."""
-    return subprocess.Popen([PY, "-m", "nebula_cli.schedulers.slurm.keeper", "serve", name,
+    return subprocess.Popen([PY, "-m", "nebula_cli.agent.keeper", "serve", name,
                              "--idle-timeout", "30", *(["--exit-after-notice"] if leave else [])],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 

@@ -70,7 +70,7 @@ def test_no_transport_branch_in_the_plan_or_the_control_plane() -> None:
     assert not found, f"`== 'local'`-style branches: {found}"
 
 
-VARIANT_HOMES = ("config/schedulers/", "scheduler/", "transport/")
+VARIANT_HOMES = ("config/schedulers/", "scheduler/", "schedulers/", "transport/")
 """Where schedulers and transport kinds are implemented and routed by name (registries)."""
 
 
@@ -102,26 +102,69 @@ def _imports(path: Path) -> set[str]:
     return {n for n in names if n.startswith("nebula_cli")}
 
 
-@pytest.mark.parametrize("folder, forbidden", [
-    ("transport", ("nebula_cli.control", "nebula_cli.cli", "nebula_cli.config",
-                   "nebula_cli.scheduler")),
-    ("scheduler", ("nebula_cli.control", "nebula_cli.cli", "nebula_cli.agent",
-                   "nebula_cli.relay", "nebula_cli.runtime")),
-    ("agent", ("nebula_cli.control", "nebula_cli.cli", "nebula_cli.config.spec",
-               "nebula_cli.config.jobplan", "nebula_cli.transport", "nebula_cli.relay",
-               "nebula_cli.scheduler")),
-    ("relay", ("nebula_cli.control", "nebula_cli.cli", "nebula_cli.config.spec",
-               "nebula_cli.config.jobplan", "nebula_cli.transport", "nebula_cli.runtime")),
-    ("runtime", ("nebula_cli.control", "nebula_cli.cli", "nebula_cli.config.spec",
-                 "nebula_cli.config.jobplan", "nebula_cli.transport")),
-    ("config", ("nebula_cli.control", "nebula_cli.cli", "nebula_cli.transport",
-                "nebula_cli.relay", "nebula_cli.runtime", "nebula_cli.agent",
-                "nebula_cli.scheduler")),
-    ("control", ("nebula_cli.cli",)),
-    ("planner", ("nebula_cli.control", "nebula_cli.cli")),
-])
-def test_no_import_runs_up_a_layer(folder: str, forbidden: tuple[str, ...]) -> None:
-    bad = {f"{f.relative_to(PACKAGE)}: {name}"
-           for f in (PACKAGE / folder).rglob("*.py") for name in _imports(f)
-           if name.startswith(forbidden)}
+FORBIDDEN = {
+    "transport": ("nebula_cli.control", "nebula_cli.cli", "nebula_cli.config",
+                  "nebula_cli.scheduler"),
+    "scheduler": ("nebula_cli.control", "nebula_cli.cli", "nebula_cli.agent",
+                  "nebula_cli.relay", "nebula_cli.runtime"),
+    "agent": ("nebula_cli.control", "nebula_cli.cli", "nebula_cli.config.spec",
+              "nebula_cli.config.jobplan", "nebula_cli.transport", "nebula_cli.relay",
+              "nebula_cli.scheduler"),
+    "relay": ("nebula_cli.control", "nebula_cli.cli", "nebula_cli.config.spec",
+              "nebula_cli.config.jobplan", "nebula_cli.transport", "nebula_cli.runtime"),
+    "runtime": ("nebula_cli.control", "nebula_cli.cli", "nebula_cli.config.spec",
+                "nebula_cli.config.jobplan", "nebula_cli.transport"),
+    "config": ("nebula_cli.control", "nebula_cli.cli", "nebula_cli.transport",
+               "nebula_cli.relay", "nebula_cli.runtime", "nebula_cli.agent",
+               "nebula_cli.scheduler"),
+    "control": ("nebula_cli.cli",),
+    "planner": ("nebula_cli.control", "nebula_cli.cli"),
+}
+"""What each folder may not import (a name, or a module below it)."""
+SCHEDULER_MODULE_LAYERS = ((r"spec|scheduler", "config"), (r"allocator|batch|\w+_cli", "scheduler"),
+                           (r"node_\w+", "transport"), (r"keeper", "agent"))
+"""A scheduler package (`nebula_cli/schedulers/<name>/`) holds one module per layer it serves,
+each in that layer by its name: its spec section and what it means for the plan (config), its
+allocator and the tools it drives at launch (scheduler), how its nodes are reached
+(transport), what runs on its nodes (agent)."""
+
+
+def _scheduler_module_layer(module: str) -> str:
+    """The layer of `nebula_cli.schedulers.<name>.<module>`."""
+    layer = next((lay for pattern, lay in SCHEDULER_MODULE_LAYERS
+                  if re.fullmatch(pattern, module)), None)
+    assert layer, (f"nebula_cli/schedulers/*/{module}.py has no layer: name it after one of "
+                   f"{[p for p, _ in SCHEDULER_MODULE_LAYERS]} (tests/test_architecture.py)")
+    return layer
+
+
+def _as_layer(name: str) -> str:
+    """An imported module as the layers see it: a scheduler package's module is its layer's."""
+    if m := re.fullmatch(r"nebula_cli\.schedulers\.\w+\.(\w+)(?:\.\w+)*", name):
+        return f"nebula_cli.{_scheduler_module_layer(m.group(1))}"
+    return name
+
+
+def _forbids(forbidden: tuple[str, ...], name: str) -> bool:
+    name = _as_layer(name)
+    return any(name == f or name.startswith(f"{f}.") for f in forbidden)
+
+
+@pytest.mark.parametrize("folder", sorted(FORBIDDEN))
+def test_no_import_runs_up_a_layer(folder: str) -> None:
+    files = [f for f in (PACKAGE / folder).rglob("*.py")]
+    files += [f for f in (PACKAGE / "schedulers").glob("*/*.py") if f.name != "__init__.py"
+              and _scheduler_module_layer(f.stem) == folder]
+    bad = {f"{f.relative_to(PACKAGE)}: {name}" for f in files for name in _imports(f)
+           if _forbids(FORBIDDEN[folder], name)}
     assert not bad, sorted(bad)
+
+
+def test_a_scheduler_package_imports_nothing_of_its_own_when_loaded() -> None:
+    """Its `__init__` imports nothing, so that a node loads its keeper alone (standard library
+    only), and the registry names packages without importing them."""
+    inits = [*(PACKAGE / "schedulers").glob("*/__init__.py"),
+             PACKAGE / "schedulers" / "__init__.py", PACKAGE / "schedulers" / "registry.py"]
+    imports = {str(f.relative_to(PACKAGE)): sorted(_imports(f)) for f in inits
+               if f.exists() and _imports(f)}
+    assert not imports, imports

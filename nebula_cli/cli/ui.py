@@ -176,7 +176,7 @@ def job_detail(snap: JobSnapshot, metrics: dict[str, dict[str, Any]] | None = No
     for h in snap.hosts:
         note = h.detail.get("unreachable") or h.detail.get("metrics_unreachable") or (
             h.detail.get("reason") if h.state in ("FAILED", "LOST", "RESTARTING") else
-            h.detail.get("slurm"))
+            h.allocation_said)
         table.add_row(
             Text(h.cluster, style=colors.get(h.cluster, "")), h.host, h.role, state_text(h.state),
             str(h.detail.get("agent_pid") or "-"), str(h.pid or "-"), str(h.restarts),

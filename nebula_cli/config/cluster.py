@@ -8,14 +8,25 @@ from __future__ import annotations
 import re
 from typing import Annotated, Literal
 
-from pydantic import AfterValidator, Field, PrivateAttr, field_validator, model_validator
+from pydantic import (
+    AfterValidator,
+    Field,
+    PrivateAttr,
+    create_model,
+    field_validator,
+    model_validator,
+)
 
 from nebula_cli.config.distill_spec import TeacherSpec
 from nebula_cli.config.fields import EnvDict, HostName, Interface, Jump, Name, Program
 from nebula_cli.config.hosts import HostSpec
 from nebula_cli.config.schedulers.base import Scheduler
-from nebula_cli.config.schedulers.registry import SCHEDULERS, scheduler_named
-from nebula_cli.config.schedulers.slurm_spec import SlurmSpec
+from nebula_cli.config.schedulers.registry import (
+    SCHEDULERS,
+    SchedulerName,
+    scheduler_named,
+    section_fields,
+)
 from nebula_cli.config.sections import SpecModel
 from nebula_cli.config.yaml_positions import PathKey, problems_error
 
@@ -38,8 +49,8 @@ SSH_TRANSPORTS = ("ssh", "openssh")
 """The transports whose hosts are reached over SSH."""
 
 
-class ClusterSpec(SpecModel):
-    """A group of hosts with a fast network between them: one DeepSpeed world, one relay."""
+class _ClusterHead(SpecModel):
+    """A cluster's fields before its schedulers' sections (the spec's order)."""
 
     name: Name
     """Cluster name: 1-32 of a-z, 0-9, '-', '_', starting with a letter or digit."""
@@ -81,11 +92,20 @@ class ClusterSpec(SpecModel):
     reach this one through an SSH tunnel: each tunnel's key is added there for as long as the
     relay runs, limited to forwarding to the relay's port, with the job's certificates'
     expiry time."""
-    scheduler: Literal["none", "slurm"] = "none"  # the names in config.schedulers.registry
+    scheduler: SchedulerName = "none"
     """'none': the hosts run the workers. 'slurm': the one host is the login node of a Slurm
     cluster; one batch job (see `slurm`) holds the nodes that run the workers."""
-    slurm: SlurmSpec | None = None
-    """What to ask Slurm for (scheduler: slurm)."""
+
+
+_SECTIONS = section_fields()
+"""A scheduler's own section of a cluster (`slurm:`), one field each, made from the registry."""
+_ClusterSections = create_model("_ClusterSections", __base__=_ClusterHead,
+                                __module__=__name__, **_SECTIONS)
+
+
+class ClusterSpec(_ClusterSections):  # type: ignore[misc,valid-type]
+    """A group of hosts with a fast network between them: one DeepSpeed world, one relay."""
+
     role: Literal["train", "teacher"] = "train"  # the names in config.roles.registry
     """What the cluster does: 'train' (its workers train and average with the other training
     clusters), or 'teacher' (its workers serve soft labels to the training clusters; see the
@@ -138,7 +158,7 @@ class ClusterSpec(SpecModel):
                                                "(the other relays reach this one through its "
                                                "host's sshd)"))
         for other in SCHEDULERS.values():  # a section of another scheduler than this one's
-            if other is not scheduling and other.section(self) is not None:
+            if other is not scheduling and self.section(other.name) is not None:
                 problems.append(((other.name,), f"`{other.name}:` needs `scheduler: "
                                                 f"{other.name}` in this cluster"))
         problems += self._role_problems()
@@ -167,6 +187,11 @@ class ClusterSpec(SpecModel):
         `RelayService.AVERAGE`: `train`; tests/config/test_roles.py checks the two agree). A
         teacher's cluster runs no averaging relay."""
         return self.role == "train"
+
+    def section(self, name: str) -> SpecModel | None:
+        """Its section of the scheduler `name` (`slurm:`), None when absent or when that
+        scheduler has none."""
+        return getattr(self, name) if name in _SECTIONS else None
 
     @property
     def scheduling(self) -> Scheduler:

@@ -33,7 +33,6 @@ from nebula_cli.config.fields import (
 )
 from nebula_cli.config.hosts import MAX_SLOTS, HostSpec
 from nebula_cli.config.run_command import own_launcher
-from nebula_cli.config.schedulers.slurm_spec import SlurmSpec
 from nebula_cli.config.sections import (
     CheckpointSpec,
     CompressionSpec,
@@ -47,6 +46,7 @@ from nebula_cli.config.sections import (
 )
 from nebula_cli.config.yaml_positions import PathKey, describe, problems_error
 from nebula_cli.errors import SpecError
+from nebula_cli.schedulers.slurm.spec import SlurmSpec
 
 __all__ = [
     "MAX_PROCESSES", "MAX_SLOTS", "CheckpointSpec", "ClusterSpec", "CompressionSpec", "DistillSpec",

@@ -300,7 +300,7 @@ class JobOps(Session):
         said = allocations.queue_states(self.store.job_dir(job_id), self.transport,
                                         {h.cluster for h in hosts}) if hosts else {}
         for rec in (h for h in hosts if h.cluster in said and h.conn.in_allocation):
-            rec.detail["slurm"] = str(said[rec.cluster])
+            rec.detail[str(rec.conn.allocator)] = str(said[rec.cluster])  # allocation_said
             if not allocations.ended_state(said[rec.cluster]):
                 self.store.upsert_host(rec)
                 continue

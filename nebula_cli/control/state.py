@@ -144,6 +144,15 @@ class HostRecord:
         return conn_from_data(self.detail["conn"])
 
     @property
+    def allocation_said(self) -> str | None:
+        """What the scheduler of the host's allocation last said of it (`status`' note), kept
+        under that scheduler's allocator's name (``detail["slurm"]``, as every version wrote
+        it); None for a host of no allocation."""
+        key = self.conn.allocator if "conn" in self.detail else None
+        said = self.detail.get(key) if key else None
+        return said if isinstance(said, str) else None
+
+    @property
     def rotated_kept(self) -> int:
         """How many rotated files each of its logs and metrics files may have
         (``detail["rotated"]``, the spec's ``logs.keep``; 0 for jobs of earlier versions)."""

@@ -1,7 +1,7 @@
 """The allocators by scheduler name: where the control plane routes a cluster's scheduler.
 
-Names are those of `config.schedulers.registry` whose scheduler allocates; a new one (say
-Kubernetes) is its module here (an `Allocator`) and one line in `ALLOCATORS`.
+Each is its package's `allocator.ALLOCATOR` (`nebula_cli.schedulers.registry`), named as the
+scheduler whose hosts it allocates; a scheduler that allocates nothing has none.
 """
 
 from __future__ import annotations
@@ -9,9 +9,9 @@ from __future__ import annotations
 from nebula_cli.config.spec import ClusterSpec
 from nebula_cli.errors import UsageError
 from nebula_cli.scheduler.base import Allocator
-from nebula_cli.scheduler.slurm import SlurmAllocator
+from nebula_cli.schedulers.registry import parts
 
-ALLOCATORS: dict[str, Allocator] = {a.name: a for a in (SlurmAllocator(),)}
+ALLOCATORS: dict[str, Allocator] = {m.ALLOCATOR.name: m.ALLOCATOR for m in parts("allocator")}
 
 
 def allocator_named(name: str) -> Allocator:

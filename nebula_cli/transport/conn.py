@@ -26,8 +26,9 @@ class Conn(ABC):
 
     kind: ClassVar[str]
     """The kind's name, stored as ``"transport"`` in the data (`to_data`)."""
-    in_allocation: ClassVar[bool] = False
-    """The host is a node of a scheduler's allocation: it is gone once the allocation ends."""
+    allocator: ClassVar[str | None] = None
+    """The scheduler whose allocation the host is a node of (its allocator's name: what the
+    host's record keeps that scheduler's word under), None for a host as the spec names it."""
 
     name: str
     """The host's name in the spec (what messages call it)."""
@@ -35,6 +36,12 @@ class Conn(ABC):
     """The interpreter nebula's commands run under on the host."""
     pythonpath: str | None = None
     """Where nebula_cli is on the host when it was uploaded there (None: already importable)."""
+
+    @property
+    def in_allocation(self) -> bool:
+        """The host is a node of a scheduler's allocation: it is gone once the allocation
+        ends."""
+        return self.allocator is not None
 
     @property
     def through(self) -> Conn | None:

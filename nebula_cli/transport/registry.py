@@ -4,7 +4,8 @@
 it); `describe` makes the description of a spec's host for the cluster's `transport:`. A kind
 (as `openssh_conn`: the user's own `ssh` over a master connection) is its `Conn` module (and
 the `Transport` it opens) plus one line in `KINDS`, and in `SPEC_KINDS` when a spec may name
-it.
+it; the kind of a scheduler's nodes (`slurm-node`) is its package's `node_conn.CONN`
+(`nebula_cli.schedulers.registry`).
 """
 
 from __future__ import annotations
@@ -13,10 +14,10 @@ from collections.abc import Mapping
 from typing import Any
 
 from nebula_cli.errors import UsageError
+from nebula_cli.schedulers.registry import parts
 from nebula_cli.transport.conn import Conn
 from nebula_cli.transport.local_conn import LocalConn
 from nebula_cli.transport.openssh_conn import OpensshConn
-from nebula_cli.transport.slurmnode_conn import SlurmNodeConn
 from nebula_cli.transport.ssh_conn import SshConn
 
 SPEC_KINDS: dict[str, type[LocalConn] | type[SshConn] | type[OpensshConn]] = {
@@ -27,7 +28,7 @@ SPEC_KINDS: dict[str, type[LocalConn] | type[SshConn] | type[OpensshConn]] = {
 """The kinds a spec's `transport:` names (each has `from_spec`)."""
 KINDS: dict[str, type[Conn]] = {
     **SPEC_KINDS,
-    SlurmNodeConn.kind: SlurmNodeConn,
+    **{m.CONN.kind: m.CONN for m in parts("node_conn")},
 }
 """Every kind, by the name its data carries under ``"transport"``."""
 

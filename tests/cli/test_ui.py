@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
+from helpers.old_state import old_home
 from rich.console import Console
 
-from nebula_cli.cli.ui import metrics_table
+from nebula_cli.cli.ui import job_detail, metrics_table
+from nebula_cli.control.jobs import JobSnapshot
+from nebula_cli.control.state import StateStore
 
 
 def _text(table: object) -> str:
@@ -35,3 +40,14 @@ def test_soft_labels_column_only_in_a_job_with_students() -> None:
     assert "soft labels" in teacher_only
     plain = _text(metrics_table(["east"], {"east": {"step": 3, "loss": 1.0}}, {}))
     assert "soft labels" not in plain and "east" in plain
+
+
+def test_status_notes_a_node_with_what_its_scheduler_said_in_a_record_of_the_last_version(
+        tmp_path: Path) -> None:
+    with StateStore(old_home(tmp_path / "home")) as store:
+        (job,) = store.list_jobs()
+        shown = _text(job_detail(JobSnapshot(job, store.hosts(job.id))))
+    rows = {line.split("│")[1].strip(): line for line in shown.splitlines()
+            if line.lstrip().startswith("hpc")}
+    assert "Slurm job 12 RUNNING on n[1-2]" in rows["n1"] and "Slurm job" in rows["n2"]
+    assert "Slurm job" not in rows["login"]

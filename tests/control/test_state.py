@@ -8,10 +8,11 @@ import sqlite3
 from pathlib import Path
 
 import pytest
+from helpers.old_state import old_home
 
 from nebula_cli.control.state import SCHEMA_VERSION, HostRecord, StateStore, new_job_id
 from nebula_cli.errors import JobNotFound, NebulaError
-from nebula_cli.transport.slurmnode_conn import SlurmNodeConn
+from nebula_cli.schedulers.slurm.node_conn import SlurmNodeConn
 from nebula_cli.transport.ssh_conn import SshConn
 
 SPEC = {"name": "demo", "clusters": [{"name": "a", "hosts": [{"host": "h1"}]}]}
@@ -86,6 +87,24 @@ def test_a_host_recorded_before_typed_connections_is_reached_as_then(tmp_path: P
     assert got["n1"].conn.in_allocation and not got["login"].conn.in_allocation
     assert (got["login"].conn.to_data(), got["n1"].conn.to_data()) == (login, node)
     assert got["n1"].detail["conn"] == node  # the store keeps what it was given
+
+
+def test_a_state_db_of_the_previous_version_reads_with_its_allocations_notes(
+        tmp_path: Path) -> None:
+    """A Slurm node's note, stored under detail["slurm"] (the allocator's name), and its
+    connection, as commit 1b4814b stored them, read back through the record."""
+    with StateStore(old_home(tmp_path / "home")) as store:
+        (job,) = store.list_jobs()
+        got = {rec.host: rec for rec in store.hosts(job.id)}
+    assert job.state == "RUNNING" and sorted(got) == ["login", "n1", "n2"]
+    for node in ("n1", "n2"):
+        conn = got[node].conn
+        assert isinstance(conn, SlurmNodeConn) and conn.in_allocation
+        assert (conn.allocator, conn.node, conn.login) == ("slurm", node, got["login"].conn)
+        assert got[node].allocation_said == "Slurm job 12 RUNNING on n[1-2]"
+    assert got["login"].allocation_said is None and not got["login"].conn.in_allocation
+    assert HostRecord(job.id, "hpc", "h", "worker", 0, 1, "/x", "RUNNING").allocation_said \
+        is None  # a record without a connection (none of any version) has no note
 
 
 def test_schema_is_versioned_and_a_newer_schema_is_refused(tmp_path: Path) -> None:

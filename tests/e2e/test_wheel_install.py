@@ -96,7 +96,8 @@ def test_wheel_has_what_the_package_reads(installed: Path,
     probe = _run([str(installed / "python"), "-c",
                   "import nebula_cli, nebula_cli.launchers as l, nebula_cli.templates as t;"
                   "print(nebula_cli.__file__);"
-                  "print(len(l.launcher('bootstrap.sh')), len(l.launcher('slurm.sbatch')));"
+                  "print(len(l.launcher('bootstrap.sh')),"
+                  " len(l.launcher('slurm.sbatch', 'nebula_cli.schedulers.slurm')));"
                   "print(*t.template_names())"], work, env)
     assert probe.returncode == 0, probe.stderr
     where, sizes, names = probe.stdout.splitlines()

@@ -10,9 +10,9 @@ import pytest
 
 from nebula_cli.config.cluster import ClusterSpec
 from nebula_cli.errors import UsageError
+from nebula_cli.schedulers.slurm.node_conn import SlurmNodeConn
 from nebula_cli.transport.local_conn import LocalConn
 from nebula_cli.transport.registry import KINDS, SPEC_KINDS, conn_from_data, describe
-from nebula_cli.transport.slurmnode_conn import SlurmNodeConn
 from nebula_cli.transport.ssh_conn import SshConn
 
 # what earlier versions of nebula recorded (transport.describe, slurm_node, conn_of), verbatim

@@ -9,14 +9,29 @@ ended at launch, through a transport, is the control plane's side: `nebula_cli.s
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 from nebula_cli.config.hosts import HostSpec
 from nebula_cli.config.sections import SpecModel
 from nebula_cli.config.yaml_positions import PathKey
 
-if TYPE_CHECKING:
-    from nebula_cli.config.cluster import ClusterSpec
+
+class ClusterView(Protocol):
+    """A cluster of the spec as its scheduler reads it (`config.cluster.ClusterSpec` is one; a
+    scheduler imports nothing of the spec's model, which is built from the schedulers)."""
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def hosts(self) -> list[HostSpec]: ...
+
+    @property
+    def gateway(self) -> str | None: ...
+
+    def section(self, name: str) -> SpecModel | None:
+        """The cluster's section `name:` (a scheduler's own, `slurm:`), None when absent."""
+        ...
 
 
 class Scheduler(Protocol):
@@ -35,43 +50,45 @@ class Scheduler(Protocol):
     """The allocation's nodes share one file system: what the first node uploads, every node
     sees."""
 
-    def section(self, cluster: ClusterSpec) -> SpecModel | None:
-        """Its own section of the cluster as written (`slurm:`), None when absent or when it
-        has none (a section given to a cluster of another scheduler is refused)."""
-        ...
+    section_model: type[SpecModel] | None
+    """The model of its own section of a cluster, a field named as the scheduler (`slurm:`,
+    `SlurmSpec`), or None when it has none: `config.cluster.ClusterSpec` has a field for each
+    registered scheduler's (a section given to a cluster of another scheduler is refused)."""
+    section_doc: str
+    """That field's description (the spec's reference), empty without a section."""
 
-    def problems(self, cluster: ClusterSpec) -> list[tuple[PathKey, str]]:
+    def problems(self, cluster: ClusterView) -> list[tuple[PathKey, str]]:
         """What a cluster of this scheduler may not say (path under the cluster, message)."""
         ...
 
-    def node_count(self, cluster: ClusterSpec) -> int:
+    def node_count(self, cluster: ClusterView) -> int:
         """The hosts that run workers."""
         ...
 
-    def process_count(self, cluster: ClusterSpec) -> int:
+    def process_count(self, cluster: ClusterView) -> int:
         """The cluster's DeepSpeed ranks."""
         ...
 
-    def allocated_hosts(self, cluster: ClusterSpec, nodes: dict[str, str]) -> list[HostSpec]:
+    def allocated_hosts(self, cluster: ClusterView, nodes: dict[str, str]) -> list[HostSpec]:
         """The hosts that run the workers once the allocation runs on `nodes` (name ->
         address, in the scheduler's order); a scheduler that allocates nothing keeps the
         spec's hosts."""
         ...
 
-    def rank_env(self, cluster: ClusterSpec, rank: int, local_rank: int) -> dict[str, str]:
+    def rank_env(self, cluster: ClusterView, rank: int, local_rank: int) -> dict[str, str]:
         """What a rank's environment says of it in the scheduler's own words, beside RANK and
         LOCAL_RANK (empty for a scheduler that has none)."""
         ...
 
-    def checkpoint_host(self, cluster: ClusterSpec, host: HostSpec | int) -> str:
+    def checkpoint_host(self, cluster: ClusterView, host: HostSpec | int) -> str:
         """A host's part of its checkpoint path (`host` may be a node's index)."""
         ...
 
-    def checkpoint_places(self, cluster: ClusterSpec, host: HostSpec) -> list[HostSpec | int]:
+    def checkpoint_places(self, cluster: ClusterView, host: HostSpec) -> list[HostSpec | int]:
         """The places whose checkpoints the spec's `host` sees: itself, or from a login node
         every node of the allocation (by index)."""
         ...
 
-    def summary(self, cluster: ClusterSpec) -> str | None:
+    def summary(self, cluster: ClusterView) -> str | None:
         """What `validate` says of the cluster's hosts beyond the count, or None."""
         ...

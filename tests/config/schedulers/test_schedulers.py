@@ -10,11 +10,11 @@ import pytest
 
 from nebula_cli.config.cluster import ClusterSpec
 from nebula_cli.config.hosts import HostSpec
-from nebula_cli.config.schedulers.none import NoScheduler
 from nebula_cli.config.schedulers.registry import SCHEDULERS, scheduler_named
-from nebula_cli.config.schedulers.slurm import SlurmScheduler
 from nebula_cli.config.spec import parse_spec
 from nebula_cli.errors import SpecError
+from nebula_cli.schedulers.none.scheduler import NoScheduler
+from nebula_cli.schedulers.slurm.scheduler import SlurmScheduler
 
 
 def cluster(text: str) -> ClusterSpec:

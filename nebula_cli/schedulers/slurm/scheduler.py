@@ -1,25 +1,23 @@
 """`SlurmScheduler` (`scheduler: slurm`): the cluster's one host is a Slurm login node; one
 batch job (its `slurm:` section, `SlurmSpec`) holds the nodes that run the workers.
 
-Submitting and cancelling that job is `nebula_cli.scheduler.slurm`; here is what the spec and
-the plan know of it beforehand.
+Submitting and cancelling that job is `allocator`; here is what the spec and the plan know of
+it beforehand.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from nebula_cli.config.hosts import HostSpec
-from nebula_cli.config.schedulers.slurm_spec import SlurmSpec
+from nebula_cli.config.schedulers.base import ClusterView
 from nebula_cli.config.yaml_positions import PathKey
-
-if TYPE_CHECKING:
-    from nebula_cli.config.cluster import ClusterSpec
+from nebula_cli.schedulers.slurm.spec import SlurmSpec
 
 
-def slurm_request(cluster: ClusterSpec) -> SlurmSpec:
+def slurm_request(cluster: ClusterView) -> SlurmSpec:
     """What to ask Slurm for: the cluster's `slurm:` (its defaults when absent)."""
-    return cluster.slurm or SlurmSpec()
+    section = cluster.section(SCHEDULER.name)
+    assert section is None or isinstance(section, SlurmSpec)
+    return section or SlurmSpec()
 
 
 class SlurmScheduler:
@@ -31,11 +29,10 @@ class SlurmScheduler:
     allocates = True
     relay_on_login = True
     nodes_share_files = True
+    section_model = SlurmSpec
+    section_doc = "What to ask Slurm for (scheduler: slurm)."
 
-    def section(self, cluster: ClusterSpec) -> SlurmSpec | None:
-        return cluster.slurm
-
-    def problems(self, cluster: ClusterSpec) -> list[tuple[PathKey, str]]:
+    def problems(self, cluster: ClusterView) -> list[tuple[PathKey, str]]:
         problems: list[tuple[PathKey, str]] = []
         if len(cluster.hosts) > 1:
             names = [h.host for h in cluster.hosts]
@@ -48,19 +45,19 @@ class SlurmScheduler:
                                            "login node): remove `gateway`"))
         return problems
 
-    def node_count(self, cluster: ClusterSpec) -> int:
+    def node_count(self, cluster: ClusterView) -> int:
         return slurm_request(cluster).nodes
 
-    def process_count(self, cluster: ClusterSpec) -> int:
+    def process_count(self, cluster: ClusterView) -> int:
         request = slurm_request(cluster)
         return request.nodes * request.ntasks_per_node
 
-    def allocated_hosts(self, cluster: ClusterSpec, nodes: dict[str, str]) -> list[HostSpec]:
+    def allocated_hosts(self, cluster: ClusterView, nodes: dict[str, str]) -> list[HostSpec]:
         """The nodes, each with `ntasks_per_node` ranks."""
         slots = slurm_request(cluster).ntasks_per_node
         return [HostSpec(host=n, address=a, slots=slots) for n, a in nodes.items()]
 
-    def rank_env(self, cluster: ClusterSpec, rank: int, local_rank: int) -> dict[str, str]:
+    def rank_env(self, cluster: ClusterView, rank: int, local_rank: int) -> dict[str, str]:
         """The rank as a task of an ``srun --ntasks-per-node=N`` step: the ranks run inside
         their node's keeper, a step of one task per node, whose SLURM_PROCID (the node's index),
         SLURM_LOCALID (0) and SLURM_NTASKS (the node count) would mislead what reads them
@@ -74,16 +71,20 @@ class SlurmScheduler:
                 "SLURM_TASKS_PER_NODE": f"{request.ntasks_per_node}(x{request.nodes})",
                 "SLURM_STEP_TASKS_PER_NODE": f"{request.ntasks_per_node}(x{request.nodes})"}
 
-    def checkpoint_host(self, cluster: ClusterSpec, host: HostSpec | int) -> str:
+    def checkpoint_host(self, cluster: ClusterView, host: HostSpec | int) -> str:
         """`node<i>`, the node's place in the allocation: a resumed job's new allocation, on
         whichever nodes, finds them (its nodes share the file system)."""
         index = host if isinstance(host, int) else cluster.hosts.index(host)
         return f"node{index}"
 
-    def checkpoint_places(self, cluster: ClusterSpec, host: HostSpec) -> list[HostSpec | int]:
+    def checkpoint_places(self, cluster: ClusterView, host: HostSpec) -> list[HostSpec | int]:
         return list(range(slurm_request(cluster).nodes))
 
-    def summary(self, cluster: ClusterSpec) -> str:
+    def summary(self, cluster: ClusterView) -> str:
         request = slurm_request(cluster)
         return (f"one Slurm job through {cluster.hosts[0].host}: {request.nodes} node(s) x "
                 f"{request.ntasks_per_node} rank(s)")
+
+
+SCHEDULER = SlurmScheduler()
+"""`scheduler: slurm` (`nebula_cli.schedulers.registry`)."""

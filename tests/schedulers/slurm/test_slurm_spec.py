@@ -1,5 +1,5 @@
 """The spec's Slurm clusters: what is accepted, what is refused (exit 2, the field and the
-reason, nothing submitted), and the batch script rendered from launchers/slurm.sbatch."""
+reason, nothing submitted), and the batch script rendered from schedulers/slurm/slurm.sbatch."""
 
 from __future__ import annotations
 
@@ -13,16 +13,16 @@ from helpers.jobs import CLI
 from helpers.specs import one, write
 
 from nebula_cli.config import jobplan, plan_model
-from nebula_cli.config.schedulers.slurm import slurm_request
 from nebula_cli.config.spec import HostSpec, JobSpec, load_spec
 from nebula_cli.control.allocations import ended_state
 from nebula_cli.control.planning import site_entries
 from nebula_cli.errors import UsageError
-from nebula_cli.scheduler import batch
 from nebula_cli.scheduler.allocation_state import AllocationState
-from nebula_cli.scheduler.slurm import allocation_state, template_of
-from nebula_cli.scheduler.slurm_cli import QueueState
-from nebula_cli.transport.slurmnode_conn import SlurmNodeConn
+from nebula_cli.schedulers.slurm import batch
+from nebula_cli.schedulers.slurm.allocator import allocation_state, template_of
+from nebula_cli.schedulers.slurm.node_conn import SlurmNodeConn
+from nebula_cli.schedulers.slurm.scheduler import slurm_request
+from nebula_cli.schedulers.slurm.slurm_cli import QueueState
 from nebula_cli.transport.ssh_conn import SshConn
 
 SLURM = """\

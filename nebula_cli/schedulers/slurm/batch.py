@@ -1,4 +1,4 @@
-"""The batch script of a Slurm cluster: `launchers/slurm.sbatch` (or the spec's own template)
+"""The batch script of a Slurm cluster: `schedulers/slurm/slurm.sbatch` (or the spec's own template)
 with its placeholders filled in."""
 
 from __future__ import annotations
@@ -7,8 +7,8 @@ import re
 import shlex
 from collections.abc import Mapping
 
-from nebula_cli.config.schedulers.slurm_spec import SlurmSpec
 from nebula_cli.errors import UsageError
+from nebula_cli.schedulers.slurm.spec import SlurmSpec
 
 PLACEHOLDER = re.compile(r"\{\{\s*([a-z_]+)\s*\}\}")
 

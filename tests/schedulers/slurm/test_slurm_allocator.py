@@ -9,7 +9,7 @@ import pytest
 
 from nebula_cli.errors import LaunchError
 from nebula_cli.scheduler.allocation import Allocation
-from nebula_cli.scheduler.slurm import SlurmAllocator, keeper_name, output_path
+from nebula_cli.schedulers.slurm.allocator import SlurmAllocator, keeper_name, output_path
 from nebula_cli.transport import LocalTransport
 from nebula_cli.transport.ssh_conn import SshConn
 
@@ -20,7 +20,7 @@ ALLOC = Allocation(cluster="hpc", login=SshConn(name="login", python="python3"),
 def test_names_and_places_of_a_slurm_job() -> None:
     slurm = SlurmAllocator()
     assert slurm.label(ALLOC) == "Slurm job 12" and keeper_name(ALLOC) == "12"
-    assert output_path(ALLOC) == "/r/slurm/hpc-12.out"  # launchers/slurm.sbatch's --output
+    assert output_path(ALLOC) == "/r/slurm/hpc-12.out"  # schedulers/slurm/slurm.sbatch's --output
     node = slurm.node_conn(ALLOC, "n1")
     assert node.name == "n1" and node.python == "python3" and node.pythonpath == "/r/lib"
 

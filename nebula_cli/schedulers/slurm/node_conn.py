@@ -6,9 +6,9 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
+from nebula_cli.schedulers.slurm.node_transport import SlurmNodeTransport
 from nebula_cli.transport.base import Transport
 from nebula_cli.transport.conn import Conn, Load
-from nebula_cli.transport.slurmnode import SlurmNodeTransport
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -16,7 +16,7 @@ class SlurmNodeConn(Conn):
     """Node `node` of Slurm job `job`, whose commands run as steps started on `login`."""
 
     kind = "slurm-node"
-    in_allocation = True
+    allocator = "slurm"
 
     login: Conn
     """The cluster's login node (every node of the allocation shares its connection)."""
@@ -53,3 +53,7 @@ class SlurmNodeConn(Conn):
         return cls(name=data["name"], login=load(data["login"]), job=data["job"],
                    node=data["node"], address=data["address"], keeper=data["keeper"],
                    python=data["python"], pythonpath=data.get("pythonpath"))
+
+
+CONN = SlurmNodeConn
+"""The transport kind of a Slurm node (`nebula_cli.schedulers.registry`)."""

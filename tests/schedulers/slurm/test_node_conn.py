@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 
+from nebula_cli.schedulers.slurm.node_conn import SlurmNodeConn
+from nebula_cli.schedulers.slurm.node_transport import SlurmNodeTransport
 from nebula_cli.transport import LocalTransport
 from nebula_cli.transport.local_conn import LocalConn
-from nebula_cli.transport.slurmnode import SlurmNodeTransport
-from nebula_cli.transport.slurmnode_conn import SlurmNodeConn
 
 SRUN = """#!/bin/sh
 # the step's options, as nebula passes them, then the command

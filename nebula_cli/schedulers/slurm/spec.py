@@ -81,7 +81,7 @@ class SlurmSpec(SpecModel):
     sbatch_args: list[str] = Field(default_factory=list)
     """Anything else for sbatch, passed through (e.g. ["--exclusive"])."""
     template: str | None = Field(None, min_length=1)
-    """A batch script template of your own, in place of nebula's launchers/slurm.sbatch (the
+    """A batch script template of your own, in place of nebula's schedulers/slurm/slurm.sbatch (the
     same placeholders; path relative to the spec)."""
 
     @field_validator("sbatch_args")

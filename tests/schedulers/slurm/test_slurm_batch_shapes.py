@@ -1,4 +1,4 @@
-"""nebula's batch script (launchers/slurm.sbatch, rendered by `scheduler.batch`) in the shapes
+"""nebula's batch script (slurm.sbatch, rendered by `batch`) in the shapes
 sites give their jobs, on the test bed's real Slurm (nodes declaring 8 CPUs and 4 fake GPUs):
 the keeper step holds each node's whole allocation, one keeper per node, whatever the batch
 step's SLURM_* variables say; short steps from a login shell inside another allocation keep
@@ -26,7 +26,7 @@ from testbed.slurm import NODE_CPUS, NODE_GPUS, SBIN_PATH, cgroup_available
 
 from nebula_cli.config.spec import parse_spec
 from nebula_cli.errors import SpecError
-from nebula_cli.scheduler.slurm import SlurmAllocator
+from nebula_cli.schedulers.slurm.allocator import SlurmAllocator
 from nebula_cli.transport import LocalTransport
 from nebula_cli.transport.local_conn import LocalConn
 

@@ -1,7 +1,7 @@
-"""The keeper of a Slurm node (nebula_cli.agent.keeper), outside Slurm: real processes, a real
-unix socket file in a private directory of a home of the test's. What it starts outlives the
-call; it ends when its agents have; it serves only its own user, and its callers talk only to
-a keeper of their own user (another user is a real uid: nobody); SIGTERM reaches its agents
+"""The keeper of a Slurm node (nebula_cli.schedulers.slurm.keeper), outside Slurm: real processes,
+a real unix socket file in a private directory of a home of the test's. What it starts outlives
+the call; it ends when its agents have; it serves only its own user, and its callers talk only
+to a keeper of their own user (another user is a real uid: nobody); SIGTERM reaches its agents
 first."""
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """`SlurmAllocator`: one batch job per Slurm cluster holds its nodes for the whole run.
 
 `preview` (``sbatch --test-only``: what Slurm would give the spec, for `validate --hosts`),
-`submit` (on the login node: nebula_cli uploaded, `launchers/slurm.sbatch` rendered, `sbatch`),
+`submit` (on the login node: nebula_cli uploaded, `slurm.sbatch` rendered, `sbatch`),
 `wait_running` (the job QUEUED with Slurm's reason until it starts, then every node's keeper
 answering), `node_conn` (a node, reached through the login node), `state` and `cancel`.
 """
@@ -15,16 +15,16 @@ from collections.abc import Callable
 from pathlib import Path
 
 from nebula_cli.config import plan_model
-from nebula_cli.config.schedulers.slurm import slurm_request
 from nebula_cli.config.spec import ClusterSpec, JobSpec
 from nebula_cli.errors import LaunchError, NebulaError, UsageError
 from nebula_cli.launchers import launcher
-from nebula_cli.scheduler import batch, slurm_cli
 from nebula_cli.scheduler.allocation import Allocation
 from nebula_cli.scheduler.allocation_state import AllocationState
 from nebula_cli.scheduler.base import GetTransport, Progress
+from nebula_cli.schedulers.slurm import batch, slurm_cli
+from nebula_cli.schedulers.slurm.node_conn import SlurmNodeConn
+from nebula_cli.schedulers.slurm.scheduler import slurm_request
 from nebula_cli.transport import Conn, Transport
-from nebula_cli.transport.slurmnode_conn import SlurmNodeConn
 
 POLL = 2.0
 """Seconds between looks at the queue."""
@@ -35,10 +35,10 @@ OUTPUT_LINES = 15
 
 def template_of(spec: JobSpec, cluster: ClusterSpec) -> str:
     """The batch template: the spec's own (relative to the spec) or the packaged
-    launchers/slurm.sbatch."""
+    schedulers/slurm/slurm.sbatch."""
     request = slurm_request(cluster)
     if request.template is None:
-        return launcher("slurm.sbatch").decode()
+        return launcher("slurm.sbatch", __package__).decode()
     path = Path(request.template).expanduser()
     if not path.is_absolute() and spec.source:
         path = Path(spec.source).parent / path
@@ -50,7 +50,7 @@ def template_of(spec: JobSpec, cluster: ClusterSpec) -> str:
 
 
 def keeper_name(alloc: Allocation) -> str:
-    """The name its nodes' keepers serve under (launchers/slurm.sbatch: the Slurm job id)."""
+    """The name its nodes' keepers serve under (schedulers/slurm/slurm.sbatch: the Slurm job id)."""
     return alloc.job
 
 
@@ -184,3 +184,7 @@ def _output(t: Transport, alloc: Allocation) -> str:
         return ""
     lines = data.decode(errors="replace").strip().splitlines()[-OUTPUT_LINES:]
     return f"\n  {path}:\n    " + "\n    ".join(lines) if lines else ""
+
+
+ALLOCATOR = SlurmAllocator()
+"""Slurm's allocations (`nebula_cli.schedulers.registry`)."""

@@ -3,14 +3,9 @@ are; nothing is asked of anyone at launch."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from nebula_cli.config.hosts import HostSpec
-from nebula_cli.config.sections import SpecModel
+from nebula_cli.config.schedulers.base import ClusterView
 from nebula_cli.config.yaml_positions import PathKey
-
-if TYPE_CHECKING:
-    from nebula_cli.config.cluster import ClusterSpec
 
 
 class NoScheduler:
@@ -21,33 +16,36 @@ class NoScheduler:
     allocates = False
     relay_on_login = False
     nodes_share_files = False
+    section_model = None
+    section_doc = ""
 
-    def section(self, cluster: ClusterSpec) -> SpecModel | None:
-        return None
-
-    def problems(self, cluster: ClusterSpec) -> list[tuple[PathKey, str]]:
+    def problems(self, cluster: ClusterView) -> list[tuple[PathKey, str]]:
         return []
 
-    def node_count(self, cluster: ClusterSpec) -> int:
+    def node_count(self, cluster: ClusterView) -> int:
         return len(cluster.hosts)
 
-    def process_count(self, cluster: ClusterSpec) -> int:
+    def process_count(self, cluster: ClusterView) -> int:
         return sum(h.slots for h in cluster.hosts)
 
-    def allocated_hosts(self, cluster: ClusterSpec, nodes: dict[str, str]) -> list[HostSpec]:
+    def allocated_hosts(self, cluster: ClusterView, nodes: dict[str, str]) -> list[HostSpec]:
         return list(cluster.hosts)
 
-    def rank_env(self, cluster: ClusterSpec, rank: int, local_rank: int) -> dict[str, str]:
+    def rank_env(self, cluster: ClusterView, rank: int, local_rank: int) -> dict[str, str]:
         return {}
 
-    def checkpoint_host(self, cluster: ClusterSpec, host: HostSpec | int) -> str:
+    def checkpoint_host(self, cluster: ClusterView, host: HostSpec | int) -> str:
         if isinstance(host, int):
             raise TypeError(f"cluster {cluster.name!r} has no allocation: name its host, not "
                             f"node {host}")
         return host.host
 
-    def checkpoint_places(self, cluster: ClusterSpec, host: HostSpec) -> list[HostSpec | int]:
+    def checkpoint_places(self, cluster: ClusterView, host: HostSpec) -> list[HostSpec | int]:
         return [host]
 
-    def summary(self, cluster: ClusterSpec) -> str | None:
+    def summary(self, cluster: ClusterView) -> str | None:
         return None
+
+
+SCHEDULER = NoScheduler()
+"""`scheduler: none` (`nebula_cli.schedulers.registry`)."""

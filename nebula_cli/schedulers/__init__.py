@@ -1,0 +1,1 @@
+"""The schedulers, one package each (`none/`, `slurm/`), registered once in `registry`."""

@@ -9,7 +9,9 @@ Where `reach` says that a pair of clusters' relays meets through a tunnel (the d
 (`config.tunnel_config`) and their agents run the relay under `run`:
 
 - on the dialled cluster's host, `run` adds one authorized_keys line per tunnel before the
-  relay starts, renews its expiry while the relay runs, and removes it when the relay ends
+  relay starts, renews its expiry while the relay runs (never past the cap its tunnels.json
+  says when it renews: the certificates' end, moved on when they are renewed), and removes it
+  when the relay ends
   (`revoke`, run by the agent's `stop`, removes what a killed relay left). The line
   (`nebula_cli.agent.grants`) grants no forwarding at all: ``restrict``, a forced command
   (`nebula_cli.agent.bridge`) that joins the SSH session's stdin and stdout to the relay's
@@ -58,7 +60,7 @@ from pathlib import Path
 
 from nebula_cli.agent.bridge import split
 from nebula_cli.agent.grants import Grants
-from nebula_cli.config.tunnel_config import TunnelConfig, TunnelDial
+from nebula_cli.config.tunnel_config import TUNNELS_FILE, TunnelConfig, TunnelDial
 from nebula_cli.errors import NebulaError
 
 MAX_SESSIONS = 8
@@ -201,12 +203,12 @@ class Tunnel:
 def grant_dir(agent_dir: Path) -> None:
     """Add a directory's tunnels.json's grants until their `expires` (bench-network's probe
     servers: no process stays to renew them)."""
-    Grants(TunnelConfig.load(agent_dir / "tunnels.json")).add(renewed=False)
+    Grants(TunnelConfig.load(agent_dir / TUNNELS_FILE)).add(renewed=False)
 
 
 def revoke_dir(agent_dir: Path) -> list[str]:
     """What `revoke` removes for a relay's agent directory (nothing when it has no tunnels)."""
-    path = agent_dir / "tunnels.json"
+    path = agent_dir / TUNNELS_FILE
     return Grants(TunnelConfig.load(path)).revoke() if path.is_file() else []
 
 
@@ -224,11 +226,13 @@ def _serve(tunnels: list[Tunnel], grants: Grants, child: subprocess.Popen[bytes]
                 t.poll()
             try:
                 grants.renew()
-            except OSError as exc:
+            except (OSError, NebulaError) as exc:
                 say(f"cannot renew the tunnel keys of {grants.cfg.cluster}'s relay: {exc}")
 
 
-def run(cfg: TunnelConfig, command: list[str]) -> int:
+def run(cfg: TunnelConfig, command: list[str], path: Path | None = None) -> int:
+    """Run `command` with `cfg`'s tunnels and grants (`path`: the config's file, whose grants'
+    caps a certificate renewal moves on)."""
     if cfg.dial and shutil.which("ssh") is None:
         peers = ", ".join(d.peer for d in cfg.dial)
         say(f"ssh not found on this host (install openssh-client): relay {cfg.cluster} cannot "
@@ -245,7 +249,7 @@ def run(cfg: TunnelConfig, command: list[str]) -> int:
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
     tunnels = [Tunnel(d, cfg.keepalive, cfg.keepalive_count) for d in cfg.dial]
-    grants = Grants(cfg)
+    grants = Grants(cfg, path)
     try:
         try:
             grants.add()
@@ -311,7 +315,7 @@ def main(argv: list[str] | None = None) -> int:
     except NebulaError as exc:
         say(str(exc))
         return 2
-    return run(cfg, command)
+    return run(cfg, command, args.config)
 
 
 if __name__ == "__main__":

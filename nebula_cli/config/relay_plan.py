@@ -32,7 +32,13 @@ from nebula_cli.config.plan_model import (
 from nebula_cli.config.reach import Link
 from nebula_cli.config.relay_config import AutoCodec, AutoSteps, RelayConfig, ShapingConfig
 from nebula_cli.config.spec import JobSpec
-from nebula_cli.config.tunnel_config import TunnelConfig, TunnelDial, TunnelGrant, job_tag
+from nebula_cli.config.tunnel_config import (
+    TUNNELS_FILE,
+    TunnelConfig,
+    TunnelDial,
+    TunnelGrant,
+    job_tag,
+)
 from nebula_cli.config.worlds import site_key
 
 TUNNEL_KEEPALIVE = 5
@@ -113,8 +119,8 @@ def relay_agents(spec: JobSpec, job_id: str, sites: dict[str, Site], ports: Port
                 posixpath.join(adir, "relay.json")]
         if tunnels is not None:  # the relay runs inside the keeper of its tunnels
             argv = [site.python, "-m", "nebula_cli.agent.tunnel", "run", "--config",
-                    posixpath.join(adir, "tunnels.json"), "--", *argv]
-            tunnel_files["tunnels.json"] = strict.dumps(tunnels)
+                    posixpath.join(adir, TUNNELS_FILE), "--", *argv]
+            tunnel_files[TUNNELS_FILE] = strict.dumps(tunnels)
         config = AgentConfig(
             job_id=job_id, cluster=cluster.name, host=gateway.host, role=RELAY, cwd=adir,
             grace=RELAY_GRACE, max_restarts=max(spec.max_restarts, RELAY_RESTARTS),

@@ -12,6 +12,8 @@ from pathlib import Path
 
 from nebula_cli.config import strict
 
+TUNNELS_FILE = "tunnels.json"
+"""Its name in the relay's agent directory."""
 TAG_PREFIX = "nebula-tunnel:"
 """Every authorized_keys line nebula adds ends with the comment TAG_PREFIX + "<job id>:<link>"."""
 

@@ -5,10 +5,12 @@ The cluster listed *later* in ``clusters`` dials the earlier one (reconnecting w
 exponential backoff, capped at BACKOFF_MAX). Peers must present a relay certificate of this job
 for a cluster that dials this relay, and a HELLO whose protocol, job, codec, block size and
 chunk size match. A listener holds at most MAX_HANDSHAKES connections between accept and the
-end of their hello, MAX_HANDSHAKES_PER_ADDRESS from one address (an IPv6 /64), each for at
-most HANDSHAKE_TIMEOUT seconds and FIRST_BYTES_TIMEOUT until its first byte; a new connection
-is never refused for lack of room: the oldest pending one of its address, or of the address
-holding the most, is ended and logged (:mod:`nebula_cli.relay.net.admission`). A link silent
+end of their hello, MAX_HANDSHAKES_PER_ADDRESS from one address (an IPv6 /64; all of
+loopback), each for at most HANDSHAKE_TIMEOUT seconds and FIRST_BYTES_TIMEOUT until its first
+byte; a connection whose first bytes arrived is never ended to make room, and a new one is
+refused only when no silent one could be: the oldest silent pending one of its address, or of
+the address holding the most in the network holding the most, is ended and logged
+(:mod:`nebula_cli.relay.net.admission`). A link silent
 for `dead_after` seconds is closed.
 
 The HELLO and the WELCOME each offer a key for the AES-GCM records the link then uses instead
@@ -108,7 +110,14 @@ class Listener:
                                       f"{self.admission.held} handshakes in progress on "
                                       f"{self.addr} (at most {MAX_HANDSHAKES}, "
                                       f"{MAX_HANDSHAKES_PER_ADDRESS} per address): its oldest "
-                                      "pending connection was ended")
+                                      "silent pending connection was ended")
+            if entry.ended is not None:
+                self._refusals.refuse("connection", entry.key,
+                                      f"every pending connection that could make room on "
+                                      f"{self.addr} has sent its first bytes: the new one "
+                                      "was closed")
+                sock.close()
+                continue
             sock.settimeout(None)
             tune_socket(sock)
             threading.Thread(target=self._run, args=(sock, entry, tcp), name="relay-conn",
@@ -119,6 +128,7 @@ class Listener:
             if tcp and not first_bytes(sock):  # a TLS client speaks first; AF_UNIX: the
                 sock.close()                   # peer's uid is checked before anything is read
                 return
+            self.admission.spoke(entry)
             then = self._handshake(sock, peer_addr(sock))
         finally:
             self.admission.release(entry)

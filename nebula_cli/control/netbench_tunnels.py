@@ -26,7 +26,7 @@ from nebula_cli.config.tunnel_config import TunnelConfig, TunnelDial, TunnelGran
 from nebula_cli.transport import Transport
 
 TUNNEL_FILES = ("agent/__init__.py", "agent/authkeys.py", "agent/bridge.py", "agent/grants.py",
-                "agent/tunnel.py",
+                "agent/tunnel.py", "agent/unix_socket.py",
                 "config/__init__.py", "config/strict.py", "config/tunnel_config.py")
 """What `python -m nebula_cli.agent.tunnel` imports (beside errors.py)."""
 TUNNEL_MODULE = "nebula_cli.agent.tunnel"

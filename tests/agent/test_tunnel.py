@@ -8,10 +8,12 @@ import contextlib
 import json
 import os
 import pwd
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -24,6 +26,7 @@ from nebula_cli.agent import authkeys, tunnel
 from nebula_cli.config import strict
 from nebula_cli.config.tunnel_config import TunnelConfig, TunnelDial, TunnelGrant
 from nebula_cli.pki import ssh_keypair
+from nebula_cli.relay.net import local_socket
 
 needs_sshd = pytest.mark.skipif(os.geteuid() != 0 or not os.path.exists(SSHD),
                                 reason="needs root and openssh-server for a test sshd")
@@ -268,3 +271,86 @@ def test_ssh_messages_are_echoed_and_their_file_stays_bounded(
         ssh_stderr.flush()
         t.echo()
     assert capsys.readouterr().out.strip().endswith("ssh: Permission denied (publickey).")
+
+
+OTHER_USER = """
+import os, socket, sys
+s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+s.settimeout(10)
+try:
+    head, name = os.path.split(sys.argv[1])
+    fd = os.open(head, os.O_PATH | os.O_DIRECTORY)
+    s.connect(f"/proc/self/fd/{fd}/{name}")
+except OSError as exc:
+    print(f"refused: {exc.strerror}")
+    sys.exit(0)
+try:
+    s.sendall(b"ping")
+    got = s.recv(100)
+except OSError:  # closed with the ping unread: a reset
+    got = b""
+print(f"answered: {got!r}" if got else "closed")
+"""
+
+
+def _other_user(path: Path) -> str:
+    """What a process of user nobody gets from the socket file at `path` (through its
+    folder's /proc/self/fd entry when the path is too long to connect to)."""
+    proc = subprocess.run(["/usr/bin/python3", "-c", OTHER_USER, str(path)], user="nobody",
+                          capture_output=True, text=True, timeout=30)
+    return proc.stdout.strip() or proc.stderr.strip()
+
+
+def _works_unix(path: Path) -> bool:
+    with contextlib.suppress(OSError):
+        conn = local_socket.connect(str(path), timeout=5)  # as the relay dials it
+        with conn.sock as s:
+            s.sendall(b"ping")
+            return s.recv(100) == b"ping"
+    return False
+
+
+@needs_sshd
+def test_a_relays_local_end_is_a_socket_file_only_its_user_reaches(
+        tmp_path: Path, sshd: tuple[Sshd, Path]) -> None:
+    """The review's case: on a loopback port, any user of the dialling host (a login node) could
+    hold the tunnel's sessions or drive logins with the job's key. The job's local end is a
+    socket file in the relay's 0700 agent folder: another user cannot connect, and one that
+    could (a folder made open) is closed before any ssh starts. The path is longer than
+    sun_path holds (bound and dialled through /proc/self/fd)."""
+    server, keys = sshd
+    base = Path(tempfile.mkdtemp(prefix="nebula-tunnel-test-", dir="/tmp"))
+    try:
+        base.chmod(0o755)  # nobody may walk down to the agent folder, as to a home directory
+        agent = base / ("long-job-directory-" * 4) / "lab" / "l1" / "relay"
+        agent.mkdir(parents=True)
+        for d in (agent, agent.parent, agent.parent.parent, agent.parent.parent.parent):
+            d.chmod(0o755)
+        local_end = agent / "tunnels" / "east.sock"
+        assert len(os.fsencode(local_end)) > 108
+        with echo_server() as relay_port:
+            cfg, _ = _config(tmp_path, server, keys, {"east": relay_port})
+            cfg.dial[0] = TunnelDial(**{**cfg.dial[0].__dict__, "listen": str(local_end)})
+            strict.write(cfg, tmp_path / "tunnels.json")
+            proc = _run(tmp_path, [sys.executable, "-c", "import time; time.sleep(300)"])
+            try:
+                assert wait_for(lambda: _works_unix(local_end), timeout=20)
+                assert (local_end.parent.stat().st_mode & 0o777, local_end.stat().st_mode &
+                        0o777) == (0o700, 0o600)
+                assert [_other_user(local_end) for _ in range(9)] == \
+                    ["refused: Permission denied"] * 9
+                assert _works_unix(local_end)
+                # folder and file opened to everyone by mistake: still closed, ssh unstarted
+                local_end.parent.chmod(0o755)
+                local_end.chmod(0o666)
+                assert _other_user(local_end) == "closed"
+                assert not _ssh_pids(proc.pid) and _works_unix(local_end)
+            finally:
+                proc.send_signal(signal.SIGTERM)
+                out, _ = proc.communicate(timeout=30)
+        assert f"tunnel to east up: {local_end} -> 127.0.0.1:" in out, out
+        assert "tunnel to east: a connection of uid 65534 closed" in out, out
+        assert not local_end.exists()  # the socket file goes with the tunnel
+        assert "nebula-tunnel" not in keys.read_text()
+    finally:
+        shutil.rmtree(base)

@@ -18,13 +18,12 @@ Where `reach` says that a pair of clusters' relays meets through a tunnel (the d
   port and nothing else, and an ``expiry-time`` minutes ahead (never after the job's
   certificates' end): no shell, no command, no pty, no agent or X11 forwarding, no TCP or
   Unix-socket forwarding either way, and a key of a killed relay refused soon after;
-- on the dialler's host, `run` starts the relay and listens on the tunnel's local end: for a
-  job's relay a Unix socket file in the relay's agent folder (``tunnels/<peer>.sock``, 0600 in
-  a 0700 folder, a long path bound through /proc/self/fd: `agent.unix_socket`), reached only
-  by processes of the job's user (the kernel's uid of each connection is checked, another's
-  closed before ssh starts), so no other user of the host (often a login node) can take the
-  tunnel's sessions or drive logins with the job's key; bench-network's measurer, which dials
-  ports, gets a loopback port instead. Every connection accepted there rides its own system
+- on the dialler's host, `run` starts the relay and listens on the tunnel's local end, a Unix
+  socket file in the relay's agent folder (``tunnels/<peer>.sock``, 0600 in a 0700 folder, a
+  long path bound through /proc/self/fd: `agent.unix_socket`), reached only by processes of
+  the job's user (the kernel's uid of each connection is checked, another's closed before ssh
+  starts), so no other user of the host (often a login node) can take the tunnel's sessions
+  or drive logins with the job's key. Every connection accepted there rides its own system
   ``ssh HOST TARGET`` with
   the connection as ssh's stdin and stdout (BatchMode, ServerAliveInterval, no ssh_config, no
   agent, no forwarding, the job's key only, the SSH host's key pinned: StrictHostKeyChecking
@@ -65,7 +64,6 @@ import time
 from pathlib import Path
 
 from nebula_cli.agent import unix_socket
-from nebula_cli.agent.bridge import split
 from nebula_cli.agent.grants import Grants
 from nebula_cli.config.tunnel_config import TUNNELS_FILE, TunnelConfig, TunnelDial
 from nebula_cli.errors import NebulaError
@@ -121,13 +119,10 @@ class Tunnel:
         self.said = ""
 
     def open(self) -> socket.socket:
-        """Listen on the local end: a Unix socket file when `listen` is a path, else a port
-        (OSError: taken, or not a socket file of this user's)."""
-        if os.path.isabs(self.dial.listen):
-            self.server = unix_socket.listen(self.dial.listen, "tunnel")
-            self.inode = os.stat(self.dial.listen).st_ino
-        else:
-            self.server = socket.create_server(split(self.dial.listen), backlog=MAX_SESSIONS)
+        """Listen on the local end, a Unix socket file (OSError: another tunnel serves it, or
+        its folder is not this user's)."""
+        self.server = unix_socket.listen(self.dial.listen, "tunnel")
+        self.inode = os.stat(self.dial.listen).st_ino
         self.server.setblocking(False)
         Path(self.dial.log).parent.mkdir(mode=0o700, parents=True, exist_ok=True)
         say(f"tunnel to {self.dial.peer} up: {self.dial.listen} -> {self.dial.target} through "
@@ -144,8 +139,7 @@ class Tunnel:
                 return
             with conn:
                 self.reap()
-                if conn.family == socket.AF_UNIX and \
-                        (uid := unix_socket.peer_uid(conn)) != os.getuid():
+                if (uid := unix_socket.peer_uid(conn)) != os.getuid():
                     say(f"tunnel to {self.dial.peer}: a connection of uid {uid} closed (only "
                         f"uid {os.getuid()}'s relay may use it)")
                     continue

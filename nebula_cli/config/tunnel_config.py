@@ -32,9 +32,9 @@ class TunnelDial:
     peer: str
     """The cluster this relay dials through the tunnel."""
     listen: str
-    """The local end the relay dials for `peer`: the absolute path of a Unix socket file (a
-    job's relay: in its agent folder, reached by its own user only), or host:port on loopback
-    (bench-network's measurer, which dials ports)."""
+    """The local end the relay dials for `peer`: the absolute path of a Unix socket file (in
+    the relay's agent folder; bench-network's: in the run's directory), reached by this
+    user's processes only."""
     target: str
     """host:port of the peer's relay as its SSH host sees it: all the key may reach."""
     host: str

@@ -374,8 +374,10 @@ def parser() -> argparse.ArgumentParser:
     m.add_argument("--pings", type=int, default=200)
     m.add_argument("--deadline", type=float, default=120.0, help="give up after this many s")
     m.add_argument("--reverse", action="store_true", help="the server sends, this counts")
-    m.add_argument("--plain-port", type=int, default=0,
-                   help="dial this plain port (a tunnel's local end), not the server's")
+    m.add_argument("--tls-socket", default=None,
+                   help="dial this Unix socket file (a tunnel's local end), not the TLS port")
+    m.add_argument("--plain-socket", default=None,
+                   help="dial this Unix socket file (a tunnel's local end), not the plain port")
     m.add_argument("--wait", type=float, default=0.0,
                    help="retry refused connections this many s (a tunnel coming up)")
     return p

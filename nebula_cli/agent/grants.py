@@ -102,8 +102,10 @@ class Grants:
         """Push the lines' expiry on when a third of `grant_ttl` has passed; whether it did."""
         if not self.cfg.grant or time.monotonic() - self.renewed < self.cfg.grant_ttl / 3:
             return False
-        self._new_caps()
-        self._write(self.cfg.grant_ttl)
+        try:  # a file that cannot be read keeps the caps it had, and is said by the caller
+            self._new_caps()
+        finally:
+            self._write(self.cfg.grant_ttl)
         return True
 
     def revoke(self) -> list[str]:

@@ -27,6 +27,7 @@ from nebula_cli.agent.grants import Grants, key_line
 from nebula_cli.config import strict
 from nebula_cli.config.tunnel_config import TUNNELS_FILE, TunnelConfig, TunnelGrant
 from nebula_cli.control.renewal import extend_tunnel_keys
+from nebula_cli.errors import NebulaError
 from nebula_cli.pki import ssh_keypair
 from nebula_cli.transport import LocalTransport
 
@@ -228,4 +229,11 @@ def test_renewed_certificates_move_the_keys_cap_on(granted: Granted, tmp_path: P
     assert grants.renew()
     assert grants.cfg.grant[0].expires == int(until.timestamp())
     assert granted.ssh("-T", stdin=b"ping").stdout == b"ping"  # a dropped tunnel comes back
+    # a tunnels.json that cannot be read: said (raised to `run`), the line renewed anyway
+    (tmp_path / TUNNELS_FILE).write_text("{")
+    grants.renewed -= cfg.grant_ttl / 3
+    before = grants.renewed
+    with pytest.raises(NebulaError):
+        grants.renew()
+    assert grants.renewed > before and grants.cfg.grant[0].expires == int(until.timestamp())
     grants.revoke()

@@ -23,9 +23,10 @@ of MAX_PENDING slots of its port (the TLS port and each plain port have their ow
 MAX_PENDING_PER_ADDRESS from one address (an IPv6 /64), for at most PENDING_DEADLINE seconds
 and `admission.FIRST_BYTES_TIMEOUT` until its first byte; a new connection ends the oldest
 silent pending one of its address, or of the address holding the most in the network holding
-the most, never one whose first bytes arrived: when no silent one can make room, the new one
-is closed (`nebula_cli.relay.net.admission`). Frames are read with small caps (ECHO_PAYLOAD
-for echoed frames, none for control frames), on plain TCP as on TLS.
+the most; one whose first bytes arrived only for a newcomer of a network holding at least two
+fewer; when none can make room, the new one is closed (`nebula_cli.relay.net.admission`).
+Frames are read with small caps (ECHO_PAYLOAD for echoed frames, none for control frames), on
+plain TCP as on TLS.
 
 On a connection: HELLO {op: echo|sink|source|report} -> WELCOME, then
 - echo: HEARTBEAT frames are sent back as they are, until BYE.

@@ -6,14 +6,18 @@ for them, and refuses the newest when they are full, is closed to everybody by o
 holding idle connections. So an :class:`Admission`:
 
 - never ends a connection that has spoken (its first bytes, a TLS ClientHello, have arrived:
-  the handler said so with ``spoke``, or they wait in the socket) to make room for a new one,
-  which has not spoken yet: a real peer's handshake, under way, is never ended by a crowd of
-  silent connections;
+  the handler said so with ``spoke``, or they wait in the socket) to make room for a new one
+  from its own network, or from a network holding almost as many: a real peer's handshake,
+  under way, is never ended by a crowd of silent connections, nor by a crowd from a network
+  holding more;
 - otherwise never refuses the newest connection: when its address already holds
   ``per_address`` pending connections, the oldest silent one of them is ended; when all
   ``total`` slots are held, the oldest silent connection of the address holding the most, in
-  the wider network holding the most (an IPv4 /24, an IPv6 /48), is ended. Only when none of
-  those is silent is the new connection itself refused (``Pending.ended`` is "refused");
+  the wider network holding the most (an IPv4 /24, an IPv6 /48), is ended, and when none is
+  silent, the oldest connection of the network holding the most if it holds at least two more
+  than the newcomer's (a crowd that sends first bytes and stalls still makes room for a client
+  of another network). Only when none of those can be ended is the new connection itself
+  refused (``Pending.ended`` is "refused");
 - counts one client as an IPv4 address (IPv4-mapped IPv6 ones too) or an IPv6 address's /64
   (one host usually has a whole /64), and one network as an IPv4 /24, an IPv6 /48, or all of
   loopback (127.0.0.0/8 and ::1: every one of its addresses is free to any local user). A
@@ -171,7 +175,7 @@ class Admission:
                 room = self._make_room([p for p in self._pending.values() if p.key == entry.key],
                                        ended)
             elif len(self._pending) >= self.total:
-                room = self._make_room(list(self._pending.values()), ended)
+                room = self._make_room(list(self._pending.values()), ended, entry)
             if not room:
                 self._end(entry, "refused")
                 return entry, ended
@@ -181,21 +185,29 @@ class Admission:
         return entry, ended
 
     def spoke(self, entry: Pending) -> None:
-        """`entry`'s first bytes arrived: no new connection ends it."""
+        """`entry`'s first bytes arrived: no new connection from its network (or one holding
+        almost as many) ends it."""
         with self._changed:
             entry.spoken = True
 
-    def _make_room(self, among: list[Pending], ended: list[Pending]) -> bool:
+    def _make_room(self, among: list[Pending], ended: list[Pending],
+                   newcomer: Pending | None = None) -> bool:
         """(Under the lock.) End the oldest silent connection of the address holding the most
-        in the network holding the most, of `among`; whether there was one."""
-        silent = [p for p in among if not p.spoken and not _has_spoken(p)]
-        if not silent:
-            return False
+        in the network holding the most, of `among`; with none silent and a `newcomer`, the
+        oldest of the network holding the most if it holds at least two more than the
+        newcomer's (a crowd that speaks and stalls still makes room for another network's
+        client, never one of its own). Whether one was ended."""
         networks: dict[str, int] = {}
         addresses: dict[str, int] = {}
         for p in among:
             networks[p.network] = networks.get(p.network, 0) + 1
             addresses[p.key] = addresses.get(p.key, 0) + 1
+        silent = [p for p in among if not p.spoken and not _has_spoken(p)]
+        if not silent and newcomer is not None:
+            ahead = networks.get(newcomer.network, 0) + 1
+            silent = [p for p in among if networks[p.network] > ahead]
+        if not silent:
+            return False
         old = min(silent, key=lambda p: (-networks[p.network], -addresses[p.key], p.number))
         ended.append(old)
         self._end(old, "evicted")

@@ -8,10 +8,11 @@ present a relay certificate of this job for a cluster that dials this relay, and
 protocol, job, codec, block size and chunk size match. A listener holds at most MAX_HANDSHAKES
 connections between accept and the end of their hello, MAX_HANDSHAKES_PER_ADDRESS from one
 address (an IPv6 /64), each for at most HANDSHAKE_TIMEOUT seconds and FIRST_BYTES_TIMEOUT until
-its first byte; a connection whose first bytes arrived is never ended to make room, and a new
-one is refused only when no silent one could be: the oldest silent pending one of its address,
-or of the address holding the most in the network holding the most, is ended and logged
-(:mod:`nebula_cli.relay.net.admission`). A link silent for `dead_after` seconds is closed.
+its first byte; to make room, the oldest silent pending one of its address, or of the address
+holding the most in the network holding the most, is ended and logged; one whose first bytes
+arrived only for a newcomer of a network holding at least two fewer; a new one is refused when
+none can be ended (:mod:`nebula_cli.relay.net.admission`). A link silent for `dead_after`
+seconds is closed.
 
 The HELLO and the WELCOME each offer a key for the AES-GCM records the link then uses instead
 of TLS (:mod:`nebula_cli.relay.net.gcm_records`); when both offered one, both ends close TLS and go

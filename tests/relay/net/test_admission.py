@@ -208,3 +208,39 @@ def test_a_full_port_ends_a_connection_of_the_network_holding_the_most(
     finally:
         gate.close()
         pairs.close()
+
+
+def test_a_crowd_that_speaks_and_stalls_still_makes_room_for_another_networks_client(
+        port: socket.socket) -> None:
+    """Every slot held by connections that sent first bytes and stall (from one /24): a client
+    of another network still gets in (the crowd's oldest is ended), one of the crowd's own
+    network does not (it would only crowd itself), nor does one when the networks hold alike."""
+    pairs, gate = Pairs(port), Admission(total=4, per_address=4, deadline=60)
+    try:
+        crowd = [pairs.connect("127.0.0.2") for _ in range(4)]
+        entries = [gate.admit(server, f"198.18.0.{1 + i}")[0]
+                   for i, (_, server) in enumerate(crowd)]
+        for entry in entries:
+            gate.spoke(entry)
+        own = pairs.connect("127.0.0.2")
+        refused, gone = gate.admit(own[1], "198.18.0.9")
+        assert gone == [] and refused.ended == "refused" and ended(own[0])
+        other = pairs.connect("127.0.0.3")
+        admitted, gone = gate.admit(other[1], "203.0.113.5")
+        assert gone == [entries[0]] and admitted.ended is None and ended(crowd[0][0])
+        gate.spoke(admitted)
+        assert gate.counts() == {"198.18.0.2": 1, "198.18.0.3": 1, "198.18.0.4": 1,
+                                 "203.0.113.5": 1}
+        third, gone = gate.admit(pairs.connect("127.0.0.4")[1], "192.0.2.7")  # /24s: 3 and 1
+        assert gone == [entries[1]]
+        gate.spoke(third)
+        fourth, gone = gate.admit(pairs.connect("127.0.0.5")[1], "192.0.3.7")  # 2 of 198.18.0
+        assert gone == [entries[2]]
+        gate.spoke(fourth)
+        # four networks holding one each, all spoken: a fifth network's client is refused
+        late, gone = gate.admit(pairs.connect("127.0.0.6")[1], "192.0.4.7")
+        assert gone == [] and late.ended == "refused"
+        assert sorted(gate.counts()) == ["192.0.2.7", "192.0.3.7", "198.18.0.4", "203.0.113.5"]
+    finally:
+        gate.close()
+        pairs.close()

@@ -15,6 +15,8 @@ A grant's line (`key_line`) is::
   grant's `expires`, the job's certificates' end) unless renewed: `Grants.renew`, called while
   the relay runs, pushes it on, so a relay killed before it could remove its lines leaves keys
   that stop working within that time (and `revoke`, run by the agent's `stop`, removes them).
+  The cap is read again from the config's file before each renewal: the control plane's
+  certificate renewal (`control.renewal`) moves it to the new certificates' end there.
 
 The command names this host's Python and nebula's directory as the process writing the line
 sees them (the relay's), so the bridge runs from the same installation. Standard library only.
@@ -22,6 +24,7 @@ sees them (the relay's), so the bridge runs from the same installation. Standard
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as dt
 import shlex
 import sys
@@ -64,9 +67,21 @@ def key_line(grant: TunnelGrant, until: int, command: str | None = None) -> str:
 class Grants:
     """A config's grants on this host: written with a short expiry, renewed, taken away."""
 
-    def __init__(self, cfg: TunnelConfig) -> None:
+    def __init__(self, cfg: TunnelConfig, path: str | Path | None = None) -> None:
         self.cfg = cfg
+        self.path = path
+        """The config's file, whose grants' `expires` (the cap) `renew` reads again."""
         self.renewed = 0.0
+
+    def _new_caps(self) -> None:
+        """Take the grants' `expires` from the config's file as it is now (a certificate
+        renewal moved them on); the rest of a grant stays as it was loaded."""
+        if self.path is None:
+            return
+        caps = {g.tag: g.expires for g in TunnelConfig.load(self.path).grant}
+        grants = [dataclasses.replace(g, expires=caps.get(g.tag, g.expires))
+                  for g in self.cfg.grant]
+        self.cfg = dataclasses.replace(self.cfg, grant=grants)
 
     def _write(self, ttl: int | None) -> None:
         now = time.time()
@@ -87,7 +102,10 @@ class Grants:
         """Push the lines' expiry on when a third of `grant_ttl` has passed; whether it did."""
         if not self.cfg.grant or time.monotonic() - self.renewed < self.cfg.grant_ttl / 3:
             return False
-        self._write(self.cfg.grant_ttl)
+        try:  # a file that cannot be read keeps the caps it had, and is said by the caller
+            self._new_caps()
+        finally:
+            self._write(self.cfg.grant_ttl)
         return True
 
     def revoke(self) -> list[str]:

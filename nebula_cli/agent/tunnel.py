@@ -9,15 +9,22 @@ Where `reach` says that a pair of clusters' relays meets through a tunnel (the d
 (`config.tunnel_config`) and their agents run the relay under `run`:
 
 - on the dialled cluster's host, `run` adds one authorized_keys line per tunnel before the
-  relay starts, renews its expiry while the relay runs, and removes it when the relay ends
+  relay starts, renews its expiry while the relay runs (never past the cap its tunnels.json
+  says when it renews: the certificates' end, moved on when they are renewed), and removes it
+  when the relay ends
   (`revoke`, run by the agent's `stop`, removes what a killed relay left). The line
   (`nebula_cli.agent.grants`) grants no forwarding at all: ``restrict``, a forced command
   (`nebula_cli.agent.bridge`) that joins the SSH session's stdin and stdout to the relay's
   port and nothing else, and an ``expiry-time`` minutes ahead (never after the job's
   certificates' end): no shell, no command, no pty, no agent or X11 forwarding, no TCP or
   Unix-socket forwarding either way, and a key of a killed relay refused soon after;
-- on the dialler's host, `run` starts the relay and listens on the tunnel's local end
-  (loopback); every connection accepted there rides its own system ``ssh HOST TARGET`` with
+- on the dialler's host, `run` starts the relay and listens on the tunnel's local end, a Unix
+  socket file in the relay's agent folder (``tunnels/<peer>.sock``, 0600 in a 0700 folder, a
+  long path bound through /proc/self/fd: `agent.unix_socket`), reached only by processes of
+  the job's user (the kernel's uid of each connection is checked, another's closed before ssh
+  starts), so no other user of the host (often a login node) can take the tunnel's sessions
+  or drive logins with the job's key. Every connection accepted there rides its own system
+  ``ssh HOST TARGET`` with
   the connection as ssh's stdin and stdout (BatchMode, ServerAliveInterval, no ssh_config, no
   agent, no forwarding, the job's key only, the SSH host's key pinned: StrictHostKeyChecking
   against the key nebula verified in known_hosts when it reached that host, under a
@@ -56,13 +63,14 @@ import sys
 import time
 from pathlib import Path
 
-from nebula_cli.agent.bridge import split
+from nebula_cli.agent import unix_socket
 from nebula_cli.agent.grants import Grants
-from nebula_cli.config.tunnel_config import TunnelConfig, TunnelDial
+from nebula_cli.config.tunnel_config import TUNNELS_FILE, TunnelConfig, TunnelDial
 from nebula_cli.errors import NebulaError
 
 MAX_SESSIONS = 8
-"""Connections one tunnel carries at once (each an ssh; a relay needs one per peer)."""
+"""Connections one tunnel carries at once (each an ssh; a relay needs one: its link to the
+tunnel's peer; on a Unix socket end all of them are the job's user's)."""
 POLL = 0.2
 STOP_WAIT = 5.0
 LAST_WORDS = 300
@@ -100,6 +108,8 @@ class Tunnel:
     def __init__(self, dial: TunnelDial, keepalive: int, count: int) -> None:
         self.dial, self.argv = dial, ssh_argv(dial, keepalive, count)
         self.server: socket.socket | None = None
+        self.inode: int | None = None
+        """The socket file's inode while it listens on one (removed at `close`)."""
         self.sessions: list[subprocess.Popen[bytes]] = []
         self.where = f"{dial.user}@{dial.host}:{dial.port}"
         try:  # what earlier runs of the relay left in the log is not repeated
@@ -109,9 +119,10 @@ class Tunnel:
         self.said = ""
 
     def open(self) -> socket.socket:
-        """Listen on the local end (OSError: the port is taken)."""
-        host, port = split(self.dial.listen)
-        self.server = socket.create_server((host, port), backlog=MAX_SESSIONS)
+        """Listen on the local end, a Unix socket file (OSError: another tunnel serves it, or
+        its folder is not this user's)."""
+        self.server = unix_socket.listen(self.dial.listen, "tunnel")
+        self.inode = os.stat(self.dial.listen).st_ino
         self.server.setblocking(False)
         Path(self.dial.log).parent.mkdir(mode=0o700, parents=True, exist_ok=True)
         say(f"tunnel to {self.dial.peer} up: {self.dial.listen} -> {self.dial.target} through "
@@ -128,6 +139,10 @@ class Tunnel:
                 return
             with conn:
                 self.reap()
+                if (uid := unix_socket.peer_uid(conn)) != os.getuid():
+                    say(f"tunnel to {self.dial.peer}: a connection of uid {uid} closed (only "
+                        f"uid {os.getuid()}'s relay may use it)")
+                    continue
                 if len(self.sessions) >= MAX_SESSIONS:
                     say(f"tunnel to {self.dial.peer}: {MAX_SESSIONS} connections open, "
                         "one more closed")
@@ -186,6 +201,9 @@ class Tunnel:
         if self.server is not None:
             self.server.close()
             self.server = None
+            if self.inode is not None:
+                unix_socket.unlink_own(self.dial.listen, self.inode)
+                self.inode = None
         for proc in self.sessions:
             if proc.poll() is None:
                 proc.terminate()
@@ -201,12 +219,12 @@ class Tunnel:
 def grant_dir(agent_dir: Path) -> None:
     """Add a directory's tunnels.json's grants until their `expires` (bench-network's probe
     servers: no process stays to renew them)."""
-    Grants(TunnelConfig.load(agent_dir / "tunnels.json")).add(renewed=False)
+    Grants(TunnelConfig.load(agent_dir / TUNNELS_FILE)).add(renewed=False)
 
 
 def revoke_dir(agent_dir: Path) -> list[str]:
     """What `revoke` removes for a relay's agent directory (nothing when it has no tunnels)."""
-    path = agent_dir / "tunnels.json"
+    path = agent_dir / TUNNELS_FILE
     return Grants(TunnelConfig.load(path)).revoke() if path.is_file() else []
 
 
@@ -224,11 +242,13 @@ def _serve(tunnels: list[Tunnel], grants: Grants, child: subprocess.Popen[bytes]
                 t.poll()
             try:
                 grants.renew()
-            except OSError as exc:
+            except (OSError, NebulaError) as exc:
                 say(f"cannot renew the tunnel keys of {grants.cfg.cluster}'s relay: {exc}")
 
 
-def run(cfg: TunnelConfig, command: list[str]) -> int:
+def run(cfg: TunnelConfig, command: list[str], path: Path | None = None) -> int:
+    """Run `command` with `cfg`'s tunnels and grants (`path`: the config's file, whose grants'
+    caps a certificate renewal moves on)."""
     if cfg.dial and shutil.which("ssh") is None:
         peers = ", ".join(d.peer for d in cfg.dial)
         say(f"ssh not found on this host (install openssh-client): relay {cfg.cluster} cannot "
@@ -245,7 +265,7 @@ def run(cfg: TunnelConfig, command: list[str]) -> int:
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
     tunnels = [Tunnel(d, cfg.keepalive, cfg.keepalive_count) for d in cfg.dial]
-    grants = Grants(cfg)
+    grants = Grants(cfg, path)
     try:
         try:
             grants.add()
@@ -311,7 +331,7 @@ def main(argv: list[str] | None = None) -> int:
     except NebulaError as exc:
         say(str(exc))
         return 2
-    return run(cfg, command)
+    return run(cfg, command, args.config)
 
 
 if __name__ == "__main__":

@@ -79,9 +79,6 @@ class Ports:
     """DeepSpeed world (a cluster's name, or PIPELINE_WORLD) -> rendezvous port of its rank 0."""
     relays: dict[str, tuple[int, int]]
     """cluster -> (peer port, worker port) of its relay."""
-    tunnels: dict[str, int] = field(default_factory=dict)
-    """link ("dialer>dialled", `reach.Link.key`) -> the local port of its SSH tunnel on the
-    dialler's relay host."""
     labels: dict[str, int] = field(default_factory=dict)
     """teacher cluster -> the port of its label relay on its gateway (`distill_plan`)."""
 

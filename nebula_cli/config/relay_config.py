@@ -96,7 +96,8 @@ class RelayConfig:
     worker_listen: str
     """host:port where this cluster's workers (RelayClient) connect with mutual TLS."""
     peers: dict[str, str]
-    """cluster -> host:port of its peer_listen, for every other cluster."""
+    """cluster -> host:port of its peer_listen, for every other cluster, or the absolute path
+    of the Unix socket that is the local end of this relay's SSH tunnel to it."""
     tls: TlsFiles
     codec: str
     """Codec of the WAN hop (a name of `codec_params.CODEC_PARAMS`), or "auto" (see
@@ -160,7 +161,8 @@ class RelayConfig:
                 f"peers: expected an address for each of {sorted(expected)}, "
                 f"got {sorted(self.peers)}"
             )
-        for addr in [self.peer_listen, self.worker_listen, *self.peers.values()]:
+        for addr in [self.peer_listen, self.worker_listen,
+                     *(a for a in self.peers.values() if not os.path.isabs(a))]:
             parse_addr(addr)
         if self.worker_socket is not None and not os.path.isabs(self.worker_socket):
             raise RelayConfigError(

@@ -32,7 +32,13 @@ from nebula_cli.config.plan_model import (
 from nebula_cli.config.reach import Link
 from nebula_cli.config.relay_config import AutoCodec, AutoSteps, RelayConfig, ShapingConfig
 from nebula_cli.config.spec import JobSpec
-from nebula_cli.config.tunnel_config import TunnelConfig, TunnelDial, TunnelGrant, job_tag
+from nebula_cli.config.tunnel_config import (
+    TUNNELS_FILE,
+    TunnelConfig,
+    TunnelDial,
+    TunnelGrant,
+    job_tag,
+)
 from nebula_cli.config.worlds import site_key
 
 TUNNEL_KEEPALIVE = 5
@@ -113,8 +119,8 @@ def relay_agents(spec: JobSpec, job_id: str, sites: dict[str, Site], ports: Port
                 posixpath.join(adir, "relay.json")]
         if tunnels is not None:  # the relay runs inside the keeper of its tunnels
             argv = [site.python, "-m", "nebula_cli.agent.tunnel", "run", "--config",
-                    posixpath.join(adir, "tunnels.json"), "--", *argv]
-            tunnel_files["tunnels.json"] = strict.dumps(tunnels)
+                    posixpath.join(adir, TUNNELS_FILE), "--", *argv]
+            tunnel_files[TUNNELS_FILE] = strict.dumps(tunnels)
         config = AgentConfig(
             job_id=job_id, cluster=cluster.name, host=gateway.host, role=RELAY, cwd=adir,
             grace=RELAY_GRACE, max_restarts=max(spec.max_restarts, RELAY_RESTARTS),
@@ -140,7 +146,7 @@ def relay_config(spec: JobSpec, job_id: str, cluster: ClusterSpec, adir: str, po
     assert relay is not None
 
     by_name = {c.name: c for c in spec.clusters}
-    tunnelled = {link.dialled: _tunnel_listen(link, ports) for link in spec.links()
+    tunnelled = {link.dialled: tunnel_socket(adir, link.dialled) for link in spec.links()
                  if link.dialer == cluster.name and link.tunnel}
     site = _gateway_site(cluster, sites)
     dialled_by = [link for link in spec.links() if link.dialled == cluster.name]
@@ -181,8 +187,10 @@ def _relay_on_ssh_host(cluster: ClusterSpec) -> bool:
     return site_key(cluster, cluster.gateway_host) == site_key(cluster, cluster.ssh_host)
 
 
-def _tunnel_listen(link: Link, ports: Ports) -> str:
-    return _host_port("127.0.0.1", ports.tunnels[link.key])
+def tunnel_socket(adir: str, peer: str) -> str:
+    """The local end of the dialling relay's tunnel to `peer`: a Unix socket file in its agent
+    folder (`agent.tunnel` makes the folder 0700; only the job's user reaches it)."""
+    return posixpath.join(adir, "tunnels", f"{peer}.sock")
 
 
 def tunnel_target(cluster: ClusterSpec, sites: dict[str, Site], ports: Ports) -> str:
@@ -193,7 +201,7 @@ def tunnel_target(cluster: ClusterSpec, sites: dict[str, Site], ports: Ports) ->
 
 
 def tunnel_links(spec: JobSpec) -> list[Link]:
-    """The links that ride an SSH tunnel (each needs a key and a local port)."""
+    """The links that ride an SSH tunnel (each needs a key)."""
     return [link for link in spec.links() if link.tunnel]
 
 
@@ -221,7 +229,7 @@ def tunnel_config(spec: JobSpec, job_id: str, cluster: ClusterSpec, adir: str,
             pins.append(f"{alias} {ssh.ssh.host_key}\n")
             files[f"tunnels/{peer.name}.key"] = private
             dial.append(TunnelDial(
-                peer=peer.name, listen=_tunnel_listen(link, ports),
+                peer=peer.name, listen=tunnel_socket(adir, peer.name),
                 target=tunnel_target(peer, sites, ports), host=peer.relay_address or ssh.address,
                 port=ssh.ssh.port, user=ssh.ssh.user,
                 key=posixpath.join(adir, f"tunnels/{peer.name}.key"),

@@ -12,6 +12,8 @@ from pathlib import Path
 
 from nebula_cli.config import strict
 
+TUNNELS_FILE = "tunnels.json"
+"""Its name in the relay's agent directory."""
 TAG_PREFIX = "nebula-tunnel:"
 """Every authorized_keys line nebula adds ends with the comment TAG_PREFIX + "<job id>:<link>"."""
 
@@ -23,14 +25,16 @@ def job_tag(job_id: str) -> str:
 
 @dataclass(frozen=True)
 class TunnelDial:
-    """A tunnel this relay's host keeps: a local port whose every connection rides its own
+    """A tunnel this relay's host keeps: a local end whose every connection rides its own
     ``ssh HOST TARGET`` to the SSH host of the cluster it dials (whose key's forced command
     joins it to `target`), authenticated by `key`, the host's key pinned in `known_hosts`."""
 
     peer: str
     """The cluster this relay dials through the tunnel."""
     listen: str
-    """host:port on this host (loopback) that the relay dials for `peer`."""
+    """The local end the relay dials for `peer`: the absolute path of a Unix socket file (in
+    the relay's agent folder; bench-network's: in the run's directory), reached by this
+    user's processes only."""
     target: str
     """host:port of the peer's relay as its SSH host sees it: all the key may reach."""
     host: str

@@ -82,7 +82,7 @@ PACKAGE_DIR = Path(__file__).resolve().parent.parent
 PROBE_FILES = ("__init__.py", "errors.py", "pki/__init__.py", "pki/certs.py", "pki/sshkeys.py",
                "pki/tls.py",
                "relay/__init__.py", "relay/net/__init__.py", "relay/net/wire.py",
-               "relay/net/admission.py",
+               "relay/net/admission.py", "agent/__init__.py", "agent/unix_socket.py",
                "netbench/__init__.py", "netbench/probe.py",
                "netbench/measure.py")  # what the probe imports
 PINGS = 200
@@ -250,7 +250,7 @@ class Bench:
         pair = issued.relay(node.cluster) if node.relay else issued.worker(node.cluster,
                                                                              node.host)
         lib = posixpath.join(node.dir, "lib", "nebula_cli")
-        for rel in (*PROBE_FILES, *TUNNEL_FILES):
+        for rel in dict.fromkeys((*PROBE_FILES, *TUNNEL_FILES)):
             t.put_bytes((PACKAGE_DIR / rel).read_bytes(), posixpath.join(lib, rel))
         t.put_bytes(issued.ca_cert.read_bytes(), posixpath.join(node.dir, "ca.pem"))
         t.put_bytes(pair.cert.read_bytes(), posixpath.join(node.dir, "cert.pem"))
@@ -267,8 +267,7 @@ class Bench:
                         two_free_ports(t)
                 self.tunnels[(p.src, p.dst)] = new_tunnel(
                     p.src.cluster, p.dst.cluster, server=self.transport(p.dst),
-                    client=self.transport(p.src), address=p.dst.dial,
-                    ports=self.server_ports[p.dst])
+                    address=p.dst.dial, ports=self.server_ports[p.dst])
         by_name = {c.name: c for c in self.spec.clusters}
         for (src, _), tunnel in self.tunnels.items():
             for name, data in dial_files(self.run, tunnel, src.dir).items():
@@ -308,12 +307,10 @@ class Bench:
             "measured": _now(), **dict.fromkeys(FIGURES),
         }
         tunnel = self.tunnels.get((pair.src, pair.dst)) if pair.tunnel else None
-        host, port = ("127.0.0.1", tunnel.local[0]) if tunnel else (pair.target,
-                                                                    server["tls_port"])
-        try:
+        try:  # through a tunnel, `wrap` names its local ends, dialled instead of the ports
             figures = self.probe(
-                pair.src, "measure", "--certs", pair.src.dir, "--host", host,
-                "--tls-port", str(port), *(["--reverse"] if pair.reverse else []),
+                pair.src, "measure", "--certs", pair.src.dir, "--host", pair.target,
+                "--tls-port", str(server["tls_port"]), *(["--reverse"] if pair.reverse else []),
                 "--peer-cluster", pair.dst.cluster, "--duration", str(self.duration),
                 "--streams", str(self.streams), "--pings", str(PINGS),
                 "--deadline", f"{budget:.0f}", timeout=budget + 15, tunnel=tunnel)

@@ -6,7 +6,8 @@ For such a pair, the dialled host's probe server listens on two known ports (TLS
 throwaway key of the run is let in there for those two ports only (`tunnel grant`: its forced
 command joins a session to either port and nothing else, until the run's certificates' end;
 `tunnel revoke` at cleanup, before the run's directory goes), and the measurer on the dialling
-host runs inside `tunnel run` with two local ends (an ssh per connection, one to each port).
+host runs inside `tunnel run` with two local ends (Unix socket files in the run's directory
+there, as a job's relay has: an ssh per connection, one to each port).
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from nebula_cli.config.tunnel_config import TunnelConfig, TunnelDial, TunnelGran
 from nebula_cli.transport import Transport
 
 TUNNEL_FILES = ("agent/__init__.py", "agent/authkeys.py", "agent/bridge.py", "agent/grants.py",
-                "agent/tunnel.py",
+                "agent/tunnel.py", "agent/unix_socket.py",
                 "config/__init__.py", "config/strict.py", "config/tunnel_config.py")
 """What `python -m nebula_cli.agent.tunnel` imports (beside errors.py)."""
 TUNNEL_MODULE = "nebula_cli.agent.tunnel"
@@ -43,8 +44,6 @@ class BenchTunnel:
     dialled: str
     ports: tuple[int, int]
     """The probe server's TLS and plain ports on the dialled host."""
-    local: tuple[int, int]
-    """Their local ends on the dialling host."""
     host: str
     """The dialled host's sshd, as the dialler reaches it (address, port, user, key)."""
     port: int
@@ -72,16 +71,25 @@ def grant_config(run: str, cluster: str, authorized_keys: str, tunnels: list[Ben
                         dial=[], grant=grants)
 
 
+WAYS = ("tls", "plain")
+"""The probe server's two ports, in `BenchTunnel.ports`' order."""
+
+
+def local_end(t: BenchTunnel, where: str, which: str) -> str:
+    """The local end of `t` to the server's `which` port: a socket file in `where`."""
+    return posixpath.join(where, f"tunnel-{t.dialled}-{which}.sock")
+
+
 def dial_files(run: str, t: BenchTunnel, where: str) -> dict[str, bytes]:
     """The dialling host's files under `where`: tunnels-<dialled>.json, its key, the pin."""
     name = f"tunnel-{t.dialled}"
     alias = f"nebula-{run}-{t.dialled}"
-    dials = [TunnelDial(peer=t.dialled, listen=f"127.0.0.1:{local}",
+    dials = [TunnelDial(peer=t.dialled, listen=local_end(t, where, which),
                         target=f"127.0.0.1:{port}", host=t.host, port=t.port, user=t.user,
                         key=posixpath.join(where, f"{name}.key"),
                         known_hosts=posixpath.join(where, f"{name}.known_hosts"), alias=alias,
                         log=posixpath.join(where, f"{name}-{which}.log"))
-             for which, local, port in zip(("tls", "plain"), t.local, t.ports, strict=True)]
+             for which, port in zip(WAYS, t.ports, strict=True)]
     cfg = TunnelConfig(job_id=run, cluster=t.dialer, keepalive=TUNNEL_KEEPALIVE,
                        keepalive_count=TUNNEL_KEEPALIVE_COUNT, grant_ttl=TUNNEL_GRANT_TTL,
                        dial=dials, grant=[])
@@ -93,19 +101,19 @@ def wrap(python: str, where: str, t: BenchTunnel, measure: list[str]) -> list[st
     """The measurer's command inside the tunnel keeper, dialling the tunnel's local ends."""
     return [python, "-m", TUNNEL_MODULE, "run", "--config",
             posixpath.join(where, f"tunnel-{t.dialled}.json"), "--", *measure,
-            "--plain-port", str(t.local[1]), "--wait", f"{WAIT:g}"]
+            "--tls-socket", local_end(t, where, "tls"),
+            "--plain-socket", local_end(t, where, "plain"), "--wait", f"{WAIT:g}"]
 
 
-def new_tunnel(dialer: str, dialled: str, *, server: Transport, client: Transport,
-               address: str, ports: tuple[int, int]) -> BenchTunnel:
-    """The tunnel to the probe server's `ports`: two free local ends on the client, the
-    server's sshd as nebula reached it, and a new key."""
+def new_tunnel(dialer: str, dialled: str, *, server: Transport, address: str,
+               ports: tuple[int, int]) -> BenchTunnel:
+    """The tunnel to the probe server's `ports`: the server's sshd as nebula reached it, and a
+    new key."""
     login = server.ssh_login()
     assert login is not None, f"{dialled}: no sshd (reach.problems refuses such a spec)"
     user, ssh_port, host_key = login
-    return BenchTunnel(dialer=dialer, dialled=dialled, ports=ports, local=two_free_ports(client),
-                       host=address, port=ssh_port, user=user, host_key=host_key,
-                       key=pki.ssh_keypair())
+    return BenchTunnel(dialer=dialer, dialled=dialled, ports=ports, host=address, port=ssh_port,
+                       user=user, host_key=host_key, key=pki.ssh_keypair())
 
 
 def two_free_ports(t: Transport) -> tuple[int, int]:

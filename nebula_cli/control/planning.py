@@ -1,7 +1,6 @@
 """What the plan needs from the hosts, asked of their transports: `HostFacts` (a part of the
 orchestrator) learns each host's site (directories, addresses, python, its sshd), the
-interfaces of multi-host worlds, free ports (the relays', their tunnels' local ends, the
-teachers' label relays), issues
+interfaces of multi-host worlds, free ports (the relays', the teachers' label relays), issues
 the job's certificates and tunnel keys, then calls the pure `jobplan.build_plan`."""
 
 from __future__ import annotations
@@ -76,26 +75,21 @@ class HostFacts(Session):
                 for k, s in sites.items()}
 
     def ports(self, spec: JobSpec, sites: dict[str, plan_model.Site]) -> plan_model.Ports:
-        """Rendezvous ports of every DeepSpeed world, the relays' ports, and a free port on
-        each tunnel's dialling relay host for its local end."""
+        """Rendezvous ports of every DeepSpeed world and the relays' ports (a tunnel's local end
+        is a Unix socket file: no port)."""
         def port(c: ClusterSpec, h: HostSpec, preferred: int | None) -> int:
             return self.transport(sites[worlds.site_key(c, h)].conn).listen_port(preferred)
 
         masters = {world: port(c, h, None)
                    for world, (c, h) in worlds.rendezvous_hosts(spec).items()}
-        relays, tunnels = {}, {}
+        relays = {}
         if spec.relay is not None:
             for c in spec.clusters:
                 relays[c.name] = (port(c, c.gateway_host, spec.relay.port),
                                   port(c, c.gateway_host, spec.relay.effective_worker_port))
-            by_name = {c.name: c for c in spec.clusters}
-            for link in tunnel_links(spec):
-                dialer = by_name[link.dialer]
-                tunnels[link.key] = port(dialer, dialer.gateway_host, None)
         labels = {c.name: port(c, c.gateway_host, labels_port(spec)) for c in spec.clusters
                   if spec.distill is not None and c.role == "teacher"}
-        return plan_model.Ports(masters=masters, relays=relays, tunnels=tunnels,
-                                labels=labels)
+        return plan_model.Ports(masters=masters, relays=relays, labels=labels)
 
     def plan(self, spec: JobSpec, job_id: str, *, renew: bool = False,
              conns: dict[str, Conn] | None = None) -> plan_model.JobPlan:

@@ -6,7 +6,10 @@ relay whose link drops could not connect again. The control plane's look at a ru
 left (`pki.renewal_due`): the same CA key certified again and new leaves
 (`pki.extend_job_pki`), then each agent's copies replaced on its host (key, certificate, CA, each
 atomically). Every relay and worker loads them before its next handshake (`pki.tls`); nothing
-is stopped and established connections go on.
+is stopped and established connections go on. A relay that lets tunnel keys in (its
+tunnels.json has grants) gets that file again with the grants' `expires` moved to the new
+certificates' end: its `tunnel run` reads it before its next renewal of the key lines
+(`agent.grants`), so a dropped tunnel can come back after the first `lifetime_days`.
 
 This needs the machine that holds the job's `$NEBULA_HOME` (the CA key never leaves it): a job
 of a month or more needs a `nebula status` (or the live view) in the last third of its
@@ -16,13 +19,16 @@ them again (each renewal is recorded in the job's events).
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as dt
+import json
 import posixpath
 from collections.abc import Callable
 from pathlib import Path
 
 from nebula_cli import pki
-from nebula_cli.config import plan_model
+from nebula_cli.config import plan_model, strict
+from nebula_cli.config.tunnel_config import TUNNELS_FILE, TunnelConfig
 from nebula_cli.control.fanout import GroupError, fanout
 from nebula_cli.control.state import END_STATES, HostRecord, JobRecord, StateStore
 from nebula_cli.errors import NebulaError
@@ -49,6 +55,22 @@ def _ca_serial(ca: Path) -> str:
     return str(x509.load_pem_x509_certificate(ca.read_bytes()).serial_number)
 
 
+def extend_tunnel_keys(transport: Transport, agent_dir: str, until: dt.datetime) -> bool:
+    """Move the cap of the tunnel keys a relay lets in (its tunnels.json's grants) to `until`,
+    the renewed certificates' end; whether there was a grant to move."""
+    path = posixpath.join(agent_dir, TUNNELS_FILE)
+    data = transport.read_file(path)
+    if data is None:
+        return False
+    cfg = strict.from_dict(TunnelConfig, json.loads(data), path)
+    if not cfg.grant:
+        return False
+    cap = int(until.timestamp())
+    grants = [dataclasses.replace(g, expires=cap) for g in cfg.grant]
+    transport.put_bytes(strict.dumps(dataclasses.replace(cfg, grant=grants)), path, mode=0o600)
+    return True
+
+
 def renew_if_due(store: StateStore, job: JobRecord, hosts: list[HostRecord],
                  transport_of: Callable[[HostRecord], Transport], cancel: Callable[[], None],
                  now: dt.datetime | None = None) -> str | None:
@@ -68,6 +90,7 @@ def renew_if_due(store: StateStore, job: JobRecord, hosts: list[HostRecord],
             store.upsert_host(rec)
     job_pki = pki.load_pki(pki_dir)
     serial = _ca_serial(job_pki.ca_cert)
+    until = pki.expiry(pki_dir)
     todo = [h for h in hosts if h.state not in END_STATES
             and h.detail.get(SENT_KEY, serial) != serial]  # none: the launch's files
     if not todo:
@@ -83,6 +106,8 @@ def renew_if_due(store: StateStore, job: JobRecord, hosts: list[HostRecord],
         transport.put_bytes(pair.key.read_bytes(), key, mode=0o600)  # the key first: a process
         transport.put_bytes(pair.cert.read_bytes(), cert, mode=0o600)  # reading between the
         transport.put_bytes(job_pki.ca_cert.read_bytes(), ca, mode=0o600)  # two waits
+        if rec.role == plan_model.RELAY:
+            extend_tunnel_keys(transport, rec.agent_dir, until)
 
     try:
         done = fanout(list(range(len(todo))), send, timeout=120, cancel=cancel)

@@ -5,15 +5,16 @@ what both sides share: the run's TLS contexts, socket tuning, frame sizes.
 for ``--duration`` seconds (throughput), over plain TCP and over TLS. The measurer sends and the
 server counts (``sink``), or with ``--reverse`` the server sends and the measurer counts
 (``source``): both directions of a link are measured over connections one side dials, as a
-relay's link is. ``--plain-port`` dials the plain port there instead of the one the server
-names (the local end of an SSH tunnel to it); ``--wait`` retries refused connections that long
-(a tunnel still coming up).
+relay's link is. Through an SSH tunnel, ``--tls-socket`` and ``--plain-socket`` name the
+tunnel's local ends (Unix socket files of this user's, `agent.tunnel`) dialled instead of the
+server's ports; ``--wait`` retries refused connections that long (a tunnel still coming up).
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import errno
 import json
 import math
 import os
@@ -29,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from nebula_cli import pki
+from nebula_cli.agent import unix_socket
 from nebula_cli.errors import NebulaError
 from nebula_cli.relay.net.wire import Frame, FrameType, recv_frame, send_frame, tune_socket
 
@@ -56,26 +58,47 @@ def _contexts(certs: Path) -> tuple[ssl.SSLContext, ssl.SSLContext]:
 # ------------------------------------------------------------------------------- measure
 
 
-def _connect(host: str, port: int, wait: float) -> socket.socket:
-    """A TCP connection; refusals retried for `wait` seconds."""
+def _connect(where: str, wait: float) -> socket.socket:
+    """A connection to "host:port" over TCP, or to the Unix socket file at the absolute path
+    `where` (a tunnel's local end, served by this user's process); refusals retried for `wait`
+    seconds."""
     deadline = time.monotonic() + wait
     while True:
         try:
-            return socket.create_connection((host, port), timeout=IO_TIMEOUT)
-        except ConnectionRefusedError as exc:
+            if os.path.isabs(where):
+                return _connect_unix(where)
+            host, _, port = where.rpartition(":")
+            return socket.create_connection((host.strip("[]"), int(port)), timeout=IO_TIMEOUT)
+        except (ConnectionRefusedError, FileNotFoundError) as exc:
             if time.monotonic() >= deadline:
-                raise ProbeError(f"cannot connect to {host}:{port}: {exc.strerror}") from exc
+                raise ProbeError(f"cannot connect to {where}: {exc.strerror}") from exc
             time.sleep(0.2)
         except OSError as exc:
-            raise ProbeError(f"cannot connect to {host}:{port}: {exc.strerror or exc}") from exc
+            raise ProbeError(f"cannot connect to {where}: {exc.strerror or exc}") from exc
 
 
-def _dial(host: str, port: int, tls: ssl.SSLContext | None, run: str, cluster: str | None,
+def _connect_unix(path: str) -> socket.socket:
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        sock.settimeout(IO_TIMEOUT)
+        with unix_socket.bindable(path) as name:
+            sock.connect(name)
+        if (uid := unix_socket.peer_uid(sock)) != os.getuid():
+            raise PermissionError(errno.EPERM, f"served by uid {uid}, not by this user")
+    except BaseException:
+        sock.close()
+        raise
+    return sock
+
+
+def _dial(where: str, tls: ssl.SSLContext | None, run: str, cluster: str | None,
           welcome: dict[str, Any] | None = None, wait: float = 0.0,
           **hello: Any) -> socket.socket:
-    """Connect, send HELLO ``hello``, expect WELCOME (its meta into ``welcome``)."""
-    sock = _connect(host, port, wait)
-    tune_socket(sock)
+    """Connect to `where` (see `_connect`), send HELLO ``hello``, expect WELCOME (its meta into
+    ``welcome``)."""
+    sock = _connect(where, wait)
+    if sock.family != socket.AF_UNIX:
+        tune_socket(sock)
     if tls is not None:
         sock, _ = pki.wrap_client(sock, tls, job_id=run, roles=ROLES, cluster=cluster,
                                   timeout=IO_TIMEOUT)
@@ -83,7 +106,7 @@ def _dial(host: str, port: int, tls: ssl.SSLContext | None, run: str, cluster: s
     answer = recv_frame(sock, max_payload=0)  # WELCOME and ERROR carry meta only
     if answer.type != FrameType.WELCOME:
         sock.close()
-        raise ProbeError(f"{host}:{port} answered {answer.type.name} {answer.meta}")
+        raise ProbeError(f"{where} answered {answer.type.name} {answer.meta}")
     if welcome is not None:
         welcome.update(answer.meta)
     return sock
@@ -225,21 +248,24 @@ def measure(args: argparse.Namespace) -> int:
     signal.alarm(max(math.ceil(args.deadline), 1))  # never outlive the caller's wait
     _, client_ctx = _contexts(Path(args.certs))
 
+    server = f"[{args.host}]" if ":" in args.host else args.host
+    tls_end = args.tls_socket or f"{server}:{args.tls_port}"
+
     def tls(**hello: Any) -> socket.socket:
-        return _dial(args.host, args.tls_port, client_ctx, args.run, args.peer_cluster,
-                     wait=args.wait, **hello)
+        return _dial(tls_end, client_ctx, args.run, args.peer_cluster, wait=args.wait, **hello)
 
     rate = throughput_from if args.reverse else throughput
 
     # the plain port opens for this measurement only: one ticket per plain connection
     opened: dict[str, Any] = {}
-    with _dial(args.host, args.tls_port, client_ctx, args.run, args.peer_cluster, opened,
-               wait=args.wait, op="plain", count=2 + args.streams) as control:
+    with _dial(tls_end, client_ctx, args.run, args.peer_cluster, opened, wait=args.wait,
+               op="plain", count=2 + args.streams) as control:
         tickets = iter(opened.get("tickets", []))
+        plain_end = args.plain_socket or f"{server}:{int(opened['port'])}"
 
         def plain(**hello: Any) -> socket.socket:
-            return _dial(args.host, args.plain_port or int(opened["port"]), None, args.run, None,
-                         wait=args.wait, ticket=next(tickets, ""), **hello)
+            return _dial(plain_end, None, args.run, None, wait=args.wait,
+                         ticket=next(tickets, ""), **hello)
 
         ways: dict[str, Callable[..., socket.socket]] = {"plain": plain, "tls": tls}
         rtt, tput, cipher = {}, {}, None

@@ -22,9 +22,11 @@ Until a connection has authenticated (its TLS handshake and HELLO, or its ticket
 of MAX_PENDING slots of its port (the TLS port and each plain port have their own), at most
 MAX_PENDING_PER_ADDRESS from one address (an IPv6 /64), for at most PENDING_DEADLINE seconds
 and `admission.FIRST_BYTES_TIMEOUT` until its first byte; a new connection ends the oldest
-pending one of its address, or of the address holding the most, never itself
-(`nebula_cli.relay.net.admission`). Frames are read with small caps (ECHO_PAYLOAD for echoed
-frames, none for control frames), on plain TCP as on TLS.
+silent pending one of its address, or of the address holding the most in the network holding
+the most; one whose first bytes arrived only for a newcomer of a network holding at least two
+fewer; when none can make room, the new one is closed (`nebula_cli.relay.net.admission`).
+Frames are read with small caps (ECHO_PAYLOAD for echoed frames, none for control frames), on
+plain TCP as on TLS.
 
 On a connection: HELLO {op: echo|sink|source|report} -> WELCOME, then
 - echo: HEARTBEAT frames are sent back as they are, until BYE.
@@ -219,6 +221,7 @@ def _handle(sock: socket.socket, admission: Admission, entry: Pending,
     try:
         if not first_bytes(sock):
             raise WireError("nothing arrived before the first-bytes deadline")
+        admission.spoke(entry)
         sock.settimeout(IO_TIMEOUT)
         tune_socket(sock)
         if tls is not None:
@@ -273,6 +276,12 @@ def _accept_loop(listener: socket.socket, admission: Admission, tls: ssl.SSLCont
             log.warning("ended a pending %s connection from %s: %d connections are not "
                         "authenticated yet (at most %d, %d per address)", "tls" if tls else
                         "plain", old.key, admission.held, MAX_PENDING, MAX_PENDING_PER_ADDRESS)
+        if entry.ended is not None:
+            log.warning("closed a new %s connection from %s: every pending one that could "
+                        "make room has sent its first bytes", "tls" if tls else "plain",
+                        entry.key)
+            sock.close()
+            continue
         threading.Thread(target=_handle, args=(sock, admission, entry, tls, run, plain,
                                                serve_args), daemon=True).start()
 
@@ -366,8 +375,10 @@ def parser() -> argparse.ArgumentParser:
     m.add_argument("--pings", type=int, default=200)
     m.add_argument("--deadline", type=float, default=120.0, help="give up after this many s")
     m.add_argument("--reverse", action="store_true", help="the server sends, this counts")
-    m.add_argument("--plain-port", type=int, default=0,
-                   help="dial this plain port (a tunnel's local end), not the server's")
+    m.add_argument("--tls-socket", default=None,
+                   help="dial this Unix socket file (a tunnel's local end), not the TLS port")
+    m.add_argument("--plain-socket", default=None,
+                   help="dial this Unix socket file (a tunnel's local end), not the plain port")
     m.add_argument("--wait", type=float, default=0.0,
                    help="retry refused connections this many s (a tunnel coming up)")
     return p

@@ -6,6 +6,8 @@ socket, local or remote, ``-W``); not after its expiry, which renewal pushes on.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import datetime as dt
 import os
 import re
 import socket
@@ -22,8 +24,12 @@ from helpers.local_sshd import SSHD, LocalSshd, local_sshd
 from helpers.sshd_bed import free_port
 
 from nebula_cli.agent.grants import Grants, key_line
-from nebula_cli.config.tunnel_config import TunnelConfig, TunnelGrant
+from nebula_cli.config import strict
+from nebula_cli.config.tunnel_config import TUNNELS_FILE, TunnelConfig, TunnelGrant
+from nebula_cli.control.renewal import extend_tunnel_keys
+from nebula_cli.errors import NebulaError
 from nebula_cli.pki import ssh_keypair
+from nebula_cli.transport import LocalTransport
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0 or not os.path.exists(SSHD),
                                 reason="needs root and openssh-server for a test sshd")
@@ -199,3 +205,35 @@ def test_an_expired_key_is_refused_and_renewal_pushes_the_expiry_on(granted: Gra
     granted.grants.renewed -= granted.grants.cfg.grant_ttl / 3
     assert granted.grants.renew() and _expiry(granted) >= stamp
     assert granted.ssh("-T", stdin=b"ping").stdout == b"ping"
+
+
+def test_renewed_certificates_move_the_keys_cap_on(granted: Granted, tmp_path: Path) -> None:
+    """A grant is capped at the certificates' end: once that passed, renewing the line cannot
+    let the key in, unless the control plane's certificate renewal moved the cap on in the
+    relay's tunnels.json (`control.renewal.extend_tunnel_keys`), which `renew` reads again."""
+    cap = int(time.time()) + 3  # the certificates end in 3 s
+    grant = dataclasses.replace(granted.grants.cfg.grant[0], expires=cap)
+    cfg = dataclasses.replace(granted.grants.cfg, grant=[grant])
+    strict.write(cfg, tmp_path / TUNNELS_FILE)
+    grants = Grants(cfg, tmp_path / TUNNELS_FILE)
+    grants.add()  # valid until the cap, not grant_ttl ahead
+    assert granted.ssh("-T", stdin=b"ping").stdout == b"ping"
+    wait_for(lambda: time.time() > cap + 1, timeout=10)
+    refused = granted.ssh("-T", stdin=b"ping")
+    assert refused.returncode == 255 and b"Permission denied" in refused.stderr, refused
+    # the certificates renewed for a day: the relay's copy of tunnels.json says so
+    until = dt.datetime.now(dt.UTC) + dt.timedelta(days=1)
+    local = LocalTransport("fort", home=str(tmp_path / "home"))
+    assert extend_tunnel_keys(local, str(tmp_path), until)
+    grants.renewed -= cfg.grant_ttl / 3  # its next renewal
+    assert grants.renew()
+    assert grants.cfg.grant[0].expires == int(until.timestamp())
+    assert granted.ssh("-T", stdin=b"ping").stdout == b"ping"  # a dropped tunnel comes back
+    # a tunnels.json that cannot be read: said (raised to `run`), the line renewed anyway
+    (tmp_path / TUNNELS_FILE).write_text("{")
+    grants.renewed -= cfg.grant_ttl / 3
+    before = grants.renewed
+    with pytest.raises(NebulaError):
+        grants.renew()
+    assert grants.renewed > before and grants.cfg.grant[0].expires == int(until.timestamp())
+    grants.revoke()

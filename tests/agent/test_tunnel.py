@@ -8,22 +8,25 @@ import contextlib
 import json
 import os
 import pwd
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from helpers.jobs import REPO, wait_for
-from helpers.sshd_bed import SSHD, Sshd, descendants, free_port, start_sshd
+from helpers.sshd_bed import SSHD, Sshd, descendants, start_sshd
 
 from nebula_cli.agent import authkeys, tunnel
 from nebula_cli.config import strict
 from nebula_cli.config.tunnel_config import TunnelConfig, TunnelDial, TunnelGrant
 from nebula_cli.pki import ssh_keypair
+from nebula_cli.relay.net import local_socket
 
 needs_sshd = pytest.mark.skipif(os.geteuid() != 0 or not os.path.exists(SSHD),
                                 reason="needs root and openssh-server for a test sshd")
@@ -83,16 +86,6 @@ def echo_server() -> Iterator[int]:
         server.close()
 
 
-def echoes(port: int) -> bytes:
-    """What comes back through 127.0.0.1:port for b"ping" (b"" when the far end refuses)."""
-    with socket.create_connection(("127.0.0.1", port), timeout=5) as s:
-        s.sendall(b"ping")
-        try:
-            return s.recv(100)
-        except ConnectionResetError:
-            return b""
-
-
 @pytest.fixture
 def sshd(tmp_path: Path) -> Iterator[tuple[Sshd, Path]]:
     """A test sshd on 127.0.0.1 whose AuthorizedKeysFile holds one line of its own."""
@@ -106,9 +99,10 @@ def sshd(tmp_path: Path) -> Iterator[tuple[Sshd, Path]]:
 
 
 def _config(tmp_path: Path, server: Sshd, keys: Path, targets: dict[str, int]
-            ) -> tuple[TunnelConfig, dict[str, int]]:
+            ) -> tuple[TunnelConfig, dict[str, str]]:
     """A config that grants (on the test sshd) and dials (through it) one tunnel per target:
-    peer -> the relay port it may forward to. Also: peer -> its tunnel's local port."""
+    peer -> the relay port it may forward to. Also: peer -> its tunnel's local end (a socket
+    file)."""
     (tmp_path / "known_hosts").write_text(f"nebula-test-alias {server.pub_line}\n")
     dial, grant, local = [], [], {}
     for peer, port in targets.items():
@@ -116,12 +110,12 @@ def _config(tmp_path: Path, server: Sshd, keys: Path, targets: dict[str, int]
         key = tmp_path / f"{peer}.key"
         key.write_bytes(private)
         key.chmod(0o600)
-        local[peer] = free_port()
+        local[peer] = str(tmp_path / "tunnels" / f"{peer}.sock")
         tag = f"nebula-tunnel:job-t:{peer}>here"
         grant.append(TunnelGrant(peer=peer, authorized_keys=str(keys), tag=tag,
                                  public_key=public, targets=[f"127.0.0.1:{port}"],
                                  expires=2**31 - 1))
-        dial.append(TunnelDial(peer=peer, listen=f"127.0.0.1:{local[peer]}",
+        dial.append(TunnelDial(peer=peer, listen=local[peer],
                                target=f"127.0.0.1:{port}", host="127.0.0.1", port=server.port,
                                user="root", key=str(key), known_hosts=str(tmp_path /
                                                                           "known_hosts"),
@@ -144,14 +138,16 @@ def _run(tmp_path: Path, command: list[str]) -> subprocess.Popen[str]:
 CLIENT = """
 import json, socket, sys, time
 out = {}
-for name, port in json.loads(sys.argv[1]).items():
+for name, path in json.loads(sys.argv[1]).items():
     deadline = time.monotonic() + 20
     while name not in out:
         try:
-            with socket.create_connection(("127.0.0.1", port), timeout=5) as s:
+            with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+                s.settimeout(5)
+                s.connect(path)
                 s.sendall(b"ping")
                 out[name] = s.recv(100).decode()
-        except ConnectionRefusedError:  # the tunnel's local end is not up yet
+        except (ConnectionRefusedError, FileNotFoundError):  # the local end is not up yet
             if time.monotonic() > deadline:
                 out[name] = "no tunnel"
             time.sleep(0.2)
@@ -200,28 +196,22 @@ def test_a_killed_ssh_ends_its_connection_only_and_a_signal_ends_all(
         _, local = _config(tmp_path, server, keys, {"east": relay_port})
         proc = _run(tmp_path, [sys.executable, "-c", "import time; time.sleep(300)"])
         try:
-            wait_for(lambda: _works(local["east"]), timeout=20)
+            wait_for(lambda: _works_unix(Path(local["east"])), timeout=20)
             wait_for(lambda: not _ssh_pids(proc.pid), timeout=10)  # each ends with its use
-            with socket.create_connection(("127.0.0.1", local["east"]), timeout=10) as held:
+            with local_socket.connect(local["east"], timeout=10).sock as held:
                 first = wait_for(lambda: _ssh_pids(proc.pid), timeout=10)
                 os.kill(first[0], signal.SIGKILL)  # its client dies (a cut, an OOM kill)
                 assert held.recv(100) == b""  # that connection ends, the relay dials again
-            assert wait_for(lambda: _works(local["east"]), timeout=20)
+            assert wait_for(lambda: _works_unix(Path(local["east"])), timeout=20)
             assert "nebula-tunnel:job-t:east>here" in keys.read_text()
         finally:
             proc.send_signal(signal.SIGTERM)
             out, _ = proc.communicate(timeout=30)
     assert proc.returncode == -signal.SIGTERM, out  # ended as the command did: by SIGTERM
-    assert "tunnel to east up: 127.0.0.1:" in out
+    assert f"tunnel to east up: {local['east']} -> 127.0.0.1:" in out
     assert "tunnel to east through root@127.0.0.1" in out and "ended (exit -9)" in out, out
     assert "nebula-tunnel" not in keys.read_text()
     assert not _ssh_pids(proc.pid)
-
-
-def _works(port: int) -> bool:
-    with contextlib.suppress(OSError):
-        return echoes(port) == b"ping"
-    return False
 
 
 def _ssh_pids(wrapper: int) -> list[int]:
@@ -231,7 +221,8 @@ def _ssh_pids(wrapper: int) -> list[int]:
 def test_ssh_missing_on_the_host_is_one_line(tmp_path: Path) -> None:
     cfg = TunnelConfig(job_id="j", cluster="lab", keepalive=5, keepalive_count=3,
                        grant_ttl=900, grant=[],
-                       dial=[TunnelDial(peer="hpc", listen="127.0.0.1:1", target="127.0.0.1:2",
+                       dial=[TunnelDial(peer="hpc", listen=str(tmp_path / "hpc.sock"),
+                                        target="127.0.0.1:2",
                                         host="h", port=22, user="u", key="k", known_hosts="k",
                                         alias="a", log=str(tmp_path / "l"))])
     strict.write(cfg, tmp_path / "tunnels.json")
@@ -252,7 +243,8 @@ def test_ssh_messages_are_echoed_and_their_file_stays_bounded(
     echoed (an appending writer goes on at the new end)."""
     monkeypatch.setattr(tunnel, "LOG_BOUND", 4096)
     log = tmp_path / "ssh.log"
-    dial = TunnelDial(peer="hpc", listen="127.0.0.1:1", target="127.0.0.1:2", host="h", port=22,
+    dial = TunnelDial(peer="hpc", listen=str(tmp_path / "hpc.sock"), target="127.0.0.1:2",
+                      host="h", port=22,
                       user="u", key="k", known_hosts="k", alias="a", log=str(log))
     t = tunnel.Tunnel(dial, keepalive=5, count=3)
     with open(log, "ab") as ssh_stderr:  # as a session's ssh holds it
@@ -268,3 +260,86 @@ def test_ssh_messages_are_echoed_and_their_file_stays_bounded(
         ssh_stderr.flush()
         t.echo()
     assert capsys.readouterr().out.strip().endswith("ssh: Permission denied (publickey).")
+
+
+OTHER_USER = """
+import os, socket, sys
+s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+s.settimeout(10)
+try:
+    head, name = os.path.split(sys.argv[1])
+    fd = os.open(head, os.O_PATH | os.O_DIRECTORY)
+    s.connect(f"/proc/self/fd/{fd}/{name}")
+except OSError as exc:
+    print(f"refused: {exc.strerror}")
+    sys.exit(0)
+try:
+    s.sendall(b"ping")
+    got = s.recv(100)
+except OSError:  # closed with the ping unread: a reset
+    got = b""
+print(f"answered: {got!r}" if got else "closed")
+"""
+
+
+def _other_user(path: Path) -> str:
+    """What a process of user nobody gets from the socket file at `path` (through its
+    folder's /proc/self/fd entry when the path is too long to connect to)."""
+    proc = subprocess.run(["/usr/bin/python3", "-c", OTHER_USER, str(path)], user="nobody",
+                          capture_output=True, text=True, timeout=30)
+    return proc.stdout.strip() or proc.stderr.strip()
+
+
+def _works_unix(path: Path) -> bool:
+    with contextlib.suppress(OSError):
+        conn = local_socket.connect(str(path), timeout=5)  # as the relay dials it
+        with conn.sock as s:
+            s.sendall(b"ping")
+            return s.recv(100) == b"ping"
+    return False
+
+
+@needs_sshd
+def test_a_relays_local_end_is_a_socket_file_only_its_user_reaches(
+        tmp_path: Path, sshd: tuple[Sshd, Path]) -> None:
+    """The review's case: on a loopback port, any user of the dialling host (a login node) could
+    hold the tunnel's sessions or drive logins with the job's key. The job's local end is a
+    socket file in the relay's 0700 agent folder: another user cannot connect, and one that
+    could (a folder made open) is closed before any ssh starts. The path is longer than
+    sun_path holds (bound and dialled through /proc/self/fd)."""
+    server, keys = sshd
+    base = Path(tempfile.mkdtemp(prefix="nebula-tunnel-test-", dir="/tmp"))
+    try:
+        base.chmod(0o755)  # nobody may walk down to the agent folder, as to a home directory
+        agent = base / ("long-job-directory-" * 4) / "lab" / "l1" / "relay"
+        agent.mkdir(parents=True)
+        for d in (agent, agent.parent, agent.parent.parent, agent.parent.parent.parent):
+            d.chmod(0o755)
+        local_end = agent / "tunnels" / "east.sock"
+        assert len(os.fsencode(local_end)) > 108
+        with echo_server() as relay_port:
+            cfg, _ = _config(tmp_path, server, keys, {"east": relay_port})
+            cfg.dial[0] = TunnelDial(**{**cfg.dial[0].__dict__, "listen": str(local_end)})
+            strict.write(cfg, tmp_path / "tunnels.json")
+            proc = _run(tmp_path, [sys.executable, "-c", "import time; time.sleep(300)"])
+            try:
+                assert wait_for(lambda: _works_unix(local_end), timeout=20)
+                assert (local_end.parent.stat().st_mode & 0o777, local_end.stat().st_mode &
+                        0o777) == (0o700, 0o600)
+                assert [_other_user(local_end) for _ in range(9)] == \
+                    ["refused: Permission denied"] * 9
+                assert _works_unix(local_end)
+                # folder and file opened to everyone by mistake: still closed, ssh unstarted
+                local_end.parent.chmod(0o755)
+                local_end.chmod(0o666)
+                assert _other_user(local_end) == "closed"
+                assert not _ssh_pids(proc.pid) and _works_unix(local_end)
+            finally:
+                proc.send_signal(signal.SIGTERM)
+                out, _ = proc.communicate(timeout=30)
+        assert f"tunnel to east up: {local_end} -> 127.0.0.1:" in out, out
+        assert "tunnel to east: a connection of uid 65534 closed" in out, out
+        assert not local_end.exists()  # the socket file goes with the tunnel
+        assert "nebula-tunnel" not in keys.read_text()
+    finally:
+        shutil.rmtree(base)

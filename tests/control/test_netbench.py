@@ -297,7 +297,7 @@ def test_plain_probe_opens_only_with_a_ticket_from_tls(tmp_path: Path) -> None:
         assert refused(port + 1)  # no plain port before a measurement asks for it
         ctx = pki.client_context(issued.relay("east"), issued.ca_cert)
         opened: dict[str, Any] = {}
-        control = probe_mod._dial("127.0.0.1", port, ctx, "netbench-t", "west", opened,
+        control = probe_mod._dial(f"127.0.0.1:{port}", ctx, "netbench-t", "west", opened,
                                   op="plain", count=1)
         try:
             assert opened["port"] == port + 1 and len(opened["tickets"]) == 1
@@ -308,15 +308,15 @@ def test_plain_probe_opens_only_with_a_ticket_from_tls(tmp_path: Path) -> None:
                 assert cut_off(("127.0.0.1", port + 1), stranger)
             for bad in ("", "0" * 32):  # no ticket, a wrong ticket
                 with pytest.raises(NebulaError):  # closed without an answer
-                    probe_mod._dial("127.0.0.1", port + 1, None, "netbench-t", None,
+                    probe_mod._dial(f"127.0.0.1:{port + 1}", None, "netbench-t", None,
                                     ticket=bad, op="echo")
             assert rss_kib(info["pid"]) - before < 8 * 1024
             ticket = opened["tickets"][0]
-            with probe_mod._dial("127.0.0.1", port + 1, None, "netbench-t", None,
+            with probe_mod._dial(f"127.0.0.1:{port + 1}", None, "netbench-t", None,
                                  ticket=ticket, op="echo") as sock:
                 assert probe_mod.ping(sock, 3)["median"] > 0
             with pytest.raises(NebulaError):  # one time only
-                probe_mod._dial("127.0.0.1", port + 1, None, "netbench-t", None,
+                probe_mod._dial(f"127.0.0.1:{port + 1}", None, "netbench-t", None,
                                 ticket=ticket, op="echo")
         finally:
             send_frame(control, Frame(FrameType.BYE))

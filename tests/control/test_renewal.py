@@ -5,6 +5,7 @@ look); a relay context made from the old files reloads them for its next handsha
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as dt
 import sys
 from pathlib import Path
@@ -12,6 +13,8 @@ from pathlib import Path
 from cryptography import x509
 
 from nebula_cli import pki
+from nebula_cli.config import strict
+from nebula_cli.config.tunnel_config import TUNNELS_FILE, TunnelConfig, TunnelGrant
 from nebula_cli.control import renewal
 from nebula_cli.control.state import HostRecord, StateStore
 from nebula_cli.errors import TransportError
@@ -94,3 +97,41 @@ def test_a_due_renewal_reaches_every_live_host_once(tmp_path: Path) -> None:
 
 def _sends_end() -> None:
     """Local writes end by themselves: nothing to cancel."""
+
+
+def test_a_renewal_moves_the_tunnel_keys_cap_to_the_new_certificates_end(
+        tmp_path: Path) -> None:
+    """The relay that lets tunnel keys in gets its tunnels.json again with the grants capped at
+    the renewed certificates' end (the relay that dials keeps its file as it was)."""
+    home = tmp_path / "home"
+    with StateStore(home) as store:
+        job = store.create_job("long", {"name": "long", "lifetime_days": 30}, "/x.yaml")
+        pki_dir = store.job_dir(job.id) / "pki"
+        job_pki = pki.issue_job_pki(job.id, CLUSTERS, pki_dir, valid_for=dt.timedelta(days=3))
+        old_end = int(pki.expiry(pki_dir).timestamp())
+        grant = TunnelGrant(peer="west", authorized_keys="~/.ssh/authorized_keys",
+                            public_key="ssh-ed25519 AAAAx", targets=["127.0.0.1:29400"],
+                            expires=old_end, tag=f"nebula-tunnel:{job.id}:west>east")
+        parts = {"east": TunnelConfig(job_id=job.id, cluster="east", keepalive=5,
+                                      keepalive_count=3, grant_ttl=900, dial=[], grant=[grant]),
+                 "west": TunnelConfig(job_id=job.id, cluster="west", keepalive=5,
+                                      keepalive_count=3, grant_ttl=900, dial=[], grant=[])}
+        for cluster, (host,) in CLUSTERS.items():
+            adir = _agent_dir(tmp_path / "hosts", cluster, host, "relay", job_pki)
+            strict.write(parts[cluster], Path(adir) / TUNNELS_FILE)
+            store.upsert_host(HostRecord(
+                job_id=job.id, cluster=cluster, host=host, role="relay", node_rank=0, slots=1,
+                agent_dir=adir, state="RUNNING",
+                detail={"conn": {"transport": "local", "name": host}}))
+        local = LocalTransport("h", home=str(home), python=sys.executable)
+        dialler = tmp_path / "hosts" / "west" / "w1" / "relay" / TUNNELS_FILE
+        before = dialler.read_bytes()
+        said = renewal.renew_if_due(store, job, store.hosts(job.id), lambda _: local, _sends_end,
+                                    dt.datetime.now(dt.UTC) + dt.timedelta(days=2, hours=12))
+        assert said and "renewed until" in said
+        new_end = int(pki.expiry(pki_dir).timestamp())
+        assert new_end > old_end + 20 * 86400
+        east = TunnelConfig.load(tmp_path / "hosts" / "east" / "e1" / "relay" / TUNNELS_FILE)
+        assert east == dataclasses.replace(
+            parts["east"], grant=[dataclasses.replace(grant, expires=new_end)])
+        assert dialler.read_bytes() == before

@@ -117,9 +117,9 @@ def test_a_huge_length_on_the_plain_port_is_refused_at_its_header(
     port = server["port"]
     ctx = pki.client_context(server["issued"].relay("east"), server["issued"].ca_cert)
     opened: dict[str, Any] = {}
-    with probe_mod._dial("127.0.0.1", port, ctx, RUN, "west", opened, op="plain",
+    with probe_mod._dial(f"127.0.0.1:{port}", ctx, RUN, "west", opened, op="plain",
                          count=1) as control:
-        sock = probe_mod._dial("127.0.0.1", opened["port"], None, RUN, None,
+        sock = probe_mod._dial(f"127.0.0.1:{opened['port']}", None, RUN, None,
                                ticket=opened["tickets"][0], op=op)
         with sock:
             sock.sendall(HEADER.pack(MAGIC, WIRE_VERSION, int(frame_type), 0, 2, declared)
@@ -151,7 +151,7 @@ def test_the_measurer_refuses_a_huge_length_from_a_server_at_its_header() -> Non
     t0 = time.monotonic()
     try:
         with pytest.raises(NebulaError, match="exceeds the cap of 0"):
-            probe_mod._dial("127.0.0.1", listener.getsockname()[1], None, RUN, None,
+            probe_mod._dial(f"127.0.0.1:{listener.getsockname()[1]}", None, RUN, None,
                             ticket="0" * 32, op="echo")
     finally:
         listener.close()

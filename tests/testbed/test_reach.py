@@ -216,8 +216,10 @@ def test_a_cluster_reached_only_by_ssh_trains_through_a_tunnel(
     assert len({r["param_sha256"] for r in finals}) == 1  # identical parameters
     rounds = [r for r in records(job_id) if r.get("outer_round") is not None]
     assert rounds and all(r["clusters_present"] == 2 for r in rounds)
-    relay_log = (REMOTE_JOBS / job_id / "east" / "e1" / "relay" / "logs" / "relay.log")
-    assert "tunnel to west up: 127.0.0.1:" in relay_log.read_text()
+    relay_dir = REMOTE_JOBS / job_id / "east" / "e1" / "relay"
+    # the tunnel's local end: a socket file in the relay's folder, not a port on loopback
+    assert f"tunnel to west up: {relay_dir / 'tunnels' / 'west.sock'} -> 127.0.0.1:29400" \
+        in (relay_dir / "logs" / "relay.log").read_text()
     # the relays ended with the job: no tunnel, no key line, no process left
     wait_for(lambda: not _ssh_clients(bed, "e1", job_id)
              and "nebula-tunnel" not in keys.read_text(),
@@ -312,8 +314,7 @@ def _tunnel_plan(spec: JobSpec) -> dict[str, plan_model.AgentPlan]:
         shares_files=False, ssh=plan_model.SshLogin("u", 2222, f"ssh-ed25519 AAAA{h.host}"))
         for c in spec.clusters for h in c.hosts}
     ports = plan_model.Ports(masters={c.name: 29500 for c in spec.clusters},
-                          relays={c.name: (29400, 29401) for c in spec.clusters},
-                          tunnels={"lab>fort": 40001, "cloud>fort": 40002})
+                          relays={c.name: (29400, 29401) for c in spec.clusters})
     certs = plan_model.Certs(
         ca=b"CA", relays={c.name: (b"cert", b"key") for c in spec.clusters},
         workers={worlds.site_key(c, h): (b"c", b"k") for c in spec.clusters for h in c.hosts},
@@ -346,19 +347,22 @@ def test_the_plan_carries_the_tunnels_to_the_relays(tmp_path: Path) -> None:
                          f"{fort.agent_dir}/tunnels.json"]
     assert argv[6:] == ["--", "/usr/bin/python3", "-m", "nebula_cli.relay", "--config",
                         f"{fort.agent_dir}/relay.json"]
-    # lab: dials fort through its tunnel's local end, is dialled by cloud directly
+    # lab: dials fort through its tunnel's local end (a Unix socket file in its agent folder,
+    # not a loopback port every user of the host could reach), is dialled by cloud directly
     relay = _part(lab, RelayConfig, "relay.json")
-    assert relay.peers["fort"] == "127.0.0.1:40001" and relay.peer_listen == "0.0.0.0:29400"
+    local_end = f"{lab.agent_dir}/tunnels/fort.sock"
+    assert relay.peers["fort"] == local_end and relay.peer_listen == "0.0.0.0:29400"
     (dial,) = _part(lab, TunnelConfig, "tunnels.json").dial
     assert (dial.peer, dial.listen, dial.target, dial.host, dial.port, dial.user) == (
-        "fort", "127.0.0.1:40001", "127.0.0.1:29400", "f1.example", 2222, "u")
+        "fort", local_end, "127.0.0.1:29400", "f1.example", 2222, "u")
     assert dial.key == f"{lab.agent_dir}/tunnels/fort.key"
     assert lab.files["tunnels/fort.key"] == b"PRIVATE-lab"
     assert lab.files["tunnels/known_hosts"] == b"nebula-job-1-fort ssh-ed25519 AAAAf1\n"
     assert dial.alias == "nebula-job-1-fort"
     # cloud: fort through a tunnel, lab directly; no relay without a tunnel is wrapped
     relay = _part(cloud, RelayConfig, "relay.json")
-    assert relay.peers == {"fort": "127.0.0.1:40002", "lab": "b1.example:29400"}
+    assert relay.peers == {"fort": f"{cloud.agent_dir}/tunnels/fort.sock",
+                           "lab": "b1.example:29400"}
     assert relay.clusters == ["fort", "lab", "cloud"]
     plain = _tunnel_plan(load_spec(write(tmp_path, TWO)))
     assert all("tunnels.json" not in a.files for a in plain.values())

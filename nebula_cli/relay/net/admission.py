@@ -5,16 +5,35 @@ Anyone can open TCP connections and send nothing: a port that keeps a fixed numb
 for them, and refuses the newest when they are full, is closed to everybody by one client
 holding idle connections. So an :class:`Admission`:
 
-- never refuses the newest connection: when its address already holds ``per_address`` pending
-  connections, the oldest of them is ended; when all ``total`` slots are held, the oldest
-  connection of the address that holds the most is ended. A client can only crowd out its own
-  connections, until it holds ``total / per_address`` addresses, and a real peer's handshake
-  (milliseconds to a few round trips) is never the oldest for long;
-- counts IPv6 addresses by their /64 (one host usually has a whole /64), IPv4 addresses (and
-  IPv4-mapped IPv6 ones) one by one;
+- never ends a connection that has spoken (its first bytes, a TLS ClientHello, have arrived:
+  the handler said so with ``spoke``, or they wait in the socket) to make room for a new one
+  from its own network, or from a network holding almost as many: a real peer's handshake,
+  under way, is never ended by a crowd of silent connections, nor by a crowd from a network
+  holding more;
+- otherwise never refuses the newest connection: when its address already holds
+  ``per_address`` pending connections, the oldest silent one of them is ended; when all
+  ``total`` slots are held, the oldest silent connection of the address holding the most, in
+  the wider network holding the most (an IPv4 /24, an IPv6 /48), is ended, and when none is
+  silent, the oldest connection of the network holding the most if it holds at least two more
+  than the newcomer's (a crowd that sends first bytes and stalls still makes room for a client
+  of another network). Only when none of those can be ended is the new connection itself
+  refused (``Pending.ended`` is "refused");
+- counts one client as an IPv4 address (IPv4-mapped IPv6 ones too) or an IPv6 address's /64
+  (one host usually has a whole /64), and one network as an IPv4 /24, an IPv6 /48, or all of
+  loopback (127.0.0.0/8 and ::1: every one of its addresses is free to any local user). A
+  crowd on many addresses of one network ends its own connections first, never those of a
+  client in a network holding fewer. Loopback's addresses keep a `per_address` cap each, not
+  one for all: with one, a local peer's new connection would share `per_address` slots with
+  a local crowd and be ended after `per_address - 1` of the crowd's, were its first bytes late;
 - ends every pending connection at its deadline (a clock in one thread per Admission, started
   on first use), whatever the connection trickles meanwhile; and the first bytes must arrive
   sooner (:func:`first_bytes`, FIRST_BYTES_TIMEOUT: a TLS client speaks first).
+
+What this does not hold: clients that share an address with the job's peers (other users of a
+host in a local job, on loopback; users behind the same NAT) are counted as the peers are, and
+a client that speaks (sends a ClientHello, then stalls until the deadline) on every slot of
+that address keeps a new connection from it out meanwhile; nothing here tells the job's peers
+from such clients before their certificate.
 
 Ending a connection is ``shutdown(SHUT_RDWR)`` on a duplicate of its descriptor taken at
 admission: the thread handling it wakes from whatever read it blocks in, fails, and releases
@@ -40,17 +59,36 @@ FIRST_BYTES_TIMEOUT = 5.0
 without one it is closed."""
 
 
-def address_key(ip: str) -> str:
-    """What one client is counted as: an IPv4 address, or an IPv6 address's /64."""
+LOOPBACK = "127.0.0.0/8"
+"""The network every loopback address (127.0.0.0/8, ::1) is counted in: one."""
+
+
+def _prefix(ip: str, v4: int, v6: int, loopback: bool) -> str:
+    """The network of `ip` counted as one: an IPv4 /`v4`, an IPv6 /`v6` (IPv4-mapped IPv6
+    addresses as IPv4), all of loopback when `loopback`."""
     try:
         addr = ipaddress.ip_address(ip.split("%", 1)[0])
     except ValueError:
         return ip  # "local" (a Unix socket) and the like
+    if isinstance(addr, ipaddress.IPv6Address) and addr.ipv4_mapped is not None:
+        addr = addr.ipv4_mapped
+    if loopback and addr.is_loopback:
+        return LOOPBACK
     if isinstance(addr, ipaddress.IPv6Address):
-        if addr.ipv4_mapped is not None:
-            return str(addr.ipv4_mapped)
-        return str(ipaddress.IPv6Network((addr, 64), strict=False))
-    return str(addr)
+        return str(ipaddress.IPv6Network((addr, v6), strict=False))
+    return str(addr) if v4 == 32 else str(ipaddress.IPv4Network((addr, v4), strict=False))
+
+
+def address_key(ip: str) -> str:
+    """What one client is counted as: an IPv4 address, or an IPv6 address's /64."""
+    return _prefix(ip, 32, 64, loopback=False)
+
+
+def network_key(ip: str) -> str:
+    """The wider network a client is counted in when a full port ends someone's connection: an
+    IPv4 /24, an IPv6 /48, all of loopback (every one of its addresses is free to any local
+    user) as one."""
+    return _prefix(ip, 24, 48, loopback=True)
 
 
 def first_bytes(sock: socket.socket, timeout: float = FIRST_BYTES_TIMEOUT) -> bool:
@@ -60,25 +98,41 @@ def first_bytes(sock: socket.socket, timeout: float = FIRST_BYTES_TIMEOUT) -> bo
     return bool(poller.poll(max(0.0, timeout) * 1000))
 
 
+def _has_spoken(entry: Pending) -> bool:
+    """Whether `entry`'s first bytes wait in its socket (its handler has not looked yet)."""
+    if entry.handle is None:
+        return False
+    try:
+        return first_bytes(entry.handle, 0)
+    except (OSError, ValueError):
+        return False
+
+
 @dataclass(eq=False)
 class Pending:
     """One admitted connection that has not authenticated yet."""
 
     key: str
     """Its address as counted (address_key)."""
+    network: str
+    """Its wider network (network_key)."""
     deadline: float
     handle: socket.socket | None
     """A duplicate of its descriptor, to end it from another thread; None once let go."""
     number: int = field(default_factory=itertools.count().__next__)
+    spoken: bool = False
+    """Its first bytes arrived (``Admission.spoke``)."""
     ended: str | None = None
-    """Why it was ended before it authenticated ("evicted", "deadline"), if it was."""
+    """Why it was ended before it authenticated ("evicted", "deadline", "refused": a new one
+    for which no silent connection could make room), if it was."""
 
 
 class Admission:
     """Pending connections of one listening port: at most `total`, `per_address` of them from
     one address (see the module's docstring); each ended `deadline` seconds after admission.
-    ``admit`` returns the new connection's entry and the connections it ended; every entry is
-    given back with ``release`` (authenticated, or failed)."""
+    ``admit`` returns the new connection's entry and the connections it ended; ``spoke`` marks
+    an entry whose first bytes arrived; every entry is given back with ``release``
+    (authenticated, or failed)."""
 
     def __init__(self, total: int, per_address: int, deadline: float, *,
                  clock: Callable[[], float] = time.monotonic) -> None:
@@ -109,22 +163,55 @@ class Admission:
 
     def admit(self, sock: socket.socket, ip: str) -> tuple[Pending, list[Pending]]:
         """Admit `sock` (from `ip`): its entry, and the entries of the connections ended to
-        make room (already shut down)."""
-        entry = Pending(address_key(ip), self._clock() + self.deadline, sock.dup())
+        make room (already shut down). When no silent connection could make room, the new one
+        is refused instead: its entry is ended ("refused", `sock` shut down) and not held."""
+        entry = Pending(address_key(ip), network_key(ip), self._clock() + self.deadline,
+                        sock.dup())
         with self._changed:
             ended = []
             counts = self._counts()
+            room = True
             if counts.get(entry.key, 0) >= self.per_address:
-                ended.append(self._oldest(entry.key))
+                room = self._make_room([p for p in self._pending.values() if p.key == entry.key],
+                                       ended)
             elif len(self._pending) >= self.total:
-                most = max(counts.values())
-                ended.append(next(p for p in self._pending.values() if counts[p.key] == most))
-            for old in ended:
-                self._end(old, "evicted")
+                room = self._make_room(list(self._pending.values()), ended, entry)
+            if not room:
+                self._end(entry, "refused")
+                return entry, ended
             self._pending[entry.number] = entry
             self._ensure_clock()
             self._changed.notify_all()
         return entry, ended
+
+    def spoke(self, entry: Pending) -> None:
+        """`entry`'s first bytes arrived: no new connection from its network (or one holding
+        almost as many) ends it."""
+        with self._changed:
+            entry.spoken = True
+
+    def _make_room(self, among: list[Pending], ended: list[Pending],
+                   newcomer: Pending | None = None) -> bool:
+        """(Under the lock.) End the oldest silent connection of the address holding the most
+        in the network holding the most, of `among`; with none silent and a `newcomer`, the
+        oldest of the network holding the most if it holds at least two more than the
+        newcomer's (a crowd that speaks and stalls still makes room for another network's
+        client, never one of its own). Whether one was ended."""
+        networks: dict[str, int] = {}
+        addresses: dict[str, int] = {}
+        for p in among:
+            networks[p.network] = networks.get(p.network, 0) + 1
+            addresses[p.key] = addresses.get(p.key, 0) + 1
+        silent = [p for p in among if not p.spoken and not _has_spoken(p)]
+        if not silent and newcomer is not None:
+            ahead = networks.get(newcomer.network, 0) + 1
+            silent = [p for p in among if networks[p.network] > ahead]
+        if not silent:
+            return False
+        old = min(silent, key=lambda p: (-networks[p.network], -addresses[p.key], p.number))
+        ended.append(old)
+        self._end(old, "evicted")
+        return True
 
     def release(self, entry: Pending) -> None:
         """The connection authenticated, failed or was ended: its slot is free."""
@@ -139,9 +226,6 @@ class Admission:
             for entry in list(self._pending.values()):
                 self._end(entry, "closed")
             self._changed.notify_all()
-
-    def _oldest(self, key: str) -> Pending:
-        return next(p for p in self._pending.values() if p.key == key)
 
     def _end(self, entry: Pending, why: str) -> None:
         """(Under the lock.) Shut the connection down and free its slot."""

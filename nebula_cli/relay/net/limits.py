@@ -28,7 +28,8 @@ it is ended then, whatever it still trickles); its first byte must come within
 `admission.FIRST_BYTES_TIMEOUT`."""
 MAX_HANDSHAKES = 32
 """Connections of one listener between accept and the end of their hello; a new one beyond
-them ends the oldest pending connection of the address holding the most (`admission`)."""
+them ends the oldest silent pending connection of the address holding the most in the network
+holding the most (`admission`)."""
 MAX_HANDSHAKES_PER_ADDRESS = 4
 """Of those, from one address (an IPv6 /64); a new one beyond them ends that address's oldest:
 one flooding host crowds out only itself. Real peers dial one connection at a time."""

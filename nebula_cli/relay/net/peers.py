@@ -1,15 +1,18 @@
 """Who this relay is connected to: listening, accepting and dialing peers, the hello, and the
 table of live links (one per peer cluster; a newer connection replaces an older one).
 
-The cluster listed *later* in ``clusters`` dials the earlier one (reconnecting with
-exponential backoff, capped at BACKOFF_MAX). Peers must present a relay certificate of this job
-for a cluster that dials this relay, and a HELLO whose protocol, job, codec, block size and
-chunk size match. A listener holds at most MAX_HANDSHAKES connections between accept and the
-end of their hello, MAX_HANDSHAKES_PER_ADDRESS from one address (an IPv6 /64), each for at
-most HANDSHAKE_TIMEOUT seconds and FIRST_BYTES_TIMEOUT until its first byte; a new connection
-is never refused for lack of room: the oldest pending one of its address, or of the address
-holding the most, is ended and logged (:mod:`nebula_cli.relay.net.admission`). A link silent
-for `dead_after` seconds is closed.
+The cluster listed *later* in ``clusters`` dials the earlier one (reconnecting with exponential
+backoff, capped at BACKOFF_MAX), at its address or, through an SSH tunnel, at the tunnel's Unix
+socket (a process of this relay's own user serves it, checked before a byte). Peers must
+present a relay certificate of this job for a cluster that dials this relay, and a HELLO whose
+protocol, job, codec, block size and chunk size match. A listener holds at most MAX_HANDSHAKES
+connections between accept and the end of their hello, MAX_HANDSHAKES_PER_ADDRESS from one
+address (an IPv6 /64), each for at most HANDSHAKE_TIMEOUT seconds and FIRST_BYTES_TIMEOUT until
+its first byte; to make room, the oldest silent pending one of its address, or of the address
+holding the most in the network holding the most, is ended and logged; one whose first bytes
+arrived only for a newcomer of a network holding at least two fewer; a new one is refused when
+none can be ended (:mod:`nebula_cli.relay.net.admission`). A link silent for `dead_after`
+seconds is closed.
 
 The HELLO and the WELCOME each offer a key for the AES-GCM records the link then uses instead
 of TLS (:mod:`nebula_cli.relay.net.gcm_records`); when both offered one, both ends close TLS and go
@@ -21,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import logging
+import os
 import socket
 import ssl
 import threading
@@ -32,6 +36,7 @@ from nebula_cli.config.relay_config import RelayConfig, parse_addr
 from nebula_cli.errors import NebulaError
 from nebula_cli.pki import PeerRejected, wrap_client, wrap_server
 from nebula_cli.relay.net import gcm_records as records
+from nebula_cli.relay.net import local_socket
 from nebula_cli.relay.net.admission import Admission, Pending, first_bytes
 from nebula_cli.relay.net.framing import send_frames
 from nebula_cli.relay.net.limits import (
@@ -108,7 +113,14 @@ class Listener:
                                       f"{self.admission.held} handshakes in progress on "
                                       f"{self.addr} (at most {MAX_HANDSHAKES}, "
                                       f"{MAX_HANDSHAKES_PER_ADDRESS} per address): its oldest "
-                                      "pending connection was ended")
+                                      "silent pending connection was ended")
+            if entry.ended is not None:
+                self._refusals.refuse("connection", entry.key,
+                                      f"every pending connection that could make room on "
+                                      f"{self.addr} has sent its first bytes: the new one "
+                                      "was closed")
+                sock.close()
+                continue
             sock.settimeout(None)
             tune_socket(sock)
             threading.Thread(target=self._run, args=(sock, entry, tcp), name="relay-conn",
@@ -119,11 +131,22 @@ class Listener:
             if tcp and not first_bytes(sock):  # a TLS client speaks first; AF_UNIX: the
                 sock.close()                   # peer's uid is checked before anything is read
                 return
+            self.admission.spoke(entry)
             then = self._handshake(sock, peer_addr(sock))
         finally:
             self.admission.release(entry)
         if then is not None:
             then()
+
+
+def _connect(where: str) -> socket.socket:
+    """A connection to a peer's relay at `where`: host:port, or the path of a Unix socket (an
+    SSH tunnel's local end; served by a process of this user's, else PermissionError)."""
+    if os.path.isabs(where):
+        return local_socket.connect(where, HANDSHAKE_TIMEOUT).sock
+    raw = socket.create_connection(parse_addr(where), timeout=HANDSHAKE_TIMEOUT)
+    tune_socket(raw)
+    return raw
 
 
 class Peers:
@@ -218,7 +241,6 @@ class Peers:
         self._add(ident.cluster, conn, hello.progress)
 
     def _dial_loop(self, peer: str) -> None:
-        host, port = parse_addr(self.cfg.peers[peer])
         delay, failures = 0.1, 0
         while not self.stopping.is_set():
             with self.lock:
@@ -227,8 +249,7 @@ class Peers:
                     self.changed.wait(1.0)
                     continue
             try:
-                raw = socket.create_connection((host, port), timeout=HANDSHAKE_TIMEOUT)
-                tune_socket(raw)
+                raw = _connect(self.cfg.peers[peer])
                 tls, _ = wrap_client(raw, self.client_ctx, job_id=self.cfg.job_id,
                                      roles={"relay"}, cluster=peer, timeout=HANDSHAKE_TIMEOUT)
                 try:

@@ -36,16 +36,14 @@ import json
 import os
 import signal
 import socket
-import stat
-import struct
 import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
 from typing import Any
 
 from nebula_cli.agent.procs import pid_alive
+from nebula_cli.agent.unix_socket import bindable, listen, peer_uid, private_dir, unlink_own
 
 IDLE_TIMEOUT = 900.0
 """Seconds a keeper waits for its first agent before it gives the node back."""
@@ -60,8 +58,6 @@ CALL_TIMEOUT = 120.0
 
 
 SOCKET_DIR = "~/.nebula/keepers"
-SHORT_PATH = 100
-"""Longer socket paths are bound through /proc/self/fd (sun_path holds 108 bytes)."""
 
 
 def node_name() -> str:
@@ -71,88 +67,6 @@ def node_name() -> str:
 def socket_path(name: str) -> str:
     """The socket file of the keeper called `name` on this node (one per node and Slurm job)."""
     return os.path.join(os.path.expanduser(SOCKET_DIR), f"{name}@{node_name()}.sock")
-
-
-def private_dir(path: str, make: bool) -> None:
-    """`path` is a directory of this user's that no one else may enter (made 0700 when `make`
-    and missing, with its missing parents); OSError naming what is wrong otherwise."""
-    if make and not os.path.isdir(path):
-        if not os.path.isdir(parent := os.path.dirname(path)):
-            private_dir(parent, make=True)
-        with contextlib.suppress(FileExistsError):
-            os.mkdir(path, 0o700)
-    st = os.lstat(path)
-    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid():
-        raise OSError(f"{path} is not a directory of uid {os.getuid()} (a link, or another "
-                      "user's): remove it")
-    if st.st_mode & 0o077:
-        if not make:
-            raise OSError(f"{path} is open to other users (mode {st.st_mode & 0o777:o})")
-        os.chmod(path, 0o700)
-
-
-def peer_uid(sock: socket.socket) -> int:
-    """The uid of the process at the other end (from the kernel)."""
-    creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
-    return struct.unpack("3i", creds)[1]
-
-
-@contextlib.contextmanager
-def _short(path: str) -> Iterator[str]:
-    """A name bind/connect accept for `path` (its directory through /proc/self/fd if long)."""
-    if len(os.fsencode(path)) <= SHORT_PATH:
-        yield path
-        return
-    head, tail = os.path.split(path)
-    fd = os.open(head, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
-    try:
-        yield f"/proc/self/fd/{fd}/{tail}"
-    finally:
-        os.close(fd)
-
-
-def listen(path: str) -> socket.socket:
-    """The keeper's listening socket at `path` (0600; a socket file a killed keeper left there
-    is replaced; one a live keeper serves, or anything else, refused)."""
-    private_dir(os.path.dirname(path), make=True)
-    with contextlib.suppress(FileNotFoundError):
-        if not stat.S_ISSOCK(os.lstat(path).st_mode):
-            raise OSError(f"{path} exists and is not a socket: remove it")
-        if _answers(path):
-            raise OSError(f"another keeper serves {path}")
-        os.unlink(path)
-    server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    try:
-        with _short(path) as where:
-            server.bind(where)
-        os.chmod(path, 0o600)
-        server.listen(64)
-    except BaseException:
-        server.close()
-        raise
-    return server
-
-
-def _answers(path: str) -> bool:
-    """Whether a process listens on the socket file at `path`."""
-    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    probe.settimeout(5)
-    try:
-        with _short(path) as where:
-            probe.connect(where)
-    except OSError:
-        return False
-    finally:
-        probe.close()
-    return True
-
-
-def unlink_own(path: str, inode: int) -> None:
-    """Remove the socket file at `path` if it is still the one bound as `inode` (another keeper
-    may have replaced a file it took for a dead one's)."""
-    with contextlib.suppress(OSError):
-        if os.lstat(path).st_ino == inode:
-            os.unlink(path)
 
 
 def _recv_all(sock: socket.socket) -> bytes:
@@ -228,7 +142,7 @@ class Keeper:
         path = socket_path(self.name)
         node = node_name()
         try:
-            server = listen(path)
+            server = listen(path, "keeper")
             mine = os.stat(path).st_ino
         except OSError as exc:
             print(f"nebula keeper {self.name} on {node}: cannot listen on {path}: {exc}",
@@ -281,7 +195,7 @@ def call(name: str, argv: list[str], env: dict[str, str], cwd: str | None,
     sock.settimeout(timeout + 10)
     try:
         private_dir(os.path.dirname(path), make=False)
-        with _short(path) as where:
+        with bindable(path) as where:
             sock.connect(where)
         if (uid := peer_uid(sock)) != os.getuid():
             print(f"{path} is served by uid {uid}, not by this user's keeper: nothing sent "

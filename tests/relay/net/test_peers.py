@@ -11,6 +11,7 @@ back (a peer must be able to reconnect while its port is crowded)."""
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import socket
 import time
@@ -23,6 +24,7 @@ import pytest
 import torch
 from helpers.crowd import Crowd
 from helpers.plan_defaults import relay_defaults
+from helpers.slow_link import SlowLink
 from helpers.sshd_bed import free_port
 
 from nebula_cli.config.relay_config import RelayConfig
@@ -113,6 +115,27 @@ def test_a_peer_and_a_worker_get_in_while_a_crowd_holds_idle_connections(
         assert all(crowd.ended > 0 for crowd in crowds)  # the crowd kept pushing
         print(f"b linked after {took:.2f}s; the crowd reopened "
               f"{[crowd.ended for crowd in crowds]} connections")
+
+
+def test_a_peer_links_up_while_a_crowd_holds_one_idle_connection_from_each_of_40_addresses(
+        job: TwoClusters, relay_a: Relay) -> None:
+    """The review's case: more loopback addresses (free to any local user) than the port has
+    slots, each holding one silent connection and reopening it when ended. Loopback counts as
+    one client, and a handshake whose ClientHello has arrived is never ended for a silent
+    connection: b's relay links up (before: every one of its handshakes was evicted). b is
+    300 ms away each way (a proxy that holds each chunk), so its handshake takes seconds, as
+    over a WAN, while the crowd reopens what the relay ends."""
+    with ExitStack() as stack:
+        crowd = stack.enter_context(Crowd(job.peer["a"], addresses=40, per_address=1))
+        crowd.wait_full()
+        far = stack.enter_context(SlowLink(job.peer["a"], delay=0.3))
+        relay_b = Relay(dataclasses.replace(job.cfg["b"], peers={"a": f"127.0.0.1:{far.port}"}))
+        relay_b.start()
+        stack.callback(relay_b.stop)
+        took = wait_until(lambda: relay_a.connected() == ["b"], 30.0,
+                          "b's relay to link up with a through the crowd")
+        assert crowd.ended > 0  # the crowd was there, and crowded out only itself
+        print(f"b linked after {took:.2f}s; the crowd reopened {crowd.ended} connections")
 
 
 def held_for(where: tuple[str, int], first: bytes, trickle: bool) -> float:

@@ -229,8 +229,7 @@ def test_a_tunnel_to_a_slurm_cluster_ends_at_its_login_node(tmp_path: Path) -> N
         shares_files=False, ssh=plan_model.SshLogin("jdoe", 22, "ssh-ed25519 AAAAlogin"))
         for key, (c, h) in site_entries(expanded).items()}
     ports = plan_model.Ports(masters={"hpc": 29500, "lab": 29500},
-                          relays={"hpc": (29400, 29401), "lab": (29400, 29401)},
-                          tunnels={"lab>hpc": 41000})
+                          relays={"hpc": (29400, 29401), "lab": (29400, 29401)})
     certs = plan_model.Certs(ca=b"CA", relays={"hpc": (b"c", b"k"), "lab": (b"c", b"k")},
                           workers={k: (b"c", b"k") for k in sites},
                           tunnel_keys={"lab>hpc": (b"PRIVATE", "ssh-ed25519 AAAApub")})

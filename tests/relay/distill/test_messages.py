@@ -6,9 +6,19 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from helpers.wire_pins import pinned
 
 from nebula_cli.relay.distill.idpack import pack_ids, unpack_ids
-from nebula_cli.relay.distill.messages import PROTOCOL, LabelAsk, LabelHello, Side, max_ask_bytes
+from nebula_cli.relay.distill.messages import (
+    PROTOCOL,
+    LabelAnswer,
+    LabelAsk,
+    LabelHello,
+    LabelWelcome,
+    Side,
+    max_ask_bytes,
+)
+from nebula_cli.relay.distill.sparse import Values
 from nebula_cli.relay.net.schema import MessageError
 from nebula_cli.relay.net.wire import Frame, FrameType
 
@@ -50,3 +60,25 @@ def test_an_ask_of_another_length_or_width_is_refused() -> None:
 def test_a_link_bounds_asks_by_24_bit_ids_and_speaks_protocol_2() -> None:
     assert max_ask_bytes(1024) == 1024 * 3 and max_ask_bytes(5) == 15
     assert PROTOCOL == 2 and LabelHello("j", Side.STUDENT).to_frame().meta["protocol"] == 2
+
+# Protocol 2's bytes of each message, pinned before the messages were declared once
+# (relay/net/schema.py derives every encoding from the fields): they must not move.
+PINS = [
+    (lambda: LabelHello(job='j', side=Side.STUDENT).to_frame(),
+     'HELLO {"job":"j","side":"student","protocol":2}'),
+    (lambda: LabelHello(job='job-1', side=Side.SERVER, protocol=1).to_frame(),
+     'HELLO {"job":"job-1","side":"server","protocol":1}'),
+    (lambda: LabelWelcome(cluster='t', topk=32, values=Values.INT8, max_tokens=4096).to_frame(),
+     'WELCOME {"cluster":"t","topk":32,"values":"int8","max_tokens":4096}'),
+    (lambda: LabelAsk(seq=3, tokens=16, width=8, bits=11).to_frame(b''),
+     'LABELS_ASK {"seq":3,"tokens":16,"width":8,"bits":11}'),
+    (lambda: LabelAnswer(seq=3, rows=16, k=8, vocab=2048, values=Values.FP16,
+             teacher='t').to_frame(b''),
+     'LABELS {"seq":3,"rows":16,"k":8,"vocab":2048,"values":"fp16","teacher":"t"}'),
+]
+
+
+@pytest.mark.parametrize("make, wire", PINS)
+def test_each_message_encodes_to_protocol_2s_bytes(make, wire: str) -> None:
+    assert pinned(make()) == wire
+

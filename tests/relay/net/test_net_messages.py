@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
+from helpers.wire_pins import pinned
 
 from nebula_cli.relay.net.limits import SyncSize
 from nebula_cli.relay.net.messages import (
@@ -68,3 +69,34 @@ def test_a_goodbye_says_whether_the_cluster_leaves_the_job() -> None:
     assert not Goodbye.from_meta(Goodbye().to_frame().meta).leaving
     assert not Goodbye.from_meta({}).leaving  # an older relay's goodbye: not leaving
     assert not Goodbye.from_meta({"leaving": "yes"}).leaving  # malformed: not leaving
+
+# Protocol 2's bytes of each message, pinned before the messages were declared once
+# (relay/net/schema.py derives every encoding from the fields): they must not move.
+PINS = [
+    (lambda: Progress(),
+     '{"done":-1,"state_round":null,"result_round":null,"sync":null,"finished":null,"lineage":nul'
+     'l}'),
+    (lambda: Progress(done=7, state_round=6, result_round=7, finished=None, lineage='abc',
+             sync=SyncSize.flat(100)),
+     '{"done":7,"state_round":6,"result_round":7,"sync":{"numel":100,"tensors":1,"dtypes":["float'
+     '32"],"shapes_sha256":"2659a239ccad75d71ccea5625331b6ec5b64a7314d19262f5b24c6a6e51eebfc"},"f'
+     'inished":null,"lineage":"abc"}'),
+    (lambda: Progress(done=3, state_round=None, result_round=2, finished=9, lineage=None),
+     '{"done":3,"state_round":null,"result_round":2,"sync":null,"finished":9,"lineage":null}'),
+    (lambda: Ping(id=4).to_frame(),
+     'HEARTBEAT {"op":"ping","id":4}'),
+    (lambda: Pong(id=5).to_frame(),
+     'HEARTBEAT {"op":"pong","id":5}'),
+    (lambda: Goodbye(leaving=True).to_frame(),
+     'BYE {"leaving":true}'),
+    (lambda: Goodbye().to_frame(),
+     'BYE {"leaving":false}'),
+    (lambda: Refusal(reason='no').to_frame(),
+     'ERROR {"reason":"no"}'),
+]
+
+
+@pytest.mark.parametrize("make, wire", PINS)
+def test_each_message_encodes_to_protocol_2s_bytes(make, wire: str) -> None:
+    assert pinned(make()) == wire
+

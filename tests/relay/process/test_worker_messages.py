@@ -8,6 +8,7 @@ import json
 
 import pytest
 import torch
+from helpers.wire_pins import pinned
 
 from nebula_cli.relay.net.limits import SyncSize
 from nebula_cli.relay.net.messages import Progress
@@ -102,3 +103,60 @@ def test_state_replies_say_whether_a_state_follows() -> None:
 def test_the_welcome_tells_who_the_relay_is_and_how_far() -> None:
     welcome = WorkerWelcome("a", ("a", "b"), "auto", 30.0, Progress(4, lineage="x"))
     assert WorkerWelcome.from_meta(wire(welcome.to_meta())) == welcome
+
+# Protocol 2's bytes of each message, pinned before the messages were declared once
+# (relay/net/schema.py derives every encoding from the fields): they must not move.
+PINS = [
+    (lambda: WorkerHello(cluster='a', job_id='job', layout=SyncSize(((2, 3), (4,)), ('float32',
+             'bfloat16'))).to_frame(),
+     'HELLO {"role":"worker","cluster":"a","job_id":"job","layout":{"shapes":[[2,3],[4]],"dtypes"'
+     ':["float32","bfloat16"]}}'),
+    (lambda: WorkerHello().to_frame(),
+     'HELLO {"role":"worker","cluster":null,"job_id":null}'),
+    (lambda: Frame(FrameType.CONTRIB, Contrib(round=3, numel=10, info=RoundInfo(weight=32.0,
+             step_s=0.2), released=(4, 5)).to_meta()),
+     'CONTRIB {"op":"allreduce","round":3,"numel":10,"info":{"weight":32.0,"step_s":0.2},"release'
+     'd":[4,5]}'),
+    (lambda: Frame(FrameType.CONTRIB, Contrib(round=0, numel=4).to_meta()),
+     'CONTRIB {"op":"allreduce","round":0,"numel":4,"released":[]}'),
+    (lambda: Frame(FrameType.STATE, Publish(round=3, numel=20, parts=2).to_meta()),
+     'STATE {"op":"publish","round":3,"parts":2,"numel":20}'),
+    (lambda: Frame(FrameType.STATE, Publish(round=3, numel=20).to_meta()),
+     'STATE {"op":"publish","round":3,"parts":1,"numel":20}'),
+    (lambda: FetchState().to_frame(),
+     'STATE_REQUEST {"op":"fetch"}'),
+    (lambda: FinalState(wait=2.5).to_frame(),
+     'STATE_REQUEST {"op":"final","wait":2.5}'),
+    (lambda: FinalState().to_frame(),
+     'STATE_REQUEST {"op":"final","wait":null}'),
+    (lambda: WorkerWelcome(cluster='a', clusters=('a', 'b'), codec='auto', round_timeout=30.0,
+             progress=Progress(done=4, lineage='x')),
+     '{"cluster":"a","clusters":["a","b"],"codec":"auto","round_timeout":30.0,"done":4,"state_rou'
+     'nd":null,"result_round":null,"sync":null,"finished":null,"lineage":"x"}'),
+    (lambda: RoundReply(round_id=5, present=('a', 'b'), rejected=('c',), missing=('d',),
+             weights={'a': 2.0, 'b': 1.0}, codec='int8', next=NextRound(h=12, merge=3,
+             codec='topk', why='because'), mode=RoundMode.SHARD, seconds=1.5, bytes_sent=100,
+             bytes_received=200, upload_s=0.25, has_state=True, shm=None, numel=8),
+     '{"round_id":5,"present":["a","b"],"next_h":12,"next_merge":3,"next_codec":"topk","why":"bec'
+     'ause","codec":"int8","weights":{"a":2.0,"b":1.0},"rejected":["c"],"missing":["d"],"seconds"'
+     ':1.5,"bytes_sent":100,"bytes_received":200,"upload_s":0.25,"has_state":true,"mode":"shard",'
+     '"numel":8}'),
+    (lambda: RoundReply(round_id=6, mode=RoundMode.ALONE, shm=7, numel=8),
+     '{"round_id":6,"present":[],"next_h":null,"next_merge":null,"next_codec":"","why":"","codec"'
+     ':"","weights":{},"rejected":[],"missing":[],"seconds":0.0,"bytes_sent":0,"bytes_received":0'
+     ',"upload_s":0.0,"has_state":false,"mode":"alone","numel":8,"shm":7}'),
+    (lambda: StateReply(op=StateOp.STORED, round=3),
+     '{"op":"stored","round":3}'),
+    (lambda: StateReply(op=StateOp.STATE, round=None),
+     '{"op":"state","round":null}'),
+    (lambda: StateReply(op=StateOp.FINAL, round=4, parts=2, numel=20),
+     '{"op":"final","round":4,"parts":2,"numel":20}'),
+    (lambda: StateReply(op=None, round=4, parts=1, numel=10),
+     '{"round":4,"parts":1,"numel":10}'),
+]
+
+
+@pytest.mark.parametrize("make, wire", PINS)
+def test_each_message_encodes_to_protocol_2s_bytes(make, wire: str) -> None:
+    assert pinned(make()) == wire
+

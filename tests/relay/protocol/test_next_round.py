@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
+from helpers.wire_pins import pinned
 
 from nebula_cli.relay.net.schema import MessageError
 from nebula_cli.relay.protocol.next_round import WHY_CHARS, NextRound
@@ -35,3 +36,20 @@ def test_a_forged_value_is_refused(bad: dict) -> None:
 def test_names_and_explanations_are_cut_to_their_caps() -> None:
     nxt = NextRound.from_meta({"next_codec": "c" * 100, "why": "w" * 10_000})
     assert len(nxt.codec) == CODEC_CHARS and len(nxt.why) == WHY_CHARS
+
+# Protocol 2's bytes of each message, pinned before the messages were declared once
+# (relay/net/schema.py derives every encoding from the fields): they must not move.
+PINS = [
+    (lambda: NextRound(),
+     '{"next_h":null,"next_merge":null,"next_codec":"","why":""}'),
+    (lambda: NextRound(h=40, merge=2, codec='topk', why='step 0.1 s (slowest)'),
+     '{"next_h":40,"next_merge":2,"next_codec":"topk","why":"step 0.1 s (slowest)"}'),
+    (lambda: NextRound(h=5),
+     '{"next_h":5,"next_merge":null,"next_codec":"","why":""}'),
+]
+
+
+@pytest.mark.parametrize("make, wire", PINS)
+def test_each_message_encodes_to_protocol_2s_bytes(make, wire: str) -> None:
+    assert pinned(make()) == wire
+

@@ -8,6 +8,7 @@ import socket
 
 import pytest
 import torch
+from helpers.wire_pins import pinned
 
 from nebula_cli.relay.codecs.registry import get_codec
 from nebula_cli.relay.net.limits import held_size
@@ -143,3 +144,71 @@ def test_answers_are_a_header_then_chunks() -> None:
         decode_answer(Frame(FrameType.RESULT, {"req": 1, "status": "ok", "round": 1}))
     with pytest.raises(MessageError, match="lo must be"):
         decode_answer(Frame(FrameType.RESULT, {"req": 3, "lo": "0"}, bytes(8)))
+
+# Protocol 2's bytes of each message, pinned before the messages were declared once
+# (relay/net/schema.py derives every encoding from the fields): they must not move.
+PINS = [
+    (lambda: round_frame(Ready(round=4, attempt=1, ok=True, numel=1000, reason='', lineage='abc',
+             info=RoundInfo(weight=64.0, step_s=0.1), codec='int8', codec_round=3)),
+     'ROUND {"op":"ready","round":4,"attempt":1,"ok":true,"numel":1000,"reason":"","lineage":"abc'
+     '","info":{"weight":64.0,"step_s":0.1},"codec":"int8","codec_round":3}'),
+    (lambda: round_frame(Ready(round=0, attempt=0, ok=False, numel=4, reason='bad')),
+     'ROUND {"op":"ready","round":0,"attempt":0,"ok":false,"numel":4,"reason":"bad","lineage":"un'
+     'known","info":{},"codec":"","codec_round":-1}'),
+    (lambda: round_frame(Decision(round=4, attempt=1, coordinator='a', present=('a', 'b'),
+             rejected=('c',), missing=(), numel=1000, diverged=('d',), weights=(('a', 2.0), ('b',
+             1.0)), codec='int8', next=NextRound(h=9, merge=2, codec='topk', why='w'))),
+     'ROUND {"op":"start","round":4,"attempt":1,"coord":"a","present":["a","b"],"rejected":["c"],'
+     '"missing":[],"numel":1000,"diverged":["d"],"weights":{"a":2.0,"b":1.0},"codec":"int8","next'
+     '_h":9,"next_merge":2,"next_codec":"topk","why":"w"}'),
+    (lambda: round_frame(Decision(round=0, attempt=0, coordinator='b', present=('b',), rejected=(),
+             missing=('a',), numel=8)),
+     'ROUND {"op":"start","round":0,"attempt":0,"coord":"b","present":["b"],"rejected":[],"missin'
+     'g":["a"],"numel":8,"diverged":[],"weights":{},"codec":"","next_h":null,"next_merge":null,"n'
+     'ext_codec":"","why":""}'),
+    (lambda: round_frame(Behind(round=7)),
+     'ROUND {"op":"behind","round":7}'),
+    (lambda: round_frame(Abort(round=4, attempt=1, coord='a', reason='lost b')),
+     'ROUND {"op":"abort","round":4,"attempt":1,"coord":"a","reason":"lost b"}'),
+    (lambda: round_frame(Abort(round=4, attempt=0, coord='a')),
+     'ROUND {"op":"abort","round":4,"attempt":0,"coord":"a","reason":""}'),
+    (lambda: PeerChunk(kind=ChunkKind.CONTRIB, round=3, attempt=0, coord='a', k=2,
+             enc=get_codec('int8', block_size=64).encode(torch.arange(128,
+             dtype=torch.float32))).to_frame(),
+     'PEER_CHUNK {"op":"contrib","round":3,"attempt":0,"coord":"a","k":2,"codec":"int8","numel":1'
+     '28,"codec_meta":{"block_size":64}}'),
+    (lambda: PeerChunk(kind=ChunkKind.AVG, round=3, attempt=1, coord='b', k=0,
+             enc=None).to_frame(),
+     'PEER_CHUNK {"op":"avg","round":3,"attempt":1,"coord":"b","k":0,"zero":true}'),
+    (lambda: FetchRequest(what=Fetched.RESULT, round=5, wait=2.0, req=9),
+     '{"op":"result","round":5,"wait":2.0,"req":9}'),
+    (lambda: FetchRequest(what=Fetched.STATE, round=5, wait=0.0, req=10),
+     '{"op":"state","min_round":5,"wait":0.0,"req":10}'),
+    (lambda: FetchRequest(what=Fetched.RESULT, round=5, req=1),
+     '{"op":"result","round":5,"req":1}'),
+    (lambda: FetchRequest(what=Fetched.STATE, round=-1),
+     '{"op":"state","min_round":-1,"req":0}'),
+    (lambda: ResultAnswer(req=3, status=AnswerStatus.OK, round=7, present=('a', 'b'),
+             rejected=('c',), codec='int8', numel=100),
+     '{"req":3,"status":"ok","round":7,"present":["a","b"],"rejected":["c"],"codec":"int8","numel'
+     '":100}'),
+    (lambda: ResultAnswer(req=3, status=AnswerStatus.NONE),
+     '{"req":3,"status":"none"}'),
+    (lambda: StateAnswer(req=4, status=AnswerStatus.OK, round=7, lineage='lin', parts=2,
+             numel=200),
+     '{"req":4,"status":"ok","round":7,"lineage":"lin","parts":2,"numel":200}'),
+    (lambda: StateAnswer(req=5, status=AnswerStatus.BUSY),
+     '{"req":5,"status":"busy"}'),
+    (lambda: RoundInfo(),
+     ""),
+    (lambda: RoundInfo(weight=64.0, step_s=0.1, comm_s=0.0, codec='int8', arrive_s=1.5),
+     '{"weight":64.0,"step_s":0.1,"comm_s":0.0,"codec":"int8","arrive_s":1.5}'),
+    (lambda: RoundInfo(comm_s=2.0),
+     '{"comm_s":2.0}'),
+]
+
+
+@pytest.mark.parametrize("make, wire", PINS)
+def test_each_message_encodes_to_protocol_2s_bytes(make, wire: str) -> None:
+    assert pinned(make()) == wire
+

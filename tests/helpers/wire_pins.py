@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from nebula_cli.relay.net.schema import encode
 from nebula_cli.relay.net.wire import Frame, encode_meta
 
 
@@ -12,4 +13,4 @@ def pinned(obj: Any) -> str:
     """``obj`` (a Frame, or a message that encodes to a meta) as the bytes the wire carries."""
     if isinstance(obj, Frame):
         return f"{obj.type.name} {encode_meta(obj.meta).decode()}"
-    return encode_meta(obj.to_meta()).decode()
+    return encode_meta(obj.to_meta() if hasattr(obj, "to_meta") else encode(obj)).decode()

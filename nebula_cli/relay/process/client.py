@@ -387,7 +387,7 @@ class RelayClient:
     def _expect(sock: Conn, ftype: FrameType) -> Frame:
         frame = recv_frame(sock)
         if frame.type == FrameType.ERROR:
-            raise RelayError(f"relay refused: {Refusal.from_meta(frame.meta).reason}")
+            raise RelayError(f"relay refused: {Refusal.read(frame.meta).reason}")
         if frame.type != ftype:
             raise WireError(f"expected {ftype.name} from the relay, got {frame.type.name}")
         return frame

@@ -48,6 +48,7 @@ from nebula_cli.relay.net.limits import Refusals, chunk_payload_cap
 from nebula_cli.relay.net.link import PeerLink
 from nebula_cli.relay.net.messages import Ping, Pong, Progress, decode_heartbeat
 from nebula_cli.relay.net.peers import PROTOCOL, Listener, Peers
+from nebula_cli.relay.net.schema import encode
 from nebula_cli.relay.net.wire import Frame, FrameType, WireError
 from nebula_cli.relay.process.status import Status
 from nebula_cli.relay.process.worker_messages import WorkerWelcome
@@ -107,7 +108,7 @@ class Relay:
         self.refusals = Refusals()
         self.status = Status(cfg.status_file, cfg.metrics_file, self._view)
         self.peers = Peers(cfg, server_ctx, client_context(pair, ca),
-                           hello=lambda: self._progress().to_meta(),
+                           hello=lambda: encode(self._progress()),
                            make_link=self._make_link, on_up=self._link_up,
                            on_down=self._link_down, refusals=self.refusals,
                            stopping=self.stopping)
@@ -255,7 +256,7 @@ class Relay:
         if t == FrameType.HEARTBEAT:
             beat = decode_heartbeat(frame.meta)
             if isinstance(beat, Ping):
-                link.send(Pong(beat.id).to_frame())
+                link.send(Pong(id=beat.id).to_frame())
             elif isinstance(beat, Pong):
                 self.peers.on_pong(beat.id)
             else:
@@ -273,7 +274,7 @@ class Relay:
             raise WireError(f"unexpected {t.name} frame from a peer")
 
     def _broadcast_progress(self) -> None:
-        self.peers.broadcast(Frame(FrameType.HEARTBEAT, self._progress().to_meta()))
+        self.peers.broadcast(Frame(FrameType.HEARTBEAT, encode(self._progress())))
 
     def _finished(self, r: int, out: RoundOutcome) -> None:
         self._broadcast_progress()

@@ -20,7 +20,7 @@ from typing import Any
 
 from nebula_cli.relay.net.limits import LimitExceeded, SyncSize
 from nebula_cli.relay.net.messages import Progress
-from nebula_cli.relay.net.schema import Fields, MessageError, is_int
+from nebula_cli.relay.net.schema import Fields, MessageError, decode, encode, is_int
 from nebula_cli.relay.net.wire import Frame, FrameType
 from nebula_cli.relay.protocol.next_round import NextRound
 from nebula_cli.relay.protocol.pacing import CODEC_CHARS, RoundInfo
@@ -177,13 +177,13 @@ class WorkerWelcome:
 
     def to_meta(self) -> dict[str, Any]:
         return {"cluster": self.cluster, "clusters": list(self.clusters), "codec": self.codec,
-                "round_timeout": self.round_timeout, **self.progress.to_meta()}
+                "round_timeout": self.round_timeout, **encode(self.progress)}
 
     @classmethod
     def from_meta(cls, meta: object) -> WorkerWelcome:
         f = Fields("WELCOME", meta)
         return cls(f.text("cluster"), f.texts("clusters"), f.text("codec"),
-                   f.number("round_timeout"), Progress.from_meta(meta, "WELCOME"))
+                   f.number("round_timeout"), decode(Progress, meta, what="WELCOME"))
 
 
 @dataclass(frozen=True)

@@ -206,7 +206,7 @@ class WorkerPort:
                                    close=True)
             except _Refused as exc:
                 self.refusals.refuse("worker request", f"{name} ({addr})", str(exc))
-                send_frames(sock, [Refusal(str(exc)).to_frame()])
+                send_frames(sock, [Refusal(reason=str(exc)).to_frame()])
                 if exc.close:
                     return
 

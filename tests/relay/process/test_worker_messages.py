@@ -101,7 +101,7 @@ def test_state_replies_say_whether_a_state_follows() -> None:
 
 
 def test_the_welcome_tells_who_the_relay_is_and_how_far() -> None:
-    welcome = WorkerWelcome("a", ("a", "b"), "auto", 30.0, Progress(4, lineage="x"))
+    welcome = WorkerWelcome("a", ("a", "b"), "auto", 30.0, Progress(done=4, lineage="x"))
     assert WorkerWelcome.from_meta(wire(welcome.to_meta())) == welcome
 
 # Protocol 2's bytes of each message, pinned before the messages were declared once

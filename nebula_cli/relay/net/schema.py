@@ -197,7 +197,8 @@ _WANTED = {_Kind.FLAG: "true or false", _Kind.TEXT: "a string",
 class _Field:
     """One field of a message: how it is written and read."""
 
-    __slots__ = ("name", "key", "kind", "cls", "bound", "default", "factory", "wanted")
+    __slots__ = ("name", "key", "kind", "cls", "bound", "default", "factory", "required",
+                 "wanted")
 
     def __init__(self, f: dataclasses.Field, tp: Any) -> None:
         self.name = f.name
@@ -206,10 +207,10 @@ class _Field:
         self.kind, self.cls = _kind_of(tp)
         if self.bound.to_wire is not None or self.bound.from_wire is not None:
             self.kind, self.cls = _Kind.RAW, None
-        self.default = REQUIRED if self.bound.required else f.default
+        self.default = f.default
         self.factory = None if f.default_factory is dataclasses.MISSING else f.default_factory
-        if self.bound.required or (self.default is dataclasses.MISSING and self.factory is None):
-            self.default, self.factory = REQUIRED, None
+        self.required = self.bound.required or (
+            f.default is dataclasses.MISSING and self.factory is None)
         self.wanted = self._wanted()
 
     def _wanted(self) -> str:
@@ -223,6 +224,7 @@ class _Field:
         return _WANTED.get(self.kind, "")
 
     def absent(self) -> Any:
+        """Its value when it is not read: the dataclass's default."""
         return self.factory() if self.factory is not None else self.default
 
     # -- writing
@@ -253,7 +255,7 @@ class _Field:
         if k == _Kind.MESSAGE:
             return _decode(self.cls, what, v, limits, {})
         if v is None:
-            if self.default is REQUIRED:
+            if self.required:
                 raise self._refusal(what, v, missing(what, self.key, self._wanted_at(limits)))
             return self.absent()
         if b.from_wire is not None:

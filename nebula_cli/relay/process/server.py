@@ -54,7 +54,13 @@ from nebula_cli.relay.process.status import Status
 from nebula_cli.relay.process.worker_messages import WorkerWelcome
 from nebula_cli.relay.process.worker_port import WorkerPort
 from nebula_cli.relay.protocol.fetch import Fetcher
-from nebula_cli.relay.protocol.messages import FetchRequest, PeerChunk, decode_answer, decode_round
+from nebula_cli.relay.protocol.messages import (
+    FetchRequest,
+    PeerChunk,
+    decode_answer,
+    decode_fetch,
+    decode_round,
+)
 from nebula_cli.relay.protocol.results import Average, GlobalState, RoundOutcome
 from nebula_cli.relay.protocol.rounds import Rounds
 
@@ -215,8 +221,9 @@ class Relay:
         return self.rounds.state.progress()
 
     def _welcome(self) -> WorkerWelcome:
-        return WorkerWelcome(self.me, tuple(self.cfg.clusters), self.cfg.codec,
-                             self.cfg.round_timeout, self._progress())
+        return WorkerWelcome(cluster=self.me, clusters=tuple(self.cfg.clusters),
+                             codec=self.cfg.codec,
+                             round_timeout=self.cfg.round_timeout, progress=self._progress())
 
     def _answer_result(self, round_id: int, wait: float, gone: Any) -> Average | None:
         return self.rounds.state.answer_result(round_id, wait, gone)
@@ -267,7 +274,7 @@ class Relay:
         elif t == FrameType.PEER_CHUNK:
             self.rounds.control.on_chunk(link.cluster, PeerChunk.from_frame(frame))
         elif t == FrameType.STATE_REQUEST:
-            self.fetcher.serve(link, FetchRequest.from_meta(frame.meta))
+            self.fetcher.serve(link, decode_fetch(frame.meta))
         elif t in (FrameType.RESULT, FrameType.STATE):
             self.fetcher.on_answer(decode_answer(frame))
         else:

@@ -62,7 +62,7 @@ from nebula_cli.relay.net.local_socket import (
     peer_uid,
 )
 from nebula_cli.relay.net.messages import Refusal
-from nebula_cli.relay.net.schema import MessageError
+from nebula_cli.relay.net.schema import MessageError, encode
 from nebula_cli.relay.net.wire import ConnectionClosed, Frame, FrameType, WireError, recv_frame
 from nebula_cli.relay.process.worker_messages import (
     Contrib,
@@ -249,7 +249,7 @@ class WorkerPort:
                     rounds.state.register(req.layout)
                 except LimitExceeded as exc:
                     raise _Refused(str(exc), close=True) from None
-            send_frames(sock, [Frame(FrameType.WELCOME, self._welcome().to_meta())])
+            send_frames(sock, [Frame(FrameType.WELCOME, encode(self._welcome()))])
         elif isinstance(req, Contrib):
             t0 = time.perf_counter()
             x = self._tensor(sock, FrameType.CONTRIB, req.numel)
@@ -265,16 +265,17 @@ class WorkerPort:
                 if token is not None:
                     sock.lent.add(token)
             send_tensor(sock, FrameType.RESULT,
-                        RoundReply.of(out, upload_s=upload, shm=token).to_meta(), out.tensor)
+                        encode(RoundReply.of(out, upload_s=upload, shm=token)), out.tensor)
             if out.global_state is not None:
-                send_tensor(sock, FrameType.STATE, StateReply(
-                    None, out.round_id, out.global_state.numel() // out.tensor.numel(),
-                    out.global_state.numel()).to_meta(), out.global_state)
+                send_tensor(sock, FrameType.STATE, encode(StateReply(
+                    op=None, round=out.round_id,
+                    parts=out.global_state.numel() // out.tensor.numel(),
+                    numel=out.global_state.numel())), out.global_state)
         elif isinstance(req, Publish):
             x = self._tensor(sock, FrameType.STATE, req.numel, req.parts)
             rounds.state.publish(GlobalState(req.round, x, parts=req.parts))
             send_frames(sock, [Frame(FrameType.STATE,
-                                     StateReply(StateOp.STORED, req.round).to_meta())])
+                                     encode(StateReply(op=StateOp.STORED, round=req.round)))])
             self._published()
         elif isinstance(req, FinalState):
             rounds.state.mark_finished()
@@ -291,7 +292,7 @@ class WorkerPort:
     @staticmethod
     def _send_state(sock: Conn, op: StateOp, st: GlobalState | None) -> None:
         if st is None:
-            send_frames(sock, [Frame(FrameType.STATE, StateReply(op, None).to_meta())])
+            send_frames(sock, [Frame(FrameType.STATE, encode(StateReply(op=op, round=None)))])
         else:
-            send_tensor(sock, FrameType.STATE, StateReply(
-                op, st.round_id, st.parts, st.tensor.numel()).to_meta(), st.tensor)
+            send_tensor(sock, FrameType.STATE, encode(StateReply(
+                op=op, round=st.round_id, parts=st.parts, numel=st.tensor.numel())), st.tensor)

@@ -213,8 +213,9 @@ class Rounds:
         ex_ref: list[RoundExchange] = []
 
         def send(dest: str, kind: str, k: int, enc: Encoded | None) -> None:
-            frame = PeerChunk(ChunkKind(kind), d.round, d.attempt, d.coordinator, k,
-                              enc).to_frame()
+            frame = PeerChunk(kind=ChunkKind(kind), round=d.round, attempt=d.attempt,
+                              coord=d.coordinator, k=k,
+                              enc=enc).to_frame()
             if not self.net.send(dest, frame, bulk=True) and ex_ref:
                 ex_ref[0].fail(f"no link to {dest}")
 
@@ -261,7 +262,8 @@ class Rounds:
                                         ex.codec)
             state.cv.notify_all()
         if not ex.done:
-            abort = round_frame(Abort(d.round, d.attempt, d.coordinator, ex.error or ""))
+            abort = round_frame(Abort(round=d.round, attempt=d.attempt, coord=d.coordinator,
+                                      reason=ex.error or ""))
             for c in sched.others:
                 self.net.send(c, abort)
         elif ex.dropped or ex.zeroed:

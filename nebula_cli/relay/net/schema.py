@@ -194,11 +194,83 @@ _WANTED = {_Kind.FLAG: "true or false", _Kind.TEXT: "a string",
            _Kind.RAW: "a value"}
 
 
+_BAD: Any = object()
+"""What a conversion gives for a value that does not fit."""
+_INF = float("inf")
+
+
+def _converter(kind: int, cls: Any, b: Bound) -> Callable[[Any, Mapping[str, int]], Any]:
+    """The function that gives a wire value as the field's value, or _BAD."""
+    if kind == _Kind.INT:
+        lo = -_INF if b.low is None else b.low
+        if isinstance(b.high, str):
+            named = b.high
+            return lambda v, lim: v if is_int(v) and lo <= v <= lim[named] else _BAD
+        hi = _INF if b.high is None else b.high
+        return lambda v, lim: v if (type(v) is int or is_int(v)) and lo <= v <= hi else _BAD
+    if kind == _Kind.NUMBER:
+        lo, above, finite = (-_INF if b.low is None else b.low), b.above, b.finite
+
+        def number(v: Any, lim: Mapping[str, int]) -> Any:
+            if not is_number(v) or (v <= lo if above else v < lo) or (
+                    finite and not math.isfinite(v)):
+                return _BAD
+            return float(v)
+        return number
+    if kind == _Kind.FLAG:
+        return lambda v, lim: v if v is True or v is False else _BAD
+    if kind == _Kind.TEXT:
+        cut, chars = b.max_chars, b.chars
+
+        def text(v: Any, lim: Mapping[str, int]) -> Any:
+            if not isinstance(v, str) or (chars is not None
+                                          and not chars[0] <= len(v) <= chars[1]):
+                return _BAD
+            return v if cut is None else v[:cut]
+        return text
+    if kind == _Kind.TEXTS:
+        return lambda v, lim: tuple(v) if isinstance(v, list) and all(
+            isinstance(s, str) for s in v) else _BAD
+    if kind == _Kind.INTS:
+        return lambda v, lim: tuple(v) if isinstance(v, list) and all(
+            is_int(i) for i in v) else _BAD
+    if kind in (_Kind.NUMBERS, _Kind.PAIRS):
+        pairs = kind == _Kind.PAIRS
+
+        def numbers(v: Any, lim: Mapping[str, int]) -> Any:
+            if not isinstance(v, Mapping) or not all(is_number(n) for n in v.values()):
+                return _BAD
+            got = {str(name): float(n) for name, n in v.items()}
+            return tuple(sorted(got.items())) if pairs else got
+        return numbers
+    if kind == _Kind.ENUM:
+        members = cls._value2member_map_
+
+        def member(v: Any, lim: Mapping[str, int]) -> Any:
+            try:
+                m = members.get(v)
+            except TypeError:  # unhashable: not a value of it
+                return _BAD
+            if m is None:
+                try:
+                    return cls(v)
+                except ValueError:
+                    return _BAD
+            return m
+        return member
+    return lambda v, lim: v
+
+
+_Take = Callable[[str, Mapping[str, Any], Mapping[str, int], dict[str, Any], Mapping[str, Any]],
+                 Any]
+"""A field's reader: (what, meta, limits, the fields read so far, given) -> its value."""
+
+
 class _Field:
-    """One field of a message: how it is written and read."""
+    """One field of a message: how it is written and read (both built once, per class)."""
 
     __slots__ = ("name", "key", "kind", "cls", "bound", "default", "factory", "required",
-                 "wanted")
+                 "wanted", "take")
 
     def __init__(self, f: dataclasses.Field, tp: Any) -> None:
         self.name = f.name
@@ -212,6 +284,7 @@ class _Field:
         self.required = self.bound.required or (
             f.default is dataclasses.MISSING and self.factory is None)
         self.wanted = self._wanted()
+        self.take = self._taker()
 
     def _wanted(self) -> str:
         b = self.bound
@@ -245,68 +318,57 @@ class _Field:
 
     # -- reading
 
-    def read(self, what: str, meta: Mapping[str, Any], limits: Mapping[str, int]) -> Any:
-        b, k = self.bound, self.kind
-        if k == _Kind.MESSAGE and b.flat:
-            return _decode_fields(self.cls, what, meta, limits, {})
-        v = meta.get(self.key)
-        if k == _Kind.MESSAGE and not getattr(self.cls, "LENIENT", False):
-            return self.absent() if v is None else _decode(self.cls, what, v, limits, {})
+    def _taker(self) -> _Take:
+        b, name, absent = self.bound, self.name, self.absent
+        if not b.on_wire:
+            return lambda what, meta, lim, values, given: (
+                given[name] if name in given else absent())
+        if not b.read:
+            return lambda what, meta, lim, values, given: absent()
+        read = self._reader()
+        when = b.when
+        if when is None:
+            return lambda what, meta, lim, values, given: read(what, meta, lim)
+        return lambda what, meta, lim, values, given: (
+            read(what, meta, lim) if when(values) else absent())
+
+    def _reader(self) -> Callable[[str, Mapping[str, Any], Mapping[str, int]], Any]:
+        b, k, key, absent = self.bound, self.kind, self.key, self.absent
         if k == _Kind.MESSAGE:
-            return _decode(self.cls, what, v, limits, {})
-        if v is None:
-            if self.required:
-                raise self._refusal(what, v, missing(what, self.key, self._wanted_at(limits)))
-            return self.absent()
-        if b.from_wire is not None:
-            return b.from_wire(v)
-        got = self._typed(what, v, limits)
-        if b.choices is not None and got not in b.choices:
-            raise self._refusal(what, v, refused(what, self.key, f"one of {b.choices}", v))
-        return got
+            sub = _plan(self.cls)
+            if b.flat:
+                return lambda what, meta, lim: sub.fields_of(what, meta, lim, {})
+            if sub.lenient:
+                return lambda what, meta, lim: sub.read(what, meta.get(key), lim, {})
+            return lambda what, meta, lim: (
+                absent() if (v := meta.get(key)) is None else sub.read(what, v, lim, {}))
+        convert = b.from_wire or _converter(k, self.cls, b)
+        custom = b.from_wire is not None
+        required, choices = self.required, b.choices
+
+        def read(what: str, meta: Mapping[str, Any], lim: Mapping[str, int]) -> Any:
+            v = meta.get(key)
+            if v is None:
+                if required:
+                    raise self._refusal(v, missing(what, key, self._wanted_at(lim)))
+                return absent()
+            if custom:
+                return convert(v)
+            got = convert(v, lim)
+            if got is _BAD:
+                raise self._refusal(v, refused(what, key, self._wanted_at(lim), v))
+            if choices is not None and got not in choices:
+                raise self._refusal(v, refused(what, key, f"one of {choices}", v))
+            return got
+        return read
 
     def _wanted_at(self, limits: Mapping[str, int]) -> str:
         if self.kind == _Kind.INT and isinstance(self.bound.high, str):
             return int_wanted(self.bound.low, limits[self.bound.high])
         return self.wanted
 
-    def _refusal(self, what: str, v: Any, exc: MessageError) -> MessageError:
+    def _refusal(self, v: Any, exc: MessageError) -> MessageError:
         return exc if self.bound.error is None else MessageError(self.bound.error.format(v))
-
-    def _typed(self, what: str, v: Any, limits: Mapping[str, int]) -> Any:
-        b, k = self.bound, self.kind
-        ok = True
-        if k == _Kind.INT:
-            high = limits[b.high] if isinstance(b.high, str) else b.high
-            ok = (is_int(v) and (b.low is None or v >= b.low)
-                  and (high is None or v <= high))
-        elif k == _Kind.NUMBER:
-            ok = is_number(v) and (b.low is None or (v > b.low if b.above else v >= b.low)) \
-                and (not b.finite or math.isfinite(v))
-            v = float(v) if ok else v
-        elif k == _Kind.FLAG:
-            ok = isinstance(v, bool)
-        elif k == _Kind.TEXT:
-            ok = isinstance(v, str) and (b.chars is None or b.chars[0] <= len(v) <= b.chars[1])
-            if ok and b.max_chars is not None:
-                v = v[:b.max_chars]
-        elif k in (_Kind.TEXTS, _Kind.INTS):
-            each = (lambda s: isinstance(s, str)) if k == _Kind.TEXTS else is_int
-            ok = isinstance(v, list) and all(each(s) for s in v)
-            v = tuple(v) if ok else v
-        elif k in (_Kind.NUMBERS, _Kind.PAIRS):
-            ok = isinstance(v, Mapping) and all(is_number(n) for n in v.values())
-            if ok:
-                v = {str(name): float(n) for name, n in v.items()}
-                v = tuple(sorted(v.items())) if k == _Kind.PAIRS else v
-        elif k == _Kind.ENUM:
-            try:
-                v = self.cls(v)
-            except ValueError:
-                ok = False
-        if not ok:
-            raise self._refusal(what, v, refused(what, self.key, self._wanted_at(limits), v))
-        return v
 
 
 class _Plan:
@@ -315,13 +377,42 @@ class _Plan:
     __slots__ = ("cls", "name", "tag", "lenient", "fields", "check")
 
     def __init__(self, cls: type) -> None:
-        hints = typing.get_type_hints(cls)
         self.cls = cls
         self.name: str = getattr(cls, "NAME", cls.__name__)
         self.tag: tuple[str, str] | None = getattr(cls, "TAG", None)
         self.lenient: bool = getattr(cls, "LENIENT", False)
-        self.fields = [_Field(f, hints[f.name]) for f in dataclasses.fields(cls)]
         self.check = getattr(cls, "problem", None)
+        self.fields: list[_Field] = []
+
+    def resolve(self) -> None:
+        hints = typing.get_type_hints(self.cls)
+        self.fields = [_Field(f, hints[f.name]) for f in dataclasses.fields(self.cls)]
+
+    def read(self, what: str, meta: object, limits: Mapping[str, int],
+             given: Mapping[str, Any]) -> Any:
+        """The message from ``meta`` (an object; with LENIENT anything, else its default)."""
+        if type(meta) is not dict and not isinstance(meta, Mapping):
+            if self.lenient:
+                return self.cls()
+            object_of(what, meta)
+        return self.fields_of(what, meta, limits, given)
+
+    def fields_of(self, what: str, meta: Mapping[str, Any], limits: Mapping[str, int],
+                  given: Mapping[str, Any]) -> Any:
+        values: dict[str, Any] = {}
+        if self.lenient:
+            for f in self.fields:
+                try:
+                    values[f.name] = f.take(what, meta, limits, values, given)
+                except MessageError:
+                    values[f.name] = f.absent()
+        else:
+            for f in self.fields:
+                values[f.name] = f.take(what, meta, limits, values, given)
+        msg = self.cls(**values)
+        if self.check is not None and (why := self.check(msg)):
+            raise MessageError(why)
+        return msg
 
 
 _PLANS: dict[type, _Plan] = {}
@@ -331,6 +422,7 @@ def _plan(cls: type) -> _Plan:
     plan = _PLANS.get(cls)
     if plan is None:
         plan = _PLANS[cls] = _Plan(cls)
+        plan.resolve()  # after it is known: a message may hold its own kind
     return plan
 
 
@@ -357,43 +449,16 @@ def encode(msg: Any) -> dict[str, Any]:
     return out
 
 
+_NO_LIMITS: Mapping[str, int] = {}
+
+
 def decode(cls: type[M], meta: object, *, what: str | None = None,
            limits: Mapping[str, int] | None = None, **given: Any) -> M:
     """Message ``cls`` read from ``meta`` (MessageError: what does not fit, named;
     ``what``: its name in errors, if not ``cls.NAME``). ``limits``: the values of bounds that
     name one; ``given``: the fields that are not on the wire (a frame's payload)."""
-    return _decode(cls, what or _plan(cls).name, meta, limits or {}, given)
-
-
-def _decode(cls: type[M], what: str, meta: object, limits: Mapping[str, int],
-            given: Mapping[str, Any]) -> M:
-    plan = _plan(cls)
-    if plan.lenient and not isinstance(meta, Mapping):
-        return cls()
-    return _decode_fields(cls, what, object_of(what, meta), limits, given)
-
-
-def _decode_fields(cls: type[M], what: str, meta: Mapping[str, Any],
-                   limits: Mapping[str, int], given: Mapping[str, Any]) -> M:
-    plan = _plan(cls)
-    values: dict[str, Any] = {}
-    for f in plan.fields:
-        b = f.bound
-        if not b.on_wire:
-            values[f.name] = given[f.name] if f.name in given else f.absent()
-        elif not b.read or (b.when is not None and not b.when(values)):
-            values[f.name] = f.absent()
-        elif plan.lenient:
-            try:
-                values[f.name] = f.read(what, meta, limits)
-            except MessageError:
-                values[f.name] = f.absent()
-        else:
-            values[f.name] = f.read(what, meta, limits)
-    msg = cls(**values)
-    if plan.check is not None and (why := plan.check(msg)):
-        raise MessageError(why)
-    return msg
+    plan = _PLANS.get(cls) or _plan(cls)
+    return plan.read(what or plan.name, meta, limits or _NO_LIMITS, given)
 
 
 # ---------------------------------------------------------------------- reading by hand

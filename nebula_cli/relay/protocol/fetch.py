@@ -180,7 +180,7 @@ class Fetcher:
             self._refusals.refuse("request", f"{link.cluster} ({link.addr})",
                                   f"more than {MAX_REQUESTS_PER_LINK} requests at once")
             busy = (ResultAnswer if ask.what == Fetched.RESULT else StateAnswer)(
-                ask.req, AnswerStatus.BUSY)
+                req=ask.req, status=AnswerStatus.BUSY)
             link.send(Frame(_ANSWER[ask.what], encode(busy)))
             return
 

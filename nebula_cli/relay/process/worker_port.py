@@ -213,7 +213,7 @@ class WorkerPort:
     def _tensor(self, sock: Conn, ftype: FrameType, numel: int, parts: int = 1) -> torch.Tensor:
         """Read a worker's tensor of this cluster's sync size times ``parts`` (registering the
         size the first time); _Refused otherwise."""
-        sync = self.rounds.state.sync
+        sync = self.rounds.sync
         cap = (sync.numel if sync is not None else MAX_SYNC_NUMEL) * parts
         try:
             numel = check_numel(numel, cap)
@@ -227,7 +227,7 @@ class WorkerPort:
         try:
             if numel % parts:
                 raise LimitExceeded(f"{numel} elements do not split into {parts} parts")
-            self.rounds.state.register(SyncSize.flat(size) if sync is None else sync)
+            self.rounds.register(SyncSize.flat(size) if sync is None else sync)
             if sync is not None and size != sync.numel:
                 raise LimitExceeded(f"a tensor of {size} elements; this relay syncs "
                                     f"{sync.numel} (its workers' first registration)")
@@ -246,7 +246,7 @@ class WorkerPort:
                                    f"{key} {mine!r}", close=True)
             if req.layout is not None:
                 try:
-                    rounds.state.register(req.layout)
+                    rounds.register(req.layout)
                 except LimitExceeded as exc:
                     raise _Refused(str(exc), close=True) from None
             send_frames(sock, [Frame(FrameType.WELCOME, encode(self._welcome()))])
@@ -273,18 +273,18 @@ class WorkerPort:
                     numel=out.global_state.numel())), out.global_state)
         elif isinstance(req, Publish):
             x = self._tensor(sock, FrameType.STATE, req.numel, req.parts)
-            rounds.state.publish(GlobalState(req.round, x, parts=req.parts))
+            rounds.publish(GlobalState(req.round, x, parts=req.parts))
             send_frames(sock, [Frame(FrameType.STATE,
                                      encode(StateReply(op=StateOp.STORED, round=req.round)))])
             self._published()
         elif isinstance(req, FinalState):
-            rounds.state.mark_finished()
+            rounds.mark_finished()
             self._published()  # peers learn that this cluster has finished
-            self._send_state(sock, StateOp.FINAL, rounds.recovery.final_state(req.wait))
+            self._send_state(sock, StateOp.FINAL, rounds.final_state(req.wait))
         elif isinstance(req, FetchState):
-            self._send_state(sock, StateOp.STATE, rounds.recovery.best_state())
+            self._send_state(sock, StateOp.STATE, rounds.best_state())
         else:  # Bye: rank 0 closed its client, its training is over
-            rounds.state.mark_finished()
+            rounds.mark_finished()
             self._published()
             return False
         return True

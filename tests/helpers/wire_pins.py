@@ -10,7 +10,7 @@ from nebula_cli.relay.net.wire import Frame, encode_meta
 
 
 def pinned(obj: Any) -> str:
-    """``obj`` (a Frame, or a message that encodes to a meta) as the bytes the wire carries."""
+    """``obj`` (a Frame, or a message: its `schema.encode`) as the bytes the wire carries."""
     if isinstance(obj, Frame):
         return f"{obj.type.name} {encode_meta(obj.meta).decode()}"
-    return encode_meta(obj.to_meta() if hasattr(obj, "to_meta") else encode(obj)).decode()
+    return encode_meta(encode(obj)).decode()

@@ -31,7 +31,7 @@ import math
 import types
 import typing
 from collections.abc import Callable, Mapping
-from enum import Enum
+from enum import Enum, IntEnum
 from typing import Any, TypeVar, Union
 
 from nebula_cli.relay.net.wire import WireError
@@ -155,14 +155,26 @@ def wire(default: Any = dataclasses.MISSING, *, factory: Any = dataclasses.MISSI
 
 # ---------------------------------------------------------------------- the plan of a class
 
-class _Kind:
-    INT, NUMBER, FLAG, TEXT, TEXTS, INTS, NUMBERS, PAIRS, ENUM, MESSAGE, RAW = range(11)
+class _Kind(IntEnum):
+    """What a field's type is on the wire (the scalars first: written as they are)."""
+
+    INT = 0
+    NUMBER = 1
+    FLAG = 2
+    TEXT = 3
+    TEXTS = 4
+    INTS = 5
+    NUMBERS = 6
+    PAIRS = 7
+    ENUM = 8
+    MESSAGE = 9
+    RAW = 10
 
 
 _SCALARS = {int: _Kind.INT, float: _Kind.NUMBER, bool: _Kind.FLAG, str: _Kind.TEXT}
 
 
-def _kind_of(tp: Any) -> tuple[int, Any]:
+def _kind_of(tp: Any) -> tuple[_Kind, Any]:
     """(kind, the enum or message class) of a resolved annotation, its ``| None`` dropped."""
     if typing.get_origin(tp) in (Union, types.UnionType):
         inner = [a for a in typing.get_args(tp) if a is not type(None)]
@@ -199,7 +211,7 @@ _BAD: Any = object()
 _INF = float("inf")
 
 
-def _converter(kind: int, cls: Any, b: Bound) -> Callable[[Any, Mapping[str, int]], Any]:
+def _converter(kind: _Kind, cls: Any, b: Bound) -> Callable[[Any, Mapping[str, int]], Any]:
     """The function that gives a wire value as the field's value, or _BAD."""
     if kind == _Kind.INT:
         lo = -_INF if b.low is None else b.low

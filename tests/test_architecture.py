@@ -168,3 +168,18 @@ def test_a_scheduler_package_imports_nothing_of_its_own_when_loaded() -> None:
     imports = {str(f.relative_to(PACKAGE)): sorted(_imports(f)) for f in inits
                if f.exists() and _imports(f)}
     assert not imports, imports
+
+
+def test_the_relay_process_asks_its_rounds_by_their_verbs() -> None:
+    """relay/process/ (the relay's server and worker port) calls `Rounds`' own methods, never
+    its parts (`rounds.state`, `rounds.control`, `rounds.recovery`)."""
+    reach = []
+    for path in sorted((PACKAGE / "relay" / "process").glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Attribute) and node.attr in {"state", "control",
+                                                                 "recovery"}:
+                owner = node.value
+                if (isinstance(owner, ast.Name) and owner.id == "rounds") or (
+                        isinstance(owner, ast.Attribute) and owner.attr == "rounds"):
+                    reach.append(f"{path.name}:{node.lineno} rounds.{node.attr}")
+    assert not reach, f"the process layer reaches into Rounds' parts: {reach}"

@@ -18,6 +18,7 @@ import torch.distributed as dist
 
 from nebula_cli.errors import NebulaError
 from nebula_cli.relay.codecs.base import all_finite
+from nebula_cli.relay.net.schema import decode, encode
 from nebula_cli.relay.protocol.next_round import NextRound
 from nebula_cli.runtime.outer import SyncError
 from nebula_cli.runtime.settle import keep
@@ -101,7 +102,7 @@ class RoundHeader:
                            "bytes_sent": self.bytes_sent, "bytes_received": self.bytes_received,
                            "seconds": self.seconds, "round_id": self.round_id,
                            "has_state": self.has_state, "has_momentum": self.has_momentum,
-                           "codec": self.codec, **self.next.to_meta()},
+                           "codec": self.codec, **encode(self.next)},
                           separators=(",", ":")).encode()
         if len(data) > HEADER_BYTES:
             raise SyncError(f"a round header of {len(data)} bytes (at most {HEADER_BYTES})")
@@ -119,7 +120,7 @@ class RoundHeader:
         return cls(bool(m["ok"]), int(m["present"]), int(m["bytes_sent"]),
                    int(m["bytes_received"]), float(m["seconds"]), int(m["round_id"]),
                    bool(m["has_state"]), bool(m["has_momentum"]), str(m["codec"]),
-                   NextRound.from_meta(m, "round header"))
+                   decode(NextRound, m, what="round header"))
 
 
 class ClusterShare:

@@ -18,7 +18,7 @@ from nebula_cli.relay.net.limits import (
     Refusals,
 )
 from nebula_cli.relay.net.wire import Frame, FrameType
-from nebula_cli.relay.protocol.messages import Fetched, FetchRequest, PeerChunk, decode_round
+from nebula_cli.relay.protocol.messages import FetchRequest, PeerChunk, ResultAsk, decode_round
 from nebula_cli.relay.protocol.results import Average, GlobalState, RoundOutcome
 from nebula_cli.relay.protocol.rounds import Rounds
 
@@ -144,9 +144,9 @@ class FakeNet:
             return None
         other = self.hub.rounds[cluster].state
         wait = 5.0 if ask.wait is None else ask.wait
-        if ask.what == Fetched.RESULT:
+        if isinstance(ask, ResultAsk):
             return other.answer_result(ask.round, min(wait, timeout, 5.0), lambda: False)
-        return other.answer_state(ask.round, min(wait, 5.0))
+        return other.answer_state(ask.min_round, min(wait, 5.0))
 
     def holders(self, round_id: int) -> list[str]:
         return [c for c in self.connected() if (avg := self.hub.rounds[c].state.average) is not None

@@ -18,7 +18,7 @@ from helpers.sync_reference import CFG, TwoClusterAverager, plain_step, small_mo
 from nebula_cli.config import relay_plan, sync_plan
 from nebula_cli.config.relay_config import AutoSteps
 from nebula_cli.config.spec import load_spec
-from nebula_cli.relay.net.schema import MessageError
+from nebula_cli.relay.net.schema import MessageError, decode, encode
 from nebula_cli.relay.protocol.agreement import Coordinator, Decision
 from nebula_cli.relay.protocol.allreduce import ordered_mean
 from nebula_cli.relay.protocol.next_round import NextRound
@@ -92,20 +92,21 @@ def test_decisions_agree_the_merge_step_and_refuse_a_forged_one() -> None:
     d = coord.ready(0, 0, "b", ok=True, numel=8, now=0.1, newest_done=-1,
                     info=RoundInfo(step_s=0.2, arrive_s=0.3))
     assert isinstance(d, Decision) and d.next.merge == 2 and d.next.h is None
-    assert Decision.from_meta(d.to_meta()) == d
+    assert decode(Decision, encode(d)) == d
     with pytest.raises(MessageError):
-        Decision.from_meta({**d.to_meta(), "next_merge": 0})
-    old = {k: v for k, v in d.to_meta().items() if k != "next_merge"}  # a relay before it
-    assert Decision.from_meta(old).next.merge is None
+        decode(Decision, {**encode(d), "next_merge": 0})
+    old = {k: v for k, v in encode(d).items() if k != "next_merge"}  # a relay before it
+    assert decode(Decision, old).next.merge is None
 
 
 def test_round_info_keeps_only_finite_numbers_in_range() -> None:
-    info = RoundInfo.from_meta({"weight": 0, "step_s": float("nan"), "comm_s": -1.0})
+    info = decode(RoundInfo, {"weight": 0, "step_s": float("nan"), "comm_s": -1.0})
     assert info == RoundInfo()
-    assert RoundInfo.from_meta({"weight": True, "step_s": "1"}) == RoundInfo()
-    assert RoundInfo.from_meta("junk") == RoundInfo()
-    ok = RoundInfo.from_meta({"weight": 512, "step_s": 0.25, "comm_s": 0.0, "other": 1})
-    assert ok == RoundInfo(512.0, 0.25, 0.0) and RoundInfo.from_meta(ok.to_meta()) == ok
+    assert decode(RoundInfo, {"weight": True, "step_s": "1"}) == RoundInfo()
+    assert decode(RoundInfo, "junk") == RoundInfo()
+    ok = decode(RoundInfo, {"weight": 512, "step_s": 0.25, "comm_s": 0.0, "other": 1})
+    assert ok == RoundInfo(weight=512.0, step_s=0.25, comm_s=0.0) and decode(RoundInfo,
+                                                                             encode(ok)) == ok
 
 
 def test_weights_only_when_every_present_cluster_said() -> None:
@@ -141,11 +142,11 @@ def test_decisions_carry_weights_and_next_h_and_refuse_forged_ones() -> None:
     assert isinstance(d, Decision)
     assert dict(d.weights) == {"a": 256.0, "b": 128.0} and d.next.h == 90
     assert "H 90 for 90% utilisation" in d.next.why
-    assert Decision.from_meta(d.to_meta()) == d
+    assert decode(Decision, encode(d)) == d
     for forged in ({"weights": {"a": 1.0}}, {"weights": {"a": 1.0, "b": -1.0}},
                    {"weights": {"a": 1.0, "b": float("inf")}}, {"next_h": 0}):
         with pytest.raises(MessageError):
-            Decision.from_meta({**d.to_meta(), **forged})
+            decode(Decision, {**encode(d), **forged})
     fixed = Coordinator("a", ["a", "b"], 10.0)  # no auto: no H in its decisions
     fixed.ready(0, 0, "a", ok=True, numel=8, now=0.0, newest_done=-1)
     d2 = fixed.ready(0, 0, "b", ok=True, numel=8, now=0.0, newest_done=-1)

@@ -61,7 +61,8 @@ def test_the_header_round_trips_and_its_longest_form_fits() -> None:
     assert RoundHeader.from_tensor(t) == head
     longest = RoundHeader(True, 2**31, 2**62, 2**62, 1e300, 2**62, True, True,
                           "\u2603" * CODEC_CHARS,
-                          NextRound(2**62, 2**62, "\u2603" * CODEC_CHARS, "\u2603" * WHY_CHARS))
+                          NextRound(h=2**62, merge=2**62, codec="\u2603" * CODEC_CHARS,
+                                    why="\u2603" * WHY_CHARS))
     assert RoundHeader.from_tensor(longest.to_tensor()) == longest
     assert RoundHeader.from_tensor(torch.zeros(HEADER_BYTES, dtype=torch.uint8)) == \
         RoundHeader()  # nothing broadcast: not ok

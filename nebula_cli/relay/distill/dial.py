@@ -10,6 +10,7 @@ import ssl
 from nebula_cli.pki import PeerRejected, wrap_client
 from nebula_cli.relay.distill.link import LabelLink
 from nebula_cli.relay.distill.messages import LabelHello, LabelWelcome, Side
+from nebula_cli.relay.net.schema import decode
 from nebula_cli.relay.net.wire import FrameType, WireError, recv_small_frame, send_frame
 
 WELCOME_BYTES = 4096
@@ -39,13 +40,13 @@ def dial(addr: str, ctx: ssl.SSLContext, *, job_id: str, cluster: str, side: Sid
         raise LabelRefused(f"label relay {addr}: {exc.reason}") from None
     try:
         tls.settimeout(timeout)
-        send_frame(tls, LabelHello(job_id, side).to_frame())
+        send_frame(tls, LabelHello(job=job_id, side=side).to_frame())
         frame = recv_small_frame(tls, WELCOME_BYTES)
         if frame.type is FrameType.ERROR:
             raise LabelRefused(f"label relay {addr} refused us: {frame.meta.get('reason')}")
         if frame.type is not FrameType.WELCOME:
             raise LabelRefused(f"label relay {addr}: answered {frame.type.name} to HELLO")
-        welcome = LabelWelcome.from_meta(frame.meta)
+        welcome = decode(LabelWelcome, frame.meta)
         tls.settimeout(None)
     except (WireError, OSError) as exc:
         with contextlib.suppress(OSError):

@@ -25,6 +25,7 @@ from nebula_cli.relay.distill.messages import (
     max_answer_bytes,
 )
 from nebula_cli.relay.distill.sparse import SparseLabels, decode, payload_nbytes
+from nebula_cli.relay.net import schema
 from nebula_cli.relay.net.wire import FrameType, WireError
 
 log = logging.getLogger("nebula.relay.distill")
@@ -121,7 +122,8 @@ class LabelClient:
             raise ValueError(f"an ask of {tokens.size} tokens; distill.max_tokens is "
                              f"{self.max_tokens}")
         bits = bits_needed(tokens)
-        asked = _Asked(LabelAsk(seq, int(tokens.size), width, bits), pack_ids(tokens, bits),
+        asked = _Asked(LabelAsk(seq=seq, tokens=int(tokens.size), width=width, bits=bits),
+                       pack_ids(tokens, bits),
                        time.monotonic())
         with self._cond:
             if seq in self._asked or seq in self._answers:
@@ -208,7 +210,7 @@ class LabelClient:
             frame = link.recv()
             if frame.type is not FrameType.LABELS:
                 raise WireError(f"teacher {name} sent {frame.type.name}")
-            ans = LabelAnswer.from_meta(frame.meta, self.max_tokens)
+            ans = schema.decode(LabelAnswer, frame.meta, limits={"max_tokens": self.max_tokens})
             if len(frame.payload) != payload_nbytes(ans.rows, ans.k, ans.vocab, ans.values):
                 raise WireError(f"LABELS of {ans.rows} x {ans.k} in {len(frame.payload)} bytes")
             with self._cond:

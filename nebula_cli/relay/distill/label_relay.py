@@ -38,6 +38,7 @@ from nebula_cli.relay.distill.messages import (
 )
 from nebula_cli.relay.distill.sparse import Values, payload_nbytes
 from nebula_cli.relay.net.admission import Admission, first_bytes
+from nebula_cli.relay.net.schema import decode
 from nebula_cli.relay.net.wire import Frame, FrameType, WireError, recv_small_frame, send_frame
 
 log = logging.getLogger("nebula.relay.distill")
@@ -91,7 +92,8 @@ class LabelRelay:
                  ca: Path, bind: str, port: int, topk: int, values: Values, max_tokens: int,
                  heartbeat: float, dead_after: float, window: int = 4) -> None:
         self.job_id, self.cluster, self.students = job_id, cluster, frozenset(students)
-        self.welcome = LabelWelcome(cluster, topk, values, max_tokens)
+        self.welcome = LabelWelcome(cluster=cluster, topk=topk, values=values,
+                                    max_tokens=max_tokens)
         self.heartbeat, self.dead_after, self.window = heartbeat, dead_after, window
         self._ctx = server_context(pair, ca)
         self._listener = socket.create_server((bind, port), reuse_port=False)
@@ -181,7 +183,7 @@ class LabelRelay:
                                  roles={"worker", "relay"}, timeout=HANDSHAKE_S)
         try:
             tls.settimeout(HANDSHAKE_S)
-            hello = LabelHello.from_meta(recv_small_frame(tls, HELLO_BYTES).meta)
+            hello = decode(LabelHello, recv_small_frame(tls, HELLO_BYTES).meta)
             why = self._refusal(hello, ident.role, ident.cluster)
             if why is not None:
                 send_frame(tls, Frame(FrameType.ERROR, {"reason": why}))
@@ -263,7 +265,8 @@ class LabelRelay:
             self._dispatch()
 
     def _answered(self, server: _Server, frame: Frame) -> None:
-        ans = LabelAnswer.from_meta(frame.meta, self.welcome.max_tokens)
+        ans = decode(LabelAnswer, frame.meta,
+                     limits={"max_tokens": self.welcome.max_tokens})
         if len(frame.payload) != payload_nbytes(ans.rows, ans.k, ans.vocab, ans.values):
             raise WireError(f"LABELS of {ans.rows} x {ans.k} in {len(frame.payload)} bytes")
         with self._lock:
@@ -276,7 +279,8 @@ class LabelRelay:
             self._answers += 1
             self._tokens += ans.rows
             self._latency_s += time.monotonic() - asked.arrived
-        out = LabelAnswer(asked.ask.seq, ans.rows, ans.k, ans.vocab, ans.values, self.cluster)
+        out = LabelAnswer(seq=asked.ask.seq, rows=ans.rows, k=ans.k, vocab=ans.vocab,
+                          values=ans.values, teacher=self.cluster)
         asked.student.send(out.to_frame(frame.payload))
         self._dispatch()
 

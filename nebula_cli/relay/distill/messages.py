@@ -2,8 +2,9 @@
 and what it answers (``LabelWelcome``), an ask for soft labels (``LabelAsk``, token ids in its
 payload) and its answer (``LabelAnswer``, sparse labels in its payload, `sparse`).
 
-Each is a frozen dataclass with ``to_frame`` and one strict ``from_meta``
-(:mod:`nebula_cli.relay.net.schema`), called where its frame is received. Every size is
+Each is declared once, a frozen keyword-only dataclass whose fields are its encoding and its
+strict decoder (:mod:`nebula_cli.relay.net.schema`), called where its frame is received. Every
+size is
 bounded: an ask carries at most ``max_tokens`` tokens (the label relay's, said in its
 WELCOME), its payload exactly ``(tokens * bits + 7) // 8`` bytes: the token ids in ``bits``
 bits each (1..24, the bit length of the largest id asked), packed as an answer's ids are
@@ -15,11 +16,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from enum import StrEnum
-from typing import Any
+from typing import ClassVar
 
 from nebula_cli.relay.distill.idpack import MAX_ID_BITS, packed_nbytes
 from nebula_cli.relay.distill.sparse import MAX_VOCAB, Values
-from nebula_cli.relay.net.schema import Fields, MessageError
+from nebula_cli.relay.net.schema import MessageError, decode, encode, wire
 from nebula_cli.relay.net.wire import Frame, FrameType
 
 PROTOCOL = 2
@@ -37,56 +38,47 @@ class Side(StrEnum):
     """A teacher's serving rank (its own cluster's): answers them."""
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class LabelHello:
     """The first frame on a label relay's connection."""
 
-    job: str
+    NAME: ClassVar[str] = "label HELLO"
+
+    job: str = wire(max_chars=128)
     side: Side
-    protocol: int = PROTOCOL
+    protocol: int = wire(PROTOCOL, required=True, low=1)
 
     def to_frame(self) -> Frame:
-        return Frame(FrameType.HELLO, {"job": self.job, "side": self.side.value,
-                                       "protocol": self.protocol})
-
-    @classmethod
-    def from_meta(cls, meta: object) -> LabelHello:
-        f = Fields("label HELLO", meta)
-        return cls(f.text("job", max_chars=128), f.choice("side", Side),
-                   f.integer("protocol", low=1))
+        return Frame(FrameType.HELLO, encode(self))
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class LabelWelcome:
     """The label relay's answer: its teacher cluster and the job's settings for soft labels."""
 
-    cluster: str
-    topk: int
+    NAME: ClassVar[str] = "label WELCOME"
+
+    cluster: str = wire(max_chars=64)
+    topk: int = wire(low=1, high=MAX_TOPK)
     values: Values
-    max_tokens: int
+    max_tokens: int = wire(low=1)
 
     def to_frame(self) -> Frame:
-        return Frame(FrameType.WELCOME, {"cluster": self.cluster, "topk": self.topk,
-                                         "values": self.values.value,
-                                         "max_tokens": self.max_tokens})
-
-    @classmethod
-    def from_meta(cls, meta: object) -> LabelWelcome:
-        f = Fields("label WELCOME", meta)
-        return cls(f.text("cluster", max_chars=64), f.integer("topk", low=1, high=MAX_TOPK),
-                   f.choice("values", Values), f.integer("max_tokens", low=1))
+        return Frame(FrameType.WELCOME, encode(self))
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class LabelAsk:
     """Soft labels asked for ``tokens`` token ids (the payload: ``tokens`` ids of ``bits``
     bits each, packed (`idpack`), sequences of ``width`` tokens one after the other); ``seq``
     names the ask to its asker (on a server's link: the relay's own number)."""
 
-    seq: int
-    tokens: int
-    width: int
-    bits: int
+    NAME: ClassVar[str] = "LABELS_ASK"
+
+    seq: int = wire(low=0, high=MAX_SEQ)
+    tokens: int = wire(low=1, high="max_tokens")
+    width: int = wire(low=1, high="max_tokens")
+    bits: int = wire(low=1, high=MAX_ID_BITS)
 
     @property
     def payload_nbytes(self) -> int:
@@ -94,16 +86,13 @@ class LabelAsk:
         return packed_nbytes(self.tokens, self.bits)
 
     def to_frame(self, payload: bytes | bytearray | memoryview) -> Frame:
-        return Frame(FrameType.LABELS_ASK, {"seq": self.seq, "tokens": self.tokens,
-                                            "width": self.width, "bits": self.bits}, payload)
+        return Frame(FrameType.LABELS_ASK, encode(self), payload)
 
     @classmethod
     def from_frame(cls, frame: Frame, max_tokens: int) -> LabelAsk:
-        f = Fields("LABELS_ASK", frame.meta)
-        ask = cls(f.integer("seq", low=0, high=MAX_SEQ),
-                  f.integer("tokens", low=1, high=max_tokens),
-                  f.integer("width", low=1, high=max_tokens),
-                  f.integer("bits", low=1, high=MAX_ID_BITS))
+        """The ask a frame carries, its payload checked against it (``max_tokens``: the label
+        relay's)."""
+        ask = decode(cls, frame.meta, limits={"max_tokens": max_tokens})
         if ask.tokens % ask.width:
             raise MessageError(f"LABELS_ASK: {ask.tokens} tokens are not sequences of "
                                f"{ask.width}")
@@ -113,32 +102,23 @@ class LabelAsk:
         return ask
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class LabelAnswer:
     """A teacher's answer to ask ``seq``: ``rows`` tokens' top ``k`` labels over a vocabulary
-    of ``vocab`` (the payload: `sparse`), from cluster ``teacher``."""
+    of ``vocab`` (the payload: `sparse`), from cluster ``teacher`` (read with the label
+    relay's ``max_tokens`` as a limit: ``decode(LabelAnswer, meta, limits=...)``)."""
 
-    seq: int
-    rows: int
-    k: int
-    vocab: int
+    NAME: ClassVar[str] = "LABELS"
+
+    seq: int = wire(low=0, high=MAX_SEQ)
+    rows: int = wire(low=1, high="max_tokens")
+    k: int = wire(low=1, high=MAX_TOPK)
+    vocab: int = wire(low=2, high=MAX_VOCAB)
     values: Values
-    teacher: str
+    teacher: str = wire("", max_chars=64)
 
     def to_frame(self, payload: bytes | bytearray | memoryview) -> Frame:
-        return Frame(FrameType.LABELS, self.to_meta(), payload)
-
-    def to_meta(self) -> dict[str, Any]:
-        return {"seq": self.seq, "rows": self.rows, "k": self.k, "vocab": self.vocab,
-                "values": self.values.value, "teacher": self.teacher}
-
-    @classmethod
-    def from_meta(cls, meta: object, max_tokens: int) -> LabelAnswer:
-        f = Fields("LABELS", meta)
-        return cls(f.integer("seq", low=0, high=MAX_SEQ),
-                   f.integer("rows", low=1, high=max_tokens),
-                   f.integer("k", low=1, high=MAX_TOPK), f.integer("vocab", low=2, high=MAX_VOCAB),
-                   f.choice("values", Values), f.text("teacher", "", max_chars=64))
+        return Frame(FrameType.LABELS, encode(self), payload)
 
 
 def max_ask_bytes(max_tokens: int) -> int:

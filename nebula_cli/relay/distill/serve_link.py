@@ -81,8 +81,9 @@ class ServeLink:
                 if labels.rows != ask.tokens:
                     raise ValueError(f"answer gave {labels.rows} rows for {ask.tokens} tokens")
                 payload = encode(labels, self.vocab, values)
-                out = LabelAnswer(ask.seq, labels.rows, labels.k, self.vocab, values,
-                                  self.cluster)
+                out = LabelAnswer(seq=ask.seq, rows=labels.rows, k=labels.k, vocab=self.vocab,
+                                  values=values,
+                                  teacher=self.cluster)
                 if not link.send(out.to_frame(payload)):
                     raise WireError("could not send an answer")
                 self.answered += 1

@@ -31,6 +31,7 @@ from nebula_cli.relay.net.duplex import DuplexTLS
 from nebula_cli.relay.net.framing import send_frames
 from nebula_cli.relay.net.gcm_records import RecordConn
 from nebula_cli.relay.net.messages import Goodbye, Progress, Refusal
+from nebula_cli.relay.net.schema import encode
 from nebula_cli.relay.net.shaping import Shaper
 from nebula_cli.relay.net.wire import (
     HEADER_SIZE,
@@ -180,7 +181,7 @@ class PeerLink:
                 self._cv.wait(self.heartbeat - idle)
             else:
                 return None
-        return Frame(FrameType.HEARTBEAT, self._beat().to_meta()), time.monotonic(), False
+        return Frame(FrameType.HEARTBEAT, encode(self._beat())), time.monotonic(), False
 
     def _send_loop(self) -> None:
         try:
@@ -214,11 +215,11 @@ class PeerLink:
                 self.bytes_received += (HEADER_SIZE + len(encode_meta(frame.meta))
                                         + len(frame.payload))
                 if frame.type == FrameType.BYE:
-                    self.left_job = Goodbye.from_meta(frame.meta).leaving
+                    self.left_job = Goodbye.read(frame.meta).leaving
                     self.close("peer said goodbye")
                     break
                 if frame.type == FrameType.ERROR:
-                    self.close(f"peer refused: {Refusal.from_meta(frame.meta).reason}")
+                    self.close(f"peer refused: {Refusal.read(frame.meta).reason}")
                     break
                 self._on_frame(self, frame)
         except ConnectionClosed as exc:
@@ -246,7 +247,7 @@ def refuse(sock: ssl.SSLSocket, reason: str) -> None:
     """Tell a connection why it is refused (ERROR), then close it."""
     try:
         sock.settimeout(2.0)
-        send_frames(sock, [Refusal(reason).to_frame()])
+        send_frames(sock, [Refusal(reason=reason).to_frame()])
     except (OSError, WireError):
         pass
     sock.close()

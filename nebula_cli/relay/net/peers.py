@@ -47,7 +47,7 @@ from nebula_cli.relay.net.limits import (
 )
 from nebula_cli.relay.net.link import LinkConn, LinkDown, PeerLink, peer_addr, refuse
 from nebula_cli.relay.net.messages import Goodbye, PeerHello, Ping, Progress, Refusal
-from nebula_cli.relay.net.schema import MessageError
+from nebula_cli.relay.net.schema import MessageError, decode
 from nebula_cli.relay.net.wire import Frame, FrameType, WireError, recv_frame, tune_socket
 
 log = logging.getLogger("nebula.relay")
@@ -219,7 +219,7 @@ class Peers:
             hello = None
             if reason is None:
                 try:
-                    hello = PeerHello.from_meta(frame.meta)
+                    hello = decode(PeerHello, frame.meta)
                 except MessageError as exc:
                     reason = str(exc)
             if hello is None or hello.cluster != ident.cluster:
@@ -259,13 +259,13 @@ class Peers:
                                                               "records": offer})])
                     frame = recv_frame(tls, max_payload=0)
                     if frame.type == FrameType.ERROR:
-                        raise NebulaError(f"refused: {Refusal.from_meta(frame.meta).reason}")
+                        raise NebulaError(f"refused: {Refusal.read(frame.meta).reason}")
                     if frame.type != FrameType.WELCOME:
                         raise WireError(f"expected WELCOME, got {frame.type.name}")
                     reason = self.incompatible(frame.meta)
                     if reason:
                         raise NebulaError(reason)
-                    welcome = PeerHello.from_meta(frame.meta, "WELCOME")
+                    welcome = decode(PeerHello, frame.meta, what="WELCOME")
                     offered = welcome.records
                     peer_key = records.accepted(offered)
                     if offered is not None and peer_key is None:  # it unwraps; we cannot
@@ -411,7 +411,7 @@ class Peers:
             self.pings[req] = []
         try:
             t0 = time.monotonic()
-            if not self.send(cluster, Ping(req).to_frame()):
+            if not self.send(cluster, Ping(id=req).to_frame()):
                 raise LinkDown(f"no link to {cluster}")
             with self.lock:
                 if not self.changed.wait_for(lambda: bool(self.pings[req]), timeout):
@@ -429,7 +429,7 @@ class Peers:
             self.changed.notify_all()
         for link in links:
             with contextlib.suppress(LinkDown):
-                link.send(Goodbye(leaving).to_frame())
+                link.send(Goodbye(leaving=leaving).to_frame())
         time.sleep(0.05 if links else 0)
         for link in links:
             link.close("relay stopping")

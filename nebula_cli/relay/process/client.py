@@ -44,7 +44,7 @@ from nebula_cli.relay.net.framing import (
 )
 from nebula_cli.relay.net.limits import LimitExceeded, SyncSize
 from nebula_cli.relay.net.messages import Refusal
-from nebula_cli.relay.net.schema import is_int
+from nebula_cli.relay.net.schema import decode, encode, is_int
 from nebula_cli.relay.net.wire import (
     ConnectionClosed,
     Frame,
@@ -186,23 +186,24 @@ class RelayClient:
             raise RelayError(f"round_id must be a non-negative integer, got {round_id!r}")
         if not isinstance(tensor, torch.Tensor) or not tensor.is_floating_point():
             raise RelayError("allreduce needs a floating-point torch.Tensor")
-        said = RoundInfo.from_meta(info or {})
+        said = decode(RoundInfo, info or {})
 
         def call(sock: Conn) -> RoundResult:
             t0 = time.perf_counter()
-            ask = Contrib(round_id, tensor.numel(), said, tuple(self._take_released()))
-            send_tensor(sock, FrameType.CONTRIB, ask.to_meta(),
+            ask = Contrib(round=round_id, numel=tensor.numel(), info=said,
+                          released=tuple(self._take_released()))
+            send_tensor(sock, FrameType.CONTRIB, encode(ask),
                         self._staged(tensor) if isinstance(sock, local_hop.LocalConn) else tensor)
             t1 = time.perf_counter()
             sock.settimeout(self.result_timeout)
-            reply = RoundReply.from_meta(self._expect(sock, FrameType.RESULT).meta)
+            reply = decode(RoundReply, self._expect(sock, FrameType.RESULT).meta)
             t2 = time.perf_counter()
             token = reply.shm
             avg = recv_tensor(sock, FrameType.RESULT, reply.numel, on_unmap=None if (
                 token is None) else lambda: self._released.append(token))
             state = momentum = None
             if reply.has_state:
-                shead = StateReply.from_meta(self._expect(sock, FrameType.STATE).meta)
+                shead = decode(StateReply, self._expect(sock, FrameType.STATE).meta)
                 state = recv_tensor(sock, FrameType.STATE, shead.numel)
                 if shead.parts == 2 and state.numel() == 2 * avg.numel():
                     state, momentum = state[:avg.numel()], state[avg.numel():]
@@ -227,10 +228,10 @@ class RelayClient:
         if momentum is not None:
             tensor = torch.cat([tensor.reshape(-1), momentum.reshape(-1).to(tensor.dtype)])
         def call(sock: Conn) -> None:
-            send_tensor(sock, FrameType.STATE, Publish(round_id, tensor.numel(),
-                                                       parts).to_meta(), tensor)
+            send_tensor(sock, FrameType.STATE,
+                        encode(Publish(round=round_id, numel=tensor.numel(), parts=parts)), tensor)
             sock.settimeout(max(60.0, self.connect_timeout))
-            StateReply.from_meta(self._expect(sock, FrameType.STATE).meta)
+            decode(StateReply, self._expect(sock, FrameType.STATE).meta)
 
         self._call(call, "publish_state")
 
@@ -244,7 +245,7 @@ class RelayClient:
         def call(sock: Conn) -> tuple[int | None, torch.Tensor | None]:
             send_frames(sock, [FetchState().to_frame()])
             sock.settimeout(self.result_timeout)
-            head = StateReply.from_meta(self._expect(sock, FrameType.STATE).meta)
+            head = decode(StateReply, self._expect(sock, FrameType.STATE).meta)
             if head.round is None:
                 return None, None
             x = recv_tensor(sock, FrameType.STATE, head.numel)
@@ -263,9 +264,9 @@ class RelayClient:
 
         def call(sock: Conn) -> tuple[int | None, torch.Tensor | None,
                                                torch.Tensor | None]:
-            send_frames(sock, [FinalState(wait).to_frame()])
+            send_frames(sock, [FinalState(wait=wait).to_frame()])
             sock.settimeout(None if wait is None else wait + self.result_timeout)
-            head = StateReply.from_meta(self._expect(sock, FrameType.STATE).meta)
+            head = decode(StateReply, self._expect(sock, FrameType.STATE).meta)
             if head.round is None:
                 return None, None, None
             x = recv_tensor(sock, FrameType.STATE, head.numel)
@@ -367,8 +368,9 @@ class RelayClient:
         sock = self._open()
         try:
             sock.settimeout(self.connect_timeout)
-            send_frames(sock, [WorkerHello(self.cluster, self.job_id, self._size).to_frame()])
-            self.relay_info = WorkerWelcome.from_meta(self._expect(sock, FrameType.WELCOME).meta)
+            send_frames(sock, [WorkerHello(cluster=self.cluster, job_id=self.job_id,
+                                           layout=self._size).to_frame()])
+            self.relay_info = decode(WorkerWelcome, self._expect(sock, FrameType.WELCOME).meta)
         except BaseException:
             sock.close()
             raise
@@ -387,7 +389,7 @@ class RelayClient:
     def _expect(sock: Conn, ftype: FrameType) -> Frame:
         frame = recv_frame(sock)
         if frame.type == FrameType.ERROR:
-            raise RelayError(f"relay refused: {Refusal.from_meta(frame.meta).reason}")
+            raise RelayError(f"relay refused: {Refusal.read(frame.meta).reason}")
         if frame.type != ftype:
             raise WireError(f"expected {ftype.name} from the relay, got {frame.type.name}")
         return frame

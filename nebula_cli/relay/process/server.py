@@ -48,12 +48,19 @@ from nebula_cli.relay.net.limits import Refusals, chunk_payload_cap
 from nebula_cli.relay.net.link import PeerLink
 from nebula_cli.relay.net.messages import Ping, Pong, Progress, decode_heartbeat
 from nebula_cli.relay.net.peers import PROTOCOL, Listener, Peers
+from nebula_cli.relay.net.schema import encode
 from nebula_cli.relay.net.wire import Frame, FrameType, WireError
 from nebula_cli.relay.process.status import Status
 from nebula_cli.relay.process.worker_messages import WorkerWelcome
 from nebula_cli.relay.process.worker_port import WorkerPort
 from nebula_cli.relay.protocol.fetch import Fetcher
-from nebula_cli.relay.protocol.messages import FetchRequest, PeerChunk, decode_answer, decode_round
+from nebula_cli.relay.protocol.messages import (
+    FetchRequest,
+    PeerChunk,
+    decode_answer,
+    decode_fetch,
+    decode_round,
+)
 from nebula_cli.relay.protocol.results import Average, GlobalState, RoundOutcome
 from nebula_cli.relay.protocol.rounds import Rounds
 
@@ -107,7 +114,7 @@ class Relay:
         self.refusals = Refusals()
         self.status = Status(cfg.status_file, cfg.metrics_file, self._view)
         self.peers = Peers(cfg, server_ctx, client_context(pair, ca),
-                           hello=lambda: self._progress().to_meta(),
+                           hello=lambda: encode(self._progress()),
                            make_link=self._make_link, on_up=self._link_up,
                            on_down=self._link_down, refusals=self.refusals,
                            stopping=self.stopping)
@@ -207,21 +214,22 @@ class Relay:
     # ------------------------------------------------------------------ wiring
 
     def _sync_numel(self) -> int | None:
-        sync = self.rounds.state.sync
+        sync = self.rounds.sync
         return None if sync is None else sync.numel
 
     def _progress(self) -> Progress:
-        return self.rounds.state.progress()
+        return self.rounds.progress()
 
     def _welcome(self) -> WorkerWelcome:
-        return WorkerWelcome(self.me, tuple(self.cfg.clusters), self.cfg.codec,
-                             self.cfg.round_timeout, self._progress())
+        return WorkerWelcome(cluster=self.me, clusters=tuple(self.cfg.clusters),
+                             codec=self.cfg.codec,
+                             round_timeout=self.cfg.round_timeout, progress=self._progress())
 
     def _answer_result(self, round_id: int, wait: float, gone: Any) -> Average | None:
-        return self.rounds.state.answer_result(round_id, wait, gone)
+        return self.rounds.answer_result(round_id, wait, gone)
 
     def _answer_state(self, min_round: int, wait: float) -> GlobalState | None:
-        return self.rounds.state.answer_state(min_round, wait)
+        return self.rounds.answer_state(min_round, wait)
 
     def _accept_peer(self, sock: Any, addr: str) -> None:
         self.peers.accept(sock, addr)
@@ -234,12 +242,12 @@ class Relay:
                                                               self._sync_numel()))
 
     def _link_up(self, link: PeerLink) -> None:
-        self.rounds.control.on_link_up()
+        self.rounds.on_link_up()
         self.status.touch()
 
     def _link_down(self, link: PeerLink, reason: str) -> None:
         self.fetcher.link_down(link)
-        self.rounds.control.on_link_down(link.cluster, reason)
+        self.rounds.on_link_down(link.cluster, reason)
         if self.stopping.is_set():
             return
         if reason == "peer said goodbye":
@@ -255,25 +263,25 @@ class Relay:
         if t == FrameType.HEARTBEAT:
             beat = decode_heartbeat(frame.meta)
             if isinstance(beat, Ping):
-                link.send(Pong(beat.id).to_frame())
+                link.send(Pong(id=beat.id).to_frame())
             elif isinstance(beat, Pong):
                 self.peers.on_pong(beat.id)
             else:
                 link.progress(beat)
-                self.rounds.control.on_progress()
+                self.rounds.on_progress()
         elif t == FrameType.ROUND:
-            self.rounds.control.on_control(link.cluster, decode_round(frame.meta))
+            self.rounds.on_control(link.cluster, decode_round(frame.meta))
         elif t == FrameType.PEER_CHUNK:
-            self.rounds.control.on_chunk(link.cluster, PeerChunk.from_frame(frame))
+            self.rounds.on_chunk(link.cluster, PeerChunk.from_frame(frame))
         elif t == FrameType.STATE_REQUEST:
-            self.fetcher.serve(link, FetchRequest.from_meta(frame.meta))
+            self.fetcher.serve(link, decode_fetch(frame.meta))
         elif t in (FrameType.RESULT, FrameType.STATE):
             self.fetcher.on_answer(decode_answer(frame))
         else:
             raise WireError(f"unexpected {t.name} frame from a peer")
 
     def _broadcast_progress(self) -> None:
-        self.peers.broadcast(Frame(FrameType.HEARTBEAT, self._progress().to_meta()))
+        self.peers.broadcast(Frame(FrameType.HEARTBEAT, encode(self._progress())))
 
     def _finished(self, r: int, out: RoundOutcome) -> None:
         self._broadcast_progress()
@@ -290,15 +298,14 @@ class Relay:
                      "round": links[c].done if c in links else None}
                  for c in self.cfg.peers}
         return {"job_id": self.cfg.job_id, "cluster": self.me,
-                "round": self.rounds.state.done_round, "peers": peers,
+                "round": self.rounds.done_round, "peers": peers,
                 "peers_connected": sorted(links), "bytes_sent": sent, "bytes_received": recv,
                 "refused": self.refusals.total,
-                "sync": None if (sync := self.rounds.state.sync) is None else sync.to_meta()}
+                "sync": None if (sync := self.rounds.sync) is None else sync.to_meta()}
 
     def all_done(self) -> bool:
         """This cluster's workers and every other cluster's (all connected) have finished."""
-        with self.rounds.state.lock:
-            mine = self.rounds.state.finished
+        mine = self.rounds.finished_at()
         view = self.peers.finish_view()
         return mine is not None and set(view) == set(self.cfg.peers) and all(
             finished is not None for finished, _, _ in view.values())
@@ -317,7 +324,7 @@ class Relay:
                 self.ended.set()
             if self._trim_due.is_set() and self.heap.trim():  # due until one runs
                 self._trim_due.clear()
-            nxt = self.rounds.control.tick()
+            nxt = self.rounds.tick()
             wait = 0.2 if nxt is None else min(0.2, max(0.0, nxt - self.rounds.clock()))
             self.stopping.wait(wait)
 

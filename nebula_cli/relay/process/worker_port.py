@@ -62,7 +62,7 @@ from nebula_cli.relay.net.local_socket import (
     peer_uid,
 )
 from nebula_cli.relay.net.messages import Refusal
-from nebula_cli.relay.net.schema import MessageError
+from nebula_cli.relay.net.schema import MessageError, encode
 from nebula_cli.relay.net.wire import ConnectionClosed, Frame, FrameType, WireError, recv_frame
 from nebula_cli.relay.process.worker_messages import (
     Contrib,
@@ -206,14 +206,14 @@ class WorkerPort:
                                    close=True)
             except _Refused as exc:
                 self.refusals.refuse("worker request", f"{name} ({addr})", str(exc))
-                send_frames(sock, [Refusal(str(exc)).to_frame()])
+                send_frames(sock, [Refusal(reason=str(exc)).to_frame()])
                 if exc.close:
                     return
 
     def _tensor(self, sock: Conn, ftype: FrameType, numel: int, parts: int = 1) -> torch.Tensor:
         """Read a worker's tensor of this cluster's sync size times ``parts`` (registering the
         size the first time); _Refused otherwise."""
-        sync = self.rounds.state.sync
+        sync = self.rounds.sync
         cap = (sync.numel if sync is not None else MAX_SYNC_NUMEL) * parts
         try:
             numel = check_numel(numel, cap)
@@ -227,7 +227,7 @@ class WorkerPort:
         try:
             if numel % parts:
                 raise LimitExceeded(f"{numel} elements do not split into {parts} parts")
-            self.rounds.state.register(SyncSize.flat(size) if sync is None else sync)
+            self.rounds.register(SyncSize.flat(size) if sync is None else sync)
             if sync is not None and size != sync.numel:
                 raise LimitExceeded(f"a tensor of {size} elements; this relay syncs "
                                     f"{sync.numel} (its workers' first registration)")
@@ -246,10 +246,10 @@ class WorkerPort:
                                    f"{key} {mine!r}", close=True)
             if req.layout is not None:
                 try:
-                    rounds.state.register(req.layout)
+                    rounds.register(req.layout)
                 except LimitExceeded as exc:
                     raise _Refused(str(exc), close=True) from None
-            send_frames(sock, [Frame(FrameType.WELCOME, self._welcome().to_meta())])
+            send_frames(sock, [Frame(FrameType.WELCOME, encode(self._welcome()))])
         elif isinstance(req, Contrib):
             t0 = time.perf_counter()
             x = self._tensor(sock, FrameType.CONTRIB, req.numel)
@@ -265,25 +265,26 @@ class WorkerPort:
                 if token is not None:
                     sock.lent.add(token)
             send_tensor(sock, FrameType.RESULT,
-                        RoundReply.of(out, upload_s=upload, shm=token).to_meta(), out.tensor)
+                        encode(RoundReply.of(out, upload_s=upload, shm=token)), out.tensor)
             if out.global_state is not None:
-                send_tensor(sock, FrameType.STATE, StateReply(
-                    None, out.round_id, out.global_state.numel() // out.tensor.numel(),
-                    out.global_state.numel()).to_meta(), out.global_state)
+                send_tensor(sock, FrameType.STATE, encode(StateReply(
+                    op=None, round=out.round_id,
+                    parts=out.global_state.numel() // out.tensor.numel(),
+                    numel=out.global_state.numel())), out.global_state)
         elif isinstance(req, Publish):
             x = self._tensor(sock, FrameType.STATE, req.numel, req.parts)
-            rounds.state.publish(GlobalState(req.round, x, parts=req.parts))
+            rounds.publish(GlobalState(req.round, x, parts=req.parts))
             send_frames(sock, [Frame(FrameType.STATE,
-                                     StateReply(StateOp.STORED, req.round).to_meta())])
+                                     encode(StateReply(op=StateOp.STORED, round=req.round)))])
             self._published()
         elif isinstance(req, FinalState):
-            rounds.state.mark_finished()
+            rounds.mark_finished()
             self._published()  # peers learn that this cluster has finished
-            self._send_state(sock, StateOp.FINAL, rounds.recovery.final_state(req.wait))
+            self._send_state(sock, StateOp.FINAL, rounds.final_state(req.wait))
         elif isinstance(req, FetchState):
-            self._send_state(sock, StateOp.STATE, rounds.recovery.best_state())
+            self._send_state(sock, StateOp.STATE, rounds.best_state())
         else:  # Bye: rank 0 closed its client, its training is over
-            rounds.state.mark_finished()
+            rounds.mark_finished()
             self._published()
             return False
         return True
@@ -291,7 +292,7 @@ class WorkerPort:
     @staticmethod
     def _send_state(sock: Conn, op: StateOp, st: GlobalState | None) -> None:
         if st is None:
-            send_frames(sock, [Frame(FrameType.STATE, StateReply(op, None).to_meta())])
+            send_frames(sock, [Frame(FrameType.STATE, encode(StateReply(op=op, round=None)))])
         else:
-            send_tensor(sock, FrameType.STATE, StateReply(
-                op, st.round_id, st.parts, st.tensor.numel()).to_meta(), st.tensor)
+            send_tensor(sock, FrameType.STATE, encode(StateReply(
+                op=op, round=st.round_id, parts=st.parts, numel=st.tensor.numel())), st.tensor)

@@ -23,11 +23,11 @@ import threading
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import Any
+from typing import ClassVar
 
 from nebula_cli.config.relay_config import AutoCodec, AutoSteps
 from nebula_cli.relay.codecs.choice import CodecCosts, choose_codec
-from nebula_cli.relay.net.schema import Fields, MessageError
+from nebula_cli.relay.net.schema import wire
 from nebula_cli.relay.protocol.lineage import GENESIS, diverged
 from nebula_cli.relay.protocol.next_round import WHY_CHARS, NextRound
 from nebula_cli.relay.protocol.pacing import (
@@ -51,28 +51,31 @@ class Verdict(StrEnum):
 BEHIND = Verdict.BEHIND
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Decision:
     """Who takes part in attempt ``attempt`` of round ``round``, as decided by ``coordinator``
     (the START message of round control)."""
 
+    NAME: ClassVar[str] = "round decision"
+
     round: int
-    attempt: int
-    coordinator: str
+    attempt: int = wire(low=0)
+    coordinator: str = wire(key="coord")
     present: tuple[str, ...]
     rejected: tuple[str, ...]
     missing: tuple[str, ...]
-    numel: int
+    numel: int = wire(low=0)
     diverged: tuple[str, ...] = ()
     """Clusters ready but not on the round's winning lineage (see relay.lineage): they take a
     present peer's global state instead of contributing."""
     weights: tuple[tuple[str, float], ...] = ()
     """(cluster, samples) of every present cluster when all said (relay.cadence): the
-    average's weights; empty: an equal average."""
-    codec: str = ""
+    average's weights; empty: an equal average. On the wire an object; as read, a positive
+    number for exactly the present clusters."""
+    codec: str = wire("", max_chars=CODEC_CHARS)
     """``compression: auto``: the codec of this round (the one most READYs were encoded with;
     a cluster that encoded with another is rejected and fetches the average)."""
-    next: NextRound = NextRound()
+    next: NextRound = wire(NextRound(), flat=True)
     """What the next round is: with ``inner_steps: auto`` its H, with ``compression: auto``
     its codec, with overlap its merge step, and why."""
 
@@ -80,29 +83,14 @@ class Decision:
     def key(self) -> tuple[int, int, str]:
         return (self.round, self.attempt, self.coordinator)
 
-    def to_meta(self) -> dict[str, Any]:
-        return {"round": self.round, "attempt": self.attempt, "coord": self.coordinator,
-                "present": list(self.present), "rejected": list(self.rejected),
-                "missing": list(self.missing), "numel": self.numel,
-                "diverged": list(self.diverged), "weights": dict(self.weights),
-                "codec": self.codec, **self.next.to_meta()}
-
-    @classmethod
-    def from_meta(cls, meta: Mapping[str, Any]) -> Decision:
-        """A decision as a peer sent it; MessageError when it is malformed, or its weights are
-        not a positive number for exactly the present clusters."""
-        f = Fields("round decision", meta)
-        present = f.texts("present")
-        weights = tuple(sorted(f.numbers("weights", {}).items()))
-        if weights and ({c for c, _ in weights} != set(present)
-                        or not all(math.isfinite(w) and w > 0 for _, w in weights)):
-            raise MessageError(f"round decision with weights {dict(weights)} for present "
-                               f"{list(present)}")
-        return cls(f.integer("round"), f.integer("attempt", low=0), f.text("coord"), present,
-                   f.texts("rejected"), f.texts("missing"), f.integer("numel", low=0),
-                   f.texts("diverged", ()), weights,
-                   f.text("codec", "", max_chars=CODEC_CHARS),
-                   NextRound.from_meta(meta, "round decision"))
+    def problem(self) -> str | None:
+        """Why a decision as a peer sent it cannot be: its weights are not a positive number
+        for exactly the present clusters (None: it can)."""
+        w = self.weights
+        if w and ({c for c, _ in w} != set(self.present)
+                  or not all(math.isfinite(x) and x > 0 for _, x in w)):
+            return f"round decision with weights {dict(w)} for present {list(self.present)}"
+        return None
 
 
 @dataclass
@@ -261,10 +249,12 @@ class Coordinator:
         next_merge = merge[0] if merge else None
         if merge and (last is None or last.next.merge != next_merge):
             log.info("round %d: next %s", round_id, merge[1])
-        d = Decision(round_id, attempt, self.me, tuple(sorted(present)), tuple(sorted(rejected)),
-                     tuple(sorted(missing)), numel, tuple(sorted(lost)),
-                     tuple(sorted(round_weights(present, col.info).items())), codec,
-                     NextRound(next_h, next_merge, next_codec, why[:WHY_CHARS]))
+        d = Decision(round=round_id, attempt=attempt, coordinator=self.me,
+                     present=tuple(sorted(present)), rejected=tuple(sorted(rejected)),
+                     missing=tuple(sorted(missing)), numel=numel, diverged=tuple(sorted(lost)),
+                     weights=tuple(sorted(round_weights(present, col.info).items())), codec=codec,
+                     next=NextRound(h=next_h, merge=next_merge, codec=next_codec,
+                                    why=why[:WHY_CHARS]))
         if why:
             log.info("round %d: next%s%s (%s)", round_id,
                      "" if next_h is None else f" H {next_h}",

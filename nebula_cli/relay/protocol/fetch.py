@@ -24,6 +24,7 @@ import torch
 from nebula_cli.relay.net.framing import tensor_frames
 from nebula_cli.relay.net.limits import MAX_REQUESTS_PER_LINK, Gate, Refusals
 from nebula_cli.relay.net.link import LinkDown, PeerLink
+from nebula_cli.relay.net.schema import encode
 from nebula_cli.relay.net.wire import Frame, FrameType, WireError
 from nebula_cli.relay.protocol.messages import (
     AnswerChunk,
@@ -31,6 +32,7 @@ from nebula_cli.relay.protocol.messages import (
     Fetched,
     FetchRequest,
     ResultAnswer,
+    ResultAsk,
     StateAnswer,
 )
 from nebula_cli.relay.protocol.results import STATE_PARTS, Average, GlobalState
@@ -135,7 +137,7 @@ class Fetcher:
             self._pending[fetch.req] = fetch
         try:
             link.send(Frame(FrameType.STATE_REQUEST,
-                            dataclasses.replace(ask, req=fetch.req).to_meta()))
+                            encode(dataclasses.replace(ask, req=fetch.req))))
             if not fetch.wait(timeout) or fetch.tensor is None or fetch.head is None:
                 return None
             head, got = fetch.head, fetch.tensor.numel()
@@ -178,8 +180,8 @@ class Fetcher:
             self._refusals.refuse("request", f"{link.cluster} ({link.addr})",
                                   f"more than {MAX_REQUESTS_PER_LINK} requests at once")
             busy = (ResultAnswer if ask.what == Fetched.RESULT else StateAnswer)(
-                ask.req, AnswerStatus.BUSY)
-            link.send(Frame(_ANSWER[ask.what], busy.to_meta()))
+                req=ask.req, status=AnswerStatus.BUSY)
+            link.send(Frame(_ANSWER[ask.what], encode(busy)))
             return
 
         def run() -> None:
@@ -198,21 +200,21 @@ class Fetcher:
         none = AnswerStatus.NONE
         try:
             frames: list[Frame]
-            if ask.what == Fetched.RESULT:
+            if isinstance(ask, ResultAsk):
                 wait = min(self.max_wait if ask.wait is None else ask.wait, self.max_wait)
                 avg = self._answer_result(ask.round, wait, lambda: link.closed)
-                frames = [Frame(FrameType.RESULT, ResultAnswer(req, none).to_meta())] \
-                    if avg is None else tensor_frames(FrameType.RESULT, ResultAnswer(
-                        req, AnswerStatus.OK, avg.round_id, tuple(avg.present),
-                        tuple(avg.rejected), avg.codec, avg.tensor.numel()).to_meta(),
-                        avg.tensor, chunk)
+                frames = [Frame(FrameType.RESULT, encode(ResultAnswer(req=req, status=none)))] \
+                    if avg is None else tensor_frames(FrameType.RESULT, encode(ResultAnswer(
+                        req=req, status=AnswerStatus.OK, round=avg.round_id,
+                        present=tuple(avg.present), rejected=tuple(avg.rejected),
+                        codec=avg.codec, numel=avg.tensor.numel())), avg.tensor, chunk)
             else:
                 wait = min(0.0 if ask.wait is None else ask.wait, self.max_wait)
-                st = self._answer_state(ask.round, wait)
-                frames = [Frame(FrameType.STATE, StateAnswer(req, none).to_meta())] \
-                    if st is None else tensor_frames(FrameType.STATE, StateAnswer(
-                        req, AnswerStatus.OK, st.round_id, st.lineage, st.parts,
-                        st.tensor.numel()).to_meta(), st.tensor, chunk)
+                st = self._answer_state(ask.min_round, wait)
+                frames = [Frame(FrameType.STATE, encode(StateAnswer(req=req, status=none)))] \
+                    if st is None else tensor_frames(FrameType.STATE, encode(StateAnswer(
+                        req=req, status=AnswerStatus.OK, round=st.round_id, lineage=st.lineage,
+                        parts=st.parts, numel=st.tensor.numel())), st.tensor, chunk)
             for i, f in enumerate(frames):
                 if i:
                     f.meta["req"] = req

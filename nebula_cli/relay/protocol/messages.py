@@ -4,26 +4,27 @@
   round), the coordinator's :class:`~nebula_cli.relay.protocol.agreement.Decision` (START),
   :class:`Behind` (that round is over: catch up), :class:`Abort` (an exchange failed).
 - One encoded chunk of a round's exchange (PEER_CHUNK): :class:`PeerChunk`.
-- Catch-up transfers (:mod:`nebula_cli.relay.protocol.fetch`): a :class:`FetchRequest`
-  (STATE_REQUEST), answered by a :class:`ResultAnswer` or a :class:`StateAnswer` header and
-  then :class:`AnswerChunk` frames (RESULT / STATE).
+- Catch-up transfers (:mod:`nebula_cli.relay.protocol.fetch`): a :class:`ResultAsk` or a
+  :class:`StateAsk` (STATE_REQUEST, told apart by ``op``: a :data:`FetchRequest`), answered by
+  a :class:`ResultAnswer` or a :class:`StateAnswer` header and then :class:`AnswerChunk`
+  frames (RESULT / STATE).
 
-Each message is a frozen dataclass with ``to_meta`` or ``to_frame`` for the sender and one
-strict decoder (:mod:`nebula_cli.relay.net.schema`: MessageError says what is wrong), called
-by the relay where the frame is received (``decode_round``, ``PeerChunk.from_frame``,
-``FetchRequest.from_meta``, ``decode_answer``); nothing past that reads a meta dict. The keys
-on the wire are those of protocol 2 (see ``relay.net.peers.PROTOCOL``).
+Each message is declared once, a frozen keyword-only dataclass whose fields are its encoding
+and its strict decoder (:mod:`nebula_cli.relay.net.schema`: MessageError says what is wrong),
+called by the relay where the frame is received (``decode_round``, ``PeerChunk.from_frame``,
+``decode_fetch``, ``decode_answer``); nothing past that reads a meta dict. The keys on the
+wire are those of protocol 2 (see ``relay.net.peers.PROTOCOL``).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from enum import StrEnum
-from typing import Any
+from typing import Any, ClassVar
 
 from nebula_cli.relay.codecs.base import CodecError, Encoded
 from nebula_cli.relay.net.limits import held_size
-from nebula_cli.relay.net.schema import Fields, MessageError
+from nebula_cli.relay.net.schema import MessageError, choice_of, decode, encode, wire
 from nebula_cli.relay.net.wire import Buffer, Frame, FrameType
 from nebula_cli.relay.protocol.agreement import Decision
 from nebula_cli.relay.protocol.lineage import UNKNOWN
@@ -44,57 +45,42 @@ class RoundOp(StrEnum):
     ABORT = "abort"
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Ready:
     """Cluster is ready for attempt ``attempt`` of round ``round`` (to the coordinator)."""
 
+    NAME: ClassVar[str] = "READY"
+
     round: int
-    attempt: int
+    attempt: int = wire(low=0, high=MAX_ATTEMPTS - 1)
     ok: bool
     """Its contribution can be sent (False: rejected, ``reason`` says why)."""
-    numel: int
+    numel: int = wire(low=0)
     reason: str = ""
     lineage: str = UNKNOWN
     """Its lineage as the round starts (see relay.protocol.lineage)."""
     info: RoundInfo = RoundInfo()
     """What its worker said of its round (relay.protocol.pacing)."""
-    codec: str = ""
+    codec: str = wire("", max_chars=CODEC_CHARS)
     """The codec it encoded with (``compression: auto``)."""
     codec_round: int = -1
     """The round of the decision that named ``codec`` (-1: none since its relay started)."""
 
-    def to_meta(self) -> dict[str, Any]:
-        return {"round": self.round, "attempt": self.attempt, "ok": self.ok,
-                "numel": self.numel, "reason": self.reason, "lineage": self.lineage,
-                "info": self.info.to_meta(), "codec": self.codec,
-                "codec_round": self.codec_round}
 
-    @classmethod
-    def from_meta(cls, meta: object) -> Ready:
-        f = Fields("READY", meta)
-        return cls(f.integer("round"), f.integer("attempt", low=0, high=MAX_ATTEMPTS - 1),
-                   f.flag("ok"), f.integer("numel", low=0), f.text("reason", ""),
-                   f.text("lineage", UNKNOWN), RoundInfo.from_meta(f.raw("info")),
-                   f.text("codec", "", max_chars=CODEC_CHARS), f.integer("codec_round", -1))
-
-
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Behind:
     """Round ``round`` has been completed by some relay: the receiver catches up."""
 
+    NAME: ClassVar[str] = "BEHIND"
+
     round: int
 
-    def to_meta(self) -> dict[str, Any]:
-        return {"round": self.round}
 
-    @classmethod
-    def from_meta(cls, meta: object) -> Behind:
-        return cls(Fields("BEHIND", meta).integer("round"))
-
-
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Abort:
     """The sender's exchange of (round, attempt, coordinator) failed: so does the receiver's."""
+
+    NAME: ClassVar[str] = "ABORT"
 
     round: int
     attempt: int
@@ -105,39 +91,23 @@ class Abort:
     def key(self) -> tuple[int, int, str]:
         return (self.round, self.attempt, self.coord)
 
-    def to_meta(self) -> dict[str, Any]:
-        return {"round": self.round, "attempt": self.attempt, "coord": self.coord,
-                "reason": self.reason}
-
-    @classmethod
-    def from_meta(cls, meta: object) -> Abort:
-        f = Fields("ABORT", meta)
-        return cls(f.integer("round"), f.integer("attempt"), f.text("coord"),
-                   f.text("reason", ""))
-
 
 RoundMessage = Ready | Decision | Behind | Abort
 """What a ROUND frame carries."""
 
 _ROUND_OPS: dict[type, RoundOp] = {Ready: RoundOp.READY, Decision: RoundOp.START,
                                    Behind: RoundOp.BEHIND, Abort: RoundOp.ABORT}
+_ROUND_MESSAGES: dict[RoundOp, type] = {op: cls for cls, op in _ROUND_OPS.items()}
 
 
 def round_frame(msg: RoundMessage) -> Frame:
     """The ROUND frame that carries ``msg``."""
-    return Frame(FrameType.ROUND, {"op": _ROUND_OPS[type(msg)].value, **msg.to_meta()})
+    return Frame(FrameType.ROUND, {"op": _ROUND_OPS[type(msg)].value, **encode(msg)})
 
 
 def decode_round(meta: object) -> RoundMessage:
     """A ROUND frame's meta as its message (MessageError: malformed, or an unknown op)."""
-    op = Fields("ROUND", meta).choice("op", RoundOp)
-    if op == RoundOp.READY:
-        return Ready.from_meta(meta)
-    if op == RoundOp.START:
-        return Decision.from_meta(meta)  # type: ignore[arg-type]
-    if op == RoundOp.BEHIND:
-        return Behind.from_meta(meta)
-    return Abort.from_meta(meta)
+    return decode(_ROUND_MESSAGES[choice_of("ROUND", meta, "op", RoundOp)], meta)
 
 
 # ---------------------------------------------------------------------- a round's chunks
@@ -150,25 +120,26 @@ class ChunkKind(StrEnum):
     """A chunk's encoded average, from the relay that owns it (shard mode)."""
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class PeerChunk:
     """Chunk ``k`` of the exchange of (round, attempt, coordinator): an encoding of the round's
-    codec, or None for zeros."""
+    codec, or None for zeros (on the wire ``zero``, else the encoding's own keys and payload)."""
 
-    kind: ChunkKind
+    NAME: ClassVar[str] = "PEER_CHUNK"
+
+    kind: ChunkKind = wire(key="op")
     round: int
     attempt: int
     coord: str
-    k: int
-    enc: Encoded | None
+    k: int = wire(low=0)
+    enc: Encoded | None = wire(on_wire=False)
 
     @property
     def key(self) -> tuple[int, int, str]:
         return (self.round, self.attempt, self.coord)
 
     def to_frame(self) -> Frame:
-        meta = {"op": self.kind.value, "round": self.round, "attempt": self.attempt,
-                "coord": self.coord, "k": self.k}
+        meta = encode(self)
         if self.enc is None:
             return Frame(FrameType.PEER_CHUNK, {**meta, "zero": True})
         return Frame(FrameType.PEER_CHUNK, {**meta, **self.enc.wire_meta()}, self.enc.payload)
@@ -179,16 +150,22 @@ class PeerChunk:
 
     @classmethod
     def from_frame(cls, frame: Frame) -> PeerChunk:
-        f = Fields("PEER_CHUNK", frame.meta)
-        head = (f.choice("op", ChunkKind), f.integer("round"), f.integer("attempt"),
-                f.text("coord"), f.integer("k", low=0))
-        if f.flag("zero", False):
-            return cls(*head, None)
-        try:
-            enc = Encoded.from_wire(frame.meta, frame.payload)
-        except CodecError as exc:
-            raise MessageError(f"PEER_CHUNK: {exc}") from None
-        return cls(*head, enc)
+        enc = None
+        if not decode(_Zero, frame.meta).zero:
+            try:
+                enc = Encoded.from_wire(frame.meta, frame.payload)
+            except CodecError as exc:
+                raise MessageError(f"PEER_CHUNK: {exc}") from None
+        return decode(cls, frame.meta, enc=enc)
+
+
+@dataclass(frozen=True, kw_only=True)
+class _Zero:
+    """A chunk's flag that it is zeros (read beside its head)."""
+
+    NAME: ClassVar[str] = "PEER_CHUNK"
+
+    zero: bool = False
 
 
 # ---------------------------------------------------------------------- catch-up transfers
@@ -203,33 +180,42 @@ class Fetched(StrEnum):
     """Its published global state (answered by a StateAnswer)."""
 
 
-@dataclass(frozen=True)
-class FetchRequest:
-    """Ask a peer for round ``round``'s average, or for its global state of at least round
-    ``round``; ``wait``: how long it may wait for one (None: as long as it allows for a
-    result, not at all for a state); ``req`` is set by the fetcher that sends it."""
+@dataclass(frozen=True, kw_only=True)
+class ResultAsk:
+    """Ask a peer for round ``round``'s average; ``wait``: how long it may wait for it (None:
+    as long as it allows); ``req`` is set by the fetcher that sends it."""
 
-    what: Fetched
+    NAME: ClassVar[str] = "STATE_REQUEST"
+    TAG: ClassVar[tuple[str, str]] = ("op", Fetched.RESULT.value)
+    what: ClassVar[Fetched] = Fetched.RESULT
+
     round: int
-    wait: float | None = None
-    req: int = 0
+    wait: float | None = wire(None, low=0.0, omit_default=True)
+    req: int = wire(0, required=True)
 
-    def to_meta(self) -> dict[str, Any]:
-        if self.what == Fetched.RESULT:
-            meta: dict[str, Any] = {"op": self.what.value, "round": self.round}
-        else:
-            meta = {"op": self.what.value, "min_round": self.round}
-        if self.wait is not None:
-            meta["wait"] = self.wait
-        return {**meta, "req": self.req}
 
-    @classmethod
-    def from_meta(cls, meta: object) -> FetchRequest:
-        f = Fields("STATE_REQUEST", meta)
-        what = f.choice("op", Fetched)
-        return cls(what, f.integer("round") if what == Fetched.RESULT
-                   else f.integer("min_round", -1), f.number("wait", None, low=0.0),
-                   f.integer("req"))
+@dataclass(frozen=True, kw_only=True)
+class StateAsk:
+    """Ask a peer for its global state of at least round ``min_round``; ``wait``: how long it
+    may wait for one (None: not at all); ``req`` is set by the fetcher that sends it."""
+
+    NAME: ClassVar[str] = "STATE_REQUEST"
+    TAG: ClassVar[tuple[str, str]] = ("op", Fetched.STATE.value)
+    what: ClassVar[Fetched] = Fetched.STATE
+
+    min_round: int = -1
+    wait: float | None = wire(None, low=0.0, omit_default=True)
+    req: int = wire(0, required=True)
+
+
+FetchRequest = ResultAsk | StateAsk
+"""What a STATE_REQUEST frame from a peer asks."""
+
+
+def decode_fetch(meta: object) -> FetchRequest:
+    """A peer's STATE_REQUEST meta as its request (MessageError: malformed, or an unknown op)."""
+    what = choice_of("STATE_REQUEST", meta, "op", Fetched)
+    return decode(ResultAsk if what == Fetched.RESULT else StateAsk, meta)
 
 
 class AnswerStatus(StrEnum):
@@ -241,81 +227,55 @@ class AnswerStatus(StrEnum):
     """The peer serves as many requests of this relay as it allows."""
 
 
-@dataclass(frozen=True)
+def _ok(values: Any) -> bool:
+    """An answer's fields past its status are there when it is OK."""
+    return values["status"] == AnswerStatus.OK
+
+
+@dataclass(frozen=True, kw_only=True)
 class ResultAnswer:
     """The header of a peer's answer to a RESULT fetch (with OK: ``numel`` fp32 follow)."""
 
+    NAME: ClassVar[str] = "RESULT"
+
     req: int
     status: AnswerStatus
-    round: int = -1
-    present: tuple[str, ...] = ()
-    rejected: tuple[str, ...] = ()
-    codec: str = ""
-    numel: int = 0
-
-    def to_meta(self) -> dict[str, Any]:
-        if self.status != AnswerStatus.OK:
-            return {"req": self.req, "status": self.status.value}
-        return {"req": self.req, "status": self.status.value, "round": self.round,
-                "present": list(self.present), "rejected": list(self.rejected),
-                "codec": self.codec, "numel": self.numel}
-
-    @classmethod
-    def from_meta(cls, meta: object) -> ResultAnswer:
-        f = Fields("RESULT", meta)
-        req, status = f.integer("req"), f.choice("status", AnswerStatus)
-        if status != AnswerStatus.OK:
-            return cls(req, status)
-        return cls(req, status, f.integer("round"), f.texts("present", ()),
-                   f.texts("rejected", ()), f.text("codec", "", max_chars=CODEC_CHARS),
-                   f.integer("numel", low=0))
+    round: int = wire(-1, when=_ok, required=True)
+    present: tuple[str, ...] = wire((), when=_ok)
+    rejected: tuple[str, ...] = wire((), when=_ok)
+    codec: str = wire("", when=_ok, max_chars=CODEC_CHARS)
+    numel: int = wire(0, when=_ok, required=True, low=0)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class StateAnswer:
     """The header of a peer's answer to a STATE fetch (with OK: ``numel`` fp32 follow:
     theta_global, then with ``parts`` 2 the outer momentum)."""
 
+    NAME: ClassVar[str] = "STATE"
+
     req: int
     status: AnswerStatus
-    round: int = -1
-    lineage: str = UNKNOWN
-    parts: int = 1
-    numel: int = 0
-
-    def to_meta(self) -> dict[str, Any]:
-        if self.status != AnswerStatus.OK:
-            return {"req": self.req, "status": self.status.value}
-        return {"req": self.req, "status": self.status.value, "round": self.round,
-                "lineage": self.lineage, "parts": self.parts, "numel": self.numel}
-
-    @classmethod
-    def from_meta(cls, meta: object) -> StateAnswer:
-        f = Fields("STATE", meta)
-        req, status = f.integer("req"), f.choice("status", AnswerStatus)
-        if status != AnswerStatus.OK:
-            return cls(req, status)
-        parts = f.integer("parts", 1)
-        if parts not in STATE_PARTS:
-            raise f.error("parts", f"one of {STATE_PARTS}")
-        return cls(req, status, f.integer("round"), f.text("lineage", UNKNOWN), parts,
-                   f.integer("numel", low=0))
+    round: int = wire(-1, when=_ok, required=True)
+    lineage: str = wire(UNKNOWN, when=_ok)
+    parts: int = wire(1, when=_ok, choices=STATE_PARTS)
+    numel: int = wire(0, when=_ok, required=True, low=0)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class AnswerChunk:
     """fp32 elements of an answer from element ``lo`` on (after its header)."""
 
     req: int
-    lo: int
-    payload: Buffer
+    lo: int = wire(low=0)
+    payload: Buffer = wire(on_wire=False)
 
 
 def decode_answer(frame: Frame) -> ResultAnswer | StateAnswer | AnswerChunk:
     """A RESULT or STATE frame from a peer: an answer's header (it has a status) or one of
     its chunks."""
-    f = Fields(frame.type.name, frame.meta)
+    what = frame.type.name
     if "status" in frame.meta:
-        return (ResultAnswer if frame.type == FrameType.RESULT else StateAnswer).from_meta(
-            frame.meta)
-    return AnswerChunk(f.integer("req"), f.integer("lo", low=0), frame.payload)
+        return decode(ResultAnswer if frame.type == FrameType.RESULT else StateAnswer,
+                      frame.meta)
+    return decode(AnswerChunk, frame.meta, what=what, payload=frame.payload)

@@ -6,50 +6,38 @@ The coordinator's :class:`~nebula_cli.relay.protocol.agreement.Decision` carries
 round's RESULT, the client's ``RoundResult`` hands it to the runtime, rank 0 broadcasts it to
 the cluster's ranks (``runtime.cluster_share``), and each rank's cadence follows it
 (``runtime.cadence.Cadence.follow``). Its fields travel at the top level of those messages'
-meta under the keys of :meth:`NextRound.to_meta`, read back by :meth:`NextRound.from_meta`: a
-new field is added here, in those two methods, and where it is used.
+meta under the keys its fields declare (:mod:`nebula_cli.relay.net.schema`): a new field is
+added here, and where it is used.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import ClassVar
 
-from nebula_cli.relay.net.schema import Fields
+from nebula_cli.relay.net.schema import wire
 from nebula_cli.relay.protocol.pacing import CODEC_CHARS
 
 WHY_CHARS = 400
 """The longest explanation of a choice a decision carries."""
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class NextRound:
     """The next round as the relays agreed it (every field: None or "" when not said, and the
-    cluster keeps what it has)."""
+    cluster keeps what it has). Its fields travel at the top level of the messages that carry
+    it (``wire(flat=True)``), under the keys below; a forged value is refused, a codec name and
+    an explanation are cut to CODEC_CHARS and WHY_CHARS."""
 
-    h: int | None = None
+    NAME: ClassVar[str] = "next round"
+
+    h: int | None = wire(None, key="next_h", low=1)
     """``inner_steps: auto``: the H every cluster trains before its next round (>= 1)."""
-    merge: int | None = None
+    merge: int | None = wire(None, key="next_merge", low=1)
     """Overlap: the step after its boundary at which every cluster applies the next round's
     average (>= 1; ``relay.protocol.pacing.choose_merge_steps``)."""
-    codec: str = ""
+    codec: str = wire("", key="next_codec", max_chars=CODEC_CHARS)
     """``compression: auto``: the codec every cluster encodes its next round with."""
-    why: str = ""
+    why: str = wire("", max_chars=WHY_CHARS)
     """What ``h`` and ``codec`` were chosen from (``relay.protocol.pacing``,
     ``relay.codecs.choice``), for the logs and metrics."""
-
-    def to_meta(self) -> dict[str, Any]:
-        """The keys a decision, a round's RESULT and the cluster's broadcast carry."""
-        return {"next_h": self.h, "next_merge": self.merge, "next_codec": self.codec,
-                "why": self.why}
-
-    @classmethod
-    def from_meta(cls, meta: Mapping[str, Any], what: str = "next round") -> NextRound:
-        """From a message's meta (its other keys ignored); MessageError when a value is of
-        the wrong type or out of range. A codec name and an explanation are cut to
-        CODEC_CHARS and WHY_CHARS."""
-        f = Fields(what, meta)
-        return cls(f.integer("next_h", None, low=1), f.integer("next_merge", None, low=1),
-                   f.text("next_codec", "", max_chars=CODEC_CHARS),
-                   f.text("why", "", max_chars=WHY_CHARS))

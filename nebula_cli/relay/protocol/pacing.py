@@ -39,56 +39,36 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import ClassVar
 
 from nebula_cli.config.relay_config import AutoSteps
-from nebula_cli.relay.net.schema import is_number
+from nebula_cli.relay.net.schema import wire
 
 CODEC_CHARS = 16
 """The longest codec name a READY may carry."""
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class RoundInfo:
-    """What a cluster says about its round (each value None when it did not say)."""
+    """What a cluster says about its round (each value None when it did not say). Read
+    leniently, from a worker's or a peer's ``info`` object: a value that is not a finite
+    number in range is dropped (a missing value only disables what needs it); what is None is
+    not sent."""
 
-    weight: float | None = None
+    LENIENT: ClassVar[bool] = True
+
+    weight: float | None = wire(None, low=0.0, above=True, finite=True, omit_default=True)
     """Samples trained on since the cluster's previous round (> 0)."""
-    step_s: float | None = None
+    step_s: float | None = wire(None, low=0.0, above=True, finite=True, omit_default=True)
     """Mean seconds per optimizer step over those steps, training only (> 0)."""
-    comm_s: float | None = None
+    comm_s: float | None = wire(None, low=0.0, finite=True, omit_default=True)
     """Seconds the cluster's previous round kept it from training (>= 0)."""
-    codec: str | None = None
+    codec: str | None = wire(None, chars=(1, CODEC_CHARS), omit_default=True)
     """The codec of the round ``comm_s`` measured (set by the relay, which knows it; with
     ``compression: auto`` rounds differ)."""
-    arrive_s: float | None = None
+    arrive_s: float | None = wire(None, low=0.0, above=True, finite=True, omit_default=True)
     """Overlap: seconds from the cluster's previous boundary until that round's average
     arrived (> 0)."""
-
-    @classmethod
-    def from_meta(cls, meta: Any) -> RoundInfo:
-        """From a worker's or a peer's ``info`` mapping; values that are not finite numbers in
-        range are dropped (a missing value only disables what needs it)."""
-        if not isinstance(meta, Mapping):
-            return cls()
-
-        def number(name: str, low: float, strict: bool) -> float | None:
-            v = meta.get(name)
-            if not is_number(v) or not math.isfinite(v):
-                return None
-            return float(v) if (v > low if strict else v >= low) else None
-
-        codec = meta.get("codec")
-        return cls(number("weight", 0.0, True), number("step_s", 0.0, True),
-                   number("comm_s", 0.0, False),
-                   codec if isinstance(codec, str) and 0 < len(codec) <= CODEC_CHARS else None,
-                   number("arrive_s", 0.0, True))
-
-    def to_meta(self) -> dict[str, float | str]:
-        return {k: v for k, v in (("weight", self.weight), ("step_s", self.step_s),
-                                  ("comm_s", self.comm_s), ("codec", self.codec),
-                                  ("arrive_s", self.arrive_s))
-                if v is not None}
 
 
 def round_weights(present: list[str] | tuple[str, ...], infos: Mapping[str, RoundInfo]

@@ -19,7 +19,7 @@ import torch
 from nebula_cli.config.relay_config import RelayConfig
 from nebula_cli.relay.codecs.base import Codec
 from nebula_cli.relay.codecs.contribution import decode
-from nebula_cli.relay.protocol.messages import Fetched, FetchRequest
+from nebula_cli.relay.protocol.messages import ResultAsk, StateAsk
 from nebula_cli.relay.protocol.network import Net
 from nebula_cli.relay.protocol.results import Average, GlobalState, RoundMode, RoundOutcome
 from nebula_cli.relay.protocol.round_state import Phase, RoundState
@@ -47,7 +47,7 @@ class Recovery:
         the peer allows; short after a failed exchange, when a peer that never saw the
         decision would otherwise hold this relay until its deadline)."""
         self.state.set_phase(r, Phase.RECOVERING)
-        ask = FetchRequest(Fetched.RESULT, r, wait)
+        ask = ResultAsk(round=r, wait=wait)
         for c in sorted(candidates, key=self.order.__getitem__):
             if c == self.me:
                 continue
@@ -117,8 +117,8 @@ class Recovery:
     def fetch_state(self, cluster: str, min_round: int) -> GlobalState | None:
         """A peer's published global state of at least ``min_round`` (waiting up to a round's
         timeout for it), or None."""
-        st = self.net.fetch(cluster, FetchRequest(Fetched.STATE, min_round,
-                                                  self.cfg.round_timeout), self.fetch_timeout)
+        st = self.net.fetch(cluster, StateAsk(min_round=min_round,
+                                              wait=self.cfg.round_timeout), self.fetch_timeout)
         return st if isinstance(st, GlobalState) else None
 
     def best_state(self) -> GlobalState | None:
@@ -128,7 +128,7 @@ class Recovery:
         for cluster, state_round in self.net.state_sources():
             if state_round is None or (best is not None and best.round_id >= state_round):
                 break
-            st = self.net.fetch(cluster, FetchRequest(Fetched.STATE, state_round, 0.0),
+            st = self.net.fetch(cluster, StateAsk(min_round=state_round, wait=0.0),
                                 self.fetch_timeout)
             if isinstance(st, GlobalState):
                 best = st

@@ -108,8 +108,9 @@ class RoundControl:
         """READY for attempt ``attempt`` of round ``r`` to the coordinator (again to a new one
         when the coordinator changes); its decision, BEHIND, or None at ``give_up``."""
         sent_to = None
-        ready = Ready(r, attempt, not reason, numel, reason, self.state.lineage_before(r), info,
-                      codec[0], codec[1])
+        ready = Ready(round=r, attempt=attempt, ok=not reason, numel=numel, reason=reason,
+                      lineage=self.state.lineage_before(r), info=info,
+                      codec=codec[0], codec_round=codec[1])
         state = self.state
         while True:
             with state.lock:
@@ -274,7 +275,7 @@ class RoundControl:
                 self.behind_rounds.add(round_id)
                 self.state.cv.notify_all()
         else:
-            self.net.send(cluster, round_frame(Behind(round_id)))
+            self.net.send(cluster, round_frame(Behind(round=round_id)))
 
     def _on_ready(self, cluster: str, m: Ready) -> None:
         res = self.coordinator.ready(

@@ -130,10 +130,10 @@ class RoundState:
     def progress(self) -> Progress:
         """This relay's progress as peers see it (HELLO, heartbeats)."""
         with self.lock:
-            return Progress(self.done_round,
-                            self.published.round_id if self.published else None,
-                            self.average.round_id if self.average else None,
-                            self.finished, self.lineage, self.sync)
+            return Progress(done=self.done_round,
+                            state_round=self.published.round_id if self.published else None,
+                            result_round=self.average.round_id if self.average else None,
+                            finished=self.finished, lineage=self.lineage, sync=self.sync)
 
     def lineage_before(self, round_id: int) -> str:
         """This relay's lineage as its round ``round_id`` starts."""

@@ -47,6 +47,7 @@ from nebula_cli.relay.codecs.chunks import chunk_spans
 from nebula_cli.relay.codecs.contribution import OwnChunks, check_contribution, decode
 from nebula_cli.relay.codecs.feedback import ErrorFeedback
 from nebula_cli.relay.net.limits import Refusals, SyncSize
+from nebula_cli.relay.net.messages import Progress
 from nebula_cli.relay.protocol.agreement import BEHIND, Decision
 from nebula_cli.relay.protocol.allreduce import ExchangeError, RoundExchange, Schedule
 from nebula_cli.relay.protocol.messages import (
@@ -54,12 +55,13 @@ from nebula_cli.relay.protocol.messages import (
     Abort,
     ChunkKind,
     PeerChunk,
+    RoundMessage,
     round_frame,
 )
 from nebula_cli.relay.protocol.network import Net
 from nebula_cli.relay.protocol.pacing import RoundInfo
 from nebula_cli.relay.protocol.recovery import Recovery
-from nebula_cli.relay.protocol.results import Average, RoundMode, RoundOutcome
+from nebula_cli.relay.protocol.results import Average, GlobalState, RoundMode, RoundOutcome
 from nebula_cli.relay.protocol.round_control import RoundControl
 from nebula_cli.relay.protocol.round_state import Phase, RoundState, Step, after_decision
 
@@ -100,6 +102,79 @@ class Rounds:
     def stop(self) -> None:
         """End every wait and exchange (the relay is stopping)."""
         self.state.stop()
+
+    # ------------------------------------------------------------------ what the relay asks
+    # (the process layer: relay.process.server and worker_port call these, never the parts)
+
+    @property
+    def sync(self) -> SyncSize | None:
+        """What this cluster syncs (None until its worker registered)."""
+        return self.state.sync
+
+    @property
+    def done_round(self) -> int:
+        """The newest round this relay completed (-1: none)."""
+        return self.state.done_round
+
+    def finished_at(self) -> int | None:
+        """The round this cluster's workers finished at (None while they train)."""
+        with self.state.lock:
+            return self.state.finished
+
+    def progress(self) -> Progress:
+        """This relay's progress as its peers see it (HELLO, heartbeats)."""
+        return self.state.progress()
+
+    def register(self, size: SyncSize) -> None:
+        """The worker's sync size (the first registration fixes it; LimitExceeded after)."""
+        self.state.register(size)
+
+    def publish(self, st: GlobalState) -> None:
+        """A global state the worker published, served to peers that catch up."""
+        self.state.publish(st)
+
+    def mark_finished(self) -> None:
+        """This cluster's workers are done training."""
+        self.state.mark_finished()
+
+    def answer_result(self, round_id: int, wait: float, gone: Callable[[], bool]
+                      ) -> Average | None:
+        """A peer's fetch of round ``round_id``'s average: it, once held here, or None."""
+        return self.state.answer_result(round_id, wait, gone)
+
+    def answer_state(self, min_round: int, wait: float) -> GlobalState | None:
+        """A peer's fetch of a global state of at least ``min_round``, or None."""
+        return self.state.answer_state(min_round, wait)
+
+    def best_state(self) -> GlobalState | None:
+        """The newest global state held here or by a connected peer."""
+        return self.recovery.best_state()
+
+    def final_state(self, wait: float | None) -> GlobalState | None:
+        """The state this cluster ends with, once every connected cluster is done."""
+        return self.recovery.final_state(wait)
+
+    def on_control(self, src: str, msg: RoundMessage) -> None:
+        """A peer's round control (READY, START, BEHIND, ABORT)."""
+        self.control.on_control(src, msg)
+
+    def on_chunk(self, src: str, chunk: PeerChunk) -> None:
+        """A peer's chunk of a round's exchange."""
+        self.control.on_chunk(src, chunk)
+
+    def on_progress(self) -> None:
+        """A peer's progress changed (its heartbeat)."""
+        self.control.on_progress()
+
+    def on_link_up(self) -> None:
+        self.control.on_link_up()
+
+    def on_link_down(self, cluster: str, reason: str) -> None:
+        self.control.on_link_down(cluster, reason)
+
+    def tick(self) -> float | None:
+        """The coordinator's deadlines; when the next one is due (None: none)."""
+        return self.control.tick()
 
     # ------------------------------------------------------------------ the worker's round
 
@@ -213,8 +288,9 @@ class Rounds:
         ex_ref: list[RoundExchange] = []
 
         def send(dest: str, kind: str, k: int, enc: Encoded | None) -> None:
-            frame = PeerChunk(ChunkKind(kind), d.round, d.attempt, d.coordinator, k,
-                              enc).to_frame()
+            frame = PeerChunk(kind=ChunkKind(kind), round=d.round, attempt=d.attempt,
+                              coord=d.coordinator, k=k,
+                              enc=enc).to_frame()
             if not self.net.send(dest, frame, bulk=True) and ex_ref:
                 ex_ref[0].fail(f"no link to {dest}")
 
@@ -261,7 +337,8 @@ class Rounds:
                                         ex.codec)
             state.cv.notify_all()
         if not ex.done:
-            abort = round_frame(Abort(d.round, d.attempt, d.coordinator, ex.error or ""))
+            abort = round_frame(Abort(round=d.round, attempt=d.attempt, coord=d.coordinator,
+                                      reason=ex.error or ""))
             for c in sched.others:
                 self.net.send(c, abort)
         elif ex.dropped or ex.zeroed:

@@ -20,6 +20,7 @@ from nebula_cli.config.spec import load_spec
 from nebula_cli.relay.codecs.choice import DENSER_MARGIN, SLACK, CodecCosts, choose_codec
 from nebula_cli.relay.codecs.feedback import ErrorFeedback
 from nebula_cli.relay.codecs.registry import codecs_of
+from nebula_cli.relay.net.schema import decode, encode
 from nebula_cli.relay.protocol.agreement import Coordinator, Decision
 from nebula_cli.relay.protocol.pacing import RoundInfo
 from nebula_cli.relay.protocol.results import RoundOutcome
@@ -118,7 +119,7 @@ def test_a_round_has_one_codec_and_a_cluster_that_used_another_is_left_out() -> 
     assert isinstance(d, Decision)
     assert d.codec == "int8" and d.present == ("a", "c") and d.rejected == ("b",)
     assert d.next.codec == "topk" and "topk for 90% utilisation" in d.next.why
-    assert Decision.from_meta(d.to_meta()) == d
+    assert decode(Decision, encode(d)) == d
     fixed = Coordinator("a", ["a", "b"], 10.0)  # one codec: nothing to agree on
     fixed.ready(0, 0, "a", ok=True, numel=8, now=0.0, newest_done=-1)
     d2 = fixed.ready(0, 0, "b", ok=True, numel=8, now=0.0, newest_done=-1)

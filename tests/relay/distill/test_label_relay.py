@@ -130,9 +130,10 @@ def test_an_ask_over_the_bound_ends_the_link(pki: Path, closing: list) -> None:
     raw = socket.create_connection(("127.0.0.1", relay.port), timeout=5)
     tls, _ = wrap_client(raw, worker_ctx(pki, "cloud", "s1"), job_id=JOB, roles={"relay"})
     with contextlib.closing(tls):
-        send_frame(tls, LabelHello(JOB, Side.STUDENT).to_frame())
+        send_frame(tls, LabelHello(job=JOB, side=Side.STUDENT).to_frame())
         assert recv_frame(tls).type is FrameType.WELCOME
-        send_frame(tls, LabelAsk(0, 17, 17, 11).to_frame(pack_ids(np.arange(17), 11)))  # > 16
+        send_frame(tls, LabelAsk(seq=0, tokens=17, width=17,
+                                 bits=11).to_frame(pack_ids(np.arange(17), 11)))  # > 16
         with pytest.raises(WireError):
             tls.settimeout(5)
             recv_frame(tls)  # the relay ended the link (closed, no answer)
@@ -145,7 +146,7 @@ def test_a_student_of_protocol_1_is_refused_naming_both(pki: Path, closing: list
     raw = socket.create_connection(("127.0.0.1", relay.port), timeout=5)
     tls, _ = wrap_client(raw, worker_ctx(pki, "cloud", "s1"), job_id=JOB, roles={"relay"})
     with contextlib.closing(tls):
-        send_frame(tls, LabelHello(JOB, Side.STUDENT, protocol=1).to_frame())  # 4-byte ids
+        send_frame(tls, LabelHello(job=JOB, side=Side.STUDENT, protocol=1).to_frame())  # 4-byte ids
         tls.settimeout(5)
         got = recv_frame(tls)
     assert got.type is FrameType.ERROR

@@ -28,28 +28,33 @@ def test_an_answer_is_its_header_then_its_chunks_in_order() -> None:
     x = torch.arange(10, dtype=torch.float32)
     done = threading.Event()
     threading.Thread(target=lambda: fetch.wait(10) and done.set()).start()
-    fetch.on_head(StateAnswer(7, AnswerStatus.OK, 3, "lin", 1, 10))
+    fetch.on_head(StateAnswer(req=7, status=AnswerStatus.OK, round=3, lineage="lin", parts=1,
+                              numel=10))
     assert not fetch.complete
-    fetch.on_chunk(AnswerChunk(7, 0, payload(x[:6])))
-    fetch.on_chunk(AnswerChunk(7, 6, payload(x[6:])))
+    fetch.on_chunk(AnswerChunk(req=7, lo=0, payload=payload(x[:6])))
+    fetch.on_chunk(AnswerChunk(req=7, lo=6, payload=payload(x[6:])))
     assert done.wait(5) and fetch.complete and torch.equal(fetch.tensor, x)
 
 
 def test_an_answer_without_a_tensor_is_complete_at_its_header() -> None:
     fetch = Fetch(1, link=None, max_numel=10)  # type: ignore[arg-type]
-    fetch.on_head(ResultAnswer(1, AnswerStatus.NONE))
+    fetch.on_head(ResultAnswer(req=1, status=AnswerStatus.NONE))
     assert fetch.complete and fetch.tensor is None and fetch.wait(0)
 
 
 @pytest.mark.parametrize("steps, words", [
-    ([ResultAnswer(1, AnswerStatus.OK, 3, numel=11)], "declares 11 elements"),
-    ([ResultAnswer(1, AnswerStatus.NONE), ResultAnswer(1, AnswerStatus.NONE)], "second answer"),
-    ([AnswerChunk(1, 0, bytes(8))], "unexpected chunk"),
-    ([ResultAnswer(1, AnswerStatus.OK, 3, numel=4), AnswerChunk(1, 2, bytes(8))],
+    ([ResultAnswer(req=1, status=AnswerStatus.OK, round=3, numel=11)], "declares 11 elements"),
+    ([ResultAnswer(req=1, status=AnswerStatus.NONE), ResultAnswer(req=1, status=AnswerStatus.NONE)],
+     "second answer"),
+    ([AnswerChunk(req=1, lo=0, payload=bytes(8))], "unexpected chunk"),
+    ([ResultAnswer(req=1, status=AnswerStatus.OK, round=3, numel=4), AnswerChunk(req=1, lo=2,
+                                                                                 payload=bytes(8))],
      "unexpected chunk at 2"),
-    ([ResultAnswer(1, AnswerStatus.OK, 3, numel=4), AnswerChunk(1, 0, bytes(6))],
+    ([ResultAnswer(req=1, status=AnswerStatus.OK, round=3, numel=4), AnswerChunk(req=1, lo=0,
+                                                                                 payload=bytes(6))],
      "unexpected chunk"),
-    ([ResultAnswer(1, AnswerStatus.OK, 3, numel=1), AnswerChunk(1, 0, bytes(8))],
+    ([ResultAnswer(req=1, status=AnswerStatus.OK, round=3, numel=1), AnswerChunk(req=1, lo=0,
+                                                                                 payload=bytes(8))],
      "too much data"),
 ])
 def test_an_answer_that_breaks_the_protocol_closes_the_link(steps: list, words: str) -> None:

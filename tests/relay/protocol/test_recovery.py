@@ -15,7 +15,7 @@ from helpers.plan_defaults import relay_defaults
 
 from nebula_cli.config.relay_config import RelayConfig
 from nebula_cli.relay.codecs.registry import get_codec
-from nebula_cli.relay.protocol.messages import Fetched, FetchRequest
+from nebula_cli.relay.protocol.messages import FetchRequest, ResultAsk, StateAsk
 from nebula_cli.relay.protocol.recovery import Recovery
 from nebula_cli.relay.protocol.results import Average, GlobalState, RoundMode
 from nebula_cli.relay.protocol.round_state import Phase, RoundState
@@ -44,11 +44,11 @@ class TableNet:
 
     def fetch(self, cluster: str, ask: FetchRequest, timeout: float) -> Any:
         self.asked.append((cluster, ask))
-        if ask.what == Fetched.RESULT:
+        if isinstance(ask, ResultAsk):
             avg = self.results.get(cluster)
             return avg if avg is not None and avg.round_id == ask.round else None
         st = self.states.get(cluster)
-        return st if st is not None and st.round_id >= ask.round else None
+        return st if st is not None and st.round_id >= ask.min_round else None
 
     def holders(self, round_id: int) -> list[str]:
         return [c for c, a in self.results.items() if a.round_id == round_id]
@@ -91,7 +91,7 @@ def test_a_missed_average_is_fetched_from_the_first_peer_in_the_jobs_order_that_
     assert torch.equal(out.tensor, torch.full((N,), 2.0))
     assert (out.present, out.rejected, out.missing) == (["c", "d"], ["a"], ["b"])
     assert [c for c, _ in net.asked] == ["c", "d"]  # never itself; c first (job order)
-    assert net.asked[0][1] == FetchRequest(Fetched.RESULT, 4, 0.5)
+    assert net.asked[0][1] == ResultAsk(round=4, wait=0.5)
     assert state.average is not None and state.average.round_id == 4  # served on to others
     assert state.phase[4] == Phase.RECOVERING
     assert rec.recover(5, ["c", "d"], N) is None
@@ -148,7 +148,7 @@ def test_the_best_state_is_the_newest_here_or_at_a_peer() -> None:
     net.states["c"] = GlobalState(6, torch.full((N,), 6.0))
     best = rec.best_state()
     assert best is not None and best.round_id == 6
-    assert net.asked == [("c", FetchRequest(Fetched.STATE, 6, 0.0))]
+    assert net.asked == [("c", StateAsk(min_round=6, wait=0.0))]
 
 
 @pytest.mark.parametrize("theirs, mine, want", [

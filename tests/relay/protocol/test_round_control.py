@@ -91,7 +91,8 @@ def control(me: str = "a", up: list[str] | None = None
 
 
 def ready(r: int, attempt: int = 0, numel: int = 8) -> Ready:
-    return Ready(r, attempt, True, numel, "", "genesis", RoundInfo(), "none", -1)
+    return Ready(round=r, attempt=attempt, ok=True, numel=numel, reason="", lineage="genesis",
+                 info=RoundInfo(), codec="none", codec_round=-1)
 
 
 def test_a_coordinator_with_every_peer_ready_decides_and_tells_them() -> None:
@@ -106,7 +107,8 @@ def test_a_coordinator_with_every_peer_ready_decides_and_tells_them() -> None:
 
 def test_a_relay_sends_ready_to_its_coordinator_and_takes_its_decision() -> None:
     ctl, _, net, _, clock = control("b", ["a"])
-    d = Decision(0, 0, "a", ("a", "b"), (), ("c",), 8)
+    d = Decision(round=0, attempt=0, coordinator="a", present=("a", "b"), rejected=(),
+                 missing=("c",), numel=8)
 
     threading.Timer(0.2, ctl.on_control, ("a", d)).start()
     got = ctl.agree(0, 0, "", 8, clock() + 5, RoundInfo(weight=3.0), ("none", -1))
@@ -124,7 +126,7 @@ def test_without_a_decision_agree_gives_up_at_its_deadline() -> None:
 
 def test_behind_ends_the_agreement_of_that_round() -> None:
     ctl, _, _, _, clock = control("b", ["a"])
-    ctl.on_control("a", Behind(0))
+    ctl.on_control("a", Behind(round=0))
     assert ctl.behind_rounds == {0}
     assert ctl.agree(0, 0, "", 8, clock() + 5, RoundInfo(), ("none", -1)) == BEHIND
     ctl.round_done(0)
@@ -136,7 +138,7 @@ def test_control_ahead_of_this_relays_worker_is_held_then_handled() -> None:
     for _ in range(HELD_PER_PEER + 2):
         ctl.on_control("c", ready(9))
     assert len(ctl.held["c"]) == HELD_PER_PEER and ctl.coordinator.next_deadline() is None
-    ctl.on_control("c", Behind(9))  # a BEHIND that far ahead: refused, not held
+    ctl.on_control("c", Behind(round=9))  # a BEHIND that far ahead: refused, not held
     assert refusals.counts == {("round control", "c"): 1}
     ctl.raise_floor(9)  # this relay's worker asks for round 9: the READYs count now
     assert ctl.held == {} and ctl.coordinator.next_deadline() is not None
@@ -145,7 +147,8 @@ def test_control_ahead_of_this_relays_worker_is_held_then_handled() -> None:
 
 def test_a_decision_relayed_by_another_than_its_coordinator_is_refused() -> None:
     ctl, _, _, refusals, _ = control("b", ["a", "c"])
-    ctl.on_control("c", Decision(0, 0, "a", ("a",), (), (), 8))
+    ctl.on_control("c", Decision(round=0, attempt=0, coordinator="a", present=("a",), rejected=(),
+                                 missing=(), numel=8))
     assert ctl.decisions == {} and refusals.counts == {("round control", "c"): 1}
 
 
@@ -153,13 +156,16 @@ def test_the_newest_decision_names_the_next_codec_and_merge_step() -> None:
     ctl, _, _, _, _ = control("b", ["a"])
     assert ctl.in_force() == (ctl.codecs["none"], -1)
     ctl.raise_floor(3)  # this relay's worker is at round 3
-    ctl.on_control("a", Decision(3, 0, "a", ("a", "b"), (), (), 8,
+    ctl.on_control("a", Decision(round=3, attempt=0, coordinator="a", present=("a", "b"),
+                                 rejected=(), missing=(), numel=8,
                                  next=NextRound(merge=4, codec="int8")))
     assert ctl.in_force() == (ctl.codecs["int8"], 3) and ctl.merge_in_force == 4
-    ctl.on_control("a", Decision(2, 0, "a", ("a", "b"), (), (), 8,  # an older round's
+    ctl.on_control("a", Decision(round=2, attempt=0, coordinator="a", present=("a", "b"),
+                                 rejected=(), missing=(), numel=8,  # an older round's
                                  next=NextRound(merge=1, codec="none")))
     assert ctl.in_force() == (ctl.codecs["int8"], 3) and ctl.merge_in_force == 4
-    ctl.on_control("a", Decision(4, 0, "a", ("a", "b"), (), (), 8,
+    ctl.on_control("a", Decision(round=4, attempt=0, coordinator="a", present=("a", "b"),
+                                 rejected=(), missing=(), numel=8,
                                  next=NextRound(codec="zstd")))  # not one of ours: ignored
     assert ctl.in_force() == (ctl.codecs["int8"], 3) and ctl.merge_in_force == 4
 
@@ -173,7 +179,7 @@ def test_an_abort_or_a_lost_link_fails_the_exchange_it_names() -> None:
     ctl, state, _, _, _ = control("a", ["b", "c"])
     ex, other = exchange(("a", "b")), exchange(("a", "c"))
     state.exchanges[(2, 0, "a")], state.exchanges[(2, 1, "a")] = ex, other
-    ctl.on_control("b", Abort(2, 0, "a", "it broke"))
+    ctl.on_control("b", Abort(round=2, attempt=0, coord="a", reason="it broke"))
     assert ex.error == "b aborted: it broke" and other.error is None
     ctl.on_link_down("c", "reset")
     assert other.error == "lost the link to c: reset"
@@ -230,7 +236,7 @@ def test_a_coordinator_closes_rounds_some_relay_completed_and_decides_at_the_dea
     ctl.on_control("c", ready(2))
     net.done = 2  # b has completed round 2 already
     ctl.on_progress()
-    assert net.sent == [("c", Behind(2))]
+    assert net.sent == [("c", Behind(round=2))]
     ctl.on_control("c", ready(3))
     assert ctl.tick() == clock() + 1.0  # decided at the round's deadline
     clock.t += 1.0

@@ -33,10 +33,12 @@ class PeersAt:
 
 
 def test_after_a_decision_a_diverged_relay_resyncs_before_anything_else() -> None:
-    d = Decision(3, 0, "a", ("a",), (), (), 10, diverged=("b",))
+    d = Decision(round=3, attempt=0, coordinator="a", present=("a",), rejected=(), missing=(),
+                 numel=10, diverged=("b",))
     assert after_decision("b", d, own_ok=True) == Step.RESYNC
     assert after_decision("a", d, own_ok=True) == Step.EXCHANGE
-    alone = Decision(3, 0, "a", (), (), (), 10, diverged=("b",))
+    alone = Decision(round=3, attempt=0, coordinator="a", present=(), rejected=(), missing=(),
+                     numel=10, diverged=("b",))
     assert after_decision("b", alone, own_ok=True) == Step.EMPTY  # nobody to take it from
 
 

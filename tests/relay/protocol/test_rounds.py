@@ -26,7 +26,7 @@ from nebula_cli.relay.net.limits import (
     SyncSize,
     held_size,
 )
-from nebula_cli.relay.net.schema import MessageError
+from nebula_cli.relay.net.schema import MessageError, encode
 from nebula_cli.relay.net.wire import Frame, FrameType
 from nebula_cli.relay.protocol.agreement import Decision
 from nebula_cli.relay.protocol.messages import PeerChunk, decode_round
@@ -121,11 +121,13 @@ def test_a_relay_cut_off_averages_alone_then_catches_up_from_a_state() -> None:
 
 
 def test_after_decision_is_a_pure_choice() -> None:
-    d = Decision(3, 0, "a", ("a", "b"), ("c",), (), 10)
+    d = Decision(round=3, attempt=0, coordinator="a", present=("a", "b"), rejected=("c",),
+                 missing=(), numel=10)
     assert after_decision("a", d, own_ok=True) == Step.EXCHANGE
     assert after_decision("a", d, own_ok=False) == Step.LEFT_OUT
     assert after_decision("c", d, own_ok=True) == Step.LEFT_OUT
-    nobody = Decision(3, 0, "a", (), ("a",), ("b",), 10)
+    nobody = Decision(round=3, attempt=0, coordinator="a", present=(), rejected=("a",),
+                      missing=("b",), numel=10)
     assert after_decision("a", nobody, own_ok=True) == Step.EMPTY
 
 
@@ -136,10 +138,12 @@ def test_control_for_far_rounds_and_forged_decisions_is_refused(
     def control(meta: dict[str, Any]) -> None:  # as a ROUND frame from b comes in
         a.on_control("b", decode_round(meta))
 
-    far = Decision(10**6, 0, "b", ("b",), (), (), 4)
-    control({"op": "start", **far.to_meta()})
-    forged = Decision(0, 0, "c", ("c",), (), (), 4)
-    control({"op": "start", **forged.to_meta()})  # c's decision, sent by b
+    far = Decision(round=10**6, attempt=0, coordinator="b", present=("b",), rejected=(), missing=(),
+                   numel=4)
+    control({"op": "start", **encode(far)})
+    forged = Decision(round=0, attempt=0, coordinator="c", present=("c",), rejected=(), missing=(),
+                      numel=4)
+    control({"op": "start", **encode(forged)})  # c's decision, sent by b
     control({"op": "behind", "round": 10**6})
     control({"op": "ready", "round": 10**6, "attempt": 0, "ok": True, "numel": 4})
     assert a.decisions == {} and a.behind_rounds == set()

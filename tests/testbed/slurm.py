@@ -113,6 +113,13 @@ def _ppid(pid: int) -> int | None:
         return None
 
 
+def _comm(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/comm").read_text().strip()
+    except OSError:
+        return ""
+
+
 def _tail(path: Path, lines: int = LOG_TAIL) -> str:
     try:
         text = path.read_text(errors="replace").splitlines()[-lines:]
@@ -482,6 +489,34 @@ class SlurmCluster:
             self.client("scontrol", "update", f"NodeName={','.join(bad)}", "State=RESUME",
                         check=False)
         self.wait_idle(SETTLE_TIMEOUT_S)
+
+    def stepds(self) -> list[int]:
+        """The nodes' slurmstepd processes (one per running step, and its job's)."""
+        from .system import namespace_pids
+
+        return [p for n in self.nodes.values() for p in namespace_pids(n.ns)
+                if _comm(p) == "slurmstepd"]
+
+    def kill_daemons(self) -> None:
+        """SIGKILL slurmctld (and its helper), every slurmd and every slurmstepd, as a node's
+        Slurm dies (or is stopped with its steps' stepds): the steps' own processes are left as
+        they are, for a test of what outlives its allocation. munged stays."""
+        from .system import kill_pids
+
+        pids = self.service_pids() - {self.daemon_pids()["munged"]}
+        for pid in [*pids, *self.stepds()]:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        kill_pids([*pids, *self.stepds()], grace=0.2)  # bounded wait; SIGKILL again if needed
+
+    def restart_fresh(self) -> None:
+        """The daemons started again with the controller's state and the nodes' spools
+        emptied (a Slurm reinstalled, or its state lost): job ids start again at FirstJobId,
+        node names stay. Whatever the old daemons ran is not touched."""
+        self.kill_daemons()
+        for sub in ("state", *(f"spool{n}" for n in self.nodes)):
+            shutil.rmtree(self.dir / sub, ignore_errors=True)
+        self.start()
 
     def signal_daemon(self, daemon: str, sig: signal.Signals = signal.SIGTERM) -> None:
         """Send a signal to one daemon (a test of a controller or node going away)."""

@@ -75,7 +75,7 @@ def cancel_all(job_dir: Path, transport: GetTransport, progress: Progress) -> li
         allocator = allocator_named(alloc.scheduler)
         said = allocator.cancel(transport(alloc.login), alloc)
         done.append(f"{name}: {said}")
-        progress(f"{name}: {allocator.label(alloc)} cancelled: {said}")
+        progress(f"{name}: {said}")
     return done
 
 

@@ -61,8 +61,9 @@ TERM_GRACE = 110.0
 """Seconds the keeper gives its agents after SIGTERM (Slurm's notice is 120 s by default)."""
 NOTICE_WAIT = 600.0
 """Seconds at most a keeper waits, its agents stopped, for the scheduler to end the job after
-its notice (the notice's lead, 120 s by default, plus Slurm's KillWait, 30 s by default, with
-a wide margin); it normally leaves long before, on the batch script's end file."""
+its notice, unless told (`--notice-wait`: launchers/slurm.sbatch passes the notice's lead plus a
+margin): the default notice's lead, 120 s, plus Slurm's KillWait, 30 s by default, with a wide
+margin. It normally leaves long before, on the batch script's end file."""
 POLL = 0.5
 MAX_REQUEST = 16 << 20
 CALL_TIMEOUT = 120.0

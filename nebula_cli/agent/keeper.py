@@ -128,8 +128,9 @@ def listen(path: str) -> socket.socket:
     with contextlib.suppress(FileNotFoundError):
         if not stat.S_ISSOCK(os.lstat(path).st_mode):
             raise OSError(f"{path} exists and is not a socket: remove it")
-        if _answers(path):
-            raise OSError(f"another keeper serves {path}")
+        if (pid := _answers(path)) is not None:
+            raise OSError(f"another keeper serves {path} (pid {pid}: one of an earlier job of "
+                          "the same id on this node, left running? end it if so)")
         os.unlink(path)
     server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
@@ -143,18 +144,19 @@ def listen(path: str) -> socket.socket:
     return server
 
 
-def _answers(path: str) -> bool:
-    """Whether a process listens on the socket file at `path`."""
+def _answers(path: str) -> int | None:
+    """The pid of the process that listens on the socket file at `path` (None: none does)."""
     probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     probe.settimeout(5)
     try:
         with _short(path) as where:
             probe.connect(where)
+        creds = probe.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
     except OSError:
-        return False
+        return None
     finally:
         probe.close()
-    return True
+    return struct.unpack("3i", creds)[0]
 
 
 def unlink_own(path: str, inode: int) -> None:

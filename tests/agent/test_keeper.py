@@ -296,10 +296,11 @@ def test_a_second_keeper_of_the_same_name_is_refused_and_the_first_serves_on() -
     same name (the test beds did: job 6 on c1 in two beds): the second keeper used to remove
     the first's socket file ("no nebula keeper answers", the first's launch failed)."""
     name = "test-" + secrets.token_hex(4)
-    with serving(name):
+    with serving(name) as first:
         second = serve(name)
         _, err = second.communicate(timeout=30)
         assert second.returncode == 1 and "another keeper serves" in err, err
+        assert f"(pid {first.pid}: one of an earlier job of the same id" in err, err
         assert call(name, "true").returncode == 0
 
 

@@ -322,7 +322,11 @@ def test_the_same_job_again_on_a_slurm_whose_job_ids_started_again_meets_no_earl
                     assert t.run(["scancel", "--signal=TERM", alloc.job], timeout=60).ok
                     wait_for(lambda a=alloc: "waiting for it to end" in output(a), timeout=60)
                 slurm.kill_daemons()
-            wait_for(lambda a=agent: gone(*a.values()), timeout=60)  # (bounded: by events)
+            try:  # (bounded: the keeper's events, not a time, are what is awaited)
+                wait_for(lambda a=agent: gone(*a.values()), timeout=60)
+            except AssertionError:
+                pytest.fail(f"run {run} ({end}): keeper or agent alive 60 s after its "
+                            f"allocation ended: {agent}\n{output(alloc)}")
             assert mark.read_text() == "term", end
             # what Slurm's killed daemons left of the batch step (its shell, its srun) is
             # theirs, not nebula's: ended here so that it cannot talk to the next Slurm

@@ -26,6 +26,10 @@ its trees by node (`/sys/fs/cgroup/<controller>/slurm_<node>`), so several nodes
 machine as long as node names differ across every bed that runs at once; `stop()` removes the
 trees. The session bed keeps `proctrack/linuxproc`: its nodes are c1, c2 in every bed.
 
+`kill_daemons()` kills slurmctld, the slurmds and the slurmstepds and leaves the steps' own
+processes (a node's Slurm gone under a running job); `restart_fresh()` starts the daemons again
+with their state emptied, so that job ids start again at FirstJobId.
+
 The ports are Slurm's defaults (6817 slurmctld, 6818 slurmd): each daemon listens on its own
 namespace's address, in a namespace no other bed or process uses, so they cannot collide.
 """

@@ -35,10 +35,20 @@ def private_dir(path: str, make: bool) -> None:
         os.chmod(path, 0o700)
 
 
+def _peer_creds(sock: socket.socket) -> tuple[int, int, int]:
+    """(pid, uid, gid) of the process at the other end (from the kernel)."""
+    creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    return struct.unpack("3i", creds)
+
+
 def peer_uid(sock: socket.socket) -> int:
     """The uid of the process at the other end (from the kernel)."""
-    creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
-    return struct.unpack("3i", creds)[1]
+    return _peer_creds(sock)[1]
+
+
+def peer_pid(sock: socket.socket) -> int:
+    """The pid of the process at the other end (from the kernel)."""
+    return _peer_creds(sock)[0]
 
 
 @contextlib.contextmanager
@@ -55,16 +65,17 @@ def bindable(path: str) -> Iterator[str]:
         os.close(fd)
 
 
-def listen(path: str, role: str) -> socket.socket:
+def listen(path: str, role: str, hint: str = "") -> socket.socket:
     """A listening socket at `path` (0600, its directory made 0700 if missing; a socket file a
     killed process left there is replaced; one a live process serves, or anything else,
-    refused: the error names `role`, what serves it)."""
+    refused: the error names `role`, what serves it, and its pid, with `hint`)."""
     private_dir(os.path.dirname(path), make=True)
     with contextlib.suppress(FileNotFoundError):
         if not stat.S_ISSOCK(os.lstat(path).st_mode):
             raise OSError(f"{path} exists and is not a socket: remove it")
-        if _answers(path):
-            raise OSError(f"another {role} serves {path}")
+        if (pid := _answers(path)) is not None:
+            raise OSError(f"another {role} serves {path} (pid {pid}" + (f": {hint})" if hint
+                                                                        else ")"))
         os.unlink(path)
     server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
@@ -78,18 +89,18 @@ def listen(path: str, role: str) -> socket.socket:
     return server
 
 
-def _answers(path: str) -> bool:
-    """Whether a process listens on the socket file at `path`."""
+def _answers(path: str) -> int | None:
+    """The pid of the process that listens on the socket file at `path` (None: none does)."""
     probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     probe.settimeout(5)
     try:
         with bindable(path) as where:
             probe.connect(where)
+        return peer_pid(probe)
     except OSError:
-        return False
+        return None
     finally:
         probe.close()
-    return True
 
 
 def unlink_own(path: str, inode: int) -> None:

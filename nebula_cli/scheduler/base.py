@@ -62,6 +62,7 @@ class Allocator(Protocol):
         """What the scheduler says of it now."""
         ...
 
-    def cancel(self, t: Transport, alloc: Allocation) -> None:
-        """End it (one that has ended already is fine)."""
+    def cancel(self, t: Transport, alloc: Allocation) -> AllocationState:
+        """End it (one that has ended already is fine) and wait, bounded, until the scheduler
+        says it has ended; what the scheduler says then."""
         ...

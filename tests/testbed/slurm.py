@@ -26,6 +26,10 @@ its trees by node (`/sys/fs/cgroup/<controller>/slurm_<node>`), so several nodes
 machine as long as node names differ across every bed that runs at once; `stop()` removes the
 trees. The session bed keeps `proctrack/linuxproc`: its nodes are c1, c2 in every bed.
 
+`kill_daemons()` kills slurmctld, the slurmds and the slurmstepds and leaves the steps' own
+processes (a node's Slurm gone under a running job); `restart_fresh()` starts the daemons again
+with their state emptied, so that job ids start again at FirstJobId.
+
 The ports are Slurm's defaults (6817 slurmctld, 6818 slurmd): each daemon listens on its own
 namespace's address, in a namespace no other bed or process uses, so they cannot collide.
 """
@@ -111,6 +115,13 @@ def _ppid(pid: int) -> int | None:
         return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
     except (OSError, IndexError, ValueError):
         return None
+
+
+def _comm(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/comm").read_text().strip()
+    except OSError:
+        return ""
 
 
 def _tail(path: Path, lines: int = LOG_TAIL) -> str:
@@ -482,6 +493,34 @@ class SlurmCluster:
             self.client("scontrol", "update", f"NodeName={','.join(bad)}", "State=RESUME",
                         check=False)
         self.wait_idle(SETTLE_TIMEOUT_S)
+
+    def stepds(self) -> list[int]:
+        """The nodes' slurmstepd processes (one per running step, and its job's)."""
+        from .system import namespace_pids
+
+        return [p for n in self.nodes.values() for p in namespace_pids(n.ns)
+                if _comm(p) == "slurmstepd"]
+
+    def kill_daemons(self) -> None:
+        """SIGKILL slurmctld (and its helper), every slurmd and every slurmstepd, as a node's
+        Slurm dies (or is stopped with its steps' stepds): the steps' own processes are left as
+        they are, for a test of what outlives its allocation. munged stays."""
+        from .system import kill_pids
+
+        pids = self.service_pids() - {self.daemon_pids()["munged"]}
+        for pid in [*pids, *self.stepds()]:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        kill_pids([*pids, *self.stepds()], grace=0.2)  # bounded wait; SIGKILL again if needed
+
+    def restart_fresh(self) -> None:
+        """The daemons started again with the controller's state and the nodes' spools
+        emptied (a Slurm reinstalled, or its state lost): job ids start again at FirstJobId,
+        node names stay. Whatever the old daemons ran is not touched."""
+        self.kill_daemons()
+        for sub in ("state", *(f"spool{n}" for n in self.nodes)):
+            shutil.rmtree(self.dir / sub, ignore_errors=True)
+        self.start()
 
     def signal_daemon(self, daemon: str, sig: signal.Signals = signal.SIGTERM) -> None:
         """Send a signal to one daemon (a test of a controller or node going away)."""

@@ -149,6 +149,10 @@ def test_relay_on_login_behind_a_tunnel_and_stop_mid_run_leave_nothing(
     assert active[1] == "RUNNING"
     out = slurm_cli("stop", job_id, check=True, timeout=300)
     assert f"Slurm job {active[0]}" in out.stdout, out.stdout
+    # stop returns once Slurm says the allocation ended, and says so: the keepers left on
+    # their SIGTERM, Slurm did not wait its KillWait to kill them
+    assert f"cancelled hpc: Slurm job {active[0]} CANCELLED, ended " in out.stdout, out.stdout
+    assert not slurm_of(slurm_bed).active_jobs()
     assert status(slurm_cli, job_id)["state"] == "STOPPED"
     # every rank stopped gracefully, each once, where the spec put it
     ranks = sorted((r["host"], r["rank"], r["local_rank"], r["world_size"])

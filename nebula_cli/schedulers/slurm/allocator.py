@@ -3,7 +3,8 @@
 `preview` (``sbatch --test-only``: what Slurm would give the spec, for `validate --hosts`),
 `submit` (on the login node: nebula_cli uploaded, `slurm.sbatch` rendered, `sbatch`),
 `wait_running` (the job QUEUED with Slurm's reason until it starts, then every node's keeper
-answering), `node_conn` (a node, reached through the login node), `state` and `cancel`.
+answering), `node_conn` (a node, reached through the login node), `state` and `cancel` (until
+Slurm says the job has ended, bounded).
 """
 
 from __future__ import annotations
@@ -31,6 +32,10 @@ POLL = 2.0
 KEEPER_TIMEOUT = 180.0
 """Seconds the nodes' keepers have to answer once the allocation runs."""
 OUTPUT_LINES = 15
+CANCEL_WAIT = 90.0
+"""Seconds `cancel` waits for Slurm to end the job after scancel (it stays COMPLETING until
+every process of it has ended, at worst KillWait, 30 s by default, after their SIGTERM)."""
+CANCEL_POLL = 0.5
 
 
 def template_of(spec: JobSpec, cluster: ClusterSpec) -> str:
@@ -150,8 +155,20 @@ class SlurmAllocator:
         state = slurm_cli.queue_state(t, alloc.job)
         return allocation_state(alloc.job, state)
 
-    def cancel(self, t: Transport, alloc: Allocation) -> None:
+    def cancel(self, t: Transport, alloc: Allocation) -> AllocationState:
+        """scancel, then until Slurm says the job has ended (at most `CANCEL_WAIT` seconds);
+        what it says then, with how long it took ("Slurm job 12 CANCELLED, ended 1 s after
+        scancel")."""
         slurm_cli.cancel(t, alloc.job)
+        start = time.monotonic()
+        while not (state := slurm_cli.queue_state(t, alloc.job)).ended:
+            if time.monotonic() - start > CANCEL_WAIT:
+                return AllocationState(f"Slurm job {alloc.job} still {state} {CANCEL_WAIT:g} s "
+                                       "after scancel (nebula waited no longer: Slurm ends it)",
+                                       ended=False)
+            time.sleep(CANCEL_POLL)
+        return AllocationState(f"Slurm job {alloc.job} {state}, ended "
+                               f"{time.monotonic() - start:.0f} s after scancel", ended=True)
 
 
 def _script(spec: JobSpec, cluster: ClusterSpec, job_id: str, job_root: str) -> str:

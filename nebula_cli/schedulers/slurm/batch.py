@@ -11,6 +11,12 @@ from nebula_cli.errors import UsageError
 from nebula_cli.schedulers.slurm.spec import SlurmSpec
 
 PLACEHOLDER = re.compile(r"\{\{\s*([a-z_]+)\s*\}\}")
+NOTICE_LEAD = re.compile(r"^--signal=(?:[RB]+:)?\w+(?:@(\d+))?$")
+"""sbatch's --signal=[{R|B}:]SIG[@SECONDS] (SECONDS before the time limit, 60 if not said)."""
+NOTICE_SLACK = 480
+"""Seconds a keeper waits for Slurm to end the job after its notice beyond the notice's lead:
+Slurm may send it up to 60 s early, then ends the job and waits its KillWait (30 s by
+default); the rest is margin (the keeper leaves as soon as Slurm ends the job)."""
 
 
 def render(template: str, values: Mapping[str, str]) -> str:
@@ -34,4 +40,13 @@ def values(request: SlurmSpec, *, job_name: str, output: str, job_root: str,
         "python": shlex.quote(python),
         "gpu_option": f"--gpus-per-node={request.gpus_per_node}" if request.gpus_per_node
         else "",
+        "notice_wait": str(notice_wait(request)),
     }
+
+
+def notice_wait(request: SlurmSpec) -> int:
+    """Seconds the keepers wait at most, after Slurm's notice, for Slurm to end the job: the
+    notice's lead (the section's --signal) and `NOTICE_SLACK`."""
+    leads = [int(m.group(1) or 60) for option in request.sbatch_options()
+             if (m := NOTICE_LEAD.match(option))]
+    return max(leads, default=0) + NOTICE_SLACK

@@ -20,9 +20,14 @@ name), and removes only its own file when it ends.
 
 It ends, releasing the node, `LINGER` seconds after every
 agent it started has ended, when nothing was started for `IDLE_TIMEOUT` seconds after it came
-up, or on SIGTERM (Slurm's notice before a time limit or preemption), which it passes to its
-agents first so that their workers stop gracefully; it then waits for the scheduler to end the
-job, so that the job's state says why (TIMEOUT, PREEMPTED), unless started with
+up, when its step's parent (the node's slurmstepd) is gone (the allocation ended without it:
+its agents are stopped first), or on SIGTERM (Slurm's notice before a time limit or
+preemption), which it passes to its agents first so that their workers stop gracefully. After
+the notice it waits for the scheduler to end the job, so that the job's state says why
+(TIMEOUT, PREEMPTED, CANCELLED): it leaves once the batch script's trap says the job is being
+ended (``--end-file``: Slurm signals the batch shell only when it ends the job, by `scancel`,
+`nebula stop`, the time limit or preemption, never with the notice), once its step's parent is
+gone, or `NOTICE_WAIT` seconds after the notice at the latest; at once when started with
 ``--exit-after-notice`` (outside any scheduler: the tests).
 
 Standard library only: it runs before anything else of the job is checked on the node.
@@ -52,6 +57,11 @@ LINGER = 15.0
 as an srun step) returns before the allocation, and its steps, end."""
 TERM_GRACE = 110.0
 """Seconds the keeper gives its agents after SIGTERM (Slurm's notice is 120 s by default)."""
+NOTICE_WAIT = 600.0
+"""Seconds at most a keeper waits, its agents stopped, for the scheduler to end the job after
+its notice, unless told (`--notice-wait`: launchers/slurm.sbatch passes the notice's lead plus a
+margin): the default notice's lead, 120 s, plus Slurm's KillWait, 30 s by default, with a wide
+margin. It normally leaves long before, on the batch script's end file."""
 POLL = 0.5
 MAX_REQUEST = 16 << 20
 CALL_TIMEOUT = 120.0
@@ -83,12 +93,18 @@ class Keeper:
     """Serves `call`s on its node; watches the agents it started."""
 
     def __init__(self, name: str, idle_timeout: float = IDLE_TIMEOUT, *,
-                 exit_after_notice: bool = False) -> None:
+                 exit_after_notice: bool = False, end_file: str | None = None,
+                 notice_wait: float = NOTICE_WAIT) -> None:
         self.name = name
         self.idle_timeout = idle_timeout
         self.exit_after_notice = exit_after_notice
         """After SIGTERM and its agents' end, leave (rather than wait for the scheduler to end
         the allocation, which then records why: TIMEOUT, PREEMPTED, CANCELLED)."""
+        self.end_file = end_file
+        """Written by the batch script's trap when Slurm ends the job (None: no such trap)."""
+        self.notice_wait = notice_wait
+        self.parent = os.getppid()
+        """Its step's slurmstepd (in an allocation): once it is gone, so is the allocation."""
         self.agents: set[int] = set()
         self.started = self.last_alive = time.monotonic()
         self.terminated = threading.Event()
@@ -142,7 +158,8 @@ class Keeper:
         path = socket_path(self.name)
         node = node_name()
         try:
-            server = listen(path, "keeper")
+            server = listen(path, "keeper", hint="one of an earlier job of the same id on "
+                            "this node, left running? end it if so")
             mine = os.stat(path).st_ino
         except OSError as exc:
             print(f"nebula keeper {self.name} on {node}: cannot listen on {path}: {exc}",
@@ -158,7 +175,7 @@ class Keeper:
         server.settimeout(POLL)
         signal.signal(signal.SIGTERM, self.on_term)
         print(f"nebula keeper {self.name} on {node}: ready (pid {os.getpid()})", flush=True)
-        while not self.terminated.is_set() and not self.done():
+        while not self.terminated.is_set() and not self.done() and not self.orphaned():
             try:
                 conn, _ = server.accept()
             except TimeoutError:
@@ -166,15 +183,44 @@ class Keeper:
             threading.Thread(target=self.handle, args=(conn,), daemon=True).start()
         server.close()
         unlink_own(path, mine)
-        if self.terminated.is_set():
+        if self.orphaned():  # its output went with that parent: its agents first
+            self.stop_agents()
+            self.say(node, f"its step's parent (pid {self.parent}) is gone, the allocation "
+                           "with it: agents stopped, leaving")
+        elif self.terminated.is_set():
             self.stop_agents()
             if not self.exit_after_notice:  # the scheduler ends the job and says why
-                print(f"nebula keeper {self.name} on {node}: agents stopped on the scheduler's "
-                      "notice; waiting for it to end the job", flush=True)
-                while True:  # (TIMEOUT, PREEMPTED); leaving now would make it COMPLETED
-                    time.sleep(60)
-        print(f"nebula keeper {self.name} on {node}: done", flush=True)
+                self.say(node, "agents stopped on the scheduler's notice; waiting for it to "
+                               "end the job")
+                self.say(node, self.wait_for_the_end())
+        self.say(node, "done")
         return 0
+
+    def say(self, node: str, what: str) -> None:
+        """One line of the job's output (none when its reader, the step, is gone)."""
+        with contextlib.suppress(OSError):
+            print(f"nebula keeper {self.name} on {node}: {what}", flush=True)
+
+    def orphaned(self) -> bool:
+        """Whether the process that started it (its step's slurmstepd) is gone."""
+        return os.getppid() != self.parent
+
+    def ending(self) -> bool:
+        """Whether the batch script's trap says that Slurm ends the job."""
+        return self.end_file is not None and os.path.exists(self.end_file)
+
+    def wait_for_the_end(self) -> str:
+        """After the notice, until the scheduler ends the job (its state then says why:
+        TIMEOUT, PREEMPTED, CANCELLED; leaving first would make it COMPLETED), bounded; why it
+        stopped waiting."""
+        deadline = time.monotonic() + self.notice_wait
+        while time.monotonic() < deadline:
+            if self.ending():
+                return f"the job is being ended ({self.end_file}): leaving"
+            if self.orphaned():
+                return f"its step's parent (pid {self.parent}) is gone: leaving"
+            time.sleep(POLL)
+        return f"the job did not end within {self.notice_wait:g} s of the notice: leaving"
 
     def stop_agents(self) -> None:
         """SIGTERM to every live agent (each stops its workers gracefully), then wait."""
@@ -225,6 +271,11 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("--exit-after-notice", action="store_true",
                        help="after SIGTERM, leave once the agents ended (outside a scheduler's "
                             "allocation); by default wait for the scheduler to end the job")
+    serve.add_argument("--end-file", default=None,
+                       help="after SIGTERM, leave once this file exists (the batch script's "
+                            "trap writes it when Slurm ends the job)")
+    serve.add_argument("--notice-wait", type=float, default=NOTICE_WAIT,
+                       help="seconds at most to wait for the job's end after SIGTERM")
     hand = sub.add_parser("call", help="hand a command to this node's keeper")
     hand.add_argument("name")
     hand.add_argument("--env-json", default="{}")
@@ -233,8 +284,8 @@ def main(argv: list[str] | None = None) -> int:
     hand.add_argument("argv", nargs="+", help="the command, after --")
     args = parser.parse_args(argv)
     if args.command == "serve":
-        return Keeper(args.name, args.idle_timeout,
-                      exit_after_notice=args.exit_after_notice).serve()
+        return Keeper(args.name, args.idle_timeout, exit_after_notice=args.exit_after_notice,
+                      end_file=args.end_file, notice_wait=args.notice_wait).serve()
     return call(args.name, args.argv, json.loads(args.env_json), args.cwd, args.timeout)
 
 

@@ -23,28 +23,11 @@ from pathlib import Path
 
 import pytest
 from helpers.jobs import wait_for
+from helpers.keeper_agent import DAEMON
 
 from nebula_cli.agent.procs import pid_alive
 
 PY = sys.executable
-# stands in for `nebula_cli.agent start`: forks a detached child that lives `seconds`, prints
-# {"agent_pid": ...} like the agent does, and returns at once
-DAEMON = """
-import json, os, sys, time, signal
-r, w = os.pipe()
-if os.fork():
-    os.close(w); print(json.dumps({"agent_pid": int(os.read(r, 32))})); sys.exit(0)
-os.setsid()
-if os.fork():
-    os._exit(0)
-os.write(w, str(os.getpid()).encode())
-null = os.open(os.devnull, os.O_RDWR)
-for fd in (0, 1, 2):  # as the agent's daemon does: the caller's pipes are not held open
-    os.dup2(null, fd)
-signal.signal(signal.SIGTERM, lambda *a: (open(sys.argv[2], "w").write("term"), os._exit(0)))
-for _ in range(int(float(sys.argv[1]) * 10)):
-    time.sleep(0.1)
-"""
 
 
 def call(name: str, *argv: str, env: dict[str, str] | None = None,
@@ -68,18 +51,22 @@ def home(monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
         shutil.rmtree(where, ignore_errors=True)
 
 
-def serve(name: str, leave: bool = True) -> subprocess.Popen[str]:
+def serve_argv(name: str, leave: bool = True, *options: str) -> list[str]:
+    return [PY, "-m", "nebula_cli.agent.keeper", "serve", name, "--idle-timeout", "30",
+            *(["--exit-after-notice"] if leave else []), *options]
+
+
+def serve(name: str, leave: bool = True, *options: str) -> subprocess.Popen[str]:
     """A keeper `name` (leaving after a SIGTERM, or with `leave` False waiting to be ended as
-    in an allocation), its stdout and stderr piped."""
-    return subprocess.Popen([PY, "-m", "nebula_cli.agent.keeper", "serve", name,
-                             "--idle-timeout", "30", *(["--exit-after-notice"] if leave else [])],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    in an allocation; `options` of `serve`), its stdout and stderr piped."""
+    return subprocess.Popen(serve_argv(name, leave, *options), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
 
 
 @contextlib.contextmanager
-def serving(name: str, leave: bool = True) -> Iterator[subprocess.Popen[str]]:
+def serving(name: str, leave: bool = True, *options: str) -> Iterator[subprocess.Popen[str]]:
     """A keeper `name` that said it is ready; killed at the end."""
-    proc = serve(name, leave)
+    proc = serve(name, leave, *options)
     try:
         assert "ready" in (proc.stdout.readline() if proc.stdout else "")
         yield proc
@@ -233,15 +220,87 @@ def test_after_the_notice_it_waits_to_be_ended_unless_told_to_leave(tmp_path) ->
         assert proc.poll() is None  # still there: the scheduler ends it
 
 
+def test_after_the_notice_it_leaves_once_the_batch_scripts_trap_says_the_job_ends(
+        tmp_path: Path) -> None:
+    """`nebula stop` (scancel), the time limit, preemption: Slurm signals the batch shell, whose
+    trap writes the end file; the keeper leaves at once (the job's state is set by then) rather
+    than be killed KillWait seconds later (COMPLETING until then)."""
+    name, ended = "test-" + secrets.token_hex(4), tmp_path / "12.ended"
+    with serving(name, False, "--end-file", str(ended)) as proc:
+        assert proc.stdout is not None
+        mark = tmp_path / "term"
+        pid = json.loads(call(name, PY, "-c", DAEMON, "60", str(mark)).stdout)["agent_pid"]
+        proc.send_signal(signal.SIGTERM)
+        assert "waiting for it to end the job" in proc.stdout.readline()
+        assert mark.read_text() == "term" and not pid_alive(pid)
+        time.sleep(1.0)
+        assert proc.poll() is None  # the notice alone: it waits
+        ended.touch()
+        assert proc.wait(timeout=30) == 0
+        assert f"the job is being ended ({ended}): leaving" in proc.stdout.readline()
+
+
+def test_after_the_notice_its_wait_is_bounded(tmp_path: Path) -> None:
+    name = "test-" + secrets.token_hex(4)
+    with serving(name, False, "--notice-wait", "1", "--end-file",
+                 str(tmp_path / "never")) as proc:
+        assert proc.stdout is not None
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 0
+        said = proc.stdout.read()
+        assert "the job did not end within 1 s of the notice: leaving" in said, said
+
+
+PARENT = """
+import subprocess, sys
+keeper = subprocess.Popen(sys.argv[1:])
+print(keeper.pid, flush=True)
+keeper.wait()
+"""
+
+
+@pytest.mark.parametrize("notice", [False, True], ids=["serving", "after the notice"])
+def test_a_keeper_whose_parent_is_gone_stops_its_agents_and_leaves(tmp_path: Path,
+                                                                    notice: bool) -> None:
+    """Its step's slurmstepd gone (Slurm's daemons stopped, a node's Slurm restarted), so is
+    its allocation: the keeper used to serve on (or, after the notice, sleep forever) with its
+    agents, outliving the allocation, and hold its socket file: the next job of the same id
+    on that node (a Slurm whose job ids started again) found it taken."""
+    name, mark = "test-" + secrets.token_hex(4), tmp_path / "term"
+    parent = subprocess.Popen([PY, "-c", PARENT, *serve_argv(name, False)],
+                              stdout=subprocess.PIPE, text=True)
+    assert parent.stdout is not None
+    keeper = int(parent.stdout.readline())
+    try:
+        assert "ready" in parent.stdout.readline()
+        pid = json.loads(call(name, PY, "-c", DAEMON, "60", str(mark)).stdout)["agent_pid"]
+        if notice:  # its agents stopped, it waits for the scheduler to end the job
+            os.kill(keeper, signal.SIGTERM)
+            assert "waiting for it to end the job" in parent.stdout.readline()
+        parent.kill()
+        parent.wait(timeout=10)
+        wait_for(lambda: not pid_alive(keeper), timeout=30)
+        said = parent.stdout.read()  # what the keeper said until it left
+        assert not pid_alive(pid) and mark.read_text() == "term"
+        assert ("is gone" in said and "done" in said), said
+        assert call(name, "true").returncode == 3  # its socket file went with it
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(keeper, signal.SIGKILL)
+        parent.kill()
+        parent.wait(timeout=10)
+
+
 def test_a_second_keeper_of_the_same_name_is_refused_and_the_first_serves_on() -> None:
     """Two Slurm clusters whose nodes share a home may run a job of the same id on nodes of the
     same name (the test beds did: job 6 on c1 in two beds): the second keeper used to remove
     the first's socket file ("no nebula keeper answers", the first's launch failed)."""
     name = "test-" + secrets.token_hex(4)
-    with serving(name):
+    with serving(name) as first:
         second = serve(name)
         _, err = second.communicate(timeout=30)
         assert second.returncode == 1 and "another keeper serves" in err, err
+        assert f"(pid {first.pid}: one of an earlier job of the same id" in err, err
         assert call(name, "true").returncode == 0
 
 

@@ -1,5 +1,6 @@
 """`SlurmAllocator` apart from Slurm itself (tests/testbed/test_slurm_launch.py submits real jobs):
-what it calls an allocation and its states, and the login node's missing tools."""
+what it calls an allocation and its states, the login node's missing tools, and a cancel whose
+job does not end (tests/scheduler/test_slurm_batch_shapes.py cancels real ones)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from nebula_cli.errors import LaunchError
+from nebula_cli.scheduler import slurm as slurm_mod
 from nebula_cli.scheduler.allocation import Allocation
 from nebula_cli.schedulers.slurm.allocator import SlurmAllocator, keeper_name, output_path
 from nebula_cli.transport import LocalTransport
@@ -31,3 +33,25 @@ def test_a_login_node_without_slurms_tools_is_named(tmp_path: Path,
     t = LocalTransport("login", home=str(tmp_path))
     with pytest.raises(LaunchError, match="login: sbatch, squeue, scancel, scontrol, srun not"):
         SlurmAllocator().check_host(t)
+
+
+def test_cancel_waits_for_the_end_bounded_and_says_when_slurm_has_not_ended_the_job(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A job that stays COMPLETING (a node that does not answer): `cancel` (and so `stop`)
+    returns after `CANCEL_WAIT`, saying so. Slurm's tools here are scripts on the PATH: scancel
+    notes its call, squeue says COMPLETING."""
+    calls = tmp_path / "calls"
+    for tool, says in (("scancel", ""), ("squeue", "COMPLETING|None|n1")):
+        script = tmp_path / tool
+        script.write_text(f'#!/bin/sh\necho "{tool} $*" >> {calls}\necho "{says}"\n')
+        script.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}:/usr/bin:/bin")
+    monkeypatch.setattr(slurm_mod, "CANCEL_WAIT", 1.0)
+    t = LocalTransport("login", home=str(tmp_path))
+    said = SlurmAllocator().cancel(t, ALLOC)
+    assert not said.ended
+    assert said.said == ("Slurm job 12 still COMPLETING 1 s after scancel (nebula waited no "
+                         "longer: Slurm ends it)")
+    lines = calls.read_text().splitlines()
+    assert lines[0] == "scancel 12" and len(lines) > 2 and all(
+        line.startswith("squeue -h -t all -j 12") for line in lines[1:]), lines

@@ -7,12 +7,17 @@ their shape too. No DeepSpeed: tests/test_slurm_launch.py trains in one of these
 REALWORLD Slurm rows: several ranks per node (`ntasks_per_node` 2 and 4), `cpus_per_task`,
 `--exclusive`, a job that asks for every CPU of its nodes, GPUs per node and per task; memory
 scheduled (`CR_Core_Memory`), as at most sites.
+
+And how the job ends: cancelled (`nebula stop`), after Slurm's notice, with Slurm's daemons
+gone, run again on a Slurm whose job ids started again: its keepers and what they started
+never outlive the allocation.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import secrets
 import sys
 from collections.abc import Iterator
@@ -21,13 +26,18 @@ from typing import Any
 
 import pytest
 import yaml
+from helpers.jobs import wait_for
+from helpers.keeper_agent import DAEMON
 from testbed import TestBed
 from testbed.slurm import NODE_CPUS, NODE_GPUS, SBIN_PATH, cgroup_available
+from testbed.system import kill_pids, namespace_pids
 
+from nebula_cli.agent.procs import pid_alive
 from nebula_cli.config.spec import parse_spec
 from nebula_cli.errors import SpecError
-from nebula_cli.schedulers.slurm.allocator import SlurmAllocator
-from nebula_cli.transport import LocalTransport
+from nebula_cli.scheduler.allocation import Allocation
+from nebula_cli.schedulers.slurm.allocator import SlurmAllocator, output_path
+from nebula_cli.transport import LocalTransport, Transport
 from nebula_cli.transport.local_conn import LocalConn
 
 pytestmark = pytest.mark.testbed
@@ -69,7 +79,8 @@ def allocate(t: LocalTransport, tmp_path: Path, slurm: dict[str, Any]) -> Any:
     def upload_lib(job_root: str) -> None:
         lib = Path(job_root) / "lib"
         lib.mkdir(parents=True, exist_ok=True)
-        (lib / "nebula_cli").symlink_to(REPO / "nebula_cli")
+        if not (lib / "nebula_cli").exists():  # (a job submitted again: there already)
+            (lib / "nebula_cli").symlink_to(REPO / "nebula_cli")
 
     allocator = SlurmAllocator()
     conn = LocalConn(name="login", home=t.home, python=sys.executable)
@@ -195,4 +206,131 @@ def test_under_cgroups_the_keepers_children_live_in_its_step_with_its_gpus(
         allocator.cancel(t, alloc)
         assert bed.slurm is not None
         bed.slurm.cancel(alloc.job)
+        t.close()
+
+
+def output(alloc: Allocation) -> str:
+    """What the batch job wrote so far (its keepers' lines)."""
+    try:
+        return Path(output_path(alloc)).read_text()
+    except OSError:
+        return ""
+
+
+def start_agent(allocator: SlurmAllocator, alloc: Allocation, node: str, t: Transport,
+                mark: Path) -> dict[str, int]:
+    """A stand-in agent started through the node's keeper (as `nebula launch` starts one):
+    its pid and its keeper's."""
+    nt = allocator.node_conn(alloc, node).open(through=t)
+    started = nt.run_detached([sys.executable, "-c", DAEMON, "600", str(mark)], timeout=60)
+    assert started.ok, (started, output(alloc))
+    return json.loads(started.stdout.strip().splitlines()[-1])
+
+
+def gone(*pids: int) -> bool:
+    return not any(pid_alive(p) for p in pids)
+
+
+def test_cancel_returns_once_slurm_ended_the_job_and_the_keepers_left_on_their_own(
+        login: LocalTransport, slurm_bed: TestBed, tmp_path: Path) -> None:
+    """`nebula stop`'s cancel: scancel reaches the batch script's trap, and the keepers (and
+    what they run) end on their SIGTERM, so that the job is not COMPLETING until KillWait's
+    SIGKILL (35-40 s at a site); `cancel` returns once Slurm says it ended, and says so."""
+    assert slurm_bed.slurm is not None
+    allocator, alloc = allocate(login, tmp_path, {"nodes": 2, "ntasks_per_node": 1})
+    try:
+        running = allocator.wait_running(login, alloc, lambda c: c.open(through=login),
+                                         lambda _: None, lambda _: None)
+        marks = [tmp_path / f"term-{node}" for node in running.nodes]
+        agents = [start_agent(allocator, running, node, login, mark)
+                  for node, mark in zip(running.nodes, marks, strict=True)]
+        said = allocator.cancel(login, running)
+        assert said.ended and f"Slurm job {alloc.job} CANCELLED, ended " in said.said, said
+        assert slurm_bed.slurm.job_state(alloc.job) == "CANCELLED"
+        out = output(alloc)
+        # each keeper stopped its agent, then left by itself: none was killed at KillWait
+        assert out.count("the job is being ended") == 2 and out.count(": done") == 2, out
+        assert all(m.read_text() == "term" for m in marks)
+        assert gone(*(pid for agent in agents for pid in agent.values()))
+    finally:
+        slurm_bed.slurm.cancel(alloc.job)
+
+
+def test_after_slurms_notice_the_job_runs_until_slurm_ends_it_then_the_keepers_leave(
+        login: LocalTransport, slurm_bed: TestBed, tmp_path: Path) -> None:
+    """The notice (what `--signal=TERM@120` sends: the steps, not the batch shell) stops the
+    agents; the keepers wait, so that Slurm ends the job and records why (TIMEOUT,
+    PREEMPTED), and leave as soon as it does."""
+    slurm = slurm_bed.slurm
+    assert slurm is not None
+    allocator, alloc = allocate(login, tmp_path, {"nodes": 1, "ntasks_per_node": 1})
+    try:
+        running = allocator.wait_running(login, alloc, lambda c: c.open(through=login),
+                                         lambda _: None, lambda _: None)
+        mark = tmp_path / "term"
+        agent = start_agent(allocator, running, next(iter(running.nodes)), login, mark)
+        notice = login.run(["scancel", "--signal=TERM", alloc.job], timeout=60)
+        assert notice.ok, notice
+        wait_for(lambda: "waiting for it to end the job" in output(alloc), timeout=60)
+        assert mark.read_text() == "term" and gone(agent["agent_pid"])
+        assert slurm.job_state(alloc.job) == "RUNNING"  # the keeper waits for Slurm
+        assert pid_alive(agent["keeper_pid"])
+        said = allocator.cancel(login, running)
+        assert said.ended and slurm.job_state(alloc.job) == "CANCELLED", said
+        assert "the job is being ended" in output(alloc) and gone(agent["keeper_pid"])
+    finally:
+        slurm.cancel(alloc.job)
+
+
+ENDS = ("cancelled", "the notice, then Slurm's daemons gone", "Slurm's daemons gone")
+
+
+def test_the_same_job_again_on_a_slurm_whose_job_ids_started_again_meets_no_earlier_keeper(
+        make_testbed: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Four runs of a Slurm cluster on one node: one FAILED early, one left its allocation
+    queued, and two keepers lived on long after their allocations, Slurm's daemons stopped:
+    after the notice a keeper slept forever, and one whose step's slurmstepd died served on
+    with its agents. The next job of the same id on that node (job ids start again with a
+    fresh Slurm) found their socket file taken. Here the same job runs once per way of ending,
+    each on a fresh Slurm (the same job id every time): nothing of a run outlives it, and each
+    run's agent is started by that run's keeper."""
+    tag = secrets.token_hex(2)
+    login_host, node = f"rjl{tag}", f"rjn{tag}"  # node names of its own (keepers' sockets)
+    bed = make_testbed({"rj": [login_host, node]}, rate_mbit=None, bastion=False,
+                       slurm={"rj": login_host})
+    slurm = bed.slurm
+    assert slurm is not None
+    t = login_of(bed, tmp_path, monkeypatch)
+    ids: list[str] = []
+    try:
+        for run, end in enumerate(ENDS):
+            if run:
+                slurm.restart_fresh()
+            allocator, alloc = allocate(t, tmp_path, {"nodes": 1, "ntasks_per_node": 1})
+            ids.append(alloc.job)
+            assert set(ids) == {alloc.job}, (end, ids)  # the same job id every run
+            running = allocator.wait_running(t, alloc, lambda c: c.open(through=t),
+                                             lambda _: None, lambda _: None)
+            mark = tmp_path / f"term{run}"
+            agent = start_agent(allocator, running, node, t, mark)
+            ready = re.findall(r"ready \(pid (\d+)\)", output(alloc))
+            assert ready == [str(agent["keeper_pid"])], (end, output(alloc))  # this run's
+            if end == "cancelled":
+                assert allocator.cancel(t, running).ended
+            else:
+                if "notice" in end:
+                    assert t.run(["scancel", "--signal=TERM", alloc.job], timeout=60).ok
+                    wait_for(lambda a=alloc: "waiting for it to end" in output(a), timeout=60)
+                slurm.kill_daemons()
+            try:  # (bounded: the keeper's events, not a time, are what is awaited)
+                wait_for(lambda a=agent: gone(*a.values()), timeout=60)
+            except AssertionError:
+                pytest.fail(f"run {run} ({end}): keeper or agent alive 60 s after its "
+                            f"allocation ended: {agent}\n{output(alloc)}")
+            assert mark.read_text() == "term", end
+            # what Slurm's killed daemons left of the batch step (its shell, its srun) is
+            # theirs, not nebula's: ended here so that it cannot talk to the next Slurm
+            kill_pids([p for p in namespace_pids(slurm.nodes[node].ns)
+                       if p not in slurm.service_pids()])
+    finally:
         t.close()

@@ -117,6 +117,22 @@ def test_batch_script_renders_every_placeholder(tmp_path: Path) -> None:
     assert subprocess.run(["bash", "-n"], input=script, text=True).returncode == 0
 
 
+@pytest.mark.parametrize(("signal", "wait"), [
+    (None, 120 + batch.NOTICE_SLACK), ("--signal=TERM@900", 900 + batch.NOTICE_SLACK),
+    ("--signal=R:TERM", 60 + batch.NOTICE_SLACK), ("--signal=B:USR1@30", 30 + batch.NOTICE_SLACK)])
+def test_the_keepers_wait_after_the_notice_outlasts_its_lead(tmp_path: Path, signal: str | None,
+                                                             wait: int) -> None:
+    """A keeper that left before Slurm ended the job after its notice would make the job
+    COMPLETED, not TIMEOUT: its bounded wait covers the spec's --signal lead."""
+    args = f'sbatch_args: ["--exclusive", "{signal}"]' if signal else 'sbatch_args: ["--exclusive"]'
+    spec = load_spec(write(tmp_path, SLURM.replace('sbatch_args: ["--exclusive"]', args)))
+    cluster = spec.clusters[0]
+    script = batch.render(template_of(spec, cluster), batch.values(
+        slurm_request(cluster), job_name="nebula-j-hpc", output="/r/slurm/hpc-%j.out",
+        job_root="/r", pythonpath="/r/lib", python="python3"))
+    assert f"--end-file \"$ended\" \\\n  --notice-wait {wait} &\n" in script, script
+
+
 def test_own_template_with_unknown_placeholder_is_refused(tmp_path: Path) -> None:
     (tmp_path / "my.sbatch").write_text("#!/bin/bash\n#SBATCH {{sbatch_options}}\n{{nodez}}\n")
     spec = load_spec(write(tmp_path, SLURM.replace(

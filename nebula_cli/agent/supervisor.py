@@ -33,7 +33,12 @@ import time
 from pathlib import Path
 from typing import Any
 
-from nebula_cli.agent.leftovers import clear_world, remove_stale_locks
+from nebula_cli.agent.leftovers import (
+    SharedMemoryTaken,
+    check_shm_buffers,
+    clear_world,
+    remove_stale_locks,
+)
 from nebula_cli.agent.logpump import drain, start_pump
 from nebula_cli.agent.procs import pid_alive
 from nebula_cli.agent.tunnel import revoke_dir
@@ -215,6 +220,7 @@ class Supervisor:
         self.pgid = None
         cwd = self.config.cwd or None
         self.clear_leftovers()
+        check_shm_buffers(self.rank_env())  # never a world through another user's buffers
         for lock in remove_stale_locks(self.rank_env()):
             self.event("stale-lock", f"removed {lock}: a build killed before it ended "
                        "left it, and every process needing that op would wait on it")
@@ -247,6 +253,16 @@ class Supervisor:
         self.save(state="RUNNING", pid=self.procs[0].pid, pgid=self.pgid,
                   pids=[p.pid for p in self.procs], exit_code=None, exit_codes={})
         self.event("started", f"{len(self.procs)} process(es), pgid {self.pgid}")
+
+    def start(self) -> bool:
+        """`spawn`; False (FAILED, said why) when the processes cannot be started."""
+        try:
+            self.spawn()
+        except (OSError, SharedMemoryTaken) as exc:
+            self.save(state="FAILED", reason=f"cannot start: {exc}", ended=time.time(),
+                      exit_code=127)
+            return False
+        return True
 
     def rotate_own_log(self) -> None:
         """agent.log (the agent's stdout and stderr) rotated like the others, now and then."""
@@ -352,12 +368,7 @@ class Supervisor:
         backoff = self.config.restart_backoff
         if self.lost and not self.take_over(max_restarts, backoff):
             return 1
-        try:
-            if not self.stop_requested:
-                self.spawn()
-        except OSError as exc:
-            self.save(state="FAILED", reason=f"cannot start: {exc}", ended=time.time(),
-                      exit_code=127)
+        if not self.stop_requested and not self.start():
             return 1
         while True:
             if self.stop_requested:
@@ -378,7 +389,8 @@ class Supervisor:
                     self.event("restarting", f"restart {self.status['restarts']} in {backoff:g} s")
                     if self._sleep(backoff):
                         return self.stop()
-                    self.spawn()
+                    if not self.start():
+                        return 1
                     continue
                 self.save(state="FAILED", reason=reason, exit_code=code, exit_codes=codes,
                           ended=time.time())

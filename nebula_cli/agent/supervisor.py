@@ -42,7 +42,13 @@ from nebula_cli.agent.leftovers import (
 from nebula_cli.agent.logpump import drain, start_pump
 from nebula_cli.agent.procs import pid_alive
 from nebula_cli.agent.tunnel import revoke_dir
-from nebula_cli.config.parts import ABORT_EXIT, LEAVE_SIGNAL, AgentConfig, helper_env
+from nebula_cli.config.parts import (
+    ABORT_EXIT,
+    LEAVE_SIGNAL,
+    WORLD_SECRET_ENV,
+    AgentConfig,
+    helper_env,
+)
 from nebula_cli.config.plan_model import RELAY
 from nebula_cli.config.rotation import ROTATION_ENV, append, rotate
 from nebula_cli.config.staging import AGENT_DIR_ENV as ENV_MARK  # also names staging's record
@@ -230,7 +236,7 @@ class Supervisor:
             os.close(os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644))  # there
             # from the start, whether or not the process writes (its pump appends to it)
             env = {**os.environ, **spec.env, ENV_MARK: str(self.dir),
-                   ROTATION_ENV: self.config.rotation.to_env()}
+                   ROTATION_ENV: self.config.rotation.to_env(), **self.secret_env()}
             prepend = env.pop("NEBULA_PATH_PREPEND", None)
             if prepend:  # the cluster's python first, whatever PATH the host gave us
                 env["PATH"] = prepend + os.pathsep + env.get("PATH", os.defpath)
@@ -302,7 +308,12 @@ class Supervisor:
     def rank_env(self) -> dict[str, str]:
         """The environment the ranks run with (all ranks of a host share the keys read)."""
         first = self.config.processes[0].env if self.config.processes else {}
-        return {**os.environ, **first}
+        return {**os.environ, **first, **self.secret_env()}
+
+    def secret_env(self) -> dict[str, str]:
+        """The world secret for the ranks and the world teller (in their environment only)."""
+        secret = self.config.world_secret
+        return {WORLD_SECRET_ENV: secret} if secret else {}
 
     def tell_world(self, reason: str) -> None:
         """A worker rank failed: tell the ranks of the cluster's other hosts to leave the world

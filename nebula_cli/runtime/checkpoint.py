@@ -66,6 +66,7 @@ import torch.distributed as dist
 
 from nebula_cli.config import staging
 from nebula_cli.config.parts import SHM, CheckpointSettings
+from nebula_cli.ownership import not_own_folder
 from nebula_cli.runtime.checkpoint_trust import FIX, unsafe_ancestors
 from nebula_cli.runtime.metrics import emit
 from nebula_cli.runtime.outer import SyncError
@@ -157,13 +158,7 @@ def check_loadable(directory: Path, tag: Path) -> None:
 def _not_ours(directory: Path) -> str | None:
     """Why checkpoints must not be written into `directory` (None when they may): it is not
     a folder of this user's, or an ancestor lets another user replace it."""
-    info = os.lstat(directory)
-    if stat.S_ISLNK(info.st_mode) or not stat.S_ISDIR(info.st_mode):
-        why = "is a symlink" if stat.S_ISLNK(info.st_mode) else "is not a folder"
-    elif info.st_uid != os.getuid():
-        why = f"belongs to another user (uid {info.st_uid})"
-    else:
-        why = "; ".join(unsafe_ancestors(directory))
+    why = not_own_folder(directory) or "; ".join(unsafe_ancestors(directory))
     return f"checkpoint directory {directory} not used: {why}: {FIX}" if why else None
 
 

@@ -24,7 +24,6 @@ from __future__ import annotations
 import contextlib
 import os
 import posixpath
-import stat
 import subprocess
 import sys
 import tempfile
@@ -33,6 +32,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 
 from nebula_cli.errors import TransportError
+from nebula_cli.ownership import not_own_folder
 from nebula_cli.transport import shellenv
 from nebula_cli.transport.base import (
     DEFAULT_TIMEOUT,
@@ -184,12 +184,8 @@ class OpenSSHTransport(Transport):
         it."""
         path = self._control_dir
         os.makedirs(path, mode=0o700, exist_ok=True)
-        info = os.lstat(path)
-        if stat.S_ISLNK(info.st_mode) or not stat.S_ISDIR(info.st_mode):
-            why = "is a symlink" if stat.S_ISLNK(info.st_mode) else "is not a folder"
-        elif info.st_uid != os.getuid():
-            why = f"belongs to another user (uid {info.st_uid})"
-        else:
+        why = not_own_folder(path)
+        if why is None:
             os.chmod(path, 0o700)
             return
         raise TransportError(

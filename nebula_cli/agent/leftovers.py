@@ -32,6 +32,12 @@ them the host's checkpoint staging directory in /dev/shm, which a killed save le
 random name is recorded in the agent's folder: `nebula_cli.config.staging`; only a private
 directory of our own is removed).
 
+DeepSpeed opens those buffers with ``O_CREAT`` but without ``O_EXCL``, and opens the other
+ranks' by name: one that another user made first at such a name (/dev/shm is writable by all)
+would carry the world's tensors through a file that user can read and write. The agent never
+removes or uses one that is not ours: it refuses to start the world, naming the file and its
+owner (`SharedMemoryTaken`).
+
 Standard library only, as the rest of the agent.
 """
 
@@ -45,6 +51,7 @@ from pathlib import Path
 
 from nebula_cli.config import staging
 from nebula_cli.config.parts import SHM
+from nebula_cli.errors import NebulaError
 
 MIN_AGE_S = 5.0
 LOCK_NAME = "lock"
@@ -116,9 +123,34 @@ def shm_buffers(env: Mapping[str, str]) -> list[Path]:
     return sorted(SHM.glob(f"{SHM_PREFIX}_{os.getuid()}_{addr}_{port}_*"))
 
 
+def _owner(path: Path) -> int | None:
+    try:
+        return os.lstat(path).st_uid
+    except FileNotFoundError:
+        return None
+
+
 def remove_shm_buffers(env: Mapping[str, str]) -> list[Path]:
-    """Remove them (call only when no process of that world is left); the ones removed."""
-    return _unlink(shm_buffers(env))
+    """Remove ours (call only when no process of that world is left); the ones removed."""
+    return _unlink([p for p in shm_buffers(env) if _owner(p) == os.getuid()])
+
+
+class SharedMemoryTaken(NebulaError):
+    """Another user made a buffer of the world's in /dev/shm: the world is not started."""
+
+
+def check_shm_buffers(env: Mapping[str, str]) -> None:
+    """Raise SharedMemoryTaken when a buffer of the world whose ranks run with `env` exists
+    and is not ours (a file or a link of another user's): DeepSpeed would open it."""
+    taken = [(p, uid) for p in shm_buffers(env)
+             if (uid := _owner(p)) is not None and uid != os.getuid()]
+    if taken:
+        path, uid = taken[0]
+        raise SharedMemoryTaken(
+            f"{path} belongs to another user (uid {uid}): DeepSpeed opens it without "
+            "O_EXCL and would share this world's tensors through it, so the world is not "
+            f"started; have it removed (`rm {path}` as its owner or root), or launch again "
+            "(another MASTER_PORT names other buffers)")
 
 
 def clear_world(env: Mapping[str, str], agent_dir: Path) -> None:

@@ -33,11 +33,22 @@ import time
 from pathlib import Path
 from typing import Any
 
-from nebula_cli.agent.leftovers import clear_world, remove_stale_locks
+from nebula_cli.agent.leftovers import (
+    SharedMemoryTaken,
+    check_shm_buffers,
+    clear_world,
+    remove_stale_locks,
+)
 from nebula_cli.agent.logpump import drain, start_pump
 from nebula_cli.agent.procs import pid_alive
 from nebula_cli.agent.tunnel import revoke_dir
-from nebula_cli.config.parts import ABORT_EXIT, LEAVE_SIGNAL, AgentConfig, helper_env
+from nebula_cli.config.parts import (
+    ABORT_EXIT,
+    LEAVE_SIGNAL,
+    WORLD_SECRET_ENV,
+    AgentConfig,
+    helper_env,
+)
 from nebula_cli.config.plan_model import RELAY
 from nebula_cli.config.rotation import ROTATION_ENV, append, rotate
 from nebula_cli.config.staging import AGENT_DIR_ENV as ENV_MARK  # also names staging's record
@@ -215,6 +226,7 @@ class Supervisor:
         self.pgid = None
         cwd = self.config.cwd or None
         self.clear_leftovers()
+        check_shm_buffers(self.rank_env())  # never a world through another user's buffers
         for lock in remove_stale_locks(self.rank_env()):
             self.event("stale-lock", f"removed {lock}: a build killed before it ended "
                        "left it, and every process needing that op would wait on it")
@@ -224,7 +236,7 @@ class Supervisor:
             os.close(os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644))  # there
             # from the start, whether or not the process writes (its pump appends to it)
             env = {**os.environ, **spec.env, ENV_MARK: str(self.dir),
-                   ROTATION_ENV: self.config.rotation.to_env()}
+                   ROTATION_ENV: self.config.rotation.to_env(), **self.secret_env()}
             prepend = env.pop("NEBULA_PATH_PREPEND", None)
             if prepend:  # the cluster's python first, whatever PATH the host gave us
                 env["PATH"] = prepend + os.pathsep + env.get("PATH", os.defpath)
@@ -247,6 +259,16 @@ class Supervisor:
         self.save(state="RUNNING", pid=self.procs[0].pid, pgid=self.pgid,
                   pids=[p.pid for p in self.procs], exit_code=None, exit_codes={})
         self.event("started", f"{len(self.procs)} process(es), pgid {self.pgid}")
+
+    def start(self) -> bool:
+        """`spawn`; False (FAILED, said why) when the processes cannot be started."""
+        try:
+            self.spawn()
+        except (OSError, SharedMemoryTaken) as exc:
+            self.save(state="FAILED", reason=f"cannot start: {exc}", ended=time.time(),
+                      exit_code=127)
+            return False
+        return True
 
     def rotate_own_log(self) -> None:
         """agent.log (the agent's stdout and stderr) rotated like the others, now and then."""
@@ -286,7 +308,12 @@ class Supervisor:
     def rank_env(self) -> dict[str, str]:
         """The environment the ranks run with (all ranks of a host share the keys read)."""
         first = self.config.processes[0].env if self.config.processes else {}
-        return {**os.environ, **first}
+        return {**os.environ, **first, **self.secret_env()}
+
+    def secret_env(self) -> dict[str, str]:
+        """The world secret for the ranks and the world teller (in their environment only)."""
+        secret = self.config.world_secret
+        return {WORLD_SECRET_ENV: secret} if secret else {}
 
     def tell_world(self, reason: str) -> None:
         """A worker rank failed: tell the ranks of the cluster's other hosts to leave the world
@@ -352,12 +379,7 @@ class Supervisor:
         backoff = self.config.restart_backoff
         if self.lost and not self.take_over(max_restarts, backoff):
             return 1
-        try:
-            if not self.stop_requested:
-                self.spawn()
-        except OSError as exc:
-            self.save(state="FAILED", reason=f"cannot start: {exc}", ended=time.time(),
-                      exit_code=127)
+        if not self.stop_requested and not self.start():
             return 1
         while True:
             if self.stop_requested:
@@ -378,7 +400,8 @@ class Supervisor:
                     self.event("restarting", f"restart {self.status['restarts']} in {backoff:g} s")
                     if self._sleep(backoff):
                         return self.stop()
-                    self.spawn()
+                    if not self.start():
+                        return 1
                     continue
                 self.save(state="FAILED", reason=reason, exit_code=code, exit_codes=codes,
                           ended=time.time())

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import os
 import sys
 import time
 from collections.abc import Callable
@@ -161,10 +162,18 @@ def init(
 ) -> None:
     """Write a commented starter job spec to edit (two clusters; `validate` checks it)."""
     text = template_text(template)
-    if spec_path.exists() and not force:
-        raise UsageError(f"{spec_path} exists; pass --force to overwrite it, or name another "
-                         "file: `nebula init other.yaml`")
-    spec_path.write_text(text)
+    taken = (f"{spec_path} exists; pass --force to overwrite it, or name another file: "
+             "`nebula init other.yaml`")
+    if os.path.lexists(spec_path) and not force:  # a dangling symlink too
+        raise UsageError(taken)
+    if force and (spec_path.is_symlink() or spec_path.is_file()):
+        spec_path.unlink()  # the link itself, never what it points to
+    try:  # 0600 whatever the umask (a spec may hold secrets in `env`), never through a link
+        fd = os.open(spec_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    except FileExistsError as exc:
+        raise UsageError(taken) from exc
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
     out.print(f"wrote {spec_path} (starter: {template}); edit it, then "
               f"`nebula validate {spec_path} --hosts`")
 

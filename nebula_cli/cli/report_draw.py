@@ -295,6 +295,11 @@ def _cell(v: object, fmt: str = "") -> str:
         return "-"
     if _number(v) and fmt:
         return format(v, fmt)
+    return _text(v)
+
+
+def _text(v: object) -> str:
+    """A value a host sent, as text on the page (whatever markup it holds)."""
     return html.escape(str(v))
 
 
@@ -387,7 +392,7 @@ def html_page(records: list[dict[str, Any]], title: str, order: Sequence[str] = 
     rate = throughput(records)
     counts = "".join(
         f"<tr><td>{html.escape(c)}</td><td>{len(restarts(recs))}</td>"
-        f"<td>{len(lost[c])}</td><td>{', '.join(str(r['outer_round']) for r in lost[c])}"
+        f"<td>{len(lost[c])}</td><td>{', '.join(_text(r['outer_round']) for r in lost[c])}"
         "</td></tr>" for c, recs in clusters.items())
     latest = "".join(
         f"<tr><td style='color:{colours[c]}'>{html.escape(c)}</td>"
@@ -411,9 +416,9 @@ def html_page(records: list[dict[str, Any]], title: str, order: Sequence[str] = 
         if said.identical else
         f"<p style='color:red'><b>{said_html}</b> (each worker's last final record)</p>")
     rows = "".join(
-        f"<tr><td>{html.escape(str(r.get('cluster')))}/{html.escape(str(r.get('host')))}"
-        f"</td><td>{r.get('rank')}</td><td>{r.get('step')}</td>"
-        f"<td>{html.escape(str(r.get('param_sha256', ''))[:16])}</td></tr>" for r in finals)
+        f"<tr><td>{_text(r.get('cluster'))}/{_text(r.get('host'))}"
+        f"</td><td>{_text(r.get('rank'))}</td><td>{_text(r.get('step'))}</td>"
+        f"<td>{_text(str(r.get('param_sha256', ''))[:16])}</td></tr>" for r in finals)
     return (
         f"<!doctype html><html><head><meta charset='utf-8'><title>{html.escape(title)}</title>"
         "<style>body{font-family:sans-serif;margin:2em}td,th{padding:2px 10px}</style>"

@@ -36,7 +36,7 @@ _REMOTE_PATH = re.compile(r"^(?:~/|/)[A-Za-z0-9._/+@%-]{0,1000}$")
 
 
 def _remote_path(value: str) -> str:
-    if not _REMOTE_PATH.match(value) or "/../" in f"{value}/":
+    if not _REMOTE_PATH.fullmatch(value) or "/../" in f"{value}/":
         raise ValueError(f"expected an absolute path or one starting with ~/ (letters, digits, "
                          f"'.', '_', '/', '+', '@', '%', '-'; no '..'), found {value!r}")
     return value

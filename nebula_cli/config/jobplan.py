@@ -52,15 +52,17 @@ from nebula_cli.config.worlds import (
 
 
 def build_plan(spec: JobSpec, job_id: str, *, sites: dict[str, Site], ports: Ports,
-               certs: Certs | None) -> JobPlan:
-    """The whole plan of a job (pure). `certs` is required when the spec has a relay."""
+               certs: Certs | None, world_secret: str = "") -> JobPlan:
+    """The whole plan of a job (pure). `certs` is required when the spec has a relay;
+    `world_secret` (drawn at launch; "": none, no world abort) goes to every worker agent
+    (`AgentConfig.world_secret`)."""
     relays = relay_agents(spec, job_id, sites, ports, certs)
-    workers = _worker_agents(spec, job_id, sites, ports, certs)
+    workers = _worker_agents(spec, job_id, sites, ports, certs, world_secret)
     return JobPlan(job_id=job_id, agents=tuple(relays + workers))
 
 
 def _worker_agents(spec: JobSpec, job_id: str, sites: dict[str, Site], ports: Ports,
-                   certs: Certs | None) -> list[AgentPlan]:
+                   certs: Certs | None, world_secret: str) -> list[AgentPlan]:
     """One worker agent per host: `slots` processes each running what its cluster's role
     runs (`config.roles`) in the workdir.
 
@@ -123,7 +125,7 @@ def _worker_agents(spec: JobSpec, job_id: str, sites: dict[str, Site], ports: Po
                 grace=spec.grace, max_restarts=spec.max_restarts
                 if cluster.max_restarts is None else cluster.max_restarts,
                 restart_backoff=WORKER_RESTART_BACKOFF, processes=processes,
-                rotation=spec.logs.rotation())
+                rotation=spec.logs.rotation(), world_secret=world_secret)
             # nodes that share one file system (a Slurm cluster's): its first node uploads
             shared = cluster.scheduling.nodes_share_files and node_rank > 0
             uploads = {} if site.shares_files or shared else {spec.workdir: cwd}

@@ -19,6 +19,9 @@ from nebula_cli.config.rotation import Rotation
 ABORT_EXIT = 75
 """Exit status of a rank that left its world because another host's rank failed
 (`nebula_cli.runtime.worldwatch`); its agent does not tell the world again."""
+WORLD_SECRET_ENV = "NEBULA_WORLD_SECRET"
+"""The environment variable in which a worker agent hands its ranks (and its world teller) the
+job's world secret (`AgentConfig.world_secret`): in the environment, never on a command line."""
 LEAVE_SIGNAL = signal.SIGUSR1
 """What a relay's agent sends it, just before SIGTERM, when its cluster leaves the job for good
 (`agent stop --leave`: nebula dropped the cluster under `min_clusters`): the relay then tells its
@@ -63,6 +66,10 @@ class AgentConfig:
     rotation: Rotation
     """How big each of its files may grow (spec: logs): the processes' logs, their metrics
     records (the agent hands it to them in ``$NEBULA_ROTATION``), its own log and events."""
+    world_secret: str
+    """A worker's: the secret, drawn at launch for each attempt of the job, that an abort in
+    its world's rendezvous store must carry (`nebula_cli.runtime.worldwatch`); the agent hands
+    it to its ranks in ``$NEBULA_WORLD_SECRET``. "" (a relay's): no abort is taken or sent."""
 
     @classmethod
     def load(cls, path: str | Path) -> AgentConfig:

@@ -127,7 +127,7 @@ def relay_agents(spec: JobSpec, job_id: str, sites: dict[str, Site], ports: Port
             restart_backoff=RELAY_RESTART_BACKOFF,
             processes=[ProcessConfig(name="relay", argv=argv, env=env, log="logs/relay.log",
                                      metrics="metrics/relay.jsonl")],
-            rotation=spec.logs.rotation())
+            rotation=spec.logs.rotation(), world_secret="")  # a relay is in no world
         cert, key = certs.relays[cluster.name]
         relay_json = relay_config(spec, job_id, cluster, adir, ports, sites)
         files = {"relay.json": strict.dumps(relay_json),

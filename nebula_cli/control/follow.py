@@ -10,6 +10,10 @@ reached was renamed to ``<file>.1`` whole, so the follower reads the rest of ``.
 offset before the new live file. This holds when a follower polls at least once per
 ``logs.max_mb`` written (a file rotated and grown past the old offset between two polls would
 be read from the old offset).
+
+Lines are cut at `LINE_MAX` bytes: the first `LINE_MAX` bytes of a longer line are shown,
+ending in `CUT_MARK`, as soon as they have come, and the rest up to its newline is skipped, so
+a process that writes without a newline holds at most `LINE_MAX` bytes of a follower.
 """
 
 from __future__ import annotations
@@ -39,6 +43,8 @@ RETRY_S = 5.0  # first pause before retrying an unreachable host; doubles up to 
 RETRY_MAX_S = 60.0
 POLL_TIMEOUT = 120.0  # one poll of every host (each read has its transport's timeouts)
 PROBE_LIMIT = 1 << 50  # sizes are probed up to this when a host cannot run a command
+LINE_MAX = 1 << 20  # the most bytes of one line shown (and held while it has no newline)
+CUT_MARK = f" ... [line cut at {LINE_MAX >> 20} MiB]"
 
 _SIZES = (
     "import json, os, sys\n"
@@ -97,7 +103,9 @@ class LineTail:
     """Complete lines appended to one file since the last read (a partial line waits).
 
     With `last` set, the first read shows only the file's last `last` lines (reading at most
-    `max_back` bytes of it, from its end) and later reads follow from there."""
+    `max_back` bytes of it, from its end) and later reads follow from there. A line longer
+    than `LINE_MAX` bytes is shown cut (its first `LINE_MAX` bytes and `CUT_MARK`) once they
+    have come; the rest of it is skipped."""
 
     def __init__(self, transport: Transport, path: str, offset: int = 0, *,
                  last: int | None = None, max_back: int = TAIL_MAX_BYTES) -> None:
@@ -107,6 +115,12 @@ class LineTail:
         self.last = last
         self.max_back = max_back
         self._partial = b""
+        self._cutting = False  # the line held was shown cut: skip to its newline
+
+    @property
+    def held(self) -> int:
+        """Bytes held of a line whose newline has not come yet (at most `LINE_MAX`)."""
+        return len(self._partial)
 
     def read_lines(self, final: bool = False, size: int | None = None) -> list[str]:
         """New complete lines; with final=True also a last line that has no newline yet.
@@ -117,25 +131,45 @@ class LineTail:
         else:
             lines = self._read_new()
         if final and self._partial:
-            lines.append(self._partial.decode(errors="replace").rstrip("\r"))
-            self._partial = b""
+            lines.append(_text(self._partial))
+        if final:
+            self._partial, self._cutting = b"", False
         return lines
 
+    def _split(self, data: bytes) -> list[str]:
+        """The lines `data` completes after what is held, each cut at `LINE_MAX` bytes; an
+        unterminated end is held (or shown cut and skipped, once longer than `LINE_MAX`)."""
+        out = []
+        pieces = data.split(b"\n")
+        for i, piece in enumerate(pieces):
+            ends = i < len(pieces) - 1  # a newline follows this piece
+            if self._cutting:
+                self._cutting = not ends
+                continue
+            line = self._partial + piece
+            self._partial = b""
+            if len(line) > LINE_MAX:
+                out.append(_text(line[:LINE_MAX]) + CUT_MARK)
+                self._cutting = not ends
+            elif ends:
+                out.append(_text(line))
+            else:
+                self._partial = line
+        return out
+
     def _read_new(self) -> list[str]:
-        chunks = []
+        lines = []
         while True:
             data, new_offset = self.transport.read_tail(self.path, self.offset, MAX_READ)
             if new_offset - len(data) < self.offset:  # shorter than where we were: rotated
-                chunks.append(self._rest_of_rotated())  # (or replaced: nothing to finish)
+                lines += self._split(self._rest_of_rotated())  # (or replaced: nothing to go on)
             self.offset = new_offset
             if not data:
                 break
-            chunks.append(data)
+            lines += self._split(data)
             if len(data) < MAX_READ:
                 break
-        lines = (self._partial + b"".join(chunks)).split(b"\n")
-        self._partial = lines.pop()
-        return [ln.decode(errors="replace").rstrip("\r") for ln in lines]
+        return lines
 
     def _rest_of_rotated(self) -> bytes:
         """What the file we were reading got after our offset, now that it is ``<path>.1``
@@ -148,8 +182,8 @@ class LineTail:
                 break
             parts.append(data)
             offset = after
-        if not parts:
-            self._partial = b""  # not the same file: a partial line of it cannot go on
+        if not parts:  # not the same file: a partial line of it cannot go on
+            self._partial, self._cutting = b"", False
         return b"".join(parts)
 
     def _read_last(self, n: int, size: int | None) -> list[str]:
@@ -166,12 +200,12 @@ class LineTail:
                 more, pos = self._back(older, older_size, n - buf.count(b"\n"),
                                        self.max_back - len(buf))
                 buf = more + buf
-        lines = buf.split(b"\n")
-        self._partial = lines.pop()
-        if pos > 0 and lines:
-            lines.pop(0)  # the first line may have started before what was read
+        if pos > 0 and b"\n" in buf:  # the first line may have started before what was read
+            buf = buf[buf.index(b"\n") + 1:]
+        self._partial, self._cutting = b"", False
+        lines = self._split(buf)
         self.offset = size
-        return [ln.decode(errors="replace").rstrip("\r") for ln in lines[-n:]] if n else []
+        return lines[-n:] if n else []
 
     def _back(self, path: str, size: int, n: int, budget: int) -> tuple[bytes, int]:
         """The end of `path` (`size` bytes) read backwards until it holds more than `n`
@@ -185,6 +219,10 @@ class LineTail:
             pos -= step
             buf = data + buf
         return buf, pos
+
+
+def _text(line: bytes) -> str:
+    return line.decode(errors="replace").rstrip("\r")
 
 
 class Reachability:

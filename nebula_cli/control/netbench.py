@@ -59,6 +59,7 @@ from typing import Any
 
 from nebula_cli import pki
 from nebula_cli.config import reach, strict
+from nebula_cli.config.relay_plan import TUNNEL_GRANT_TTL
 from nebula_cli.config.spec import ClusterSpec, JobSpec
 from nebula_cli.control.fanout import GroupError, fanout
 from nebula_cli.control.netbench_tunnels import (
@@ -223,6 +224,7 @@ class Bench:
         self.tunnels: dict[tuple[Node, Node], BenchTunnel] = {}
         self.server_ports: dict[Node, tuple[int, int]] = {}
         """Fixed (TLS, plain) ports of probe servers that tunnels lead to."""
+        self.granted = 0.0  # when the key lines were last written (monotonic)
 
     def transport(self, node: Node) -> Transport:
         return self.orch.transport(node.conn)
@@ -268,11 +270,19 @@ class Bench:
                 self.tunnels[(p.src, p.dst)] = new_tunnel(
                     p.src.cluster, p.dst.cluster, server=self.transport(p.dst),
                     address=p.dst.dial, ports=self.server_ports[p.dst])
-        by_name = {c.name: c for c in self.spec.clusters}
         for (src, _), tunnel in self.tunnels.items():
             for name, data in dial_files(self.run, tunnel, src.dir).items():
                 self.transport(src).put_bytes(data, posixpath.join(src.dir, name), mode=0o600)
-        expires = datetime.now(UTC) + PROBE_CERT_LIFETIME
+        self.grant()
+        for dst in self.server_ports:
+            self.note(f"{dst}: the run's tunnel keys let in for ports "
+                      f"{', '.join(map(str, self.server_ports[dst]))}")
+
+    def grant(self) -> None:
+        """(Re)write the dialled hosts' key lines, valid for `grant_s`: `renew` pushes them on
+        between pairs, so a run that is killed leaves keys that stop working soon after."""
+        by_name = {c.name: c for c in self.spec.clusters}
+        expires = datetime.now(UTC) + dt.timedelta(seconds=self.grant_s)
         for dst in self.server_ports:
             cfg = grant_config(self.run, dst.cluster, by_name[dst.cluster].authorized_keys,
                                [t for (_, d), t in self.tunnels.items() if d == dst], expires)
@@ -281,8 +291,18 @@ class Bench:
             self.transport(dst).run_checked(
                 [dst.conn.python, "-m", TUNNEL_MODULE, "grant", dst.dir], timeout=STOP_TIMEOUT,
                 env={"PYTHONPATH": posixpath.join(dst.dir, "lib")})
-            self.note(f"{dst}: the run's tunnel keys let in for ports "
-                      f"{', '.join(map(str, self.server_ports[dst]))}")
+        self.granted = time.monotonic()
+
+    @property
+    def grant_s(self) -> float:
+        """How long a key line of the run is valid: the job's tunnels' `TUNNEL_GRANT_TTL`, and
+        one pair's longest measurement, which a line written just before it must outlast."""
+        return TUNNEL_GRANT_TTL + 2 * self.duration + MEASURE_SLACK + WAIT
+
+    def renew(self) -> None:
+        """Push the key lines on once a third of `TUNNEL_GRANT_TTL` has passed since."""
+        if self.server_ports and time.monotonic() - self.granted >= TUNNEL_GRANT_TTL / 3:
+            self.grant()
 
     def serve(self, node: Node, lifetime: float) -> dict[str, int]:
         # the transport knows whether hosts share this machine's ports (then: a free one)
@@ -381,6 +401,7 @@ class Bench:
             self.servers = fanout(dsts, lambda n: self.serve(n, lifetime),
                                   timeout=START_TIMEOUT + 10, cancel=self.orch.abort)
             for i, pair in enumerate(pairs):
+                self.renew()
                 a, b = pair.flow
                 self.step(f"{a.cluster} -> {b.cluster} ({a.host} -> {b.host})", i, len(pairs))
                 rows.append(self.measure(pair))

@@ -4,7 +4,8 @@ tunnel (`reach`) is measured through one, made as the job's are (`config.relay_p
 
 For such a pair, the dialled host's probe server listens on two known ports (TLS, plain); a
 throwaway key of the run is let in there for those two ports only (`tunnel grant`: its forced
-command joins a session to either port and nothing else, until the run's certificates' end;
+command joins a session to either port and nothing else, for the job's tunnels' grant period
+and one pair's measurement, written again between pairs as the period runs out (`Bench.renew`);
 `tunnel revoke` at cleanup, before the run's directory goes), and the measurer on the dialling
 host runs inside `tunnel run` with two local ends (Unix socket files in the run's directory
 there, as a job's relay has: an ssh per connection, one to each port).

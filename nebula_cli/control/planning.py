@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime as dt
+import secrets
 
 from nebula_cli import pki
 from nebula_cli.config import jobplan, plan_model, worlds
@@ -95,7 +96,7 @@ class HostFacts(Session):
              conns: dict[str, Conn] | None = None) -> plan_model.JobPlan:
         """The job's plan: what the hosts report, the job's certificates (issued, or with
         ``renew`` re-issued from the job's CA key when it has one) and a new key per SSH
-        tunnel, then `build_plan`."""
+        tunnel, a new world secret (`AgentConfig.world_secret`), then `build_plan`."""
         sites = self.routes(spec, self.sites(spec, conns))
         ports = self.ports(spec, sites)
         certs = None
@@ -113,7 +114,8 @@ class HostFacts(Session):
                          for c in spec.clusters for h in c.hosts},
                 tunnel_keys={link.key: pki.ssh_keypair() for link in tunnel_links(spec)},
                 expires=pki.expiry(pki_dir))
-        return jobplan.build_plan(spec, job_id, sites=sites, ports=ports, certs=certs)
+        return jobplan.build_plan(spec, job_id, sites=sites, ports=ports, certs=certs,
+                                  world_secret=secrets.token_hex(32))
 
 
 def _pair(pair: pki.CertPair) -> tuple[bytes, bytes]:

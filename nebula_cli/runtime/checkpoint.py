@@ -37,7 +37,9 @@ agree), DeepSpeed loads it, and the outer state is kept for the OuterSync (``res
 DeepSpeed reads its files with ``torch.load(weights_only=False)`` (they hold objects of its
 own, not only tensors), which runs code: so a checkpoint is loaded only when its directory and
 every file in it belong to the job's user and nobody else may write them (nebula makes the
-directory 0700 and publishes files 0600; anything else is refused with the fix). The outer
+directory 0700 and publishes files 0600; anything else is refused with the fix), and when no
+ancestor of the directory lets another user replace it (`checkpoint_trust`; nor is a checkpoint
+saved into such a directory, or into an existing one of another user). The outer
 state holds tensors and plain values only and is read with ``weights_only=True``.
 The log says ``nebula: resumed from checkpoint step N (<dir>)`` and a ``resumed_from_step``
 record is written. With ``keep: 1``, a crash after one host published a checkpoint and before
@@ -64,6 +66,8 @@ import torch.distributed as dist
 
 from nebula_cli.config import staging
 from nebula_cli.config.parts import SHM, CheckpointSettings
+from nebula_cli.ownership import not_own_folder
+from nebula_cli.runtime.checkpoint_trust import FIX, unsafe_ancestors
 from nebula_cli.runtime.metrics import emit
 from nebula_cli.runtime.outer import SyncError
 from nebula_cli.runtime.settle import keep
@@ -125,8 +129,9 @@ def _fsync_tree(root: Path) -> None:
 
 def check_loadable(directory: Path, tag: Path) -> None:
     """Refuse (SyncError) to load `tag` unless it and `directory`, and everything in the tag,
-    belong to this user, are no symlinks, and are writable by nobody else: DeepSpeed unpickles
-    its files, and a file someone else could write would run their code as the job's user."""
+    belong to this user, are no symlinks, and are writable by nobody else, and no ancestor of
+    `directory` lets another user replace it (`checkpoint_trust`): DeepSpeed unpickles its
+    files, and a file someone else could write would run their code as the job's user."""
     bad: list[str] = []
     for path in (directory, tag, *sorted(tag.rglob("*"))):
         info = os.lstat(path)
@@ -142,6 +147,19 @@ def check_loadable(directory: Path, tag: Path) -> None:
             f"checkpoint {tag} not loaded: {'; '.join(bad[:3])}. DeepSpeed's checkpoint files "
             "are unpickled, which runs code: load only what this user wrote (fix the owner, "
             f"`chmod -R go-w {directory}`, or remove the checkpoint)")
+    above = unsafe_ancestors(directory)
+    if above:
+        raise SyncError(
+            f"checkpoint {tag} not loaded: {'; '.join(above[:3])}, so another user could "
+            "replace it after this check (DeepSpeed reopens it by path and unpickles it, which "
+            f"runs code): {FIX}")
+
+
+def _not_ours(directory: Path) -> str | None:
+    """Why checkpoints must not be written into `directory` (None when they may): it is not
+    a folder of this user's, or an ancestor lets another user replace it."""
+    why = not_own_folder(directory) or "; ".join(unsafe_ancestors(directory))
+    return f"checkpoint directory {directory} not used: {why}: {FIX}" if why else None
 
 
 def write_atomic(path: Path, data: bytes) -> None:
@@ -336,6 +354,8 @@ class Checkpointer:
         directory there exists). Clears stale staging of `step`."""
         try:
             self.dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+            if (problem := _not_ours(self.dir)) is not None:
+                return problem, False
             probe = self.dir / f".probe-{os.getpid()}"
             probe.write_bytes(b"nebula")
             probe.unlink()

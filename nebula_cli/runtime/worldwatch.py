@@ -10,10 +10,10 @@ world's rendezvous store (the TCPStore that rank 0 serves at MASTER_ADDR:MASTER_
 can the failing host's agent:
 
 - the failing host's agent (unless it is the world's first host: its rank 0 served the store,
-  and the others lose their connections to it) sets :data:`ABORT_KEY` in that store, the reason
-  as its value with the time the failure was seen (``python -m nebula_cli.runtime.worldwatch
-  abort FAILED_AT REASON``, the world's address from the ranks' environment), before it ends its
-  own ranks and restarts them or gives up;
+  and the others lose their connections to it) sets the world's abort key in that store, the
+  reason as its value with the time the failure was seen (``python -m nebula_cli.runtime.
+  worldwatch abort FAILED_AT REASON``, the world's address from the ranks' environment), before
+  it ends its own ranks and restarts them or gives up;
 - every rank of a world of two or more hosts watches the key from a daemon thread (started by
   the automatic hook when the script imports ``torch.distributed``, and by ``OuterSync``): once
   it is set by a failure seen after the rank started (:data:`STALE_S`), the rank prints the
@@ -23,12 +23,21 @@ can the failing host's agent:
 The watcher connects as one more client of the store (retrying until rank 0 serves it); it
 reads one key every :data:`POLL_S` seconds, never writes, and stops quietly when the store goes
 away (the world ended). A world of one host has nobody to tell and runs no watcher.
+
+The store authenticates nobody (nor does gloo: the network inside a cluster is trusted), but an
+abort is taken only from who holds the job's world secret (``$NEBULA_WORLD_SECRET``, from the
+agents' agent.json, drawn at launch): the key's name is derived from it (:func:`abort_key`) and
+its value carries an HMAC-SHA256 of the time and reason under it, checked before a rank
+leaves. Anything else that reaches the store cannot end the world with one key; a value that
+fails the check is ignored. Without a secret no watcher runs and no abort is sent.
 """
 
 from __future__ import annotations
 
 import atexit
 import datetime
+import hashlib
+import hmac
 import os
 import socket
 import sys
@@ -36,9 +45,9 @@ import threading
 import time
 from collections.abc import Mapping
 
-from nebula_cli.config.parts import ABORT_EXIT
+from nebula_cli.config.parts import ABORT_EXIT, WORLD_SECRET_ENV
 
-ABORT_KEY = "nebula/abort"
+ABORT_PREFIX = "nebula/abort/"
 POLL_S = 1.0
 CONNECT_S = 5.0
 EXIT_WAIT_S = 6 * CONNECT_S
@@ -70,6 +79,35 @@ def _world(env: Mapping[str, str]) -> tuple[str, int] | None:
     return (addr, port) if nodes > 1 and addr else None
 
 
+def _secret(env: Mapping[str, str]) -> bytes | None:
+    secret = env.get(WORLD_SECRET_ENV)
+    return secret.encode() if secret else None
+
+
+def _mac(secret: bytes, text: str) -> str:
+    return hmac.new(secret, text.encode(), hashlib.sha256).hexdigest()
+
+
+def abort_key(secret: bytes) -> str:
+    """The store key of the world's abort: named by the secret (not guessable without it)."""
+    return ABORT_PREFIX + _mac(secret, "abort key")[:32]
+
+
+def sealed(secret: bytes, failed_at: float, reason: str) -> bytes:
+    """An abort's value: ``<time> <HMAC of time and reason> <reason>``."""
+    at = f"{failed_at:.3f}"
+    return f"{at} {_mac(secret, f'{at} {reason}')} {reason}".encode()
+
+
+def opened(secret: bytes, value: bytes) -> tuple[float, str] | None:
+    """(time, reason) of an abort's value, or None when it does not carry the secret's HMAC."""
+    at, _, rest = value.decode(errors="replace").partition(" ")
+    tag, _, reason = rest.partition(" ")
+    if not hmac.compare_digest(tag, _mac(secret, f"{at} {reason}")):
+        return None
+    return _at(at), reason
+
+
 def _store(addr: str, port: int, timeout: float):  # noqa: ANN202 - torch's TCPStore
     from torch.distributed import TCPStore
 
@@ -88,14 +126,15 @@ class _Watch:
 
 def start(env: Mapping[str, str] | None = None) -> bool:
     """Watch this rank's world for an abort (once per process; only ranks of multi-host worlds,
-    RANK set). True when a watcher runs."""
+    RANK and the world secret set). True when a watcher runs."""
     env = os.environ if env is None else env
-    world = _world(env)
-    if _Watch.started or world is None or "RANK" not in env:
+    world, secret = _world(env), _secret(env)
+    if _Watch.started or world is None or secret is None or "RANK" not in env:
         return _Watch.started
     _Watch.started = True
     _Watch.since = time.time()
-    thread = threading.Thread(target=_watch, args=world, name="nebula-worldwatch", daemon=True)
+    thread = threading.Thread(target=_watch, args=(*world, secret), name="nebula-worldwatch",
+                              daemon=True)
     thread.start()
     atexit.register(_at_exit)
     return True
@@ -124,7 +163,8 @@ def _serving(addr: str, port: int) -> bool:
     return True
 
 
-def _watch(addr: str, port: int) -> None:
+def _watch(addr: str, port: int, secret: bytes) -> None:
+    key = abort_key(secret)
     store = None
     while store is None and not _Watch.stop.wait(POLL_S):
         if not _serving(addr, port):
@@ -141,12 +181,15 @@ def _watch(addr: str, port: int) -> None:
             if _Watch.stop.is_set():
                 return
             try:
-                if not store.check([ABORT_KEY]):
+                if not store.check([key]):
                     continue
-                at, _, reason = store.get(ABORT_KEY).decode(errors="replace").partition(" ")
+                told = opened(secret, store.get(key))
             except Exception:  # the store went away: the world has ended
                 return
-        if _at(at) < _Watch.since - STALE_S:
+        if told is None:
+            continue  # not from a holder of the world's secret
+        at, reason = told
+        if at < _Watch.since - STALE_S:
             continue  # an earlier world's failure
         print(f"nebula: leaving the cluster's world: {reason}", file=sys.stderr, flush=True)
         os._exit(ABORT_EXIT)
@@ -157,16 +200,18 @@ def abort(reason: str, env: Mapping[str, str] | None = None, *, within: float = 
     """Tell every rank of this environment's world to leave (``failed_at``: when the failure
     was seen, time.time(); default now), trying for ``within`` seconds while nothing serves the
     store yet (rank 0 may still be starting). False when there is no world of several hosts or
-    its store could not be reached (rank 0 gone: the others see that anyway)."""
-    world = _world(os.environ if env is None else env)
-    if world is None:
+    no world secret, or its store could not be reached (rank 0 gone: the others see that
+    anyway)."""
+    env = os.environ if env is None else env
+    world, secret = _world(env), _secret(env)
+    if world is None or secret is None:
         return False
-    value = f"{failed_at or time.time():.3f} {reason}".encode()
+    value = sealed(secret, failed_at or time.time(), reason)
     deadline = time.monotonic() + within
     while True:
         if _serving(*world):  # (no torch import while nobody serves it)
             try:
-                _store(*world, CONNECT_S).set(ABORT_KEY, value)
+                _store(*world, CONNECT_S).set(abort_key(secret), value)
                 return True
             except Exception:
                 pass

@@ -11,7 +11,8 @@ multiplexed over that master (`ControlMaster=no`), so `status`, `logs` and `stop
 and from other processes, ask nothing again while the master lives. Masters are started one
 at a time (one prompt at a time on the terminal); without a terminal, `BatchMode` makes a host
 that needs an answer one error naming the host and the fix. Nothing of the credentials is
-kept by nebula: the master is OpenSSH's own process, its socket 0700 in `control_dir`.
+kept by nebula: the master is OpenSSH's own process, its socket in `control_dir` (0700, this
+user's, no symlink: checked before a socket there is used).
 
 Files go over exec sessions (`execfiles.ExecFiles`: sh, base64, tar), as for a host without
 SFTP. Host keys are OpenSSH's business (`StrictHostKeyChecking yes`, or `accept-new` with
@@ -31,6 +32,7 @@ import time
 from collections.abc import Mapping, Sequence
 
 from nebula_cli.errors import TransportError
+from nebula_cli.ownership import not_own_folder
 from nebula_cli.transport import shellenv
 from nebula_cli.transport.base import (
     DEFAULT_TIMEOUT,
@@ -169,6 +171,22 @@ class OpenSSHTransport(SSHHost):
                 "-o", f"ConnectTimeout={max(int(self.connect_timeout), 1)}",
                 "-o", f"ServerAliveInterval={SERVER_ALIVE}", "-o", "ServerAliveCountMax=3"]
 
+    def _private_control_dir(self) -> None:
+        """The masters' folder, made 0700 if missing; refused (naming the host and the fix)
+        when it is a symlink, not a folder, or another user's: whoever controls it could put
+        their own master's socket where ours is looked for, and have our sessions run over
+        it."""
+        path = self._control_dir
+        os.makedirs(path, mode=0o700, exist_ok=True)
+        why = not_own_folder(path)
+        if why is None:
+            os.chmod(path, 0o700)
+            return
+        raise TransportError(
+            f"OpenSSH's control folder {path} {why}, so a master socket in it may not be "
+            f"yours: remove it (`rm -r {path}`; nebula makes it again, yours and 0700)",
+            host=self.name)
+
     def _check_master(self) -> bool:
         proc = subprocess.run([*self._options(), "-O", "check", "--", self._alias],
                               capture_output=True, timeout=30, stdin=subprocess.DEVNULL)
@@ -181,11 +199,10 @@ class OpenSSHTransport(SSHHost):
         if self._master_ok:  # a master that died since shows as exit 255 (`_collect`)
             return
         with _masters_lock:
+            self._private_control_dir()  # before a socket in it is trusted as our master
             if self._check_master():
                 self._master_ok = True
                 return
-            os.makedirs(self._control_dir, mode=0o700, exist_ok=True)
-            os.chmod(self._control_dir, 0o700)
             tty = _terminal()
             with tempfile.NamedTemporaryFile(prefix="nebula-ssh-", suffix=".log") as log_file:
                 # -E: ssh's log to a file (a master in the background keeps no pipe of ours

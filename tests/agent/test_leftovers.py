@@ -1,6 +1,7 @@
 """A build of a DeepSpeed op killed halfway leaves torch's FileBaton lock behind; the agent
 removes it before it starts a host's processes, so the next job does not wait on it forever.
-A lock some live process holds is left alone."""
+A lock some live process holds is left alone. DeepSpeed's /dev/shm buffers go with their world;
+one another user (a real uid: nobody) made at a name of the world's stops the world's start."""
 
 from __future__ import annotations
 
@@ -19,6 +20,8 @@ from helpers.jobs import wait_for
 
 from nebula_cli.agent import leftovers
 from nebula_cli.agent.supervisor import marked_pids
+
+OTHER_UID = 65534  # nobody: another user of the node
 
 HOLD = ("import sys, time\nfrom torch.utils.file_baton import FileBaton\n"
         "assert FileBaton(sys.argv[1]).try_acquire()\nprint('held', flush=True)\ntime.sleep(120)\n")
@@ -119,3 +122,35 @@ def test_the_shared_memory_buffers_of_a_world_go_with_it(tmp_path: Path) -> None
         other.unlink(missing_ok=True)
         for path in leftovers.shm_buffers(env):
             path.unlink()
+
+
+@pytest.mark.parametrize("planted", ["a file", "a symlink"])
+def test_a_world_is_not_started_through_another_users_buffer(tmp_path: Path,
+                                                             planted: str) -> None:
+    """DeepSpeed opens its /dev/shm buffers without O_EXCL: one another user made first at a
+    name of the world's would carry its tensors. The agent neither removes nor uses it: the
+    world is not started, its status says which file and whose, and nothing ran."""
+    port = str(40000 + (os.getpid() + 7) % 20000)
+    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port}
+    taken = leftovers.SHM / f"{leftovers.SHM_PREFIX}_{os.getuid()}_127.0.0.1_{port}_1"
+    ran = tmp_path / "ran"
+    d = make_dir(tmp_path, f"touch {ran}", slots=2)
+    cfg = json.loads((d / "agent.json").read_text())
+    for proc in cfg["processes"]:
+        proc["env"].update(env)
+    (d / "agent.json").write_text(json.dumps(cfg))
+    made = "touch" if planted == "a file" else f"ln -s {tmp_path / 'nowhere'}"
+    subprocess.run(["/bin/sh", "-c", f"umask 0; {made} {taken}"], user=OTHER_UID,
+                   group=OTHER_UID, check=True, cwd="/", timeout=30)  # a neighbour on the node
+    try:
+        agent("start", str(d))
+        done = wait_for(lambda: (s := status(d))["state"] in ("SUCCEEDED", "FAILED") and s,
+                        timeout=30)
+        assert done["state"] == "FAILED", done
+        assert f"{taken} belongs to another user (uid {OTHER_UID})" in done["reason"], done
+        assert "O_EXCL" in done["reason"] and f"rm {taken}" in done["reason"]
+        assert not ran.exists()  # no process of the world started
+        assert os.lstat(taken).st_uid == OTHER_UID  # left as it was
+    finally:
+        agent("stop", "--force", str(d))
+        taken.unlink(missing_ok=True)

@@ -50,7 +50,8 @@ def _make(tmp_path: Path, rotation: Rotation, linger: float = 0.0) -> Path:
             "log": "logs/rank0.log", "metrics": "metrics/rank0.jsonl"}
     cfg = {"job_id": "t", "cluster": "c", "host": "h", "role": "worker", "cwd": str(tmp_path),
            "grace": 5, "max_restarts": 0, "restart_backoff": 0.2, "processes": [proc],
-           "rotation": {"max_bytes": rotation.max_bytes, "keep": rotation.keep}}
+           "rotation": {"max_bytes": rotation.max_bytes, "keep": rotation.keep},
+           "world_secret": ""}
     (d / "agent.json").write_text(json.dumps(cfg))
     return d
 

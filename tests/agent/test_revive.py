@@ -33,7 +33,8 @@ def _make(tmp_path: Path, max_restarts: int) -> Path:
             "env": {}, "log": "logs/rank0.log", "metrics": None}
     cfg = {"job_id": "j1", "cluster": "c", "host": "h", "role": "worker", "cwd": str(tmp_path),
            "grace": 2, "max_restarts": max_restarts, "restart_backoff": 0.2,
-           "processes": [proc], "rotation": {"max_bytes": 1 << 20, "keep": 1}}
+           "processes": [proc], "rotation": {"max_bytes": 1 << 20, "keep": 1},
+           "world_secret": ""}
     (d / "agent.json").write_text(json.dumps(cfg))
     return d
 

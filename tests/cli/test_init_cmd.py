@@ -1,8 +1,13 @@
 """`nebula init` (cli/app.py, templates/): writes a packaged starter spec that validates as it
-is, never over an existing file unless told, and names the starters when asked for another."""
+is, never over an existing file unless told (nor through a symlink, dangling or not), mode 0600
+whatever the umask, and names the starters when asked for another."""
 
 from __future__ import annotations
 
+import os
+import stat
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -36,3 +41,27 @@ def test_an_existing_file_is_kept_unless_forced(tmp_path: Path,
     unknown = CliRunner().invoke(app, ["init", "-t", "k8s", "other.yaml"])
     assert unknown.exit_code == 2 and "local, ssh" in unknown.output
     assert not (tmp_path / "other.yaml").exists()
+
+
+def _init(cwd: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    """`nebula init` in a real process with the usual umask (022)."""
+    return subprocess.run([sys.executable, "-m", "nebula_cli", "init", *args], cwd=cwd,
+                          capture_output=True, text=True, timeout=120, umask=0o022,
+                          stdin=subprocess.DEVNULL, env={**os.environ, "NO_COLOR": "1"})
+
+
+def test_the_spec_is_private_and_never_written_through_a_symlink(tmp_path: Path) -> None:
+    made = _init(tmp_path, "mine.yaml")
+    assert made.returncode == 0, made.stderr
+    assert stat.S_IMODE(os.lstat(tmp_path / "mine.yaml").st_mode) == 0o600  # not 0644
+    elsewhere = tmp_path / "elsewhere" / "planted.yaml"
+    elsewhere.parent.mkdir()
+    (tmp_path / "job.yaml").symlink_to(elsewhere)  # dangling: exists() says no
+    refused = _init(tmp_path)
+    assert refused.returncode == 2 and "job.yaml exists" in refused.stdout + refused.stderr
+    assert not elsewhere.exists()
+    forced = _init(tmp_path, "--force")  # replaces the link itself
+    assert forced.returncode == 0, forced.stderr
+    assert not elsewhere.exists() and not (tmp_path / "job.yaml").is_symlink()
+    assert stat.S_IMODE(os.lstat(tmp_path / "job.yaml").st_mode) == 0o600
+    assert "clusters:" in (tmp_path / "job.yaml").read_text()

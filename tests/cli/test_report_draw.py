@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import math
+from html.parser import HTMLParser
 from pathlib import Path
 from typing import Any
 
@@ -192,3 +193,57 @@ def test_a_teacher_clusters_answers_are_a_table() -> None:
             "<td>50.0</td><td>4</td></tr>") in table
     assert table in soft_labels_table(by_cluster(records))  # in the report's distill part
     assert teacher_table(by_cluster([rec(100.0, 0, 0.0, None, 0)])).count("<td>-</td>") == 3
+
+
+# A host's script that writes its own records straight into its metrics file (as a host that
+# is not to be trusted can): its rank, step and outer round are markup, not numbers.
+FORGED = '''
+import json, os
+mark = "<i class=forged>" + os.environ["NEBULA_CLUSTER"] + "</i>"
+os.makedirs(os.path.dirname(os.environ["NEBULA_METRICS_FILE"]), exist_ok=True)
+with open(os.environ["NEBULA_METRICS_FILE"], "a") as f:
+    f.write(json.dumps({"ts": 1.0, "step": 1, "rank": 0, "loss": 1.0}) + "\\n")
+    if os.environ["NEBULA_CLUSTER"] == "east":  # a round west missed, named in markup
+        f.write(json.dumps({"ts": 2.0, "step": 2, "rank": 0, "outer_round": mark,
+                            "clusters": ["east"]}) + "\\n")
+    f.write(json.dumps({"ts": 3.0, "step": mark, "rank": mark, "final": True,
+                        "param_sha256": "ab" * 32}) + "\\n")
+'''
+
+
+class _Elements(HTMLParser):
+    """Every element a page holds, with its attributes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.elements: list[tuple[str, dict[str, str | None]]] = []
+
+    def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
+        self.elements.append((tag, dict(attrs)))
+
+
+def test_what_a_host_sent_is_text_on_the_page_never_markup(cli: CLI, tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib")
+    work = tmp_path / "work"
+    work.mkdir()
+    (work / "forged.py").write_text(FORGED)
+    spec = write_spec(tmp_path, f"""
+        name: forged
+        workdir: {work}
+        run: python forged.py
+        clusters:
+          - {{name: west, transport: local, hosts: [{{host: w1}}]}}
+          - {{name: east, transport: local, hosts: [{{host: e1}}]}}
+        """)
+    cli("launch", str(spec), check=True)
+    (job_id,) = cli.job_ids()
+    page = tmp_path / "forged.html"
+    cli("report", job_id, "--output", str(page), check=True)
+    text = page.read_text()
+    parser = _Elements()
+    parser.feed(text)
+    assert [e for e in parser.elements if e[0] == "i"] == [], "a host's markup became markup"
+    # each forged value is on the page, as text: the round west missed, the final's rank and step
+    assert text.count("<td>&lt;i class=forged&gt;west&lt;/i&gt;</td>") == 2  # rank, step
+    # east's also as its newest round and as the round west missed
+    assert text.count("<td>&lt;i class=forged&gt;east&lt;/i&gt;</td>") == 4

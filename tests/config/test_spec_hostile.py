@@ -223,6 +223,13 @@ def test_hostile_names_are_refused_where_they_reach_commands(
     assert p.line is not None and p.col is not None
 
 
+@pytest.mark.parametrize("value", ["~/.ssh/authorized_keys\n", "/home/me/keys\n"])
+def test_a_path_with_a_trailing_newline_is_refused(tmp_path: Path, value: str) -> None:
+    text = BASE.replace("hosts: [e1, e2]", f"hosts: [e1]\n    authorized_keys: {json.dumps(value)}")
+    p = refused(tmp_path, text)
+    assert p.field == "clusters[0].authorized_keys" and "absolute path" in p.message, p
+
+
 def test_shorthand_with_hostile_parts(tmp_path: Path) -> None:
     p = refused(tmp_path, BASE.replace("[e1, e2]", '["$(id)@e1"]'))
     assert p.field == "clusters[0].hosts[0].user" and "'$' is not allowed" in p.message

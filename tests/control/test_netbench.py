@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 import yaml
-from helpers.jobs import CLI, write_spec
+from helpers.jobs import CLI, wait_for, write_spec
 from helpers.sshd_bed import free_port
 from testbed import TestBed
 
@@ -334,3 +334,51 @@ def test_plain_probe_opens_only_with_a_ticket_from_tls(tmp_path: Path) -> None:
                                  timeout=60)
     assert stopped.returncode == 0
     assert no_probe_left(tmp_path) == []
+
+
+@pytest.mark.testbed
+@pytest.mark.slow
+def test_a_runs_tunnel_keys_last_minutes_not_a_day(cli: CLI, bed_clean: TestBed,
+                                                   tmp_path: Path) -> None:
+    """bench-network through a tunnel (west reached by SSH only): the key line it writes on
+    w1 stops working after the job's grant period and one pair's measurement (pushed on
+    between pairs, `Bench.renew`), so a run killed before its cleanup leaves a key that works
+    minutes, not a day; the cleanup removes it."""
+    from helpers.ssh_jobs import ssh_spec
+
+    from nebula_cli.config.relay_plan import TUNNEL_GRANT_TTL
+    from nebula_cli.control.netbench import MEASURE_SLACK
+    from nebula_cli.control.netbench_tunnels import WAIT
+
+    bed = bed_clean
+    cli.env["NEBULA_SSH_CONFIG"] = str(bed.ssh_config)
+    cli.env["NEBULA_KNOWN_HOSTS"] = str(bed.known_hosts)
+    keys = bed.authorized_keys("w1")
+    spec = ssh_spec(tmp_path, bed, clusters={"west": ["w1"], "east": ["e1"]}, run="true")
+    doc = yaml.safe_load(spec.read_text())
+    doc["clusters"][0].update({"relay_reach": "ssh", "authorized_keys": str(keys)})
+    spec.write_text(yaml.safe_dump(doc))
+    duration = 2
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "nebula_cli", "bench-network", str(spec), "--duration",
+         str(duration), "--streams", "1", "--output", str(tmp_path / "net.json")],
+        env=cli.env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        stdin=subprocess.DEVNULL)
+    try:
+        line = wait_for(lambda: next((x for x in (keys.read_text() if keys.exists() else "")
+                                      .splitlines() if "nebula-tunnel:" in x), None),
+                        timeout=240, every=0.05)
+        now = datetime.datetime.now(datetime.UTC)
+    finally:  # the run ends by itself (and cleans up) whatever was seen
+        try:
+            out, _ = proc.communicate(timeout=300)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait(timeout=30)
+    stamp = line.split('expiry-time="', 1)[1].split('"', 1)[0]
+    until = datetime.datetime.strptime(stamp, "%Y%m%d%H%M%SZ").replace(tzinfo=datetime.UTC)
+    ahead = (until - now).total_seconds()
+    assert 0 < ahead <= TUNNEL_GRANT_TTL + 2 * duration + MEASURE_SLACK + WAIT + 2, line
+    assert proc.returncode == 0, out
+    assert "nebula-tunnel:" not in keys.read_text()  # the run's cleanup took it out

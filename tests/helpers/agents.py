@@ -23,7 +23,7 @@ def make_dir(tmp_path: Path, script: str, slots: int = 1, **config: Any) -> Path
               "log": f"logs/rank{r}.log", "metrics": None} for r in range(slots)]
     cfg = {"job_id": "t", "cluster": "c", "host": "h", "role": "worker", "cwd": str(tmp_path),
            "grace": 5, "max_restarts": 0, "restart_backoff": 0.2, "processes": procs,
-           "rotation": {"max_bytes": 1 << 20, "keep": 2}, **config}
+           "rotation": {"max_bytes": 1 << 20, "keep": 2}, "world_secret": "", **config}
     (d / "agent.json").write_text(json.dumps(cfg))
     return d
 

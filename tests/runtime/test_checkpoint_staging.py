@@ -302,7 +302,7 @@ def test_the_agent_removes_the_recorded_directory_before_a_restart_and_at_the_en
            "grace": 5, "max_restarts": 1, "restart_backoff": 0.2, "processes": [
                {"name": "0", "argv": [sys.executable, str(tmp_path / "rank.py"), str(flag)],
                 "env": {"PYTHONPATH": str(REPO)}, "log": "logs/rank0.log", "metrics": None}],
-           "rotation": {"max_bytes": 1 << 20, "keep": 2}}
+           "rotation": {"max_bytes": 1 << 20, "keep": 2}, "world_secret": ""}
     (d / "agent.json").write_text(json.dumps(cfg))
     try:
         agent_cmd("start", str(d))

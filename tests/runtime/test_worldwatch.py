@@ -1,6 +1,7 @@
 """runtime.worldwatch against a real TCPStore: a watching process leaves with ABORT_EXIT and the
 reason once the abort key is set; it ends cleanly (exit 0, not 134) when the store never came or
-went away; worlds of one host run no watcher."""
+went away; worlds of one host run no watcher. Anything that reaches the store without the job's
+world secret (another process, a real TCPStore client) cannot make a rank leave."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ import pytest
 from helpers.sshd_bed import free_port
 from torch.distributed import TCPStore
 
+from nebula_cli.config.parts import WORLD_SECRET_ENV
 from nebula_cli.runtime import worldwatch
 
 WATCHER = """
@@ -27,9 +29,12 @@ print("the rank ended on its own", flush=True)
 """
 
 
+SECRET = "c0ffee" * 8  # the job's world secret, as an agent hands it to its ranks
+
+
 def world_env(port: int, nodes: int = 2) -> dict[str, str]:
     return {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": "0",
-            "NEBULA_NUM_NODES": str(nodes)}
+            "NEBULA_NUM_NODES": str(nodes), WORLD_SECRET_ENV: SECRET}
 
 
 def watcher(port: int, seconds: float) -> subprocess.Popen[str]:
@@ -182,3 +187,59 @@ def test_an_earlier_worlds_abort_is_not_for_a_restarted_rank() -> None:
     finally:
         proc.kill()
         del store
+
+
+def test_an_abort_without_the_worlds_secret_ends_no_rank() -> None:
+    """Anything that reaches the store (it authenticates nobody) writes aborts: at the old
+    well-known key, at the world's key with a value it forged or took from another world, or
+    signed with another secret. The rank stays; the abort of a holder of the secret ends it."""
+    port = free_port()
+    store = master(port)
+    proc = subprocess.Popen([sys.executable, "-c", SAYS_CONNECTED], env=world_env(port),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    secret = SECRET.encode()
+    forger = master_client(port)
+    try:
+        assert proc.stdout is not None and proc.stdout.readline() == "connected\n"
+        now = time.time()
+        forger.set("nebula/abort", f"{now:.3f} forged".encode())  # the key before secrets
+        forger.set(worldwatch.abort_key(secret), f"{now:.3f} {'0' * 64} forged".encode())
+        forger.set(worldwatch.abort_key(secret),
+                   worldwatch.sealed(b"another job's secret", now, "forged"))
+        time.sleep(3 * worldwatch.POLL_S + 1)  # polled past every forgery
+        assert proc.poll() is None, proc.communicate()
+        other = {**world_env(port), WORLD_SECRET_ENV: "another job's secret"}
+        assert worldwatch.abort("forged", env=other)  # set, but under another key
+        assert not worldwatch.abort("forged", env={**world_env(port), WORLD_SECRET_ENV: ""})
+        time.sleep(3 * worldwatch.POLL_S + 1)
+        assert proc.poll() is None, proc.communicate()
+        assert worldwatch.abort("host h2 of cluster c: rank 1 exit 1", env=world_env(port))
+        out, err = proc.communicate(timeout=15)
+        assert proc.returncode == worldwatch.ABORT_EXIT, err
+        assert "leaving the cluster's world: host h2 of cluster c: rank 1 exit 1" in err
+        assert "forged" not in err
+    finally:
+        proc.kill()
+        proc.wait()
+        del forger, store
+
+
+SAYS_CONNECTED = """
+import time
+from nebula_cli.runtime import worldwatch
+store = worldwatch._store
+def connect(*args):
+    made = store(*args)
+    print("connected", flush=True)
+    return made
+worldwatch._store = connect
+assert worldwatch.start()
+time.sleep(60)
+"""
+"""The watcher, saying when it has connected to the store (it polls from then on)."""
+
+
+def master_client(port: int) -> TCPStore:
+    """A client of the store that holds no secret (what reaches the store over the network)."""
+    return TCPStore("127.0.0.1", port, is_master=False, wait_for_workers=False,
+                    timeout=datetime.timedelta(seconds=10))

@@ -29,21 +29,21 @@ after KillWait) get SIGTERM, so the workers stop gracefully and checkpoint."""
 
 def _slurm_time(value: str) -> str:
     """Slurm's time formats: minutes, m:s, h:m:s, d-h, d-h:m, d-h:m:s, UNLIMITED."""
-    if not _TIME.match(value) or re.fullmatch(r"0+(?:[-:]0+)*", value):
+    if not _TIME.fullmatch(value) or re.fullmatch(r"0+(?:[-:]0+)*", value):
         raise ValueError(f"expected a Slurm time limit such as \"90\" (minutes), \"04:00:00\" "
                          f"or \"2-00:00:00\" (days-hours:minutes:seconds), found {value!r}")
     return value
 
 
 def _slurm_word(value: str) -> str:
-    if not _SLURM_WORD.match(value):
+    if not _SLURM_WORD.fullmatch(value):
         raise ValueError(f"expected a Slurm name (letters, digits, _ . , : @ % + = / [ ] -), "
                          f"found {value!r}")
     return value
 
 
 def _constraint(value: str) -> str:
-    if not _CONSTRAINT.match(value):
+    if not _CONSTRAINT.fullmatch(value):
         raise ValueError(f"expected Slurm node features such as \"a100&ib\" or "
                          f"\"[rack1|rack2]\" (letters, digits and _ . , : @ % + = / [ ] ( ) & | "
                          f"* ! -, no spaces), found {value!r}")

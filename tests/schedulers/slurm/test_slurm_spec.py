@@ -83,6 +83,12 @@ def test_own_signal_replaces_nebulas(tmp_path: Path) -> None:
      "clusters[0].slurm.constraint", "node features"),
     (("account: proj123", "constraint: 'a100 && ib'"), "clusters[0].slurm.constraint",
      "no spaces"),
+    # a trailing newline, which a pattern's `$` lets through
+    (("partition: gpu", 'partition: "gpu\\n"'), "clusters[0].slurm.partition", "Slurm name"),
+    (('time: "2-00:00:00"', 'time: "2-00:00:00\\n"'), "clusters[0].slurm.time",
+     "Slurm time limit"),
+    (("account: proj123", 'constraint: "a100\\n"'), "clusters[0].slurm.constraint",
+     "node features"),
     (('["--exclusive"]', '["--comment=\\"x\\"\\rtouch /tmp/p"]'),
      "clusters[0].slurm.sbatch_args", "control characters"),
     (("    scheduler: slurm\n", ""), "clusters[0].slurm", "needs `scheduler: slurm`"),

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from nebula_cli.errors import LaunchError
-from nebula_cli.scheduler import slurm as slurm_mod
 from nebula_cli.scheduler.allocation import Allocation
+from nebula_cli.schedulers.slurm import allocator as slurm_mod
 from nebula_cli.schedulers.slurm.allocator import SlurmAllocator, keeper_name, output_path
 from nebula_cli.transport import LocalTransport
 from nebula_cli.transport.ssh_conn import SshConn

@@ -42,7 +42,7 @@ from nebula_cli.transport.local_conn import LocalConn
 
 pytestmark = pytest.mark.testbed
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 ENV_PY = ("import json, os; print(json.dumps({k: v for k, v in os.environ.items() "
           "if k.startswith('SLURM')}))")
 

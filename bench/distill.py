@@ -141,7 +141,7 @@ def cfg(pki: Path, cluster: str, host: str, teachers: dict[str, str], listen: st
     d = DistillSpec()
     return DistillConfig(
         job_id=JOB, cluster=cluster, teacher=bool(listen), listen=listen, teachers=teachers,
-        students=["cloud"],
+        students={"cloud": 2},
         tls=TlsFiles(str(pki / "ca.pem"), str(pki / cluster / f"worker-{host}.pem"),
                      str(pki / cluster / f"worker-{host}.key")),
         topk=args.k, temperature=args.temperature, alpha=args.alpha, lookahead=args.lookahead,
@@ -415,7 +415,7 @@ def _rank(rank: int, args: argparse.Namespace, batches: list[torch.Tensor], held
     model = gpt(vocab, args.student_embd, 2, seed=1)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
     student = cfg(pki, "cloud", f"s{rank + 1}", teachers, "", args)
-    loader = soft_labelled([b[rank::2] for b in batches], config=student)
+    loader = soft_labelled([b[rank::2] for b in batches], config=student, rank=rank)
     for batch, soft in loader:
         loss, _, _ = kd_loss(model(batch).logits, batch, soft, temperature=args.temperature,
                              alpha=args.alpha)

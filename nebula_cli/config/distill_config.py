@@ -30,8 +30,9 @@ class DistillConfig:
     teachers: dict[str, str]
     """The teacher clusters' label relays by cluster name: host:port (a student dials them in
     this order, the next one when one is gone)."""
-    students: list[str]
-    """The clusters whose certificates a teacher answers."""
+    students: dict[str, int]
+    """The clusters whose certificates a teacher answers, and their slots in the plan (a
+    student cluster holds at most that many links to a label relay, plus one)."""
     tls: TlsFiles
     topk: int
     temperature: float

@@ -33,7 +33,8 @@ def distill_config(spec: JobSpec, job_id: str, cluster: ClusterSpec, adir: str,
         listen=f"{gateway.bind}:{ports.labels[cluster.name]}" if is_teacher else "",
         teachers={c.name: f"{dial_address(c, sites)}:{ports.labels[c.name]}"
                   for c in teachers},
-        students=[c.name for c in spec.clusters if c.role != "teacher"],
+        students={c.name: sum(h.slots for h in c.hosts) for c in spec.clusters
+                  if c.role != "teacher"},
         tls=tls_files(adir, WORKER), topk=d.topk, temperature=d.temperature, alpha=d.alpha,
         lookahead=d.lookahead, when_no_teacher=d.when_no_teacher,
         values="draws" if d.labels == "sampled" else d.values,

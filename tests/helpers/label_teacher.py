@@ -25,11 +25,17 @@ from nebula_cli.relay.distill.label_client import LabelClient
 from nebula_cli.relay.distill.label_relay import LabelRelay
 from nebula_cli.relay.distill.serve_link import ServeLink
 from nebula_cli.relay.distill.sparse import SparseLabels, Values
+from nebula_cli.relay.distill.student_links import max_asks
 from nebula_cli.runtime.distill import serve
 
 VOCAB = 5000
 K = 4
 JOB = "job-distill"
+CONTEXT = 512
+"""The stand-in teacher's context (positions)."""
+LOOKAHEAD = DistillSpec().lookahead
+STUDENT_SLOTS = {"cloud": 2}
+"""The student clusters and their slots (hosts s1, s2)."""
 
 
 def job_pki(root: Path) -> Path:
@@ -51,7 +57,7 @@ def distill_cfg(pki: Path, cluster: str, host: str, *, teachers: dict[str, str],
     d = DistillSpec()
     fields: dict[str, object] = dict(
         job_id=JOB, cluster=cluster, teacher=bool(listen), listen=listen, teachers=teachers,
-        students=["cloud"], tls=TlsFiles(str(pki / "ca.pem"),
+        students=dict(STUDENT_SLOTS), tls=TlsFiles(str(pki / "ca.pem"),
                                          str(pki / cluster / f"worker-{host}.pem"),
                                          str(pki / cluster / f"worker-{host}.key")),
         topk=K, temperature=d.temperature, alpha=d.alpha, lookahead=d.lookahead,
@@ -63,17 +69,18 @@ def distill_cfg(pki: Path, cluster: str, host: str, *, teachers: dict[str, str],
 def label_relay(pki: Path, cluster: str = "lab", **kw: object) -> LabelRelay:
     """A started label relay of `cluster` on loopback (its relay certificate)."""
     args: dict[str, object] = dict(
-        job_id=JOB, cluster=cluster, students=["cloud"],
+        job_id=JOB, cluster=cluster, students=dict(STUDENT_SLOTS),
         pair=CertPair(pki / cluster / "relay.pem", pki / cluster / "relay.key"),
         ca=pki / "ca.pem", bind="127.0.0.1", port=0, topk=K, values=Values.FP16,
-        max_tokens=1024, heartbeat=0.2, dead_after=1.0)
+        max_tokens=1024, vocab=VOCAB, context=CONTEXT, max_asks=max_asks(LOOKAHEAD),
+        heartbeat=0.2, dead_after=1.0)
     return LabelRelay(**(args | kw)).start()  # type: ignore[arg-type]
 
 
 def label_client(pki: Path, teachers: dict[str, str], cluster: str = "cloud",
-                 host: str = "s1", max_tokens: int = 1024) -> LabelClient:
+                 host: str = "s1", max_tokens: int = 1024, rank: int = 0) -> LabelClient:
     return LabelClient(teachers, worker_ctx(pki, cluster, host), job_id=JOB,
-                       max_tokens=max_tokens, topk=K, dead_after=1.0).start()
+                       max_tokens=max_tokens, topk=K, dead_after=1.0, rank=rank).start()
 
 
 def answer(tokens: np.ndarray) -> SparseLabels:
@@ -84,10 +91,13 @@ def answer(tokens: np.ndarray) -> SparseLabels:
 
 
 def serve_link(addr: str, pki: Path, cluster: str, host: str, job_id: str,
-               delay_s: float = 0.0) -> ServeLink:
-    slow = answer if not delay_s else (lambda t: (threading.Event().wait(delay_s), answer(t))[1])
+               delay_s: float = 0.0,
+               answer_with: Callable[[np.ndarray], SparseLabels] | None = None) -> ServeLink:
+    """A serving link of the stand-in teacher (``answer_with``: another teacher's answers)."""
+    base = answer_with or answer
+    slow = base if not delay_s else (lambda t: (threading.Event().wait(delay_s), base(t))[1])
     return ServeLink(addr, worker_ctx(pki, cluster, host), job_id=job_id,
-                     cluster=cluster, vocab=VOCAB, answer=slow)
+                     cluster=cluster, vocab=VOCAB, context=CONTEXT, answer=slow)
 
 
 @contextlib.contextmanager

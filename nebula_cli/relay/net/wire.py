@@ -72,6 +72,7 @@ class FrameType(IntEnum):
     ROUND = 11  # round control between relays (ready / start / behind / abort); no payload
     LABELS_ASK = 12  # token ids a student asks a teacher's soft labels for (relay.distill)
     LABELS = 13  # a teacher's sparse soft labels for one ask (relay.distill.sparse)
+    LABELS_FAILED = 14  # an ask that is not answered, and why (relay.distill.messages)
 
 
 @dataclass

@@ -30,7 +30,10 @@ def main() -> None:
         step = max(1, rows_at_once // ids.shape[1])
         return torch.cat([model(ids[i:i + step]).logits for i in range(0, len(ids), step)])
 
-    serve(forward, config=cfg, device=device)
+    positions = getattr(model.config, "max_position_embeddings", None) or getattr(
+        model.config, "n_positions", None)
+    serve(forward, vocab=int(model.config.vocab_size), context=positions, config=cfg,
+          device=device)
 
 
 if __name__ == "__main__":

@@ -4,7 +4,9 @@ is there when the step needs it; batches are yielded once each, in the loader's 
 
 With no teacher answering, ``when_no_teacher`` says what a step does: ``wait`` (up to
 ``wait_s`` seconds, then `DistillError` naming the teachers), or ``ce_only`` (the batch comes
-with ``None``: the step trains on the hard labels; counted in ``stats``).
+with ``None``: the step trains on the hard labels; counted in ``stats``). A batch a teacher
+cannot run (an id beyond its vocabulary, sequences beyond its context) is a `DistillError`
+naming both, whichever ``when_no_teacher``: asking again would fail again.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ import torch
 from nebula_cli.config.distill_config import DISTILL_CONFIG_ENV, DistillConfig
 from nebula_cli.errors import NebulaError
 from nebula_cli.pki import CertPair, client_context
-from nebula_cli.relay.distill.label_client import LabelClient
+from nebula_cli.relay.distill.label_client import AskRefused, LabelClient, LabelsFailed
 from nebula_cli.runtime import metrics
 
 POLL_S = 0.05
@@ -46,6 +48,9 @@ class SoftLabels:
     logp: torch.Tensor
     teacher: str
     stats: DistillStats | None = field(default=None, compare=False, repr=False)
+    vocab: int | None = None
+    """The teacher's vocabulary (None: not said); `kd_loss` refuses ids beyond the
+    student's."""
 
 
 @dataclass
@@ -125,7 +130,10 @@ class DistillLoader:
                     return
                 ids = self.token_ids(batch)
                 seq, self.seq = self.seq, self.seq + 1
-                self.client.ask(seq, ids.detach().cpu().numpy())
+                try:
+                    self.client.ask(seq, ids.detach().cpu().numpy())
+                except AskRefused as exc:
+                    raise DistillError(f"batch {seq}: {exc}") from None
                 window.append((seq, batch, tuple(ids.shape)))
 
         fill()
@@ -143,6 +151,12 @@ class DistillLoader:
         metrics.emit(step=seq + 1, **self.stats.record())
 
     def _labels(self, seq: int, shape: tuple[int, ...]) -> SoftLabels | None:
+        try:
+            return self._wait_labels(seq, shape)
+        except LabelsFailed as exc:
+            raise DistillError(f"batch {seq}: {exc}") from None
+
+    def _wait_labels(self, seq: int, shape: tuple[int, ...]) -> SoftLabels | None:
         start = time.monotonic()
         if self.when_no_teacher == "wait":
             got = self.client.take(seq, self.wait_s)
@@ -173,21 +187,24 @@ class DistillLoader:
         k = got.labels.k
         return SoftLabels(torch.from_numpy(got.labels.ids).reshape(*shape, k),
                           torch.from_numpy(got.labels.logp).reshape(*shape, k), got.teacher,
-                          self.stats)
+                          self.stats, got.vocab)
 
 
-def client_of(cfg: DistillConfig) -> LabelClient:
-    """A started `LabelClient` to the job's teachers, with this host's certificates."""
+def client_of(cfg: DistillConfig, rank: int | None = None) -> LabelClient:
+    """A started `LabelClient` to the job's teachers, with this host's certificates, as rank
+    ``rank`` of its cluster (default: ``RANK``, as nebula starts a student's processes)."""
     ctx = client_context(CertPair(Path(cfg.tls.cert), Path(cfg.tls.key)), Path(cfg.tls.ca))
     return LabelClient(cfg.teachers, ctx, job_id=cfg.job_id, max_tokens=cfg.max_tokens,
-                       topk=cfg.topk, dead_after=cfg.dead_after).start()
+                       topk=cfg.topk, dead_after=cfg.dead_after,
+                       rank=int(os.environ.get("RANK", "0")) if rank is None else rank).start()
 
 
 def soft_labelled(loader: Iterable[Any], config: DistillConfig | None = None,
-                  **kw: Any) -> DistillLoader:
+                  rank: int | None = None, **kw: Any) -> DistillLoader:
     """``loader`` with soft labels, as the job's distill.json (``NEBULA_DISTILL_CONFIG``, or
     ``config``) says; ``kw``: `DistillLoader`'s own arguments (``token_ids``, ``first_seq``:
-    the first batch's number, e.g. the step a resumed run starts at)."""
+    the first batch's number, e.g. the step a resumed run starts at); ``rank``: this
+    process's in its cluster (default ``RANK``)."""
     cfg = config
     if cfg is None:
         path = os.environ.get(DISTILL_CONFIG_ENV)
@@ -195,5 +212,5 @@ def soft_labelled(loader: Iterable[Any], config: DistillConfig | None = None,
             raise DistillError(f"{DISTILL_CONFIG_ENV} is not set: this process was not started "
                                "by nebula for a job with `distill:`")
         cfg = DistillConfig.load(path)
-    return DistillLoader(loader, client_of(cfg), lookahead=cfg.lookahead,
+    return DistillLoader(loader, client_of(cfg, rank), lookahead=cfg.lookahead,
                          when_no_teacher=cfg.when_no_teacher, wait_s=cfg.wait_s, **kw)

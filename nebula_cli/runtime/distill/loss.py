@@ -75,6 +75,10 @@ def kd_loss(student_logits: torch.Tensor, labels: torch.Tensor | None,
         if ce is None:
             raise ValueError("neither hard labels nor soft labels to learn from")
         return ce, None, ce
+    if soft.vocab is not None and soft.vocab > vocab and int(soft.ids.max()) >= vocab:
+        raise ValueError(f"soft labels with token id {int(soft.ids.max())} from teacher "
+                         f"{soft.teacher}'s vocabulary of {soft.vocab}; the student's "
+                         f"vocabulary is {vocab}: their tokenizers must be the same")
     student = F.log_softmax(student_logits.float() / temperature, dim=-1)
     ids = soft.ids.to(student.device)
     log_q = student.gather(-1, ids)

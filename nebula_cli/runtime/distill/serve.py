@@ -33,6 +33,7 @@ from nebula_cli.relay.distill.dial import split_addr
 from nebula_cli.relay.distill.label_relay import LabelRelay, RelayCounts
 from nebula_cli.relay.distill.serve_link import ServeLink
 from nebula_cli.relay.distill.sparse import SparseLabels, Values, from_draws
+from nebula_cli.relay.distill.student_links import max_asks
 from nebula_cli.runtime import metrics
 from nebula_cli.runtime.distill.loss import sampled_labels, topk_labels
 
@@ -102,11 +103,13 @@ def _stop_on_signals() -> threading.Event:
     return stop
 
 
-def serve(forward: Forward, *, vocab: int | None = None, config: DistillConfig | None = None,
-          rank: int | None = None, stop: threading.Event | None = None,
-          device: str | torch.device = "cpu") -> None:
+def serve(forward: Forward, *, vocab: int | None = None, context: int | None = None,
+          config: DistillConfig | None = None, rank: int | None = None,
+          stop: threading.Event | None = None, device: str | torch.device = "cpu") -> None:
     """Serve soft labels with ``forward`` until stopped (see the module's docstring).
-    ``vocab``: the model's vocabulary (default: the last dimension of one forward)."""
+    ``vocab``: the model's vocabulary (default: the last dimension of one forward);
+    ``context``: the most positions it runs (default: ``distill.max_tokens``). Asks beyond
+    either fail, naming both, before the model sees them."""
     cfg = config or DistillConfig.load(os.environ[DISTILL_CONFIG_ENV])
     if not cfg.teacher:
         raise ValueError(f"cluster {cfg.cluster} is a student: its distill.json serves nothing")
@@ -116,19 +119,21 @@ def serve(forward: Forward, *, vocab: int | None = None, config: DistillConfig |
     if vocab is None:
         with torch.no_grad():
             vocab = int(forward(torch.zeros(1, 1, dtype=torch.long, device=device)).shape[-1])
+    context = min(context or cfg.max_tokens, cfg.max_tokens)
     relay = None
     if rank == 0:
         host, port = split_addr(cfg.listen)
         relay = LabelRelay(job_id=cfg.job_id, cluster=cfg.cluster, students=cfg.students,
                            pair=pair, ca=ca, bind=host, port=port, topk=cfg.topk,
                            values=Values(cfg.values), max_tokens=cfg.max_tokens,
+                           vocab=vocab, context=context, max_asks=max_asks(cfg.lookahead),
                            heartbeat=cfg.dead_after / 4, dead_after=cfg.dead_after).start()
     addr = cfg.teachers[cfg.cluster]
     if relay is not None:  # its own relay, reached where it listens
         bound = split_addr(cfg.listen)[0]
         addr = f"{'127.0.0.1' if bound in ('', '0.0.0.0', '::') else bound}:{relay.port}"
     link = ServeLink(addr, client_context(pair, ca), job_id=cfg.job_id, cluster=cfg.cluster,
-                     vocab=vocab, answer=answerer(forward, cfg, device))
+                     vocab=vocab, context=context, answer=answerer(forward, cfg, device))
     reporter, served = None, threading.Event()
     if relay is not None:
         reporter = threading.Thread(target=report_figures, args=(relay, served, REPORT_S),

@@ -108,7 +108,7 @@ def test_each_cluster_gets_its_view_of_the_distillation(tmp_path: Path) -> None:
     # dialled at the address the teacher's gateway reported (as a relay is), not its name in
     # the spec (t1, which resolves nowhere on the local transport)
     assert student.teachers == teacher.teachers == {"lab": f"lab.ex:{port}"}
-    assert teacher.students == ["cloud"] and student.values == "int8" and student.topk == 16
+    assert teacher.students == {"cloud": 1} and student.values == "int8" and student.topk == 16
     assert student.tls.cert == "/a/cloud/certs/worker.pem"
     assert student.dead_after == spec.relay.dead_after
     sampled = parse(SPEC.replace("{topk: 16}", "{topk: 12, labels: sampled, values: int8}"))

@@ -123,7 +123,7 @@ def test_teacher_and_students_get_distill_json(tmp_path: Path) -> None:
     assert set(files) == {"distill.json", *plan_model.cert_names(plan_model.WORKER)}
     (tmp_path / "t.json").write_bytes(files["distill.json"])
     cfg = DistillConfig.load(tmp_path / "t.json")
-    assert cfg.teacher and cfg.students == ["west"] and cfg.topk == 8
+    assert cfg.teacher and cfg.students == {"west": 1} and cfg.topk == 8
     student = dataclasses.replace(here, cluster=spec.clusters[1], host=spec.clusters[1].hosts[0])
     named, files = TrainRole().files(student)
     assert set(named) == {DISTILL_CONFIG_ENV, SYNC_CONFIG_ENV}

@@ -32,6 +32,9 @@ FRAME_BYTES = HEADER_SIZE + 1024
 """What a frame counts in a sender's queue beside its payload (its header, and a meta as this
 service's messages make them)."""
 
+END_S = 5.0
+"""Seconds a link's last frame (a refusal) may take before the link ends without it."""
+
 
 def queue_bound(frames: int, max_payload: int) -> int:
     """A sender's bound in bytes for ``frames`` frames of at most ``max_payload`` each (and
@@ -77,11 +80,14 @@ class LabelLink:
             return False
         return True
 
-    def end(self, frame: Frame) -> None:
-        """Send ``frame`` (a refusal) last, then end the link (also when it cannot be sent)."""
+    def end(self, frame: Frame, timeout: float = END_S) -> None:
+        """Send ``frame`` (a refusal) last, then end the link: after it is sent, or after
+        ``timeout`` seconds when it cannot be."""
         with self._cond:
             self._queue.extend((frame, None))
             self._cond.notify_all()
+        self._sender.join(timeout)
+        self.close()
 
     def recv(self) -> Frame:
         """The next frame other than a heartbeat (WireError when the link ends)."""

@@ -18,7 +18,10 @@
 #      GPT-2 teacher served on the GPU by one cluster, the example's student trained on the GPU
 #      by another through the label relay: the teacher's answers/s and latency, the student's
 #      bytes per token, batches without labels, its eval loss and device.
-#   6. hook: examples/ds_plain (an unmodified DeepSpeed script, nebula's automatic hook) the
+#   6. bad_ask: a serving rank with a GPT-2 on the GPU given asks its model cannot run (an id
+#      at its vocabulary, sequences past its positions): they fail alone, before the model
+#      sees them (no device-side assert), and a good ask is answered after them.
+#   7. hook: examples/ds_plain (an unmodified DeepSpeed script, nebula's automatic hook) the
 #      same way: its exit path with NCCL (the job ends SUCCEEDED, no worker left running).
 # --dry-run: the same on this machine's CPU (gloo, smaller sizes) so that CI keeps it working;
 # it says "device": "cpu". Without --dry-run and without CUDA it stops with exit 2.
@@ -29,7 +32,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 DRY=0 PY="" WHEELS="" STEPS="" OUT=""
-usage() { sed -n '2,27p' "$0" | sed 's/^# \{0,1\}//'; }
+usage() { sed -n '2,30p' "$0" | sed 's/^# \{0,1\}//'; }
 while [ $# -gt 0 ]; do
   case "$1" in
     --dry-run) DRY=1 ;;
@@ -324,6 +327,54 @@ def job_processes(job):
         except OSError:  # gone meanwhile, or not ours to read
             continue
     return found
+
+@part("bad_ask")
+def bad_ask():
+    """Issue 48 item 2 on CUDA: a teacher's serving rank (`ServeLink`, the built-in server's
+    answerer around a GPT-2 on the GPU) given asks its model cannot run (an id at its
+    vocabulary, sequences past its positions) fails those asks alone, before the model sees
+    them (no device-side assert), and answers a good ask after them on the same device."""
+    import ssl
+
+    import numpy as np
+    import torch
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from nebula_cli.config.distill_spec import DistillSpec
+    from nebula_cli.relay.distill.idpack import bits_needed, pack_ids
+    from nebula_cli.relay.distill.messages import LabelAsk
+    from nebula_cli.relay.distill.serve_link import AskFailed, ServeLink
+    from nebula_cli.relay.distill.sparse import Values
+    from nebula_cli.runtime.distill.serve import answerer
+
+    device = torch.device("cpu" if DRY else "cuda")
+    vocab, positions = 2048, 64
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=vocab, n_positions=positions, n_embd=64,
+                                       n_layer=2, n_head=4)).to(device).eval()
+    d = DistillSpec()
+    cfg = type("Cfg", (), {"values": d.values, "topk": 8, "temperature": d.temperature})
+    link = ServeLink("127.0.0.1:1", ssl.create_default_context(), job_id="gpu-check",
+                     cluster="lab", vocab=vocab, context=positions,
+                     answer=answerer(lambda ids: model(ids).logits, cfg, device))
+
+    def ask(ids):
+        ids = np.asarray(ids)
+        bits = bits_needed(ids)
+        a = LabelAsk(seq=0, tokens=ids.size, width=ids.shape[-1], bits=bits)
+        return link._answer(a, pack_ids(ids.reshape(-1), bits), Values(d.values))
+
+    failed = []
+    for bad in ([[1, vocab]], np.zeros((1, positions + 1), dtype=np.int64)):
+        try:
+            ask(bad)
+        except AskFailed as exc:
+            failed.append(str(exc))
+    good = ask([[1, 2, 3]])
+    torch.cuda.synchronize() if not DRY else None
+    if len(failed) != 2 or good.type.name != "LABELS":
+        raise RuntimeError(f"failed {failed}, then {good.type.name}")
+    return {"device": str(device), "failed": failed, "then": good.type.name}
+
 
 @part("hook")
 def hook():

@@ -1,6 +1,6 @@
 """runtime/distill/loader: the loader's own metric records (what `nebula status` shows of a
-student's soft labels); its batches and labels are tested with a real teacher in
-test_distill_api.py."""
+student's soft labels), and a batch the teacher cannot run; its batches and labels are tested
+with a real teacher in test_distill_api.py."""
 
 from __future__ import annotations
 
@@ -9,10 +9,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers.label_teacher import distill_cfg, job_pki
+from helpers.label_teacher import distill_cfg, job_pki, serving_teacher
 from helpers.sshd_bed import free_port
 
 from nebula_cli.runtime.distill import soft_labelled
+from nebula_cli.runtime.distill.loader import DistillError
 
 
 def test_batches_without_a_teacher_are_counted_in_the_metrics(
@@ -36,3 +37,29 @@ def test_batches_without_a_teacher_are_counted_in_the_metrics(
         (2, 2, 2), (4, 4, 4), (5, 5, 5)]
     assert all(r["cluster"] == "cloud" and r["distill_bytes_per_token"] == 0 for r in records)
     assert records[-1]["distill_wait_s"] >= records[-1]["distill_longest_wait_s"] >= 0
+
+
+def test_a_batch_beyond_the_teachers_vocabulary_stops_the_student_naming_both(
+        tmp_path: Path) -> None:
+    """A student tokenizer larger than the teacher's: its batch is refused (by the client once
+    linked, else by the label relay) naming the teacher's vocabulary, and the teacher's
+    serving rank lives on: a batch that fits is answered after it."""
+    pki, port = job_pki(tmp_path / "pki"), free_port()
+    torch.manual_seed(0)
+    vocab = 300
+    teacher = torch.nn.Sequential(torch.nn.Embedding(vocab, 8), torch.nn.Linear(8, vocab))
+    cfg = distill_cfg(pki, "cloud", "s1", teachers={"lab": f"127.0.0.1:{port}"}, lookahead=0)
+    with serving_teacher(pki, port, teacher):
+        bad = [{"input_ids": torch.tensor([[1, vocab + 100]])}]
+        loader = soft_labelled(bad, config=cfg)
+        try:
+            with pytest.raises(DistillError, match=f"vocabulary is {vocab} tokens"):
+                list(loader)
+        finally:
+            loader.client.close()
+        good = soft_labelled([{"input_ids": torch.tensor([[1, 2]])}], config=cfg)
+        try:
+            [(_, soft)] = list(good)
+        finally:
+            good.client.close()
+    assert soft is not None and soft.vocab == vocab

@@ -32,8 +32,7 @@ def main() -> None:
 
     positions = getattr(model.config, "max_position_embeddings", None) or getattr(
         model.config, "n_positions", None)
-    serve(forward, vocab=int(model.config.vocab_size), context=positions, config=cfg,
-          device=device)
+    serve(forward, context=positions, config=cfg, device=device)  # vocab: its logits'
 
 
 if __name__ == "__main__":

@@ -120,6 +120,7 @@ def test_every_frame_type_is_documented_and_distinct() -> None:
         "ROUND",
         "LABELS_ASK",
         "LABELS",
+        "LABELS_FAILED",
     }
     assert len({int(t) for t in FrameType}) == len(names) and 0 not in {int(t) for t in FrameType}
     assert issubclass(WireError, NebulaError) and issubclass(ConnectionClosed, WireError)

@@ -291,8 +291,8 @@ class LabelRelay:
                 return False
             if student.outstanding >= w.max_asks:
                 self._refused += 1
-                over = (f"more than {w.max_asks} asks outstanding on one link (the most this "
-                        "teacher takes of one rank: distill.lookahead + 2)")
+                over = (f"more than {w.max_asks} asks outstanding on one link (the most "
+                        "its WELCOME allows: max_asks)")
             else:
                 over = None
                 self._asks += 1

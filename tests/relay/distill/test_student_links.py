@@ -1,7 +1,8 @@
 """What a student may hold at a label relay (`relay.distill.student_links`), over real TLS on
-loopback: one asks past the asks a link may have outstanding is ended with a refusal naming the
-bound (nothing past it is queued); an ask past the queue's tokens fails at once; a cluster holds at most its slots plus one links, a rank's
-new link replacing its older one, and one more link is refused saying why."""
+loopback: one that asks past the asks a link may have outstanding is ended with a refusal
+naming the bound (nothing past it is queued); an ask past the queue's tokens fails at once; a
+cluster holds at most its slots plus one links, a rank's new link replacing its older one, and
+one more link is refused saying why."""
 
 from __future__ import annotations
 

@@ -1,10 +1,10 @@
 """What every WAN codec shares: the encoded form (:class:`Encoded`), the interface
 (:class:`Codec`), its error (:class:`CodecError`) and the helpers codecs build on (input checks,
-zero-copy views of a payload). The codecs themselves are in :mod:`nebula_cli.relay.codecs.dense`
-(dense) and :mod:`nebula_cli.relay.codecs.topk` (sparse), registered by name in
+zero-copy views of a payload). The codecs themselves are their packages' ``codec`` modules
+(`nebula_cli/codecs/<name>/codec.py`), registered by name in
 :mod:`nebula_cli.relay.codecs.registry`; what the plan knows of each (its knobs, its cost, its
-name) is its params class in :mod:`nebula_cli.config.codec_params`, which the codec class names
-as ``Params``."""
+name) is its params class, its package's ``params`` module, which the codec class names as
+``Params``."""
 
 from __future__ import annotations
 

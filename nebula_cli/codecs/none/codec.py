@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Mapping
 from typing import Any
 
@@ -12,6 +13,7 @@ import torch
 from nebula_cli.codecs.none.params import NoneParams
 from nebula_cli.relay.codecs.base import (
     Codec,
+    CodecError,
     Encoded,
     buffer_view,
     check_input,
@@ -31,6 +33,24 @@ class NoneCodec(Codec):
 
     def max_abs_error(self, x: torch.Tensor) -> torch.Tensor:
         return torch.zeros_like(prepare(x))
+
+    def encode_view(self, x: torch.Tensor) -> Encoded:
+        """fp32 as is: the payload is a view of the chunk, no copy."""
+        return Encoded(self.name, x.numel(), {}, memoryview(x.numpy()).cast("B"))
+
+    def decode_view(self, enc: Encoded) -> torch.Tensor | None:
+        """A view of the received buffer (no copy); None for an encoding not of this codec or
+        with meta (`decode` refuses it, naming why)."""
+        if enc.codec != self.name or enc.meta:
+            return None
+        view = memoryview(enc.payload).cast("B")
+        if view.nbytes != 4 * enc.numel:
+            raise CodecError(f"none: payload of {view.nbytes} bytes for {enc.numel} elements")
+        if enc.numel == 0:
+            return torch.empty(0)
+        with warnings.catch_warnings():  # read-only buffers (own chunks) are only read
+            warnings.simplefilter("ignore", UserWarning)
+            return torch.frombuffer(view, dtype=torch.float32)
 
     def _encode(self, x: torch.Tensor) -> Encoded:
         check_input(x, self.name, math.inf)

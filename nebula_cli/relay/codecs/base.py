@@ -148,6 +148,16 @@ class Codec(ABC):
             raise CodecError(f"{cls.name}: expected {cls.Params.__name__}, got {params!r}")
         return cls(**{f.name: getattr(params, f.name) for f in dataclasses.fields(params)})
 
+    def encode_view(self, x: torch.Tensor) -> Encoded | None:
+        """An encoding of a flat fp32 chunk that is a view of it (no copy, no error feedback:
+        the codec is exact), where the format allows; None (the default): encode it."""
+        return None
+
+    def decode_view(self, enc: Encoded) -> torch.Tensor | None:
+        """enc decoded as a view of its payload (no copy), where the format allows; None (the
+        default): decode it."""
+        return None
+
     def encode(self, x: torch.Tensor) -> Encoded:
         """Encode a floating tensor (flattened; converted to fp32 first). CodecError for
         non-finite or out-of-range input."""

@@ -92,6 +92,18 @@ def test_schedulers_and_transport_kinds_are_routed_by_name_in_one_place() -> Non
     assert not found, f"`scheduler == 'slurm'`-style branches outside their registries: {found}"
 
 
+def test_job_roles_are_asked_not_compared() -> None:
+    """A cluster's role answers what it does (`RoleKind.averages`, `serves_labels`, `trains`):
+    no `role == "teacher"` outside config/roles/."""
+    found = {str(f.relative_to(PACKAGE)): lines for f in sorted(PACKAGE.rglob("*.py"))
+             if not str(f.relative_to(PACKAGE)).startswith("config/roles/")
+             and (lines := [n.lineno for n in ast.walk(ast.parse(f.read_text()))
+                            if isinstance(n, ast.Compare) and any(
+                                isinstance(c, ast.Constant) and c.value in ("train", "teacher")
+                                for c in [n.left, *n.comparators])])}
+    assert not found, f"`role == 'teacher'`-style branches outside config/roles/: {found}"
+
+
 def _imports(path: Path) -> set[str]:
     names = set()
     for node in ast.walk(ast.parse(path.read_text())):

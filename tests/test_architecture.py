@@ -193,11 +193,12 @@ def test_no_import_runs_up_a_layer(folder: str) -> None:
 def test_a_scheduler_package_imports_nothing_of_its_own_when_loaded() -> None:
     """Its `__init__` imports nothing, so that a node loads its keeper alone (standard library
     only), and the registry names packages without importing them; a codec package's likewise
-    (a host loads its `params` without torch)."""
+    (a host loads its `params` without torch), and a transport kind's."""
     inits = [*(PACKAGE / "schedulers").glob("*/__init__.py"),
              PACKAGE / "schedulers" / "__init__.py", PACKAGE / "schedulers" / "registry.py",
              *(PACKAGE / "codecs").glob("*/__init__.py"),
-             PACKAGE / "codecs" / "__init__.py", PACKAGE / "codecs" / "registry.py"]
+             PACKAGE / "codecs" / "__init__.py", PACKAGE / "codecs" / "registry.py",
+             *(PACKAGE / "transport").glob("*/__init__.py")]
     imports = {str(f.relative_to(PACKAGE)): sorted(_imports(f)) for f in inits
                if f.exists() and _imports(f)}
     assert not imports, imports

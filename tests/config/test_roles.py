@@ -33,7 +33,7 @@ from nebula_cli.config.roles.train import TrainRole
 from nebula_cli.config.roles.worker_host import WorkerHost
 from nebula_cli.config.spec import ClusterSpec, JobSpec, parse_spec
 from nebula_cli.errors import UsageError
-from nebula_cli.transport.ssh_conn import SshConn
+from nebula_cli.transport.ssh.conn import SshConn
 
 
 def spec_of(extra: str = "", relay: bool = True) -> JobSpec:

@@ -18,7 +18,7 @@ TOPK_SPANS = (16, 256)
 
 @dataclass(frozen=True)
 class TopKParams(CodecParams):
-    """Top-k per span with low-bit values (`nebula_cli.relay.codecs.topk`). Its error
+    """Top-k per span with low-bit values (`nebula_cli.codecs.topk.codec`). Its error
     feedback carries the past rounds, so its rounds take no outer momentum (as SparseLoCo)."""
 
     name: ClassVar[str] = "topk"

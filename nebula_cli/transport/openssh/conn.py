@@ -1,5 +1,5 @@
 """`OpensshConn`: a host reached with the user's own `ssh` and a master connection
-(`transport: openssh`; the transport, `openssh.py`, is imported only when a connection
+(`transport: openssh`; the transport, `transport.py`, is imported only when a connection
 opens). For hosts that ask more than a key: a one-time code, Kerberos, a FIDO key."""
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from nebula_cli.config.codec_params import DENSE_OUTER  # noqa: E402
+from nebula_cli.config.codec_knobs import DENSE_OUTER  # noqa: E402
 
 SCHEDULE: dict[str, tuple[int, float, float]] = {"topk": (10, 2.5, 0.0)}
 """topk's rounds are 80x smaller than fp32's, so it syncs every 10 steps; its error feedback

@@ -23,7 +23,8 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from nebula_cli.config.codec_params import Int8Params, TopKParams
+from nebula_cli.codecs.int8.params import Int8Params
+from nebula_cli.codecs.topk.params import TopKParams
 from nebula_cli.relay.codecs.base import Codec
 from nebula_cli.relay.codecs.registry import KNOWN_CODECS, get_codec
 

@@ -50,11 +50,11 @@ sys.path.insert(0, str(REPO))
 from data import BatchSampler, eval_batches, evaluate, load_corpus, split_corpus  # noqa: E402
 from model import GPT, GPTConfig  # noqa: E402
 
-from nebula_cli.config.codec_params import TopKParams  # noqa: E402
+from nebula_cli.codecs.topk.codec import TopKCodec  # noqa: E402
+from nebula_cli.codecs.topk.params import TopKParams  # noqa: E402
 from nebula_cli.config.sections import CompressionSpec  # noqa: E402
 from nebula_cli.relay.codecs.feedback import ErrorFeedback  # noqa: E402
 from nebula_cli.relay.codecs.registry import KNOWN_CODECS, get_codec  # noqa: E402
-from nebula_cli.relay.codecs.topk import TopKCodec  # noqa: E402
 from nebula_cli.runtime.sync import OuterOptimizer  # noqa: E402
 
 CONTEXT, LR, CLIP, CLUSTERS = 128, 2e-3, 1.0, 2

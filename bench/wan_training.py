@@ -60,7 +60,7 @@ from _schedules import schedule  # noqa: E402
 from _timeline import timeline  # noqa: E402
 
 sys.path.insert(0, str(_bed.REPO))
-from nebula_cli.config.codec_params import TOPK_BIT_CHOICES, TopKParams  # noqa: E402
+from nebula_cli.codecs.topk.params import TOPK_BIT_CHOICES, TopKParams  # noqa: E402
 from nebula_cli.config.sections import CompressionSpec  # noqa: E402
 from nebula_cli.relay.codecs.registry import KNOWN_CODECS  # noqa: E402
 

@@ -92,6 +92,18 @@ def test_schedulers_and_transport_kinds_are_routed_by_name_in_one_place() -> Non
     assert not found, f"`scheduler == 'slurm'`-style branches outside their registries: {found}"
 
 
+def test_job_roles_are_asked_not_compared() -> None:
+    """A cluster's role answers what it does (`RoleKind.averages`, `serves_labels`, `trains`):
+    no `role == "teacher"` outside config/roles/."""
+    found = {str(f.relative_to(PACKAGE)): lines for f in sorted(PACKAGE.rglob("*.py"))
+             if not str(f.relative_to(PACKAGE)).startswith("config/roles/")
+             and (lines := [n.lineno for n in ast.walk(ast.parse(f.read_text()))
+                            if isinstance(n, ast.Compare) and any(
+                                isinstance(c, ast.Constant) and c.value in ("train", "teacher")
+                                for c in [n.left, *n.comparators])])}
+    assert not found, f"`role == 'teacher'`-style branches outside config/roles/: {found}"
+
+
 def _imports(path: Path) -> set[str]:
     names = set()
     for node in ast.walk(ast.parse(path.read_text())):
@@ -129,6 +141,20 @@ allocator and the tools it drives at launch (scheduler), how its nodes are reach
 (transport), what runs on its nodes (agent)."""
 
 
+CODEC_MODULE_LAYERS = ((r"params", "config"), (r"codec", "relay"))
+"""A codec package (`nebula_cli/codecs/<name>/`): what the plan knows of its codecs (config,
+standard library only) and their wire format (relay)."""
+
+
+def _codec_module_layer(module: str) -> str:
+    """The layer of `nebula_cli.codecs.<name>.<module>`."""
+    layer = next((lay for pattern, lay in CODEC_MODULE_LAYERS
+                  if re.fullmatch(pattern, module)), None)
+    assert layer, (f"nebula_cli/codecs/*/{module}.py has no layer: name it after one of "
+                   f"{[p for p, _ in CODEC_MODULE_LAYERS]} (tests/test_architecture.py)")
+    return layer
+
+
 def _scheduler_module_layer(module: str) -> str:
     """The layer of `nebula_cli.schedulers.<name>.<module>`."""
     layer = next((lay for pattern, lay in SCHEDULER_MODULE_LAYERS
@@ -142,6 +168,8 @@ def _as_layer(name: str) -> str:
     """An imported module as the layers see it: a scheduler package's module is its layer's."""
     if m := re.fullmatch(r"nebula_cli\.schedulers\.\w+\.(\w+)(?:\.\w+)*", name):
         return f"nebula_cli.{_scheduler_module_layer(m.group(1))}"
+    if m := re.fullmatch(r"nebula_cli\.codecs\.\w+\.(\w+)(?:\.\w+)*", name):
+        return f"nebula_cli.{_codec_module_layer(m.group(1))}"
     return name
 
 
@@ -155,6 +183,8 @@ def test_no_import_runs_up_a_layer(folder: str) -> None:
     files = [f for f in (PACKAGE / folder).rglob("*.py")]
     files += [f for f in (PACKAGE / "schedulers").glob("*/*.py") if f.name != "__init__.py"
               and _scheduler_module_layer(f.stem) == folder]
+    files += [f for f in (PACKAGE / "codecs").glob("*/*.py") if f.name != "__init__.py"
+              and _codec_module_layer(f.stem) == folder]
     bad = {f"{f.relative_to(PACKAGE)}: {name}" for f in files for name in _imports(f)
            if _forbids(FORBIDDEN[folder], name)}
     assert not bad, sorted(bad)
@@ -162,9 +192,13 @@ def test_no_import_runs_up_a_layer(folder: str) -> None:
 
 def test_a_scheduler_package_imports_nothing_of_its_own_when_loaded() -> None:
     """Its `__init__` imports nothing, so that a node loads its keeper alone (standard library
-    only), and the registry names packages without importing them."""
+    only), and the registry names packages without importing them; a codec package's likewise
+    (a host loads its `params` without torch), and a transport kind's."""
     inits = [*(PACKAGE / "schedulers").glob("*/__init__.py"),
-             PACKAGE / "schedulers" / "__init__.py", PACKAGE / "schedulers" / "registry.py"]
+             PACKAGE / "schedulers" / "__init__.py", PACKAGE / "schedulers" / "registry.py",
+             *(PACKAGE / "codecs").glob("*/__init__.py"),
+             PACKAGE / "codecs" / "__init__.py", PACKAGE / "codecs" / "registry.py",
+             *(PACKAGE / "transport").glob("*/__init__.py")]
     imports = {str(f.relative_to(PACKAGE)): sorted(_imports(f)) for f in inits
                if f.exists() and _imports(f)}
     assert not imports, imports

@@ -20,6 +20,7 @@ from pydantic import (
 from nebula_cli.config.distill_spec import TeacherSpec
 from nebula_cli.config.fields import EnvDict, HostName, Interface, Jump, Name, Program
 from nebula_cli.config.hosts import HostSpec
+from nebula_cli.config.roles.kind import ROLE_NAMES, RoleKind
 from nebula_cli.config.schedulers.base import Scheduler
 from nebula_cli.config.schedulers.registry import (
     SCHEDULERS,
@@ -106,7 +107,7 @@ _ClusterSections = create_model("_ClusterSections", __base__=_ClusterHead,
 class ClusterSpec(_ClusterSections):  # type: ignore[misc,valid-type]
     """A group of hosts with a fast network between them: one DeepSpeed world, one relay."""
 
-    role: Literal["train", "teacher"] = "train"  # the names in config.roles.registry
+    role: Literal[ROLE_NAMES] = RoleKind.TRAIN.value  # type: ignore[valid-type]
     """What the cluster does: 'train' (its workers train and average with the other training
     clusters), or 'teacher' (its workers serve soft labels to the training clusters; see the
     job's `distill:`)."""
@@ -170,12 +171,13 @@ class ClusterSpec(_ClusterSections):  # type: ignore[misc,valid-type]
         return self
 
     def _role_problems(self) -> list[tuple[PathKey, str]]:
-        if self.teacher is not None and self.role != "teacher":
+        kind = self.kind
+        if self.teacher is not None and not kind.serves_labels:
             return [(("teacher",), "`teacher:` is for a cluster with `role: teacher`")]
-        if self.role == "teacher" and self.teacher is not None and self.run is not None:
+        if kind.serves_labels and self.teacher is not None and self.run is not None:
             return [(("teacher",), "a teacher runs either its own `run` or the built-in "
                                    "server of `teacher:`; remove one")]
-        if self.role == "teacher" and self.teacher is None and self.run is None:
+        if kind.serves_labels and self.teacher is None and self.run is None:
             return [(("role",), "a teacher cluster needs its server: `run: <command>` (a "
                                 "script calling nebula_cli.distill.serve) or `teacher: {model: "
                                 "<Hugging Face model directory>}`")]
@@ -186,7 +188,12 @@ class ClusterSpec(_ClusterSections):  # type: ignore[misc,valid-type]
         """Whether the cluster takes part in the outer rounds (its role's relay services hold
         `RelayService.AVERAGE`: `train`; tests/config/test_roles.py checks the two agree). A
         teacher's cluster runs no averaging relay."""
-        return self.role == "train"
+        return self.kind.averages
+
+    @property
+    def kind(self) -> RoleKind:
+        """What its `role:` names, to be asked (`averages`, `serves_labels`, `trains`)."""
+        return RoleKind(self.role)
 
     def section(self, name: str) -> SpecModel | None:
         """Its section of the scheduler `name` (`slurm:`), None when absent or when that

@@ -25,8 +25,8 @@ def distill_config(spec: JobSpec, job_id: str, cluster: ClusterSpec, adir: str,
     (`relay_plan.dial_address`: what its gateway's transport reported), on its planned port."""
     assert spec.distill is not None and spec.relay is not None
     d = spec.distill
-    teachers = [c for c in spec.clusters if c.role == "teacher"]
-    is_teacher = cluster.role == "teacher"
+    teachers = [c for c in spec.clusters if c.kind.serves_labels]
+    is_teacher = cluster.kind.serves_labels
     gateway = sites[site_key(cluster, cluster.gateway_host)]
     return DistillConfig(
         job_id=job_id, cluster=cluster.name, teacher=is_teacher,
@@ -34,7 +34,7 @@ def distill_config(spec: JobSpec, job_id: str, cluster: ClusterSpec, adir: str,
         teachers={c.name: f"{dial_address(c, sites)}:{ports.labels[c.name]}"
                   for c in teachers},
         students={c.name: sum(h.slots for h in c.hosts) for c in spec.clusters
-                  if c.role != "teacher"},
+                  if not c.kind.serves_labels},
         tls=tls_files(adir, WORKER), topk=d.topk, temperature=d.temperature, alpha=d.alpha,
         lookahead=d.lookahead, when_no_teacher=d.when_no_teacher,
         values="draws" if d.labels == "sampled" else d.values,

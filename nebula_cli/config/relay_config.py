@@ -8,8 +8,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, cast
 
+from nebula_cli.codecs.int8.params import Int8Params
 from nebula_cli.config import strict
-from nebula_cli.config.codec_params import AUTO_CODEC, CodecParamSet, Int8Params
+from nebula_cli.config.codec_params import AUTO_CODEC, CodecParamSet
 from nebula_cli.errors import NebulaError
 
 

@@ -205,7 +205,7 @@ class JobSpec(SpecModel):
 
     def _check_distill(self) -> list[tuple[PathKey, str]]:
         """Teachers and `distill:` come together, with a relay and at least one student."""
-        teachers = [i for i, c in enumerate(self.clusters) if c.role == "teacher"]
+        teachers = [i for i, c in enumerate(self.clusters) if c.kind.serves_labels]
         if not teachers:
             return [] if self.distill is None else [(("distill",), (
                 "`distill:` needs a cluster with `role: teacher` (the one serving soft "

@@ -89,7 +89,7 @@ class HostFacts(Session):
                 relays[c.name] = (port(c, c.gateway_host, spec.relay.port),
                                   port(c, c.gateway_host, spec.relay.effective_worker_port))
         labels = {c.name: port(c, c.gateway_host, labels_port(spec)) for c in spec.clusters
-                  if spec.distill is not None and c.role == "teacher"}
+                  if spec.distill is not None and c.kind.serves_labels}
         return plan_model.Ports(masters=masters, relays=relays, labels=labels)
 
     def plan(self, spec: JobSpec, job_id: str, *, renew: bool = False,

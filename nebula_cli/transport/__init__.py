@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from nebula_cli.transport.base import CommandResult, Transport
 from nebula_cli.transport.conn import Conn
-from nebula_cli.transport.local import LocalTransport
+from nebula_cli.transport.local.transport import LocalTransport
 from nebula_cli.transport.registry import conn_from_data, describe
 
 __all__ = [

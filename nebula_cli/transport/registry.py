@@ -1,30 +1,28 @@
 """The transport kinds by name: the one place a connection's kind is routed.
 
 `conn_from_data` reads what the state store keeps (any kind, as every version of nebula wrote
-it); `describe` makes the description of a spec's host for the cluster's `transport:`. A kind
-(as `openssh_conn`: the user's own `ssh` over a master connection) is its `Conn` module (and
-the `Transport` it opens) plus one line in `KINDS`, and in `SPEC_KINDS` when a spec may name
-it; the kind of a scheduler's nodes (`slurm-node`) is its package's `node_conn.CONN`
-(`nebula_cli.schedulers.registry`).
+it); `describe` makes the description of a spec's host for the cluster's `transport:`. A kind a
+spec may name (as `openssh`: the user's own `ssh` over a master connection) is one package,
+`nebula_cli/transport/<kind>/` (`conn.py`: its `Conn`, `CONN`, with `from_spec`; the
+`Transport` it opens, `transport.py`), plus its line in `PACKAGES`; the kind of a scheduler's
+nodes (`slurm-node`) is its package's `node_conn.CONN` (`nebula_cli.schedulers.registry`).
 """
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Mapping
 from typing import Any
 
 from nebula_cli.errors import UsageError
 from nebula_cli.schedulers.registry import parts
 from nebula_cli.transport.conn import Conn
-from nebula_cli.transport.local_conn import LocalConn
-from nebula_cli.transport.openssh_conn import OpensshConn
-from nebula_cli.transport.ssh_conn import SshConn
 
-SPEC_KINDS: dict[str, type[LocalConn] | type[SshConn] | type[OpensshConn]] = {
-    LocalConn.kind: LocalConn,
-    SshConn.kind: SshConn,
-    OpensshConn.kind: OpensshConn,
-}
+PACKAGES = ["nebula_cli.transport.local", "nebula_cli.transport.ssh",
+            "nebula_cli.transport.openssh"]
+"""The packages of the kinds a spec's `transport:` names, in the spec's order."""
+SPEC_KINDS: dict[str, type[Conn]] = {
+    cls.kind: cls for cls in (importlib.import_module(f"{p}.conn").CONN for p in PACKAGES)}
 """The kinds a spec's `transport:` names (each has `from_spec`)."""
 KINDS: dict[str, type[Conn]] = {
     **SPEC_KINDS,

@@ -7,6 +7,7 @@ from __future__ import annotations
 import ast
 import dataclasses
 import json
+import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -14,18 +15,19 @@ from typing import ClassVar
 
 import pytest
 
+from nebula_cli.codecs import registry
+from nebula_cli.codecs.half.params import Bf16Params, Fp16Params
+from nebula_cli.codecs.int8.params import Int8Params
+from nebula_cli.codecs.none.params import NoneParams
+from nebula_cli.codecs.topk.params import TopKParams
+from nebula_cli.config import codec_knobs
 from nebula_cli.config import codec_params as cp
+from nebula_cli.config.codec_knobs import knob
 from nebula_cli.config.codec_params import (
     AUTO_CODECS,
     CODEC_PARAMS,
-    Bf16Params,
     CodecParams,
     CodecParamSet,
-    Fp16Params,
-    Int8Params,
-    NoneParams,
-    TopKParams,
-    knob,
     knob_owner,
     params_from_knobs,
 )
@@ -89,13 +91,22 @@ def test_the_catalog_refuses_clashing_names_and_knobs() -> None:
 
 
 def test_the_catalog_imports_only_the_standard_library() -> None:
-    """Host processes load the plan (relay.json's codec_params) without pydantic or torch."""
-    tree = ast.parse(Path(cp.__file__).read_text())
-    names = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
-    names |= {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
-    outside = {n for n in names if n.split(".")[0] not in sys.stdlib_module_names
-               and n != "__future__"}
-    assert outside == {"nebula_cli.config"}  # strict, itself standard library only
+    """Host processes load the plan (relay.json's codec_params) without pydantic or torch: the
+    catalog, the params base, the codecs' registry and every package's `params` module."""
+    files = [Path(cp.__file__), Path(codec_knobs.__file__), Path(registry.__file__),
+             *(Path(m.__file__) for m in registry.parts("params") if m.__file__)]
+    ours = {"nebula_cli.config", "nebula_cli.config.codec_knobs", "nebula_cli.codecs"}
+    for path in files:
+        tree = ast.parse(path.read_text())
+        names = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+        names |= {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
+        outside = {n for n in names if n.split(".")[0] not in sys.stdlib_module_names
+                   and n != "__future__"}
+        assert outside <= ours, (path, outside)  # strict, itself standard library only
+    loaded = subprocess.run([sys.executable, "-c", "import sys, nebula_cli.config.codec_params; "
+                             "print(sorted(m for m in ('torch', 'pydantic') if m in "
+                             "sys.modules))"], capture_output=True, text=True, timeout=60)
+    assert loaded.stdout.strip() == "[]", loaded.stderr
 
 
 # ---------------------------------------------------------------------------- each codec

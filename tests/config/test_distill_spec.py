@@ -16,7 +16,7 @@ from nebula_cli.config.relay_config import RelayConfig
 from nebula_cli.config.spec import JobSpec, parse_spec
 from nebula_cli.config.worlds import site_key
 from nebula_cli.errors import SpecError
-from nebula_cli.transport.local_conn import LocalConn
+from nebula_cli.transport.local.conn import LocalConn
 
 SPEC = """\
 name: d

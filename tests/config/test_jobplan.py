@@ -30,7 +30,7 @@ from nebula_cli.config.spec import (
     SyncSpec,
     parse_spec,
 )
-from nebula_cli.transport.ssh_conn import SshConn
+from nebula_cli.transport.ssh.conn import SshConn
 
 PACKAGE = REPO / "nebula_cli"
 

@@ -24,7 +24,7 @@ from nebula_cli.config.pipeline import (
 from nebula_cli.config.spec import parse_spec
 from nebula_cli.control.final_parameters import verdict
 from nebula_cli.errors import SpecError
-from nebula_cli.transport.ssh_conn import SshConn
+from nebula_cli.transport.ssh.conn import SshConn
 
 DEVICES = ["east/e1/0", "east/e1/1", "west/w1/0", "west/w1/1"]
 CROSSED = {"stages": [["east/e1/0", "west/w1/1"], ["west/w1/0", "east/e1/1"]]}

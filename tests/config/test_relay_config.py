@@ -11,7 +11,9 @@ from typing import Any
 import pytest
 from helpers.plan_defaults import relay_defaults
 
-from nebula_cli.config.codec_params import CodecParamSet, Int8Params, TopKParams
+from nebula_cli.codecs.int8.params import Int8Params
+from nebula_cli.codecs.topk.params import TopKParams
+from nebula_cli.config.codec_params import CodecParamSet
 from nebula_cli.config.relay_config import RelayConfig, RelayConfigError
 
 

@@ -19,6 +19,7 @@ from nebula_cli.config.parts import (
     SYNC_CONFIG_ENV,
     SyncConfig,
 )
+from nebula_cli.config.roles.kind import ROLE_NAMES, RoleKind
 from nebula_cli.config.roles.registry import (
     DEFAULT_ROLE,
     ROLES,
@@ -32,7 +33,7 @@ from nebula_cli.config.roles.train import TrainRole
 from nebula_cli.config.roles.worker_host import WorkerHost
 from nebula_cli.config.spec import ClusterSpec, JobSpec, parse_spec
 from nebula_cli.errors import UsageError
-from nebula_cli.transport.ssh_conn import SshConn
+from nebula_cli.transport.ssh.conn import SshConn
 
 
 def spec_of(extra: str = "", relay: bool = True) -> JobSpec:
@@ -169,3 +170,18 @@ def test_the_plan_builds_every_worker_through_its_role() -> None:
         sync = json.loads(worker.files["sync.json"])
         assert proc.env[SYNC_CONFIG_ENV] == f"{worker.agent_dir}/sync.json"
         assert sync["cluster"] == worker.cluster
+
+
+def test_a_role_is_asked_what_it_does_by_its_kind() -> None:
+    assert [k.value for k in RoleKind] == list(ROLE_NAMES) == ["train", "teacher"]
+    assert set(ROLE_NAMES) == set(ROLES)
+    assert (RoleKind.TRAIN.averages, RoleKind.TRAIN.serves_labels, RoleKind.TRAIN.trains) == (
+        True, False, True)
+    assert (RoleKind.TEACHER.averages, RoleKind.TEACHER.serves_labels,
+            RoleKind.TEACHER.trains) == (False, True, False)
+    for role in ROLES.values():  # each JobRole takes what it does from its kind
+        assert role.name == role.kind.value
+        assert (role.relay_services, role.trains) == (role.kind.relay_services, role.kind.trains)
+    spec = teacher_spec()
+    assert [c.kind for c in spec.clusters] == [RoleKind.TEACHER, RoleKind.TRAIN]
+    assert [c.kind.serves_labels for c in spec.clusters] == [True, False]

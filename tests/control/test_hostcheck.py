@@ -12,7 +12,7 @@ from helpers.jobs import CLI, write_spec
 
 from nebula_cli.control.hostcheck import MIN_PYTHON, check_host, require_python, too_old
 from nebula_cli.errors import TransportError
-from nebula_cli.transport.local import LocalTransport
+from nebula_cli.transport.local.transport import LocalTransport
 
 OLD = "3.10.12"
 NEED = ".".join(map(str, MIN_PYTHON))

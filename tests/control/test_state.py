@@ -13,7 +13,7 @@ from helpers.old_state import old_home
 from nebula_cli.control.state import SCHEMA_VERSION, HostRecord, StateStore, new_job_id
 from nebula_cli.errors import JobNotFound, NebulaError
 from nebula_cli.schedulers.slurm.node_conn import SlurmNodeConn
-from nebula_cli.transport.ssh_conn import SshConn
+from nebula_cli.transport.ssh.conn import SshConn
 
 SPEC = {"name": "demo", "clusters": [{"name": "a", "hosts": [{"host": "h1"}]}]}
 

@@ -19,7 +19,7 @@ from helpers.jobs import CLI, REPO, wait_for, write_spec
 from nebula_cli.control.fanout import GroupError, fanout
 from nebula_cli.control.session import Session
 from nebula_cli.control.state import StateStore
-from nebula_cli.transport.local_conn import LocalConn
+from nebula_cli.transport.local.conn import LocalConn
 
 SPEC = """
 name: cancel

@@ -14,7 +14,7 @@ from pathlib import Path
 from helpers.sshd_bed import PRIVSEP_DIR, SSHD, descendants, free_port, keygen
 
 from nebula_cli.transport.hostkeys import host_entry_name
-from nebula_cli.transport.ssh import SSHTransport
+from nebula_cli.transport.ssh.transport import SSHTransport
 
 
 class LocalSshd:

@@ -20,7 +20,7 @@ import pytest
 
 from nebula_cli.transport import freeport
 from nebula_cli.transport.hostkeys import host_entry_name
-from nebula_cli.transport.ssh import (
+from nebula_cli.transport.ssh.transport import (
     SSHTransport,
 )
 

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from nebula_cli.config.codec_params import Int8Params, TopKParams
+from nebula_cli.codecs.int8.params import Int8Params
+from nebula_cli.codecs.topk.params import TopKParams
 from nebula_cli.planner.advisor import (
     ACCURACY_ORDER,
     DEFAULT_CODECS,

@@ -27,7 +27,7 @@ from nebula_cli.config.spec import JobSpec, parse_spec
 from nebula_cli.runtime import metrics
 from nebula_cli.runtime.engine import LOG_EVERY, EngineDriver
 from nebula_cli.runtime.sync import OuterSync
-from nebula_cli.transport.local_conn import LocalConn
+from nebula_cli.transport.local.conn import LocalConn
 
 CFG = default_sync_config()
 

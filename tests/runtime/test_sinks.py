@@ -24,7 +24,7 @@ from nebula_cli.config.parts import METRICS_CONFIG_ENV, MetricsConfig
 from nebula_cli.config.sections import WandbSpec
 from nebula_cli.config.spec import parse_spec
 from nebula_cli.errors import SpecError
-from nebula_cli.transport.ssh_conn import SshConn
+from nebula_cli.transport.ssh.conn import SshConn
 
 STEPS = 20
 LOGGING = """

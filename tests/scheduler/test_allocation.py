@@ -9,7 +9,7 @@ from pathlib import Path
 from nebula_cli.control import allocations
 from nebula_cli.scheduler.allocation import Allocation
 from nebula_cli.schedulers.slurm.node_conn import SlurmNodeConn
-from nebula_cli.transport.ssh_conn import SshConn
+from nebula_cli.transport.ssh.conn import SshConn
 
 LOGIN = {"transport": "ssh", "name": "login", "host": "login", "user": "jdoe", "port": None,
          "key": None, "jump": None, "python": "python3"}

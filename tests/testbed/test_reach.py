@@ -22,7 +22,7 @@ from nebula_cli.config import jobplan, plan_model, strict, worlds
 from nebula_cli.config.relay_config import RelayConfig
 from nebula_cli.config.spec import JobSpec, load_spec
 from nebula_cli.config.tunnel_config import TunnelConfig
-from nebula_cli.transport.ssh_conn import SshConn
+from nebula_cli.transport.ssh.conn import SshConn
 from testbed import TestBed
 
 T = TypeVar("T")

@@ -9,8 +9,8 @@ import pytest
 
 from nebula_cli.schedulers.slurm.node_conn import SlurmNodeConn
 from nebula_cli.transport.conn import Conn
-from nebula_cli.transport.local_conn import LocalConn
-from nebula_cli.transport.ssh_conn import SshConn
+from nebula_cli.transport.local.conn import LocalConn
+from nebula_cli.transport.ssh.conn import SshConn
 
 LOGIN = SshConn(name="login", host="login.example", user="jdoe", python="python3")
 

@@ -7,7 +7,7 @@ import socket
 import subprocess
 
 from nebula_cli.transport import freeport
-from nebula_cli.transport.local import LocalTransport
+from nebula_cli.transport.local.transport import LocalTransport
 
 
 def test_a_drawn_port_is_free_and_below_the_ephemeral_range() -> None:

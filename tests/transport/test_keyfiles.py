@@ -22,7 +22,7 @@ pytestmark = pytest.mark.skipif(
 
 CHILD = """
 import sys
-from nebula_cli.transport.ssh import SSHTransport
+from nebula_cli.transport.ssh.transport import SSHTransport
 port, key, known, nocfg = sys.argv[1:]
 for i in range(2):
     t = SSHTransport("enc", "127.0.0.1", user="root", port=int(port), key=key,

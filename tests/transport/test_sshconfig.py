@@ -22,7 +22,7 @@ from helpers.local_sshd import SSHD, LocalSshd, local_sshd
 from nebula_cli.errors import TransportError
 from nebula_cli.transport.hostkeys import host_entry_name
 from nebula_cli.transport.openssh_config import expand_tokens
-from nebula_cli.transport.ssh import AuthError, SSHTransport, UnknownHostKey
+from nebula_cli.transport.ssh.transport import AuthError, SSHTransport, UnknownHostKey
 from nebula_cli.transport.sshconfig import resolve
 
 HELPERS = Path(__file__).resolve().parents[1] / "helpers"

@@ -22,7 +22,7 @@ import paramiko
 import pytest
 from helpers.local_sshd import SSHD, local_sshd
 
-from nebula_cli.transport.local import LocalTransport
+from nebula_cli.transport.local.transport import LocalTransport
 
 pytestmark = [
     pytest.mark.skipif(os.geteuid() != 0, reason="needs root to run a test sshd"),

@@ -21,7 +21,7 @@ import pytest
 from helpers.sshd_bed import SSHD, Bed
 
 from nebula_cli.transport import LocalTransport, Transport
-from nebula_cli.transport.openssh import OpenSSHTransport
+from nebula_cli.transport.openssh.transport import OpenSSHTransport
 
 SECRET = f"s3cret-{uuid.uuid4().hex}"
 

@@ -11,9 +11,9 @@ import pytest
 from nebula_cli.config.cluster import ClusterSpec
 from nebula_cli.errors import UsageError
 from nebula_cli.schedulers.slurm.node_conn import SlurmNodeConn
-from nebula_cli.transport.local_conn import LocalConn
+from nebula_cli.transport.local.conn import LocalConn
 from nebula_cli.transport.registry import KINDS, SPEC_KINDS, conn_from_data, describe
-from nebula_cli.transport.ssh_conn import SshConn
+from nebula_cli.transport.ssh.conn import SshConn
 
 # what earlier versions of nebula recorded (transport.describe, slurm_node, conn_of), verbatim
 STORED_LOCAL = {"transport": "local", "name": "e1", "home": "/home/me/.nebula",

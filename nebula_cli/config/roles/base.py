@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import Protocol
 
+from nebula_cli.config.roles.kind import RoleKind
 from nebula_cli.config.roles.services import RelayService
 from nebula_cli.config.roles.worker_host import WorkerHost
 
@@ -12,8 +13,10 @@ from nebula_cli.config.roles.worker_host import WorkerHost
 class JobRole(Protocol):
     """A role's worker processes on one host (stateless; one instance per name)."""
 
+    kind: RoleKind
+    """What the spec's `role:` names, which answers what the spec and the plan ask of it."""
     name: str
-    """What names the role (issue 24's spec field `role:`)."""
+    """What names the role (issue 24's spec field `role:`): its kind's value."""
     relay_services: frozenset[RelayService]
     """The relay services the role's clusters take part in."""
     trains: bool

@@ -16,7 +16,7 @@ from nebula_cli.config.spec import ClusterSpec
 from nebula_cli.errors import UsageError
 
 ROLES: dict[str, JobRole] = {r.name: r for r in (TrainRole(), TeacherRole())}
-DEFAULT_ROLE = "train"
+DEFAULT_ROLE: str = ClusterSpec.model_fields["role"].default
 """What a cluster runs unless the spec says otherwise."""
 
 

@@ -13,7 +13,7 @@ from nebula_cli.config.distill_config import DISTILL_CONFIG_ENV
 from nebula_cli.config.distill_plan import distill_config
 from nebula_cli.config.parts import METRICS_CONFIG_ENV, METRICS_FILE_ENV, helper_env
 from nebula_cli.config.plan_model import WORKER, cert_names
-from nebula_cli.config.roles.services import RelayService
+from nebula_cli.config.roles.kind import RoleKind
 from nebula_cli.config.roles.worker_host import WorkerHost
 from nebula_cli.config.worlds import site_key
 
@@ -25,9 +25,10 @@ BUILTIN_SERVER = "nebula_cli.runtime.distill.hf_server"
 class TeacherRole:
     """Teacher processes: one serving rank per slot, answering the students' label requests."""
 
-    name = "teacher"
-    relay_services = frozenset({RelayService.SOFT_LABELS})
-    trains = False
+    kind = RoleKind.TEACHER
+    name = kind.value
+    relay_services = kind.relay_services
+    trains = kind.trains
 
     def command(self, at: WorkerHost) -> list[str]:
         if at.cluster.run is not None:

@@ -11,7 +11,7 @@ from nebula_cli.config.checkpoint_paths import checkpoint_settings
 from nebula_cli.config.parts import SYNC_CONFIG_ENV
 from nebula_cli.config.plan_model import WORKER, cert_names
 from nebula_cli.config.relay_plan import relay_addr, relay_socket
-from nebula_cli.config.roles.services import RelayService
+from nebula_cli.config.roles.kind import RoleKind
 from nebula_cli.config.roles.teacher import distill_files
 from nebula_cli.config.roles.worker_host import WorkerHost
 from nebula_cli.config.runtime_hook import with_runtime_hook
@@ -24,9 +24,10 @@ SYNC_FILE = "sync.json"
 class TrainRole:
     """Training workers: DeepSpeed ranks running the spec's script, synced by the relays."""
 
-    name = "train"
-    relay_services = frozenset({RelayService.AVERAGE})
-    trains = True
+    kind = RoleKind.TRAIN
+    name = kind.value
+    relay_services = kind.relay_services
+    trains = kind.trains
 
     def command(self, at: WorkerHost) -> list[str]:
         return ["/bin/sh", "-c", at.cluster.run or at.spec.run]

@@ -1,10 +1,10 @@
 """What every WAN codec shares: the encoded form (:class:`Encoded`), the interface
 (:class:`Codec`), its error (:class:`CodecError`) and the helpers codecs build on (input checks,
-zero-copy views of a payload). The codecs themselves are in :mod:`nebula_cli.relay.codecs.dense`
-(dense) and :mod:`nebula_cli.relay.codecs.topk` (sparse), registered by name in
+zero-copy views of a payload). The codecs themselves are their packages' ``codec`` modules
+(`nebula_cli/codecs/<name>/codec.py`), registered by name in
 :mod:`nebula_cli.relay.codecs.registry`; what the plan knows of each (its knobs, its cost, its
-name) is its params class in :mod:`nebula_cli.config.codec_params`, which the codec class names
-as ``Params``."""
+name) is its params class, its package's ``params`` module, which the codec class names as
+``Params``."""
 
 from __future__ import annotations
 
@@ -147,6 +147,16 @@ class Codec(ABC):
         if not isinstance(params, cls.Params):
             raise CodecError(f"{cls.name}: expected {cls.Params.__name__}, got {params!r}")
         return cls(**{f.name: getattr(params, f.name) for f in dataclasses.fields(params)})
+
+    def encode_view(self, x: torch.Tensor) -> Encoded | None:
+        """An encoding of a flat fp32 chunk that is a view of it (no copy, no error feedback:
+        the codec is exact), where the format allows; None (the default): encode it."""
+        return None
+
+    def decode_view(self, enc: Encoded) -> torch.Tensor | None:
+        """enc decoded as a view of its payload (no copy), where the format allows; None (the
+        default): decode it."""
+        return None
 
     def encode(self, x: torch.Tensor) -> Encoded:
         """Encode a floating tensor (flattened; converted to fp32 first). CodecError for

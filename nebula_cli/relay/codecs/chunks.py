@@ -8,7 +8,7 @@ from collections.abc import Iterator
 
 import torch
 
-from nebula_cli.config.codec_params import Int8Params
+from nebula_cli.codecs.int8.params import Int8Params
 from nebula_cli.relay.codecs.base import CodecError, is_int
 
 DEFAULT_ALIGN = Int8Params.block_size

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import math
 import threading
-import warnings
 from typing import Any
 
 import torch
@@ -33,17 +32,10 @@ def check_contribution(x: torch.Tensor, codec: Codec) -> str:
 
 
 def decode(codec: Codec, enc: Encoded) -> torch.Tensor:
-    """The codec's decode; for "none" a view of the received buffer (no copy)."""
-    if enc.codec == "none" and codec.name == "none" and not enc.meta:
-        view = memoryview(enc.payload).cast("B")
-        if view.nbytes != 4 * enc.numel:
-            raise CodecError(f"none: payload of {view.nbytes} bytes for {enc.numel} elements")
-        if enc.numel == 0:
-            return torch.empty(0)
-        with warnings.catch_warnings():  # read-only buffers (own chunks) are only read
-            warnings.simplefilter("ignore", UserWarning)
-            return torch.frombuffer(view, dtype=torch.float32)
-    return codec.decode(enc)
+    """The codec's decode; a view of the received buffer (no copy) where the codec has one
+    (`Codec.decode_view`: none's)."""
+    view = codec.decode_view(enc)
+    return view if view is not None else codec.decode(enc)
 
 
 class OwnChunks:
@@ -63,8 +55,9 @@ class OwnChunks:
              feedback: ErrorFeedback | None) -> None:
         try:
             for k, chunk in enumerate(iter_chunks(x, chunk_numel, align=align)):
-                if codec.name == "none":  # fp32 as is: the payload is a view, no copy
-                    enc = Encoded("none", chunk.numel(), {}, memoryview(chunk.numpy()).cast("B"))
+                view = codec.encode_view(chunk)  # none's: fp32 as is, the payload a view
+                if view is not None:
+                    enc = view
                 elif feedback is not None:
                     enc = feedback.encode(chunk, key=k, codec=codec)
                 else:

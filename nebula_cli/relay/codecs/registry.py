@@ -15,8 +15,9 @@ int8      ceil(numel/B) float32 scales, then     absmax_block/254 * (1 + 2**-12)
 topk      scales, positions, packed values       max(|x|, absmax_group/(2**bits-1)) (1 + 2**-12)
 ========  =====================================  ===============================================
 
-(:mod:`~nebula_cli.relay.codecs.dense` holds the first four, :mod:`~nebula_cli.relay.codecs.topk`
-the sparse one.) Encoding refuses (CodecError) input that is not finite or is beyond the codec's
+(Each is its package's ``codec`` module, `nebula_cli/codecs/<package>/codec.py`: ``none``,
+``half`` (fp16, bf16), ``int8``, ``topk``, registered in `nebula_cli/codecs/registry.py`.)
+Encoding refuses (CodecError) input that is not finite or is beyond the codec's
 range: the relay never forwards poison. Decoding checks the codec name, numel, meta and the
 exact payload length before touching the payload; it does not check the decoded values unless
 asked (``check_finite=True``), because the relay decides itself what to do with a non-finite
@@ -34,11 +35,10 @@ from typing import Any
 
 import torch
 
+from nebula_cli.codecs import registry as packages
 from nebula_cli.config.codec_params import CODEC_PARAMS, CodecParams, params_from_knobs
 from nebula_cli.config.relay_config import RelayConfig
 from nebula_cli.relay.codecs.base import Codec, CodecError, Encoded
-from nebula_cli.relay.codecs.dense import Bf16Codec, Fp16Codec, Int8Codec, NoneCodec
-from nebula_cli.relay.codecs.topk import TopKCodec
 
 
 def _build_registry(*classes: type[Codec]) -> Mapping[str, type[Codec]]:
@@ -48,17 +48,18 @@ def _build_registry(*classes: type[Codec]) -> Mapping[str, type[Codec]]:
             raise RuntimeError(f"codec name {cls.name!r} registered twice")
         if CODEC_PARAMS.get(cls.name) is not cls.Params:
             raise RuntimeError(f"codec {cls.name!r} ({cls.__name__}) has no params class in "
-                               f"nebula_cli.config.codec_params.CODEC_PARAMS")
+                               f"nebula_cli.config.codec_params.CODEC_PARAMS (its package's "
+                               f"params.PARAMS)")
         registry[cls.name] = cls
     if tuple(registry) != tuple(CODEC_PARAMS):
         raise RuntimeError(f"codecs {tuple(registry)} registered, the plan's catalog has "
-                           f"{tuple(CODEC_PARAMS)}: register each codec in both, in one order")
+                           f"{tuple(CODEC_PARAMS)}: register each codec in both "
+                           f"(its package's params.PARAMS and codec.CODECS), in one order")
     return MappingProxyType(registry)
 
 
 CODECS: Mapping[str, type[Codec]] = _build_registry(
-    NoneCodec, Fp16Codec, Bf16Codec, Int8Codec, TopKCodec
-)
+    *(cls for module in packages.parts("codec") for cls in module.CODECS))
 """The closed registry: wire name -> codec class."""
 KNOWN_CODECS: tuple[str, ...] = tuple(CODECS)
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from nebula_cli.config.codec_params import Int8Params
+from nebula_cli.codecs.int8.params import Int8Params
 from nebula_cli.relay.codecs.base import CodecError
 from nebula_cli.relay.codecs.chunks import DEFAULT_ALIGN, chunk_spans, iter_chunks
 

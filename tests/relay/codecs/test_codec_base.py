@@ -10,7 +10,8 @@ from typing import ClassVar
 import pytest
 import torch
 
-from nebula_cli.config.codec_params import NoneParams
+from nebula_cli.codecs.none.codec import NoneCodec
+from nebula_cli.codecs.none.params import NoneParams
 from nebula_cli.errors import NebulaError
 from nebula_cli.relay.codecs.base import (
     Codec,
@@ -23,7 +24,6 @@ from nebula_cli.relay.codecs.base import (
     is_int,
     prepare,
 )
-from nebula_cli.relay.codecs.dense import NoneCodec
 
 
 def test_encoded_travels_in_a_frames_meta() -> None:

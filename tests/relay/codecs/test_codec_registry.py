@@ -11,16 +11,16 @@ import pytest
 import torch
 from helpers.plan_defaults import relay_defaults
 
-from nebula_cli.config.codec_params import (
-    CODEC_PARAMS,
-    NoneParams,
-    TopKParams,
-    params_from_knobs,
-)
+from nebula_cli.codecs.half.codec import Fp16Codec
+from nebula_cli.codecs.int8.codec import Int8Codec
+from nebula_cli.codecs.none.codec import NoneCodec
+from nebula_cli.codecs.none.params import NoneParams
+from nebula_cli.codecs.topk.codec import TopKCodec
+from nebula_cli.codecs.topk.params import TopKParams
+from nebula_cli.config.codec_params import CODEC_PARAMS, params_from_knobs
 from nebula_cli.config.relay_config import AutoCodec, RelayConfig
 from nebula_cli.relay.codecs import registry
 from nebula_cli.relay.codecs.base import Codec, CodecError, Encoded
-from nebula_cli.relay.codecs.dense import Fp16Codec, Int8Codec, NoneCodec
 from nebula_cli.relay.codecs.registry import (
     CODECS,
     KNOWN_CODECS,
@@ -30,7 +30,6 @@ from nebula_cli.relay.codecs.registry import (
     get_codec,
     relay_codecs,
 )
-from nebula_cli.relay.codecs.topk import TopKCodec
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64]
 SIZES = [0, 1, 17, 1023, 1025, 4097]

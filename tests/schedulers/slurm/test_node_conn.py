@@ -12,7 +12,7 @@ import pytest
 from nebula_cli.schedulers.slurm.node_conn import SlurmNodeConn
 from nebula_cli.schedulers.slurm.node_transport import SlurmNodeTransport
 from nebula_cli.transport import LocalTransport
-from nebula_cli.transport.local_conn import LocalConn
+from nebula_cli.transport.local.conn import LocalConn
 
 SRUN = """#!/bin/sh
 # the step's options, as nebula passes them, then the command

@@ -13,7 +13,7 @@ from nebula_cli.scheduler.allocation import Allocation
 from nebula_cli.schedulers.slurm import allocator as slurm_mod
 from nebula_cli.schedulers.slurm.allocator import SlurmAllocator, keeper_name, output_path
 from nebula_cli.transport import LocalTransport
-from nebula_cli.transport.ssh_conn import SshConn
+from nebula_cli.transport.ssh.conn import SshConn
 
 ALLOC = Allocation(cluster="hpc", login=SshConn(name="login", python="python3"), job="12",
                    job_root="/r", nodes={"n1": "10.1.0.1"})

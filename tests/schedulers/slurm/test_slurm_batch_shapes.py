@@ -38,7 +38,7 @@ from nebula_cli.errors import SpecError
 from nebula_cli.scheduler.allocation import Allocation
 from nebula_cli.schedulers.slurm.allocator import SlurmAllocator, output_path
 from nebula_cli.transport import LocalTransport, Transport
-from nebula_cli.transport.local_conn import LocalConn
+from nebula_cli.transport.local.conn import LocalConn
 
 pytestmark = pytest.mark.testbed
 

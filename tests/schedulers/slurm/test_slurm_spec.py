@@ -23,7 +23,7 @@ from nebula_cli.schedulers.slurm.allocator import allocation_state, template_of
 from nebula_cli.schedulers.slurm.node_conn import SlurmNodeConn
 from nebula_cli.schedulers.slurm.scheduler import slurm_request
 from nebula_cli.schedulers.slurm.slurm_cli import QueueState
-from nebula_cli.transport.ssh_conn import SshConn
+from nebula_cli.transport.ssh.conn import SshConn
 
 SLURM = """\
 name: demo

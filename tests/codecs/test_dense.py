@@ -1,4 +1,5 @@
-"""relay/codecs/ (dense and topk through the registry, feedback, chunks): every codec
+"""The dense codecs (codecs/none/, half/, int8/ codec.py; and topk through the relay's registry,
+feedback, chunks): every codec
 round-trips within its stated bound, refuses poison and corrupt encodings, and error feedback
 keeps the sum of what was sent on track."""
 
@@ -12,11 +13,11 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from nebula_cli.config.codec_params import Int8Params
+from nebula_cli.codecs.int8.codec import INT8_FLUSH_BELOW, Int8Codec
+from nebula_cli.codecs.int8.params import Int8Params
 from nebula_cli.errors import NebulaError
 from nebula_cli.relay.codecs.base import Codec, CodecError, Encoded
 from nebula_cli.relay.codecs.chunks import chunk_spans, iter_chunks
-from nebula_cli.relay.codecs.dense import INT8_FLUSH_BELOW, Int8Codec
 from nebula_cli.relay.codecs.feedback import ErrorFeedback
 from nebula_cli.relay.codecs.registry import CODECS, KNOWN_CODECS, decode, get_codec
 

@@ -21,7 +21,7 @@ from helpers.sshd_bed import (
 
 from nebula_cli.errors import CommandFailed, TransportError
 from nebula_cli.transport.hostkeys import fingerprint
-from nebula_cli.transport.ssh import (
+from nebula_cli.transport.ssh.transport import (
     AuthError,
     ChangedHostKey,
     SSHTimeout,

@@ -12,8 +12,8 @@ import pytest
 from helpers.jobs import write_spec
 
 from nebula_cli.config.spec import load_spec
-from nebula_cli.transport.openssh import CONTROL_DIR, OpenSSHTransport
-from nebula_cli.transport.openssh_conn import OpensshConn
+from nebula_cli.transport.openssh.conn import OpensshConn
+from nebula_cli.transport.openssh.transport import CONTROL_DIR, OpenSSHTransport
 from nebula_cli.transport.registry import conn_from_data, describe
 
 pytestmark = pytest.mark.skipif(shutil.which("ssh") is None, reason="needs OpenSSH's client")

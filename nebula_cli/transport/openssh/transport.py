@@ -44,7 +44,7 @@ from nebula_cli.transport.base import (
 from nebula_cli.transport.execfiles import ExecFiles
 from nebula_cli.transport.hostkeys import SSH_PORT, KnownHosts
 from nebula_cli.transport.openssh_config import ssh_binary
-from nebula_cli.transport.ssh import (
+from nebula_cli.transport.ssh.transport import (
     CONNECT_TIMEOUT,
     AuthError,
     HostKeyError,

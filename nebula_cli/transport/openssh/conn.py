@@ -1,5 +1,5 @@
 """`OpensshConn`: a host reached with the user's own `ssh` and a master connection
-(`transport: openssh`; the transport, `openssh.py`, is imported only when a connection
+(`transport: openssh`; the transport, `transport.py`, is imported only when a connection
 opens). For hosts that ask more than a key: a one-time code, Kerberos, a FIDO key."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import dataclasses
 from typing import ClassVar
 
 from nebula_cli.transport.base import Transport
-from nebula_cli.transport.ssh_conn import SshConn
+from nebula_cli.transport.ssh.conn import SshConn
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -25,7 +25,11 @@ class OpensshConn(SshConn):
 
     def open(self, *, accept_new_host_keys: bool = False,
              through: Transport | None = None) -> Transport:
-        from nebula_cli.transport.openssh import OpenSSHTransport
+        from nebula_cli.transport.openssh.transport import OpenSSHTransport
 
         return OpenSSHTransport(self.name, self.host, **self._transport_args(accept_new_host_keys),
                                 control_dir=self.control_dir)
+
+
+CONN = OpensshConn
+"""This package's kind (`nebula_cli/transport/registry.py`)."""

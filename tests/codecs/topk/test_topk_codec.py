@@ -1,4 +1,4 @@
-"""relay/codecs/topk.py: the layout a density means, what is kept (the largest magnitudes of
+"""codecs/topk/codec.py: the layout a density means, what is kept (the largest magnitudes of
 each span, with their signs), the payload byte by byte, the stated bound, and refusals of
 knobs and of encodings the format cannot carry."""
 
@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from nebula_cli.config.codec_params import TopKParams
+from nebula_cli.codecs.topk.codec import BITS, BLOCK, SPANS, TopKCodec, layout_for
+from nebula_cli.codecs.topk.params import TopKParams
 from nebula_cli.relay.codecs.base import CodecError, Encoded
-from nebula_cli.relay.codecs.topk import BITS, BLOCK, SPANS, TopKCodec, layout_for
 
 
 def test_layout_follows_the_params_and_refuses_bad_densities() -> None:

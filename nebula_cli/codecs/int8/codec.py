@@ -1,6 +1,6 @@
-"""The dense WAN codecs: every element is sent, as fp32 (``none``), as a 16-bit float
-(``fp16``, ``bf16``) or as int8 with a scale per block (``int8``); see
-:mod:`nebula_cli.relay.codecs.registry` for every codec's payload and error bound side by side.
+"""The ``int8`` codec on the wire (relay layer): every element as int8 with a scale per block;
+see :mod:`nebula_cli.relay.codecs.registry` for every codec's payload and error bound side by
+side.
 
 int8 is blockwise absmax quantisation: for every block of B (``block_size``, default 256)
 elements, scale = absmax/127 and q = round(x/scale) in [-127, 127]; the last block may be
@@ -12,20 +12,18 @@ Everything is vectorised torch on the CPU; no Python loop runs over elements.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
-from typing import Any, ClassVar
+from typing import Any
 
 import torch
 
-from nebula_cli.config.codec_params import Bf16Params, Fp16Params, Int8Params, NoneParams
+from nebula_cli.codecs.int8.params import Int8Params
 from nebula_cli.relay.codecs.base import (
     Codec,
     CodecError,
     Encoded,
     all_finite,
     buffer_view,
-    check_input,
     is_int,
     prepare,
 )
@@ -35,78 +33,6 @@ MAX_BLOCK_SIZE = 1 << 20
 INT8_FLUSH_BELOW = 2.0**-110
 """int8 blocks whose absmax is below this are sent as zeros (their scale would underflow)."""
 _WORK_ELEMS = 1 << 18  # int8 encode works in pieces of this many elements (temp stays in cache)
-
-
-class NoneCodec(Codec):
-    """fp32 as is: 4 bytes per element, exact."""
-
-    Params = NoneParams
-    error_bound = "exact"
-
-    def payload_nbytes(self, numel: int, meta: Mapping[str, Any] | None = None) -> int:
-        self.check_meta(meta or {})
-        return 4 * numel
-
-    def max_abs_error(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.zeros_like(prepare(x))
-
-    def _encode(self, x: torch.Tensor) -> Encoded:
-        check_input(x, self.name, math.inf)
-        buf = bytearray(4 * x.numel())
-        buffer_view(buf, torch.float32, 0, x.numel()).copy_(x)
-        return Encoded(self.name, x.numel(), {}, buf)
-
-    def _decode(self, enc: Encoded, out: torch.Tensor) -> None:
-        out.copy_(buffer_view(enc.payload, torch.float32, 0, enc.numel))
-
-
-class _CastCodec(Codec):
-    """A 16-bit float cast: 2 bytes per element, round to nearest even."""
-
-    wire_dtype: ClassVar[torch.dtype]
-    rel: ClassVar[float]
-    tiny: ClassVar[float]
-
-    def payload_nbytes(self, numel: int, meta: Mapping[str, Any] | None = None) -> int:
-        self.check_meta(meta or {})
-        return 2 * numel
-
-    @property
-    def limit(self) -> float:
-        """Largest magnitude accepted (the format's largest finite value)."""
-        return float(torch.finfo(self.wire_dtype).max)
-
-    def max_abs_error(self, x: torch.Tensor) -> torch.Tensor:
-        return (prepare(x).abs() * self.rel).clamp_min_(self.tiny)
-
-    def _encode(self, x: torch.Tensor) -> Encoded:
-        check_input(x, self.name, self.limit)
-        buf = bytearray(2 * x.numel())
-        buffer_view(buf, self.wire_dtype, 0, x.numel()).copy_(x)
-        return Encoded(self.name, x.numel(), {}, buf)
-
-    def _decode(self, enc: Encoded, out: torch.Tensor) -> None:
-        out.copy_(buffer_view(enc.payload, self.wire_dtype, 0, enc.numel))
-
-
-class Fp16Codec(_CastCodec):
-    """IEEE half: 11 significant bits; refuses |x| > 65504."""
-
-    Params = Fp16Params
-    error_bound = "max(|x| * 2**-11, 2**-25); input limited to |x| <= 65504"
-    wire_dtype = torch.float16
-    rel = 2.0**-11
-    tiny = 2.0**-25
-
-
-class Bf16Codec(_CastCodec):
-    """bfloat16: fp32's exponent range, 8 significant bits."""
-
-    Params = Bf16Params
-    error_bound = "max(|x| * 2**-8, 2**-134); input limited to |x| <= 3.3895e38"
-    wire_dtype = torch.bfloat16
-    rel = 2.0**-8
-    tiny = 2.0**-134
 
 
 class Int8Codec(Codec):
@@ -206,3 +132,7 @@ def _check_block_size(bs: object) -> int:
             f"int8: block_size must be an integer in [1, {MAX_BLOCK_SIZE}], got {bs!r}"
         )
     return bs  # type: ignore[return-value]
+
+
+CODECS = (Int8Codec,)
+"""This package's codecs (`nebula_cli/codecs/registry.py`)."""

@@ -3,7 +3,7 @@
 pam_oath): `launch` asks for the code once, on its terminal (a pseudo-terminal the test
 answers with `oathtool`); `status`, `logs` and `stop`, run afterwards without a terminal, go
 through the same master connection and are never asked again; without a terminal and without
-a master, the host is one error naming it and the fix (transport/openssh.py).
+a master, the host is one error naming it and the fix (transport/openssh/transport.py).
 
 REALWORLD row (SSH): `AuthenticationMethods publickey,keyboard-interactive` (a one-time code
 after the key)."""
@@ -24,8 +24,8 @@ from helpers.jobs import CLI, REMOTE_JOBS, wait_for, write_spec
 from helpers.local_sshd import SSHD, LocalSshd, local_sshd
 from helpers.terminal import run_on_a_terminal
 
-from nebula_cli.transport.openssh import OpenSSHTransport
-from nebula_cli.transport.ssh import AuthError, SSHTransport
+from nebula_cli.transport.openssh.transport import OpenSSHTransport
+from nebula_cli.transport.ssh.transport import AuthError, SSHTransport
 
 PAM_OATH = Path("/lib/x86_64-linux-gnu/security/pam_oath.so")
 pytestmark = pytest.mark.skipif(

@@ -1,7 +1,7 @@
-"""transport/openssh.py: the masters' control folder is used only when it is this user's own
-folder (0700, no symlink): one planted by another user, or a symlink, is refused before any
-socket in it is trusted or any `ssh` is started, with one error naming the host and the fix;
-a missing one is made 0700 and works. A real sshd, the real `ssh` client, a real other user
+"""transport/openssh/transport.py: the masters' control folder is used only when it is this user's
+own folder (0700, no symlink): one planted by another user, or a symlink, is refused before any
+socket in it is trusted or any `ssh` is started, with one error naming the host and the fix; a
+missing one is made 0700 and works. A real sshd, the real `ssh` client, a real other user
 (nobody)."""
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import pytest
 from helpers.local_sshd import SSHD, LocalSshd, local_sshd
 
 from nebula_cli.errors import TransportError
-from nebula_cli.transport.openssh import OpenSSHTransport
+from nebula_cli.transport.openssh.transport import OpenSSHTransport
 
 OTHER_UID = 65534  # nobody
 pytestmark = pytest.mark.skipif(

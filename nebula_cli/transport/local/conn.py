@@ -8,7 +8,7 @@ from typing import Any
 
 from nebula_cli.transport.base import Transport
 from nebula_cli.transport.conn import Conn, Load
-from nebula_cli.transport.local import LocalTransport, local_python
+from nebula_cli.transport.local.transport import LocalTransport, local_python
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -43,3 +43,7 @@ class LocalConn(Conn):
         return cls(name=data["name"], home=data["home"],
                    python=python if python is not None else local_python(None),
                    pythonpath=data.get("pythonpath"))
+
+
+CONN = LocalConn
+"""This package's kind (`nebula_cli/transport/registry.py`)."""

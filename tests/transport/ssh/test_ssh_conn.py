@@ -4,8 +4,8 @@ and what tools set (known_hosts, a timeout, accepting new host keys) reaches the
 
 from __future__ import annotations
 
-from nebula_cli.transport.ssh import CONNECT_TIMEOUT, SSHTransport
-from nebula_cli.transport.ssh_conn import SshConn
+from nebula_cli.transport.ssh.conn import SshConn
+from nebula_cli.transport.ssh.transport import CONNECT_TIMEOUT, SSHTransport
 
 
 def test_it_opens_an_ssh_transport_with_what_it_says_and_connects_nothing() -> None:

@@ -6,7 +6,7 @@ import sys
 from pathlib import Path
 
 from nebula_cli.transport import LocalTransport
-from nebula_cli.transport.local_conn import LocalConn
+from nebula_cli.transport.local.conn import LocalConn
 from nebula_cli.transport.registry import conn_from_data
 
 

@@ -1,5 +1,5 @@
 """SSHTransport against real sshd processes on 127.0.0.1: ssh_config resolution, ProxyJump over a
-real jump host, and a host without sftp. The sshd fixture: tests/transport/test_ssh.py."""
+real jump host, and a host without sftp. The sshd fixture: tests/transport/ssh/test_ssh.py."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pytest
 from helpers.sshd_bed import NEEDS_SSHD, Bed, free_port
 
 from nebula_cli.errors import TransportError
-from nebula_cli.transport.ssh import (
+from nebula_cli.transport.ssh.transport import (
     HostKeyError,
     SSHTransport,
     UnreachableError,

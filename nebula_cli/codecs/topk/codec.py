@@ -1,4 +1,5 @@
-"""The sparse WAN codec: top-k per span with low-bit values (SparseLoCo's recipe).
+"""The ``topk`` codec on the wire (relay layer), the sparse one: top-k per span with low-bit
+values (SparseLoCo's recipe).
 
 ``topk`` cuts the tensor into spans and keeps, in every span, the ``k`` elements of largest
 magnitude; a partial last span keeps min(k, its size). A density of at least 1/32 uses spans of
@@ -33,13 +34,13 @@ from typing import Any
 
 import torch
 
-from nebula_cli.config.codec_params import (
+from nebula_cli.codecs.topk.params import (
     TOPK_BIT_CHOICES,
     TOPK_SCALE_BLOCK,
     TOPK_SPANS,
     TopKParams,
 )
-from nebula_cli.config.codec_params import topk_position_bits as _pos_bits
+from nebula_cli.codecs.topk.params import topk_position_bits as _pos_bits
 from nebula_cli.relay.codecs.base import (
     Codec,
     CodecError,
@@ -268,3 +269,7 @@ def _check_k(k: object, span: int) -> int:
     if not is_int(k) or not 1 <= k <= span:  # type: ignore[operator]
         raise CodecError(f"topk: k must be an integer in [1, {span}], got {k!r}")
     return k  # type: ignore[return-value]
+
+
+CODECS = (TopKCodec,)
+"""This package's codecs (`nebula_cli/codecs/registry.py`)."""

@@ -49,7 +49,7 @@ class SshConn(Conn):
 
     def _transport_args(self, accept_new_host_keys: bool) -> dict[str, Any]:
         """What an SSH transport of this host is made with (a kind's `open` adds its own)."""
-        from nebula_cli.transport.ssh import CONNECT_TIMEOUT
+        from nebula_cli.transport.ssh.transport import CONNECT_TIMEOUT
 
         return dict(user=self.user, port=self.port, key=self.key, jump=self.jump,
                     python=self.python, home=self.home or "~/.nebula",
@@ -60,7 +60,7 @@ class SshConn(Conn):
 
     def open(self, *, accept_new_host_keys: bool = False,
              through: Transport | None = None) -> Transport:
-        from nebula_cli.transport.ssh import SSHTransport  # paramiko on demand
+        from nebula_cli.transport.ssh.transport import SSHTransport  # paramiko on demand
 
         return SSHTransport(self.name, self.host, **self._transport_args(accept_new_host_keys))
 
@@ -77,3 +77,7 @@ class SshConn(Conn):
                    python=data.get("python") or DEFAULT_PYTHON,
                    pythonpath=data.get("pythonpath"),
                    **{k: data[k] for k in cls._optional if data.get(k) is not None})
+
+
+CONN = SshConn
+"""This package's kind (`nebula_cli/transport/registry.py`)."""

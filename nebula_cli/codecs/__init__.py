@@ -1,0 +1,1 @@
+"""The WAN codecs, one package each, registered once in ``registry.py``."""

@@ -20,7 +20,12 @@ from typer.core import TyperGroup
 from nebula_cli import __version__, pki
 from nebula_cli.cli.live import print_line, watch
 from nebula_cli.cli.netbench_render import bench_matrix, bench_progress
-from nebula_cli.cli.planner_render import advisor_table, placement_progress, placement_table
+from nebula_cli.cli.planner_render import (
+    advisor_table,
+    outer_memory_table,
+    placement_progress,
+    placement_table,
+)
 from nebula_cli.cli.reach_render import reach_problems, reach_table
 from nebula_cli.cli.report import copy_tensorboard, make_report
 from nebula_cli.cli.ui import (
@@ -35,6 +40,7 @@ from nebula_cli.cli.ui import (
 from nebula_cli.config.spec import JobSpec, load_spec
 from nebula_cli.control import final_parameters
 from nebula_cli.control.dryrun import measure
+from nebula_cli.control.memory_fit import memory_problems
 from nebula_cli.control.netbench import run_bench, write_report
 from nebula_cli.control.orchestrator import Orchestrator
 from nebula_cli.control.reachcheck import check_reach
@@ -57,6 +63,7 @@ from nebula_cli.planner import (
     plan_placement,
     wan_link,
 )
+from nebula_cli.planner.outer_memory import ClusterMemory, job_memory
 from nebula_cli.templates import DEFAULT_TEMPLATE, template_names, template_text
 
 app = typer.Typer(
@@ -121,12 +128,18 @@ def _store() -> StateStore:
 def validate(
     spec_path: Annotated[Path, typer.Argument(metavar="SPEC", help="The job spec (YAML).")],
     hosts: Annotated[bool, typer.Option(
-        "--hosts", help="Also reach every host: SSH, python, torch, deepspeed, disk.")] = False,
+        "--hosts", help="Also reach every host: SSH, python, torch, deepspeed, disk, memory.")]
+        = False,
+    params: Annotated[int | None, typer.Option(
+        "--params", min=1, help="Trainable parameters: print each process's outer-step memory; "
+        "with --hosts, refuse hosts that cannot hold it.")] = None,
     accept_new: AcceptNew = False,
 ) -> None:
     """Check a job spec: every problem with file:line:col and the field path."""
     spec = load_spec(spec_path)
     out.print(spec_summary(spec_path, spec))
+    if params is not None:
+        out.print(outer_memory_table(params, _job_memory(spec, params)))
     if not hosts:
         return
     with _store() as store, Orchestrator(store, accept_new_host_keys=accept_new) as orch:
@@ -138,6 +151,8 @@ def validate(
         if c.reached:
             out.print(f"[dim]{escape(c.cluster)}/{escape(c.host)}: {escape(c.reached)}[/]")
     bad = [f"{c.cluster}/{c.host}: {'; '.join(c.problems)}" for c in checks if not c.ok]
+    if params is not None:
+        bad += memory_problems(spec, checks, params)
     if reach is not None:
         out.print(reach_table(reach), *(f"[dim]{note}[/]" for note in reach.notes))
         bad += reach_problems(reach)
@@ -404,6 +419,10 @@ def bench_network(
         raise typer.Exit(EXIT_FAILED)
 
 
+def _job_memory(spec: JobSpec, params: int) -> list[ClusterMemory]:
+    return job_memory(params, {c.name: c.process_count for c in spec.clusters})
+
+
 def _dry_run(spec: JobSpec, params: int | None, step_time: float | None,
              accept_new: bool) -> tuple[int, float]:
     """Fill in what was not given by running the job's script briefly (control.dryrun)."""
@@ -477,10 +496,12 @@ def plan_sync(
         params, step_time = _dry_run(spec, params, step_time, accept_new)
     advice = advise(params, step_time, mbit or 1.0, rtt_ms or 0.0, clusters=len(clusters),
                     overlap=overlap, target=target)
+    memory = _job_memory(spec, params)
     if as_json:
-        out.print_json(json.dumps(advice.to_json()))
+        out.print_json(json.dumps({**advice.to_json(),
+                                   "outer_memory": [c.to_json() for c in memory]}))
     else:
-        out.print(advisor_table(advice))
+        out.print(advisor_table(advice), outer_memory_table(params, memory))
 
 
 @plan_app.command("placement")

@@ -12,6 +12,7 @@ from rich.table import Table
 from rich.text import Text
 
 from nebula_cli.planner.advisor import Advice, spec_lines
+from nebula_cli.planner.outer_memory import ClusterMemory, gib
 from nebula_cli.planner.placement import PhaseProgress, PlacementResult
 
 PHASES = {"nebula": "nebula", "random": "random placements", "local_search": "local search"}
@@ -119,3 +120,20 @@ def advisor_table(advice: Advice) -> Group:
                  Text(f"smallest H reaching {100 * advice.target:.0f} %: {needed}",
                       style="dim"),
                  Text(spec_lines(advice).rstrip("\n")))
+
+
+def outer_memory_table(params: int, clusters: list[ClusterMemory]) -> Table:
+    """Per cluster and process role, the memory the outer step takes (planner/outer_memory)."""
+    table = Table(title=f"outer-step memory per process, GiB: {params:,} parameters (copies of "
+                        "the process's fp32 shard; shared: memfd, in no RSS)",
+                  title_justify="left")
+    table.add_column("cluster")
+    table.add_column("process")
+    for name in ("ranks", "shard", "copies", "own", "shared", "total"):
+        table.add_column(name, justify="right")
+    for c in clusters:
+        for p in c.processes:
+            table.add_row(c.cluster, p.role.value, str(c.ranks), gib(p.shard_bytes, unit=False),
+                          f"{p.copies:g}", gib(p.own_bytes, unit=False),
+                          gib(p.shared_bytes, unit=False), gib(p.total_bytes, unit=False))
+    return table

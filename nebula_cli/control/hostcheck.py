@@ -34,9 +34,46 @@ home = os.path.expanduser(sys.argv[1])
 probe = home
 while not os.path.exists(probe):
     probe = os.path.dirname(probe)
+def mem_available():
+    try:
+        for line in open("/proc/meminfo"):
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except Exception:
+        return None
+def read_limit(path):
+    try:
+        text = open(path).read().strip()
+    except Exception:
+        return None
+    if text == "max" or not text.isdigit() or int(text) >= 1 << 60:
+        return None
+    return int(text)
+def cgroup_limit():
+    found = []
+    try:
+        lines = open("/proc/self/cgroup").read().splitlines()
+    except Exception:
+        return None
+    for line in lines:
+        parts = line.split(":", 2)
+        if len(parts) != 3:
+            continue
+        path = parts[2].rstrip("/")
+        if parts[0] == "0":
+            while True:
+                found.append(read_limit("/sys/fs/cgroup" + path + "/memory.max"))
+                if not path:
+                    break
+                path = path.rsplit("/", 1)[0]
+        elif "memory" in parts[1].split(","):
+            found.append(read_limit("/sys/fs/cgroup/memory" + path + "/memory.limit_in_bytes"))
+    found = [n for n in found if n is not None]
+    return min(found) if found else None
 print(json.dumps({"python": platform.python_version(), "torch": version("torch"),
                   "deepspeed": version("deepspeed"), "free_bytes": shutil.disk_usage(probe).free,
-                  "cpus": os.cpu_count()}))
+                  "cpus": os.cpu_count(), "mem_available": mem_available(),
+                  "cgroup_limit": cgroup_limit()}))
 """
 
 MIN_FREE_BYTES = 1 << 30
@@ -52,6 +89,11 @@ class HostCheck:
     torch: str | None = None
     deepspeed: str | None = None
     free_bytes: int | None = None
+    mem_available: int | None = None
+    """MemAvailable of /proc/meminfo, in bytes (None: not Linux, or unreadable)."""
+    cgroup_limit: int | None = None
+    """The lowest memory limit of the probe's cgroup and its parents (v2 memory.max, v1
+    memory.limit_in_bytes), None when unlimited."""
     error: str | None = None
     interpreter: str = "python"
     """The interpreter that was asked (the cluster's `python:`)."""
@@ -83,6 +125,12 @@ class HostCheck:
         return found
 
     @property
+    def memory_bytes(self) -> int | None:
+        """What a job may use on the host: the lower of MemAvailable and the cgroup's limit."""
+        known = [n for n in (self.mem_available, self.cgroup_limit) if n is not None]
+        return min(known) if known else None
+
+    @property
     def ok(self) -> bool:
         return not self.problems
 
@@ -110,6 +158,8 @@ def check_host(t: Transport, cluster: str, host: str, slots: int) -> HostCheck:
     check.torch = found.get("torch")
     check.deepspeed = found.get("deepspeed")
     check.free_bytes = found.get("free_bytes")
+    check.mem_available = found.get("mem_available")
+    check.cgroup_limit = found.get("cgroup_limit")
     return check
 
 

@@ -1,0 +1,32 @@
+"""validate --hosts with --params: whether each host holds the outer step of its processes
+(the memory model: planner/outer_memory.py; what a host has: control/hostcheck.py's probe)."""
+
+from __future__ import annotations
+
+from nebula_cli.config.spec import JobSpec
+from nebula_cli.control.hostcheck import HostCheck
+from nebula_cli.planner.outer_memory import host_need, refusal
+
+
+def memory_problems(spec: JobSpec, checks: list[HostCheck], params: int) -> list[str]:
+    """One line per host that cannot hold the outer step of the ranks and relay it runs, with
+    the bytes needed, the bytes it has, and the fixes; hosts whose memory is unknown pass."""
+    found = {(c.cluster, c.host): c for c in checks}
+    problems = []
+    for cluster in spec.clusters:
+        if cluster.login_host is not None:  # its nodes are not allocated yet: not probed
+            continue
+        ranks = cluster.process_count
+        gateway = cluster.gateway_host.host if cluster.relay_host_known else None
+        first = 0
+        for host in cluster.hosts:
+            check = found.get((cluster.name, host.host))
+            need = host_need(params, ranks, host.slots, first, host.host == gateway)
+            first += host.slots
+            have = check.memory_bytes if check is not None else None
+            if have is None:
+                continue
+            problem = refusal(f"{cluster.name}/{host.host}", need, have, params)
+            if problem is not None:
+                problems.append(problem)
+    return problems

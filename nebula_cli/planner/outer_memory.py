@@ -1,0 +1,142 @@
+"""The memory the outer step takes, per process, before launch (`nebula plan`, `nebula validate
+--params`, and `validate --hosts`' fit check).
+
+The one place the per-role memory model lives: the outer step's copies of the synced fp32
+vector per process role. When the outer state is sharded over the ranks, only the constants
+and `shard_elements` of this module change.
+
+Today's path (issue 42, measured 2026-12-01 with `examples/gpt/train.py` widened to 1.3 M,
+19 M and 85 M parameters, two clusters of one rank each, int8, 1 Gbit/s shaped link; one copy is
+4 bytes x the synced parameters):
+
+- the relay: about 7 copies at a round's peak above its idle size (the error-feedback residual,
+  2-3 kept averages, the mapped contribution, transients; 12 at 1.3 M where the fixed costs
+  dominate, 8 at 19 M, 7 at 85 M), plus the published outer parameters and momentum in shared
+  memory (2 copies, memfd, in no process's RSS);
+- a cluster's rank 0: about 7 copies of nebula's own (outer parameters, momentum, a staging
+  buffer, the delta, the mapped average and two for the publish copy);
+- every other rank: about 5 copies. `runtime/params.py` reads the **full** fp32 vector on every
+  rank whatever the ZeRO stage (ZeRO 3: `safe_get_full_fp32_param` is an all-gather; ZeRO 1/2:
+  the same getter gathers each parameter's partitions; ZeRO 0: the parameters are replicated)
+  and every rank applies the outer optimizer to it (`runtime/sync.py`), so the 5 copies measured
+  under ZeRO 3 hold under ZeRO 0/1/2 as well.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+FP32_BYTES = 4
+"""Bytes of one element of the synced vector (the outer state is fp32)."""
+
+
+class ProcessRole(enum.Enum):
+    """A process the outer step runs in."""
+
+    RELAY = "relay"
+    RANK0 = "rank 0"
+    RANK = "other ranks"
+
+
+COPIES: dict[ProcessRole, float] = {ProcessRole.RELAY: 7.0, ProcessRole.RANK0: 7.0,
+                                    ProcessRole.RANK: 5.0}
+"""Copies of the process's shard in its own memory at a round's peak (issue 42's table, at
+85 M where the fixed costs no longer dominate)."""
+
+SHARED_COPIES: dict[ProcessRole, float] = {ProcessRole.RELAY: 2.0, ProcessRole.RANK0: 0.0,
+                                           ProcessRole.RANK: 0.0}
+"""Copies in shared memory (memfd) that the process maps: the relay's published outer
+parameters and momentum (issue 42: +1.3 GB for two relays at 85 M)."""
+
+FIXES = ("more ranks per cluster", "`relay.sync.fragments`", "CPU offload of the outer state")
+"""What makes the outer step fit (with the sharded outer state, each of them shrinks a
+process's shard)."""
+
+
+def shard_elements(params: int, ranks: int, role: ProcessRole) -> int:
+    """The elements of the synced vector a process holds. Today: the whole vector, whatever
+    the cluster's ranks (the old, unsharded path)."""
+    del ranks, role  # the sharded path divides by them
+    return params
+
+
+@dataclass(frozen=True)
+class ProcessMemory:
+    """What the outer step takes in one process."""
+
+    role: ProcessRole
+    copies: float
+    shard_bytes: int
+    shared_bytes: int
+
+    @property
+    def own_bytes(self) -> int:
+        """In the process's own memory (its RSS)."""
+        return int(self.copies * self.shard_bytes)
+
+    @property
+    def total_bytes(self) -> int:
+        return self.own_bytes + self.shared_bytes
+
+
+def process_memory(params: int, ranks: int, role: ProcessRole) -> ProcessMemory:
+    """The outer step's memory in a process of `role` in a cluster of `ranks` ranks syncing
+    `params` parameters."""
+    shard = shard_elements(params, ranks, role) * FP32_BYTES
+    return ProcessMemory(role, COPIES[role], shard, int(SHARED_COPIES[role] * shard))
+
+
+def cluster_memory(params: int, ranks: int) -> list[ProcessMemory]:
+    """Each role a cluster of `ranks` ranks runs: its relay, rank 0, and the other ranks if any."""
+    roles = [ProcessRole.RELAY, ProcessRole.RANK0] + ([ProcessRole.RANK] if ranks > 1 else [])
+    return [process_memory(params, ranks, role) for role in roles]
+
+
+def host_need(params: int, ranks: int, host_ranks: int, first_rank: int,
+              relay: bool) -> int:
+    """Bytes the outer step takes on one host of a cluster: its `host_ranks` ranks from
+    `first_rank` on, and the relay if it runs there."""
+    total = 0
+    for rank in range(first_rank, first_rank + host_ranks):
+        role = ProcessRole.RANK0 if rank == 0 else ProcessRole.RANK
+        total += process_memory(params, ranks, role).total_bytes
+    if relay:
+        total += process_memory(params, ranks, ProcessRole.RELAY).total_bytes
+    return total
+
+
+def refusal(where: str, need: int, have: int, params: int) -> str | None:
+    """The problem with a host that has `have` bytes for an outer step needing `need`, or None
+    when it fits."""
+    if need <= have:
+        return None
+    return (f"{where}: the outer step of {params:,} parameters needs {gib(need)} here, the host "
+            f"has {gib(have)}; use {', '.join(FIXES)}, or a host with more memory")
+
+
+def gib(n: int, unit: bool = True) -> str:
+    """`n` bytes in GiB, two decimals."""
+    return f"{n / (1 << 30):.2f}" + (" GiB" if unit else "")
+
+
+@dataclass(frozen=True)
+class ClusterMemory:
+    """A cluster's processes and the outer step's memory in each."""
+
+    cluster: str
+    ranks: int
+    processes: list[ProcessMemory]
+
+    def to_json(self) -> dict[str, object]:
+        return {"cluster": self.cluster, "ranks": self.ranks,
+                "processes": [{"role": p.role.value, "copies": p.copies,
+                               "shard_bytes": p.shard_bytes, "own_bytes": p.own_bytes,
+                               "shared_bytes": p.shared_bytes, "total_bytes": p.total_bytes}
+                              for p in self.processes]}
+
+
+def job_memory(params: int, clusters: dict[str, int]) -> list[ClusterMemory]:
+    """Each cluster (name: its ranks) with its processes' outer-step memory."""
+    return [ClusterMemory(name, ranks, cluster_memory(params, ranks))
+            for name, ranks in clusters.items()]

@@ -14,7 +14,7 @@ from helpers.jobs import CLI, write_spec
 
 from nebula_cli.control.hostcheck import check_host
 from nebula_cli.planner.outer_memory import FIXES, host_need
-from nebula_cli.transport.local import LocalTransport
+from nebula_cli.transport.local.transport import LocalTransport
 
 LIMIT = 700 << 20
 

@@ -36,6 +36,11 @@ END_S = 5.0
 """Seconds a link's last frame (a refusal) may take before the link ends without it."""
 
 
+def queued_bytes(frame: Frame) -> int:
+    """What ``frame`` counts in a sender's queue: its payload and ``FRAME_BYTES``."""
+    return memoryview(frame.payload).nbytes + FRAME_BYTES
+
+
 def queue_bound(frames: int, max_payload: int) -> int:
     """A sender's bound in bytes for ``frames`` frames of at most ``max_payload`` each (and
     the heartbeats between them)."""
@@ -68,7 +73,7 @@ class LabelLink:
         or the frames waiting for its peer to read would pass ``queue_bytes``."""
         if self.closed.is_set():
             return False
-        size = len(memoryview(frame.payload).cast("B")) + FRAME_BYTES
+        size = queued_bytes(frame)
         with self._cond:
             over = self._queued + size > self.queue_bytes
             if not over:
@@ -138,7 +143,7 @@ class LabelLink:
                 return
             with self._cond:
                 self._writing_since = None
-                self._queued -= len(memoryview(frame.payload).cast("B")) + FRAME_BYTES
+                self._queued -= queued_bytes(frame)
 
 
 def keep_alive(links: Callable[[], list[LabelLink]], every: float, dead_after: float,

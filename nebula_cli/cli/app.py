@@ -145,7 +145,7 @@ def validate(
     with _store() as store, Orchestrator(store, accept_new_host_keys=accept_new) as orch:
         checks = orch.check_hosts(spec)
         ready = all(c.ok for c in checks)
-        reach = check_reach(orch, spec) if ready and spec.links() else None
+        reach = check_reach(orch.facts, spec) if ready and spec.links() else None
     out.print(host_checks_table(checks))
     for c in checks:
         if c.reached:
@@ -239,7 +239,7 @@ def _bring_up(orch: Orchestrator, start: Callable[[Any, Any], Any], detach: bool
         return
     out.print(f"[bold]{job.id}[/] running; Ctrl-C detaches (the job keeps running)")
     try:
-        snap = watch(orch, job.id, out)
+        snap = watch(orch.jobs, job.id, out)
     except KeyboardInterrupt:
         out.print(f"\ndetached from [bold]{job.id}[/]; it keeps running.\n"
                   f"  follow:  nebula logs -f {job.id}\n"
@@ -262,7 +262,7 @@ def status(
             jobs = []
             for job in store.list_jobs():
                 if job.state not in END_STATES:
-                    job = orch.refresh(job.id).job
+                    job = orch.jobs.refresh(job.id).job
                 jobs.append(job)
             if as_json:
                 out.print_json(json.dumps([_job_json(j, orch.attempt(j.id)) for j in jobs]))
@@ -271,11 +271,11 @@ def status(
             else:
                 out.print("no jobs yet: start one with `nebula launch SPEC`")
             return
-        snap = orch.refresh(job_ref)
+        snap = orch.jobs.refresh(job_ref)
         expiring = pki.expiry_warning(store.job_dir(snap.job.id) / "pki")  # a week before
         if expiring and snap.job.state not in END_STATES:
             err.print(f"[bold yellow]warning:[/] {expiring}", markup=True, highlight=False)
-        view = orch.metrics_view(snap)  # the agents' summaries: no metrics file is re-read
+        view = orch.jobs.metrics_view(snap)  # the agents' summaries: no metrics file is re-read
         if as_json:
             hosts = [dataclasses.asdict(h) for h in snap.hosts]
             said = final_parameters.of_job(snap.job, view.finals)
@@ -314,12 +314,12 @@ def logs(
     with _store() as store, Orchestrator(store) as orch:
         job = store.get_job(job_ref)
         colors = cluster_colors(job.clusters)
-        follower = orch.follow_logs(job.id, cluster=cluster, host=host, rank=rank, tail=tail)
+        follower = orch.jobs.follow_logs(job.id, cluster=cluster, host=host, rank=rank, tail=tail)
         if not follower.tails:
             raise NebulaError("no logs match those filters")
         try:
             while True:
-                snap = orch.refresh(job.id) if follow else None
+                snap = orch.jobs.refresh(job.id) if follow else None
                 final = snap is None or not snap.active
                 for line in follower.poll(final=final):
                     print_line(out, line, colors)
@@ -331,7 +331,7 @@ def logs(
                 time.sleep(1.0)
         except KeyboardInterrupt:
             return
-        for line in copy_tensorboard(orch, job.id):
+        for line in copy_tensorboard(orch.jobs, job.id):
             err.print(escape(line))
         if not follower.read_any:
             raise typer.Exit(EXIT_FAILED)
@@ -351,7 +351,7 @@ def report(
     and the clusters present; restarts and missed rounds marked; the TensorBoard runs in
     `$NEBULA_HOME/jobs/<id>/tb`."""
     with _store() as store, Orchestrator(store) as orch:
-        made = make_report(orch, store.get_job(job_ref).id, output)
+        made = make_report(orch.jobs, store.get_job(job_ref).id, output)
     for warning in made.warnings:
         err.print(f"[yellow]warning:[/] {escape(warning)}")
     for note in made.notes:
@@ -372,7 +372,7 @@ def stop(
 ) -> None:
     """Stop a job: SIGTERM every process group, wait the grace, SIGKILL. Nothing left running."""
     with _store() as store, Orchestrator(store) as orch:
-        report = orch.stop(job_ref, grace=grace, force=force)
+        report = orch.jobs.stop(job_ref, grace=grace, force=force)
     if not report.stopped:
         out.print(f"{report.job.id} had already ended ({report.job.state.lower()}); "
                   "nothing was running")
@@ -407,7 +407,7 @@ def bench_network(
     spec = load_spec(spec_path)
     with (_store() as store, Orchestrator(store, accept_new_host_keys=accept_new) as orch,
           bench_progress(err) as (note, step)):
-        report = run_bench(orch, spec, duration=duration, streams=streams, intra=intra,
+        report = run_bench(orch.facts, spec, duration=duration, streams=streams, intra=intra,
                            port=port, note=note, step=step)
     out.print(bench_matrix(report))
     if output is not None:

@@ -13,21 +13,21 @@ from rich.text import Text
 from nebula_cli.cli.ui import cluster_colors, final_summary, job_detail, log_text, status_panel
 from nebula_cli.control import final_parameters
 from nebula_cli.control.follow import LogLine
-from nebula_cli.control.orchestrator import JobSnapshot, Orchestrator
+from nebula_cli.control.jobs import JobOps, JobSnapshot
 from nebula_cli.runtime.metrics import METRICS_TAG
 
 POLL_S = 0.5
 REFRESH_S = 2.0
 
 
-def watch(orch: Orchestrator, job_id: str, console: Console) -> JobSnapshot:
+def watch(jobs: JobOps, job_id: str, console: Console) -> JobSnapshot:
     """Stream logs and metrics of a job until every process has ended; the last snapshot.
 
     KeyboardInterrupt propagates (the caller detaches); the job keeps running."""
-    snap = orch.refresh(job_id)
+    snap = jobs.refresh(job_id)
     colors = cluster_colors(snap.job.clusters)
-    logs = orch.follow_logs(job_id)
-    metrics = orch.follow_metrics(job_id)
+    logs = jobs.follow_logs(job_id)
+    metrics = jobs.follow_metrics(job_id)
     last = time.monotonic()
     with Live(status_panel(snap, {}, {}), console=console, refresh_per_second=4,
               transient=True, redirect_stdout=False) as live:
@@ -38,7 +38,7 @@ def watch(orch: Orchestrator, job_id: str, console: Console) -> JobSnapshot:
             for problem in logs.reach.take() + metrics.reach.take():
                 live.console.print(Text(f"warning: {problem}", style="yellow"))
             if time.monotonic() - last >= REFRESH_S:
-                snap = orch.refresh(job_id)
+                snap = jobs.refresh(job_id)
                 last = time.monotonic()
             live.update(status_panel(snap, metrics.latest, metrics.relay, metrics.history))
             if not snap.active:

@@ -83,7 +83,7 @@ def measure(orch: Orchestrator, spec: JobSpec, *, min_steps: int = DEFAULT_MIN_S
              "are timed")
     job = orch.launch(derived, progress)
     try:
-        follower = orch.follow_metrics(job.id)
+        follower = orch.jobs.follow_metrics(job.id)
         deadline = time.monotonic() + timeout
         params: int | None = None
         while True:
@@ -97,7 +97,8 @@ def measure(orch: Orchestrator, spec: JobSpec, *, min_steps: int = DEFAULT_MIN_S
                 progress(f"dry run: {seconds:.3f} s per step (steps {a}..{b})"
                          + (f", {params:,} trainable parameters" if params else ""))
                 return DryRun(job.id, cluster, seconds, (a, b), params)
-            if follower.finals or orch.refresh(job.id).job.state not in ("STARTING", "RUNNING"):
+            if follower.finals or (orch.jobs.refresh(job.id).job.state
+                                   not in ("STARTING", "RUNNING")):
                 raise DryRunError(
                     f"the dry run ({job.id}) ended before {min_steps} steps were timed; "
                     f"see `nebula logs {job.id}`, or give --step-time (and --params)")
@@ -106,4 +107,4 @@ def measure(orch: Orchestrator, spec: JobSpec, *, min_steps: int = DEFAULT_MIN_S
                                   f"{timeout:.0f} s; give --step-time (and --params)")
             time.sleep(1.0)
     finally:
-        orch.stop(job.id, grace=5.0)
+        orch.jobs.stop(job.id, grace=5.0)

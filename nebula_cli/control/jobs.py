@@ -97,8 +97,12 @@ def job_state(hosts: list[HostRecord], current: str, min_clusters: int | None = 
     return "SUCCEEDED"
 
 
-class JobOps(Session):
-    """status / stop / logs of recorded jobs, through the hosts' agents."""
+class JobOps:
+    """status / stop / logs of recorded jobs, through the hosts' agents (of `session`)."""
+
+    def __init__(self, session: Session) -> None:
+        self.session = session
+        self.store = session.store
 
     # -- status -----------------------------------------------------------------------------
     def _by_machine(self, hosts: list[HostRecord]) -> dict[tuple[Any, ...], list[HostRecord]]:
@@ -109,8 +113,8 @@ class JobOps(Session):
 
     def _agent_call(self, recs: list[HostRecord], *args: str, timeout: float) -> list[dict]:
         conn = recs[0].conn
-        result = self.transport(conn).run(
-            self._agent(conn, *args, *[r.agent_dir for r in recs]), timeout=timeout
+        result = self.session.transport(conn).run(
+            self.session.agent_argv(conn, *args, *[r.agent_dir for r in recs]), timeout=timeout
         )
         try:
             replies = json.loads(result.stdout)
@@ -138,7 +142,7 @@ class JobOps(Session):
             try:
                 answers = fanout(
                     list(groups), lambda k: self._agent_call(groups[k], "status", timeout=30),
-                    timeout=60, cancel=self.abort,
+                    timeout=60, cancel=self.session.abort,
                 )
             except GroupError as exc:
                 answers = {k: v for k, v in exc.results.items() if isinstance(v, list)}
@@ -154,7 +158,8 @@ class JobOps(Session):
                 hosts = self.store.hosts(job.id)
             if job.state == "RUNNING":
                 try:
-                    renew_if_due(self.store, job, hosts, self.transport_of, self.abort)
+                    renew_if_due(self.store, job, hosts, self.session.transport_of,
+                                 self.session.abort)
                 except (NebulaError, OSError, ValueError) as exc:  # status still answers
                     self.store.add_event(job.id, "warning", f"certificate renewal: {exc}")
                 hosts = self.store.hosts(job.id)
@@ -193,7 +198,7 @@ class JobOps(Session):
         groups = self._by_machine(lost)
         try:
             answers = fanout(list(groups), lambda k: self._agent_call(
-                groups[k], "revive", timeout=60), timeout=90, cancel=self.abort)
+                groups[k], "revive", timeout=60), timeout=90, cancel=self.session.abort)
         except GroupError as exc:
             answers = {k: v for k, v in exc.results.items() if isinstance(v, list)}
         for key, replies in answers.items():
@@ -268,7 +273,7 @@ class JobOps(Session):
         with contextlib.suppress(GroupError):
             fanout(list(groups), lambda k: self._agent_call(groups[k], "stop", "--force",
                                                             timeout=60),
-                   timeout=90, cancel=self.abort)
+                   timeout=90, cancel=self.session.abort)
 
     def _stop_recs(self, recs: list[HostRecord], reason: str, grace: float | None,
                    leave: bool = False) -> None:
@@ -283,7 +288,7 @@ class JobOps(Session):
         try:
             answers = fanout(list(groups), lambda k: self._agent_call(
                 groups[k], *args, timeout=60 + (grace or 0)), timeout=90 + (grace or 0),
-                cancel=self.abort)
+                cancel=self.session.abort)
         except GroupError as exc:
             answers = {k: v for k, v in exc.results.items() if isinstance(v, list)}
         for key, replies in answers.items():
@@ -297,14 +302,14 @@ class JobOps(Session):
         are gone with it: workers SUCCEEDED if their agent said so, else LOST with the
         allocation's state as the reason ("Slurm job 12 TIMEOUT"); relays STOPPED (workers
         decide the job). What each cluster's scheduler said (`allocations.queue_states`)."""
-        said = allocations.queue_states(self.store.job_dir(job_id), self.transport,
+        said = allocations.queue_states(self.store.job_dir(job_id), self.session.transport,
                                         {h.cluster for h in hosts}) if hosts else {}
         for rec in (h for h in hosts if h.cluster in said and h.conn.in_allocation):
             rec.detail[str(rec.conn.allocator)] = str(said[rec.cluster])  # allocation_said
             if not allocations.ended_state(said[rec.cluster]):
                 self.store.upsert_host(rec)
                 continue
-            status = allocations.last_status(self.transport_of(rec), rec.agent_dir)
+            status = allocations.last_status(self.session.transport_of(rec), rec.agent_dir)
             done = status.get("state") == "SUCCEEDED" or rec.role == plan_model.RELAY
             ended = status.get("state") if status.get("state") in END_STATES else "STOPPED"
             self._apply_status(rec, {**status,
@@ -344,7 +349,7 @@ class JobOps(Session):
         snap = self.refresh(ref)
         report = StopReport(job=snap.job)
         groups: dict[tuple[Any, ...], list[HostRecord]] = defaultdict(list)
-        said = allocations.queue_states(self.store.job_dir(snap.job.id), self.transport,
+        said = allocations.queue_states(self.store.job_dir(snap.job.id), self.session.transport,
                                         {h.cluster for h in snap.hosts})
         for rec in snap.hosts:  # one agent call per machine and role
             if allocations.ended_state(said.get(rec.cluster)) and rec.conn.in_allocation:
@@ -365,7 +370,7 @@ class JobOps(Session):
             try:
                 answers.update(fanout(
                     keys, lambda k: self._agent_call(groups[k], *args, timeout=grace + 60),
-                    timeout=grace + 90, cancel=self.abort))
+                    timeout=grace + 90, cancel=self.session.abort))
             except GroupError as exc:
                 answers.update({k: v for k, v in exc.results.items() if isinstance(v, list)})
                 failures.update(exc.failures)
@@ -377,7 +382,7 @@ class JobOps(Session):
                 (report.stopped if was_active else report.already_ended).append(rec)
         try:  # after the agents (their workers checkpoint): nothing left in a Slurm queue
             report.cancelled = allocations.cancel_all(
-                self.store.job_dir(snap.job.id), self.transport, lambda _: None)
+                self.store.job_dir(snap.job.id), self.session.transport, lambda _: None)
         except NebulaError as exc:
             failures["slurm"] = exc
         hosts = self.store.hosts(snap.job.id)
@@ -406,7 +411,7 @@ class JobOps(Session):
             groups = self._by_machine(need)
             try:
                 answers = fanout(list(groups), lambda k: self._summaries_of(groups[k]),
-                                 timeout=60, cancel=self.abort)
+                                 timeout=60, cancel=self.session.abort)
             except GroupError as exc:
                 answers = {k: v for k, v in exc.results.items() if isinstance(v, list)}
                 for key, err in exc.failures.items():
@@ -422,7 +427,7 @@ class JobOps(Session):
     def _summaries_of(self, recs: list[HostRecord]) -> list[tuple[dict[str, Any], str]]:
         """(summaries, source) of each of one machine's agents."""
         replies = self._agent_call(recs, "status", timeout=30)
-        transport = self.transport(recs[0].conn)
+        transport = self.session.transport(recs[0].conn)
         out = []
         for rec, reply in zip(recs, replies, strict=True):
             if isinstance(reply.get("metrics"), dict):
@@ -433,8 +438,8 @@ class JobOps(Session):
 
     def follow_logs(self, ref: str, **filters: Any) -> LogFollower:
         job = self.store.get_job(ref)
-        return LogFollower(self.store.hosts(job.id), self.transport_of, **filters)
+        return LogFollower(self.store.hosts(job.id), self.session.transport_of, **filters)
 
     def follow_metrics(self, ref: str) -> MetricsFollower:
         job = self.store.get_job(ref)
-        return MetricsFollower(self.store.hosts(job.id), self.transport_of)
+        return MetricsFollower(self.store.hosts(job.id), self.session.transport_of)

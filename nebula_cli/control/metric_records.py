@@ -54,7 +54,7 @@ class JobRecords:
 
 def _read_whole(ops: JobOps, rec: HostRecord, path: str, offset: int = 0) -> bytes:
     """The file from `offset` to its end."""
-    transport = ops.transport_of(rec)
+    transport = ops.session.transport_of(rec)
     chunks = []
     while True:
         chunk, offset = transport.read_tail(path, offset, CHUNK)
@@ -77,7 +77,7 @@ def fetch_records(ops: JobOps, job_id: str) -> JobRecords:
                         for p in paths_oldest_first(path, rec.rotated_kept))
 
     try:
-        got = fanout(list(range(len(files))), fetch, timeout=300, cancel=ops.abort)
+        got = fanout(list(range(len(files))), fetch, timeout=300, cancel=ops.session.abort)
     except GroupError as exc:
         got = {k: v for k, v in exc.results.items() if isinstance(v, bytes)}
         for k, err in exc.failures.items():
@@ -123,7 +123,7 @@ def fetch_tensorboard(ops: JobOps, job_id: str) -> TensorBoardCopy:
     def fetch(i: int) -> tuple[int, int]:
         rec = recs[i]
         remote, local = rec.detail["tensorboard"], out.directory / rec.cluster
-        transport = ops.transport_of(rec)
+        transport = ops.session.transport_of(rec)
         listed = transport.run([transport.python, "-c", _LIST_EVENTS, remote, EVENT_FILES],
                                timeout=60)
         if not listed.ok:
@@ -142,7 +142,7 @@ def fetch_tensorboard(ops: JobOps, job_id: str) -> TensorBoardCopy:
         return files, copied
 
     try:
-        got = fanout(list(range(len(recs))), fetch, timeout=300, cancel=ops.abort)
+        got = fanout(list(range(len(recs))), fetch, timeout=300, cancel=ops.session.abort)
     except GroupError as exc:
         got = {k: v for k, v in exc.results.items() if isinstance(v, tuple)}
         for k, err in exc.failures.items():

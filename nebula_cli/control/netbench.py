@@ -73,7 +73,7 @@ from nebula_cli.control.netbench_tunnels import (
     two_free_ports,
     wrap,
 )
-from nebula_cli.control.orchestrator import Orchestrator
+from nebula_cli.control.planning import HostFacts
 from nebula_cli.errors import NebulaError, TransportError, UsageError
 from nebula_cli.netbench.probe import MODULE as PROBE_MODULE
 from nebula_cli.transport import Conn, Transport
@@ -189,7 +189,7 @@ def plan_pairs(spec: JobSpec, intra: bool) -> tuple[list[Planned], list[str]]:
     return pairs, notes
 
 
-def _nodes(orch: Orchestrator, spec: JobSpec, wanted: set[tuple[str, str]],
+def _nodes(facts: HostFacts, spec: JobSpec, wanted: set[tuple[str, str]],
            run: str) -> dict[tuple[str, str], Node]:
     """Connect to the hosts taking part (only those) and learn their directories and addresses."""
     gateways = {c.name: c.gateway_host.host for c in spec.clusters}
@@ -198,7 +198,7 @@ def _nodes(orch: Orchestrator, spec: JobSpec, wanted: set[tuple[str, str]],
         hosts = [h for h in c.hosts if (c.name, h.host) in wanted]
         if hosts:
             clusters.append(c.model_copy(update={"hosts": hosts, "gateway": None}))
-    sites = orch.sites(spec.model_copy(update={"clusters": clusters}))
+    sites = facts.sites(spec.model_copy(update={"clusters": clusters}))
     nodes = {}
     for c in clusters:
         for h in c.hosts:
@@ -213,9 +213,9 @@ def _nodes(orch: Orchestrator, spec: JobSpec, wanted: set[tuple[str, str]],
 class Bench:
     """One run: set up, measure pair after pair, clean up. See the module docstring."""
 
-    def __init__(self, orch: Orchestrator, spec: JobSpec, *, duration: float, streams: int,
+    def __init__(self, facts: HostFacts, spec: JobSpec, *, duration: float, streams: int,
                  intra: bool, port: int, note: Note, step: Step) -> None:
-        self.orch, self.spec = orch, spec
+        self.facts, self.spec = facts, spec
         self.duration, self.streams, self.intra, self.port = duration, streams, intra, port
         self.note, self.step = note, step
         self.run = run_id()
@@ -227,7 +227,7 @@ class Bench:
         self.granted = 0.0  # when the key lines were last written (monotonic)
 
     def transport(self, node: Node) -> Transport:
-        return self.orch.transport(node.conn)
+        return self.facts.session.transport(node.conn)
 
     def probe(self, node: Node, *args: str, timeout: float,
               tunnel: BenchTunnel | None = None) -> dict[str, Any]:
@@ -307,7 +307,7 @@ class Bench:
     def serve(self, node: Node, lifetime: float) -> dict[str, int]:
         # the transport knows whether hosts share this machine's ports (then: a free one)
         port, plain = self.server_ports.get(node) or (
-            self.orch.transport(node.conn).listen_port(self.port), 0)
+            self.facts.session.transport(node.conn).listen_port(self.port), 0)
         reply = self.probe(node, "serve", "--certs", node.dir, "--bind", node.bind,
                            "--port", str(port), "--plain-port", str(plain),
                            "--lifetime", f"{lifetime:.0f}",
@@ -346,7 +346,7 @@ class Bench:
         if installed:
             try:
                 fanout(nodes, lambda n: self.probe(n, "stop", timeout=STOP_TIMEOUT),
-                       timeout=STOP_TIMEOUT + 10, cancel=self.orch.abort)
+                       timeout=STOP_TIMEOUT + 10, cancel=self.facts.session.abort)
             except GroupError as exc:
                 self.errors += [f"{n}: probes may be left running: {e}"
                                 for n, e in exc.failures.items()]
@@ -366,7 +366,7 @@ class Bench:
                  "sh", node.root], timeout=STOP_TIMEOUT)
 
         try:
-            fanout(nodes, remove, timeout=STOP_TIMEOUT + 10, cancel=self.orch.abort)
+            fanout(nodes, remove, timeout=STOP_TIMEOUT + 10, cancel=self.facts.session.abort)
         except GroupError as exc:
             self.errors += [f"{n}: {n.root} not removed: {e}"  # type: ignore[attr-defined]
                             for n, e in exc.failures.items()]
@@ -378,7 +378,7 @@ class Bench:
             self.note(text)
         created = _now()
         self.step("connecting", 0, len(plan))
-        nodes = _nodes(self.orch, self.spec, {(a, h) for a, h, *_ in plan}
+        nodes = _nodes(self.facts, self.spec, {(a, h) for a, h, *_ in plan}
                        | {(b, h) for _, _, b, h, *_ in plan}, self.run)
         pairs = [Pair(nodes[(a, ha)], nodes[(b, hb)], a == b, reverse, tunnel)
                  for a, ha, b, hb, reverse, tunnel in plan]
@@ -392,14 +392,14 @@ class Bench:
                                for c in dict.fromkeys(c for c, _ in nodes)}, Path(tmp),
                     valid_for=PROBE_CERT_LIFETIME)
                 fanout(list(nodes.values()), lambda n: self.install(n, issued),
-                       timeout=SETUP_TIMEOUT, cancel=self.orch.abort)
+                       timeout=SETUP_TIMEOUT, cancel=self.facts.session.abort)
             installed = True
             self.tunnel_up(pairs)
             lifetime = len(pairs) * (2 * self.duration + MEASURE_SLACK) + 2 * SETUP_TIMEOUT
             dsts = list(dict.fromkeys(p.dst for p in pairs))
             self.step("starting probe servers", 0, len(pairs))
             self.servers = fanout(dsts, lambda n: self.serve(n, lifetime),
-                                  timeout=START_TIMEOUT + 10, cancel=self.orch.abort)
+                                  timeout=START_TIMEOUT + 10, cancel=self.facts.session.abort)
             for i, pair in enumerate(pairs):
                 self.renew()
                 a, b = pair.flow
@@ -423,7 +423,7 @@ def _now() -> str:
     return datetime.now(UTC).isoformat(timespec="seconds")
 
 
-def run_bench(orch: Orchestrator, spec: JobSpec, *, duration: float = 5.0, streams: int = 4,
+def run_bench(facts: HostFacts, spec: JobSpec, *, duration: float = 5.0, streams: int = 4,
               intra: bool = False, port: int = 0, note: Note = _quiet,
               step: Step = _quiet) -> dict[str, Any]:
     """Measure the network of `spec`'s clusters; the report (see the module docstring).
@@ -437,7 +437,7 @@ def run_bench(orch: Orchestrator, spec: JobSpec, *, duration: float = 5.0, strea
     if port and not 1024 <= port <= 65534:
         raise UsageError(f"--port must be between 1024 and 65534 (it uses port and port+1), "
                          f"got {port}")
-    bench = Bench(orch, spec, duration=duration, streams=streams, intra=intra, port=port,
+    bench = Bench(facts, spec, duration=duration, streams=streams, intra=intra, port=port,
                   note=note, step=step)
     try:
         return bench()

@@ -26,7 +26,14 @@ from nebula_cli.control.fanout import GroupError, fanout
 from nebula_cli.control.hostcheck import HostCheck, bootstrap, check_host, require_python
 from nebula_cli.control.jobs import JobOps, JobSnapshot, StopReport, job_state
 from nebula_cli.control.planning import AGENT_TIMEOUT, HostFacts, describe_host
-from nebula_cli.control.state import END_STATES, ROTATED_KEY, HostRecord, JobRecord
+from nebula_cli.control.session import Session
+from nebula_cli.control.state import (
+    END_STATES,
+    ROTATED_KEY,
+    HostRecord,
+    JobRecord,
+    StateStore,
+)
 from nebula_cli.errors import (
     LaunchError,
     NebulaError,
@@ -56,8 +63,25 @@ def _quiet(_: str) -> None:
     pass
 
 
-class Orchestrator(JobOps, HostFacts):
-    """Carries out commands on a job's hosts. Close it to release its connections."""
+class Orchestrator:
+    """Carries out commands on a job's hosts: launch and resume here, status / stop / logs by
+    its `jobs`, the plan's inputs by its `facts`, both over one `session` (its connections,
+    reused). Close it to release them."""
+
+    def __init__(self, store: StateStore, *, accept_new_host_keys: bool = False) -> None:
+        self.store = store
+        self.session = Session(store, accept_new_host_keys=accept_new_host_keys)
+        self.jobs = JobOps(self.session)
+        self.facts = HostFacts(self.session)
+
+    def close(self) -> None:
+        self.session.close()
+
+    def __enter__(self) -> Orchestrator:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     # -- launch -----------------------------------------------------------------------------
     def launch(self, spec: JobSpec, progress: Progress = _quiet,
@@ -77,7 +101,7 @@ class Orchestrator(JobOps, HostFacts):
         worker starts from its newest complete checkpoint. All or nothing, as `launch`."""
         job = self.store.get_job(ref)
         if job.state not in END_STATES:
-            job = self.refresh(job.id).job
+            job = self.jobs.refresh(job.id).job
         if job.state == "SUCCEEDED":
             raise UsageError(f"job {job.id} SUCCEEDED: there is nothing to resume (launch its "
                              "spec again for a new run)")
@@ -86,7 +110,7 @@ class Orchestrator(JobOps, HostFacts):
                              f"job resumes (follow it: nebula logs -f {job.id}; end it: "
                              f"nebula stop {job.id})")
         spec = spec_of_record(job.spec, job.spec_path)
-        self.stop(job.id, grace=0.0, force=True)  # nothing of an earlier attempt may linger
+        self.jobs.stop(job.id, grace=0.0, force=True)  # nothing of an earlier attempt may linger
         note = self._check_checkpoints(spec, job.id)
         attempt = self.attempt(job.id) + 1
         self.store.reopen_job(job.id)
@@ -101,7 +125,7 @@ class Orchestrator(JobOps, HostFacts):
         a cluster has none (it starts from the beginning, and catches up from its peers)."""
         if spec.checkpoint is None:
             return None
-        sites = self.sites(spec)
+        sites = self.facts.sites(spec)
         script = 'for f in "$0"/step*/COMPLETE; do [ -e "$f" ] && echo "$f"; done; true'
 
         def count(key: str) -> dict[str, tuple[int, str]]:
@@ -116,13 +140,13 @@ class Orchestrator(JobOps, HostFacts):
                 root = plan_model.job_root_of(site, job_id)
                 where = checkpoint_paths.checkpoint_dir(spec, job_id, root, cluster, place)
                 assert where is not None
-                found = self.transport(site.conn).run(["/bin/sh", "-c", script, where],
+                found = self.session.transport(site.conn).run(["/bin/sh", "-c", script, where],
                                                       timeout=60)
                 out[checkpoint_paths.checkpoint_host(cluster, place)] = (len(found.stdout.split()),
                                                                 where)
             return out
 
-        found = fanout(list(sites), count, timeout=AGENT_TIMEOUT, cancel=self.abort)
+        found = fanout(list(sites), count, timeout=AGENT_TIMEOUT, cancel=self.session.abort)
         lost, fresh = [], []
         for c in spec.clusters:
             have = {label: v for h in c.hosts
@@ -158,7 +182,7 @@ class Orchestrator(JobOps, HostFacts):
         started: list[AgentPlan] = []
         try:
             allocs = self._allocate(job_id, spec, progress, transfer)
-            plan = self.plan(allocations.expand(spec, allocs), job_id,
+            plan = self.facts.plan(allocations.expand(spec, allocs), job_id,
                              renew=action == "resume", conns=allocations.node_conns(allocs))
             for agent in plan.agents:  # recorded first: `stop` reaches hosts a launch touched
                 self._record(job_id, agent, "PENDING")
@@ -166,13 +190,13 @@ class Orchestrator(JobOps, HostFacts):
             for hosts in ([a for a in plan.hosts if not a.files_from_first_host],
                           [a for a in plan.hosts if a.files_from_first_host]):
                 fanout(hosts, lambda a: self._provision_host(spec, a, progress, transfer),
-                       timeout=SETUP_TIMEOUT, cancel=self.abort)
+                       timeout=SETUP_TIMEOUT, cancel=self.session.abort)
             fanout(plan.agents, self._write_agent_files, timeout=AGENT_TIMEOUT,
-                   cancel=self.abort)
+                   cancel=self.session.abort)
             # relays first, so that workers find them; then workers
             for role in (plan_model.RELAY, plan_model.WORKER):
                 results = fanout(plan.role(role), self._start, timeout=AGENT_TIMEOUT,
-                                 cancel=self.abort)
+                                 cancel=self.session.abort)
                 for agent, pid in results.items():
                     started.append(agent)
                     self._record(job_id, agent, "STARTING", pid=pid)
@@ -206,7 +230,7 @@ class Orchestrator(JobOps, HostFacts):
                 self._stop_agents(list(plan.agents), grace=0.0, force=True,
                                   timeout=CANCEL_STOP_TIMEOUT)
             with contextlib.suppress(Exception):  # what was submitted leaves the queue
-                allocations.cancel_all(self.store.job_dir(job_id), self.transport, progress)
+                allocations.cancel_all(self.store.job_dir(job_id), self.session.transport, progress)
             if self.store.get_job(job_id).state not in END_STATES:  # not stopped meanwhile
                 self.store.set_job_state(job_id, state, reason=reason)
             for rec in self.store.hosts(job_id):
@@ -230,19 +254,19 @@ class Orchestrator(JobOps, HostFacts):
             allocator = allocator_of(c)
             assert allocator is not None  # an allocating cluster's
             login = describe_host(c, c.hosts[0], home)
-            t = self.transport(login)
+            t = self.session.transport(login)
             require_python(t, c.name, c.hosts[0].host)
             return allocator.submit(t, login, spec, c, job_id, lambda root: _upload_lib(
                 t, root, _bar(transfer, f"{name}/{c.hosts[0].host}"), progress), progress)
 
-        submitted = fanout(list(clusters), submit, timeout=SETUP_TIMEOUT, cancel=self.abort)
+        submitted = fanout(list(clusters), submit, timeout=SETUP_TIMEOUT, cancel=self.session.abort)
         allocations.record(job_dir, submitted)
 
         def queued(message: str) -> None:
             self.store.set_job_state(job_id, "QUEUED", reason=message)
 
         running = {n: allocator_named(a.scheduler).wait_running(  # here: the store, Ctrl-C
-            self.transport(a.login), a, self.transport, progress, queued)
+            self.session.transport(a.login), a, self.session.transport, progress, queued)
             for n, a in submitted.items()}
         allocations.record(job_dir, running)
         self.store.set_job_state(job_id, "PENDING", reason="")
@@ -252,7 +276,7 @@ class Orchestrator(JobOps, HostFacts):
                         transfer: Transfer | None = None) -> None:
         """Once per host: job dir, nebula_cli and the workdir uploaded (where the host does not
         share our files), the DeepSpeed config, setup, then `launchers/bootstrap.sh`."""
-        t = self.transport(agent.conn)
+        t = self.session.transport(agent.conn)
         t.makedirs(agent.job_root, mode=0o700)
         where = f"{agent.cluster}/{agent.host}"
         bar = _bar(transfer, where)
@@ -281,7 +305,7 @@ class Orchestrator(JobOps, HostFacts):
             agent.config.processes[0].env))
 
     def _write_agent_files(self, agent: AgentPlan) -> None:
-        t = self.transport(agent.conn)
+        t = self.session.transport(agent.conn)
         t.makedirs(posixpath.join(agent.agent_dir, "logs"))
         for rel, data in agent.files.items():
             t.put_bytes(data, posixpath.join(agent.agent_dir, rel), mode=0o600)
@@ -289,8 +313,8 @@ class Orchestrator(JobOps, HostFacts):
                     mode=0o600)
 
     def _start(self, agent: AgentPlan) -> int:
-        t = self.transport(agent.conn)
-        result = t.run_detached(self._agent(agent.conn, "start", agent.agent_dir),
+        t = self.session.transport(agent.conn)
+        result = t.run_detached(self.session.agent_argv(agent.conn, "start", agent.agent_dir),
                                 timeout=AGENT_TIMEOUT)
         try:
             reply = json.loads(result.stdout.strip().splitlines()[-1])
@@ -318,7 +342,7 @@ class Orchestrator(JobOps, HostFacts):
         def check(key: str) -> HostCheck:
             cluster, host = entries[key]
             try:
-                t = self.transport(describe_host(cluster, host, home))
+                t = self.session.transport(describe_host(cluster, host, home))
             except NebulaError as exc:
                 return HostCheck(cluster.name, host.host, host.slots, error=str(exc))
             found = check_host(t, cluster.name, host.host, host.slots)
@@ -332,9 +356,9 @@ class Orchestrator(JobOps, HostFacts):
                     found.error = str(exc)
             return found
 
-        checks = fanout(list(entries), check, timeout=120, cancel=self.abort)
+        checks = fanout(list(entries), check, timeout=120, cancel=self.session.abort)
         if all(c.ok for c in checks.values()):  # what the launch would choose
-            for key, site in self.routes(spec, self.sites(spec)).items():
+            for key, site in self.facts.routes(spec, self.facts.sites(spec)).items():
                 checks[key].interface = worlds.interface_of(*entries[key], site)
         return list(checks.values())
 
@@ -350,11 +374,12 @@ class Orchestrator(JobOps, HostFacts):
             conn = groups[key][0].conn
             dirs = [a.agent_dir for a in groups[key]]
             args = ["stop", "--grace", str(grace)] + (["--force"] if force else [])
-            self.transport(conn).run(self._agent(conn, *args, *dirs), timeout=grace + timeout)
+            self.session.transport(conn).run(self.session.agent_argv(conn, *args, *dirs),
+                                             timeout=grace + timeout)
 
         # best effort: the launch error is what the user needs; every host is tried
         with contextlib.suppress(GroupError):
-            fanout(list(groups), stop_group, timeout=grace + timeout, cancel=self.abort)
+            fanout(list(groups), stop_group, timeout=grace + timeout, cancel=self.session.abort)
 
 
 @contextlib.contextmanager

@@ -40,8 +40,12 @@ def site_entries(spec: JobSpec) -> dict[str, tuple[ClusterSpec, HostSpec]]:
     return entries
 
 
-class HostFacts(Session):
-    """The plan's inputs, learnt from the hosts (see the module docstring)."""
+class HostFacts:
+    """The plan's inputs, learnt from the hosts through `session` (see the module docstring)."""
+
+    def __init__(self, session: Session) -> None:
+        self.session = session
+        self.store = session.store
 
     def sites(self, spec: JobSpec, conns: dict[str, Conn] | None = None
               ) -> dict[str, plan_model.Site]:
@@ -55,7 +59,7 @@ class HostFacts(Session):
         def site(key: str) -> plan_model.Site:
             cluster, host = entries[key]
             conn = (conns or {}).get(key) or describe_host(cluster, host, home)
-            t = self.transport(conn)
+            t = self.session.transport(conn)
             require_python(t, cluster.name, host.host)
             login = t.ssh_login() if key in ends else None
             return plan_model.Site(conn=conn, home=t.home, address=host.address or t.address,
@@ -63,15 +67,16 @@ class HostFacts(Session):
                                 shares_files=t.shares_files,
                                 ssh=plan_model.SshLogin(*login) if login else None)
 
-        return fanout(list(entries), site, timeout=AGENT_TIMEOUT, cancel=self.abort)
+        return fanout(list(entries), site, timeout=AGENT_TIMEOUT, cancel=self.session.abort)
 
     def routes(self, spec: JobSpec, sites: dict[str, plan_model.Site]
                ) -> dict[str, plan_model.Site]:
         """The sites, with the interface each host of a multi-host world reaches its peers
         through where the spec names none (asked of the hosts: `Transport.route_interface`)."""
         targets = worlds.route_targets(spec, sites)
-        found = fanout(list(targets), lambda k: self.transport(sites[k].conn).route_interface(
-            targets[k]), timeout=AGENT_TIMEOUT, cancel=self.abort) if targets else {}
+        transport = self.session.transport
+        found = fanout(list(targets), lambda k: transport(sites[k].conn).route_interface(
+            targets[k]), timeout=AGENT_TIMEOUT, cancel=self.session.abort) if targets else {}
         return {k: dataclasses.replace(s, interface=found[k]) if k in found else s
                 for k, s in sites.items()}
 
@@ -79,7 +84,7 @@ class HostFacts(Session):
         """Rendezvous ports of every DeepSpeed world and the relays' ports (a tunnel's local end
         is a Unix socket file: no port)."""
         def port(c: ClusterSpec, h: HostSpec, preferred: int | None) -> int:
-            return self.transport(sites[worlds.site_key(c, h)].conn).listen_port(preferred)
+            return self.session.transport(sites[worlds.site_key(c, h)].conn).listen_port(preferred)
 
         masters = {world: port(c, h, None)
                    for world, (c, h) in worlds.rendezvous_hosts(spec).items()}

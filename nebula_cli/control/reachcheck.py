@@ -157,11 +157,11 @@ def check_reach(facts: HostFacts, spec: JobSpec) -> ReachReport:
     notes = [f"{c.name}: its relay's node is known once the allocation runs: direct ways not "
              "tried" for c in spec.clusters if not c.relay_host_known]
     assert spec.relay is not None
-    ports = {c.name: facts.transport(gw[c.name].conn).listen_port(spec.relay.port)
+    ports = {c.name: facts.session.transport(gw[c.name].conn).listen_port(spec.relay.port)
              for c in spec.clusters if c.relay_host_known}
     sshd: dict[str, tuple[str, int]] = {}
     for c in spec.clusters:
-        login = facts.transport(sites[worlds.site_key(c, c.ssh_host)].conn).ssh_login()
+        login = facts.session.transport(sites[worlds.site_key(c, c.ssh_host)].conn).ssh_login()
         if login is not None:
             sshd[c.name] = (c.relay_address or sites[worlds.site_key(c, c.ssh_host)].address,
                             login[1])
@@ -183,7 +183,7 @@ def check_reach(facts: HostFacts, spec: JobSpec) -> ReachReport:
             host, port = (by_name[dst].relay_address or gw[dst].address, ports[dst]) \
                 if kind == DIRECT else sshd[dst]
             args = [kind, host, str(port), f"{PROBE_WAIT:g}", f"{LISTEN_HEAD:g}"]
-        result = facts.transport(site.conn).run([site.python, "-c", PROBE, *args],
+        result = facts.session.transport(site.conn).run([site.python, "-c", PROBE, *args],
                                                 timeout=life + 30)
         try:
             return json.loads(result.stdout.strip().splitlines()[-1])
@@ -191,7 +191,7 @@ def check_reach(facts: HostFacts, spec: JobSpec) -> ReachReport:
             raise NebulaError(f"the reach probe failed: {result}") from exc
 
     try:
-        found = fanout(tries, run, timeout=life + 60, cancel=facts.abort)
+        found = fanout(tries, run, timeout=life + 60, cancel=facts.session.abort)
     except GroupError as exc:
         found = {k: v for k, v in exc.results.items() if isinstance(v, dict)}
         notes += [f"{' '.join(k)}: {v}" for k, v in exc.failures.items()]  # type: ignore[arg-type]

@@ -58,7 +58,7 @@ class Session:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def _agent(self, conn: Conn, *args: str) -> list[str]:
+    def agent_argv(self, conn: Conn, *args: str) -> list[str]:
         """The agent command line; on remote hosts nebula_cli comes from the job's lib dir."""
         argv = [conn.python, "-m", "nebula_cli.agent", *args]
         if conn.pythonpath:

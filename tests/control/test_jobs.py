@@ -8,6 +8,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from nebula_cli.control.jobs import JobOps, job_state
+from nebula_cli.control.session import Session
 from nebula_cli.control.state import HostRecord, StateStore
 
 TEACHER = frozenset({"lab"})
@@ -39,7 +40,7 @@ class Recorded(JobOps):
     """`JobOps` whose agents are not asked: the stops it would send are recorded."""
 
     def __init__(self, store: StateStore) -> None:
-        super().__init__(store)
+        super().__init__(Session(store))
         self.stopped: list[tuple[list[tuple[str, str]], str]] = []
         self.left: list[tuple[str, str]] = []  # stopped as leaving the job for good
 

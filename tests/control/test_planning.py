@@ -10,6 +10,7 @@ from pathlib import Path
 from nebula_cli.config.distill_plan import labels_port
 from nebula_cli.config.spec import JobSpec, parse_spec
 from nebula_cli.control.planning import HostFacts
+from nebula_cli.control.session import Session
 from nebula_cli.control.state import StateStore
 
 SPEC = """\
@@ -30,7 +31,8 @@ def spec_of(transport: str) -> JobSpec:
 
 def test_a_local_teachers_label_relay_gets_a_free_port(tmp_path: Path) -> None:
     spec = spec_of("local")
-    with StateStore(tmp_path) as store, HostFacts(store) as facts:
+    with StateStore(tmp_path) as store, Session(store) as session:
+        facts = HostFacts(session)
         ports = facts.ports(spec, facts.sites(spec))
     assert set(ports.labels) == {"lab"}  # the teacher's only: a student serves no labels
     port = ports.labels["lab"]

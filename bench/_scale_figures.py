@@ -38,6 +38,22 @@ def peak_bytes(pid: int) -> int:
     return vm_hwm(pid) + shared_mappings(pid)
 
 
+def rss_shmem(pid: int) -> int:
+    """The process's resident shared-memory pages (RssShmem), in bytes: the memfd and /dev/shm
+    pages it touched, which its VmRSS (and so its VmHWM) already counts."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("RssShmem:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+def peak_once_bytes(pid: int) -> int:
+    """VmHWM plus only the part of its memfd/shm mappings not already resident in it: the
+    issue's peak counts a touched shared page twice (in VmHWM and in the mapping), this one
+    once. Read at one instant (the mapped and resident sizes move between samples)."""
+    return vm_hwm(pid) + max(0, shared_mappings(pid) - rss_shmem(pid))
+
+
 def outer_step_bytes(peak: int, baseline: int) -> int:
     """Outer-step memory: the peak minus the baseline (a rank's peak in the same job without
     `relay:`, a relay's idle size before round 1), never below zero."""

@@ -31,6 +31,23 @@ def test_peak_counts_vm_hwm_and_the_memfd_once() -> None:
         assert m.shared_mappings(child.pid) == 64 * MIB
         assert m.vm_hwm(child.pid) >= 96 * MIB
         assert m.peak_bytes(child.pid) == m.vm_hwm(child.pid) + 64 * MIB
+        assert m.rss_shmem(child.pid) < MIB  # mapped, never touched
+        assert m.peak_once_bytes(child.pid) >= m.vm_hwm(child.pid) + 63 * MIB
+    finally:
+        child.kill()
+        child.wait()
+
+
+def test_a_touched_memfd_is_counted_once() -> None:
+    m = load_bench("_scale_figures")
+    child = subprocess.Popen([sys.executable, "-c", CHILD.replace(
+        'print("ready"', 'shared[:] = bytes(64 << 20)\nprint("ready"')],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout is not None and child.stdout.readline().strip() == "ready"
+        assert m.rss_shmem(child.pid) >= 63 * MIB  # in VmHWM already
+        assert m.peak_once_bytes(child.pid) < m.vm_hwm(child.pid) + MIB
+        assert m.peak_bytes(child.pid) >= m.vm_hwm(child.pid) + 64 * MIB  # twice
     finally:
         child.kill()
         child.wait()

@@ -2,10 +2,19 @@
 --params`, and `validate --hosts`' fit check).
 
 The one place the per-role memory model lives: the outer step's copies of the synced fp32
-vector per process role. When the outer state is sharded over the ranks, only the constants
-and `shard_elements` of this module change.
+vector per process role.
 
-Today's path (issue 42, measured 2026-12-01 with `examples/gpt/train.py` widened to 1.3 M,
+The ranks' outer state is sharded (`runtime/shard.py`, issue 42; measured 2026-12-02 with
+OuterSync on 2 and 4 gloo ranks of one host, 20 M and 40 M parameters in 1 M-value layers, a
+pretend relay, peak VmHWM above the same process before the sync): every rank other than 0 held
+about 9 copies of its own shard at a round's peak (4.46 whole copies on 2 ranks, 2.24-2.31 on 4;
+its shard of theta_global and of the momentum, the read, the delta, its shard of the average,
+the 64 MiB runs of the write), rank 0 about 4 copies of its shard plus 2.3 of the whole vector
+(the gathered delta, the average from the relay, the gathered state it publishes: 4.36 whole
+copies on 2 ranks, 3.34 on 4). The old path held 5 whole copies on every rank (measured the
+same way). The relay is not sharded yet.
+
+The old path (issue 42, measured 2026-12-01 with `examples/gpt/train.py` widened to 1.3 M,
 19 M and 85 M parameters, two clusters of one rank each, int8, 1 Gbit/s shaped link; one copy is
 4 bytes x the synced parameters):
 
@@ -39,10 +48,15 @@ class ProcessRole(enum.Enum):
     RANK = "other ranks"
 
 
-COPIES: dict[ProcessRole, float] = {ProcessRole.RELAY: 7.0, ProcessRole.RANK0: 7.0,
-                                    ProcessRole.RANK: 5.0}
-"""Copies of the process's shard in its own memory at a round's peak (issue 42's table, at
-85 M where the fixed costs no longer dominate)."""
+COPIES: dict[ProcessRole, float] = {ProcessRole.RELAY: 7.0, ProcessRole.RANK0: 4.0,
+                                    ProcessRole.RANK: 9.0}
+"""Copies of the process's shard in its own memory at a round's peak (the relay: issue 42's
+table at 85 M where the fixed costs no longer dominate; the ranks: measured as said above)."""
+
+WHOLE_COPIES: dict[ProcessRole, float] = {ProcessRole.RELAY: 0.0, ProcessRole.RANK0: 2.3,
+                                          ProcessRole.RANK: 0.0}
+"""Copies of the whole vector besides: rank 0's hop to the relay (the gathered delta, the
+average, the published state)."""
 
 SHARED_COPIES: dict[ProcessRole, float] = {ProcessRole.RELAY: 2.0, ProcessRole.RANK0: 0.0,
                                            ProcessRole.RANK: 0.0}
@@ -55,10 +69,11 @@ process's shard)."""
 
 
 def shard_elements(params: int, ranks: int, role: ProcessRole) -> int:
-    """The elements of the synced vector a process holds. Today: the whole vector, whatever
-    the cluster's ranks (the old, unsharded path)."""
-    del ranks, role  # the sharded path divides by them
-    return params
+    """The elements of the synced vector a process owns: a rank its shard (runtime/shard.py),
+    the relay the whole vector (not sharded yet)."""
+    if role is ProcessRole.RELAY:
+        return params
+    return -(-params // max(1, ranks))
 
 
 @dataclass(frozen=True)
@@ -69,11 +84,13 @@ class ProcessMemory:
     copies: float
     shard_bytes: int
     shared_bytes: int
+    whole_copies: float = 0.0
+    whole_bytes: int = 0
 
     @property
     def own_bytes(self) -> int:
         """In the process's own memory (its RSS)."""
-        return int(self.copies * self.shard_bytes)
+        return int(self.copies * self.shard_bytes + self.whole_copies * self.whole_bytes)
 
     @property
     def total_bytes(self) -> int:
@@ -84,7 +101,8 @@ def process_memory(params: int, ranks: int, role: ProcessRole) -> ProcessMemory:
     """The outer step's memory in a process of `role` in a cluster of `ranks` ranks syncing
     `params` parameters."""
     shard = shard_elements(params, ranks, role) * FP32_BYTES
-    return ProcessMemory(role, COPIES[role], shard, int(SHARED_COPIES[role] * shard))
+    return ProcessMemory(role, COPIES[role], shard, int(SHARED_COPIES[role] * shard),
+                         WHOLE_COPIES[role], params * FP32_BYTES)
 
 
 def cluster_memory(params: int, ranks: int) -> list[ProcessMemory]:
@@ -131,7 +149,8 @@ class ClusterMemory:
     def to_json(self) -> dict[str, object]:
         return {"cluster": self.cluster, "ranks": self.ranks,
                 "processes": [{"role": p.role.value, "copies": p.copies,
-                               "shard_bytes": p.shard_bytes, "own_bytes": p.own_bytes,
+                               "shard_bytes": p.shard_bytes, "whole_copies": p.whole_copies,
+                               "own_bytes": p.own_bytes,
                                "shared_bytes": p.shared_bytes, "total_bytes": p.total_bytes}
                               for p in self.processes]}
 

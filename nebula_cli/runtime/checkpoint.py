@@ -374,11 +374,13 @@ class Checkpointer:
         return None, bool(shm)
 
     def _outer_copy(self, step: int) -> dict[str, Any] | None:
-        """The outer state, copied in this thread (the background writer gets its own)."""
-        if self.sync is None or not self.writer:
+        """On a writer: the outer state, copied in this thread (the background writer gets its
+        own). Every rank calls it: the state is joined from the ranks' shards."""
+        if self.sync is None:
             return None
-        state = self.sync.state_dict()  # tensors cloned
-        state["step"] = step
+        state = self.sync.state_dict(writer=self.writer)  # tensors cloned; None off a writer
+        if state is not None:
+            state["step"] = step
         return state
 
     def _publish(self, staged: Path, step: int, outer: dict[str, Any] | None,

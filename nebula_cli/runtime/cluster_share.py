@@ -22,6 +22,7 @@ from nebula_cli.relay.net.schema import decode, encode
 from nebula_cli.relay.protocol.next_round import NextRound
 from nebula_cli.runtime.outer import SyncError
 from nebula_cli.runtime.settle import keep
+from nebula_cli.runtime.shard import Shard, ShardMoves
 
 HEADER_BYTES = 4096
 """The room of a round's header on the broadcast: its JSON at most (a NextRound's longest
@@ -78,6 +79,7 @@ class Shared:
     momentum: torch.Tensor | None = None  # with ``state``: the peer's outer momentum
     codec: str = ""  # the codec of the round whose average this is ("": not said)
     next: NextRound = NextRound()  # what the relays agreed of the next round
+    publish: bool = False  # rank 0's averager takes the global state after the round
 
 
 @dataclass(frozen=True)
@@ -95,6 +97,7 @@ class RoundHeader:
     has_momentum: bool = False
     codec: str = ""
     next: NextRound = NextRound()
+    publish: bool = False
 
     def to_tensor(self) -> torch.Tensor:
         """The header as HEADER_BYTES of JSON (zero-padded), for the broadcast."""
@@ -102,7 +105,8 @@ class RoundHeader:
                            "bytes_sent": self.bytes_sent, "bytes_received": self.bytes_received,
                            "seconds": self.seconds, "round_id": self.round_id,
                            "has_state": self.has_state, "has_momentum": self.has_momentum,
-                           "codec": self.codec, **encode(self.next)},
+                           "codec": self.codec, "publish": self.publish,
+                           **encode(self.next)},
                           separators=(",", ":")).encode()
         if len(data) > HEADER_BYTES:
             raise SyncError(f"a round header of {len(data)} bytes (at most {HEADER_BYTES})")
@@ -120,22 +124,29 @@ class RoundHeader:
         return cls(bool(m["ok"]), int(m["present"]), int(m["bytes_sent"]),
                    int(m["bytes_received"]), float(m["seconds"]), int(m["round_id"]),
                    bool(m["has_state"]), bool(m["has_momentum"]), str(m["codec"]),
-                   decode(NextRound, m, what="round header"))
+                   decode(NextRound, m, what="round header"), bool(m["publish"]))
 
 
 class ClusterShare:
     """Rank 0's round outcome, broadcast to the cluster's ranks (``group``: a gloo group, or
     None for the default one); and small flags all the ranks agree on (``reduce_max``: the end's
-    wait, runtime.final)."""
+    wait, runtime.final). With ``sharded`` (DiLoCo rounds) the round's tensors are scattered:
+    each rank gets its own shard of them (runtime/shard.py), not the whole vector."""
 
-    def __init__(self, rank: int, world_size: int, group: Any, numel: int) -> None:
+    def __init__(self, rank: int, world_size: int, group: Any, numel: int,
+                 sharded: bool = False) -> None:
         self.rank = rank
         self.world_size = world_size
         self.group = group
         self.numel = numel
+        self.sharded = sharded
+        self.moves = ShardMoves(Shard(numel, rank, world_size) if sharded else Shard(numel),
+                                group)
 
-    def share(self, round_id: int, result: Any, error: BaseException | None) -> Shared:
-        """Rank 0's round outcome (or failure), broadcast to every rank of the cluster."""
+    def share(self, round_id: int, result: Any, error: BaseException | None,
+              publish: bool = False) -> Shared:
+        """Rank 0's round outcome (or failure), broadcast to every rank of the cluster
+        (``publish``, said by rank 0: its averager takes the global state after the round)."""
         head = RoundHeader()
         payload = momentum = None
         if self.rank == 0:
@@ -148,7 +159,7 @@ class ClusterShare:
                     int(result.bytes_received), float(result.seconds),
                     int(getattr(result, "round_id", round_id)), state, momentum is not None,
                     str(getattr(result, "codec", "") or ""),
-                    getattr(result, "next", None) or NextRound())
+                    getattr(result, "next", None) or NextRound(), publish)
         buf = torch.zeros(HEADER_BYTES, dtype=torch.uint8)
         if self.rank == 0:
             try:
@@ -163,20 +174,16 @@ class ClusterShare:
                     raise error
                 raise SyncError(f"outer round {round_id} failed: {error}") from error
             raise SyncError(f"outer round {round_id} failed on this cluster's rank 0 (see its log)")
-        if payload is None:
-            payload = torch.empty(self.numel, dtype=torch.float32)
-        self.broadcast(payload)
+        payload = self.distribute(payload)
         if head.has_momentum:
-            if momentum is None:
-                momentum = torch.empty(self.numel, dtype=torch.float32)
-            self.broadcast(momentum)
+            momentum = self.distribute(momentum)
         return Shared(
             round_id=head.round_id if head.has_state else round_id,
             avg=None if head.has_state else payload,
             state=payload if head.has_state else None, present=head.present,
             bytes_sent=head.bytes_sent, bytes_received=head.bytes_received,
             seconds=head.seconds, clusters=list(result.present) if self.rank == 0 else None,
-            momentum=momentum, codec=head.codec, next=head.next)
+            momentum=momentum, codec=head.codec, next=head.next, publish=head.publish)
 
     def check_result(self, round_id: int, result: Any
                       ) -> tuple[torch.Tensor | None, bool, BaseException | None]:
@@ -202,9 +209,27 @@ class ClusterShare:
         flat = m.detach().to("cpu", torch.float32).reshape(-1).contiguous()
         return flat if all_finite(flat) else None
 
+    def distribute(self, full: torch.Tensor | None) -> torch.Tensor:
+        """Rank 0's full vector on every rank: whole (a broadcast), or this rank's shard of it
+        (a scatter) when sharded."""
+        if self.sharded:
+            return self.moves.scatter(full)
+        if full is None:
+            full = torch.empty(self.numel, dtype=torch.float32)
+        self.broadcast(full)
+        return full
+
     def broadcast(self, tensor: torch.Tensor) -> None:
         if self.world_size > 1:
             dist.broadcast(keep(tensor), src=0, group=self.group)
+
+    def norms(self, delta: torch.Tensor, avg: torch.Tensor | None) -> tuple[float, float | None]:
+        """The norms of a round's delta and average over the whole vector (the ranks' shards
+        summed when sharded: one small all-reduce on every rank)."""
+        if self.sharded:
+            d, a = self.moves.sum_squares(delta, avg)
+            return d ** 0.5, None if avg is None else a ** 0.5
+        return float(delta.norm()), None if avg is None else float(avg.norm())
 
     def reduce_max(self, tensor: torch.Tensor) -> None:
         """Every rank's ``tensor`` becomes its element-wise maximum over the cluster's ranks."""
@@ -212,9 +237,11 @@ class ClusterShare:
             dist.all_reduce(keep(tensor), op=dist.ReduceOp.MAX, group=self.group)
 
 
-def round_stats(shared: Shared, t0: float, delta: torch.Tensor) -> dict[str, Any]:
+def round_stats(shared: Shared, t0: float, norms: tuple[float, float | None]
+                ) -> dict[str, Any]:
     """What OuterSync returns (and logs) after a round that started at ``t0``
-    (``time.perf_counter``); ``delta``: this cluster's contribution."""
+    (``time.perf_counter``); ``norms``: of this cluster's contribution and of the average
+    (``ClusterShare.norms``)."""
     stats: dict[str, Any] = {
         "outer_round": shared.round_id,
         "round_s": time.perf_counter() - t0,
@@ -222,8 +249,8 @@ def round_stats(shared: Shared, t0: float, delta: torch.Tensor) -> dict[str, Any
         "wan_bytes_sent": shared.bytes_sent,
         "wan_bytes_received": shared.bytes_received,
         "clusters_present": shared.present,
-        "delta_norm": float(delta.norm()),
-        "avg_delta_norm": None if shared.avg is None else float(shared.avg.norm()),
+        "delta_norm": norms[0],
+        "avg_delta_norm": norms[1],
         "applied": (shared.avg is not None and shared.present > 0) or shared.state is not None,
         "caught_up": shared.state is not None,
     }

@@ -10,6 +10,9 @@ import torch
 
 from nebula_cli.errors import NebulaError
 
+STEP_CHUNK = 1 << 22
+"""Elements of the outer step's update formed at a time (16 MiB of fp32)."""
+
 
 class SyncError(NebulaError):
     """The outer synchronisation cannot be set up for this engine, or a round failed."""
@@ -40,8 +43,15 @@ class OuterOptimizer:
             self.momentum_buffer = torch.zeros_like(theta)
         v = self.momentum_buffer
         v.mul_(self.momentum).add_(grad)
-        update = grad.add(v, alpha=self.momentum) if self.nesterov else v
-        theta.add_(update, alpha=-self.lr)
+        if not self.nesterov:
+            theta.add_(v, alpha=-self.lr)
+            return
+        # theta -= lr * (g + mu * v), as torch's SGD rounds it, a chunk at a time: the update
+        # vector never exists whole
+        for at in range(0, theta.numel(), STEP_CHUNK):
+            n = min(STEP_CHUNK, theta.numel() - at)
+            update = grad.narrow(0, at, n).add(v.narrow(0, at, n), alpha=self.momentum)
+            theta.narrow(0, at, n).add_(update, alpha=-self.lr)
 
     def state_dict(self) -> dict[str, Any]:
         buf = None if self.momentum_buffer is None else self.momentum_buffer.clone()

@@ -6,7 +6,7 @@ ZeRO 1/2 partitions; ZeRO 3 through safe_get/set_full_fp32_param). See TESTBED.m
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -14,9 +14,16 @@ import torch
 from nebula_cli.runtime.host_transfer import HostStage
 from nebula_cli.runtime.outer import SyncError
 
+WRITE_CHUNK = 1 << 24
+"""Elements of the vector joined at a time when the ranks write their shards into the
+parameters (``ParamIO.write_joined``): 64 MiB, or one larger parameter."""
+
 
 class ParamIO:
     """Reads/writes the synced parameters as one flat fp32 CPU vector (all ranks call both)."""
+
+    collective_read = False
+    """Whether reading one parameter is a collective (then every rank reads every one)."""
 
     def __init__(self, params: list[torch.nn.Parameter]) -> None:
         self.params = params
@@ -32,6 +39,39 @@ class ParamIO:
         if any(t.is_cuda for t in parts):
             return self.stage.gather(parts, self.numel)
         return torch.cat([t.detach().to("cpu", torch.float32).reshape(-1) for t in parts])
+
+    def read_range(self, lo: int, hi: int) -> torch.Tensor:
+        """Elements ``[lo, hi)`` of the flat vector, as a new fp32 CPU tensor of that length
+        (a rank's shard, runtime/shard.py): only the parameters it touches are copied."""
+        out = torch.empty(hi - lo, dtype=torch.float32)
+        offset = 0
+        for i, (p, n) in enumerate(zip(self.params, self.numels, strict=True)):
+            a, b = max(lo, offset), min(hi, offset + n)
+            if a < b or self.collective_read:
+                value = self._read_one(i, p)
+                if a < b:
+                    out.narrow(0, a - lo, b - a).copy_(
+                        value.detach().reshape(-1).narrow(0, a - offset, b - a))
+            offset += n
+        return out
+
+    def write_joined(self, join: Callable[[int, int], torch.Tensor],
+                     chunk: int = WRITE_CHUNK) -> None:
+        """Write the vector whose elements ``[lo, hi)`` ``join(lo, hi)`` returns, a run of
+        consecutive parameters at a time (at most ``chunk`` elements, or one larger parameter):
+        no whole vector is built. Every rank calls it; ``join`` is a collective."""
+        i, offset = 0, 0
+        while i < len(self.params):
+            j, end = i + 1, offset + self.numels[i]
+            while j < len(self.params) and end + self.numels[j] - offset <= chunk:
+                end += self.numels[j]
+                j += 1
+            values, at = join(offset, end), 0
+            for k in range(i, j):
+                self._write_one(k, self.params[k],
+                                values.narrow(0, at, self.numels[k]).view(self.shapes[k]))
+                at += self.numels[k]
+            i, offset = j, end
 
     def write(self, flat: torch.Tensor) -> None:
         for i, value in enumerate(self._split(flat)):
@@ -82,6 +122,8 @@ class _ZeroIO(ParamIO):
     ``safe_get_full_fp32_param`` is a collective over the data-parallel group.
     """
 
+    collective_read = True
+
     def _read_one(self, i: int, p: torch.nn.Parameter) -> torch.Tensor:
         from deepspeed.utils import safe_get_full_fp32_param
 
@@ -101,6 +143,11 @@ class _Zero3IO(_ZeroIO):
     def __init__(self, params: list[torch.nn.Parameter], rank: int) -> None:
         super().__init__(params)
         self.rank = rank
+
+    def write_joined(self, join: Callable[[int, int], torch.Tensor],
+                     chunk: int = WRITE_CHUNK) -> None:
+        """ZeRO 3 rewrites every parameter inside one gather: the whole vector is joined."""
+        self.write(join(0, self.numel))
 
     def write(self, flat: torch.Tensor) -> None:
         from deepspeed.runtime.zero import GatheredParameters

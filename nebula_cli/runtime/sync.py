@@ -2,10 +2,11 @@
 
 DiLoCo mode (default): every ``inner_steps`` optimizer steps each cluster forms the
 pseudo-gradient ``delta = theta_global - theta_local`` (fp32, read from DeepSpeed's fp32
-master copy), the cluster's rank 0 averages it with the other clusters through an
-:class:`Averager` (the relay), the average is broadcast inside the cluster, and every rank
-applies the outer optimizer (Nesterov SGD) to ``theta_global`` and writes the result into its
-parameters *and* the fp32 master copy, so that the next ``engine.step()`` keeps it.
+master copy; each rank holds and forms its own shard of it, runtime/shard.py), the cluster's
+rank 0 gathers it and averages it with the other clusters through an :class:`Averager` (the
+relay), the average is scattered inside the cluster, and every rank applies the outer
+optimizer (Nesterov SGD) to its shard of ``theta_global``; the shards are joined into every
+rank's parameters *and* the fp32 master copy, so that the next ``engine.step()`` keeps them.
 Gradient mode: every optimizer step the (cluster-averaged) gradients are averaged across
 clusters between ``engine.backward`` and ``engine.step``.
 
@@ -86,10 +87,13 @@ class OuterSync:
     that engine to this object.
 
     DiLoCo: a round happens after every ``inner_steps`` optimizer steps (``engine.global_steps``).
-    All ranks read theta_local from the fp32 master, rank 0 calls ``averager.allreduce`` and
-    broadcasts the average (gloo, CPU), every rank applies the outer optimizer (with the
-    round's codec's settings under ``compression: auto``) and writes theta_global into its
-    parameters and fp32 master copy. The inner optimizer state (Adam moments) is kept.
+    The outer state is sharded (``runtime/shard.py``): each rank holds its contiguous shard of
+    theta_global and of the outer momentum. Each rank reads its shard of theta_local from the
+    fp32 master, rank 0 gathers the cluster's delta and calls ``averager.allreduce``, scatters
+    the average (gloo, CPU, point to point), every rank applies the outer optimizer to its
+    shard (with the round's codec's settings under ``compression: auto``), and the shards are
+    joined, a run of parameters at a time, into every rank's parameters and fp32 master copy.
+    The inner optimizer state (Adam moments) is kept.
 
     ``overlap=True`` (as in Streaming DiLoCo): at a boundary the round's delta (everything not
     yet averaged) is sent in a background thread and training goes on; once the average has
@@ -173,12 +177,15 @@ class OuterSync:
             check_gradient_mode(engine)
             self._io: ParamIO | None = None
             self.numel = sum(full_shape(p).numel() for p in params)
-            self.theta_global = torch.zeros(0)
         else:
             self._io = make_io(engine, params, self.rank)
             self.numel = self._io.numel
-            self.theta_global = self._io.read().clone()
-        self._cluster = ClusterShare(self.rank, self.world_size, self._group, self.numel)
+        # DiLoCo: each rank holds its shard of the outer state (runtime/shard.py)
+        self._cluster = ClusterShare(self.rank, self.world_size, self._group, self.numel,
+                                     sharded=self.mode != "gradient")
+        self.shard = self._cluster.moves.shard
+        self.theta_global = torch.zeros(0) if self._io is None else self._read_shard()
+        """This rank's shard of theta_global (the whole vector on a cluster of one rank)."""
         planned = self.config if inner_steps is None else None  # an explicit H: a fixed one
         self.cadence = Cadence(self._cluster, inner_steps=max(1, h),
                                every_s=planned.every_s if planned else None,
@@ -264,7 +271,7 @@ class OuterSync:
                     p.grad.copy_(value)
                 offset += n
         # else: no average this step (nobody present): the cluster's own gradients are used
-        return round_stats(shared, t0, grad)
+        return round_stats(shared, t0, self._cluster.norms(grad, shared.avg))
 
     def flush(self) -> dict[str, Any] | None:
         """Overlap mode: wait for the round in flight and apply it (call on every rank at the
@@ -291,7 +298,7 @@ class OuterSync:
             stats = {**self._sync_round(info), "final_round": True}
         return stats if not agree else final_agreement(
             self._averager if self.rank == 0 else None, self._cluster, self._apply,
-            lambda: self._io.write(self.theta_global), stats, stop)
+            lambda: self._write(self.theta_global), stats, stop)
 
     def close(self) -> None:
         """Close the averager and join a round still in flight (bounded); wait for the
@@ -321,20 +328,36 @@ class OuterSync:
         """Load the newest checkpoint every rank has; its step, 0 if none (runtime.checkpoint)."""
         return checkpoints.resume(self)
 
-    def state_dict(self) -> dict[str, Any]:
-        """The outer state to store beside DeepSpeed's checkpoint (an in-flight overlapped
-        round is not included: call ``flush()`` first to keep it)."""
+    def state_dict(self, writer: bool = True) -> dict[str, Any] | None:
+        """The outer state to store beside DeepSpeed's checkpoint, whole (an in-flight
+        overlapped round is not included: call ``flush()`` first to keep it). On a cluster of
+        several ranks a collective: every rank calls it, and the ranks that pass ``writer``
+        get the state joined from every rank's shard (the others None)."""
+        moves = self._cluster.moves
+        writers = moves.ranks_with(writer)
+        theta = moves.gather_to(self.theta_global, writers)
+        anchor = None if self._anchor is None else moves.gather_to(self._anchor, writers)
+        buf = self.outer.momentum_buffer
+        momentum = None if buf is None else moves.gather_to(buf, writers)
+        if not writer:
+            return None
+        outer = self.outer.state_dict()
+        outer["momentum_buffer"] = None if momentum is None else momentum.clone()
         return {
             "mode": self.mode,
             "round": self.round,
             "grad_round": self.grad_round,
             "last_round_step": self._last_round_step,
-            "theta_global": self.theta_global.clone(),
-            "anchor": None if self._anchor is None else self._anchor.clone(),
-            "outer": self.outer.state_dict(),
+            "theta_global": theta.clone(),
+            "anchor": None if anchor is None else anchor.clone(),
+            "outer": outer,
             "param_names": list(self.param_names),
             "cadence": self.cadence.state_dict(),
         }
+
+    def full_theta_global(self) -> torch.Tensor:
+        """theta_global whole, on every rank (a collective on a cluster of several ranks)."""
+        return self._cluster.moves.all_gather(self.theta_global).clone()
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore the outer state (parameters themselves come from DeepSpeed's checkpoint)."""
@@ -344,28 +367,38 @@ class OuterSync:
         theta = state["theta_global"]
         if self.mode == "diloco" and theta.numel() != self.numel:
             raise SyncError(f"outer sync state has {theta.numel()} values, expected {self.numel}")
-        self.theta_global = theta.detach().to("cpu", torch.float32).clone()
+        self.theta_global = self._own(theta)
         anchor = state.get("anchor")
-        self._anchor = None if anchor is None else anchor.detach().to("cpu", torch.float32).clone()
+        self._anchor = None if anchor is None else self._own(anchor)
         self.round = int(state["round"])
         self.grad_round = int(state.get("grad_round", 0))
         self._last_round_step = int(state["last_round_step"])
         self.outer.load_state_dict(state["outer"])
+        if self.outer.momentum_buffer is not None:
+            self.outer.momentum_buffer = self._own(self.outer.momentum_buffer)
         self.cadence.load_state_dict(state.get("cadence") or {})
+
+    def _own(self, full: torch.Tensor) -> torch.Tensor:
+        """This rank's shard of a whole vector of the saved state (any rank count saved it)."""
+        if full.numel() != self.numel:
+            raise SyncError(f"outer sync state has a vector of {full.numel()} values, "
+                            f"expected {self.numel}")
+        return self.shard.of(full.detach().to("cpu", torch.float32).reshape(-1)).clone()
 
     # --- rounds ---------------------------------------------------------------------------
 
     def _sync_round(self, info: dict[str, float]) -> dict[str, Any]:
         t0 = time.perf_counter()
-        delta = self.theta_global - self._io.read()
+        delta = self._read_shard().neg_().add_(self.theta_global)  # theta_global - local
         round_id = self.round
         self.round += 1
         shared = self._exchange(round_id, delta, info)
         if self._apply(shared):
-            self._io.write(self.theta_global)
+            self._write(self.theta_global)
+            self._publish(shared)
         # else: nobody's average this round; the local progress carries into the next delta
         release()  # the round's broadcast tensors go with `shared` (runtime/settle.py)
-        stats = round_stats(shared, t0, delta)
+        stats = round_stats(shared, t0, self._cluster.norms(delta, shared.avg))
         self.cadence.restart(cost=stats["round_s"], next_round=shared.next)
         return stats
 
@@ -373,17 +406,18 @@ class OuterSync:
         merged = self._merge(since) if self._inflight.active else None
         info = {**info, **self.cadence.take_arrival()}  # (also of a round merged just now)
         t0 = time.perf_counter()
-        theta_local = self._io.read()
+        theta_local = self._read_shard()
         delta = self.theta_global - theta_local  # everything not yet averaged
         self._anchor = theta_local
         round_id = self.round
         self.round += 1
+        whole = self._cluster.moves.gather(delta)  # on rank 0: the cluster's whole delta
         self._inflight.start(round_id, None if self.rank else  # (its errors reach every rank)
-                             lambda: self._get_averager().allreduce(round_id, delta, info))
+                             lambda: self._get_averager().allreduce(round_id, whole, info))
         self.cadence.restart()
         # the previous round's stats (its average applied just now), or this one's start
         stats = merged or round_stats(Shared(round_id=round_id, avg=None, state=None,
-                                             present=0), t0, delta)
+                                             present=0), t0, self._cluster.norms(delta, None))
         return {**stats, "boundary_s": time.perf_counter() - t0}
 
     def _merge_due(self, since: int) -> bool:
@@ -395,14 +429,15 @@ class OuterSync:
         """Wait for the round in flight, apply its average once, keep the progress made since
         its boundary on top of the new theta_global."""
         t0 = time.perf_counter()
-        progress = self._anchor - self._io.read()  # steps taken since the boundary
+        progress = self._anchor - self._read_shard()  # steps taken since the boundary
         shared = self._finish_pending()
         t1 = time.perf_counter()
         if self._apply(shared):
-            self._io.write(self.theta_global - progress)
+            self._write(self.theta_global - progress)
+            self._publish(shared)
         # else: nobody's average; the progress carries into the next delta
         release()
-        stats = round_stats(shared, t0, progress)
+        stats = round_stats(shared, t0, self._cluster.norms(progress, shared.avg))
         stats.update(wait_s=t1 - t0, apply_s=stats["round_s"] - (t1 - t0),
                      **self.cadence.step_times())  # the overlap's timeline
         self.cadence.pause(stats["round_s"])  # waiting for it and applying it: not training
@@ -424,37 +459,60 @@ class OuterSync:
         if shared.codec in self._by_codec:
             self.outer.lr, self.outer.momentum = self._by_codec[shared.codec]
         self.outer.step(self.theta_global, shared.avg)
-        self._publish(shared.round_id)
         return True
 
-    def _publish(self, round_id: int) -> None:
-        """Rank 0 hands theta_global and the outer momentum to the relay, for clusters that
-        fall behind or diverge."""
+    def _publish(self, shared: Shared) -> None:
+        """After a round's average was applied, rank 0 hands theta_global and the outer
+        momentum to the relay, for clusters that fall behind or diverge. On every rank: the
+        shards are gathered on rank 0 when it said so."""
+        if shared.state is not None or not shared.publish:
+            return
+        moves = self._cluster.moves
+        theta = moves.gather(self.theta_global)
+        buf = self.outer.momentum_buffer
+        momentum = None if buf is None else moves.gather(buf)
         publish = getattr(self._averager, "publish_state", None) if self.rank == 0 else None
         if publish is None:
             return
         try:
-            publish(round_id, self.theta_global, self.outer.momentum_buffer)
+            publish(shared.round_id, theta, momentum)
         except Exception as exc:  # catching up is best effort; training goes on
-            log.warning("outer round %d: could not publish the global state: %s", round_id, exc)
+            log.warning("outer round %d: could not publish the global state: %s",
+                        shared.round_id, exc)
+
+    def _read_shard(self) -> torch.Tensor:
+        """This rank's shard of theta_local (the parameters' fp32 master)."""
+        return self._io.read_range(self.shard.lo, self.shard.hi)
+
+    def _write(self, part: torch.Tensor) -> None:
+        """Every rank's ``part`` (its shard) joined and written into the parameters, a run of
+        parameters at a time (``ParamIO.write_joined``)."""
+        moves = self._cluster.moves
+        self._io.write_joined(lambda lo, hi: moves.all_gather_range(part, lo, hi))
 
     # --- exchange: rank 0 talks to the averager, the cluster gets the result by broadcast ----
 
     def _exchange(self, round_id: int, tensor: torch.Tensor,
                   info: dict[str, float] | None = None) -> Shared:
         result = error = None
+        whole = self._cluster.moves.gather(tensor)  # rank 0: every rank's shard (DiLoCo)
         if self.rank == 0:
             try:
-                result = self._get_averager().allreduce(round_id, tensor.contiguous(), info)
+                result = self._get_averager().allreduce(round_id, whole.contiguous(), info)
             except Exception as exc:  # every rank must leave the broadcast, then raise
                 error = exc
-        return self._cluster.share(round_id, result, error)
+        del whole  # (rank 0 holds the round's average next, not both)
+        return self._cluster.share(round_id, result, error, self._publishes())
+
+    def _publishes(self) -> bool:
+        """On rank 0: whether its averager takes the global state after a round."""
+        return self.rank == 0 and hasattr(self._averager, "publish_state")
 
     def _finish_pending(self) -> Shared:
         out = self._inflight.finish(wait=self.round_timeout + 60.0)
         if out.arrive_s is not None and self.overlap_steps is None:  # told with the next round
             self.cadence.note_arrival(out.arrive_s)
-        return self._cluster.share(out.round_id, out.result, out.error)
+        return self._cluster.share(out.round_id, out.result, out.error, self._publishes())
 
     # --- helpers --------------------------------------------------------------------------
 

@@ -53,8 +53,9 @@ def test_three_and_four_clusters_end_identical(cli: CLI, tmp_path: Path, n: int)
     spec = short_spec(tmp_path, clusters=clusters, steps=20, inner=10, name=f"n{n}")
     job_id = cli("launch", str(spec), "--detach", check=True).stdout.strip()
     follow = cli("logs", job_id, "-f", timeout=900)
-    assert follow.returncode == 0
-    assert "gpt: final" in follow.stdout
+    assert follow.returncode == 0, follow.stderr
+    assert "gpt: final" in follow.stdout, (
+        follow.stderr + cli("status", job_id).stdout + follow.stdout[-4000:])
     check_finished_job(cli, job_id, workers=n, rounds=2)
     synced = [r for r in metric_records(cli.home, job_id) if r.get("outer_round") is not None
               and "round_s" in r]

@@ -52,8 +52,8 @@ class StandInSync:
         self.theta = torch.full((3,), value)
         self.round = int(value)
 
-    def state_dict(self) -> dict[str, Any]:
-        return {"theta_global": self.theta.clone(), "round": self.round}
+    def state_dict(self, writer: bool = True) -> dict[str, Any] | None:
+        return {"theta_global": self.theta.clone(), "round": self.round} if writer else None
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.theta, self.round = state["theta_global"], state["round"]

@@ -8,6 +8,7 @@ from nebula_cli.planner.outer_memory import (
     FIXES,
     FP32_BYTES,
     SHARED_COPIES,
+    WHOLE_COPIES,
     ProcessRole,
     cluster_memory,
     gib,
@@ -23,12 +24,23 @@ PARAMS = 85_000_000
 def test_each_role_holds_its_copies_of_the_shard() -> None:
     for role in ProcessRole:
         p = process_memory(PARAMS, 2, role)
-        assert p.shard_bytes == PARAMS * FP32_BYTES  # today's path: the whole vector
-        assert p.own_bytes == int(COPIES[role] * p.shard_bytes)
+        # the ranks own half the vector each (runtime/shard.py); the relay all of it
+        whole = role is ProcessRole.RELAY
+        assert p.shard_bytes == (PARAMS if whole else PARAMS // 2) * FP32_BYTES
+        assert p.own_bytes == int(COPIES[role] * p.shard_bytes
+                                  + WHOLE_COPIES[role] * PARAMS * FP32_BYTES)
         assert p.shared_bytes == int(SHARED_COPIES[role] * p.shard_bytes)
         assert p.total_bytes == p.own_bytes + p.shared_bytes
     assert process_memory(2 * PARAMS, 2, ProcessRole.RELAY).total_bytes == \
         2 * process_memory(PARAMS, 2, ProcessRole.RELAY).total_bytes
+
+
+def test_a_ranks_memory_falls_with_the_clusters_ranks() -> None:
+    """Other ranks hold copies of their shard only; rank 0 adds its hop's whole copies."""
+    rank = [process_memory(PARAMS, n, ProcessRole.RANK).total_bytes for n in (2, 4, 8)]
+    assert rank[0] > rank[1] > rank[2] and abs(rank[0] - 4 * rank[2]) <= 9 * 4 * 8
+    rank0 = process_memory(PARAMS, 8, ProcessRole.RANK0).total_bytes
+    assert rank0 > int(WHOLE_COPIES[ProcessRole.RANK0] * PARAMS * FP32_BYTES)
 
 
 def test_a_one_rank_cluster_has_no_other_ranks() -> None:

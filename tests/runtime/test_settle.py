@@ -138,15 +138,15 @@ print(json.dumps({"kept": kept, "live": live, "numel": sync.numel}))
 def test_no_rank_keeps_a_rounds_average_after_it_is_applied(tmp_path: Path) -> None:
     """50 rounds on a cluster of two gloo ranks: after each, nebula's list of collective tensors
     holds at most a round's last tensors (those gloo had not let go of yet, dropped at the next
-    round), and the number of live tensors the size of the synced vector stays flat
-    (theta_global and the outer momentum, and now and then the one gloo still held), where the
-    old trim (past 64 tensors) kept up to 32 rounds' averages alive."""
+    round), and no tensor the size of the synced vector is alive on any rank between rounds
+    (each rank holds its shard of theta_global and of the outer momentum, runtime/shard.py; the
+    round's whole vectors live only within it), where the old trim (past 64 tensors) kept up
+    to 32 rounds' averages alive."""
     tests = str(Path(__file__).resolve().parents[1])
     said = run_ranks(ROUNDS, tmp_path / "store", tests, timeout=300)
     for s in said:
         assert s["numel"] > 20_000
-        base = min(s["live"])
-        assert base <= 2 and sorted(s["live"])[25] == base, said  # most rounds: none kept
+        assert sorted(s["live"])[25] == 0, said  # most rounds: not one whole vector
         # now and then gloo still held the round's last tensors (under load): dropped a round
-        # later, never accumulating
-        assert max(s["kept"]) <= 2 and max(s["live"]) <= base + 2, said
+        # later, never accumulating (a round's collectives: about 8 tensors on rank 0)
+        assert max(s["kept"]) <= 8 and max(s["live"]) <= 2, said

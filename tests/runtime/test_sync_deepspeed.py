@@ -127,7 +127,7 @@ def _diloco(name: str, scen: dict[str, Any], rank: int) -> dict[str, Any]:
     sync = OuterSync(engine, config=CFG, averager=averager, inner_steps=2,
                      outer_lr=LR, outer_momentum=MU,
                      mode="diloco", overlap=scen.get("overlap", False), overlap_steps=2)
-    rec: dict[str, Any] = {"theta0": sync.theta_global.clone(), "params0": _params(engine),
+    rec: dict[str, Any] = {"theta0": sync.full_theta_global(), "params0": _params(engine),
                            "locals": [], "stats": [], "masters": [], "params": [], "thetas": []}
     boundaries = 3 if scen.get("overlap") else 2
     for step in range(1, 2 * boundaries + 1):
@@ -142,12 +142,12 @@ def _diloco(name: str, scen: dict[str, Any], rank: int) -> dict[str, Any]:
             rec["stats"].append(out)
             rec["masters"].append(_master(engine))
             rec["params"].append(_params(engine))
-            rec["thetas"].append(sync.theta_global.clone())
+            rec["thetas"].append(sync.full_theta_global())
     if scen.get("overlap"):
         rec["stats"].append(sync.flush())
         rec["masters"].append(_master(engine))
         rec["params"].append(_params(engine))
-        rec["thetas"].append(sync.theta_global.clone())
+        rec["thetas"].append(sync.full_theta_global())
     # One more step at lr 0 (weight decay is 0): the values written must survive it.
     for group in engine.optimizer.param_groups:
         group["lr"] = 0.0

@@ -1,0 +1,158 @@
+"""Shards of the synced vector (runtime/shard.py): their bounds, the cluster's shard collectives
+on three gloo ranks, and OuterSync with its outer state sharded over three ranks ending on the
+same parameters, published state and checkpointed state as one rank holding all of it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from helpers.gloo_ranks import run_ranks
+from helpers.sync_reference import CFG, LR, MU, TRAINABLE, ScriptedAverager, plain_step, small_model
+
+from nebula_cli.runtime.shard import Shard
+from nebula_cli.runtime.sync import OuterSync
+
+TESTS = str(Path(__file__).resolve().parents[1])
+
+
+@pytest.mark.parametrize("numel,world", [(10, 3), (12, 3), (2, 3), (1, 4), (0, 2), (83, 1)])
+def test_every_element_has_one_owner_and_every_shard_one_padded_size(numel: int, world: int
+                                                                      ) -> None:
+    shards = [Shard(numel, r, world) for r in range(world)]
+    owned = [i for s in shards for i in range(s.lo, s.hi)]
+    assert owned == list(range(numel))  # contiguous, in rank order, each element once
+    assert all(s.length <= s.size for s in shards)
+    assert all(s.size == -(-numel // world) for s in shards)
+    full = torch.arange(float(numel))
+    assert torch.equal(torch.cat([s.of(full) for s in shards]), full)
+
+
+MOVES = r"""
+import json, sys
+import torch, torch.distributed as dist
+from nebula_cli.runtime.shard import Shard, ShardMoves
+rank, store_path = int(sys.argv[1]), sys.argv[2]
+dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank, world_size=3)
+out = {}
+for numel in (10, 12, 2):
+    shard = Shard(numel, rank, 3)
+    moves = ShardMoves(shard, None)
+    full = torch.arange(float(numel)) + 100
+    mine = shard.of(full) * (rank + 1)  # each rank's part, made recognisable
+    got = moves.gather(mine)
+    got_on_2 = moves.gather_to(mine, [1, 2])
+    out[numel] = {
+        "gathered": None if got is None else got.tolist(),
+        "gathered_on_1_2": None if got_on_2 is None else got_on_2.tolist(),
+        "scattered": moves.scatter(full if rank == 0 else None).tolist(),
+        "all": moves.all_gather(mine).tolist(),
+        "writers": moves.ranks_with(rank != 1),
+        "squares": moves.sum_squares(mine, None),
+    }
+dist.destroy_process_group()
+print(json.dumps(out))
+"""
+
+
+def test_gather_scatter_and_all_gather_of_uneven_shards_on_three_ranks(tmp_path: Path) -> None:
+    said = run_ranks(MOVES, tmp_path / "store", ranks=3)
+    for numel in (10, 12, 2):
+        full = torch.arange(float(numel)) + 100
+        shards = [Shard(numel, r, 3) for r in range(3)]
+        joined = torch.cat([s.of(full) * (s.rank + 1) for s in shards]).tolist()
+        for rank, out in enumerate(r[str(numel)] for r in said):
+            assert out["gathered"] == (joined if rank == 0 else None)
+            assert out["gathered_on_1_2"] == (joined if rank in (1, 2) else None)
+            assert out["scattered"] == shards[rank].of(full).tolist()
+            assert out["all"] == joined
+            assert out["writers"] == [0, 2]
+            assert out["squares"] == [pytest.approx(sum(x * x for x in joined)), 0.0]
+
+
+SYNC = r"""
+import json, sys
+import torch, torch.distributed as dist
+rank, store_path, tests, overlap, resume = (int(sys.argv[1]), sys.argv[2], sys.argv[3],
+                                            sys.argv[4] == "1", sys.argv[5])
+sys.path.insert(0, tests)
+from helpers.sync_reference import CFG, LR, MU, ScriptedAverager, plain_step, small_model
+from nebula_cli.runtime.sync import OuterSync
+dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank, world_size=3)
+model = small_model()
+opt = torch.optim.SGD(model.parameters(), lr=0.05)
+averager = ScriptedAverager() if rank == 0 else None
+sync = OuterSync(model, config=CFG, averager=averager, inner_steps=1, outer_lr=LR,
+                 outer_momentum=MU, mode="diloco", overlap=overlap, overlap_steps=1)
+for step in range(1, 7):
+    plain_step(model, opt, step)  # the same batch on every rank: the ranks stay identical
+    sync.after_step(step)
+sync.flush()
+state = sync.state_dict(writer=rank != 1)
+flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+out = {"params": flat.tolist(), "theta": sync.full_theta_global().tolist(),
+       "shard": [sync.shard.lo, sync.shard.hi], "state": None if state is None else {
+           "theta": state["theta_global"].tolist(),
+           "momentum": state["outer"]["momentum_buffer"].tolist(), "round": state["round"]},
+       "published": [] if averager is None else [[r, t.tolist()] for r, t in averager.published]}
+saved = torch.load(resume, weights_only=True)  # a state saved by one rank holding it all
+sync.load_state_dict(saved)
+out["loaded"] = sync.theta_global.tolist()
+out["loaded_momentum"] = sync.outer.momentum_buffer.tolist()
+sync.close()
+dist.destroy_process_group()
+print(json.dumps(out))
+"""
+
+
+def _one_rank(overlap: bool) -> tuple[torch.Tensor, OuterSync, ScriptedAverager]:
+    model = small_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    averager = ScriptedAverager()
+    sync = OuterSync(model, config=CFG, averager=averager, inner_steps=1, outer_lr=LR,
+                     outer_momentum=MU, mode="diloco", overlap=overlap, overlap_steps=1)
+    for step in range(1, 7):
+        plain_step(model, opt, step)
+        sync.after_step(step)
+    sync.flush()
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters()]), sync, averager
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["plain", "overlap"])
+def test_three_ranks_with_sharded_outer_state_end_as_one_rank_holding_it_all(
+        tmp_path: Path, overlap: bool) -> None:
+    """83 trainable values over 3 ranks (28, 28, 27: the first layer's weight split between
+    ranks 0 and 1): the parameters, theta_global, the state published for clusters that fall
+    behind and the checkpointed state (joined on the two writer ranks) are those of one rank
+    holding the whole outer state; and a state saved by one rank loads on three (each its
+    slice), as a sharded job's loads on one."""
+    params, ref, averager = _one_rank(overlap)
+    state = ref.state_dict()
+    resume = tmp_path / "outer.pt"
+    torch.save(state, resume)
+    said = run_ranks(SYNC, tmp_path / "store", TESTS, "1" if overlap else "0", str(resume),
+                     ranks=3, timeout=180)
+    assert [s["shard"] for s in said] == [[0, 28], [28, 56], [56, TRAINABLE]]
+    for rank, s in enumerate(said):
+        assert s["params"] == params.tolist()
+        assert s["theta"] == ref.theta_global.tolist()
+        if rank == 1:
+            assert s["state"] is None
+        else:
+            assert s["state"] == {"theta": state["theta_global"].tolist(),
+                                  "momentum": state["outer"]["momentum_buffer"].tolist(),
+                                  "round": state["round"]}
+        lo, hi = s["shard"]
+        assert s["loaded"] == state["theta_global"][lo:hi].tolist()
+        assert s["loaded_momentum"] == state["outer"]["momentum_buffer"][lo:hi].tolist()
+    assert said[0]["published"] == [[r, t.tolist()] for r, t in averager.published]
+    assert len(averager.published) == 6
+    one = OuterSync(small_model(), config=CFG, averager=ScriptedAverager(), inner_steps=1,
+                    outer_lr=LR, outer_momentum=MU, mode="diloco")
+    joined = {"theta_global": torch.tensor(said[0]["state"]["theta"]),
+              **{k: v for k, v in state.items() if k != "theta_global"}}
+    one.load_state_dict(joined)  # what three ranks saved, on one
+    assert torch.equal(one.theta_global, state["theta_global"])
+    one.close()
+    ref.close()

@@ -174,8 +174,8 @@ class ShardMoves:
     def sum_squares(self, *parts: torch.Tensor | None) -> list[float]:
         """Each vector's squared norm summed over the ranks' shards (one small all-reduce); a
         None part counts 0."""
-        sq = torch.tensor([0.0 if p is None else float(p.double().pow(2).sum()) for p in parts],
-                          dtype=torch.float64)
+        sq = torch.tensor([0.0 if p is None else float(torch.linalg.vector_norm(p)) ** 2
+                           for p in parts], dtype=torch.float64)  # (no copy of the shard)
         if self.shard.world > 1:
             dist.all_reduce(keep(sq), group=self.group)
         return [float(x) for x in sq]

@@ -12,7 +12,10 @@ its shard of theta_global and of the momentum, the read, the delta, its shard of
 the 64 MiB runs of the write), rank 0 about 4 copies of its shard plus 2.3 of the whole vector
 (the gathered delta, the average from the relay, the gathered state it publishes: 4.36 whole
 copies on 2 ranks, 3.34 on 4). The old path held 5 whole copies on every rank (measured the
-same way). The relay is not sharded yet.
+same way). The relay is not sharded yet. Not modelled yet: a checkpoint's writer (local rank 0 of
+each host) joins theta_global, the momentum and overlap's anchor while it saves (up to 3 whole
+copies, for the moment of the save), and under ZeRO 3 every rank joins the whole vector to
+write it inside DeepSpeed's one gather (1 whole copy).
 
 The old path (issue 42, measured 2026-12-01 with `examples/gpt/train.py` widened to 1.3 M,
 19 M and 85 M parameters, two clusters of one rank each, int8, 1 Gbit/s shaped link; one copy is

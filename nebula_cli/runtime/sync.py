@@ -328,28 +328,35 @@ class OuterSync:
         """Load the newest checkpoint every rank has; its step, 0 if none (runtime.checkpoint)."""
         return checkpoints.resume(self)
 
-    def state_dict(self, writer: bool = True) -> dict[str, Any] | None:
+    def state_dict(self, writer: bool | None = None) -> dict[str, Any] | None:
         """The outer state to store beside DeepSpeed's checkpoint, whole (an in-flight
         overlapped round is not included: call ``flush()`` first to keep it). On a cluster of
-        several ranks a collective: every rank calls it, and the ranks that pass ``writer``
-        get the state joined from every rank's shard (the others None)."""
+        several ranks a collective: **every rank calls it**, and the ranks that pass
+        ``writer`` (by default rank 0) get the state joined from every rank's shard (the
+        others None)."""
+        writer = self.rank == 0 if writer is None else writer
         moves = self._cluster.moves
         writers = moves.ranks_with(writer)
         theta = moves.gather_to(self.theta_global, writers)
         anchor = None if self._anchor is None else moves.gather_to(self._anchor, writers)
         buf = self.outer.momentum_buffer
         momentum = None if buf is None else moves.gather_to(buf, writers)
+        release()  # the gathers' views of the joined vectors (runtime/settle.py)
         if not writer:
             return None
+
+        def own(t: torch.Tensor | None) -> torch.Tensor | None:  # joined: already a copy
+            return None if t is None else t.clone() if self.shard.world == 1 else t
+
         outer = self.outer.state_dict()
-        outer["momentum_buffer"] = None if momentum is None else momentum.clone()
+        outer["momentum_buffer"] = own(momentum)
         return {
             "mode": self.mode,
             "round": self.round,
             "grad_round": self.grad_round,
             "last_round_step": self._last_round_step,
-            "theta_global": theta.clone(),
-            "anchor": None if anchor is None else anchor.clone(),
+            "theta_global": own(theta),
+            "anchor": own(anchor),
             "outer": outer,
             "param_names": list(self.param_names),
             "cadence": self.cadence.state_dict(),
@@ -367,15 +374,18 @@ class OuterSync:
         theta = state["theta_global"]
         if self.mode == "diloco" and theta.numel() != self.numel:
             raise SyncError(f"outer sync state has {theta.numel()} values, expected {self.numel}")
-        self.theta_global = self._own(theta)
+        sharded = self.mode == "diloco"  # (gradient mode keeps no theta_global)
+        if sharded:
+            self.theta_global = self._own(theta)
         anchor = state.get("anchor")
-        self._anchor = None if anchor is None else self._own(anchor)
+        self._anchor = None if anchor is None or not sharded else self._own(anchor)
         self.round = int(state["round"])
         self.grad_round = int(state.get("grad_round", 0))
         self._last_round_step = int(state["last_round_step"])
-        self.outer.load_state_dict(state["outer"])
-        if self.outer.momentum_buffer is not None:
-            self.outer.momentum_buffer = self._own(self.outer.momentum_buffer)
+        outer = dict(state["outer"])
+        if sharded and outer.get("momentum_buffer") is not None:
+            outer["momentum_buffer"] = self._own(outer["momentum_buffer"])  # before its clone
+        self.outer.load_state_dict(outer)
         self.cadence.load_state_dict(state.get("cadence") or {})
 
     def _own(self, full: torch.Tensor) -> torch.Tensor:

@@ -27,6 +27,8 @@ SCRIPTS = {
                  "utilization_after_cut_auto_codec", "codec_trace"),
     "round_memory": ("rounds", "rss_growth_mb_per_1000_rounds", "rss_growth_stderr",
                      "fd_growth_per_1000_rounds", "rounds_per_s", "left_processes", "goals_met"),
+    "outer_state": ("runs", "max_rank_copies_of_shard", "max_rank0_copies_of_whole",
+                    "goals_met"),
     "scale": ("sizes", "max_outer_memory_vs_shard", "round_time_vs_bound_1g",
               "round_time_vs_bound_10g", "largest_params", "identical", "goals_met"),
     "relay_loopback": ("end_to_end_vs_tcp", "tls_vs_tcp", "end_to_end_tls_vs_tcp",

@@ -358,3 +358,17 @@ def test_state_dict_round_trip_and_mismatch() -> None:
     with pytest.raises(SyncError, match="different set"):
         OuterSync(small_model(freeze_first=True), config=CFG, averager=TwoClusterAverager(),
                   mode="diloco").load_state_dict(state)
+
+
+def test_a_gradient_mode_state_round_trips() -> None:
+    """Gradient mode keeps no theta_global: its saved state (the exchange count) loads back."""
+    model = small_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    sync = OuterSync(model, config=CFG, averager=TwoClusterAverager(), mode="gradient")
+    model(torch.ones(2, 6)).sum().backward()
+    sync.after_backward()
+    opt.step()
+    state = sync.state_dict()
+    other = OuterSync(small_model(), config=CFG, averager=TwoClusterAverager(), mode="gradient")
+    other.load_state_dict(state)
+    assert other.grad_round == sync.grad_round == 1 and other.theta_global.numel() == 0

@@ -1,6 +1,7 @@
 """Models of the size users train (issue 42): each process's outer-step memory against its
 shard's fp32 bytes, and each outer round's time against its bound, side by side per model size,
-for today's outer step (the old single-buffer path: every process holds the whole vector).
+for today's outer step (the ranks' outer state sharded, runtime/shard.py; the relay and rank 0's
+hop to it still whole; the old single-buffer path is recorded in docs/benchmarks.md).
 
     .venv/bin/python bench/scale.py [--quick] [--json] [--sizes 1.3M,20M,100M]
         [--codecs int8,topk] [--links 1g,10g] [--ranks 2] [--inner-steps 4] [--rounds 3]
@@ -290,7 +291,8 @@ def summarize(per_size: list[dict[str, Any]], args: argparse.Namespace) -> dict[
         "missing": missing,
         "fit": fit,
         "extrapolated": extrapolate(largest, fit),
-        "path": "old single-buffer path (every process holds the whole fp32 vector)",
+        "path": ("ranks sharded (runtime/shard.py: each rank its shard of the outer state); "
+                 "the relay and rank 0's hop whole"),
         "settings": {"quick": args.quick, "sizes": args.size_list, "codecs": args.codec_list,
                      "links": {k: asdict(LINKS[k]) for k in args.link_list},
                      "ranks": args.ranks, "inner_steps": args.inner_steps,

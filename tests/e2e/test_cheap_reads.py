@@ -31,6 +31,7 @@ from nebula_cli.control.follow import (
     probe_size,
 )
 from nebula_cli.control.jobs import JobOps
+from nebula_cli.control.session import Session
 from nebula_cli.control.state import HostRecord, StateStore
 from nebula_cli.transport import LocalTransport, Transport
 from nebula_cli.transport.base import CommandResult
@@ -77,15 +78,23 @@ def counting(home: Path) -> CountingTransport:
     return CountingTransport("e1", home=str(home), python=sys.executable)
 
 
-class CountingOps(JobOps):
-    """JobOps whose every host goes through one counting transport."""
+class CountingSession(Session):
+    """A Session whose every host goes through one counting transport."""
 
     def __init__(self, store: StateStore, transport: CountingTransport) -> None:
         super().__init__(store)
         self.counter = transport
 
-    def transport(self, conn: dict[str, Any]) -> Transport:
+    def transport(self, conn: Any) -> Transport:
         return self.counter
+
+
+class CountingOps(JobOps):
+    """JobOps through a CountingSession."""
+
+    def __init__(self, store: StateStore, transport: CountingTransport) -> None:
+        super().__init__(CountingSession(store, transport))
+        self.counter = transport
 
 
 def nebula(home: Path, *args: str) -> subprocess.CompletedProcess[str]:

@@ -76,23 +76,7 @@ class ShardMoves:
         one more flat buffer)."""
         if self.shard.world == 1:
             return part
-        part = part.detach().to("cpu", torch.float32).reshape(-1).contiguous()
-        if self.shard.rank != dst:
-            if part.numel():
-                dist.send(keep(part), self._global(dst), group=self.group)
-            return None
-        whole = torch.empty(self.shard.numel, dtype=torch.float32)
-        works = []
-        for r in range(self.shard.world):
-            lo, hi = self.shard.bounds(r)
-            if r == dst:
-                whole.narrow(0, lo, hi - lo).copy_(part)
-            elif hi > lo:
-                works.append(dist.irecv(keep(whole.narrow(0, lo, hi - lo)), self._global(r),
-                                        group=self.group))
-        for work in works:
-            work.wait()
-        return whole
+        return self._join(part, 0, self.shard.numel, {dst})
 
     def scatter(self, full: torch.Tensor | None) -> torch.Tensor:
         """Rank 0's full vector cut into shards: this rank's part (a tensor of its own). Point to
@@ -129,21 +113,35 @@ class ShardMoves:
         gloo's all-gather stages its output once more (two whole copies at 20 M, one here)."""
         if self.shard.world == 1:
             return part.narrow(0, lo, hi - lo)
-        out = torch.empty(hi - lo, dtype=torch.float32)
+        out = self._join(part, lo, hi, set(range(self.shard.world)))
+        if out is None:  # (every rank is one of `to`)
+            raise SyncError(f"rank {self.shard.rank} joined nothing")
+        return out
+
+    def _join(self, part: torch.Tensor, lo: int, hi: int, to: set[int]) -> torch.Tensor | None:
+        """Elements ``[lo, hi)`` joined on the ranks in ``to`` (None on the others): each rank
+        sends its piece of the range to every rank of ``to`` but itself, each piece received in
+        place."""
+        part = part.detach().to("cpu", torch.float32).reshape(-1)
+        me = self.shard.rank
+        out = torch.empty(hi - lo, dtype=torch.float32) if me in to else None
         works = []
         for r in range(self.shard.world):
             a, b = self.shard.bounds(r)
             a, b = max(a, lo), min(b, hi)
             if a >= b:
                 continue
-            piece = out.narrow(0, a - lo, b - a)
-            if r == self.shard.rank:
-                mine = part.detach().reshape(-1).narrow(0, a - self.shard.lo, b - a)
-                piece.copy_(mine)
-                works += [dist.isend(keep(piece), self._global(other), group=self.group)
-                          for other in range(self.shard.world) if other != r]
-            else:
-                works.append(dist.irecv(keep(piece), self._global(r), group=self.group))
+            if r == me:
+                mine = part.narrow(0, a - self.shard.lo, b - a)
+                if out is not None:
+                    mine = out.narrow(0, a - lo, b - a).copy_(mine)
+                else:
+                    mine = mine.contiguous()
+                works += [dist.isend(keep(mine), self._global(other), group=self.group)
+                          for other in sorted(to) if other != me]
+            elif out is not None:
+                works.append(dist.irecv(keep(out.narrow(0, a - lo, b - a)), self._global(r),
+                                        group=self.group))
         for work in works:
             work.wait()
         return out

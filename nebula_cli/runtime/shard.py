@@ -70,13 +70,16 @@ class ShardMoves:
         self.shard = shard
         self.group = group
 
-    def gather(self, part: torch.Tensor, dst: int = 0) -> torch.Tensor | None:
+    def gather(self, part: torch.Tensor, dst: int = 0, out: torch.Tensor | None = None
+               ) -> torch.Tensor | None:
         """Every rank's shard, joined on rank ``dst`` (the full vector there; None elsewhere).
         Point to point, each shard received in place (gloo's gather would stage them all in
-        one more flat buffer)."""
-        if self.shard.world == 1:
+        one more flat buffer); into ``out`` on ``dst`` when given (memory the relay's hop
+        sends without a copy), where ``dst``'s own shard may already lie in its place."""
+        if self.shard.world == 1 and out is None:
             return part
-        return self._join(part, 0, self.shard.numel, {dst})
+        return self._join(part, 0, self.shard.numel, {dst}, out if self.shard.rank == dst
+                          else None)
 
     def scatter(self, full: torch.Tensor | None) -> torch.Tensor:
         """Rank 0's full vector cut into shards: this rank's part (a tensor of its own). Point to
@@ -118,13 +121,17 @@ class ShardMoves:
             raise SyncError(f"rank {self.shard.rank} joined nothing")
         return out
 
-    def _join(self, part: torch.Tensor, lo: int, hi: int, to: set[int]) -> torch.Tensor | None:
-        """Elements ``[lo, hi)`` joined on the ranks in ``to`` (None on the others): each rank
-        sends its piece of the range to every rank of ``to`` but itself, each piece received in
-        place."""
+    def _join(self, part: torch.Tensor, lo: int, hi: int, to: set[int],
+              out: torch.Tensor | None = None) -> torch.Tensor | None:
+        """Elements ``[lo, hi)`` joined on the ranks in ``to`` (None on the others), into
+        ``out`` when given: each rank sends its piece of the range to every rank of ``to`` but
+        itself, each piece received in place (a piece already in its place is not copied)."""
         part = part.detach().to("cpu", torch.float32).reshape(-1)
         me = self.shard.rank
-        out = torch.empty(hi - lo, dtype=torch.float32) if me in to else None
+        if me in to and out is None:
+            out = torch.empty(hi - lo, dtype=torch.float32)
+        elif out is not None and (me not in to or out.numel() != hi - lo):
+            raise SyncError(f"rank {me}: a join of {hi - lo} values into {out.numel()}")
         works = []
         for r in range(self.shard.world):
             a, b = self.shard.bounds(r)
@@ -134,7 +141,10 @@ class ShardMoves:
             if r == me:
                 mine = part.narrow(0, a - self.shard.lo, b - a)
                 if out is not None:
-                    mine = out.narrow(0, a - lo, b - a).copy_(mine)
+                    place = out.narrow(0, a - lo, b - a)
+                    if place.data_ptr() != mine.data_ptr():
+                        place.copy_(mine)
+                    mine = place
                 else:
                     mine = mine.contiguous()
                 works += [dist.isend(keep(mine), self._global(other), group=self.group)

@@ -259,7 +259,7 @@ class OuterSync:
         grad = torch.cat(parts)
         round_id = self.grad_round
         self.grad_round += 1
-        shared = self._exchange(round_id, grad)
+        shared = self._exchange(round_id, grad if self.rank == 0 else None)
         if shared.avg is not None and shared.present > 0:
             offset = 0
             for p in self._params:
@@ -399,10 +399,11 @@ class OuterSync:
 
     def _sync_round(self, info: dict[str, float]) -> dict[str, Any]:
         t0 = time.perf_counter()
-        delta = self._read_shard().neg_().add_(self.theta_global)  # theta_global - local
+        delta, whole = self._delta(self._read_shard(), keep_local=False)
         round_id = self.round
         self.round += 1
-        shared = self._exchange(round_id, delta, info)
+        shared = self._exchange(round_id, whole, info)
+        del whole
         if self._apply(shared):
             self._write(self.theta_global)
             self._publish(shared)
@@ -417,11 +418,10 @@ class OuterSync:
         info = {**info, **self.cadence.take_arrival()}  # (also of a round merged just now)
         t0 = time.perf_counter()
         theta_local = self._read_shard()
-        delta = self.theta_global - theta_local  # everything not yet averaged
+        delta, whole = self._delta(theta_local, keep_local=True)  # all not yet averaged
         self._anchor = theta_local
         round_id = self.round
         self.round += 1
-        whole = self._cluster.moves.gather(delta)  # on rank 0: the cluster's whole delta
         self._inflight.start(round_id, None if self.rank else  # (its errors reach every rank)
                              lambda: self._get_averager().allreduce(round_id, whole, info))
         self.cadence.restart()
@@ -478,9 +478,13 @@ class OuterSync:
         if shared.state is not None or not shared.publish:
             return
         moves = self._cluster.moves
-        theta = moves.gather(self.theta_global)
         buf = self.outer.momentum_buffer
-        momentum = None if buf is None else moves.gather(buf)
+        joined = None
+        if self.rank == 0:  # theta, then the momentum, each rank's shard in its place
+            joined = self._buffer("state_buffer", self.numel * (1 if buf is None else 2))
+        theta = moves.gather(self.theta_global, out=_part(joined, 0, self.numel))
+        momentum = None if buf is None else moves.gather(
+            buf, out=_part(joined, self.numel, self.numel))
         publish = getattr(self._averager, "publish_state", None) if self.rank == 0 else None
         if publish is None:
             return
@@ -502,10 +506,32 @@ class OuterSync:
 
     # --- exchange: rank 0 talks to the averager, the cluster gets the result by broadcast ----
 
-    def _exchange(self, round_id: int, tensor: torch.Tensor,
+    def _delta(self, local: torch.Tensor, *, keep_local: bool
+               ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """This rank's delta (theta_global - ``local``, its shard; made in ``local``'s memory
+        unless ``keep_local``) and, on rank 0, the cluster's whole delta: every rank's joined in
+        the averager's contribution memory when it lends some (the relay client's staging, sent
+        without a copy), rank 0's own computed in its place there. None on the other ranks."""
+        whole = self._buffer("contribution_buffer", self.numel) if self.rank == 0 else None
+        if whole is not None:
+            delta = torch.sub(self.theta_global, local, out=self.shard.of(whole))
+        elif keep_local:
+            delta = self.theta_global - local
+        else:
+            delta = local.neg_().add_(self.theta_global)
+        return delta, self._cluster.moves.gather(delta, out=whole)
+
+    def _buffer(self, kind: str, numel: int) -> torch.Tensor | None:
+        """Memory rank 0's averager lends for a tensor it sends (``contribution_buffer``,
+        ``state_buffer``), else new memory (None: what the shard moves make)."""
+        lend = getattr(self._get_averager(), kind, None)
+        return lend(numel) if lend is not None else None
+
+    def _exchange(self, round_id: int, whole: torch.Tensor | None,
                   info: dict[str, float] | None = None) -> Shared:
+        """Rank 0 hands the cluster's ``whole`` contribution to the averager (None on the other
+        ranks); every rank gets the round's outcome."""
         result = error = None
-        whole = self._cluster.moves.gather(tensor)  # rank 0: every rank's shard (DiLoCo)
         if self.rank == 0:
             try:
                 result = self._get_averager().allreduce(round_id, whole.contiguous(), info)
@@ -548,3 +574,8 @@ class OuterSync:
     def _check_open(self) -> None:
         if self._closed:
             raise SyncError("this OuterSync is closed")
+
+
+def _part(whole: torch.Tensor | None, lo: int, n: int) -> torch.Tensor | None:
+    """``whole[lo:lo + n]`` (None for None)."""
+    return None if whole is None else whole.narrow(0, lo, n)

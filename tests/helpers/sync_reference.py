@@ -70,6 +70,36 @@ class ScriptedAverager(TwoClusterAverager):
         self.published.append((round_id, tensor.clone()))
 
 
+@dataclass
+class LendingAverager(ScriptedAverager):
+    """A ScriptedAverager that lends rank 0 the memory it sends from, as the relay client does
+    (``contribution_buffer``: one buffer used again every round; ``state_buffer``: new memory
+    whose halves are published as they lie), and records whether each round's contribution and
+    each published state came in it."""
+
+    in_lent: list[bool] = field(default_factory=list)
+    published_in_lent: list[bool] = field(default_factory=list)
+    _lent: torch.Tensor | None = None
+
+    def contribution_buffer(self, numel: int) -> torch.Tensor:
+        if self._lent is None or self._lent.numel() != numel:
+            self._lent = torch.full((numel,), float("nan"))  # what is not written shows
+        return self._lent
+
+    def state_buffer(self, numel: int) -> torch.Tensor:
+        return torch.full((numel,), float("nan"))
+
+    def allreduce(self, round_id: int, tensor: torch.Tensor, info: Any = None) -> Result:
+        self.in_lent.append(self._lent is not None and tensor.data_ptr() == self._lent.data_ptr())
+        return super().allreduce(round_id, tensor, info)
+
+    def publish_state(self, round_id: int, tensor: torch.Tensor,
+                      momentum: torch.Tensor | None = None) -> None:
+        self.published_in_lent.append(momentum is not None and momentum.data_ptr() ==
+                                      tensor.data_ptr() + 4 * tensor.numel())
+        super().publish_state(round_id, tensor, momentum)
+
+
 def expected_avg(sent: torch.Tensor, round_id: int) -> torch.Tensor:
     return 0.5 * (sent.double() + other_cluster(round_id, sent.numel()).double())
 

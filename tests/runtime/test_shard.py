@@ -43,7 +43,12 @@ for numel in (10, 12, 2):
     mine = shard.of(full) * (rank + 1)  # each rank's part, made recognisable
     got = moves.gather(mine)
     got_on_2 = moves.gather_to(mine, [1, 2])
+    lent = torch.full((numel,), -1.0) if rank == 0 else None  # the relay hop's memory
+    if lent is not None:
+        shard.of(lent).copy_(mine)  # rank 0's part made in its place (no copy to join it)
+    into = moves.gather(mine if lent is None else shard.of(lent), out=lent)
     out[numel] = {
+        "into": None if into is None else [into.tolist(), into.data_ptr() == lent.data_ptr()],
         "gathered": None if got is None else got.tolist(),
         "gathered_on_1_2": None if got_on_2 is None else got_on_2.tolist(),
         "scattered": moves.scatter(full if rank == 0 else None).tolist(),
@@ -65,6 +70,7 @@ def test_gather_scatter_and_all_gather_of_uneven_shards_on_three_ranks(tmp_path:
         for rank, out in enumerate(r[str(numel)] for r in said):
             assert out["gathered"] == (joined if rank == 0 else None)
             assert out["gathered_on_1_2"] == (joined if rank in (1, 2) else None)
+            assert out["into"] == ([joined, True] if rank == 0 else None)  # in the memory lent
             assert out["scattered"] == shards[rank].of(full).tolist()
             assert out["all"] == joined
             assert out["writers"] == [0, 2]
@@ -74,15 +80,17 @@ def test_gather_scatter_and_all_gather_of_uneven_shards_on_three_ranks(tmp_path:
 SYNC = r"""
 import json, sys
 import torch, torch.distributed as dist
-rank, store_path, tests, overlap, resume = (int(sys.argv[1]), sys.argv[2], sys.argv[3],
-                                            sys.argv[4] == "1", sys.argv[5])
+rank, store_path, tests, overlap, resume, lends = (int(sys.argv[1]), sys.argv[2], sys.argv[3],
+                                                   sys.argv[4] == "1", sys.argv[5],
+                                                   sys.argv[6] == "1")
 sys.path.insert(0, tests)
-from helpers.sync_reference import CFG, LR, MU, ScriptedAverager, plain_step, small_model
+from helpers.sync_reference import (CFG, LR, MU, LendingAverager, ScriptedAverager, plain_step,
+                                    small_model)
 from nebula_cli.runtime.sync import OuterSync
 dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank, world_size=3)
 model = small_model()
 opt = torch.optim.SGD(model.parameters(), lr=0.05)
-averager = ScriptedAverager() if rank == 0 else None
+averager = (LendingAverager() if lends else ScriptedAverager()) if rank == 0 else None
 sync = OuterSync(model, config=CFG, averager=averager, inner_steps=1, outer_lr=LR,
                  outer_momentum=MU, mode="diloco", overlap=overlap, overlap_steps=1)
 for step in range(1, 7):
@@ -95,7 +103,9 @@ out = {"params": flat.tolist(), "theta": sync.full_theta_global().tolist(),
        "shard": [sync.shard.lo, sync.shard.hi], "state": None if state is None else {
            "theta": state["theta_global"].tolist(),
            "momentum": state["outer"]["momentum_buffer"].tolist(), "round": state["round"]},
-       "published": [] if averager is None else [[r, t.tolist()] for r, t in averager.published]}
+       "published": [] if averager is None else [[r, t.tolist()] for r, t in averager.published],
+       "in_lent": getattr(averager, "in_lent", None),
+       "published_in_lent": getattr(averager, "published_in_lent", None)}
 saved = torch.load(resume, weights_only=True)  # a state saved by one rank holding it all
 sync.load_state_dict(saved)
 out["loaded"] = sync.theta_global.tolist()
@@ -119,20 +129,25 @@ def _one_rank(overlap: bool) -> tuple[torch.Tensor, OuterSync, ScriptedAverager]
     return torch.cat([p.detach().reshape(-1) for p in model.parameters()]), sync, averager
 
 
+@pytest.mark.parametrize("lends", [False, True], ids=["own", "lent"])
 @pytest.mark.parametrize("overlap", [False, True], ids=["plain", "overlap"])
 def test_three_ranks_with_sharded_outer_state_end_as_one_rank_holding_it_all(
-        tmp_path: Path, overlap: bool) -> None:
+        tmp_path: Path, overlap: bool, lends: bool) -> None:
     """83 trainable values over 3 ranks (28, 28, 27: the first layer's weight split between
     ranks 0 and 1): the parameters, theta_global, the state published for clusters that fall
     behind and the checkpointed state (joined on the two writer ranks) are those of one rank
     holding the whole outer state; and a state saved by one rank loads on three (each its
-    slice), as a sharded job's loads on one."""
+    slice), as a sharded job's loads on one. ``lent``: rank 0's averager lends the memory it
+    sends from (the relay client's): every contribution and published state is joined there."""
     params, ref, averager = _one_rank(overlap)
     state = ref.state_dict()
     resume = tmp_path / "outer.pt"
     torch.save(state, resume)
     said = run_ranks(SYNC, tmp_path / "store", TESTS, "1" if overlap else "0", str(resume),
-                     ranks=3, timeout=180)
+                     "1" if lends else "0", ranks=3, timeout=180)
+    if lends:  # (a contribution or state not joined there would show its NaN on every rank)
+        assert said[0]["in_lent"] == [True] * len(averager.sent)
+        assert said[0]["published_in_lent"] == [True] * 6
     assert [s["shard"] for s in said] == [[0, 28], [28, 56], [56, TRAINABLE]]
     for rank, s in enumerate(said):
         assert s["params"] == params.tolist()

@@ -220,13 +220,34 @@ class RelayClient:
 
         return self._call(call, f"round {round_id}")
 
+    def contribution_buffer(self, numel: int) -> torch.Tensor:
+        """Memory for the next contribution (flat fp32): the staging memory :meth:`allreduce`
+        hands the relay, so a contribution written here is sent without a copy (shared memory
+        on the relay's own host). Valid until that allreduce returns."""
+        if not (self._staging_free and self._staging is not None
+                and self._staging.numel() == numel):
+            self._staging = (local_hop.shared_empty(numel) if local_hop.supported()
+                             else torch.empty(numel, dtype=torch.float32))
+            self._staging_free = True
+        return self._staging
+
+    @staticmethod
+    def state_buffer(numel: int) -> torch.Tensor:
+        """New memory for a state to publish (flat fp32; shared memory where the relay's host
+        hop can take it without a copy): theta_global in its first half and the outer momentum
+        in its second are published as they lie (:meth:`publish_state`)."""
+        return (local_hop.shared_empty(numel) if local_hop.supported()
+                else torch.empty(numel, dtype=torch.float32))
+
     def publish_state(self, round_id: int, tensor: torch.Tensor,
                       momentum: torch.Tensor | None = None) -> None:
         """Hand theta_global after ``round_id`` (and the outer momentum, when there is one) to
-        the relay: served to clusters that catch up or whose state diverged."""
+        the relay: served to clusters that catch up or whose state diverged. When the two are
+        the halves of one :meth:`state_buffer` they are sent as they lie, else joined first
+        (one copy of both)."""
         parts = 1 if momentum is None else 2
         if momentum is not None:
-            tensor = torch.cat([tensor.reshape(-1), momentum.reshape(-1).to(tensor.dtype)])
+            tensor = _halves(tensor, momentum)
         def call(sock: Conn) -> None:
             send_tensor(sock, FrameType.STATE,
                         encode(Publish(round=round_id, numel=tensor.numel(), parts=parts)), tensor)
@@ -304,8 +325,14 @@ class RelayClient:
     # ------------------------------------------------------------------ internals
 
     def _staged(self, tensor: torch.Tensor) -> torch.Tensor:
-        """``tensor`` copied into the staging memory (a new one when the last is still read)."""
+        """``tensor`` copied into the staging memory (a new one when the last is still read);
+        the staging memory itself (:meth:`contribution_buffer`) as it is."""
         flat = flat_fp32(tensor)
+        if (self._staging_free and self._staging is not None
+                and flat.data_ptr() == self._staging.data_ptr()
+                and flat.numel() == self._staging.numel()):
+            self._staging_free = False
+            return self._staging
         if not (self._staging_free and self._staging is not None
                 and self._staging.numel() == flat.numel()):
             self._staging = local_hop.shared_empty(flat.numel())
@@ -393,3 +420,16 @@ class RelayClient:
         if frame.type != ftype:
             raise WireError(f"expected {ftype.name} from the relay, got {frame.type.name}")
         return frame
+
+
+def _halves(first: torch.Tensor, second: torch.Tensor) -> torch.Tensor:
+    """``first`` and ``second`` (flat fp32) as one tensor: the memory they lie in when they are
+    its two adjacent halves (no copy), else a new one joining them."""
+    a, b = first.reshape(-1), second.reshape(-1)
+    if (a.dtype == b.dtype == torch.float32 and a.is_contiguous() and b.is_contiguous()
+            and a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+            and a.storage_offset() == 0 and b.storage_offset() == a.numel()
+            and a.untyped_storage().nbytes() == 4 * (a.numel() + b.numel())):
+        return torch.empty(0, dtype=torch.float32).set_(a.untyped_storage(), 0,
+                                                        (a.numel() + b.numel(),))
+    return torch.cat([a, b.to(a.dtype)])

@@ -73,7 +73,8 @@ class RoundState:
         """Exchanges in flight by (round, attempt, coordinator)."""
         self.phase: dict[int, Phase] = {}
         self.outcomes: dict[int, RoundOutcome] = {}
-        """The last rounds' outcomes (a retried request gets the same one)."""
+        """The last round's outcome (a retried request gets the same one; its worker asks for
+        one round at a time, so no older outcome is held: one round's average less in memory)."""
         self.done_round = -1
         self.average: Average | None = None
         """The newest average this relay holds (served to peers that missed it)."""

@@ -351,8 +351,7 @@ class Rounds:
         state.record_lineage(out)
         with state.lock:
             state.done_round = max(state.done_round, out.round_id)
-            state.outcomes = {k: v for k, v in state.outcomes.items() if k >= r - 1}
-            state.outcomes[r] = out
+            state.outcomes = {r: out}  # the worker's next request is for a later round
             state.phase = {k: v for k, v in state.phase.items() if k > r - 8}
             state.phase[r] = Phase.DONE
             self.control.round_done(r)

@@ -114,6 +114,53 @@ def test_a_local_worker_and_a_tls_worker_average_alike(tmp_path: Path) -> None:
             assert torch.equal(g[c].tensor, w[c].tensor)
 
 
+def test_what_the_client_lends_crosses_to_the_relay_without_a_copy(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A contribution written in the client's ``contribution_buffer`` and a state published
+    from the two halves of one ``state_buffer`` reach the relay in the memory they were written
+    in: no memfd is made to copy them into ("nebula-tensor"), where plain tensors get one each;
+    the averages and the published state are the same bits either way, and the contribution's
+    memory is used again the next round."""
+    job = Job(tmp_path, ["a", "b"])
+    paths = with_sockets(job, tmp_path)
+    copies: list[str] = []
+    made = os.memfd_create
+
+    def counting(name: str, flags: int = 0) -> int:
+        if name == "nebula-tensor":
+            copies.append(name)
+        return made(name, flags)
+
+    monkeypatch.setattr(os, "memfd_create", counting)
+    n = 5000
+    with running(job), local_clients(job, paths) as cls:
+        lent: dict[str, torch.Tensor] = {}
+        ptrs = []
+        for r in range(3):
+            xs = {c: torch.randn(n) for c in job.clusters}
+            for c in job.clusters:
+                lent[c] = cls[c].contribution_buffer(n)
+                lent[c].copy_(xs[c])
+            res = together(cls, r, lent)
+            for c in job.clusters:
+                assert torch.equal(res[c].tensor, exact_mean(xs)), (r, c)
+            ptrs.append(lent["a"].data_ptr())
+        assert len(set(ptrs)) == 1  # the staging memory, used again every round
+        theta, momentum = torch.randn(n), torch.randn(n)
+        joined = cls["a"].state_buffer(2 * n)
+        joined[:n].copy_(theta)
+        joined[n:].copy_(momentum)
+        cls["a"].publish_state(3, joined[:n], joined[n:])
+        assert copies == []  # nothing copied on its way
+        got_round, got = cls["a"].fetch_state_with_round()
+        assert got_round == 3 and got is not None and torch.equal(got, theta)
+        copies.clear()  # (the relay's answer to a fetch is a copy of its own)
+        cls["a"].publish_state(4, theta, momentum)  # two tensors of their own: joined, copied
+        assert len(copies) == 1
+        got_round, got = cls["a"].fetch_state_with_round()
+        assert got_round == 4 and got is not None and torch.equal(got, theta)
+
+
 def test_a_socket_that_is_not_there_means_tls(tmp_path: Path) -> None:
     job = Job(tmp_path, ["a"])  # this relay has no socket: the plan's path is missing
     with running(job):

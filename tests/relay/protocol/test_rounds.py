@@ -64,6 +64,9 @@ def test_three_relays_average_exactly_without_sockets(hub3: Hub) -> None:
             assert torch.allclose(out[c].tensor, want, atol=1e-6)
     assert [o.round_id for o in hub3.outcomes["b"]] == [0, 1]
     assert all(r.state.done_round == 1 for r in hub3.rounds.values())
+    for r in hub3.rounds.values():  # one round's average held, the newest (peers may fetch it)
+        assert list(r.state.outcomes) == [1] and r.state.average is not None
+        assert r.state.average.tensor is r.state.outcomes[1].tensor
 
 
 @pytest.mark.parametrize("clusters", [["a", "b"], ["a", "b", "c"], ["a", "b", "c", "d"]])

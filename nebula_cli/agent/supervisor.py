@@ -26,6 +26,7 @@ import argparse
 import contextlib
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -44,6 +45,7 @@ from nebula_cli.agent.procs import pid_alive
 from nebula_cli.agent.tunnel import revoke_dir
 from nebula_cli.config.parts import (
     ABORT_EXIT,
+    ENDED_ENV,
     LEAVE_SIGNAL,
     WORLD_SECRET_ENV,
     AgentConfig,
@@ -158,6 +160,12 @@ def sweep(agent_dir: Path, name: str = ENV_MARK) -> list[int]:
     return killed
 
 
+ENDED_DIR = "ended"
+"""In the agent's directory: the files its ranks' hooks create once their script ended."""
+ABORTED = (128 + signal.SIGABRT, -signal.SIGABRT)
+"""A rank's exit status when it aborted: through its shell, or itself."""
+
+
 def describe_exit(code: int | None) -> str:
     if code is None:
         return "running"
@@ -185,6 +193,7 @@ class Supervisor:
         self.pumps: list[subprocess.Popen[bytes]] = []  # each process's log writer
         self.own_log_checked = time.monotonic()
         self.tellers: list[subprocess.Popen[bytes]] = []
+        self.ended_said: set[str] = set()  # ranks whose abort after their end was told
         self.pgid: int | None = None
         self.stop_requested = False
         self.status: dict[str, Any] = {
@@ -226,6 +235,9 @@ class Supervisor:
         self.pgid = None
         cwd = self.config.cwd or None
         self.clear_leftovers()
+        self.ended_said = set()
+        shutil.rmtree(self.dir / ENDED_DIR, ignore_errors=True)  # of the last start's ranks
+        (self.dir / ENDED_DIR).mkdir()
         check_shm_buffers(self.rank_env())  # never a world through another user's buffers
         for lock in remove_stale_locks(self.rank_env()):
             self.event("stale-lock", f"removed {lock}: a build killed before it ended "
@@ -236,7 +248,8 @@ class Supervisor:
             os.close(os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644))  # there
             # from the start, whether or not the process writes (its pump appends to it)
             env = {**os.environ, **spec.env, ENV_MARK: str(self.dir),
-                   ROTATION_ENV: self.config.rotation.to_env(), **self.secret_env()}
+                   ROTATION_ENV: self.config.rotation.to_env(), **self.secret_env(),
+                   ENDED_ENV: str(self.ended_file(spec.name))}
             prepend = env.pop("NEBULA_PATH_PREPEND", None)
             if prepend:  # the cluster's python first, whatever PATH the host gave us
                 env["PATH"] = prepend + os.pathsep + env.get("PATH", os.defpath)
@@ -369,8 +382,29 @@ class Supervisor:
         self.clear_leftovers()
 
     def codes(self) -> dict[str, int | None]:
+        """Each rank's exit status (None: running); 0 for a rank that aborted after it had
+        ended (:meth:`ended_well`)."""
         ranks = [p.name for p in self.config.processes]
-        return {rank: proc.poll() for rank, proc in zip(ranks, self.procs, strict=False)}
+        got = {rank: proc.poll() for rank, proc in zip(ranks, self.procs, strict=False)}
+        return {rank: 0 if self.ended_well(rank, code) else code for rank, code in got.items()}
+
+    def ended_file(self, rank: str) -> Path:
+        """Where rank ``rank``'s hook says that its script ended (config.parts.ENDED_ENV)."""
+        at = [p.name for p in self.config.processes].index(rank)
+        return self.dir / ENDED_DIR / f"process-{at}"
+
+    def ended_well(self, rank: str, code: int | None) -> bool:
+        """Whether ``rank`` aborted (SIGABRT) only after its script had ended: its exit handlers
+        all ran and said so. Its work is done; restarted, it would wait for a world whose other
+        ranks may have ended (said once in the events)."""
+        if code not in ABORTED or not self.ended_file(rank).exists():
+            return False
+        if rank not in self.ended_said:
+            self.ended_said.add(rank)
+            self.event("ended", f"rank {rank} {describe_exit(code)} after its script had ended "
+                       "(every exit handler ran): the interpreter's finalization aborted; its "
+                       "work is done, it is not restarted")
+        return True
 
     def run(self) -> int:
         signal.signal(signal.SIGTERM, self.on_term)

@@ -19,6 +19,12 @@ from nebula_cli.config.rotation import Rotation
 ABORT_EXIT = 75
 """Exit status of a rank that left its world because another host's rank failed
 (`nebula_cli.runtime.worldwatch`); its agent does not tell the world again."""
+ENDED_ENV = "NEBULA_ENDED_FILE"
+"""The file a worker agent names to each of its ranks: the rank's runtime hook creates it as the
+last of the process's exit handlers, once the script returned without an uncaught exception
+(`nebula_cli.runtime.hook`). A rank that then aborts in the interpreter's finalization (SIGABRT,
+a backend's thread torn down: `nebula_cli.runtime.settle`) has ended its work: its agent does not
+restart it into a world whose other ranks may be gone."""
 WORLD_SECRET_ENV = "NEBULA_WORLD_SECRET"
 """The environment variable in which a worker agent hands its ranks (and its world teller) the
 job's world secret (`AgentConfig.world_secret`): in the environment, never on a command line."""

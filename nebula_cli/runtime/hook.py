@@ -12,10 +12,11 @@ nothing until the script imports DeepSpeed or torch.distributed:
   are left alone; a second engine with an optimizer is not synced (said once in the log).
 - ``torch.distributed.destroy_process_group()`` (the default group) first finishes training:
   the last outer round and the final records, while the ranks can still talk.
-- At exit (not after an uncaught exception) the driver finishes, if it has not yet; last of
-  all, the default process group the script left is destroyed (``settle.release_default_group``:
+- At exit (not after an uncaught exception) the driver finishes, if it has not yet; then the
+  default process group the script left is destroyed (``settle.release_default_group``:
   otherwise a backend's or the store's thread can abort the process, exit 134, after training
-  ended well).
+  ended well); last of all the rank tells its agent that it ended (``config.parts.ENDED_ENV``),
+  so that an abort in the interpreter's finalization after that is not restarted.
 - In a world of two or more hosts, a rank leaves at once when another host's agent says that
   one of its ranks failed (``runtime.worldwatch``): nobody waits in a rendezvous or a
   collective for a rank that is gone.
@@ -38,7 +39,7 @@ from collections.abc import Callable, Sequence
 from types import ModuleType
 from typing import Any
 
-from nebula_cli.config.parts import SYNC_CONFIG_ENV
+from nebula_cli.config.parts import ENDED_ENV, SYNC_CONFIG_ENV
 from nebula_cli.runtime import metrics, worldwatch
 
 
@@ -153,7 +154,8 @@ def install() -> None:
         previous(*exc)
 
     sys.excepthook = excepthook
-    atexit.register(_at_exit_release_group)  # registered first: runs last
+    atexit.register(_at_exit_say_ended)  # registered first: runs last
+    atexit.register(_at_exit_release_group)
     atexit.register(_at_exit_without_engine)
 
 
@@ -242,6 +244,19 @@ def _at_exit_release_group() -> None:
     except Exception as exc:  # the exit goes on
         print(f"nebula: destroying the process group at exit failed: {exc!r}", file=sys.stderr,
               flush=True)
+
+
+def _at_exit_say_ended() -> None:
+    """The last exit handler: the script returned without an uncaught exception and every exit
+    handler ran, so its agent is told (``$NEBULA_ENDED_FILE`` created) that what is left is the
+    interpreter's finalization: an abort there (exit 134) is not a rank to restart."""
+    path = os.environ.get(ENDED_ENV)
+    if _state.crashed or os.getpid() != _state.pid or not path:
+        return
+    try:
+        os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600))
+    except OSError as exc:  # the exit goes on; an abort after it is then restarted
+        print(f"nebula: cannot mark the end at {path}: {exc}", file=sys.stderr, flush=True)
 
 
 def _at_exit_without_engine() -> None:

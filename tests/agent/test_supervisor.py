@@ -62,6 +62,45 @@ def test_restarts_within_the_limit_then_fails(tmp_path: Path, cleanup: list[Path
     assert (d / "logs/rank0.log").read_text() == "run\n" * 3
 
 
+ABORTS_AT_EXIT = """\
+import atexit, os, sys
+atexit.register(os.abort)  # before the hook's handlers: runs after them, as finalization would
+from nebula_cli.runtime import hook
+hook.install()
+print("trained", flush=True)
+if sys.argv[1] == "raise" and os.environ["MY_RANK"] == "1":
+    raise RuntimeError("the script failed")
+"""
+
+
+@pytest.mark.parametrize("how", ["returns", "raise"])
+def test_a_rank_that_aborts_after_its_script_ended_is_not_restarted(
+        tmp_path: Path, cleanup: list[Path], how: str) -> None:
+    """Both ranks abort (SIGABRT, exit 134 through their shell) after every exit handler ran,
+    as a backend's thread torn down in the interpreter's finalization makes them: their work is
+    done, so the agent does not restart them (restarted alone, a rank would wait for a world
+    whose other hosts' ranks had ended) and says so. A rank whose script raised first is
+    restarted, then FAILED, as any other failure."""
+    script = tmp_path / "aborts.py"
+    script.write_text(ABORTS_AT_EXIT)
+    d = make_dir(tmp_path, f"exec {sys.executable} {script} {how}", slots=2, max_restarts=1)
+    cleanup.append(d)
+    agent("start", str(d))
+    final = wait_for(lambda: (s := status(d))["state"] in ("SUCCEEDED", "FAILED") and s)
+    events = [json.loads(x) for x in (d / "events.jsonl").read_text().splitlines()]
+    ended = [e["message"] for e in events if e["kind"] == "ended"]
+    if how == "returns":
+        assert final["state"] == "SUCCEEDED" and final["restarts"] == 0, final
+        assert final["exit_codes"] == {"0": 0, "1": 0}
+        assert len(ended) == 2 and all("killed by SIGABRT after its script had ended" in m
+                                       for m in ended), ended
+    else:
+        assert final["state"] == "FAILED" and final["restarts"] == 1, final
+        assert "rank 1 killed by SIGABRT" in final["reason"]
+        assert not any("rank 1 " in m for m in ended)  # (rank 0 may have ended first)
+    assert (d / "logs/rank1.log").read_text().count("trained") == (1 if how == "returns" else 2)
+
+
 def test_dead_agent_is_reported_lost(tmp_path: Path, cleanup: list[Path]) -> None:
     d = make_dir(tmp_path, "sleep 60")
     cleanup.append(d)

@@ -190,7 +190,8 @@ class RoundExchange:
         """Chunks whose average was not finite and became zeros."""
         self.error: str | None = None
         self.progress_at = time.monotonic()
-        self._parts: dict[int, dict[str, torch.Tensor]] = {}
+        self._parts: dict[int, dict[str, Any]] = {}
+        """Chunks not complete yet: each contribution as it was encoded."""
         self._left = set(range(len(self.bounds)))
         self._cv = threading.Condition()
         self._queue: deque[tuple[bool, str, int, Any]] = deque()  # (is average, src, k, enc)
@@ -294,32 +295,36 @@ class RoundExchange:
         lo, hi = self.bounds[k]
         return torch.zeros(hi - lo, dtype=torch.float32)
 
-    def _decoded(self, k: int, enc: Any) -> torch.Tensor:
+    def _decoded(self, k: int, enc: Any, src: str = "") -> torch.Tensor:
         lo, hi = self.bounds[k]
         try:
             t = self._decode(enc)
         except NebulaError as exc:
-            raise ExchangeError(f"chunk {k} does not decode: {exc}") from exc
+            sender = f" from {src}" if src else ""
+            raise ExchangeError(f"chunk {k}{sender} does not decode: {exc}") from exc
         if t.dtype != torch.float32 or t.dim() != 1 or t.numel() != hi - lo:
             raise ExchangeError(f"chunk {k} decodes to {tuple(t.shape)} {t.dtype}, "
                                 f"expected ({hi - lo},) float32")
         return t
 
     def _add_part(self, src: str, k: int, enc: Any) -> None:
-        t = self._decoded(k, enc)
+        """One contribution to chunk ``k``, held encoded until the chunk's last one arrives,
+        then every part decoded and averaged: this relay's own chunks are encoded faster than
+        its peers' arrive over the WAN, and held decoded they would add up to a whole fp32
+        copy of the vector (an int8 encoding is a quarter of it)."""
         with self._cv:
             if self.error is not None:
                 return
             parts = self._parts.setdefault(k, {})
             if src in parts or k not in self._left:
                 raise ExchangeError(f"{src} sent chunk {k} twice")
-            parts[src] = t
+            parts[src] = enc
             self.progress_at = time.monotonic()
             complete = len(parts) == len(self.schedule.contributors(k))
             if complete:
                 del self._parts[k]
         if complete:
-            self._reduce(k, parts)
+            self._reduce(k, {c: self._decoded(k, e, c) for c, e in parts.items()})
 
     def _mean(self, k: int, parts: dict[str, torch.Tensor], out: torch.Tensor | None
               ) -> tuple[torch.Tensor, bool]:

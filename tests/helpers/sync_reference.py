@@ -111,6 +111,16 @@ def nesterov(theta: torch.Tensor, v: torch.Tensor | None, g: torch.Tensor):
     return theta - LR * (g + MU * v), v
 
 
+def few_trainable_model() -> torch.nn.Module:
+    """small_model with one trainable tensor of 3 values left (a LoRA-like job's handful): on 4
+    ranks each of the first three owns one value and the last an empty shard."""
+    model = small_model()
+    for p in model.parameters():
+        p.requires_grad_(False)
+    model[2].bias.requires_grad_(True)
+    return model
+
+
 def small_model(freeze_first: bool = False) -> torch.nn.Module:
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 3))

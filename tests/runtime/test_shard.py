@@ -9,7 +9,16 @@ from pathlib import Path
 import pytest
 import torch
 from helpers.gloo_ranks import run_ranks
-from helpers.sync_reference import CFG, LR, MU, TRAINABLE, ScriptedAverager, plain_step, small_model
+from helpers.sync_reference import (
+    CFG,
+    LR,
+    MU,
+    TRAINABLE,
+    ScriptedAverager,
+    few_trainable_model,
+    plain_step,
+    small_model,
+)
 
 from nebula_cli.runtime.shard import Shard
 from nebula_cli.runtime.sync import OuterSync
@@ -170,4 +179,60 @@ def test_three_ranks_with_sharded_outer_state_end_as_one_rank_holding_it_all(
     one.load_state_dict(joined)  # what three ranks saved, on one
     assert torch.equal(one.theta_global, state["theta_global"])
     one.close()
+    ref.close()
+
+
+FEW = r"""
+import json, sys
+import torch, torch.distributed as dist
+rank, store_path, tests, overlap = int(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4] == "1"
+sys.path.insert(0, tests)
+from helpers.sync_reference import (CFG, LR, MU, LendingAverager, few_trainable_model,
+                                    plain_step)
+from nebula_cli.runtime.sync import OuterSync
+dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank, world_size=4)
+model = few_trainable_model()
+opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.05)
+averager = LendingAverager() if rank == 0 else None
+sync = OuterSync(model, config=CFG, averager=averager, inner_steps=1, outer_lr=LR,
+                 outer_momentum=MU, mode="diloco", overlap=overlap, overlap_steps=1)
+for step in range(1, 6):
+    plain_step(model, opt, step)
+    sync.after_step(step)
+sync.flush()
+state = sync.state_dict(writer=rank == 3)  # the rank with nothing of its own writes
+out = {"params": torch.cat([p.detach().reshape(-1) for p in model.parameters()]).tolist(),
+       "shard": [sync.shard.lo, sync.shard.hi], "theta": sync.full_theta_global().tolist(),
+       "state": None if state is None else state["theta_global"].tolist(),
+       "published": [] if averager is None else [[r, t.tolist()] for r, t in averager.published]}
+sync.close()
+dist.destroy_process_group()
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["plain", "overlap"])
+def test_a_handful_of_trainable_values_on_four_ranks_one_of_them_owning_none(
+        tmp_path: Path, overlap: bool) -> None:
+    """A LoRA-like job: 3 trainable values of one tensor over 4 ranks (1, 1, 1 and an empty
+    shard): the parameters, theta_global, the published and the checkpointed state are those
+    of one rank holding the whole outer state, the empty rank taking part in every move."""
+    model = few_trainable_model()
+    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.05)
+    averager = ScriptedAverager()
+    ref = OuterSync(model, config=CFG, averager=averager, inner_steps=1, outer_lr=LR,
+                    outer_momentum=MU, mode="diloco", overlap=overlap, overlap_steps=1)
+    for step in range(1, 6):
+        plain_step(model, opt, step)
+        ref.after_step(step)
+    ref.flush()
+    params = torch.cat([p.detach().reshape(-1) for p in model.parameters()]).tolist()
+    said = run_ranks(FEW, tmp_path / "store", TESTS, "1" if overlap else "0", ranks=4,
+                     timeout=180)
+    assert [s["shard"] for s in said] == [[0, 1], [1, 2], [2, 3], [3, 3]]
+    for s in said:
+        assert s["params"] == params and s["theta"] == ref.theta_global.tolist()
+    assert [s["state"] for s in said] == [None, None, None, ref.theta_global.tolist()]
+    assert said[0]["published"] == [[r, t.tolist()] for r, t in averager.published]
+    assert len(averager.published) >= 4
     ref.close()

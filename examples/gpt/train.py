@@ -192,7 +192,8 @@ def main(argv: list[str] | None = None) -> int:
 
     if lead:
         print(
-            f"gpt: {model.num_params():,} parameters, {world} rank(s), micro batch {micro} x "
+            f"gpt: {model.num_params():,} parameters, {world} rank(s) "
+            f"(ZeRO {engine.zero_optimization_stage()}), micro batch {micro} x "
             f"{accum} accum x {cfg.block_size} tokens, {len(split.train):,} train / "
             f"{len(split.eval):,} eval bytes, {args.steps} steps",
             flush=True,

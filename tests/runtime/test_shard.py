@@ -4,11 +4,15 @@ same parameters, published state and checkpointed state as one rank holding all 
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
 import torch
+import yaml
 from helpers.gloo_ranks import run_ranks
+from helpers.jobs import CLI
+from helpers.quickstart import check_finished_job, metric_records, short_spec
 from helpers.sync_reference import (
     CFG,
     LR,
@@ -236,3 +240,35 @@ def test_a_handful_of_trainable_values_on_four_ranks_one_of_them_owning_none(
     assert said[0]["published"] == [[r, t.tolist()] for r, t in averager.published]
     assert len(averager.published) >= 4
     ref.close()
+
+
+def test_clusters_of_two_and_three_ranks_zero1_beside_zero3_end_identical(
+        cli: CLI, tmp_path: Path) -> None:
+    """examples/gpt through `nebula launch`: east of 2 ranks under ZeRO 1, west of 3 under
+    ZeRO 3, each rank holding its own shard of its cluster's outer state (a different cut on
+    each cluster): every round has both clusters and all five ranks end with the same
+    parameters."""
+    spec_path = short_spec(tmp_path, clusters={"east": ["e1"], "west": ["w1"]}, steps=20,
+                           inner=10, name="zeromix")
+    spec = yaml.safe_load(spec_path.read_text())
+    spec.pop("deepspeed")  # one job-wide config: each cluster names its own instead
+    base = json.loads((Path(TESTS).parent / "examples/gpt/ds_config.json").read_text())
+    for cluster, ranks, stage in zip(spec["clusters"], (2, 3), (1, 3), strict=True):
+        ds = tmp_path / f"ds_zero{stage}.json"
+        ds.write_text(json.dumps({**base, "zero_optimization": {"stage": stage}}))
+        cluster["hosts"][0]["slots"] = ranks
+        cluster["env"] = {"NEBULA_DS_CONFIG": str(ds)}
+    spec_path.write_text(yaml.safe_dump(spec))
+    job_id = cli("launch", str(spec_path), "--detach", check=True).stdout.strip()
+    follow = cli("logs", job_id, "-f", timeout=900)
+    assert follow.returncode == 0, follow.stderr
+    check_finished_job(cli, job_id, workers=5, rounds=2)
+    banners = [line for line in follow.stdout.splitlines() if "| gpt: " in line
+               and " parameters, " in line]
+    assert sorted(b.split(" | ")[0] + ":" + b.split(" rank(s) ")[1].split(",")[0]
+                  for b in banners) == ["east/e1/0:(ZeRO 1)", "west/w1/0:(ZeRO 3)"], banners
+    assert all("2 rank(s)" in b for b in banners if b.startswith("east"))
+    assert all("3 rank(s)" in b for b in banners if b.startswith("west"))
+    finals = [r for r in metric_records(cli.home, job_id) if r.get("final")]
+    assert sorted((r["cluster"], r.get("rank")) for r in finals) == [
+        ("east", 0), ("east", 1), ("west", 0), ("west", 1), ("west", 2)], finals

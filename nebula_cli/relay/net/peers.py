@@ -46,6 +46,7 @@ from nebula_cli.relay.net.limits import (
     Refusals,
 )
 from nebula_cli.relay.net.link import LinkConn, LinkDown, PeerLink, peer_addr, refuse
+from nebula_cli.relay.net.listen import listen_tcp
 from nebula_cli.relay.net.messages import Goodbye, PeerHello, Ping, Progress, Refusal
 from nebula_cli.relay.net.schema import MessageError, decode
 from nebula_cli.relay.net.wire import Frame, FrameType, WireError, recv_frame, tune_socket
@@ -71,12 +72,7 @@ class Listener:
                  refusals: Refusals, stopping: threading.Event, *,
                  sock: socket.socket | None = None) -> None:
         if sock is None:
-            host, port = parse_addr(addr)
-            try:
-                sock = socket.create_server((host, port), backlog=64)
-            except OSError as exc:
-                raise NebulaError(f"relay cannot listen on {addr}: {exc.strerror or exc}"
-                                  ) from exc
+            sock = listen_tcp(*parse_addr(addr), backlog=64)
         self.sock = sock
         self.sock.settimeout(0.5)
         self.addr = addr

@@ -12,7 +12,12 @@ its shard of theta_global and of the momentum, the read, the delta, its shard of
 the 64 MiB runs of the write), rank 0 about 4 copies of its shard plus 2.3 of the whole vector
 (the gathered delta, the average from the relay, the gathered state it publishes: 4.36 whole
 copies on 2 ranks, 3.34 on 4). The old path held 5 whole copies on every rank (measured the
-same way). The relay is not sharded yet. Not modelled yet: a checkpoint's writer (local rank 0 of
+same way). Rank 0's hop makes no copy of the whole vector since (each round's delta joined in
+the relay client's staging memory, the published state joined in one shared buffer), and the
+relay keeps one round's average and its own chunks encoded: at 19 M, int8, in a real job
+(`bench/scale.py --quick`), the relay held 8.0-8.2 whole copies (5 of them in shared memory),
+rank 0 3.6-4.4, the other rank 2.9-3.3 of its shard plus the write's run. The relay is not
+sharded yet. Not modelled yet: a checkpoint's writer (local rank 0 of
 each host) joins theta_global, the momentum and overlap's anchor while it saves (up to 3 whole
 copies, for the moment of the save), and under ZeRO 3 every rank joins the whole vector to
 write it inside DeepSpeed's one gather (1 whole copy).
@@ -51,20 +56,24 @@ class ProcessRole(enum.Enum):
     RANK = "other ranks"
 
 
-COPIES: dict[ProcessRole, float] = {ProcessRole.RELAY: 7.0, ProcessRole.RANK0: 4.0,
+COPIES: dict[ProcessRole, float] = {ProcessRole.RELAY: 3.0, ProcessRole.RANK0: 4.0,
                                     ProcessRole.RANK: 9.0}
-"""Copies of the process's shard in its own memory at a round's peak (the relay: issue 42's
-table at 85 M where the fixed costs no longer dominate; the ranks: measured as said above)."""
+"""Copies of the process's shard in its own memory at a round's peak (the relay: its own memory
+above its shared mappings in bench/scale.py at 19 M int8 on 2026-12-02, 232-248 MB: the
+error-feedback residual, the encoded contribution and its records, the peer's, the per-chunk
+transients; the ranks: measured as said above)."""
 
-WHOLE_COPIES: dict[ProcessRole, float] = {ProcessRole.RELAY: 0.0, ProcessRole.RANK0: 2.3,
+WHOLE_COPIES: dict[ProcessRole, float] = {ProcessRole.RELAY: 0.0, ProcessRole.RANK0: 3.0,
                                           ProcessRole.RANK: 0.0}
-"""Copies of the whole vector besides: rank 0's hop to the relay (the gathered delta, the
-average, the published state)."""
+"""Copies of the whole vector besides: rank 0's hop to the relay, in shared memory the relay
+maps (the staging memory each round's delta is joined in, and the published state, theta and
+momentum, while it is joined: bench/scale.py, 229 MB at 19 M)."""
 
-SHARED_COPIES: dict[ProcessRole, float] = {ProcessRole.RELAY: 2.0, ProcessRole.RANK0: 0.0,
+SHARED_COPIES: dict[ProcessRole, float] = {ProcessRole.RELAY: 4.0, ProcessRole.RANK0: 0.0,
                                            ProcessRole.RANK: 0.0}
-"""Copies in shared memory (memfd) that the process maps: the relay's published outer
-parameters and momentum (issue 42: +1.3 GB for two relays at 85 M)."""
+"""Copies in shared memory (memfd) that the process maps and no other process here counts: the
+relay's published outer parameters and momentum, and the averages of its last round and the
+one it builds (its mapping of rank 0's staging memory is counted on rank 0)."""
 
 FIXES = ("more ranks per cluster", "`relay.sync.fragments`", "CPU offload of the outer state")
 """What makes the outer step fit (with the sharded outer state, each of them shrinks a

@@ -12,8 +12,10 @@ from pathlib import Path
 import pytest
 from helpers.jobs import CLI, write_spec
 
+from nebula_cli.config.spec import load_spec
 from nebula_cli.control.hostcheck import check_host
-from nebula_cli.planner.outer_memory import FIXES, host_need
+from nebula_cli.control.memory_fit import memory_problems
+from nebula_cli.planner.outer_memory import FIXES, host_need, refusal
 from nebula_cli.transport.local.transport import LocalTransport
 
 LIMIT = 700 << 20
@@ -92,3 +94,32 @@ clusters:
     assert "outer-step memory per process" in proc.stdout and "Traceback" not in proc.stderr
     fits = cli("validate", str(spec), "--hosts", "--params", "1000", timeout=120)
     assert fits.returncode == 0, fits.stdout + fits.stderr
+
+
+def test_a_slurm_allocations_first_node_is_fitted_to_its_mem(tmp_path: Path) -> None:
+    """A Slurm cluster's nodes are not probed before launch: its `--mem` is what each node
+    grants, and the first node (rank 0 and the relay) must hold its part of the outer step;
+    with `relay_on: login` the relay is not on that node; without a fixed --mem nothing is said."""
+    text = """
+name: hpc
+run: echo hi
+clusters:
+  - name: hpc
+    hosts: [login.hpc.example.edu]
+    scheduler: slurm{relay}
+    slurm: {{nodes: 2, ntasks_per_node: 4, sbatch_args: [{mem}]}}
+"""
+    params = 100_000_000  # 400 MB a copy
+    for relay, mem, fits in (("", '"--mem=1G"', False), ("", '"--mem=64G"', True),
+                             ("\n    relay_on: login", '"--mem=1G"', False),
+                             ("", '"--exclusive"', True)):
+        spec = load_spec(write_spec(tmp_path, text.format(relay=relay, mem=mem)))
+        problems = memory_problems(spec, [], params)
+        assert (problems == []) == fits, (relay, mem, problems)
+        if not fits:
+            need = host_need(params, 8, 4, 0, relay=not relay)
+            assert problems == [refusal("hpc/the allocation's first node (--mem=1G)", need,
+                                        1 << 30, params)]
+            assert f"{need / (1 << 30):.2f} GiB" in problems[0]
+    on_node = host_need(params, 8, 4, 0, relay=True)
+    assert on_node > host_need(params, 8, 4, 0, relay=False)  # the relay counted where it runs

@@ -92,3 +92,9 @@ class Scheduler(Protocol):
     def summary(self, cluster: ClusterView) -> str | None:
         """What `validate` says of the cluster's hosts beyond the count, or None."""
         ...
+
+    def node_memory(self, cluster: ClusterView) -> tuple[int, str] | None:
+        """The memory each allocated node grants the job's processes, and where that was said
+        (an sbatch option), when the spec fixes it; None when it does not (the nodes' own
+        memory, unknown before launch) or nothing is allocated."""
+        ...

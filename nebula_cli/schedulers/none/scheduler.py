@@ -46,6 +46,9 @@ class NoScheduler:
     def summary(self, cluster: ClusterView) -> str | None:
         return None
 
+    def node_memory(self, cluster: ClusterView) -> tuple[int, str] | None:
+        return None  # the hosts are probed instead (validate --hosts)
+
 
 SCHEDULER = NoScheduler()
 """`scheduler: none` (`nebula_cli.schedulers.registry`)."""

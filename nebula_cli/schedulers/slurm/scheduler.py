@@ -86,5 +86,9 @@ class SlurmScheduler:
                 f"{request.ntasks_per_node} rank(s)")
 
 
+    def node_memory(self, cluster: ClusterView) -> tuple[int, str] | None:
+        return slurm_request(cluster).node_memory()
+
+
 SCHEDULER = SlurmScheduler()
 """`scheduler: slurm` (`nebula_cli.schedulers.registry`)."""

@@ -27,6 +27,11 @@ steps' processes (the keepers, not the batch shell: an srun that gets SIGTERM ki
 after KillWait) get SIGTERM, so the workers stop gracefully and checkpoint."""
 
 
+_MEM = re.compile(r"--(mem|mem-per-cpu|mem-per-gpu)=(\d+)([KMGT]?)B?", re.IGNORECASE)
+"""sbatch's memory options as `sbatch_args` carries them (a size in MB unless a unit says)."""
+_MEM_UNIT = {"": 1 << 20, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+
+
 def _slurm_time(value: str) -> str:
     """Slurm's time formats: minutes, m:s, h:m:s, d-h, d-h:m, d-h:m:s, UNLIMITED."""
     if not _TIME.fullmatch(value) or re.fullmatch(r"0+(?:[-:]0+)*", value):
@@ -93,6 +98,28 @@ class SlurmSpec(SpecModel):
                                  f"\"--mem=0\", each starting with '-', without quotes, "
                                  f"backslashes, '#' or control characters, found {arg!r}")
         return args
+
+    def node_memory(self) -> tuple[int, str] | None:
+        """The memory each node of the allocation grants the job, and the option that says
+        so, when `sbatch_args` asks for a fixed amount: ``--mem`` (per node), ``--mem-per-cpu``
+        (times the node's CPUs: ntasks_per_node x cpus_per_task) or ``--mem-per-gpu`` (times
+        gpus_per_node); None for none of them, ``--mem=0`` (all of the node's) or a per-GPU
+        amount with no GPUs. The last one given counts, as sbatch reads them."""
+        found = None
+        for arg in self.sbatch_args:
+            m = _MEM.fullmatch(arg)
+            if m is not None:
+                found = (m, arg)
+        if found is None:
+            return None
+        m, arg = found
+        size = int(m.group(2)) * _MEM_UNIT[m.group(3).upper()]
+        kind = m.group(1).lower()
+        if kind == "mem-per-cpu":
+            size *= self.ntasks_per_node * (self.cpus_per_task or 1)
+        elif kind == "mem-per-gpu":
+            size *= self.gpus_per_node
+        return (size, arg) if size else None
 
     def sbatch_options(self) -> list[str]:
         """The #SBATCH options this section asks for (the template adds job name, output)."""

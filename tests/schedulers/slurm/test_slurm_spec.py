@@ -287,3 +287,20 @@ def test_each_rank_is_a_task_of_its_slurm_step_in_its_environment(tmp_path: Path
     assert seen == [(node, str(rank), str(rank), str(rank % 4), str(rank % 4), "8", "4")
                     for rank, node in enumerate(["n1"] * 4 + ["n2"] * 4)]
     assert plan.hosts[0].config.processes[0].env["SLURM_TASKS_PER_NODE"] == "4(x2)"
+
+
+@pytest.mark.parametrize("args,want", [
+    ([], None),
+    (["--exclusive"], None),
+    (["--mem=64G"], (64 << 30, "--mem=64G")),
+    (["--mem=2048"], (2048 << 20, "--mem=2048")),  # sbatch's unit: MB
+    (["--mem=0"], None),  # all of the node's memory: unknown before launch
+    (["--mem-per-cpu=2G"], (4 * 8 * (2 << 30), "--mem-per-cpu=2G")),  # 4 tasks x 8 CPUs
+    (["--mem-per-gpu=10G"], (4 * (10 << 30), "--mem-per-gpu=10G")),
+    (["--mem=8G", "--mem-bind=local", "--mem=16G"], (16 << 30, "--mem=16G")),  # the last
+])
+def test_the_memory_a_slurm_node_grants_is_read_from_sbatch_args(
+        tmp_path: Path, args: list[str], want: tuple[int, str] | None) -> None:
+    spec = load_spec(write(tmp_path, SLURM.replace('["--exclusive"]', json.dumps(args))))
+    cluster = spec.clusters[0]
+    assert cluster.scheduling.node_memory(cluster) == want

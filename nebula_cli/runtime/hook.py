@@ -50,6 +50,7 @@ class _State:
     driver: Any = None
     crashed = False
     said: set[str] = set()
+    ended_file = ""  # $NEBULA_ENDED_FILE, taken from the environment (children do not inherit it)
 
 
 _state = _State()
@@ -143,6 +144,7 @@ def install() -> None:
         return
     _state.installed = True
     _state.pid = os.getpid()
+    _state.ended_file = os.environ.pop(ENDED_ENV, "")  # a child it starts is not the rank
     sys.meta_path.insert(0, PatchOnImport(PATCHES))
     for name, patch in PATCHES.items():
         if name in sys.modules:  # imported before the hook (not at interpreter start)
@@ -250,7 +252,7 @@ def _at_exit_say_ended() -> None:
     """The last exit handler: the script returned without an uncaught exception and every exit
     handler ran, so its agent is told (``$NEBULA_ENDED_FILE`` created) that what is left is the
     interpreter's finalization: an abort there (exit 134) is not a rank to restart."""
-    path = os.environ.get(ENDED_ENV)
+    path = _state.ended_file
     if _state.crashed or os.getpid() != _state.pid or not path:
         return
     try:

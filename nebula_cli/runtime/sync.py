@@ -524,8 +524,12 @@ class OuterSync:
     def _buffer(self, kind: str, numel: int) -> torch.Tensor | None:
         """Memory rank 0's averager lends for a tensor it sends (``contribution_buffer``,
         ``state_buffer``), else new memory (None: what the shard moves make)."""
-        lend = getattr(self._get_averager(), kind, None)
-        return lend(numel) if lend is not None else None
+        try:  # (an averager that cannot be made fails in the exchange, on every rank)
+            lend = getattr(self._get_averager(), kind, None)
+            return lend(numel) if lend is not None else None
+        except Exception as exc:  # noqa: BLE001 (plain memory then)
+            log.warning("no memory lent by the averager for %s: %s", kind, exc)
+            return None
 
     def _exchange(self, round_id: int, whole: torch.Tensor | None,
                   info: dict[str, float] | None = None) -> Shared:

@@ -67,6 +67,10 @@ import atexit, os, sys
 atexit.register(os.abort)  # before the hook's handlers: runs after them, as finalization would
 from nebula_cli.runtime import hook
 hook.install()
+import subprocess  # a process the rank starts (a data loader's worker) is not the rank
+ASK = "import os; print(os.environ.get('NEBULA_ENDED_FILE'))"
+child = subprocess.run([sys.executable, "-c", ASK], capture_output=True, text=True)
+print("child sees", child.stdout.strip(), flush=True)
 print("trained", flush=True)
 if sys.argv[1] == "raise" and os.environ["MY_RANK"] == "1":
     raise RuntimeError("the script failed")
@@ -98,7 +102,9 @@ def test_a_rank_that_aborts_after_its_script_ended_is_not_restarted(
         assert final["state"] == "FAILED" and final["restarts"] == 1, final
         assert "rank 1 killed by SIGABRT" in final["reason"]
         assert not any("rank 1 " in m for m in ended)  # (rank 0 may have ended first)
-    assert (d / "logs/rank1.log").read_text().count("trained") == (1 if how == "returns" else 2)
+    log = (d / "logs/rank1.log").read_text()
+    assert log.count("trained") == (1 if how == "returns" else 2)
+    assert "child sees None" in log  # the marker's path is the rank's alone
 
 
 def test_dead_agent_is_reported_lost(tmp_path: Path, cleanup: list[Path]) -> None:

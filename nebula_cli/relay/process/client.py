@@ -223,7 +223,8 @@ class RelayClient:
     def contribution_buffer(self, numel: int) -> torch.Tensor:
         """Memory for the next contribution (flat fp32): the staging memory :meth:`allreduce`
         hands the relay, so a contribution written here is sent without a copy (shared memory
-        on the relay's own host). Valid until that allreduce returns."""
+        on the relay's own host). Written again only after that allreduce has its answer
+        (the next call of this method)."""
         if not (self._staging_free and self._staging is not None
                 and self._staging.numel() == numel):
             self._staging = (local_hop.shared_empty(numel) if local_hop.supported()

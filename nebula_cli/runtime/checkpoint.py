@@ -1,12 +1,14 @@
 """Checkpoints of a training process: DeepSpeed's own (``engine.save_checkpoint``) plus nebula's
-outer state (``OuterSync.state_dict``: theta_global, outer momentum, round, anchor), saved every
-``checkpoint.every`` optimizer steps and at the end, on every host, and loaded at start.
+outer state (each rank's shard of theta_global, outer momentum and anchor, with the round:
+``OuterSync.saved_part``, ``runtime.outer_files``), saved every ``checkpoint.every`` optimizer
+steps and at the end, on every host, and loaded at start.
 
 Layout, in this host's directory (``CheckpointSettings.dir``, one per cluster and host: no
 shared filesystem is assumed, DeepSpeed's ``use_node_local_storage`` is switched on so that
 local rank 0 of every host writes the model states)::
 
-    step<N>/            one complete checkpoint: DeepSpeed's files, nebula_outer.pt, COMPLETE
+    step<N>/            one complete checkpoint: DeepSpeed's files, each of this host's
+                        ranks' nebula_outer.rank<r>.pt (runtime.outer_files), COMPLETE
     latest              the newest complete tag (written with os.replace; informational)
     .tmp-step<N>-<pid>  a checkpoint being published (never picked; removed at the next start)
 
@@ -23,9 +25,10 @@ Saving (``save``), on every rank of the DeepSpeed world:
    decoupled engines need a config given before ``deepspeed.initialize``). To tmpfs it costs
    about a memory copy of the model and optimizer states;
 3. once every rank has written its files (one more all-reduce, which also says whether every
-   rank's save succeeded: a checkpoint one rank could not write is published by nobody),
-   local rank 0 of each host publishes in a background thread: copies the staging tag
-   into ``.tmp-step<N>-<pid>``, writes the outer state there, fsyncs every file, writes
+   rank's save succeeded: a checkpoint one rank could not write is published by nobody;
+   before it, every rank wrote its own shard of the outer state into the staging tag, as it
+   lies: no rank gathers it), local rank 0 of each host publishes in a background thread:
+   copies the staging tag into ``.tmp-step<N>-<pid>``, fsyncs every file, writes
    ``COMPLETE`` last, renames the directory to ``step<N>``, fsyncs the parent, points
    ``latest`` at it and removes the oldest complete checkpoints beyond ``keep``. A crash at
    any point leaves either no ``step<N>`` or a complete one. A failure in the background (a
@@ -33,7 +36,8 @@ Saving (``save``), on every rank of the DeepSpeed world:
 
 Loading (``load_newest``): every rank lists the complete tags of its host; the ranks agree on
 the newest step complete on every rank (all-reduces of min and max, narrowing until they
-agree), DeepSpeed loads it, and the outer state is kept for the OuterSync (``restore_outer``).
+agree), DeepSpeed loads it, and the outer state's files are kept for the OuterSync
+(``restore_outer``: each rank's shard assembled from them, at any rank count).
 DeepSpeed reads its files with ``torch.load(weights_only=False)`` (they hold objects of its
 own, not only tensors), which runs code: so a checkpoint is loaded only when its directory and
 every file in it belong to the job's user and nobody else may write them (nebula makes the
@@ -52,7 +56,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import pickle
 import shutil
 import stat
 import sys
@@ -67,6 +70,7 @@ import torch.distributed as dist
 from nebula_cli.config import staging
 from nebula_cli.config.parts import SHM, CheckpointSettings
 from nebula_cli.ownership import not_own_folder
+from nebula_cli.runtime import outer_files
 from nebula_cli.runtime.checkpoint_trust import FIX, unsafe_ancestors
 from nebula_cli.runtime.metrics import emit
 from nebula_cli.runtime.outer import SyncError
@@ -75,7 +79,6 @@ from nebula_cli.runtime.threads import start_or_run
 
 MARKER = "COMPLETE"
 """Written last into a checkpoint: a tag without it is never loaded."""
-OUTER_FILE = "nebula_outer.pt"
 LATEST = "latest"
 TAG_PREFIX = "step"
 SHM_HEADROOM = 2.0
@@ -175,8 +178,7 @@ def write_atomic(path: Path, data: bytes) -> None:
     _fsync(path.parent)
 
 
-def publish(staged: Path, directory: Path, step: int, outer: dict[str, Any] | None,
-            keep: int) -> Path:
+def publish(staged: Path, directory: Path, step: int, keep: int) -> Path:
     """Make `staged` (DeepSpeed's files of one tag) the complete checkpoint `step` of
     `directory`, atomically (see the module's docstring); then keep the newest `keep`."""
     tag = tag_of(step)
@@ -187,8 +189,6 @@ def publish(staged: Path, directory: Path, step: int, outer: dict[str, Any] | No
         os.rename(staged, tmp)
     else:
         shutil.copytree(staged, tmp)
-    if outer is not None:
-        torch.save(outer, tmp / OUTER_FILE)
     _fsync_tree(tmp)
     write_atomic(tmp / MARKER, json.dumps({"step": step, "time": time.time()}).encode())
     final = directory / tag
@@ -251,7 +251,8 @@ class Checkpointer:
         self.shm_root: Path | None = None  # the writer's staging directory in /dev/shm
         self.last_step: int | None = None  # the newest step saved (or loaded) by this process
         self.resumed_from: int | None = None
-        self.outer_state: dict[str, Any] | None = None  # loaded, not yet given to the OuterSync
+        self.outer_state: list[dict[str, Any]] | None = None
+        """The outer state's files loaded (mapped), not yet given to the OuterSync."""
         self.errors = 0
         self.stall_s: float | None = None
         self._thread: threading.Thread | None = None
@@ -291,18 +292,18 @@ class Checkpointer:
             self.engine.save_checkpoint(str(root), tag=tag_of(step), save_latest=False)
         except Exception as exc:  # a full /dev/shm, a DeepSpeed error: training goes on
             problem = f"DeepSpeed's save_checkpoint failed: {exc}"
+        if problem is None:
+            problem = self._write_outer(root / tag_of(step), step)
         # Every rank's files are written before a writer publishes them, and a checkpoint one
         # rank could not write is published by nobody: one all-reduce, not DeepSpeed's own
         # barriers inside save_checkpoint (which no contract promises).
         if not self._reduce_min(int(problem is None))[0]:
             self._failed(step, problem or "another rank's save_checkpoint failed")
             return False
-        outer = self._outer_copy(step)
         self.stall_s = time.perf_counter() - t0
         self.last_step = step
         if self.writer:
-            self._thread = start_or_run(self._publish, (root / tag_of(step), step, outer,
-                                                        self.stall_s),
+            self._thread = start_or_run(self._publish, (root / tag_of(step), step, self.stall_s),
                                         f"nebula-checkpoint-{step}")
         return True
 
@@ -373,21 +374,21 @@ class Checkpointer:
             shm = False
         return None, bool(shm)
 
-    def _outer_copy(self, step: int) -> dict[str, Any] | None:
-        """On a writer: the outer state, copied in this thread (the background writer gets its
-        own). Every rank calls it: the state is joined from the ranks' shards."""
+    def _write_outer(self, tag: Path, step: int) -> str | None:
+        """This rank's part of the outer state written into the staged ``tag``, in this
+        thread (its shard as it lies, before training changes it); None, else why not."""
         if self.sync is None:
             return None
-        state = self.sync.state_dict(writer=self.writer)  # tensors cloned; None off a writer
-        if state is not None:
-            state["step"] = step
-        return state
+        try:
+            outer_files.write(tag, {**self.sync.saved_part(), "step": step})
+        except Exception as exc:  # a full /dev/shm or disk: training goes on
+            return f"writing the outer state into {tag} failed: {exc}"
+        return None
 
-    def _publish(self, staged: Path, step: int, outer: dict[str, Any] | None,
-                 stall: float) -> None:
+    def _publish(self, staged: Path, step: int, stall: float) -> None:
         t0 = time.perf_counter()
         try:
-            final = publish(staged, self.dir, step, outer, self.settings.keep)
+            final = publish(staged, self.dir, step, self.settings.keep)
         except Exception as exc:  # reported by the training thread (wait)
             self._failure = f"publishing checkpoint step {step} in {self.dir} failed: {exc}"
             return
@@ -425,14 +426,7 @@ class Checkpointer:
         load_path, _ = self.engine.load_checkpoint(str(self.dir), tag=tag_of(step))
         if load_path is None:
             raise SyncError(f"DeepSpeed could not load checkpoint {tag}")
-        outer = tag / OUTER_FILE
-        if outer.is_file():
-            try:
-                self.outer_state = torch.load(outer, map_location="cpu", weights_only=True)
-            except pickle.UnpicklingError as exc:
-                raise SyncError(f"the outer state {outer} holds more than tensors and plain "
-                                f"values (nebula writes nothing else): not loaded ({exc})"
-                                ) from exc
+        self.outer_state = outer_files.read(tag)
         self.resumed_from = self.last_step = step
         self.restore_outer()
         if self.writer:
@@ -445,9 +439,8 @@ class Checkpointer:
         if sync is not None:
             self.sync = sync
         if self.sync is not None and self.outer_state is not None:
-            state, self.outer_state = self.outer_state, None
-            state.pop("step", None)
-            self.sync.load_state_dict(state)
+            parts, self.outer_state = self.outer_state, None
+            self.sync.load_saved(parts, contributes=self.writer)
 
     def _clear_leftovers(self) -> None:
         """What a crash left: half-published tags, staging copies (also in /dev/shm)."""

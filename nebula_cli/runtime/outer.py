@@ -53,8 +53,10 @@ class OuterOptimizer:
             update = grad.narrow(0, at, n).add(v.narrow(0, at, n), alpha=self.momentum)
             theta.narrow(0, at, n).add_(update, alpha=-self.lr)
 
-    def state_dict(self) -> dict[str, Any]:
-        buf = None if self.momentum_buffer is None else self.momentum_buffer.clone()
+    def state_dict(self, with_buffer: bool = True) -> dict[str, Any]:
+        """The settings and a copy of the momentum (None ``with_buffer=False``)."""
+        buf = (None if self.momentum_buffer is None or not with_buffer
+               else self.momentum_buffer.clone())
         return {"lr": self.lr, "momentum": self.momentum, "nesterov": self.nesterov,
                 "momentum_buffer": buf}
 

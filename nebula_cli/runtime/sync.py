@@ -28,7 +28,7 @@ import torch.distributed as dist
 from nebula_cli.config.parts import SyncConfig
 from nebula_cli.heap import HeapTrim
 from nebula_cli.runtime import checkpoint as checkpoints
-from nebula_cli.runtime import worldwatch
+from nebula_cli.runtime import outer_files, worldwatch
 from nebula_cli.runtime.cadence import Cadence
 from nebula_cli.runtime.cluster_share import (
     AveragedRound,
@@ -328,72 +328,55 @@ class OuterSync:
         """Load the newest checkpoint every rank has; its step, 0 if none (runtime.checkpoint)."""
         return checkpoints.resume(self)
 
-    def state_dict(self, writer: bool | None = None) -> dict[str, Any] | None:
-        """The outer state to store beside DeepSpeed's checkpoint, whole (an in-flight
-        overlapped round is not included: call ``flush()`` first to keep it). On a cluster of
-        several ranks a collective: **every rank calls it**, and the ranks that pass
-        ``writer`` (by default rank 0) get the state joined from every rank's shard (the
-        others None)."""
-        writer = self.rank == 0 if writer is None else writer
-        moves = self._cluster.moves
-        writers = moves.ranks_with(writer)
-        theta = moves.gather_to(self.theta_global, writers)
-        anchor = None if self._anchor is None else moves.gather_to(self._anchor, writers)
+    def saved_part(self) -> dict[str, Any]:
+        """This rank's part of the outer state for a checkpoint (``runtime.outer_files``): its
+        shard of each vector as it lies (written before training goes on: no copy, no gather)
+        and what every rank holds alike. Not a collective."""
         buf = self.outer.momentum_buffer
-        momentum = None if buf is None else moves.gather_to(buf, writers)
-        release()  # the gathers' views of the joined vectors (runtime/settle.py)
-        if not writer:
-            return None
-
-        def own(t: torch.Tensor | None) -> torch.Tensor | None:  # joined: already a copy
-            return None if t is None else t.clone() if self.shard.world == 1 else t
-
-        outer = self.outer.state_dict()
-        outer["momentum_buffer"] = own(momentum)
         return {
+            "rank": self.shard.rank, "world": self.shard.world, "numel": self.numel,
+            "lo": self.shard.lo, "hi": self.shard.hi,
             "mode": self.mode,
             "round": self.round,
             "grad_round": self.grad_round,
             "last_round_step": self._last_round_step,
-            "theta_global": own(theta),
-            "anchor": own(anchor),
-            "outer": outer,
+            "theta_global": self.theta_global.detach() if self.mode == "diloco" else None,
+            "anchor": self._anchor,
+            "momentum_buffer": None if buf is None or self.mode != "diloco" else buf,
+            "outer": self.outer.state_dict(with_buffer=False),
             "param_names": list(self.param_names),
             "cadence": self.cadence.state_dict(),
         }
+
+    def load_saved(self, parts: list[dict[str, Any]], *, contributes: bool) -> None:
+        """Restore the outer state from a checkpoint's files on this host (``parts``, read by
+        ``outer_files.read``): each rank's shard files assembled into this rank's shard
+        whatever the rank count that wrote them, or one whole state (format 1). A collective:
+        every rank calls it; ``contributes``: one rank per host (its first)."""
+        if parts and parts[0].get("param_names", self.param_names) != self.param_names:
+            raise SyncError(  # (the same files on every rank: raised on every rank)
+                "outer sync state was saved for a different set of trainable parameters")
+        scalars, vectors = outer_files.assemble(parts, self._cluster.moves,
+                                                contributes=contributes,
+                                                sharded=self.mode == "diloco")
+        self._restore(scalars, vectors)
 
     def full_theta_global(self) -> torch.Tensor:
         """theta_global whole, on every rank (a collective on a cluster of several ranks)."""
         return self._cluster.moves.all_gather(self.theta_global).clone()
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore the outer state (parameters themselves come from DeepSpeed's checkpoint)."""
-        if state.get("param_names", self.param_names) != self.param_names:
-            raise SyncError(
-                "outer sync state was saved for a different set of trainable parameters")
-        theta = state["theta_global"]
-        if self.mode == "diloco" and theta.numel() != self.numel:
-            raise SyncError(f"outer sync state has {theta.numel()} values, expected {self.numel}")
-        sharded = self.mode == "diloco"  # (gradient mode keeps no theta_global)
-        if sharded:
-            self.theta_global = self._own(theta)
-        anchor = state.get("anchor")
-        self._anchor = None if anchor is None or not sharded else self._own(anchor)
+    def _restore(self, state: dict[str, Any], vectors: dict[str, torch.Tensor | None]) -> None:
+        """The outer state's values from ``state`` and this rank's shard of each vector from
+        ``vectors`` (memory of its own, taken as it is)."""
+        if self.mode == "diloco":
+            self.theta_global = vectors["theta_global"]
+        self._anchor = vectors["anchor"]
         self.round = int(state["round"])
         self.grad_round = int(state.get("grad_round", 0))
         self._last_round_step = int(state["last_round_step"])
-        outer = dict(state["outer"])
-        if sharded and outer.get("momentum_buffer") is not None:
-            outer["momentum_buffer"] = self._own(outer["momentum_buffer"])  # before its clone
-        self.outer.load_state_dict(outer)
+        self.outer.load_state_dict({**state["outer"], "momentum_buffer": None})
+        self.outer.momentum_buffer = vectors["momentum_buffer"]
         self.cadence.load_state_dict(state.get("cadence") or {})
-
-    def _own(self, full: torch.Tensor) -> torch.Tensor:
-        """This rank's shard of a whole vector of the saved state (any rank count saved it)."""
-        if full.numel() != self.numel:
-            raise SyncError(f"outer sync state has a vector of {full.numel()} values, "
-                            f"expected {self.numel}")
-        return self.shard.of(full.detach().to("cpu", torch.float32).reshape(-1)).clone()
 
     # --- rounds ---------------------------------------------------------------------------
 

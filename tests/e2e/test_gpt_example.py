@@ -19,7 +19,7 @@ import pytest
 import torch
 import yaml
 from helpers.checkpoint_jobs import kill_rank, wait_ended
-from helpers.jobs import CLI, REPO, job_processes, wait_for
+from helpers.jobs import CLI, REPO, job_processes, wait_for, wait_in_job
 from helpers.quickstart import TINY_GPT, metric_records
 from helpers.sshd_bed import free_port
 
@@ -345,7 +345,7 @@ def test_a_stop_while_a_cluster_waits_at_its_end_keeps_its_final_checkpoint(
             west_at = max((r["step"] for r in recs if r.get("cluster") == "west"), default=0)
             return east_at == 20 and 20 < west_at < 45 and not any(r.get("final") for r in recs)
 
-        wait_for(east_waits, timeout=400, every=0.2)
+        wait_in_job(cli, job_id, east_waits, 400, "east waiting at its end for west", every=0.2)
         st = json.loads(cli("status", job_id, "--json", check=True).stdout)
         (relay,) = [h for h in st["hosts"] if h["role"] == "relay" and h["cluster"] == "west"]
         os.kill(relay["pid"], signal.SIGSTOP)

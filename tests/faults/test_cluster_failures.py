@@ -20,7 +20,7 @@ from helpers.checkpoint_jobs import (
     slowed_ds_plain,
     wait_ended,
 )
-from helpers.jobs import CLI, job_processes, shm_leftovers, wait_for
+from helpers.jobs import CLI, job_processes, shm_leftovers, wait_for, wait_in_job
 
 from nebula_cli.runtime.worldwatch import ABORT_EXIT
 
@@ -34,8 +34,8 @@ def test_a_rank_killed_on_one_host_restarts_its_whole_cluster(cli: CLI, tmp_path
     spec = yaml.safe_load(spec_path.read_text())  # east: e1 and e2
     assert [len(c["hosts"]) for c in spec["clusters"]] == [2, 1]
     job_id = cli("launch", str(spec_path), "--detach", check=True).stdout.strip()
-    seen = wait_for(lambda: (n := newest_checkpoint(cli, job_id, "east")) >= 2 * EVERY and n,
-                    timeout=180)
+    seen = wait_in_job(cli, job_id, lambda: (n := newest_checkpoint(cli, job_id, "east"))
+                       >= 2 * EVERY and n, 180, f"east's checkpoint of step {2 * EVERY}")
     kill_rank(job_id, "east", "1")  # e2's only rank
     st = wait_ended(cli, job_id, timeout=300)
     assert st["state"] == "SUCCEEDED", st
@@ -67,7 +67,7 @@ def test_min_clusters_lets_the_others_train_on_without_a_lost_cluster(
         return sum(1 for r in _records(cli, job_id) if r.get("cluster") == "east"
                    and r.get("clusters_present") == 2)
 
-    wait_for(lambda: joint_rounds() >= 2, timeout=180)
+    wait_in_job(cli, job_id, lambda: joint_rounds() >= 2, 180, "two rounds with both clusters")
     kill_rank(job_id, "west", "0")
     killed_at = time.time()
     st = wait_ended(cli, job_id, timeout=300)

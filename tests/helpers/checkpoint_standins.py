@@ -9,6 +9,9 @@ from typing import Any
 
 import torch
 
+from nebula_cli.runtime import outer_files
+from nebula_cli.runtime.shard import Shard, ShardMoves
+
 
 class StandInEngine(torch.nn.Module):
     """What the Checkpointer uses of a DeepSpeedEngine: save_checkpoint, load_checkpoint,
@@ -46,14 +49,21 @@ class StandInEngine(torch.nn.Module):
 
 
 class StandInSync:
-    """An OuterSync's state_dict / load_state_dict."""
+    """What the Checkpointer uses of an OuterSync (``saved_part``, ``load_saved``): rank
+    ``rank`` of ``world`` holding its 3 values of theta_global, saved and assembled through
+    runtime/outer_files.py as OuterSync's (a world of several ranks: the default gloo group)."""
 
-    def __init__(self, value: float) -> None:
+    def __init__(self, value: float, rank: int = 0, world: int = 1) -> None:
         self.theta = torch.full((3,), value)
         self.round = int(value)
+        self.rank, self.world = rank, world
 
-    def state_dict(self, writer: bool = True) -> dict[str, Any] | None:
-        return {"theta_global": self.theta.clone(), "round": self.round} if writer else None
+    def saved_part(self) -> dict[str, Any]:
+        lo = 3 * self.rank
+        return {"rank": self.rank, "world": self.world, "numel": 3 * self.world, "lo": lo,
+                "hi": lo + self.theta.numel(), "theta_global": self.theta, "round": self.round}
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.theta, self.round = state["theta_global"], state["round"]
+    def load_saved(self, parts: list[dict[str, Any]], *, contributes: bool) -> None:
+        moves = ShardMoves(Shard(self.theta.numel() * self.world, self.rank, self.world), None)
+        scalars, vectors = outer_files.assemble(parts, moves, contributes=contributes)
+        self.theta, self.round = vectors["theta_global"], scalars["round"]

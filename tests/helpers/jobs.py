@@ -1,10 +1,11 @@
 """What many tests share: the repository (`REPO`), the CLI runner (`CLI`), a job's processes and
-their sweep, `/dev/shm` leftovers, where SSH hosts keep jobs, `wait_for`, `write_spec`, the
-runtime hook's folder."""
+their sweep, `/dev/shm` leftovers, where SSH hosts keep jobs, `wait_for`, `wait_in_job` (with
+the job's story when it fails), `write_spec`, the runtime hook's folder."""
 
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import subprocess
@@ -95,6 +96,37 @@ def wait_for(pred: Callable[[], T], timeout: float = 30.0, every: float = 0.2) -
             return value
         time.sleep(every)
     raise AssertionError(f"condition not met within {timeout:g} s")
+
+
+def wait_in_job(cli: CLI, job_id: str, pred: Callable[[], T], timeout: float,
+                what: str, every: float = 0.5, status_every: float = 5.0) -> T:
+    """pred()'s first truthy value while the job runs. Fails at once when the job has ended
+    first, and at `timeout`, either way with the job's state, reason and each process's last
+    log lines in the message (what a failure on CI needs to be understood)."""
+    deadline = time.monotonic() + timeout
+    next_status = time.monotonic() + status_every
+    while time.monotonic() < deadline:
+        value = pred()
+        if value:
+            return value
+        if time.monotonic() >= next_status:
+            next_status = time.monotonic() + status_every
+            st = json.loads(cli("status", job_id, "--json", check=True).stdout)
+            if st["state"] not in ("RUNNING", "STARTING"):
+                value = pred()  # (it may have come true just before the end)
+                if value:
+                    return value
+                raise AssertionError(f"{what}: the job ended first\n{job_story(cli, job_id)}")
+        time.sleep(every)
+    raise AssertionError(f"{what}: not within {timeout:g} s\n{job_story(cli, job_id)}")
+
+
+def job_story(cli: CLI, job_id: str, lines: int = 15) -> str:
+    """The job's state, reason, hosts and the last `lines` of each process's log."""
+    st = cli("status", job_id, "--json")
+    logs = cli("logs", job_id, "--tail", str(lines))
+    return (f"status: {st.stdout.strip()[-4000:]}\n{st.stderr.strip()[-1000:]}\n"
+            f"logs:\n{logs.stdout[-12000:]}\n{logs.stderr[-2000:]}")
 
 
 def write_spec(directory: Path, body: str, name: str = "job.yaml") -> Path:

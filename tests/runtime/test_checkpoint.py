@@ -30,7 +30,7 @@ from helpers.checkpoint_jobs import (
     wait_ended,
 )
 from helpers.checkpoint_standins import StandInEngine, StandInSync
-from helpers.jobs import CLI, REPO, job_processes, shm_leftovers, wait_for
+from helpers.jobs import CLI, REPO, job_processes, shm_leftovers, wait_for, wait_in_job
 from helpers.plan_defaults import default_checkpoint
 
 from nebula_cli.config import staging
@@ -238,7 +238,7 @@ print("trained to step", engine.global_steps)
 """
 
 
-def test_a_full_disk_while_publishing_is_reported_and_training_goes_on(
+def test_a_full_disk_while_saving_is_reported_and_training_goes_on(
         tmp_path: Path, metrics_file: Path) -> None:
     script = tmp_path / "full_disk.py"
     script.write_text(FULL_DISK.format(tests=str(REPO / "tests")))
@@ -249,7 +249,7 @@ def test_a_full_disk_while_publishing_is_reported_and_training_goes_on(
     assert "trained to step 3" in proc.stdout
     errors = [r for r in records(metrics_file) if "checkpoint_error" in r]
     assert [r["step"] for r in errors] == [1, 2, 3]
-    assert all("publishing checkpoint" in r["checkpoint_error"] for r in errors)
+    assert all("writing the outer state" in r["checkpoint_error"] for r in errors)
     assert ck.complete_steps(tmp_path / "ckpt") == []
     assert "not saved" in proc.stderr
 
@@ -329,8 +329,8 @@ def test_a_killed_worker_resumes_from_its_checkpoint_and_the_job_succeeds(
         {"name": "east", "transport": "local", "hosts": [{"host": "e1", "slots": 2}]},
         {"name": "west", "transport": "local", "hosts": [{"host": "w1"}]}])
     job_id = cli("launch", str(spec_path), "--detach", check=True).stdout.strip()
-    seen = wait_for(lambda: (n := newest_checkpoint(cli, job_id, "east")) >= 2 * EVERY and n,
-                    timeout=120)
+    seen = wait_in_job(cli, job_id, lambda: (n := newest_checkpoint(cli, job_id, "east"))
+                       >= 2 * EVERY and n, 120, f"east's checkpoint of step {2 * EVERY}")
     kill_rank(job_id, "east", "1")
     st = wait_ended(cli, job_id, timeout=240)
     assert st["state"] == "SUCCEEDED", st

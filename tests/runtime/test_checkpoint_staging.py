@@ -32,6 +32,7 @@ from nebula_cli.agent import leftovers
 from nebula_cli.config import staging
 from nebula_cli.config.parts import SHM
 from nebula_cli.runtime import checkpoint as ck
+from nebula_cli.runtime import outer_files
 from nebula_cli.runtime.outer import SyncError
 
 OTHER_UID = 65534  # nobody: a real user other than the job's on every Debian machine
@@ -95,7 +96,7 @@ def test_a_directory_another_user_planted_at_the_old_name_gets_nothing(
     assert Path(used) != planted and Path(used).parent == SHM and private(Path(used))
     assert ck.complete_steps(directory) == [10]
     assert sorted(p.name for p in (directory / "step10").iterdir()) == sorted([
-        ck.MARKER, ck.OUTER_FILE, engine.rank_file])
+        ck.MARKER, outer_files.file_name(0), engine.rank_file])
     saver.close()
 
 
@@ -205,7 +206,8 @@ from nebula_cli.runtime import checkpoint as ck
 rank, directory, store = int(sys.argv[1]), sys.argv[2], sys.argv[3]
 dist.init_process_group("gloo", init_method=f"file://{{store}}", rank=rank, world_size=2)
 engine = StandInEngine(local_rank=rank, save_delay=0.5 * rank)  # rank 1 writes late
-saver = ck.Checkpointer(engine, default_checkpoint(directory, every=5), sync=StandInSync(rank))
+saver = ck.Checkpointer(engine, default_checkpoint(directory, every=5),
+                       sync=StandInSync(rank, rank=rank, world=2))
 for step in (5, 10):
     engine.global_steps = step
     assert saver.save(step)
@@ -244,7 +246,8 @@ def test_the_ranks_of_one_host_stage_in_the_directory_their_writer_made(
     assert len(dirs) == 1 and Path(dirs.pop()).parent == SHM  # one staging dir, in memory
     assert all(out["loaded"] == 10 and out["steps"] == 10 for out in outs)
     assert {p.name for p in (directory / "step10").iterdir()} >= {
-        "mp_rank_00_model_states.pt", "mp_rank_01_model_states.pt"}
+        "mp_rank_00_model_states.pt", "mp_rank_01_model_states.pt",
+        outer_files.file_name(0), outer_files.file_name(1)}  # each rank's outer shard, too
     assert staging.recorded(agent_dir) is None  # the writer removed it at close
 
 
@@ -333,7 +336,7 @@ def test_the_outer_state_is_read_as_weights_only(tmp_path: Path, agent_dir: Path
     saver = ck.Checkpointer(StandInEngine(), default_checkpoint(directory), sync=StandInSync(2))
     assert saver.save(6)
     saver.close()
-    outer = directory / "step6" / ck.OUTER_FILE
+    outer = directory / "step6" / outer_files.file_name(0)
     torch.save({"theta_global": torch.zeros(3), "round": 2, "extra": RunsCode(marker)}, outer)
     with pytest.raises(SyncError, match="holds more than tensors"):
         ck.Checkpointer(StandInEngine(), default_checkpoint(directory),

@@ -24,6 +24,7 @@ from helpers.sync_reference import (
     small_model,
 )
 
+from nebula_cli.runtime import outer_files
 from nebula_cli.runtime.shard import Shard
 from nebula_cli.runtime.sync import OuterSync
 
@@ -93,12 +94,15 @@ def test_gather_scatter_and_all_gather_of_uneven_shards_on_three_ranks(tmp_path:
 SYNC = r"""
 import json, sys
 import torch, torch.distributed as dist
-rank, store_path, tests, overlap, resume, lends = (int(sys.argv[1]), sys.argv[2], sys.argv[3],
-                                                   sys.argv[4] == "1", sys.argv[5],
-                                                   sys.argv[6] == "1")
+from pathlib import Path
+rank, store_path, tests, overlap, saved_in, lends = (int(sys.argv[1]), sys.argv[2], sys.argv[3],
+                                                     sys.argv[4] == "1", sys.argv[5],
+                                                     sys.argv[6] == "1")
 sys.path.insert(0, tests)
 from helpers.sync_reference import (CFG, LR, MU, LendingAverager, ScriptedAverager, plain_step,
                                     small_model)
+from nebula_cli.runtime import outer_files
+from nebula_cli.runtime.outer import SyncError
 from nebula_cli.runtime.sync import OuterSync
 dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank, world_size=3)
 model = small_model()
@@ -110,19 +114,30 @@ for step in range(1, 7):
     plain_step(model, opt, step)  # the same batch on every rank: the ranks stay identical
     sync.after_step(step)
 sync.flush()
-state = sync.state_dict(writer=rank != 1)
+folders = Path(saved_in)
+outer_files.write(folders / f"host{rank}", sync.saved_part())  # each rank on a host of its own
 flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
 out = {"params": flat.tolist(), "theta": sync.full_theta_global().tolist(),
-       "shard": [sync.shard.lo, sync.shard.hi], "state": None if state is None else {
-           "theta": state["theta_global"].tolist(),
-           "momentum": state["outer"]["momentum_buffer"].tolist(), "round": state["round"]},
+       "shard": [sync.shard.lo, sync.shard.hi],
        "published": [] if averager is None else [[r, t.tolist()] for r, t in averager.published],
        "in_lent": getattr(averager, "in_lent", None),
        "published_in_lent": getattr(averager, "published_in_lent", None)}
-saved = torch.load(resume, weights_only=True)  # a state saved by one rank holding it all
-sync.load_state_dict(saved)
-out["loaded"] = sync.theta_global.tolist()
-out["loaded_momentum"] = sync.outer.momentum_buffer.tolist()
+dist.barrier()
+
+def load(hosts, contributes=True):
+    parts = [p for h in hosts for p in outer_files.read(folders / h)]
+    try:
+        sync.load_saved(parts, contributes=contributes)
+    except SyncError as exc:
+        return str(exc)
+    return [sync.theta_global.tolist(), sync.outer.momentum_buffer.tolist(), sync.round]
+
+out["as_saved"] = load([f"host{rank}"])  # every shard where it was: nothing crosses
+out["swapped"] = load([f"host{(3 - rank) % 3}"])  # ranks 1 and 2 on each other's hosts
+out["shared"] = load([["host1", "host2"], ["host1", "host2"], ["host0"]][rank])  # (1 twice)
+out["missing"] = load([["host0"], ["host0"], ["host2"]][rank])  # rank 1's file nowhere
+out["one_rank"] = load(["one"])  # what one rank holding it all saved
+out["legacy"] = load(["legacy"])  # the single file of the version before
 sync.close()
 dist.destroy_process_group()
 print(json.dumps(out))
@@ -147,41 +162,48 @@ def _one_rank(overlap: bool) -> tuple[torch.Tensor, OuterSync, ScriptedAverager]
 def test_three_ranks_with_sharded_outer_state_end_as_one_rank_holding_it_all(
         tmp_path: Path, overlap: bool, lends: bool) -> None:
     """83 trainable values over 3 ranks (28, 28, 27: the first layer's weight split between
-    ranks 0 and 1): the parameters, theta_global, the state published for clusters that fall
-    behind and the checkpointed state (joined on the two writer ranks) are those of one rank
-    holding the whole outer state; and a state saved by one rank loads on three (each its
-    slice), as a sharded job's loads on one. ``lent``: rank 0's averager lends the memory it
-    sends from (the relay client's): every contribution and published state is joined there."""
+    ranks 0 and 1): the parameters, theta_global and the state published for clusters that fall
+    behind are those of one rank holding the whole outer state. Each rank saves only its shard;
+    they load back where they were, with ranks on each other's hosts, from a folder two hosts
+    share, from what one rank saved (and three ranks' files on one), and from the previous
+    version's single file; a shard no host holds fails the load on every rank. ``lent``: rank
+    0's averager lends the memory it sends from (the relay client's): every contribution and
+    published state is joined there."""
     params, ref, averager = _one_rank(overlap)
-    state = ref.state_dict()
-    resume = tmp_path / "outer.pt"
-    torch.save(state, resume)
-    said = run_ranks(SYNC, tmp_path / "store", TESTS, "1" if overlap else "0", str(resume),
+    saved = tmp_path / "saved"
+    outer_files.write(saved / "one", ref.saved_part())
+    buf = ref.outer.momentum_buffer
+    legacy = saved / "legacy"  # what the version before wrote: every vector whole, in one file
+    legacy.mkdir(parents=True)
+    torch.save({"mode": "diloco", "round": ref.round, "grad_round": 0,
+                "last_round_step": ref._last_round_step, "theta_global": ref.theta_global,
+                "anchor": ref._anchor, "param_names": list(ref.param_names),
+                "outer": {"lr": LR, "momentum": MU, "nesterov": True, "momentum_buffer": buf},
+                "cadence": ref.cadence.state_dict(), "step": 6},
+               legacy / outer_files.LEGACY_FILE)
+    said = run_ranks(SYNC, tmp_path / "store", TESTS, "1" if overlap else "0", str(saved),
                      "1" if lends else "0", ranks=3, timeout=180)
     if lends:  # (a contribution or state not joined there would show its NaN on every rank)
         assert said[0]["in_lent"] == [True] * len(averager.sent)
         assert said[0]["published_in_lent"] == [True] * 6
     assert [s["shard"] for s in said] == [[0, 28], [28, 56], [56, TRAINABLE]]
-    for rank, s in enumerate(said):
+    for s in said:
         assert s["params"] == params.tolist()
         assert s["theta"] == ref.theta_global.tolist()
-        if rank == 1:
-            assert s["state"] is None
-        else:
-            assert s["state"] == {"theta": state["theta_global"].tolist(),
-                                  "momentum": state["outer"]["momentum_buffer"].tolist(),
-                                  "round": state["round"]}
         lo, hi = s["shard"]
-        assert s["loaded"] == state["theta_global"][lo:hi].tolist()
-        assert s["loaded_momentum"] == state["outer"]["momentum_buffer"][lo:hi].tolist()
+        mine = [ref.theta_global[lo:hi].tolist(), buf[lo:hi].tolist(), ref.round]
+        for how in ("as_saved", "swapped", "shared", "one_rank", "legacy"):
+            assert s[how] == mine, how
+        assert "lacks values" in s["missing"]  # on every rank, none left waiting
+    assert "theta_global from value 28 on" in said[1]["missing"]  # the rank it was missing on
     assert said[0]["published"] == [[r, t.tolist()] for r, t in averager.published]
     assert len(averager.published) == 6
     one = OuterSync(small_model(), config=CFG, averager=ScriptedAverager(), inner_steps=1,
                     outer_lr=LR, outer_momentum=MU, mode="diloco")
-    joined = {"theta_global": torch.tensor(said[0]["state"]["theta"]),
-              **{k: v for k, v in state.items() if k != "theta_global"}}
-    one.load_state_dict(joined)  # what three ranks saved, on one
-    assert torch.equal(one.theta_global, state["theta_global"])
+    one.load_saved([p for r in range(3) for p in outer_files.read(saved / f"host{r}")],
+                   contributes=True)  # what three ranks saved, on one
+    assert torch.equal(one.theta_global, ref.theta_global)
+    assert torch.equal(one.outer.momentum_buffer, buf) and one.round == ref.round
     one.close()
     ref.close()
 
@@ -190,9 +212,12 @@ FEW = r"""
 import json, sys
 import torch, torch.distributed as dist
 rank, store_path, tests, overlap = int(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4] == "1"
+saved_in = sys.argv[5]
 sys.path.insert(0, tests)
+from pathlib import Path
 from helpers.sync_reference import (CFG, LR, MU, LendingAverager, few_trainable_model,
                                     plain_step)
+from nebula_cli.runtime import outer_files
 from nebula_cli.runtime.sync import OuterSync
 dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank, world_size=4)
 model = few_trainable_model()
@@ -204,10 +229,9 @@ for step in range(1, 6):
     plain_step(model, opt, step)
     sync.after_step(step)
 sync.flush()
-state = sync.state_dict(writer=rank == 3)  # the rank with nothing of its own writes
+outer_files.write(Path(saved_in), sync.saved_part())  # the empty shard's file too
 out = {"params": torch.cat([p.detach().reshape(-1) for p in model.parameters()]).tolist(),
        "shard": [sync.shard.lo, sync.shard.hi], "theta": sync.full_theta_global().tolist(),
-       "state": None if state is None else state["theta_global"].tolist(),
        "published": [] if averager is None else [[r, t.tolist()] for r, t in averager.published]}
 sync.close()
 dist.destroy_process_group()
@@ -231,12 +255,20 @@ def test_a_handful_of_trainable_values_on_four_ranks_one_of_them_owning_none(
         ref.after_step(step)
     ref.flush()
     params = torch.cat([p.detach().reshape(-1) for p in model.parameters()]).tolist()
-    said = run_ranks(FEW, tmp_path / "store", TESTS, "1" if overlap else "0", ranks=4,
-                     timeout=180)
+    saved = tmp_path / "saved"
+    said = run_ranks(FEW, tmp_path / "store", TESTS, "1" if overlap else "0", str(saved),
+                     ranks=4, timeout=180)
     assert [s["shard"] for s in said] == [[0, 1], [1, 2], [2, 3], [3, 3]]
     for s in said:
         assert s["params"] == params and s["theta"] == ref.theta_global.tolist()
-    assert [s["state"] for s in said] == [None, None, None, ref.theta_global.tolist()]
+    parts = outer_files.read(saved)
+    assert [(p["lo"], p["hi"], p["theta_global"].numel()) for p in parts] == [
+        (0, 1, 1), (1, 2, 1), (2, 3, 1), (3, 3, 0)]
+    one = OuterSync(few_trainable_model(), config=CFG, averager=ScriptedAverager(),
+                    inner_steps=1, outer_lr=LR, outer_momentum=MU, mode="diloco")
+    one.load_saved(parts, contributes=True)  # the four ranks' checkpoint on one
+    assert torch.equal(one.theta_global, ref.theta_global)
+    one.close()
     assert said[0]["published"] == [[r, t.tolist()] for r, t in averager.published]
     assert len(averager.published) >= 4
     ref.close()

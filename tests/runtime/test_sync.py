@@ -153,7 +153,7 @@ def test_plain_overlap_applies_each_delayed_average_exactly_once() -> None:
     assert averager.rounds == [0, 1, 2]
     assert [s["applied"] for s in stats] == [False, True, True, True]
     assert [s["outer_round"] for s in stats] == [0, 0, 1, 2]
-    state = sync.state_dict()
+    state = sync.saved_part()
     assert state["round"] == 3 and torch.equal(state["theta_global"], sync.theta_global)
     sync.close()
 
@@ -349,15 +349,16 @@ def test_state_dict_round_trip_and_mismatch() -> None:
                      overlap=False)
     plain_step(model, opt, 1)
     sync.after_step(1)
-    state = sync.state_dict()
+    state = [{"format": 2, **sync.saved_part()}]
     other = OuterSync(small_model(), config=CFG, averager=TwoClusterAverager(), inner_steps=1,
                       mode="diloco", overlap=False)
-    other.load_state_dict(state)
+    other.load_saved(state, contributes=True)
     assert other.round == 1 and torch.equal(other.theta_global, sync.theta_global)
     assert torch.equal(other.outer.momentum_buffer, sync.outer.momentum_buffer)
+    assert other.theta_global.data_ptr() != sync.theta_global.data_ptr()  # its own memory
     with pytest.raises(SyncError, match="different set"):
         OuterSync(small_model(freeze_first=True), config=CFG, averager=TwoClusterAverager(),
-                  mode="diloco").load_state_dict(state)
+                  mode="diloco").load_saved(state, contributes=True)
 
 
 def test_a_gradient_mode_state_round_trips() -> None:
@@ -368,7 +369,7 @@ def test_a_gradient_mode_state_round_trips() -> None:
     model(torch.ones(2, 6)).sum().backward()
     sync.after_backward()
     opt.step()
-    state = sync.state_dict()
+    state = [{"format": 2, **sync.saved_part()}]
     other = OuterSync(small_model(), config=CFG, averager=TwoClusterAverager(), mode="gradient")
-    other.load_state_dict(state)
+    other.load_saved(state, contributes=True)
     assert other.grad_round == sync.grad_round == 1 and other.theta_global.numel() == 0

@@ -1,0 +1,218 @@
+"""The outer state on disk: one file per rank holding its own shard, read back at any rank count.
+
+Each rank of a cluster writes its part of the outer state into its host's checkpoint tag,
+``nebula_outer.rank<r>.pt``: its shard of theta_global, of the outer momentum and of overlap's
+anchor (``VECTORS``, as they lie: written before training goes on, so no copy), with its shard's
+bounds and the values every rank holds alike (the round, the cadence, the parameter names).
+No rank gathers the vector to save it: the single file before (``LEGACY_FILE``, format 1) was
+joined whole on the first rank of every host, two or three copies of the model there at every
+save.
+
+Loading (:func:`assemble`, every rank of the cluster at once): each rank maps the files of its
+host's tag (``torch.load(mmap=True)``: pages of the file, not copies) and takes its new shard
+from them. Where the ranks are where they were (the common case) every shard lies on its own
+host and nothing crosses; otherwise (another rank count, another order of hosts) the first
+rank of each host contributes the pieces its host holds to one sum per rank and vector,
+reduced onto the rank that owns that shard now, with a count beside it (a folder two hosts
+share is counted twice and divided back): a shard's memory at a time. A value no file holds
+fails the load on every rank, naming the range. A checkpoint of format 1 loads as before (every
+rank takes its shard of the whole vector); a format newer than :data:`FORMAT` is refused,
+naming it.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from nebula_cli.runtime.outer import SyncError
+from nebula_cli.runtime.settle import keep
+from nebula_cli.runtime.shard import ShardMoves
+
+FORMAT = 2
+"""This version's format: one file per rank (1: one file with the whole vectors)."""
+LEGACY_FILE = "nebula_outer.pt"
+"""Format 1's single file (nebula before the sharded checkpoint; still read)."""
+PREFIX, SUFFIX = "nebula_outer.rank", ".pt"
+VECTORS = ("theta_global", "anchor", "momentum_buffer")
+"""The per-element parts of the outer state: a shard of each in every rank's file."""
+
+
+def file_name(rank: int) -> str:
+    return f"{PREFIX}{rank}{SUFFIX}"
+
+
+def write(folder: Path, part: dict[str, Any]) -> Path:
+    """Write one rank's ``part`` (its ``rank`` names the file) into ``folder`` (0600)."""
+    folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+    path = folder / file_name(int(part["rank"]))
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
+    with open(fd, "wb") as fh:
+        torch.save({"format": FORMAT, **{k: _alone(v) for k, v in part.items()}}, fh)
+    return path
+
+
+def _alone(value: Any) -> Any:
+    """A tensor that is a view into more memory, copied (torch.save writes a view's whole
+    storage); anything else as it is."""
+    if isinstance(value, torch.Tensor) and (
+            value.storage_offset() or not value.is_contiguous()
+            or value.untyped_storage().nbytes() != value.numel() * value.element_size()):
+        return value.clone()
+    return value
+
+
+def names(tag: Path) -> list[str]:
+    """The outer state's files in a checkpoint tag (any format)."""
+    try:
+        return sorted(p.name for p in tag.iterdir()
+                      if p.name == LEGACY_FILE or (p.name.startswith(PREFIX)
+                                                   and p.name.endswith(SUFFIX)))
+    except OSError:
+        return []
+
+
+def read(tag: Path) -> list[dict[str, Any]]:
+    """The outer state's files of a checkpoint tag, mapped (tensors and plain values only:
+    ``weights_only``); [] when it has none. SyncError for a file that holds more, or whose
+    format is newer than this version reads."""
+    parts = []
+    for name in names(tag):
+        path = tag / name
+        try:
+            part = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        except pickle.UnpicklingError as exc:
+            raise SyncError(f"the outer state {path} holds more than tensors and plain values "
+                            f"(nebula writes nothing else): not loaded ({exc})") from exc
+        if not isinstance(part, dict):
+            raise SyncError(f"the outer state {path} is not one nebula wrote")
+        fmt = int(part.get("format", 1))
+        if fmt > FORMAT:
+            raise SyncError(f"the outer state {path} has format {fmt}, written by a newer "
+                            f"nebula (this one reads formats 1 to {FORMAT}): upgrade nebula "
+                            "on this host, or start without this checkpoint")
+        parts.append({**part, "format": fmt})
+    return parts
+
+
+def assemble(parts: list[dict[str, Any]], moves: ShardMoves, *, contributes: bool,
+             sharded: bool = True) -> tuple[dict[str, Any], dict[str, torch.Tensor | None]]:
+    """This rank's outer state from the files of its host (``parts``): the values every rank
+    holds alike, and its shard of each of :data:`VECTORS` (None where the saved state had none,
+    or every one when not ``sharded``: gradient mode keeps no vectors), in memory of its own.
+    A collective: every rank of ``moves``' group calls it; ``contributes``: this rank puts its
+    host's pieces in when they must cross (one rank per host). SyncError on every rank when the
+    files disagree or leave a value out."""
+    shard = moves.shard
+    fmts = {int(p["format"]) for p in parts}
+    fmt = fmts.pop() if len(fmts) == 1 and (len(parts) == 1 or 1 not in fmts) else -1
+    if fmt == 1:
+        parts = [_as_shard(parts[0], shard.numel, sharded)]
+    present = [sharded and any(p.get(v) is not None for p in parts) for v in VECTORS]
+    covered = _covers(parts, shard.lo, shard.hi)
+    # one all-reduce: the same format everywhere, every rank's shard at hand, which vectors
+    agreed = _min(moves, [fmt, -fmt, int(covered), *(-int(p) for p in present)])
+    if agreed[0] < 1 or agreed[0] != -agreed[1]:
+        raise SyncError("the cluster's hosts hold the outer state of this checkpoint in "
+                        "different formats, or some hold none: a checkpoint of another job "
+                        "or version in the checkpoint directory of one host")
+    numel = int(parts[0]["numel"])
+    if sharded and numel != shard.numel:
+        raise SyncError(f"outer sync state has {numel} values, expected {shard.numel}")
+    scalars = {k: v for k, v in parts[0].items() if k not in VECTORS}
+    vectors: dict[str, torch.Tensor | None] = {}
+    missing: list[str] = []
+    for name, there in zip(VECTORS, agreed[3:], strict=True):
+        if not there:
+            vectors[name] = None
+        elif agreed[2]:  # every rank's shard lies on its own host
+            vectors[name] = _local(parts, name, shard.lo, shard.hi)
+        else:
+            vectors[name] = _crossed(parts, name, moves, contributes, missing)
+    if _min(moves, [int(not missing)])[0] == 0:
+        raise SyncError("the checkpoint's outer state lacks values of the synced vector ("
+                        f"{'; '.join(missing) or 'on another rank'}): a host's checkpoint "
+                        "folder is missing or holds another checkpoint")
+    return scalars, vectors
+
+
+def _as_shard(whole: dict[str, Any], numel: int, sharded: bool) -> dict[str, Any]:
+    """A format-1 state (whole vectors; the momentum inside ``outer``) as one piece covering
+    the vector."""
+    outer = dict(whole.get("outer") or {})
+    vectors = {"theta_global": whole.get("theta_global"), "anchor": whole.get("anchor"),
+               "momentum_buffer": outer.pop("momentum_buffer", None)}
+    for name, t in vectors.items():
+        if sharded and t is not None and t.numel() != numel:
+            raise SyncError(f"outer sync state has a vector {name} of {t.numel()} values, "
+                            f"expected {numel}")
+    return {**whole, **vectors, "outer": outer, "lo": 0, "hi": numel, "numel": numel}
+
+
+def _covers(parts: list[dict[str, Any]], lo: int, hi: int) -> bool:
+    """Whether the pieces of ``parts`` cover [lo, hi)."""
+    at = lo
+    for a, b in sorted((int(p["lo"]), int(p["hi"])) for p in parts):
+        if a > at:
+            break
+        at = max(at, b)
+    return at >= hi
+
+
+def _local(parts: list[dict[str, Any]], name: str, lo: int, hi: int) -> torch.Tensor:
+    """[lo, hi) of vector ``name`` copied out of the pieces that hold it."""
+    out = torch.zeros(hi - lo, dtype=torch.float32)
+    for p in parts:
+        a, b = max(lo, int(p["lo"])), min(hi, int(p["hi"]))
+        if a < b and p.get(name) is not None:
+            out.narrow(0, a - lo, b - a).copy_(p[name].narrow(0, a - int(p["lo"]), b - a))
+    return out
+
+
+def _crossed(parts: list[dict[str, Any]], name: str, moves: ShardMoves, contributes: bool,
+             missing: list[str]) -> torch.Tensor:
+    """This rank's shard of vector ``name``, summed from the pieces every host's contributing
+    rank holds (one reduce per rank, onto it), divided by how many held each value."""
+    shard, mine = moves.shard, None
+    for r in range(shard.world):
+        lo, hi = shard.bounds(r)
+        if lo >= hi:
+            if r == shard.rank:
+                mine = torch.empty(0, dtype=torch.float32)
+            continue
+        total = torch.zeros(hi - lo, dtype=torch.float32)
+        count = torch.zeros(hi - lo, dtype=torch.float32)
+        if contributes:
+            for p in parts:
+                a, b = max(lo, int(p["lo"])), min(hi, int(p["hi"]))
+                if a < b and p.get(name) is not None:
+                    total.narrow(0, a - lo, b - a).add_(p[name].narrow(0, a - int(p["lo"]),
+                                                                        b - a))
+                    count.narrow(0, a - lo, b - a).add_(1.0)
+        if shard.world > 1:
+            dst = moves._global(r)
+            dist.reduce(keep(total), dst, group=moves.group)
+            dist.reduce(keep(count), dst, group=moves.group)
+        if r == shard.rank:
+            held = count > 0
+            if not bool(held.all()):
+                first = int((~held).nonzero()[0])
+                missing.append(f"{name} from value {lo + first} on")
+            mine = total.div_(count.clamp_(min=1.0))
+        del total, count
+    assert mine is not None
+    return mine
+
+
+def _min(moves: ShardMoves, values: list[int]) -> list[int]:
+    """Each value's minimum over the cluster's ranks (one small all-reduce)."""
+    t = torch.tensor(values, dtype=torch.int64)
+    if moves.shard.world > 1:
+        dist.all_reduce(keep(t), op=dist.ReduceOp.MIN, group=moves.group)
+    return [int(v) for v in t.tolist()]
+

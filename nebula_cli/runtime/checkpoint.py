@@ -251,7 +251,7 @@ class Checkpointer:
         self.shm_root: Path | None = None  # the writer's staging directory in /dev/shm
         self.last_step: int | None = None  # the newest step saved (or loaded) by this process
         self.resumed_from: int | None = None
-        self.outer_state: list[dict[str, Any]] | None = None
+        self.outer_state: outer_files.Saved | None = None
         """The outer state's files loaded (mapped), not yet given to the OuterSync."""
         self.errors = 0
         self.stall_s: float | None = None
@@ -439,8 +439,8 @@ class Checkpointer:
         if sync is not None:
             self.sync = sync
         if self.sync is not None and self.outer_state is not None:
-            parts, self.outer_state = self.outer_state, None
-            self.sync.load_saved(parts, contributes=self.writer)
+            saved, self.outer_state = self.outer_state, None
+            self.sync.load_saved(saved, contributes=self.writer)
 
     def _clear_leftovers(self) -> None:
         """What a crash left: half-published tags, staging copies (also in /dev/shm)."""

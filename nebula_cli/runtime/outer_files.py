@@ -12,18 +12,21 @@ Loading (:func:`assemble`, every rank of the cluster at once): each rank maps th
 host's tag (``torch.load(mmap=True)``: pages of the file, not copies) and takes its new shard
 from them. Where the ranks are where they were (the common case) every shard lies on its own
 host and nothing crosses; otherwise (another rank count, another order of hosts) the first
-rank of each host contributes the pieces its host holds to one sum per rank and vector,
-reduced onto the rank that owns that shard now, with a count beside it (a folder two hosts
-share is counted twice and divided back): a shard's memory at a time. A value no file holds
-fails the load on every rank, naming the range. A checkpoint of format 1 loads as before (every
-rank takes its shard of the whole vector); a format newer than :data:`FORMAT` is refused,
-naming it.
+rank of each host puts in the pieces its host holds, one max-reduce per rank and vector onto
+the rank that owns that shard now (over -inf where a host holds nothing, so a piece two hosts
+hold, a folder they share, comes back exact), with a count of who held each value beside it:
+a shard's memory at a time. Whatever one host finds wrong (a value no file holds, files of
+another job or version, another set of parameters) fails the load on every rank, that host
+naming it: one all-reduce agrees first, so no rank is left waiting in a collective. A
+checkpoint of format 1 loads as before (every rank takes its shard of the whole vector); a
+format newer than :data:`FORMAT` is refused, naming it.
 """
 
 from __future__ import annotations
 
 import os
 import pickle
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -77,60 +80,94 @@ def names(tag: Path) -> list[str]:
         return []
 
 
-def read(tag: Path) -> list[dict[str, Any]]:
+@dataclass(frozen=True)
+class Saved:
+    """The outer state's files of one host's checkpoint tag, as read (or why they could not
+    be: said on every rank once the cluster agrees, never raised on one host alone, which
+    would leave the others waiting in a collective)."""
+
+    parts: list[dict[str, Any]] = field(default_factory=list)
+    problem: str | None = None
+
+
+def read(tag: Path) -> Saved:
     """The outer state's files of a checkpoint tag, mapped (tensors and plain values only:
-    ``weights_only``); [] when it has none. SyncError for a file that holds more, or whose
-    format is newer than this version reads."""
+    ``weights_only``); none when it has none. A file that holds more, cannot be read, or whose
+    format is newer than this version reads is the result's ``problem``."""
     parts = []
     for name in names(tag):
         path = tag / name
         try:
             part = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
         except pickle.UnpicklingError as exc:
-            raise SyncError(f"the outer state {path} holds more than tensors and plain values "
-                            f"(nebula writes nothing else): not loaded ({exc})") from exc
+            return Saved(problem=f"the outer state {path} holds more than tensors and plain "
+                                 f"values (nebula writes nothing else): not loaded ({exc})")
+        except (OSError, RuntimeError, EOFError) as exc:  # (a cut or corrupt file)
+            return Saved(problem=f"the outer state {path} cannot be read: {exc}")
         if not isinstance(part, dict):
-            raise SyncError(f"the outer state {path} is not one nebula wrote")
+            return Saved(problem=f"the outer state {path} is not one nebula wrote")
         fmt = int(part.get("format", 1))
         if fmt > FORMAT:
-            raise SyncError(f"the outer state {path} has format {fmt}, written by a newer "
-                            f"nebula (this one reads formats 1 to {FORMAT}): upgrade nebula "
-                            "on this host, or start without this checkpoint")
+            return Saved(problem=f"the outer state {path} has format {fmt}, written by a "
+                                 f"newer nebula (this one reads formats 1 to {FORMAT}): "
+                                 "upgrade nebula on this host, or start without this "
+                                 "checkpoint")
         parts.append({**part, "format": fmt})
-    return parts
+    return Saved(parts)
 
 
-def assemble(parts: list[dict[str, Any]], moves: ShardMoves, *, contributes: bool,
-             sharded: bool = True) -> tuple[dict[str, Any], dict[str, torch.Tensor | None]]:
-    """This rank's outer state from the files of its host (``parts``): the values every rank
+def assemble(saved: Saved, moves: ShardMoves, *, contributes: bool, sharded: bool = True,
+             param_names: list[str] | None = None
+             ) -> tuple[dict[str, Any], dict[str, torch.Tensor | None]] | None:
+    """This rank's outer state from the files of its host (``saved``): the values every rank
     holds alike, and its shard of each of :data:`VECTORS` (None where the saved state had none,
-    or every one when not ``sharded``: gradient mode keeps no vectors), in memory of its own.
-    A collective: every rank of ``moves``' group calls it; ``contributes``: this rank puts its
-    host's pieces in when they must cross (one rank per host). SyncError on every rank when the
-    files disagree or leave a value out."""
+    or every one when not ``sharded``: gradient mode keeps no vectors), in memory of its own;
+    None when no host has any file (a checkpoint without an outer state). A collective: every
+    rank of ``moves``' group calls it; ``contributes``: this rank puts its host's pieces in
+    when they must cross (one rank per host). What one host finds wrong (its files, another
+    job's, a different set of parameters) fails the load on every rank, that host naming it."""
     shard = moves.shard
+    parts, problem = list(saved.parts), saved.problem
     fmts = {int(p["format"]) for p in parts}
     fmt = fmts.pop() if len(fmts) == 1 and (len(parts) == 1 or 1 not in fmts) else -1
-    if fmt == 1:
-        parts = [_as_shard(parts[0], shard.numel, sharded)]
-    present = [sharded and any(p.get(v) is not None for p in parts) for v in VECTORS]
-    covered = _covers(parts, shard.lo, shard.hi)
-    # one all-reduce: the same format everywhere, every rank's shard at hand, which vectors
-    agreed = _min(moves, [fmt, -fmt, int(covered), *(-int(p) for p in present)])
-    if agreed[0] < 1 or agreed[0] != -agreed[1]:
-        raise SyncError("the cluster's hosts hold the outer state of this checkpoint in "
-                        "different formats, or some hold none: a checkpoint of another job "
-                        "or version in the checkpoint directory of one host")
-    numel = int(parts[0]["numel"])
-    if sharded and numel != shard.numel:
-        raise SyncError(f"outer sync state has {numel} values, expected {shard.numel}")
+    if problem is None and parts:
+        problem = _problem(parts, fmt, shard.numel, sharded, param_names)
+        if problem is None and fmt == 1:
+            parts = [_as_shard(parts[0], shard.numel)]
+    ok = problem is None and bool(parts)
+    present = [ok and sharded and any(p.get(v) is not None for p in parts) for v in VECTORS]
+    covered = ok and _covers(parts, shard.lo, shard.hi)
+    # one all-reduce: each rank fit, files on every host or on none, one format everywhere,
+    # every rank's shard at hand, which vectors the saved state has
+    agreed = _min(moves, [int(problem is None), int(bool(parts)), -int(bool(parts)),
+                          fmt if ok else FORMAT + 1, -fmt if ok else 0, int(covered),
+                          *(-int(p) for p in present)])
+    fit, everywhere, nowhere = agreed[0], agreed[1], agreed[2] == 0
+    if fit and nowhere:
+        return None
+    if not fit:
+        raise SyncError(problem or "another host of the cluster could not load its outer "
+                        "state of this checkpoint (its log says why)")
+    if not everywhere:
+        raise SyncError(
+            "the cluster's other hosts hold no outer state in this checkpoint where this one "
+            "does" if parts else "this host's checkpoint has no outer state where the "
+            "cluster's other hosts have one: a checkpoint of another job or version in this "
+            "host's checkpoint directory")
+    if agreed[3] != -agreed[4]:
+        raise SyncError("the cluster's hosts hold this checkpoint's outer state in different "
+                        f"formats (this one: {fmt}): a checkpoint of another version in one "
+                        "host's checkpoint directory")
+    if sharded and not -agreed[6]:
+        raise SyncError("the checkpoint's outer state holds no theta_global (saved in "
+                        "gradient mode?): start without it, or in the mode that saved it")
     scalars = {k: v for k, v in parts[0].items() if k not in VECTORS}
     vectors: dict[str, torch.Tensor | None] = {}
     missing: list[str] = []
-    for name, there in zip(VECTORS, agreed[3:], strict=True):
+    for name, there in zip(VECTORS, agreed[6:], strict=True):
         if not there:
             vectors[name] = None
-        elif agreed[2]:  # every rank's shard lies on its own host
+        elif agreed[5]:  # every rank's shard lies on its own host
             vectors[name] = _local(parts, name, shard.lo, shard.hi)
         else:
             vectors[name] = _crossed(parts, name, moves, contributes, missing)
@@ -141,16 +178,34 @@ def assemble(parts: list[dict[str, Any]], moves: ShardMoves, *, contributes: boo
     return scalars, vectors
 
 
-def _as_shard(whole: dict[str, Any], numel: int, sharded: bool) -> dict[str, Any]:
+def _problem(parts: list[dict[str, Any]], fmt: int, numel: int, sharded: bool,
+             param_names: list[str] | None) -> str | None:
+    """What is wrong with one host's files for this rank (None: nothing)."""
+    if fmt < 1:
+        return ("this host's checkpoint holds outer state files of different formats: files "
+                "of another job or version in its checkpoint directory")
+    names = parts[0].get("param_names")
+    if param_names is not None and names is not None and list(names) != list(param_names):
+        return "outer sync state was saved for a different set of trainable parameters"
+    saved = int(parts[0].get("numel", numel)) if fmt > 1 else numel
+    if sharded and saved != numel:
+        return f"outer sync state has {saved} values, expected {numel}"
+    if fmt == 1:
+        outer = parts[0].get("outer") or {}
+        for name in VECTORS:
+            t = outer.get(name) if name == "momentum_buffer" else parts[0].get(name)
+            if sharded and isinstance(t, torch.Tensor) and t.numel() != numel:
+                return (f"outer sync state has a vector {name} of {t.numel()} values, "
+                        f"expected {numel}")
+    return None
+
+
+def _as_shard(whole: dict[str, Any], numel: int) -> dict[str, Any]:
     """A format-1 state (whole vectors; the momentum inside ``outer``) as one piece covering
     the vector."""
     outer = dict(whole.get("outer") or {})
     vectors = {"theta_global": whole.get("theta_global"), "anchor": whole.get("anchor"),
                "momentum_buffer": outer.pop("momentum_buffer", None)}
-    for name, t in vectors.items():
-        if sharded and t is not None and t.numel() != numel:
-            raise SyncError(f"outer sync state has a vector {name} of {t.numel()} values, "
-                            f"expected {numel}")
     return {**whole, **vectors, "outer": outer, "lo": 0, "hi": numel, "numel": numel}
 
 
@@ -176,8 +231,9 @@ def _local(parts: list[dict[str, Any]], name: str, lo: int, hi: int) -> torch.Te
 
 def _crossed(parts: list[dict[str, Any]], name: str, moves: ShardMoves, contributes: bool,
              missing: list[str]) -> torch.Tensor:
-    """This rank's shard of vector ``name``, summed from the pieces every host's contributing
-    rank holds (one reduce per rank, onto it), divided by how many held each value."""
+    """This rank's shard of vector ``name`` from the pieces every host's contributing rank
+    holds: one max-reduce per rank, onto it, over -inf where a host holds nothing (a piece two
+    hosts hold, a shared folder, comes back exact), and a sum of who held each value."""
     shard, mine = moves.shard, None
     for r in range(shard.world):
         lo, hi = shard.bounds(r)
@@ -185,26 +241,26 @@ def _crossed(parts: list[dict[str, Any]], name: str, moves: ShardMoves, contribu
             if r == shard.rank:
                 mine = torch.empty(0, dtype=torch.float32)
             continue
-        total = torch.zeros(hi - lo, dtype=torch.float32)
-        count = torch.zeros(hi - lo, dtype=torch.float32)
+        values = torch.full((hi - lo,), float("-inf"), dtype=torch.float32)
+        count = torch.zeros(hi - lo, dtype=torch.int32)
         if contributes:
             for p in parts:
                 a, b = max(lo, int(p["lo"])), min(hi, int(p["hi"]))
                 if a < b and p.get(name) is not None:
-                    total.narrow(0, a - lo, b - a).add_(p[name].narrow(0, a - int(p["lo"]),
-                                                                        b - a))
-                    count.narrow(0, a - lo, b - a).add_(1.0)
+                    place = values.narrow(0, a - lo, b - a)
+                    torch.maximum(place, p[name].narrow(0, a - int(p["lo"]), b - a), out=place)
+                    count.narrow(0, a - lo, b - a).add_(1)
         if shard.world > 1:
             dst = moves._global(r)
-            dist.reduce(keep(total), dst, group=moves.group)
+            dist.reduce(keep(values), dst, op=dist.ReduceOp.MAX, group=moves.group)
             dist.reduce(keep(count), dst, group=moves.group)
         if r == shard.rank:
             held = count > 0
             if not bool(held.all()):
                 first = int((~held).nonzero()[0])
                 missing.append(f"{name} from value {lo + first} on")
-            mine = total.div_(count.clamp_(min=1.0))
-        del total, count
+            mine = values
+        del values, count
     assert mine is not None
     return mine
 

@@ -334,8 +334,10 @@ class OuterSync:
         and what every rank holds alike. Not a collective."""
         buf = self.outer.momentum_buffer
         return {
-            "rank": self.shard.rank, "world": self.shard.world, "numel": self.numel,
-            "lo": self.shard.lo, "hi": self.shard.hi,
+            # (gradient mode holds no vector: every rank an empty piece, named by its rank)
+            "rank": self.rank, "world": self.world_size, "numel": self.numel,
+            "lo": self.shard.lo if self.mode == "diloco" else 0,
+            "hi": self.shard.hi if self.mode == "diloco" else 0,
             "mode": self.mode,
             "round": self.round,
             "grad_round": self.grad_round,
@@ -348,18 +350,17 @@ class OuterSync:
             "cadence": self.cadence.state_dict(),
         }
 
-    def load_saved(self, parts: list[dict[str, Any]], *, contributes: bool) -> None:
-        """Restore the outer state from a checkpoint's files on this host (``parts``, read by
+    def load_saved(self, saved: outer_files.Saved, *, contributes: bool) -> None:
+        """Restore the outer state from a checkpoint's files on this host (``saved``, read by
         ``outer_files.read``): each rank's shard files assembled into this rank's shard
-        whatever the rank count that wrote them, or one whole state (format 1). A collective:
-        every rank calls it; ``contributes``: one rank per host (its first)."""
-        if parts and parts[0].get("param_names", self.param_names) != self.param_names:
-            raise SyncError(  # (the same files on every rank: raised on every rank)
-                "outer sync state was saved for a different set of trainable parameters")
-        scalars, vectors = outer_files.assemble(parts, self._cluster.moves,
-                                                contributes=contributes,
-                                                sharded=self.mode == "diloco")
-        self._restore(scalars, vectors)
+        whatever the rank count that wrote them, or one whole state (format 1); nothing when
+        the checkpoint has none. A collective: every rank calls it; ``contributes``: one rank
+        per host (its first)."""
+        got = outer_files.assemble(saved, self._cluster.moves, contributes=contributes,
+                                   sharded=self.mode == "diloco",
+                                   param_names=list(self.param_names))
+        if got is not None:
+            self._restore(*got)
 
     def full_theta_global(self) -> torch.Tensor:
         """theta_global whole, on every rank (a collective on a cluster of several ranks)."""

@@ -63,7 +63,9 @@ class StandInSync:
         return {"rank": self.rank, "world": self.world, "numel": 3 * self.world, "lo": lo,
                 "hi": lo + self.theta.numel(), "theta_global": self.theta, "round": self.round}
 
-    def load_saved(self, parts: list[dict[str, Any]], *, contributes: bool) -> None:
+    def load_saved(self, saved: outer_files.Saved, *, contributes: bool) -> None:
         moves = ShardMoves(Shard(self.theta.numel() * self.world, self.rank, self.world), None)
-        scalars, vectors = outer_files.assemble(parts, moves, contributes=contributes)
-        self.theta, self.round = vectors["theta_global"], scalars["round"]
+        got = outer_files.assemble(saved, moves, contributes=contributes)
+        if got is not None:
+            scalars, vectors = got
+            self.theta, self.round = vectors["theta_global"], scalars["round"]

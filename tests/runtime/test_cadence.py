@@ -316,7 +316,7 @@ def test_auto_outer_sync_trains_the_h_each_result_says() -> None:
     assert [i["weight"] for i in averager.infos] == [3.0, 4.0, 2.0, 2.0, 2.0]  # steps x 1
     assert all(i["step_s"] > 0 for i in averager.infos)
     assert "comm_s" not in averager.infos[0] and averager.infos[1]["comm_s"] >= 0
-    assert sync.state_dict()["cadence"] == {"inner_steps": 2, "merge_steps": 1}
+    assert sync.saved_part()["cadence"] == {"inner_steps": 2, "merge_steps": 1}
     sync.close()
 
 
@@ -391,7 +391,7 @@ def test_overlap_merges_at_the_step_the_last_result_agreed(delay: float) -> None
         if out and "merged_after_steps" in out:
             merged[out["outer_round"]] = out["merged_after_steps"]
     assert [merged[r] for r in range(4)] == [1, 3, 1, 1]
-    assert sync.state_dict()["cadence"]["merge_steps"] == 1  # resumed with it
+    assert sync.saved_part()["cadence"]["merge_steps"] == 1  # resumed with it
     assert "arrive_s" not in averager.infos[0]
     assert all(i["arrive_s"] >= delay for i in averager.infos[1:])
     sync.close()

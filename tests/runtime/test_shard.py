@@ -125,9 +125,9 @@ out = {"params": flat.tolist(), "theta": sync.full_theta_global().tolist(),
 dist.barrier()
 
 def load(hosts, contributes=True):
-    parts = [p for h in hosts for p in outer_files.read(folders / h)]
+    parts = [p for h in hosts for p in outer_files.read(folders / h).parts]
     try:
-        sync.load_saved(parts, contributes=contributes)
+        sync.load_saved(outer_files.Saved(parts), contributes=contributes)
     except SyncError as exc:
         return str(exc)
     return [sync.theta_global.tolist(), sync.outer.momentum_buffer.tolist(), sync.round]
@@ -200,7 +200,8 @@ def test_three_ranks_with_sharded_outer_state_end_as_one_rank_holding_it_all(
     assert len(averager.published) == 6
     one = OuterSync(small_model(), config=CFG, averager=ScriptedAverager(), inner_steps=1,
                     outer_lr=LR, outer_momentum=MU, mode="diloco")
-    one.load_saved([p for r in range(3) for p in outer_files.read(saved / f"host{r}")],
+    one.load_saved(outer_files.Saved([p for r in range(3)
+                                      for p in outer_files.read(saved / f"host{r}").parts]),
                    contributes=True)  # what three ranks saved, on one
     assert torch.equal(one.theta_global, ref.theta_global)
     assert torch.equal(one.outer.momentum_buffer, buf) and one.round == ref.round
@@ -262,7 +263,7 @@ def test_a_handful_of_trainable_values_on_four_ranks_one_of_them_owning_none(
     for s in said:
         assert s["params"] == params and s["theta"] == ref.theta_global.tolist()
     parts = outer_files.read(saved)
-    assert [(p["lo"], p["hi"], p["theta_global"].numel()) for p in parts] == [
+    assert [(p["lo"], p["hi"], p["theta_global"].numel()) for p in parts.parts] == [
         (0, 1, 1), (1, 2, 1), (2, 3, 1), (3, 3, 0)]
     one = OuterSync(few_trainable_model(), config=CFG, averager=ScriptedAverager(),
                     inner_steps=1, outer_lr=LR, outer_momentum=MU, mode="diloco")

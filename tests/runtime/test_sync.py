@@ -30,6 +30,7 @@ from helpers.sync_reference import (
 )
 
 from nebula_cli.config import strict
+from nebula_cli.runtime.outer_files import Saved
 from nebula_cli.runtime.sync import OuterOptimizer, OuterSync, SyncError
 
 # --- OuterOptimizer on plain tensors --------------------------------------------------------
@@ -349,7 +350,7 @@ def test_state_dict_round_trip_and_mismatch() -> None:
                      overlap=False)
     plain_step(model, opt, 1)
     sync.after_step(1)
-    state = [{"format": 2, **sync.saved_part()}]
+    state = Saved([{"format": 2, **sync.saved_part()}])
     other = OuterSync(small_model(), config=CFG, averager=TwoClusterAverager(), inner_steps=1,
                       mode="diloco", overlap=False)
     other.load_saved(state, contributes=True)
@@ -369,7 +370,7 @@ def test_a_gradient_mode_state_round_trips() -> None:
     model(torch.ones(2, 6)).sum().backward()
     sync.after_backward()
     opt.step()
-    state = [{"format": 2, **sync.saved_part()}]
+    state = Saved([{"format": 2, **sync.saved_part()}])
     other = OuterSync(small_model(), config=CFG, averager=TwoClusterAverager(), mode="gradient")
     other.load_saved(state, contributes=True)
     assert other.grad_round == sync.grad_round == 1 and other.theta_global.numel() == 0

@@ -133,12 +133,13 @@ FORBIDDEN = {
     "planner": ("nebula_cli.control", "nebula_cli.cli"),
 }
 """What each folder may not import (a name, or a module below it)."""
-SCHEDULER_MODULE_LAYERS = ((r"spec|scheduler", "config"), (r"allocator|batch|\w+_cli", "scheduler"),
+SCHEDULER_MODULE_LAYERS = ((r"spec|scheduler", "config"),
+                           (r"allocator|batch|manifests|\w+_cli", "scheduler"),
                            (r"node_\w+", "transport"), (r"keeper", "agent"))
 """A scheduler package (`nebula_cli/schedulers/<name>/`) holds one module per layer it serves,
 each in that layer by its name: its spec section and what it means for the plan (config), its
-allocator and the tools it drives at launch (scheduler), how its nodes are reached
-(transport), what runs on its nodes (agent)."""
+allocator, the tools it drives and the objects it creates at launch (scheduler), how its nodes
+are reached (transport), what runs on its nodes (agent)."""
 
 
 CODEC_MODULE_LAYERS = ((r"params", "config"), (r"codec", "relay"))

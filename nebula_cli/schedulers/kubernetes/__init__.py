@@ -1,2 +1,4 @@
-"""`scheduler: kubernetes` (issue 44, first part): the spec's `kubernetes:` section (`spec`).
-Not yet registered in `schedulers/registry.py`: the scheduler, manifests and allocator follow."""
+"""`scheduler: kubernetes` (issue 44, first parts): the spec's `kubernetes:` section (`spec`) and
+the objects a cluster is made of (`manifests`: an Indexed Job, a headless Service, a Secret, the
+relay's Service). Not yet registered in `schedulers/registry.py`: the scheduler and the
+allocator that creates, watches and deletes the objects follow."""

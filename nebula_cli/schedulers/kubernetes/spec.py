@@ -109,6 +109,9 @@ class KubernetesSpec(SpecModel):
     """Added to every pod."""
     relay_exposure: RelayExposure = RelayExposure.LOAD_BALANCER
     """How the relay is reached (see `RelayExposure`)."""
+    checkpoint_claim: DnsSubdomain | None = None
+    """The PersistentVolumeClaim mounted at the job's `checkpoint.dir` in every pod (a pod's
+    own disk dies with it: a cluster restarted after a lost pod resumes from this volume)."""
 
     @field_validator("relay_exposure", mode="before")
     @classmethod

@@ -26,7 +26,7 @@ def test_defaults_and_resources() -> None:
 @pytest.mark.parametrize(("field", "value"), [
     ("namespace", "Bad_Name"), ("image", "has space"), ("relay_exposure", "Ingress"),
     ("node_selector", {"bad key!": "x"}), ("image_pull_secrets", ["UPPER"]),
-    ("pods", 0), ("unknown", 1)])
+    ("pods", 0), ("checkpoint_claim", "Claim_1"), ("unknown", 1)])
 def test_refuses(field: str, value: object) -> None:
     with pytest.raises(ValidationError) as err:
         KubernetesSpec.model_validate({"image": "nebula:1", field: value})

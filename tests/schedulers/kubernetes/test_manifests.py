@@ -1,0 +1,149 @@
+"""A Kubernetes cluster's objects (schedulers/kubernetes/manifests.py) as data: valid against
+the official OpenAPI schemas of two Kubernetes versions (kubernetes-validate, offline, strict:
+no field the API does not know), the same as the golden files in golden/ (rewrite them with
+NEBULA_UPDATE_GOLDEN=1 and read the diff), no key anywhere but the Secret, and a checkpoint
+folder that would die with its pod refused."""
+
+from __future__ import annotations
+
+import base64
+import os
+from pathlib import Path
+
+import kubernetes_validate
+import pytest
+import yaml
+
+from nebula_cli.schedulers.kubernetes.manifests import (
+    NAME_MAX,
+    PLACEHOLDER,
+    ManifestError,
+    PodLaunch,
+    base_name,
+    cluster_objects,
+    file_name,
+    secret_names,
+    write,
+)
+from nebula_cli.schedulers.kubernetes.spec import KubernetesSpec
+
+GOLDEN = Path(__file__).parent / "golden"
+VERSIONS = ("1.28.0", "1.33.0")
+"""The oldest Kubernetes with the Job's pod index label (beta, on by default), and a recent one."""
+
+LAUNCH = PodLaunch(job_id="a1b2c3d4", cluster="east", rendezvous_port=29500, relay_port=7443,
+                   command=("python", "-u", "-m", "nebula_cli.agent.keeper", "serve", "east"),
+                   env={"NEBULA_CLUSTER": "east", "NEBULA_JOB": "a1b2c3d4"},
+                   checkpoint_dir="/ckpt/east", grace_s=30)
+
+SPECS = {
+    "gpu-loadbalancer": {
+        "image": "registry.example.com/nebula:0.1", "namespace": "ml", "pods": 4,
+        "resources": {"gpus": 8, "cpu": "64", "memory": "512Gi"},
+        "node_selector": {"nvidia.com/gpu.product": "H100-SXM"},
+        "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists",
+                         "effect": "NoSchedule"}],
+        "service_account": "trainer", "image_pull_secrets": ["regcred"],
+        "annotations": {"example.com/team": "pretrain"}, "checkpoint_claim": "east-ckpt"},
+    "cpu-nodeport": {"image": "nebula:dev", "pods": 2, "relay_exposure": "NodePort",
+                     "checkpoint_claim": "ckpt"},
+    "dial-out": {"image": "nebula:dev", "relay_exposure": "dial-out",
+                 "checkpoint_claim": "ckpt"},
+}
+
+
+def _objects(name: str, **files: bytes):
+    spec = KubernetesSpec.model_validate(SPECS[name])
+    return cluster_objects(spec, LAUNCH, files or None)
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+@pytest.mark.parametrize("name", sorted(SPECS))
+def test_every_object_is_valid_for_the_kubernetes_api(name: str, version: str) -> None:
+    for obj in _objects(name, **{k: b"x" for k in secret_names()}).all():
+        kubernetes_validate.validate(obj, version, strict=True)  # raises on any problem
+    for obj in _objects(name).all():  # with placeholders, as emitted
+        kubernetes_validate.validate(obj, version, strict=True)
+
+
+def test_a_field_the_api_does_not_know_is_caught_by_the_schemas() -> None:
+    """(The check above can fail: a misspelt field of the Job's pod is refused.)"""
+    job = _objects("dial-out").job
+    job["spec"]["template"]["spec"]["restartPolicyy"] = "Never"
+    with pytest.raises(kubernetes_validate.ValidationError):
+        kubernetes_validate.validate(job, VERSIONS[0], strict=True)
+
+
+@pytest.mark.parametrize("name", sorted(SPECS))
+def test_what_a_spec_becomes_is_its_golden_file(name: str, tmp_path: Path) -> None:
+    objects = _objects(name).all()
+    text = "---\n".join(yaml.safe_dump(o, sort_keys=False) for o in objects)
+    golden = GOLDEN / f"{name}.yaml"
+    if os.environ.get("NEBULA_UPDATE_GOLDEN"):
+        golden.parent.mkdir(exist_ok=True)
+        golden.write_text(text)
+    assert text == golden.read_text(), f"{golden} differs (NEBULA_UPDATE_GOLDEN=1 rewrites it)"
+    written = write(objects, tmp_path / "manifests")
+    assert [p.name for p in written] == [file_name(o) for o in objects]
+    assert [yaml.safe_load(p.read_text()) for p in written] == objects
+
+
+def test_one_indexed_job_that_kubernetes_never_restarts_on_its_own() -> None:
+    objs = _objects("gpu-loadbalancer")
+    job = objs.job["spec"]
+    pod = job["template"]["spec"]
+    assert job["completionMode"] == "Indexed" and job["completions"] == job["parallelism"] == 4
+    assert job["backoffLimit"] == 0 and pod["restartPolicy"] == "Never"
+    assert pod["subdomain"] == objs.service["metadata"]["name"]  # pod i: <job>-<i>.<service>
+    assert objs.service["spec"]["clusterIP"] == "None"
+    (worker,) = pod["containers"]
+    assert worker["resources"]["limits"]["nvidia.com/gpu"] == "8"
+    assert worker["resources"]["limits"] == worker["resources"]["requests"]
+    mounts = {m["name"]: m for m in worker["volumeMounts"]}
+    assert mounts["checkpoints"]["mountPath"] == "/ckpt/east" and mounts["tls"]["readOnly"]
+    claims = [v for v in pod["volumes"] if "persistentVolumeClaim" in v]
+    assert claims == [{"name": "checkpoints",
+                       "persistentVolumeClaim": {"claimName": "east-ckpt"}}]
+    relay = objs.relay_service["spec"]
+    assert relay["type"] == "LoadBalancer"
+    assert relay["selector"]["batch.kubernetes.io/job-completion-index"] == "0"
+    assert _objects("dial-out").relay_service is None
+    assert _objects("cpu-nodeport").relay_service["spec"]["type"] == "NodePort"
+    for obj in objs.all():  # found (and deleted) by the job's labels
+        assert obj["metadata"]["labels"]["nebula.dev/job"] == "a1b2c3d4"
+        assert obj["metadata"]["namespace"] == "ml"
+
+
+def test_keys_are_only_in_the_secret_and_emitted_manifests_hold_none() -> None:
+    key = b"-----BEGIN PRIVATE KEY-----\nsecret-material\n"
+    objs = _objects("cpu-nodeport", **{"cluster.key": key, "cluster.crt": b"crt",
+                                       "ca.crt": b"ca", "world-secret": b"w0rld"})
+    assert base64.b64decode(objs.secret["data"]["cluster.key"]) == key
+    rest = yaml.safe_dump([objs.job, objs.service, objs.relay_service])
+    for needle in ("secret-material", base64.b64encode(key).decode()[:20], "w0rld"):
+        assert needle not in rest  # neither in the pod's spec nor in its environment
+    emitted = _objects("cpu-nodeport").secret
+    assert "data" not in emitted
+    assert emitted["stringData"] == {k: PLACEHOLDER for k in secret_names()}
+    assert "ca.key" not in secret_names()  # the CA's key never leaves the launching machine
+
+
+def test_names_fit_kubernetes_limits_whatever_the_job_and_cluster_are_called() -> None:
+    name = base_name("0123456789abcdef" * 3, "A_Very.Long Cluster Name" * 3)
+    assert len(name) <= NAME_MAX and name[-1].isalnum() and name == name.lower()
+    assert len(f"{name}-4095") <= 63 and len(f"{name}-relay") <= 63
+    long = PodLaunch(job_id="0123456789abcdef" * 3, cluster="A_Very.Long Cluster Name" * 3,
+                     command=("true",), rendezvous_port=1, relay_port=2)
+    objs = cluster_objects(KubernetesSpec.model_validate(SPECS["dial-out"]), long)
+    for obj in objs.all():
+        kubernetes_validate.validate(obj, VERSIONS[1], strict=True)
+
+
+def test_a_checkpoint_folder_on_the_pods_own_disk_is_refused_with_the_fix() -> None:
+    spec = KubernetesSpec.model_validate({"image": "nebula:dev"})
+    with pytest.raises(ManifestError, match="kubernetes.checkpoint_claim"):
+        cluster_objects(spec, LAUNCH)
+    no_checkpoints = PodLaunch(job_id="j", cluster="c", command=("true",), rendezvous_port=1,
+                               relay_port=2)
+    pod = cluster_objects(spec, no_checkpoints).job["spec"]["template"]["spec"]
+    assert [v["name"] for v in pod["volumes"]] == ["tls"]

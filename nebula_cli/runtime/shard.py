@@ -64,7 +64,7 @@ class Shard:
 
 class ShardMoves:
     """The cluster's shard collectives over ``group`` (gloo; None: the default group). With one
-    rank each is the identity (no copy)."""
+    rank each hands back its input (no copy), or copies it into the ``out`` it is given."""
 
     def __init__(self, shard: Shard, group: Any) -> None:
         self.shard = shard

@@ -14,6 +14,7 @@ import errno
 import logging
 import os
 import socket
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -28,11 +29,15 @@ BIND_RETRY_S = 0.5
 
 
 def listen_tcp(host: str, port: int, *, backlog: int = 64, wait: float = BIND_WAIT_S,
+               stopping: threading.Event | None = None,
                clock: Callable[[], float] = time.monotonic,
-               sleep: Callable[[float], None] = time.sleep) -> socket.socket:
+               who: Callable[[int], str] | None = None) -> socket.socket:
     """A TCP socket listening on (host, port). While the port is in use, tried again every
     :data:`BIND_RETRY_S` for up to ``wait`` seconds (said once in the log, with its holder);
-    then NebulaError naming the port, its holder and the fix. Any other error at once."""
+    then NebulaError naming the port, its holder and the fix; at once when ``stopping`` is set
+    meanwhile (the relay was told to stop). Any other error at once. The holder is looked up
+    (a scan of /proc: ``who``, :func:`holders` by default) when it is said, not at every try."""
+    who = who or holders
     deadline = clock() + wait
     said = False
     while True:
@@ -42,17 +47,23 @@ def listen_tcp(host: str, port: int, *, backlog: int = 64, wait: float = BIND_WA
             if exc.errno != errno.EADDRINUSE:
                 raise NebulaError(f"relay cannot listen on {host}:{port}: "
                                   f"{exc.strerror or exc}") from exc
-            held = holders(port)
-            if clock() >= deadline:
+            if clock() >= deadline or (stopping is not None and stopping.is_set()):
+                held = who(port)
+                why = (f"in use for {wait:g} s" if clock() >= deadline
+                       else "in use, and the relay was told to stop while it waited")
                 raise NebulaError(
-                    f"relay cannot listen on {host}:{port}: in use for {wait:g} s"
+                    f"relay cannot listen on {host}:{port}: {why}"
                     f"{f' (by {held})' if held else ''}; end that process, or relaunch the "
                     "job (a new launch plans other ports)") from exc
             if not said:
                 said = True
+                held = who(port)
                 log.warning("relay: %s:%d is in use%s; trying again for up to %g s", host, port,
                             f" (by {held})" if held else "", wait)
-        sleep(BIND_RETRY_S)
+        if stopping is not None:
+            stopping.wait(BIND_RETRY_S)
+        else:
+            time.sleep(BIND_RETRY_S)
 
 
 def holders(port: int, proc: Path = Path("/proc")) -> str:

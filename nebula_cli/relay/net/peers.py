@@ -72,7 +72,7 @@ class Listener:
                  refusals: Refusals, stopping: threading.Event, *,
                  sock: socket.socket | None = None) -> None:
         if sock is None:
-            sock = listen_tcp(*parse_addr(addr), backlog=64)
+            sock = listen_tcp(*parse_addr(addr), backlog=64, stopping=stopping)
         self.sock = sock
         self.sock.settimeout(0.5)
         self.addr = addr

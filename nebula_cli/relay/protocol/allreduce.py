@@ -303,7 +303,8 @@ class RoundExchange:
             sender = f" from {src}" if src else ""
             raise ExchangeError(f"chunk {k}{sender} does not decode: {exc}") from exc
         if t.dtype != torch.float32 or t.dim() != 1 or t.numel() != hi - lo:
-            raise ExchangeError(f"chunk {k} decodes to {tuple(t.shape)} {t.dtype}, "
+            sender = f" from {src}" if src else ""
+            raise ExchangeError(f"chunk {k}{sender} decodes to {tuple(t.shape)} {t.dtype}, "
                                 f"expected ({hi - lo},) float32")
         return t
 

@@ -29,6 +29,7 @@ after KillWait) get SIGTERM, so the workers stop gracefully and checkpoint."""
 
 _MEM = re.compile(r"--(mem|mem-per-cpu|mem-per-gpu)=(\d+)([KMGT]?)B?", re.IGNORECASE)
 """sbatch's memory options as `sbatch_args` carries them (a size in MB unless a unit says)."""
+_CPUS = re.compile(r"--cpus-per-task=(\d+)|-c(\d+)")
 _MEM_UNIT = {"": 1 << 20, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
 
 
@@ -102,7 +103,8 @@ class SlurmSpec(SpecModel):
     def node_memory(self) -> tuple[int, str] | None:
         """The memory each node of the allocation grants the job, and the option that says
         so, when `sbatch_args` asks for a fixed amount: ``--mem`` (per node), ``--mem-per-cpu``
-        (times the node's CPUs: ntasks_per_node x cpus_per_task) or ``--mem-per-gpu`` (times
+        (times the node's CPUs: ntasks_per_node x cpus_per_task, or the ``-c`` `sbatch_args`
+        gives; unknown with ``--exclusive``) or ``--mem-per-gpu`` (times
         gpus_per_node); None for none of them, ``--mem=0`` (all of the node's) or a per-GPU
         amount with no GPUs. The last one given counts, as sbatch reads them."""
         found = None
@@ -116,10 +118,21 @@ class SlurmSpec(SpecModel):
         size = int(m.group(2)) * _MEM_UNIT[m.group(3).upper()]
         kind = m.group(1).lower()
         if kind == "mem-per-cpu":
-            size *= self.ntasks_per_node * (self.cpus_per_task or 1)
+            if any(a.startswith("--exclusive") for a in self.sbatch_args):
+                return None  # every CPU of the node, however many it has: unknown before
+            size *= self.ntasks_per_node * (self._cpus_per_task() or 1)
         elif kind == "mem-per-gpu":
             size *= self.gpus_per_node
         return (size, arg) if size else None
+
+    def _cpus_per_task(self) -> int | None:
+        """``cpus_per_task``, or what `sbatch_args` says instead (``--cpus-per-task=N``,
+        ``-cN``; the last one given, as sbatch reads them)."""
+        found = self.cpus_per_task
+        for arg in self.sbatch_args:
+            if (m := _CPUS.fullmatch(arg)) is not None:
+                found = int(m.group(1) or m.group(2))
+        return found
 
     def sbatch_options(self) -> list[str]:
         """The #SBATCH options this section asks for (the template adds job name, output)."""

@@ -8,6 +8,7 @@ import logging
 import socket
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -72,3 +73,26 @@ def test_holders_of_a_port_nobody_holds_is_empty() -> None:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     assert holders(port) == ""  # bound, then closed: nobody holds it
+
+
+def test_a_relay_told_to_stop_while_it_waits_leaves_at_once_and_scans_proc_twice() -> None:
+    """The holder is looked up when it is said (once in the log, once in the error), not at
+    every try; a stop (the relay's `stopping`, set by SIGTERM) ends the wait within a try."""
+    proc, port = _holder(30)
+    stopping, looked = threading.Event(), []
+
+    def who(p: int) -> str:
+        looked.append(p)
+        return holders(p)
+
+    try:
+        threading.Timer(1.6, stopping.set).start()  # after three tries or so
+        t0 = time.monotonic()
+        with pytest.raises(NebulaError, match="told to stop while it waited") as err:
+            listen_tcp("127.0.0.1", port, wait=60.0, stopping=stopping, who=who)
+        assert time.monotonic() - t0 < 3.0
+        assert f"(by pid {proc.pid} (" in str(err.value)
+        assert looked == [port, port]
+    finally:
+        proc.kill()
+        proc.wait()

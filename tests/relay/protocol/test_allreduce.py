@@ -7,7 +7,12 @@ from __future__ import annotations
 import torch
 
 from nebula_cli.relay.codecs.registry import get_codec
-from nebula_cli.relay.protocol.allreduce import RoundExchange, Schedule, ordered_mean
+from nebula_cli.relay.protocol.allreduce import (
+    ExchangeError,
+    RoundExchange,
+    Schedule,
+    ordered_mean,
+)
 
 
 def test_own_chunks_wait_encoded_for_their_peer_parts_and_average_exactly() -> None:
@@ -38,3 +43,19 @@ def test_own_chunks_wait_encoded_for_their_peer_parts_and_average_exactly() -> N
     want = torch.cat([ordered_mean({"a": codec.decode(m), "b": codec.decode(t)})
                       for m, t in zip(mine, theirs, strict=True)])
     assert torch.equal(ex.result, want)
+
+
+def test_a_peer_chunk_of_the_wrong_length_fails_the_round_naming_its_sender() -> None:
+    codec = get_codec("int8")
+    spans = [(0, 100)]
+    ex = RoundExchange(Schedule("a", ("a", "b"), 1), spans, encode=codec.encode,
+                       decode=codec.decode, send=lambda *_: None)
+    ex.add_own(0, codec.encode(torch.ones(100)))
+    try:
+        ex.add_contrib("b", 0, codec.encode(torch.ones(99)))  # one value short
+    except ExchangeError as exc:
+        said = str(exc)
+    else:
+        ex.wait(1.0)
+        said = str(ex.error)
+    assert "chunk 0 from b decodes to (99,)" in said, said

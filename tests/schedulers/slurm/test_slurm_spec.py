@@ -296,6 +296,10 @@ def test_each_rank_is_a_task_of_its_slurm_step_in_its_environment(tmp_path: Path
     (["--mem=2048"], (2048 << 20, "--mem=2048")),  # sbatch's unit: MB
     (["--mem=0"], None),  # all of the node's memory: unknown before launch
     (["--mem-per-cpu=2G"], (4 * 8 * (2 << 30), "--mem-per-cpu=2G")),  # 4 tasks x 8 CPUs
+    (["--mem-per-cpu=2G", "-c2"], (4 * 2 * (2 << 30), "--mem-per-cpu=2G")),  # sbatch's -c
+    (["-c3", "--mem-per-cpu=1G"], (4 * 3 * (1 << 30), "--mem-per-cpu=1G")),
+    (["--cpus-per-task=5", "--mem-per-cpu=1G"], (4 * 5 * (1 << 30), "--mem-per-cpu=1G")),
+    (["--exclusive", "--mem-per-cpu=2G"], None),  # all of the node's CPUs: unknown
     (["--mem-per-gpu=10G"], (4 * (10 << 30), "--mem-per-gpu=10G")),
     (["--mem=8G", "--mem-bind=local", "--mem=16G"], (16 << 30, "--mem=16G")),  # the last
 ])

@@ -17,10 +17,11 @@ the relay client's staging memory, the published state joined in one shared buff
 relay keeps one round's average and its own chunks encoded: at 19 M, int8, in a real job
 (`bench/scale.py --quick`), the relay held 8.0-8.2 whole copies (5 of them in shared memory),
 rank 0 3.6-4.4, the other rank 2.9-3.3 of its shard plus the write's run. The relay is not
-sharded yet. Not modelled yet: a checkpoint's writer (local rank 0 of
-each host) joins theta_global, the momentum and overlap's anchor while it saves (up to 3 whole
-copies, for the moment of the save), and under ZeRO 3 every rank joins the whole vector to
-write it inside DeepSpeed's one gather (1 whole copy).
+sharded yet. A checkpoint adds nothing: each rank writes its own shard as it lies
+(`runtime/outer_files.py`; until 2026-12-03 each host's first rank joined theta_global, the
+momentum and overlap's anchor to save them, up to 3 whole copies). Not modelled yet: under
+ZeRO 3 every rank joins the whole vector to write it inside DeepSpeed's one gather (1 whole
+copy).
 
 The old path (issue 42, measured 2026-12-01 with `examples/gpt/train.py` widened to 1.3 M,
 19 M and 85 M parameters, two clusters of one rank each, int8, 1 Gbit/s shaped link; one copy is

@@ -46,11 +46,13 @@ def main(argv: list[str] | None = None, prog: str = "python -m nebula_cli.relay"
     def on_signal(signum: int, _frame: Any) -> None:
         log.info("signal %d: stopping", signum)
         stop.set()
+        relay.stopping.set()  # (also ends a wait of the start, e.g. for its port)
 
     def on_leave(signum: int, _frame: Any) -> None:
         log.info("signal %d: this cluster leaves the job; stopping", signum)
         relay.leaving = True
         stop.set()
+        relay.stopping.set()
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
@@ -58,6 +60,10 @@ def main(argv: list[str] | None = None, prog: str = "python -m nebula_cli.relay"
     try:
         relay.start()
     except NebulaError as exc:
+        if stop.is_set():  # told to stop while it started: a clean stop
+            relay.stop()
+            log.info("relay %s stopped before it was up (%s)", cfg.cluster, exc)
+            return 0
         log.error("%s", exc)
         return 1
     try:

@@ -47,9 +47,10 @@ def listen_tcp(host: str, port: int, *, backlog: int = 64, wait: float = BIND_WA
             if exc.errno != errno.EADDRINUSE:
                 raise NebulaError(f"relay cannot listen on {host}:{port}: "
                                   f"{exc.strerror or exc}") from exc
-            if clock() >= deadline or (stopping is not None and stopping.is_set()):
+            late = clock() >= deadline
+            if late or (stopping is not None and stopping.is_set()):
                 held = who(port)
-                why = (f"in use for {wait:g} s" if clock() >= deadline
+                why = (f"in use for {wait:g} s" if late
                        else "in use, and the relay was told to stop while it waited")
                 raise NebulaError(
                     f"relay cannot listen on {host}:{port}: {why}"

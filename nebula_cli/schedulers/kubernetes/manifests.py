@@ -7,8 +7,10 @@ Per cluster (issue 44):
   that Kubernetes never restarts a pod or the Job on its own: only nebula restarts a cluster,
   by deleting the Job and creating it again, from its checkpoint;
 - a **headless Service** (`clusterIP: None`) named as the pods' `subdomain`: pod *i* is
-  ``<job>-<i>.<service>.<namespace>.svc``, the ranks' rendezvous at pod 0's name; its
-  addresses are published before the pods are ready (the rendezvous is what makes them so);
+  ``<job>-<i>.<service>.<namespace>.svc``, the ranks' rendezvous at pod 0's name
+  (``MASTER_ADDR``, named down to `.svc`: a pod's bare hostname does not resolve from other
+  pods, and the cluster's domain comes from the pods' DNS search list); its
+  addresses are published while the pods start (there is no readiness probe to wait for);
 - a **Secret** with the pods' certificates and keys and the job's world secret, mounted
   read-only (0400) at :data:`TLS_DIR`: never in the pod's spec or environment, and never the
   CA's key. Emitted for review (:func:`write`) it holds placeholders, not keys;
@@ -19,13 +21,17 @@ Per cluster (issue 44):
 Every object carries the labels :func:`labels` names (the nebula job and cluster), so that
 `stop` can find and delete all of them (an API without garbage collection deletes nothing on
 its own). ``checkpoint.dir`` is a PersistentVolumeClaim's mount (`checkpoint_claim`): a pod's
-own disk dies with it. The objects are plain data in the API's JSON shape; what makes them is
-typed (:class:`PodLaunch`, `KubernetesSpec`).
+own disk dies with it; ``/dev/shm`` is a memory volume (a container's own is 64 MiB:
+DeepSpeed's CPU all-reduce buffers and the checkpoint's staging live there). Names are DNS
+labels: a job or cluster name that had to be cut or changed to fit gets a short hash of both,
+so two clusters never share an object. The objects are plain data in the API's JSON shape; what
+makes them is typed (:class:`PodLaunch`, `KubernetesSpec`).
 """
 
 from __future__ import annotations
 
 import base64
+import hashlib
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -74,16 +80,27 @@ class ManifestError(ValueError):
 
 
 def base_name(job_id: str, cluster: str) -> str:
-    """`nebula-<job>-<cluster>` as a DNS label of at most :data:`NAME_MAX` characters."""
-    raw = re.sub(r"[^a-z0-9-]+", "-", f"nebula-{job_id}-{cluster}".lower())
-    return re.sub(r"-+", "-", raw)[:NAME_MAX].strip("-")
+    """`nebula-<job>-<cluster>` as a DNS label of at most :data:`NAME_MAX` characters; when it
+    had to be changed or cut to be one, its end is a hash of the job and cluster as they are
+    (`east_1` and `east-1`, or two long names alike at the start, stay apart)."""
+    raw = f"nebula-{job_id}-{cluster}"
+    name = re.sub(r"-+", "-", re.sub(r"[^a-z0-9-]+", "-", raw.lower())).strip("-")
+    if name == raw and len(name) <= NAME_MAX:
+        return name
+    tag = hashlib.sha256(f"{job_id}\0{cluster}".encode()).hexdigest()[:8]
+    return f"{name[:NAME_MAX - len(tag) - 1].rstrip('-')}-{tag}"
 
 
 def labels(job_id: str, cluster: str) -> dict[str, str]:
     """What every object of the cluster is labelled with (and found by)."""
-    value = re.sub(r"[^A-Za-z0-9_.-]+", "-", cluster)[:63].strip("-_.") or "cluster"
     return {"app.kubernetes.io/name": "nebula", "app.kubernetes.io/managed-by": "nebula",
-            LABEL_JOB: re.sub(r"[^A-Za-z0-9_.-]+", "-", job_id)[:63], LABEL_CLUSTER: value}
+            LABEL_JOB: _label_value(job_id), LABEL_CLUSTER: _label_value(cluster)}
+
+
+def _label_value(text: str) -> str:
+    """``text`` as a label value (at most 63 of letters, digits, '-', '_', '.', alphanumeric
+    at both ends)."""
+    return re.sub(r"[^A-Za-z0-9_.-]+", "-", text)[:63].strip("-_.") or "x"
 
 
 @dataclass(frozen=True)
@@ -161,15 +178,20 @@ def _job(name: str, meta: Obj, spec: KubernetesSpec, launch: PodLaunch) -> Obj:
         "name": "worker", "image": spec.image, "command": list(launch.command),
         # (the Job controller adds JOB_COMPLETION_INDEX, the pod's index)
         "env": [{"name": k, "value": v} for k, v in sorted(launch.env.items())]
-               + [{"name": "NEBULA_TLS_DIR", "value": TLS_DIR}],
+               + [{"name": "NEBULA_TLS_DIR", "value": TLS_DIR},
+                  {"name": "MASTER_ADDR",
+                   "value": f"{name}-0.{name}.{spec.namespace}.svc"},
+                  {"name": "MASTER_PORT", "value": str(launch.rendezvous_port)}],
         "ports": [{"name": "rendezvous", "containerPort": launch.rendezvous_port},
                   {"name": "relay", "containerPort": launch.relay_port}],
-        "volumeMounts": [{"name": "tls", "mountPath": TLS_DIR, "readOnly": True}],
+        "volumeMounts": [{"name": "tls", "mountPath": TLS_DIR, "readOnly": True},
+                         {"name": "dshm", "mountPath": "/dev/shm"}],
     }
     if requests:
         container["resources"] = {"requests": dict(requests), "limits": dict(requests)}
     volumes: list[Obj] = [{"name": "tls", "secret": {"secretName": f"{name}-tls",
-                                                     "defaultMode": 0o400}}]
+                                                     "defaultMode": 0o400}},
+                          {"name": "dshm", "emptyDir": {"medium": "Memory"}}]
     if launch.checkpoint_dir is not None and spec.checkpoint_claim is not None:
         container["volumeMounts"].append({"name": "checkpoints",
                                           "mountPath": launch.checkpoint_dir})

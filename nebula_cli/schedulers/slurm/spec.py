@@ -29,7 +29,7 @@ after KillWait) get SIGTERM, so the workers stop gracefully and checkpoint."""
 
 _MEM = re.compile(r"--(mem|mem-per-cpu|mem-per-gpu)=(\d+)([KMGT]?)B?", re.IGNORECASE)
 """sbatch's memory options as `sbatch_args` carries them (a size in MB unless a unit says)."""
-_CPUS = re.compile(r"--cpus-per-task=(\d+)|-c(\d+)")
+_CPUS = re.compile(r"--cpus-per-task[= ](\d+)|-c ?(\d+)")
 _MEM_UNIT = {"": 1 << 20, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
 
 
@@ -118,7 +118,7 @@ class SlurmSpec(SpecModel):
         size = int(m.group(2)) * _MEM_UNIT[m.group(3).upper()]
         kind = m.group(1).lower()
         if kind == "mem-per-cpu":
-            if any(a.startswith("--exclusive") for a in self.sbatch_args):
+            if "--exclusive" in self.sbatch_args:  # (not =user, =mcs or =topo)
                 return None  # every CPU of the node, however many it has: unknown before
             size *= self.ntasks_per_node * (self._cpus_per_task() or 1)
         elif kind == "mem-per-gpu":
@@ -126,8 +126,9 @@ class SlurmSpec(SpecModel):
         return (size, arg) if size else None
 
     def _cpus_per_task(self) -> int | None:
-        """``cpus_per_task``, or what `sbatch_args` says instead (``--cpus-per-task=N``,
-        ``-cN``; the last one given, as sbatch reads them)."""
+        """``cpus_per_task``, or what `sbatch_args` says instead (``--cpus-per-task=N`` or
+        ``--cpus-per-task N``, ``-cN`` or ``-c N``; the last one given, as sbatch reads
+        them)."""
         found = self.cpus_per_task
         for arg in self.sbatch_args:
             if (m := _CPUS.fullmatch(arg)) is not None:

@@ -15,6 +15,7 @@ import pytest
 import yaml
 
 from nebula_cli.schedulers.kubernetes.manifests import (
+    INDEX_LABEL,
     NAME_MAX,
     PLACEHOLDER,
     ManifestError,
@@ -25,7 +26,12 @@ from nebula_cli.schedulers.kubernetes.manifests import (
     secret_names,
     write,
 )
-from nebula_cli.schedulers.kubernetes.spec import KubernetesSpec
+from nebula_cli.schedulers.kubernetes.spec import (
+    _DNS_LABEL,
+    _LABEL_VALUE,
+    _QUALIFIED_NAME,
+    KubernetesSpec,
+)
 
 GOLDEN = Path(__file__).parent / "golden"
 VERSIONS = ("1.28.0", "1.33.0")
@@ -128,15 +134,57 @@ def test_keys_are_only_in_the_secret_and_emitted_manifests_hold_none() -> None:
     assert "ca.key" not in secret_names()  # the CA's key never leaves the launching machine
 
 
-def test_names_fit_kubernetes_limits_whatever_the_job_and_cluster_are_called() -> None:
-    name = base_name("0123456789abcdef" * 3, "A_Very.Long Cluster Name" * 3)
-    assert len(name) <= NAME_MAX and name[-1].isalnum() and name == name.lower()
-    assert len(f"{name}-4095") <= 63 and len(f"{name}-relay") <= 63
-    long = PodLaunch(job_id="0123456789abcdef" * 3, cluster="A_Very.Long Cluster Name" * 3,
-                     command=("true",), rendezvous_port=1, relay_port=2)
-    objs = cluster_objects(KubernetesSpec.model_validate(SPECS["dial-out"]), long)
+def _names_and_labels_are_kubernetes_ones(objs) -> None:
+    """(The schemas check no name or label: Kubernetes' own rules, and every Service selects
+    the Job's pods.)"""
+    pod_labels = objs.job["spec"]["template"]["metadata"]["labels"]
+    for obj in objs.all():
+        name = obj["metadata"]["name"]
+        assert _DNS_LABEL.fullmatch(name), name
+        for key, value in obj["metadata"]["labels"].items():
+            assert _QUALIFIED_NAME.fullmatch(key) and _LABEL_VALUE.fullmatch(value), (key, value)
+        selector = obj.get("spec", {}).get("selector")
+        if obj["kind"] == "Service":
+            assert {k: v for k, v in selector.items() if k != INDEX_LABEL}.items() <= (
+                pod_labels.items()), selector
+    assert len(f"{objs.job['metadata']['name']}-4095") <= 63
+
+
+@pytest.mark.parametrize(("job_id", "cluster"), [
+    ("a1b2c3d4", "east"),
+    ("0123456789abcdef" * 3, "A_Very.Long Cluster Name" * 3),
+    ("pretrain-llama3-70b-20261203-062740-e099", "gke-east-a"),
+    ("j-", "-x_"),
+])
+def test_names_and_labels_fit_kubernetes_rules_whatever_the_job_and_cluster_are_called(
+        job_id: str, cluster: str) -> None:
+    name = base_name(job_id, cluster)
+    assert len(name) <= NAME_MAX and len(f"{name}-relay") <= 63
+    launch = PodLaunch(job_id=job_id, cluster=cluster, command=("true",), rendezvous_port=1,
+                       relay_port=2)
+    objs = cluster_objects(KubernetesSpec.model_validate(SPECS["cpu-nodeport"]), launch)
+    _names_and_labels_are_kubernetes_ones(objs)
     for obj in objs.all():
         kubernetes_validate.validate(obj, VERSIONS[1], strict=True)
+
+
+def test_two_clusters_never_share_an_object_name() -> None:
+    """Names cut to fit, or changed to be DNS labels, end in a hash of the job and cluster."""
+    job = "pretrain-llama3-70b-20261203-062740-e099"
+    names = {base_name(job, c) for c in ("gke-east-a", "gke-east-b", "east_1", "east-1")}
+    assert len(names) == 4, names
+    assert base_name("a1b2c3d4", "east") == "nebula-a1b2c3d4-east"  # kept as is when it fits
+
+
+def test_the_ranks_meet_at_pod_0_by_its_service_name_with_memory_for_dev_shm() -> None:
+    objs = _objects("gpu-loadbalancer")
+    pod = objs.job["spec"]["template"]["spec"]
+    env = {e["name"]: e.get("value") for e in pod["containers"][0]["env"]}
+    name = objs.service["metadata"]["name"]
+    assert env["MASTER_ADDR"] == f"{name}-0.{name}.ml.svc" and env["MASTER_PORT"] == "29500"
+    assert {"name": "dshm", "emptyDir": {"medium": "Memory"}} in pod["volumes"]
+    assert {"name": "dshm", "mountPath": "/dev/shm"} in pod["containers"][0]["volumeMounts"]
+    _names_and_labels_are_kubernetes_ones(objs)
 
 
 def test_a_checkpoint_folder_on_the_pods_own_disk_is_refused_with_the_fix() -> None:
@@ -146,4 +194,4 @@ def test_a_checkpoint_folder_on_the_pods_own_disk_is_refused_with_the_fix() -> N
     no_checkpoints = PodLaunch(job_id="j", cluster="c", command=("true",), rendezvous_port=1,
                                relay_port=2)
     pod = cluster_objects(spec, no_checkpoints).job["spec"]["template"]["spec"]
-    assert [v["name"] for v in pod["volumes"]] == ["tls"]
+    assert [v["name"] for v in pod["volumes"]] == ["tls", "dshm"]  # no checkpoint volume

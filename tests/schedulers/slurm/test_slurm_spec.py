@@ -300,6 +300,8 @@ def test_each_rank_is_a_task_of_its_slurm_step_in_its_environment(tmp_path: Path
     (["-c3", "--mem-per-cpu=1G"], (4 * 3 * (1 << 30), "--mem-per-cpu=1G")),
     (["--cpus-per-task=5", "--mem-per-cpu=1G"], (4 * 5 * (1 << 30), "--mem-per-cpu=1G")),
     (["--exclusive", "--mem-per-cpu=2G"], None),  # all of the node's CPUs: unknown
+    (["--exclusive=user", "--mem-per-cpu=1G", "-c 2"], (4 * 2 * (1 << 30), "--mem-per-cpu=1G")),
+    (["--cpus-per-task 6", "--mem-per-cpu=1G"], (4 * 6 * (1 << 30), "--mem-per-cpu=1G")),
     (["--mem-per-gpu=10G"], (4 * (10 << 30), "--mem-per-gpu=10G")),
     (["--mem=8G", "--mem-bind=local", "--mem=16G"], (16 << 30, "--mem=16G")),  # the last
 ])

@@ -42,17 +42,22 @@ def main(argv: list[str] | None = None, prog: str = "python -m nebula_cli.relay"
     gc.collect()
     gc.freeze()  # the modules' objects (torch's many) are never scanned again by a collection
     stop = threading.Event()
+    up = threading.Event()  # start() returned: from then on relay.stop() ends it, in order
+
+    def stop_starting() -> None:
+        """A signal while the relay starts also ends the start's waits (its port's)."""
+        stop.set()
+        if not up.is_set():
+            relay.stopping.set()
 
     def on_signal(signum: int, _frame: Any) -> None:
         log.info("signal %d: stopping", signum)
-        stop.set()
-        relay.stopping.set()  # (also ends a wait of the start, e.g. for its port)
+        stop_starting()
 
     def on_leave(signum: int, _frame: Any) -> None:
         log.info("signal %d: this cluster leaves the job; stopping", signum)
         relay.leaving = True
-        stop.set()
-        relay.stopping.set()
+        stop_starting()
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
@@ -66,6 +71,7 @@ def main(argv: list[str] | None = None, prog: str = "python -m nebula_cli.relay"
             return 0
         log.error("%s", exc)
         return 1
+    up.set()
     try:
         while not stop.wait(0.5) and not relay.ended.is_set():
             pass

@@ -50,6 +50,10 @@ NAME_MAX = 52
 INDEX_LABEL = "batch.kubernetes.io/job-completion-index"
 """The label (and annotation) the Job controller gives each pod: its index."""
 LABEL_JOB, LABEL_CLUSTER = "nebula.dev/job", "nebula.dev/cluster"
+LABEL_ATTEMPT = "nebula.dev/attempt"
+"""Which start of the cluster an object belongs to: the Services select only its own pods, so
+pods of an earlier start still terminating (up to their grace) are in no Service's
+endpoints while the cluster is recreated under the same names."""
 PLACEHOLDER = "<written by nebula launch>"
 """A Secret's value in emitted manifests (never a key on disk for review)."""
 Obj = dict[str, Any]
@@ -73,6 +77,8 @@ class PodLaunch:
     """The spec's `checkpoint.dir` (None: no checkpoints)."""
     grace_s: int = 30
     """Seconds a stopping pod has before SIGKILL (the job's `grace`)."""
+    attempt: int = 0
+    """The cluster's start (0 at launch, one more at each restart by nebula)."""
 
 
 class ManifestError(ValueError):
@@ -130,7 +136,8 @@ def cluster_objects(spec: KubernetesSpec, launch: PodLaunch,
         raise ManifestError(f"cluster {launch.cluster}: checkpoint.dir must be an absolute "
                             f"path in the pod, found {launch.checkpoint_dir!r}")
     name = base_name(launch.job_id, launch.cluster)
-    meta = {"namespace": spec.namespace, "labels": labels(launch.job_id, launch.cluster)}
+    meta = {"namespace": spec.namespace, "labels": {
+        **labels(launch.job_id, launch.cluster), LABEL_ATTEMPT: str(launch.attempt)}}
     return ClusterObjects(
         secret=_secret(f"{name}-tls", meta, secret_files),
         service=_headless(name, meta, launch),

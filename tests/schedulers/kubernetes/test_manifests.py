@@ -7,6 +7,7 @@ folder that would die with its pod refused."""
 from __future__ import annotations
 
 import base64
+import dataclasses
 import os
 from pathlib import Path
 
@@ -195,3 +196,19 @@ def test_a_checkpoint_folder_on_the_pods_own_disk_is_refused_with_the_fix() -> N
                                relay_port=2)
     pod = cluster_objects(spec, no_checkpoints).job["spec"]["template"]["spec"]
     assert [v["name"] for v in pod["volumes"]] == ["tls", "dshm"]  # no checkpoint volume
+
+
+def test_a_restarted_cluster_s_services_select_only_its_own_pods() -> None:
+    """Recreated under the same names, a cluster's Services select the new start's pods: an
+    earlier start's pods, still terminating, are neither pod 0 nor in the rendezvous."""
+    spec = KubernetesSpec.model_validate(SPECS["cpu-nodeport"])
+    first = cluster_objects(spec, LAUNCH)
+    again = cluster_objects(spec, dataclasses.replace(LAUNCH, attempt=1))
+    assert [o["metadata"]["name"] for o in first.all()] == [
+        o["metadata"]["name"] for o in again.all()]
+    old_pod = first.job["spec"]["template"]["metadata"]["labels"]
+    for service in (again.service, again.relay_service):
+        selector = service["spec"]["selector"]
+        assert selector["nebula.dev/attempt"] == "1"
+        assert not selector.items() <= {**old_pod, INDEX_LABEL: "0"}.items()
+    _names_and_labels_are_kubernetes_ones(again)

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import os
 import pickle
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -219,13 +220,20 @@ def _covers(parts: list[dict[str, Any]], lo: int, hi: int) -> bool:
     return at >= hi
 
 
-def _local(parts: list[dict[str, Any]], name: str, lo: int, hi: int) -> torch.Tensor:
-    """[lo, hi) of vector ``name`` copied out of the pieces that hold it."""
-    out = torch.zeros(hi - lo, dtype=torch.float32)
+def _pieces(parts: list[dict[str, Any]], name: str, lo: int, hi: int
+            ) -> Iterator[tuple[int, torch.Tensor]]:
+    """Each piece of vector ``name`` inside [lo, hi): (its offset from lo, its values)."""
     for p in parts:
         a, b = max(lo, int(p["lo"])), min(hi, int(p["hi"]))
         if a < b and p.get(name) is not None:
-            out.narrow(0, a - lo, b - a).copy_(p[name].narrow(0, a - int(p["lo"]), b - a))
+            yield a - lo, p[name].narrow(0, a - int(p["lo"]), b - a)
+
+
+def _local(parts: list[dict[str, Any]], name: str, lo: int, hi: int) -> torch.Tensor:
+    """[lo, hi) of vector ``name`` copied out of the pieces that hold it."""
+    out = torch.zeros(hi - lo, dtype=torch.float32)
+    for at, piece in _pieces(parts, name, lo, hi):
+        out.narrow(0, at, piece.numel()).copy_(piece)
     return out
 
 
@@ -243,13 +251,10 @@ def _crossed(parts: list[dict[str, Any]], name: str, moves: ShardMoves, contribu
             continue
         values = torch.full((hi - lo,), float("-inf"), dtype=torch.float32)
         count = torch.zeros(hi - lo, dtype=torch.int32)
-        if contributes:
-            for p in parts:
-                a, b = max(lo, int(p["lo"])), min(hi, int(p["hi"]))
-                if a < b and p.get(name) is not None:
-                    place = values.narrow(0, a - lo, b - a)
-                    torch.maximum(place, p[name].narrow(0, a - int(p["lo"]), b - a), out=place)
-                    count.narrow(0, a - lo, b - a).add_(1)
+        for at, piece in _pieces(parts, name, lo, hi) if contributes else ():
+            place = values.narrow(0, at, piece.numel())
+            torch.maximum(place, piece, out=place)
+            count.narrow(0, at, piece.numel()).add_(1)
         if shard.world > 1:
             dst = moves._global(r)
             dist.reduce(keep(values), dst, op=dist.ReduceOp.MAX, group=moves.group)

@@ -156,23 +156,6 @@ class ShardMoves:
             work.wait()
         return out
 
-    def gather_to(self, part: torch.Tensor, ranks: list[int]) -> torch.Tensor | None:
-        """Every rank's shard joined on each of ``ranks`` (one gather each); None elsewhere."""
-        out = None
-        for dst in ranks:
-            got = self.gather(part, dst)
-            if dst == self.shard.rank:
-                out = got
-        return out
-
-    def ranks_with(self, flag: bool) -> list[int]:
-        """The ranks whose ``flag`` is true (one small all-gather)."""
-        if self.shard.world == 1:
-            return [0] if flag else []
-        flags = [torch.zeros(1, dtype=torch.int64) for _ in range(self.shard.world)]
-        dist.all_gather(keep_all(flags), keep(torch.tensor([int(flag)])), group=self.group)
-        return [r for r, f in enumerate(flags) if int(f.item())]
-
     def _global(self, rank: int) -> int:
         """The default group's rank of ``rank`` of this group (dst and src are global)."""
         if self.group is None:
@@ -188,9 +171,3 @@ class ShardMoves:
             dist.all_reduce(keep(sq), group=self.group)
         return [float(x) for x in sq]
 
-
-def keep_all(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-    """Each of `tensors` held until the backend lets go of it (runtime/settle.py)."""
-    for t in tensors:
-        keep(t)
-    return tensors

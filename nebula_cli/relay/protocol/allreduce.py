@@ -297,13 +297,12 @@ class RoundExchange:
 
     def _decoded(self, k: int, enc: Any, src: str = "") -> torch.Tensor:
         lo, hi = self.bounds[k]
+        sender = f" from {src}" if src else ""
         try:
             t = self._decode(enc)
         except NebulaError as exc:
-            sender = f" from {src}" if src else ""
             raise ExchangeError(f"chunk {k}{sender} does not decode: {exc}") from exc
         if t.dtype != torch.float32 or t.dim() != 1 or t.numel() != hi - lo:
-            sender = f" from {src}" if src else ""
             raise ExchangeError(f"chunk {k}{sender} decodes to {tuple(t.shape)} {t.dtype}, "
                                 f"expected ({hi - lo},) float32")
         return t

@@ -50,7 +50,14 @@ from nebula_cli.relay.distill.sparse import Values, payload_nbytes
 from nebula_cli.relay.distill.student_links import QUEUE_TOKENS, StudentLinks
 from nebula_cli.relay.net.admission import Admission, first_bytes
 from nebula_cli.relay.net.schema import decode
-from nebula_cli.relay.net.wire import Frame, FrameType, WireError, recv_small_frame, send_frame
+from nebula_cli.relay.net.wire import (
+    Frame,
+    FrameType,
+    WireError,
+    close_after_refusal,
+    recv_small_frame,
+    send_frame,
+)
 
 LOSSES = 2
 """Servers an ask may be lost with (their links ended while it ran) before it fails."""
@@ -212,6 +219,7 @@ class LabelRelay:
             why = self._refusal(hello, ident.role, ident.cluster)
             if why is not None:
                 send_frame(tls, LabelRefusal(reason=why).to_frame())
+                close_after_refusal(tls)
                 raise PeerRejected(why, peer=f"{ident.cluster}/{ident.name}")
             tls.settimeout(None)
         except BaseException:

@@ -39,6 +39,7 @@ from nebula_cli.relay.net.wire import (
     Frame,
     FrameType,
     WireError,
+    close_after_refusal,
     encode_frame,
     encode_meta,
     recv_frame,
@@ -244,10 +245,12 @@ def peer_addr(sock: socket.socket) -> str:
 
 
 def refuse(sock: ssl.SSLSocket, reason: str) -> None:
-    """Tell a connection why it is refused (ERROR), then close it."""
+    """Tell a connection why it is refused (ERROR), then close it (what it still sends read
+    and dropped, so that it reads why)."""
     try:
         sock.settimeout(2.0)
         send_frames(sock, [Refusal(reason=reason).to_frame()])
     except (OSError, WireError):
-        pass
-    sock.close()
+        sock.close()
+        return
+    close_after_refusal(sock)

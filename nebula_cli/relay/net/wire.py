@@ -23,6 +23,7 @@ import json
 import socket
 import ssl
 import struct
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import IntEnum
@@ -37,6 +38,10 @@ HEADER_SIZE = HEADER.size
 MAX_META_BYTES = 64 * 1024
 DEFAULT_MAX_PAYLOAD = 256 * 1024 * 1024
 COALESCE_BYTES = 64 * 1024
+LINGER_S = 2.0
+"""How long a connection ended by a refusal reads (and drops) what its peer still sends."""
+LINGER_BYTES = 64 * 1024 * 1024
+"""How much it reads so: the rest of a refused contribution of 16 M parameters."""
 """Payloads up to this size go out in the same sendall as the header (one segment, no Nagle
 stall); larger ones are sent from the caller's buffer without a copy."""
 
@@ -358,3 +363,33 @@ def tune_socket(sock: socket.socket) -> None:
     maximum (6 MiB by default) as a long fat WAN link needs."""
     if sock.family in (socket.AF_INET, socket.AF_INET6):
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+
+def close_after_refusal(sock: Any, *, seconds: float = LINGER_S, most: int = LINGER_BYTES) -> None:
+    """Close a connection whose last frame (a refusal) was just sent, without losing that frame.
+
+    Closed at once while the peer's bytes lie unread (the rest of a refused request), a socket
+    is reset: the peer's next send then fails (over TLS: "EOF occurred in violation of
+    protocol") before it reads why it was refused. So this side ends first (its FIN after the
+    refusal), reads and drops what the peer still sends until the peer closes, for at most
+    ``seconds`` and ``most`` bytes, then closes. A plain or TLS socket (read beneath TLS:
+    nothing more is decrypted) or a connection holding one as ``.sock`` (a Unix socket's)."""
+    raw: socket.socket = getattr(sock, "sock", sock)
+    deadline = time.monotonic() + seconds
+    try:
+        socket.socket.shutdown(raw, socket.SHUT_WR)
+        buf = bytearray(64 * 1024)
+        read = 0
+        while read < most:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            socket.socket.settimeout(raw, left)
+            n = socket.socket.recv_into(raw, buf)
+            if not n:
+                break
+            read += n
+    except OSError:
+        pass
+    finally:
+        sock.close()

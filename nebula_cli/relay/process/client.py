@@ -68,6 +68,9 @@ from nebula_cli.relay.protocol.pacing import RoundInfo
 
 log = logging.getLogger("nebula.relay.client")
 
+REFUSAL_READ_S = 1.0
+"""How long a failed send waits for the relay's refusal that may lie behind it."""
+
 Conn = ssl.SSLSocket | local_hop.LocalConn
 """A connection to the relay: mutual TLS, or its Unix socket on this host."""
 
@@ -352,11 +355,17 @@ class RelayClient:
         give_up = time.monotonic() + self.retry_for
         delay = 0.2
         while True:
+            sock: Conn | None = None
             try:
                 self._calling = True
-                return fn(self._connect())
+                sock = self._connect()
+                return fn(sock)
             except (ConnectionClosed, OSError, PeerRejected) as exc:
+                why = None if sock is None or isinstance(exc, ConnectionClosed) else (
+                    self._why_refused(sock))
                 self._drop()
+                if why is not None:  # refused while it still sent: not a reason to retry
+                    raise RelayError(f"{what}: relay refused: {why}") from exc
                 if self._closed:
                     raise RelayError(f"{what}: the relay client was closed") from exc
                 where = self.addr if self.local is None else f"{self.local} or {self.addr}"
@@ -412,6 +421,18 @@ class RelayClient:
         sock, self._sock = self._sock, None
         if sock is not None:
             sock.close()
+
+    @staticmethod
+    def _why_refused(sock: Conn) -> str | None:
+        """The reason of a refusal the relay sent before it closed, when one waits to be read:
+        a request refused at its head, with more of it still to send, can fail on its send (a
+        relay that reads no more of it resets the connection) before its answer is read."""
+        try:
+            sock.settimeout(REFUSAL_READ_S)
+            frame = recv_frame(sock, max_payload=0)
+        except (OSError, WireError):
+            return None
+        return Refusal.read(frame.meta).reason if frame.type == FrameType.ERROR else None
 
     @staticmethod
     def _expect(sock: Conn, ftype: FrameType) -> Frame:

@@ -63,7 +63,14 @@ from nebula_cli.relay.net.local_socket import (
 )
 from nebula_cli.relay.net.messages import Refusal
 from nebula_cli.relay.net.schema import MessageError, encode
-from nebula_cli.relay.net.wire import ConnectionClosed, Frame, FrameType, WireError, recv_frame
+from nebula_cli.relay.net.wire import (
+    ConnectionClosed,
+    Frame,
+    FrameType,
+    WireError,
+    close_after_refusal,
+    recv_frame,
+)
 from nebula_cli.relay.process.worker_messages import (
     Contrib,
     FetchState,
@@ -207,7 +214,8 @@ class WorkerPort:
             except _Refused as exc:
                 self.refusals.refuse("worker request", f"{name} ({addr})", str(exc))
                 send_frames(sock, [Refusal(reason=str(exc)).to_frame()])
-                if exc.close:
+                if exc.close:  # what the worker still sends is read, so it reads the refusal
+                    close_after_refusal(sock)
                     return
 
     def _tensor(self, sock: Conn, ftype: FrameType, numel: int, parts: int = 1) -> torch.Tensor:

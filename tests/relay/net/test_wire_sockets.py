@@ -26,6 +26,7 @@ from nebula_cli.relay.net.wire import (
     FrameType,
     IdleTimeout,
     WireError,
+    close_after_refusal,
     encode_frame,
     recv_frame,
     send_frame,
@@ -288,3 +289,54 @@ def test_the_payload_cap_is_the_one_in_force_when_the_frame_arrives() -> None:
     finally:
         a.close()
         b.close()
+
+
+def test_a_refused_connection_reads_away_what_its_peer_still_sends_within_bounds() -> None:
+    """close_after_refusal: the peer reads the refusal and then the end; one that keeps
+    sending is read for at most ``most`` bytes or ``seconds``, then closed (real TCP)."""
+    import threading
+
+    def pair() -> tuple[socket.socket, socket.socket]:
+        with socket.create_server(("127.0.0.1", 0)) as srv:
+            peer = socket.create_connection(srv.getsockname())
+            mine, _ = srv.accept()
+        return mine, peer
+
+    mine, peer = pair()
+    try:
+        peer.sendall(b"x" * 1000)  # unread when the refusal goes out
+        send_frame(mine, Frame(FrameType.ERROR, {"reason": "no"}))
+        closer = threading.Thread(target=close_after_refusal, args=(mine,))
+        closer.start()
+        peer.sendall(b"y" * 100_000)  # still sending: no reset
+        peer.settimeout(5)
+        assert recv_frame(peer).meta == {"reason": "no"}
+        assert peer.recv(1) == b""  # this side ended after its refusal
+        peer.close()
+        closer.join(5)
+        assert not closer.is_alive() and mine.fileno() == -1
+    finally:
+        peer.close()
+        mine.close()
+
+    for bound in ({"most": 256 * 1024, "seconds": 30.0}, {"most": 1 << 40, "seconds": 0.5}):
+        mine, peer = pair()
+        stop = threading.Event()
+
+        def flood(peer: socket.socket, stop: threading.Event) -> None:
+            with suppress(OSError):
+                while not stop.is_set():
+                    peer.sendall(b"z" * 65536)
+
+        t = threading.Thread(target=flood, args=(peer, stop))
+        try:
+            t.start()
+            t0 = time.monotonic()
+            close_after_refusal(mine, **bound)  # type: ignore[arg-type]
+            assert time.monotonic() - t0 < 10, bound
+            assert mine.fileno() == -1
+        finally:
+            stop.set()
+            peer.close()
+            t.join(10)
+            mine.close()

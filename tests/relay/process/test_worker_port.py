@@ -12,6 +12,7 @@ import shutil
 import socket
 import stat
 import tempfile
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -21,10 +22,19 @@ import torch
 from helpers.relays import Job, exact_mean, running, together
 
 from nebula_cli.relay.net import local_socket as local
-from nebula_cli.relay.net.framing import recv_tensor, send_tensor
-from nebula_cli.relay.net.wire import ConnectionClosed, Frame, FrameType, encode_frame, recv_frame
+from nebula_cli.relay.net.framing import recv_tensor, send_tensor, tensor_frames
+from nebula_cli.relay.net.schema import encode
+from nebula_cli.relay.net.wire import (
+    LINGER_BYTES,
+    ConnectionClosed,
+    Frame,
+    FrameType,
+    encode_frame,
+    recv_frame,
+)
 from nebula_cli.relay.process.client import RelayClient, RelayError
 from nebula_cli.relay.process.server import Relay
+from nebula_cli.relay.process.worker_messages import Contrib
 
 pytestmark = pytest.mark.skipif(not local.supported(), reason="Linux only (memfd, SO_PEERCRED)")
 
@@ -389,6 +399,56 @@ def test_a_relay_refused_worker_hears_why(tmp_path: Path) -> None:
                 recv_frame(conn)
         finally:
             conn.close()
+
+
+def test_a_worker_refused_at_its_requests_head_reads_why_though_it_still_sends(
+        tmp_path: Path) -> None:
+    """The relay refuses a contribution of the wrong size at its head frame, with the rest of
+    it in flight. Closed at once, its socket was reset and the worker's next send failed
+    ("EOF occurred in violation of protocol") before it read the refusal (CI, 2026-12-03)."""
+    job = Job(tmp_path, ["a"])
+    with running(job) as relays:
+        cl = job.client("a", retry_for=1.0)
+        try:
+            cl.allreduce(0, torch.ones(4))  # the relay syncs 4 elements from now on
+            sock = cl._connect()
+            frames = tensor_frames(FrameType.CONTRIB, encode(Contrib(round=1, numel=11)),
+                                   torch.zeros(11))
+            head = b"".join(encode_frame(frames[0]))
+            rest = b"".join(b"".join(bytes(p) for p in encode_frame(f)) for f in frames[1:])
+            refused = relays["a"].refusals.total
+            sock.sendall(head)
+            sock.sendall(rest[:8])  # a TLS record of its own: the relay reads only the head
+            deadline = time.monotonic() + 10
+            while relays["a"].refusals.total == refused and time.monotonic() < deadline:
+                time.sleep(0.02)
+            assert relays["a"].refusals.total == refused + 1
+            time.sleep(0.3)  # the relay has sent its refusal and ended its side
+            sock.sendall(rest[8:])
+            answer = recv_frame(sock)
+            assert answer.type == FrameType.ERROR
+            assert "this relay syncs 4 elements" in answer.meta["reason"]
+            with pytest.raises(ConnectionClosed):
+                recv_frame(sock)
+        finally:
+            cl.close()
+
+
+def test_a_refused_contribution_too_long_to_read_away_still_says_why(tmp_path: Path) -> None:
+    """Beyond what the relay reads away (LINGER_BYTES) it resets the connection: the client's
+    send fails, and the client reads the refusal that waits behind it, not retrying."""
+    job = Job(tmp_path, ["a"])
+    with running(job):
+        cl = job.client("a", retry_for=1.0)
+        try:
+            cl.allreduce(0, torch.ones(4))
+            big = torch.zeros(2 * LINGER_BYTES // 4)
+            with pytest.raises(RelayError, match="relay refused: .*this relay syncs 4 elements"):
+                cl.allreduce(1, big)
+            assert torch.equal(cl.allreduce(1, torch.full((4,), 2.0)).tensor,
+                               torch.full((4,), 2.0))
+        finally:
+            cl.close()
 
 
 def test_the_relay_builds_averages_in_memory_it_used_before_but_never_in_one_still_held(

@@ -33,6 +33,7 @@ from nebula_cli.pki.certs import (
 from nebula_cli.pki.sshkeys import ssh_keypair
 from nebula_cli.pki.tls import (
     HANDSHAKE_TIMEOUT,
+    admission_name,
     check_peer,
     client_context,
     peer_identity,
@@ -52,6 +53,7 @@ __all__ = [
     "PeerRejected",
     "_issue_leaf",
     "_write_pair",
+    "admission_name",
     "check_peer",
     "client_context",
     "expiry",

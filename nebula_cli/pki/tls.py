@@ -11,6 +11,7 @@ certificates (`certs.extend_job_pki`) without a restart.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import socket
 import ssl
@@ -20,6 +21,7 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from cryptography import x509
+from cryptography.hazmat.primitives import serialization
 
 from nebula_cli.errors import NebulaError
 from nebula_cli.pki.certs import (
@@ -108,6 +110,18 @@ def client_context(pair: CertPair, ca: Path) -> ssl.SSLContext:
 
 
 # --------------------------------------------------------------------------- peer checks
+
+
+def admission_name(ca: Path) -> str:
+    """The server name (SNI) a job's relays send in their ClientHello, for which their peer
+    ports keep slots that other clients of a shared address cannot take
+    (`nebula_cli.relay.net.admission`): drawn from the job CA's public key, which only the
+    job's hosts hold (in their private folders); the same for every relay of the job (a renewal
+    keeps the CA's key; a resume draws a new CA, and with it a new name). It is sent in clear:
+    it tells peers apart, it authenticates nobody."""
+    key = x509.load_pem_x509_certificate(ca.read_bytes()).public_key().public_bytes(
+        serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo)
+    return hashlib.sha256(b"nebula peer admission\0" + key).hexdigest()[:32] + ".nebula"
 
 
 def _peer_addr(sock: socket.socket) -> str:
@@ -209,6 +223,7 @@ def _wrap(
     roles: Iterable[str],
     cluster: str | None,
     timeout: float | None,
+    server_name: str | None = None,
 ) -> tuple[ssl.SSLSocket, Identity]:
     peer = _peer_addr(sock)
     reload_if_renewed(ctx)
@@ -216,7 +231,8 @@ def _wrap(
     sslsock: ssl.SSLSocket | None = None
     try:
         sock.settimeout(timeout)
-        sslsock = ctx.wrap_socket(sock, server_side=server_side, do_handshake_on_connect=False)
+        sslsock = ctx.wrap_socket(sock, server_side=server_side, do_handshake_on_connect=False,
+                                  server_hostname=server_name)
         sslsock.do_handshake()
         ident = check_peer(sslsock, job_id=job_id, roles=roles, cluster=cluster)
         sslsock.settimeout(previous)
@@ -259,11 +275,15 @@ def wrap_client(
     roles: Iterable[str],
     cluster: str | None = None,
     timeout: float | None = HANDSHAKE_TIMEOUT,
+    server_name: str | None = None,
 ) -> tuple[ssl.SSLSocket, Identity]:
     """Client side of a connected socket: TLS handshake, then :func:`check_peer` on the server.
+    ``server_name``: sent as the ClientHello's SNI (the job's admission name; not checked
+    against the certificate, whose identity is its SAN URI).
 
     With TLS 1.3 a server that refuses *our* certificate may only be noticed on the first read.
     """
     return _wrap(
-        sock, ctx, server_side=False, job_id=job_id, roles=roles, cluster=cluster, timeout=timeout
+        sock, ctx, server_side=False, job_id=job_id, roles=roles, cluster=cluster,
+        timeout=timeout, server_name=server_name,
     )

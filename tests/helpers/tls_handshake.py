@@ -1,8 +1,9 @@
 """One real mutual-TLS handshake over 127.0.0.1 with nebula's wrap_server / wrap_client, for
-the PKI tests."""
+the PKI tests; a real client's first flight (its ClientHello), for the admission tests."""
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import ssl
 import threading
@@ -80,3 +81,16 @@ def handshake(
         listener.close()
     assert not thread.is_alive(), "server thread did not finish"
     return out
+
+
+
+def client_hello(server_name: str | None) -> bytes:
+    """The first flight of a real TLS client (Python's ssl), with `server_name` as its SNI."""
+    ctx = ssl.create_default_context()
+    ctx.check_hostname, ctx.verify_mode = False, ssl.CERT_NONE
+    out = ssl.MemoryBIO()
+    tls = ctx.wrap_bio(ssl.MemoryBIO(), out, server_hostname=server_name)
+    with contextlib.suppress(ssl.SSLWantReadError):
+        tls.do_handshake()
+    return out.read()
+

@@ -29,11 +29,18 @@ holding idle connections. So an :class:`Admission`:
   on first use), whatever the connection trickles meanwhile; and the first bytes must arrive
   sooner (:func:`first_bytes`, FIRST_BYTES_TIMEOUT: a TLS client speaks first).
 
-What this does not hold: clients that share an address with the job's peers (other users of a
-host in a local job, on loopback; users behind the same NAT) are counted as the peers are, and
-a client that speaks (sends a ClientHello, then stalls until the deadline) on every slot of
-that address keeps a new connection from it out meanwhile; nothing here tells the job's peers
-from such clients before their certificate.
+- with a ``name`` (the peer port of a relay whose job has an admission name: its peers send it
+  as their ClientHello's server name, SNI), a connection whose ClientHello names it is never
+  ended for a new one, and one that spoke without it counts as silent: clients that share an
+  address with the job's peers (other users of a host in a local job, on loopback, or of the
+  host an SSH tunnel ends on; users behind the same NAT) cannot keep the peers out by
+  speaking and stalling, as they could before their certificate is read.
+
+What this does not hold: the name is sent in clear (TLS 1.3 encrypts no SNI), so whoever sees
+the job's WAN traffic can send it too and is then counted as a peer is (their connections
+still end at the deadline and cannot authenticate); without a name (the worker port, the
+bench-network probe, a job planned before names) a client that speaks and stalls on every
+slot of an address keeps new connections from that address out meanwhile.
 
 Ending a connection is ``shutdown(SHUT_RDWR)`` on a duplicate of its descriptor taken at
 admission: the thread handling it wakes from whatever read it blocks in, fails, and releases
@@ -108,6 +115,21 @@ def _has_spoken(entry: Pending) -> bool:
         return False
 
 
+HELLO_PEEK_BYTES = 4096
+"""What of a connection's first bytes is read for its ClientHello's server name."""
+
+
+def _names(entry: Pending, name: str) -> bool:
+    """Whether `entry`'s ClientHello has arrived and names `name` (peeked, not taken)."""
+    if entry.handle is None:
+        return False
+    try:
+        data = entry.handle.recv(HELLO_PEEK_BYTES, socket.MSG_PEEK | socket.MSG_DONTWAIT)
+    except (OSError, ValueError):
+        return False
+    return client_hello_name(data) == name
+
+
 @dataclass(eq=False)
 class Pending:
     """One admitted connection that has not authenticated yet."""
@@ -122,6 +144,9 @@ class Pending:
     number: int = field(default_factory=itertools.count().__next__)
     spoken: bool = False
     """Its first bytes arrived (``Admission.spoke``)."""
+    named: bool = False
+    """Its ClientHello named the Admission's ``name``: a peer of the job, never ended for a
+    new connection."""
     ended: str | None = None
     """Why it was ended before it authenticated ("evicted", "deadline", "refused": a new one
     for which no silent connection could make room), if it was."""
@@ -135,10 +160,13 @@ class Admission:
     (authenticated, or failed)."""
 
     def __init__(self, total: int, per_address: int, deadline: float, *,
+                 name: str | None = None,
                  clock: Callable[[], float] = time.monotonic) -> None:
         if not 1 <= per_address <= total:
             raise ValueError(f"per_address {per_address} must be within 1..total ({total})")
         self.total, self.per_address, self.deadline = total, per_address, deadline
+        self.name = name
+        """The server name the job's peers send (None: none is known, nobody is told apart)."""
         self._clock = clock
         self._pending: dict[int, Pending] = {}  # in admission order: the first is the oldest
         self._changed = threading.Condition()
@@ -186,9 +214,12 @@ class Admission:
 
     def spoke(self, entry: Pending) -> None:
         """`entry`'s first bytes arrived: no new connection from its network (or one holding
-        almost as many) ends it."""
+        almost as many) ends it; with a ``name``, only one whose ClientHello names it is so
+        kept (read without being taken from the socket), and it is never ended for a new one."""
+        named = self.name is not None and _names(entry, self.name)
         with self._changed:
-            entry.spoken = True
+            entry.spoken = self.name is None or named
+            entry.named = named
 
     def _make_room(self, among: list[Pending], ended: list[Pending],
                    newcomer: Pending | None = None) -> bool:
@@ -202,10 +233,11 @@ class Admission:
         for p in among:
             networks[p.network] = networks.get(p.network, 0) + 1
             addresses[p.key] = addresses.get(p.key, 0) + 1
-        silent = [p for p in among if not p.spoken and not _has_spoken(p)]
+        silent = [p for p in among if not p.spoken and not (
+            _has_spoken(p) if self.name is None else _names(p, self.name))]
         if not silent and newcomer is not None:
             ahead = networks.get(newcomer.network, 0) + 1
-            silent = [p for p in among if networks[p.network] > ahead]
+            silent = [p for p in among if networks[p.network] > ahead and not p.named]
         if not silent:
             return False
         old = min(silent, key=lambda p: (-networks[p.network], -addresses[p.key], p.number))
@@ -257,3 +289,33 @@ class Admission:
                     self._end(entry, "deadline")
                 nearest = min((p.deadline for p in self._pending.values()), default=None)
                 self._changed.wait(None if nearest is None else max(0.0, nearest - now) + 0.01)
+
+
+def client_hello_name(data: bytes) -> str | None:
+    """The server name (SNI, RFC 6066) of the TLS ClientHello that `data` begins with, if it
+    holds one whole and names a host; None for anything else (not TLS, cut short, no name)."""
+    try:
+        if data[0] != 0x16 or data[5] != 0x01:  # a handshake record holding a ClientHello
+            return None
+        end = min(len(data), 5 + int.from_bytes(data[3:5], "big"))
+        at = 5 + 4 + 2 + 32  # the handshake's header, client_version, random
+        at += 1 + data[at]  # session_id
+        at += 2 + int.from_bytes(data[at:at + 2], "big")  # cipher_suites
+        at += 1 + data[at]  # compression_methods
+        stop = min(end, at + 2 + int.from_bytes(data[at:at + 2], "big"))
+        at += 2
+        while at + 4 <= stop:
+            kind, size = int.from_bytes(data[at:at + 2], "big"), int.from_bytes(
+                data[at + 2:at + 4], "big")
+            at += 4
+            if kind == 0 and at + size <= stop:  # server_name: a list of (type, name)
+                body = data[at:at + size]
+                if len(body) >= 5 and body[2] == 0:
+                    n = int.from_bytes(body[3:5], "big")
+                    if 5 + n <= len(body):
+                        return body[5:5 + n].decode("ascii")
+                return None
+            at += size
+    except (IndexError, UnicodeDecodeError):
+        return None
+    return None

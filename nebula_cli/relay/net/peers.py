@@ -30,11 +30,12 @@ import ssl
 import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from nebula_cli.config.relay_config import RelayConfig, parse_addr
 from nebula_cli.errors import NebulaError
-from nebula_cli.pki import PeerRejected, wrap_client, wrap_server
+from nebula_cli.pki import PeerRejected, admission_name, wrap_client, wrap_server
 from nebula_cli.relay.net import gcm_records as records
 from nebula_cli.relay.net import local_socket
 from nebula_cli.relay.net.admission import Admission, Pending, first_bytes
@@ -70,7 +71,7 @@ class Listener:
     def __init__(self, addr: str, handshake: Callable[[socket.socket, str],
                                                       Callable[[], None] | None],
                  refusals: Refusals, stopping: threading.Event, *,
-                 sock: socket.socket | None = None) -> None:
+                 sock: socket.socket | None = None, name: str | None = None) -> None:
         if sock is None:
             sock = listen_tcp(*parse_addr(addr), backlog=64, stopping=stopping)
         self.sock = sock
@@ -78,7 +79,7 @@ class Listener:
         self.addr = addr
         self._handshake, self._refusals, self._stopping = handshake, refusals, stopping
         self.admission = Admission(MAX_HANDSHAKES, MAX_HANDSHAKES_PER_ADDRESS,
-                                   HANDSHAKE_TIMEOUT)
+                                   HANDSHAKE_TIMEOUT, name=name)
         self.thread = threading.Thread(target=self._loop, name=f"relay-accept-{addr}",
                                        daemon=True)
 
@@ -158,6 +159,8 @@ class Peers:
                  refusals: Refusals, stopping: threading.Event) -> None:
         self.cfg, self.me = cfg, cfg.cluster
         self.server_ctx, self.client_ctx = server_ctx, client_ctx
+        self.admission_name = admission_name(Path(cfg.tls.ca))
+        """What this relay's ClientHellos name, and its peer port keeps slots for."""
         self._hello, self._make_link = hello, make_link
         self._on_up, self._on_down = on_up, on_down
         self.refusals, self.stopping = refusals, stopping
@@ -247,7 +250,8 @@ class Peers:
             try:
                 raw = _connect(self.cfg.peers[peer])
                 tls, _ = wrap_client(raw, self.client_ctx, job_id=self.cfg.job_id,
-                                     roles={"relay"}, cluster=peer, timeout=HANDSHAKE_TIMEOUT)
+                                     roles={"relay"}, cluster=peer, timeout=HANDSHAKE_TIMEOUT,
+                                     server_name=self.admission_name)
                 try:
                     tls.settimeout(HANDSHAKE_TIMEOUT)
                     key, offer = records.offer()

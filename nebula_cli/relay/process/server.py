@@ -142,9 +142,11 @@ class Relay:
     def start(self) -> None:
         """Bind both listeners and start accepting, dialing and ticking."""
         try:
-            for addr, handshake in ((self.cfg.peer_listen, self._accept_peer),
-                                    (self.cfg.worker_listen, self.workers.handshake)):
-                self.listeners.append(Listener(addr, handshake, self.refusals, self.stopping))
+            for addr, handshake, name in (
+                    (self.cfg.peer_listen, self._accept_peer, self.peers.admission_name),
+                    (self.cfg.worker_listen, self.workers.handshake, None)):
+                self.listeners.append(Listener(addr, handshake, self.refusals, self.stopping,
+                                               name=name))
             self._listen_locally()
         except BaseException:
             self.stop()

@@ -10,8 +10,15 @@ import time
 from collections.abc import Iterator
 
 import pytest
+from helpers.tls_handshake import client_hello
 
-from nebula_cli.relay.net.admission import Admission, address_key, first_bytes, network_key
+from nebula_cli.relay.net.admission import (
+    Admission,
+    address_key,
+    client_hello_name,
+    first_bytes,
+    network_key,
+)
 
 
 @pytest.mark.parametrize(("ip", "key"), [
@@ -244,3 +251,50 @@ def test_a_crowd_that_speaks_and_stalls_still_makes_room_for_another_networks_cl
     finally:
         gate.close()
         pairs.close()
+
+
+def test_the_server_name_is_read_from_a_real_client_hello_and_nothing_else() -> None:
+    name = "0123456789abcdef0123456789abcdef.nebula"
+    hello = client_hello(name)
+    assert client_hello_name(hello) == name
+    assert client_hello_name(client_hello(None)) is None
+    assert client_hello_name(client_hello("other.example")) == "other.example"
+    for junk in (b"", b"\x16\x03\x01", b"GET / HTTP/1.1\r\n", hello[:60], bytes(600)):
+        assert client_hello_name(junk) is None, junk[:20]
+
+
+def test_with_a_name_only_a_connection_that_names_it_is_kept_for_having_spoken(
+        port: socket.socket) -> None:
+    """A crowd that shares the job's peers' address (loopback, a NAT) speaks and stalls on
+    every slot: without a name the peer's new connection is refused (every slot spoke, all in
+    its network); with one, the crowd's spoken connections count as silent, the peer gets in,
+    and once its ClientHello named the name no new connection ends it."""
+    name = "0123456789abcdef0123456789abcdef.nebula"
+    for gate_name, peer_gets_in in ((None, False), (name, True)):
+        pairs, gate = Pairs(port), Admission(total=4, per_address=2, deadline=60, name=gate_name)
+        try:
+            crowd = [pairs.connect("127.0.0.2") for _ in range(4)]
+            entries = []
+            for i, (client, server) in enumerate(crowd):
+                entries.append(gate.admit(server, f"127.0.0.{2 + i // 2}")[0])
+                client.sendall(client_hello("crowd.example"))
+                assert first_bytes(server, 2)
+                gate.spoke(entries[-1])
+            peer_client, peer_server = pairs.connect("127.0.0.1")
+            peer, gone = gate.admit(peer_server, "127.0.0.1")
+            assert (peer.ended is None) == peer_gets_in, gate_name
+            if not peer_gets_in:
+                assert gone == [] and peer.ended == "refused"
+                continue
+            assert gone == [entries[0]] and ended(crowd[0][0])
+            peer_client.sendall(client_hello(name))
+            assert first_bytes(peer_server, 2)
+            gate.spoke(peer)
+            assert peer.named
+            more = [pairs.connect("127.0.0.2") for _ in range(6)]
+            gone = [old for i, (_, server) in enumerate(more)
+                    for old in gate.admit(server, f"127.0.0.{5 + i}")[1]]
+            assert peer not in gone and peer.ended is None and not ended(peer_client, 0.2)
+        finally:
+            gate.close()
+            pairs.close()

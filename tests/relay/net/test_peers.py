@@ -26,6 +26,7 @@ from helpers.crowd import Crowd
 from helpers.plan_defaults import relay_defaults
 from helpers.slow_link import SlowLink
 from helpers.sshd_bed import free_port
+from helpers.tls_handshake import client_hello
 
 from nebula_cli.config.relay_config import RelayConfig
 from nebula_cli.pki import JobPKI, issue_job_pki
@@ -135,6 +136,29 @@ def test_a_peer_links_up_while_a_crowd_holds_one_idle_connection_from_each_of_40
         took = wait_until(lambda: relay_a.connected() == ["b"], 30.0,
                           "b's relay to link up with a through the crowd")
         assert crowd.ended > 0  # the crowd was there, and crowded out only itself
+        print(f"b linked after {took:.2f}s; the crowd reopened {crowd.ended} connections")
+
+
+def test_a_peer_links_up_while_a_crowd_on_its_network_speaks_and_stalls_on_every_slot(
+        job: TwoClusters, relay_a: Relay) -> None:
+    """Every slot of a's peer port held by loopback connections that sent the start of a
+    ClientHello and stall (any local user can; where the job's peers come from loopback too,
+    a local job or an SSH tunnel's end, they are counted as its peers are). b's ClientHello
+    names the job (`pki.admission_name`): b links up well before the crowd's deadline. Before,
+    every slot had spoken, all of it in b's network, and b's connections were refused until
+    the crowd's handshakes ran out (HANDSHAKE_TIMEOUT), to be taken again at once."""
+    stall = client_hello(None)[:120]
+    with ExitStack() as stack:
+        crowd = stack.enter_context(Crowd(job.peer["a"], addresses=8, per_address=4,
+                                          first=stall))
+        crowd.wait_full()
+        time.sleep(0.3)  # every slot spoke
+        relay_b = Relay(job.cfg["b"])
+        relay_b.start()
+        stack.callback(relay_b.stop)
+        took = wait_until(lambda: relay_a.connected() == ["b"], HANDSHAKE_TIMEOUT * 0.6,
+                          "b's relay to link up with a through the speaking crowd")
+        assert crowd.ended > 0
         print(f"b linked after {took:.2f}s; the crowd reopened {crowd.ended} connections")
 
 

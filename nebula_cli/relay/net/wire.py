@@ -38,12 +38,12 @@ HEADER_SIZE = HEADER.size
 MAX_META_BYTES = 64 * 1024
 DEFAULT_MAX_PAYLOAD = 256 * 1024 * 1024
 COALESCE_BYTES = 64 * 1024
+"""Payloads up to this size go out in the same sendall as the header (one segment, no Nagle
+stall); larger ones are sent from the caller's buffer without a copy."""
 LINGER_S = 2.0
 """How long a connection ended by a refusal reads (and drops) what its peer still sends."""
 LINGER_BYTES = 64 * 1024 * 1024
 """How much it reads so: the rest of a refused contribution of 16 M parameters."""
-"""Payloads up to this size go out in the same sendall as the header (one segment, no Nagle
-stall); larger ones are sent from the caller's buffer without a copy."""
 
 Buffer = bytes | bytearray | memoryview
 

@@ -1,6 +1,6 @@
 """A tunnel key's forced command: one SSH session's stdin and stdout joined to a relay's port.
 
-    python -m nebula_cli.agent.bridge 127.0.0.1:29400 [MORE ALLOWED TARGETS...]
+    python -m nebula_cli.agent.bridge [--seen FILE] 127.0.0.1:29400 [MORE ALLOWED TARGETS...]
 
 sshd runs it (authorized_keys' ``command=``, see `nebula_cli.agent.grants`) in place of whatever
 the key's holder asked for, so the key can reach the listed ports and nothing else: it is granted
@@ -10,6 +10,9 @@ side (`nebula_cli.agent.tunnel`) runs one ``ssh HOST TARGET`` per connection wit
 connection as ssh's stdin and stdout; sshd hands TARGET over in SSH_ORIGINAL_COMMAND and it is
 dialled only when it is one of the allowed targets (none asked: the first). Bytes are copied
 both ways until both directions have ended (an EOF on stdin is passed on as a half close).
+With ``--seen FILE``, the first session that asks for an allowed target writes the address it
+came from, as sshd saw it (SSH_CONNECTION), into FILE (created, never replaced), from which the
+relay pins the key to that address (`nebula_cli.agent.grants`).
 
 Messages go to stderr, which ssh shows the dialler (its tunnel log). Standard library only: it
 runs on hosts, under the account's login shell, with nebula's directory on PYTHONPATH.
@@ -63,14 +66,36 @@ def join(sock: socket.socket) -> None:
             view = view[os.write(1, view):]
 
 
+def note_source(path: str) -> None:
+    """Write this session's source address (SSH_CONNECTION's first word) into `path` unless a
+    session wrote it before."""
+    words = os.environ.get("SSH_CONNECTION", "").split()
+    if not words:
+        return
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    except FileExistsError:
+        return
+    except OSError as exc:
+        say(f"cannot note this session's address in {path}: {exc}")
+        return
+    with os.fdopen(fd, "w") as f:
+        f.write(words[0][:100] + "\n")
+
+
 def main(argv: list[str] | None = None) -> int:
     allowed = list(sys.argv[1:] if argv is None else argv)
+    seen = None
+    if allowed[:1] == ["--seen"] and len(allowed) >= 2:
+        seen, allowed = allowed[1], allowed[2:]
     asked = os.environ.get("SSH_ORIGINAL_COMMAND", "")
     target = choose(allowed, asked)
     if target is None:
         say(f"{asked.strip()[:100]!r} is not a target this key may reach "
             f"(allowed: {', '.join(allowed) or 'none'})")
         return 2
+    if seen is not None:
+        note_source(seen)
     try:
         sock = socket.create_connection(split(target), timeout=CONNECT_TIMEOUT)
     except (OSError, ValueError) as exc:

@@ -17,7 +17,9 @@ Where `reach` says that a pair of clusters' relays meets through a tunnel (the d
   (`nebula_cli.agent.bridge`) that joins the SSH session's stdin and stdout to the relay's
   port and nothing else, and an ``expiry-time`` minutes ahead (never after the job's
   certificates' end): no shell, no command, no pty, no agent or X11 forwarding, no TCP or
-  Unix-socket forwarding either way, and a key of a killed relay refused soon after;
+  Unix-socket forwarding either way, and a key of a killed relay refused soon after; once the
+  key's first session has come, its line is written again with ``from=`` that session's
+  address (`Grants.pin`), so the key is refused from anywhere else;
 - on the dialler's host, `run` starts the relay and listens on the tunnel's local end, a Unix
   socket file in the relay's agent folder (``tunnels/<peer>.sock``, 0600 in a 0700 folder, a
   long path bound through /proc/self/fd: `agent.unix_socket`), reached only by processes of
@@ -241,6 +243,10 @@ def _serve(tunnels: list[Tunnel], grants: Grants, child: subprocess.Popen[bytes]
             for t in tunnels:
                 t.poll()
             try:
+                for g, source in grants.pin():
+                    say(f"key of the tunnel from {g.peer} pinned to from=\"{source}\" (its "
+                        "first session's address as this host sees it; a session from another "
+                        "address is refused)")
                 grants.renew()
             except (OSError, NebulaError) as exc:
                 say(f"cannot renew the tunnel keys of {grants.cfg.cluster}'s relay: {exc}")

@@ -237,3 +237,42 @@ def test_renewed_certificates_move_the_keys_cap_on(granted: Granted, tmp_path: P
         grants.renew()
     assert grants.renewed > before and grants.cfg.grant[0].expires == int(until.timestamp())
     grants.revoke()
+
+
+def test_a_key_is_pinned_to_its_first_sessions_address(granted: Granted, tmp_path: Path) -> None:
+    """A relay's grants (with the config's file) learn the address the key's first session came
+    from, as sshd saw it, and write the line again with ``from=`` it: a session from another
+    address (here 127.0.0.1 after 127.0.0.2) is refused; the next run learns anew."""
+    folder = tmp_path / "relay"
+    folder.mkdir(mode=0o700)
+    strict.write(granted.grants.cfg, folder / TUNNELS_FILE)
+    granted.grants.revoke()
+    grants = Grants(granted.grants.cfg, folder / TUNNELS_FILE)
+    grants.add()
+    keys = Path(grants.cfg.grant[0].authorized_keys)
+    seen = folder / "tunnels" / "lab.from"
+    assert grants.pin() == [] and "from=" not in keys.read_text()
+    assert f"--seen {seen} " in keys.read_text()
+    # a session that asks for a target the key may not reach notes nothing
+    assert granted.ssh("-T", "-o", "BindAddress=127.0.0.2", command=("id",)).returncode == 2
+    assert not seen.exists()
+    first = granted.ssh("-T", "-o", "BindAddress=127.0.0.2", stdin=b"ping")
+    assert first.stdout == b"ping", first.stderr
+    assert seen.read_text() == "127.0.0.2\n" and seen.stat().st_mode & 0o777 == 0o600
+    assert grants.pin() == [(grants.cfg.grant[0], "127.0.0.2")]
+    assert grants.pin() == []  # once
+    assert 'from="127.0.0.2"' in keys.read_text()
+    refused = granted.ssh("-T", "-o", "BindAddress=127.0.0.1", stdin=b"ping")
+    assert refused.returncode == 255 and b"Permission denied" in refused.stderr, refused
+    assert wait_for(lambda: "correct key but not from a permitted host (host=127.0.0.1, ip="
+                    "127.0.0.1, required=127.0.0.2)" in granted.sshd.log.read_text(), timeout=10)
+    assert granted.ssh("-T", "-o", "BindAddress=127.0.0.2", stdin=b"pong").stdout == b"pong"
+    grants.renewed -= grants.cfg.grant_ttl / 3  # a renewal keeps the pin
+    assert grants.renew() and 'from="127.0.0.2"' in keys.read_text()
+    # the relay run again (a restart in the same folder): the old address is not kept
+    again = Grants(granted.grants.cfg, folder / TUNNELS_FILE)
+    again.add()
+    assert not seen.exists() and "from=" not in keys.read_text()
+    assert granted.ssh("-T", "-o", "BindAddress=127.0.0.1", stdin=b"ping").stdout == b"ping"
+    assert again.pin() == [(grants.cfg.grant[0], "127.0.0.1")]
+    again.revoke()

@@ -154,6 +154,7 @@ for name, path in json.loads(sys.argv[1]).items():
         except OSError:  # accepted, then closed by ssh: the far end refused the target
             out[name] = ""
 print(json.dumps(out), flush=True)
+time.sleep(float(sys.argv[2]) if len(sys.argv) > 2 else 0)  # the relay lives on a while
 """
 
 
@@ -167,11 +168,14 @@ def test_a_tunnel_reaches_its_target_only_and_leaves_nothing(
         cfg, local = _config(tmp_path, server, keys, {"east": relay_port, "denied": relay_port})
         cfg.dial[1] = TunnelDial(**{**cfg.dial[1].__dict__, "target": f"127.0.0.1:{other_port}"})
         strict.write(cfg, tmp_path / "tunnels.json")
-        proc = _run(tmp_path, [sys.executable, "-c", CLIENT, json.dumps(local)])
+        proc = _run(tmp_path, [sys.executable, "-c", CLIENT, json.dumps(local), "1.0"])
         out, _ = proc.communicate(timeout=60)
     assert proc.returncode == 0, out
     said = json.loads(next(line for line in out.splitlines() if line.startswith("{")))
     assert said == {"east": "ping", "denied": ""}, out
+    # the key of the tunnel that worked is pinned to where its session came from
+    assert 'key of the tunnel from east pinned to from="127.0.0.1"' in out, out
+    assert "tunnel from denied pinned" not in out
     assert "tunnel keys removed from" in out
     assert "tunnel to denied: ssh: nebula-bridge: '127.0.0.1:" in out, out
     assert "is not a target this key may reach" in out

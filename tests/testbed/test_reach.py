@@ -205,9 +205,13 @@ def test_a_cluster_reached_only_by_ssh_trains_through_a_tunnel(
         # the relays' link), the key on w1, its forced command joining it to the relay's port
         (client,) = wait_for(lambda: _ssh_clients(bed, "e1", job_id), timeout=60)
         assert f"-- {bed.hosts['w1'].address} 127.0.0.1:29400" in client and " -L " not in client
-        (line,) = [x for x in keys.read_text().splitlines() if "nebula-tunnel:" in x]
+        # once its first session came, the key is refused from anywhere but e1 (as w1 sees it)
+        pinned = f'from="{bed.hosts["e1"].address}"'
+        (line,) = wait_for(lambda: [x for x in keys.read_text().splitlines()
+                                    if "nebula-tunnel:" in x and pinned in x], timeout=60)
         assert line.startswith('restrict,command="env PYTHONPATH=') and "forwarding" not in line
-        assert "-m nebula_cli.agent.bridge 127.0.0.1:29400" in line
+        seen = REMOTE_JOBS / job_id / "west" / "w1" / "relay" / "tunnels" / "east.from"
+        assert f"-m nebula_cli.agent.bridge --seen {seen} 127.0.0.1:29400" in line
         assert line.endswith(f"nebula-tunnel:{job_id}:east>west")
         state = wait_for(lambda: _ended(ssh_cli, job_id), timeout=600, every=5)
     assert state == "SUCCEEDED"

@@ -234,16 +234,21 @@ class Admission:
             networks[p.network] = networks.get(p.network, 0) + 1
             addresses[p.key] = addresses.get(p.key, 0) + 1
         silent = [p for p in among if not p.spoken and not (
-            _has_spoken(p) if self.name is None else _names(p, self.name))]
+            _has_spoken(p) if self.name is None else self._named(p))]
         if not silent and newcomer is not None:
             ahead = networks.get(newcomer.network, 0) + 1
-            silent = [p for p in among if networks[p.network] > ahead and not p.named]
+            silent = [p for p in among if networks[p.network] > ahead and not self._named(p)]
         if not silent:
             return False
         old = min(silent, key=lambda p: (-networks[p.network], -addresses[p.key], p.number))
         ended.append(old)
         self._end(old, "evicted")
         return True
+
+    def _named(self, entry: Pending) -> bool:
+        """Whether `entry`'s ClientHello named the Admission's ``name``: said by `spoke`, or
+        peeked when its handler has not said it yet (both passes of `_make_room` keep it)."""
+        return entry.named or (self.name is not None and _names(entry, self.name))
 
     def release(self, entry: Pending) -> None:
         """The connection authenticated, failed or was ended: its slot is free."""

@@ -298,3 +298,28 @@ def test_with_a_name_only_a_connection_that_names_it_is_kept_for_having_spoken(
         finally:
             gate.close()
             pairs.close()
+
+
+def test_a_peer_whose_client_hello_named_the_job_is_kept_before_its_handler_says_so(
+        port: socket.socket) -> None:
+    """Every slot held by the job's peers (loopback: one network), the newest of them with its
+    ClientHello arrived but not yet said by its handler (`spoke`): a client of another network
+    ends none of them, it is refused."""
+    name = "0123456789abcdef0123456789abcdef.nebula"
+    pairs, gate = Pairs(port), Admission(total=4, per_address=4, deadline=60, name=name)
+    try:
+        peers = [pairs.connect("127.0.0.1") for _ in range(4)]
+        entries = []
+        for client, server in peers:
+            entries.append(gate.admit(server, "127.0.0.1")[0])
+            client.sendall(client_hello(name))
+            assert first_bytes(server, 2)
+        for entry in entries[:3]:
+            gate.spoke(entry)
+        assert [e.named for e in entries] == [True, True, True, False]
+        late, gone = gate.admit(pairs.connect("127.0.0.3")[1], "203.0.113.5")
+        assert gone == [] and late.ended == "refused"
+        assert all(e.ended is None for e in entries) and not ended(peers[3][0], 0.2)
+    finally:
+        gate.close()
+        pairs.close()

@@ -71,6 +71,8 @@ app = typer.Typer(
     no_args_is_help=True, add_completion=True, pretty_exceptions_enable=False,
     rich_markup_mode="markdown",  # docstrings' single line breaks reflow at any width
 )
+JOB_HELP = ("Job id, a unique prefix of one, a job name (its newest job), or a short id (the id's "
+            "last four hex digits, alone or after the name: 954f, hello-954f).")
 out = Console(highlight=False)
 err = Console(stderr=True, highlight=False, soft_wrap=True)
 _debug = {"on": False}
@@ -211,7 +213,7 @@ def launch(
 @app.command()
 @handle_errors
 def resume(
-    job_ref: Annotated[str, typer.Argument(metavar="JOB", help="Job id, prefix or name.")],
+    job_ref: Annotated[str, typer.Argument(metavar="JOB", help=JOB_HELP)],
     detach: Annotated[bool, typer.Option("--detach", "-d",
                                          help="Return once started; print the job id.")] = False,
     accept_new: AcceptNew = False,
@@ -252,7 +254,7 @@ def _bring_up(orch: Orchestrator, start: Callable[[Any, Any], Any], detach: bool
 @app.command()
 @handle_errors
 def status(
-    job_ref: Annotated[str | None, typer.Argument(metavar="[JOB]", help="Job id, prefix or name.")]
+    job_ref: Annotated[str | None, typer.Argument(metavar="[JOB]", help=JOB_HELP)]
     = None,
     as_json: Annotated[bool, typer.Option("--json", help="JSON for scripts.")] = False,
 ) -> None:
@@ -300,7 +302,7 @@ def _job_json(job: Any, attempt: int) -> dict[str, Any]:
 @app.command()
 @handle_errors
 def logs(
-    job_ref: Annotated[str, typer.Argument(metavar="JOB", help="Job id, prefix or name.")],
+    job_ref: Annotated[str, typer.Argument(metavar="JOB", help=JOB_HELP)],
     follow: Annotated[bool, typer.Option("--follow", "-f", help="Follow until the job ends.")]
     = False,
     cluster: Annotated[str | None, typer.Option(help="Only this cluster.")] = None,
@@ -340,7 +342,7 @@ def logs(
 @app.command()
 @handle_errors
 def report(
-    job_ref: Annotated[str, typer.Argument(metavar="JOB", help="Job id, prefix or name.")],
+    job_ref: Annotated[str, typer.Argument(metavar="JOB", help=JOB_HELP)],
     output: Annotated[Path | None, typer.Option(
         help="report.html (one self-contained page) or report.png. Default: "
              "`$NEBULA_HOME/jobs/<id>/report.html`.")] = None,
@@ -365,7 +367,7 @@ def report(
 @app.command()
 @handle_errors
 def stop(
-    job_ref: Annotated[str, typer.Argument(metavar="JOB", help="Job id, prefix or name.")],
+    job_ref: Annotated[str, typer.Argument(metavar="JOB", help=JOB_HELP)],
     grace: Annotated[float | None, typer.Option(
         help="Seconds between SIGTERM and SIGKILL. Default: the spec's `grace`.")] = None,
     force: Annotated[bool, typer.Option("--force", help="Skip the grace period.")] = False,

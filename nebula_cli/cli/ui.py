@@ -18,9 +18,9 @@ from rich.progress import (
     TextColumn,
     TransferSpeedColumn,
 )
-from rich.table import Table
 from rich.text import Text
 
+from nebula_cli.cli.fit import Column, FittedTable
 from nebula_cli.cli.palette import cluster_colours
 from nebula_cli.config.spec import JobSpec
 from nebula_cli.control import final_parameters
@@ -89,12 +89,16 @@ def exit_text(rec: HostRecord) -> str:
     return str(rec.exit_code if rec.exit_code is not None else next(iter(codes.values())))
 
 
-def jobs_table(jobs: list[JobRecord]) -> Table:
-    table = Table(title="nebula jobs", title_justify="left")
-    for col in ("name", "id", "state", "clusters", "hosts", "started", "duration"):
-        table.add_column(col, no_wrap=col in ("id", "started"))
+def jobs_table(jobs: list[JobRecord]) -> FittedTable:
+    """The jobs, each by its name and short id (what every command takes: `StateStore.get_job`),
+    fitted to the terminal (`cli.fit`)."""
+    table = FittedTable([
+        Column("name"), Column("id", keep=95), Column("state", keep=98),
+        Column("clusters", keep=40, wrap=True), Column("hosts", keep=30, justify="right"),
+        Column("started", keep=50), Column("duration", keep=60, justify="right")],
+        title="nebula jobs")
     for job in jobs:
-        table.add_row(job.name, job.id, state_text(job.state), ", ".join(job.clusters),
+        table.add_row(job.name, job.short_id, state_text(job.state), ", ".join(job.clusters),
                       str(job.num_hosts), human_time(job.started or job.created),
                       human_duration(job_duration(job)))
     return table
@@ -170,9 +174,11 @@ def job_detail(snap: JobSnapshot, metrics: dict[str, dict[str, Any]] | None = No
     )
     if job.reason and job.state in ("FAILED", "QUEUED"):
         head.append(f"\nreason: {job.reason}", style="red" if job.state == "FAILED" else "")
-    table = Table(show_edge=False)
-    for col in ("cluster", "host", "role", "state", "agent", "pid", "restarts", "exit", "note"):
-        table.add_column(col)
+    table = FittedTable([
+        Column("cluster"), Column("host"), Column("role", keep=90), Column("state", keep=95),
+        Column("agent", keep=20, justify="right"), Column("pid", keep=25, justify="right"),
+        Column("restarts", keep=60, justify="right"), Column("exit", keep=70, justify="right"),
+        Column("note", keep=80, wrap=True, stack=True)], show_edge=False, name=(0, 1))
     for h in snap.hosts:
         note = h.detail.get("unreachable") or h.detail.get("metrics_unreachable") or (
             h.detail.get("reason") if h.state in ("FAILED", "LOST", "RESTARTING") else
@@ -214,21 +220,28 @@ def sparkline(values: list[float], width: int = 20) -> str:
 def metrics_table(
     clusters: list[str], latest: dict[str, dict[str, Any]], relay: dict[str, dict[str, Any]],
     history: dict[str, Any] | None = None,
-) -> Table:
+) -> FittedTable:
     """Per cluster: step, losses (with a sparkline of the recent train loss when `history`
     holds the cluster's records), tokens/s, soft labels (in a job with students), outer round,
     round time, WAN bytes, present, the newest checkpoint (and whether saving fails). In a
     job with distillation the soft labels column says a student cluster's batches with labels
     and a teacher cluster's answers per second, their latency and the queue."""
     colors = cluster_colors(clusters)
-    table = Table(show_edge=False, title_justify="left")
     distill = any(key in latest.get(name, {}) for name in clusters
                   for key in ("distill_batches", "teacher_answers"))
-    columns = ["cluster", "step", "loss", *(["loss trend"] if history else []), "eval loss",
-               "tokens/s (or samples/s)", *(["soft labels"] if distill else []), "round",
-               "round time", "WAN sent", "WAN recv", "present", "checkpoint"]
-    for col in columns:
-        table.add_column(col, justify="left" if col in ("cluster", "loss trend") else "right")
+    table = FittedTable([
+        Column("cluster"), Column("step", keep=90, justify="right"),
+        Column("loss", keep=85, justify="right"),
+        *([Column("loss trend", keep=30)] if history else []),
+        Column("eval loss", keep=70, justify="right"),
+        Column("tokens/s\n(or samples/s)", keep=75, justify="right"),
+        *([Column("soft labels", keep=65, justify="right", wrap=True, stack=True)]
+          if distill else []),
+        Column("round", keep=80, justify="right"), Column("round time", keep=50, justify="right"),
+        Column("WAN sent", keep=45, justify="right"), Column("WAN recv", keep=40, justify="right"),
+        Column("present", keep=55, justify="right"),
+        Column("checkpoint", keep=60, justify="right", wrap=True, stack=True)],
+        show_edge=False)
     for name in clusters:
         m = latest.get(name, {})
         r = relay.get(name, {})
@@ -325,11 +338,14 @@ def final_summary(finals: list[dict[str, Any]], clusters: list[str],
         return None
     colors = cluster_colors(clusters)
     staged = any("stage" in f for f in finals)
-    table = Table(title="summary", title_justify="left", show_edge=False)
-    columns = ["cluster", "host", "rank", *(["stage/replica"] if staged else []), "step",
-               "first loss", "last loss", "eval loss", "s/step", "parameters sha256"]
-    for col in columns:
-        table.add_column(col, justify="left" if col in ("cluster", "host") else "right")
+    table = FittedTable([
+        Column("cluster"), Column("host", keep=95), Column("rank", keep=90, justify="right"),
+        *([Column("stage/replica", keep=85, justify="right")] if staged else []),
+        Column("step", keep=80, justify="right"), Column("first loss", keep=40, justify="right"),
+        Column("last loss", keep=75, justify="right"),
+        Column("eval loss", keep=70, justify="right"), Column("s/step", keep=50, justify="right"),
+        Column("parameters sha256", keep=60, justify="right")],
+        title="summary", show_edge=False, name=(0, 1, 2))
     ordered = sorted(finals, key=lambda f: (clusters.index(f["cluster"])
                                             if f["cluster"] in clusters else 99,
                                             str(f.get("rank"))))
@@ -350,16 +366,18 @@ def parameter_verdict(said: final_parameters.ParameterVerdict | None) -> list[Te
     return [Text(said.sentence(), style="green" if said.identical else "bold red")]
 
 
-def host_checks_table(checks: list[HostCheck]) -> Table:
+def host_checks_table(checks: list[HostCheck]) -> FittedTable:
     """`validate --hosts`: one row per host, failures named; below, what each scheduler said
     it would give the spec (a Slurm login node's ``sbatch --test-only``)."""
     colors = cluster_colors(dict.fromkeys(c.cluster for c in checks))
     said = [f"{c.cluster}/{c.host}: {c.scheduler}" for c in checks if c.scheduler]
-    table = Table(title="hosts", title_justify="left", show_edge=False,
-                  caption=Text("\n".join(said)) if said else None, caption_justify="left")
-    for col in ("cluster", "host", "reachable", "python", "torch", "deepspeed", "free disk",
-                "slots", "interface", "problems"):
-        table.add_column(col)
+    table = FittedTable([
+        Column("cluster"), Column("host"), Column("reachable", keep=90), Column("python", keep=60),
+        Column("torch", keep=55), Column("deepspeed", keep=50),
+        Column("free disk", keep=45, justify="right"), Column("slots", keep=40, justify="right"),
+        Column("interface", keep=35), Column("problems", keep=95, wrap=True, stack=True)],
+        title="hosts", show_edge=False, name=(0, 1),
+        caption=Text("\n".join(said)) if said else None)
     for c in checks:
         table.add_row(
             Text(c.cluster, style=colors.get(c.cluster, "")), c.host,

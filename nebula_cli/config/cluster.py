@@ -179,8 +179,8 @@ class ClusterSpec(_ClusterSections):  # type: ignore[misc,valid-type]
                                    "server of `teacher:`; remove one")]
         if kind.serves_labels and self.teacher is None and self.run is None:
             return [(("role",), "a teacher cluster needs its server: `run: <command>` (a "
-                                "script calling nebula_cli.distill.serve) or `teacher: {model: "
-                                "<Hugging Face model directory>}`")]
+                                "script calling nebula_cli.runtime.distill.serve) or "
+                                "`teacher: {model: <Hugging Face model directory>}`")]
         return []
 
     @property

@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import secrets
 import sqlite3
 import time
@@ -107,6 +108,16 @@ def new_job_id(name: str, now: float | None = None) -> str:
     return f"{name}-{stamp:%Y%m%d-%H%M%S}-{secrets.token_hex(2)}"
 
 
+SHORT_REF = re.compile(r"(?:(?P<name>.+)-)?(?P<short>[0-9a-f]{4})")
+"""A job's short reference: its id's last four hex digits, alone or after its name
+(``24ff``, ``quickstart-24ff``)."""
+
+
+def short_id(job_id: str) -> str:
+    """The last part of a job id (`new_job_id`'s four hex digits): what tables show."""
+    return job_id.rsplit("-", 1)[-1]
+
+
 MAX_EVENTS = 2000
 """Events kept per job (the newest; `StateStore.add_event` prunes older ones)."""
 PRUNE_EVERY = 100
@@ -179,6 +190,11 @@ class JobRecord:
     @property
     def num_hosts(self) -> int:
         return sum(len(c.get("hosts", [])) for c in self.spec.get("clusters", []))
+
+    @property
+    def short_id(self) -> str:
+        """What tables show of the id; every command takes it (`StateStore.get_job`)."""
+        return short_id(self.id)
 
 
 @dataclass
@@ -334,14 +350,20 @@ class StateStore:
         return int(row[0])
 
     def get_job(self, ref: str) -> JobRecord:
-        """A job by id, or by a unique prefix of its id, or the newest job of that name."""
+        """A job by id, or by a unique prefix of its id, or the newest job of that name, or by
+        its short id (`SHORT_REF`: the id's last four hex digits, alone or after its name)."""
         row = self._db.execute("SELECT * FROM jobs WHERE id = ?", (ref,)).fetchone()
         if row is None:
             rows = self._db.execute(
                 "SELECT * FROM jobs WHERE id LIKE ? ESCAPE '\\' ORDER BY created DESC",
-                (ref.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_") + "%",),
+                (_like(ref) + "%",),
             ).fetchall()
             names = [r for r in rows if r["name"] == ref]
+            if not rows and (short := SHORT_REF.fullmatch(ref)) is not None:
+                rows = [r for r in self._db.execute(
+                    "SELECT * FROM jobs WHERE id LIKE ? ESCAPE '\\' ORDER BY created DESC",
+                    ("%-" + short["short"],)).fetchall()
+                    if short["name"] in (None, r["name"])]
             if names:
                 row = names[0]
             elif len(rows) == 1:
@@ -422,6 +444,11 @@ class StateStore:
             "SELECT * FROM events WHERE job_id = ? AND id > ? ORDER BY id", (job_id, after_id)
         ).fetchall()
         return [Event(**dict(r)) for r in rows]
+
+
+def _like(text: str) -> str:
+    """`text` as a LIKE pattern that matches it literally (ESCAPE '\\')."""
+    return text.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_")
 
 
 def _job(row: sqlite3.Row) -> JobRecord:

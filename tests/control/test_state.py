@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 from helpers.old_state import old_home
 
+from nebula_cli.control import state
 from nebula_cli.control.state import SCHEMA_VERSION, HostRecord, StateStore, new_job_id
 from nebula_cli.errors import JobNotFound, NebulaError
 from nebula_cli.schedulers.slurm.node_conn import SlurmNodeConn
@@ -36,6 +37,27 @@ def test_create_get_and_lookup_by_prefix_and_name(tmp_path: Path) -> None:
         store.create_job("demo", SPEC, None)
         with pytest.raises(JobNotFound, match="matches several jobs"):
             store.get_job("demo-")
+
+
+def test_a_job_is_found_by_its_short_id_alone_or_after_its_name(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The tables show a job's name and the id's last four hex digits; every command takes
+    those (`get_job`), alone or as ``<name>-<short>``; one shared by two jobs is refused with
+    both named, the name then tells them apart."""
+    with StateStore(tmp_path) as store:
+        job = store.create_job("demo", SPEC, "job.yaml")
+        assert job.short_id == job.id[-4:] and re.fullmatch(r"[0-9a-f]{4}", job.short_id)
+        assert store.get_job(job.short_id).id == job.id
+        assert store.get_job(f"demo-{job.short_id}").id == job.id
+        with pytest.raises(JobNotFound, match="no job 'other-"):
+            store.get_job(f"other-{job.short_id}")
+        monkeypatch.setattr(state.secrets, "token_hex", lambda n: job.short_id)
+        twin = store.create_job("twin", SPEC, None)  # the same four digits
+        assert twin.short_id == job.short_id
+        with pytest.raises(JobNotFound, match=f"'{job.short_id}' matches several jobs"):
+            store.get_job(job.short_id)
+        assert store.get_job(f"twin-{job.short_id}").name == "twin"
+        assert store.get_job(f"demo-{job.short_id}").id == job.id
 
 
 def test_state_transitions_set_times(tmp_path: Path) -> None:

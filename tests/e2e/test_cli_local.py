@@ -101,8 +101,9 @@ def test_worker_killed_while_detached_shows_failed(cli: CLI, tmp_path: Path) -> 
                 os.kill(pid, signal.SIGKILL)
     final = wait_for(lambda: (s := status_json(cli, job_id))["state"] != "RUNNING" and s)
     assert final["state"] == "FAILED" and "e1" in final["reason"]
-    plain = cli("status").stdout
-    assert job_id in plain and "FAILED" in plain
+    plain = cli("status").stdout  # the jobs by name and short id, which commands take
+    assert job_id.rsplit("-", 1)[1] in plain and "FAILED" in plain
+    assert job_id in cli("status", job_id.rsplit("-", 1)[1], check=True).stdout
 
 
 def test_dead_agent_and_workers_are_not_stuck_running(cli: CLI, tmp_path: Path) -> None:

@@ -1,0 +1,166 @@
+"""cli/fit: tables fitted to the terminal. Every table `nebula status`, the live view and
+`validate --hosts` print, drawn at 80 columns with realistic values: no value cut (no "…"),
+the columns that matter kept, a stacked column's values said under the table."""
+
+from __future__ import annotations
+
+import re
+import time
+
+import pytest
+from rich.console import Console
+
+from nebula_cli.cli.fit import Column, FittedTable, fitted_columns
+from nebula_cli.cli.ui import (
+    final_summary,
+    host_checks_table,
+    job_detail,
+    jobs_table,
+    metrics_table,
+    status_panel,
+)
+from nebula_cli.control.final_parameters import ParameterVerdict
+from nebula_cli.control.hostcheck import HostCheck
+from nebula_cli.control.jobs import JobSnapshot
+from nebula_cli.control.state import HostRecord, JobRecord
+
+NOW = time.time()
+SPEC = {"clusters": [{"name": "east", "hosts": ["e1", "e2"]},
+                     {"name": "west-cloud", "hosts": ["w1"]}]}
+
+
+def draw(renderable: object, width: int = 80) -> str:
+    console = Console(record=True, width=width, color_system=None)
+    console.print(renderable)
+    return console.export_text()
+
+
+def uncut(text: str) -> None:
+    assert "…" not in text, text
+    assert all(len(line) <= 80 for line in text.splitlines()), text
+
+
+def job(job_id: str = "quickstart-20261203-125814-24ff", state: str = "SUCCEEDED") -> JobRecord:
+    return JobRecord(id=job_id, name=job_id.rsplit("-", 3)[0], spec_path=None, spec=SPEC,
+                     state=state, created=NOW - 4000, started=NOW - 3925, ended=NOW - 100,
+                     reason=None)
+
+
+def test_the_narrowest_columns_go_first_and_the_first_never() -> None:
+    columns = [Column("a"), Column("b", keep=10), Column("c", keep=50), Column("d", keep=10)]
+    rows = [["x" * 10, "y" * 10, "z" * 10, "w" * 10]]
+    assert fitted_columns(columns, rows, 200, edge=True) == [0, 1, 2, 3]
+    assert fitted_columns(columns, rows, 40, edge=True) == [0, 1, 2]  # equal keep: the right
+    assert fitted_columns(columns, rows, 30, edge=True) == [0, 2]
+    assert fitted_columns(columns, rows, 5, edge=True) == [0]
+    with pytest.raises(ValueError, match="a row of 2 cells in a table of 4 columns"):
+        FittedTable(columns).add_row("x", "y")
+
+
+def test_a_stacked_column_that_goes_is_said_under_the_table() -> None:
+    table = FittedTable([Column("host"), Column("state", keep=90),
+                         Column("note", keep=10, stack=True)], name=(0,))
+    table.add_row("e1", "FAILED", "exit 137 (killed: out of memory?) " + "x" * 40)
+    table.add_row("e2", "RUNNING", "")
+    wide, narrow = draw(table, 200), draw(table, 40)
+    assert "note" in wide and "exit 137" in wide
+    assert "note" not in narrow.splitlines()[1]
+    assert "e1 note: exit 137 (killed: out of memory?)" in " ".join(narrow.split())
+    assert "e2 note" not in narrow
+
+
+def test_the_jobs_table_shows_each_job_by_name_and_short_id_at_80_columns() -> None:
+    jobs = [job(), job("a-much-longer-job-name-20261203-130102-0a1b", "RUNNING")]
+    shown = draw(jobs_table(jobs))
+    uncut(shown)
+    for word in ("quickstart", "24ff", "a-much-longer-job-name", "0a1b", "SUCCEEDED",
+                 "RUNNING"):
+        assert word in shown, (word, shown)
+    assert re.search(r"1h0\dm\d\ds", shown), shown
+    assert "20261203-125814" not in shown  # the long id is not what takes the room
+
+
+def _hosts() -> list[HostRecord]:
+    out = []
+    for cluster, host, role, state, note in (
+            ("east", "e1", "relay", "RUNNING", None), ("east", "e1", "worker", "RUNNING", None),
+            ("east", "e2", "worker", "FAILED", "rank 1 exited 137 (SIGKILL: out of memory?)"),
+            ("west-cloud", "w1.example.org", "worker", "RESTARTING", "host unreachable")):
+        detail = {"agent_pid": 123456, "reason": note} if note else {"agent_pid": 123456}
+        out.append(HostRecord(job_id="quickstart-20261203-125814-24ff", cluster=cluster,
+                              host=host, role=role, node_rank=0, slots=2, agent_dir="/x",
+                              state=state, pid=2345678, restarts=3, exit_code=137,
+                              detail=detail))
+    return out
+
+
+def _metrics() -> tuple[dict[str, dict[str, object]], dict[str, dict[str, object]]]:
+    latest = {"east": {"step": 123456, "loss": 1.73456, "eval_loss": 1.81234,
+                       "tokens_per_s": 123456.0, "outer_round": 1234, "round_s": 12.345,
+                       "clusters_present": 2, "checkpoint_step": 120000,
+                       "resumed_from_step": 60000},
+              "west-cloud": {"step": 123400, "loss": 1.70001, "tokens_per_s": 98765.0,
+                             "outer_round": 1234}}
+    relay = {"east": {"bytes_sent_total": 123.4e9, "bytes_received_total": 98.7e9},
+             "west-cloud": {"bytes_sent_total": 1.2e9, "bytes_received_total": 3.4e9}}
+    return latest, relay
+
+
+def test_status_of_one_job_keeps_every_number_whole_at_80_columns() -> None:
+    latest, relay = _metrics()
+    shown = draw(job_detail(JobSnapshot(job(), _hosts()), latest, relay))
+    uncut(shown)
+    for number in ("123456", "1.735", "1.812", "1234", "120000", "137"):
+        assert number in shown, (number, shown)
+    assert "2345678" in draw(job_detail(JobSnapshot(job(), _hosts()), latest, relay), 160)
+    note = "rank 1 exited 137 (SIGKILL: out of memory?)"
+    assert all(word in shown for word in note.split()), shown  # wrapped at its words
+    assert "host unreachable" in shown and "RESTARTING" in shown and "w1.example.org" in shown
+    assert note in draw(job_detail(JobSnapshot(job(), _hosts()), latest, relay), 160)
+
+
+def test_the_live_views_panel_keeps_every_number_whole_at_80_columns() -> None:
+    latest, relay = _metrics()
+    history = {"east": [{"loss": 2.0 - i / 10} for i in range(10)]}
+    shown = draw(status_panel(JobSnapshot(job(state="RUNNING"), _hosts()), latest, relay,
+                              history))
+    uncut(shown)
+    for number in ("123456", "1.735", "1234", "120000"):
+        assert number in shown, (number, shown)
+
+
+def test_the_final_summary_and_host_checks_keep_their_values_whole_at_80_columns() -> None:
+    finals = [{"cluster": c, "host": h, "rank": r, "step": 123456, "first_loss": 10.12345,
+               "last_loss": 1.70123, "eval_loss": 1.81234, "s_per_step": 0.1234,
+               "param_sha256": "0123456789abcdef" * 4}
+              for c, h, r in (("east", "e1", 0), ("east", "e2", 1), ("west-cloud", "w1", 0))]
+    said = ParameterVerdict(workers=3, sets=1, unknown=0, stages=None)
+    summary = draw(final_summary(finals, ["east", "west-cloud"], said))
+    uncut(summary)
+    assert re.search(r"west-cloud\s+w1\s+0\s+123456", summary.replace("│", "")), summary
+    assert "1.701" in summary and "0123456789abcdef" in summary
+    refused = ("ssh: connect to host w1 port 22: Connection refused; check the address and "
+               "that sshd runs")
+    checks = [HostCheck(cluster="east", host="e1.example.org", slots=8, reachable=True,
+                        python="3.11.2", torch="2.5.1+cu124", deepspeed="0.16.2",
+                        free_bytes=1234 * 10**9, interface="eth0"),
+              HostCheck(cluster="west-cloud", host="w1", slots=4, reachable=False,
+                        error=refused)]
+    hosts = draw(host_checks_table(checks))
+    uncut(hosts)
+    assert "e1.example.org" in hosts and "2.5.1+cu124" in hosts
+    assert all(word in hosts for word in refused.split()), hosts
+
+
+def test_a_distillation_jobs_soft_labels_stay_readable_at_80_columns() -> None:
+    latest, relay = _metrics()
+    latest["east"].update(distill_batches=40, distill_without_labels=3, distill_kd=0.4321)
+    latest["west-cloud"].update(teacher_answers=120, teacher_answers_per_s=7.5,
+                                teacher_latency_ms=41.6, teacher_queue=2)
+    shown = draw(metrics_table(["east", "west-cloud"], latest, relay))
+    uncut(shown)
+    for said in ("37/40", "(3", "without),", "KD 0.432", "7.5", "answers/s,", "42 ms,",
+                 "queue 2"):
+        assert said in shown, (said, shown)
+    assert "east checkpoint: 120000 (resumed 60000)" in shown  # stacked, not lost
+    assert "west-cloud checkpoint" not in shown  # it has none: nothing said

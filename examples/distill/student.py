@@ -19,7 +19,8 @@ WIDTH, BATCH, STEPS = 64, 8, int(os.environ.get("STEPS", "200"))
 
 if __name__ == "__main__":
     cfg = DistillConfig.load(os.environ[DISTILL_CONFIG_ENV])
-    tok = train_tokenizer(Path("out/bpe.json"))
+    # the job's own folder on this host (set by nebula's agent), not the user's checkout
+    tok = train_tokenizer(Path(os.environ.get("NEBULA_AGENT_DIR", "out")) / "bpe.json")
     train, held = token_split(tok)
     seqs = sequences(train, WIDTH)
     batches = [seqs[(i * BATCH) % (len(seqs) - BATCH):][:BATCH] for i in range(STEPS)]

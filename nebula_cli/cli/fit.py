@@ -63,11 +63,42 @@ def fitted_columns(columns: Sequence[Column], rows: Sequence[Sequence[Cell]], wi
                    edge: bool) -> list[int]:
     """The indices of the columns kept in `width` (in their order; the first always)."""
     kept = list(range(len(columns)))
-    narrowest = [_narrowest(c, [row[i] for row in rows]) for i, c in enumerate(columns)]
+    narrowest = narrowest_widths(columns, rows)
     while len(kept) > 1 and _width([narrowest[i] for i in kept], edge) > width:
         drop = min(kept[1:], key=lambda i: (columns[i].keep, -i))
         kept.remove(drop)
     return kept
+
+
+def narrowest_widths(columns: Sequence[Column], rows: Sequence[Sequence[Cell]]) -> list[int]:
+    """Each column's narrowest width with nothing cut."""
+    return [_narrowest(c, [row[i] for row in rows]) for i, c in enumerate(columns)]
+
+
+def _natural(column: Column, cells: Sequence[Cell]) -> int:
+    """The column's width with nothing wrapped: its longest line."""
+    lines = [x for t in (column.header, *(_text(c) for c in cells)) for x in t.splitlines()]
+    return max((cell_len(x) for x in lines), default=0)
+
+
+def column_widths(columns: Sequence[Column], rows: Sequence[Sequence[Cell]], kept: list[int],
+                  width: int, edge: bool) -> list[int]:
+    """The widths of the `kept` columns in `width`: each at least its narrowest, the space left
+    shared one cell at a time among the wrapping columns not yet at their natural width (rich's
+    own layout shrinks the widest wrapping columns below their words, or crops the table)."""
+    narrowest = narrowest_widths(columns, rows)
+    natural = [max(_natural(c, [row[i] for row in rows]), narrowest[i])
+               for i, c in enumerate(columns)]
+    widths = [narrowest[i] for i in kept]
+    spare = width - _width(widths, edge)
+    while spare > 0:
+        growing = [k for k, i in enumerate(kept) if widths[k] < natural[i]]
+        if not growing:
+            break
+        for k in growing[:spare]:
+            widths[k] += 1
+        spare -= min(len(growing), spare)
+    return widths
 
 
 class FittedTable:
@@ -94,11 +125,13 @@ class FittedTable:
     def table(self, width: int) -> tuple[Table, list[Text]]:
         """The rich table for `width`, and the lines of the stacked columns that went."""
         kept = fitted_columns(self.columns, self.rows, width, self.show_edge)
+        widths = column_widths(self.columns, self.rows, kept, width, self.show_edge)
         table = Table(title=self.title, title_justify="left", show_edge=self.show_edge,
                       caption=self.caption, caption_justify="left")
-        for i in kept:
+        for i, w in zip(kept, widths, strict=True):
             c = self.columns[i]
-            table.add_column(c.header, justify=c.justify, no_wrap=not c.wrap, overflow="fold")
+            table.add_column(c.header, justify=c.justify, no_wrap=not c.wrap, overflow="fold",
+                             width=w)
         for row in self.rows:
             table.add_row(*(row[i] for i in kept))
         stacked = []

@@ -11,6 +11,7 @@ from rich.progress import BarColumn, Progress, TaskID, TextColumn, TimeElapsedCo
 from rich.table import Table
 from rich.text import Text
 
+from nebula_cli.cli.fit import Column, FittedTable
 from nebula_cli.planner.advisor import Advice, spec_lines
 from nebula_cli.planner.outer_memory import ClusterMemory, gib
 from nebula_cli.planner.placement import PhaseProgress, PlacementResult
@@ -122,15 +123,16 @@ def advisor_table(advice: Advice) -> Group:
                  Text(spec_lines(advice).rstrip("\n")))
 
 
-def outer_memory_table(params: int, clusters: list[ClusterMemory]) -> Table:
-    """Per cluster and process role, the memory the outer step takes (planner/outer_memory)."""
-    table = Table(title=f"outer-step memory per process, GiB: {params:,} parameters (copies of "
-                        "the process's fp32 shard; shared: memfd, in no RSS)",
-                  title_justify="left")
-    table.add_column("cluster")
-    table.add_column("process")
-    for name in ("ranks", "shard", "copies", "own", "shared", "total"):
-        table.add_column(name, justify="right")
+def outer_memory_table(params: int, clusters: list[ClusterMemory]) -> FittedTable:
+    """Per cluster and process role, the memory the outer step takes (planner/outer_memory),
+    fitted to the terminal (`cli.fit`: the total stays, the parts go first)."""
+    table = FittedTable(
+        [Column("cluster"), Column("process"), Column("ranks", keep=40, justify="right"),
+         Column("shard", keep=50, justify="right"), Column("copies", keep=60, justify="right"),
+         Column("own", keep=80, justify="right"), Column("shared", keep=70, justify="right"),
+         Column("total", justify="right")],
+        title=f"outer-step memory per process, GiB: {params:,} parameters (copies of the "
+              "process's fp32 shard; shared: memfd, in no RSS)")
     for c in clusters:
         for p in c.processes:
             table.add_row(c.cluster, p.role.value, str(c.ranks), gib(p.shard_bytes, unit=False),

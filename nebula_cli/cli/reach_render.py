@@ -3,9 +3,9 @@ tried (`control.reachcheck`) and the plan's, and what to change when the plan's 
 
 from __future__ import annotations
 
-from rich.table import Table
 from rich.text import Text
 
+from nebula_cli.cli.fit import Column, FittedTable
 from nebula_cli.control.reachcheck import DIRECT, TUNNEL, PairCheck, ReachReport, Way
 
 
@@ -15,13 +15,13 @@ def _cell(way: Way) -> Text:
     return Text(("✓ " if way.works else "✗ ") + way.said, style="green" if way.works else "red")
 
 
-def reach_table(report: ReachReport) -> Table:
+def reach_table(report: ReachReport) -> FittedTable:
     """One row per pair of clusters: a -> b and b -> a, directly and over SSH, then the
-    plan's way (see `reach`)."""
-    table = Table(title="relays: which way each pair can connect", title_justify="left",
-                  show_edge=False)
-    for col in ("pair", "a → b", "b → a", "a → b by SSH", "b → a by SSH", "the plan"):
-        table.add_column(col)
+    plan's way (see `reach`); what was said wraps at its words (`cli.fit`)."""
+    table = FittedTable([Column("pair"), *(Column(way, keep=90, wrap=True, stack=True) for way in
+                                           ("a → b", "b → a", "a → b by SSH", "b → a by SSH")),
+                         Column("the plan", keep=95, wrap=True)],
+                        title="relays: which way each pair can connect", show_edge=False)
     for p in report.pairs:
         table.add_row(
             str(p), _cell(p.way(p.a, p.b, DIRECT)), _cell(p.way(p.b, p.a, DIRECT)),

@@ -11,6 +11,8 @@ import pytest
 from rich.console import Console
 
 from nebula_cli.cli.fit import Column, FittedTable, fitted_columns
+from nebula_cli.cli.planner_render import outer_memory_table
+from nebula_cli.cli.reach_render import reach_table
 from nebula_cli.cli.ui import (
     final_summary,
     host_checks_table,
@@ -19,10 +21,13 @@ from nebula_cli.cli.ui import (
     metrics_table,
     status_panel,
 )
+from nebula_cli.config.reach import Link
 from nebula_cli.control.final_parameters import ParameterVerdict
 from nebula_cli.control.hostcheck import HostCheck
 from nebula_cli.control.jobs import JobSnapshot
+from nebula_cli.control.reachcheck import DIRECT, TUNNEL, PairCheck, ReachReport, Way
 from nebula_cli.control.state import HostRecord, JobRecord
+from nebula_cli.planner.outer_memory import job_memory
 
 NOW = time.time()
 SPEC = {"clusters": [{"name": "east", "hosts": ["e1", "e2"]},
@@ -31,7 +36,7 @@ SPEC = {"clusters": [{"name": "east", "hosts": ["e1", "e2"]},
 
 def draw(renderable: object, width: int = 80) -> str:
     console = Console(record=True, width=width, color_system=None)
-    console.print(renderable)
+    console.print(renderable, crop=False)  # a table wider than the terminal shows as such
     return console.export_text()
 
 
@@ -164,3 +169,19 @@ def test_a_distillation_jobs_soft_labels_stay_readable_at_80_columns() -> None:
         assert said in shown, (said, shown)
     assert "east checkpoint: 120000 (resumed 60000)" in shown  # stacked, not lost
     assert "west-cloud checkpoint" not in shown  # it has none: nothing said
+
+
+def test_the_plans_memory_and_the_relays_reach_fit_80_columns() -> None:
+    memory = draw(outer_memory_table(7_000_000_000, job_memory(7_000_000_000,
+                                                               {"east": 16, "west-cloud": 8})))
+    uncut(memory)
+    assert "7,000,000,000" in " ".join(memory.split()) and "total" in memory
+    assert re.search(r"west-cloud\s+│\s+relay", memory), memory
+    pair = PairCheck("east", "west-cloud", Link("east", "west-cloud", tunnel=True), {
+        ("east", "west-cloud", DIRECT): Way(False, "timed out after 5 s (a firewall?)"),
+        ("west-cloud", "east", DIRECT): Way(True, "connected"),
+        ("east", "west-cloud", TUNNEL): Way(True, "sshd OpenSSH_9.2p1")})
+    reach = draw(reach_table(ReachReport([pair], [])))
+    uncut(reach)
+    for said in ("timed", "firewall?)", "connected", "OpenSSH_9.2p1", "works"):
+        assert said in reach, (said, reach)

@@ -45,3 +45,5 @@ def test_the_distill_example_runs_under_nebula_launch(cli: CLI, tmp_path: Path) 
     assert soft["distill_bytes_per_token"] == pytest.approx(per_token, abs=0.01), soft
     logs = cli("logs", job_id, check=True).stdout
     assert "eval loss" in logs and "on cpu" in logs, logs[-2000:]
+    # run in place (the local transport uses the workdir as it is): nothing written into it
+    assert not (examples / "out").exists()

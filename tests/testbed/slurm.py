@@ -439,15 +439,27 @@ class SlurmCluster:
                           check=False).stdout
         return out.split()[0] if out.split() else ""
 
-    def wait_state(self, job_id: str, states: Sequence[str], timeout: float = 30) -> str:
-        """Wait until the job is in one of `states`; its state, or SlurmError after timeout."""
+    def wait_state(self, job_id: str, states: Sequence[str], timeout: float = 30,
+                   said: Path | None = None) -> str:
+        """Wait until the job is in one of `states`; its state, or SlurmError after timeout
+        with what Slurm knows of the job and its steps, the daemons' logs and the job's output
+        file `said` (where the test knows it)."""
         deadline = time.monotonic() + timeout
         while (state := self.job_state(job_id)) not in states:
             if time.monotonic() > deadline:
                 raise SlurmError(f"job {job_id} is {state or 'unknown'}, not {'/'.join(states)} "
-                                 f"after {timeout:g} s")
+                                 f"after {timeout:g} s\n" + self._job_report(job_id, said))
             time.sleep(0.2)
         return state
+
+    def _job_report(self, job_id: str, said: Path | None) -> str:
+        steps = self.client("squeue", "-h", "-s", "-j", job_id, "-o", "%i %M %N",
+                            check=False)
+        job = self.client("scontrol", "show", "job", "-d", job_id, check=False)
+        output = (said.read_text(errors="replace")[-4000:] if said is not None and said.exists()
+                  else "(no output file)")
+        return (f"steps:\n{steps.stdout}{steps.stderr}\n{job.stdout}{job.stderr}\n"
+                f"output:\n{output}\n{self.logs()}")
 
     def cancel(self, *job_ids: str, timeout: float = SETTLE_TIMEOUT_S) -> None:
         """scancel the jobs and wait until none of them is pending, running or completing."""

@@ -76,12 +76,17 @@ def test_login_node_reaches_the_beds_own_controller(slurm_bed: TestBed) -> None:
 def test_batch_job_runs_srun_on_both_nodes(slurm_bed: TestBed, jobs: list[str],
                                            tmp_path: Path) -> None:
     bed, slurm = slurm_bed, slurm_of(slurm_bed)
+    # --overlap, as nebula's own steps: without it the second step waits until slurmctld has
+    # released the first one's CPUs, and an srun told "Requested nodes are busy" whose wake-up
+    # comes before it listens sleeps max(60, SlurmctldTimeout) + pid % 10 seconds
+    # (srun/launch.c), longer than this test waits (seen once in CI).
     job = sbatch(bed, jobs, tmp_path, "-N2 --ntasks-per-node=1",
                  'echo "batch on $SLURMD_NODENAME"\n'
-                 "srun hostname -I\n"
-                 "srun sh -c 'echo task $SLURM_PROCID on $SLURMD_NODENAME'\n")
-    assert slurm.wait_state(job, FINISHED) == "COMPLETED"
-    output = (tmp_path / f"{job}.out").read_text()
+                 "srun --overlap hostname -I\n"
+                 "srun --overlap sh -c 'echo task $SLURM_PROCID on $SLURMD_NODENAME'\n")
+    output = tmp_path / f"{job}.out"
+    assert slurm.wait_state(job, FINISHED, said=output) == "COMPLETED"
+    output = output.read_text()
     addresses = {n.address for n in slurm.nodes.values()}
     assert addresses <= set(output.split()), output
     assert "task 0 on c1" in output and "task 1 on c2" in output

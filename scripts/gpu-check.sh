@@ -14,7 +14,8 @@
 #      int8, an outer round every H steps): the job's state, eval loss, s/step, whether both
 #      workers ended with the same parameters, and the relay's round time with CUDA tensors
 #      (the workers' round_s).
-#   5. distill: examples/distill (phase b) as its nebula.yaml says, then with sampled labels: a
+#   5. distill: examples/distill (phase b) as its nebula.yaml says (the defaults: 12 sampled
+#      labels a token), then with the teacher's top 32: a
 #      GPT-2 teacher served on the GPU by one cluster, the example's student trained on the GPU
 #      by another through the label relay: the teacher's answers/s and latency, the student's
 #      bytes per token, batches without labels, its eval loss and device.
@@ -265,8 +266,9 @@ def quickstart():
 
 @part("distill")
 def distill():
-    """examples/distill as its nebula.yaml says (phase b), twice: its top-k labels, then
-    sampled labels (`labels: sampled`, 12 draws, T 1, alpha 0.9): the built-in example teacher
+    """examples/distill as its nebula.yaml says (phase b), twice: the spec's default labels
+    (`labels: sampled`, 12 draws, T 1, alpha 0.9), then the teacher's top 32 (`labels: topk`,
+    fp16 values) at the same T and alpha: the built-in example teacher
     (a GPT-2 over the example's 2048-token BPE vocabulary) served on the GPU by one cluster, the
     example student trained on the GPU by another through the label relay (mutual TLS,
     loopback); the teacher's busiest answers per second and mean latency, the student's bytes
@@ -285,8 +287,7 @@ def distill():
     model.save_pretrained(examples / "distill" / "teacher")
     steps = 20 if DRY else 200
     out = {"teacher_params": params, "steps": steps}
-    for name, change in (("topk", {}), ("sampled", {"labels": "sampled", "topk": 12,
-                                                    "temperature": 1.0, "alpha": 0.9})):
+    for name, change in (("sampled", {}), ("topk", {"labels": "topk", "topk": 32})):
         spec = yaml.safe_load((examples / "distill" / "nebula.yaml").read_text())
         spec["env"] = {"STEPS": str(steps), "OMP_NUM_THREADS": "1"}
         spec["distill"].update(change)

@@ -205,6 +205,8 @@ def launch(
 ) -> None:
     """Provision every host, start the job, then show it live (Ctrl-C detaches)."""
     spec = load_spec(spec_path)
+    for note in spec.distill.notes() if spec.distill is not None else []:
+        err.print(f"[yellow]note:[/] {escape(note)}", markup=True, highlight=False)
     with _store() as store, Orchestrator(store, accept_new_host_keys=accept_new) as orch:
         _bring_up(orch, lambda note, transfer: orch.launch(spec, progress=note,
                                                            transfer=transfer), detach, "launch")

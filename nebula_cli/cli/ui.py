@@ -9,6 +9,7 @@ from datetime import datetime
 from typing import Any
 
 from rich.console import Console, Group
+from rich.markup import escape
 from rich.panel import Panel
 from rich.progress import (
     BarColumn,
@@ -151,6 +152,9 @@ def spec_summary(path: object, spec: JobSpec) -> str:
                 f" through an SSH tunnel to {by_name[link.dialled].ssh_host.host}"
                 if link.tunnel else "") for link in links))
         lines.append("sync: " + sync_summary(spec))
+    if spec.distill is not None:
+        lines.append("distill: " + spec.distill.summary())
+        lines.extend(f"[yellow]note:[/] {escape(note)}" for note in spec.distill.notes())
     for c in spec.clusters:
         if (said := c.scheduling.summary(c)) is not None:
             relay = "" if spec.relay is None else (

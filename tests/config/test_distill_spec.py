@@ -53,6 +53,34 @@ def test_a_teacher_cluster_and_the_distill_section_with_their_defaults() -> None
     assert spec.distill.temperature == DistillSpec().temperature
 
 
+def test_the_defaults_are_the_measured_ones_sampled_labels_k_12_at_t_1_alpha_0_9() -> None:
+    d = DistillSpec()
+    assert (d.labels, d.topk, d.temperature, d.alpha) == ("sampled", 12, 1.0, 0.9)
+    assert d.notes() == []
+    assert d.summary() == ("12 sampled labels per token (ids only), temperature 1, alpha 0.9, "
+                           "8 batches ahead, with no teacher: wait")
+    top = DistillSpec(labels="topk", topk=32, values="int8")
+    assert top.summary().startswith("top 32 labels per token (int8 values), temperature 1,")
+
+
+@pytest.mark.parametrize("given, noted", [
+    ({"topk": 32, "temperature": 2.0}, "distill sets topk: 32, temperature: 2 but not `labels`"),
+    ({"temperature": 2.0}, "distill sets temperature: 2 but not `labels`"),
+    ({"topk": 32, "labels": "topk"}, None),  # said what it means
+    ({"topk": 12, "labels": "sampled"}, None),
+    ({"alpha": 0.5}, None),  # alpha means the same with either kind of label
+])
+def test_a_spec_written_for_the_old_top_k_default_is_told_the_new_one(
+        given: dict[str, object], noted: str | None) -> None:
+    notes = DistillSpec(**given).notes()
+    if noted is None:
+        assert notes == []
+    else:
+        assert len(notes) == 1 and notes[0].startswith(noted), notes
+        assert "the default is now `labels: sampled`" in notes[0]
+        assert "write `labels: topk` to keep a top k" in notes[0]
+
+
 @pytest.mark.parametrize("edit, where, says", [
     (("distill: {topk: 16}\n", ""), "<spec>:8:11: clusters[0].role", "needs the job's `distill:`"),
     (("    run: python serve.py\n", ""), "<spec>:9:11: clusters[0].role", "needs its server"),
@@ -96,7 +124,7 @@ def ports(spec: JobSpec, labels: dict[str, int]) -> plan_model.Ports:
 
 
 def test_each_cluster_gets_its_view_of_the_distillation(tmp_path: Path) -> None:
-    spec = parse(SPEC.replace("{topk: 16}", "{topk: 16, values: int8}"))
+    spec = parse(SPEC.replace("{topk: 16}", "{topk: 16, labels: topk, values: int8}"))
     assert spec.relay is not None and labels_port(spec) == spec.relay.port + 2
     port = 31999  # the planned port (a free one on the local transport), not the preferred
     teacher = distill_config(spec, "job-1", spec.clusters[0], "/a/lab", sites(spec),
@@ -111,7 +139,7 @@ def test_each_cluster_gets_its_view_of_the_distillation(tmp_path: Path) -> None:
     assert teacher.students == {"cloud": 1} and student.values == "int8" and student.topk == 16
     assert student.tls.cert == "/a/cloud/certs/worker.pem"
     assert student.dead_after == spec.relay.dead_after
-    sampled = parse(SPEC.replace("{topk: 16}", "{topk: 12, labels: sampled, values: int8}"))
+    sampled = parse(SPEC.replace("{topk: 16}", "{values: int8}"))  # sampled: the default
     drawn = distill_config(sampled, "job-1", sampled.clusters[1], "/a/cloud", sites(sampled),
                            ports(sampled, {"lab": port}))
     assert drawn.values == "draws" and drawn.topk == 12  # k draws, no values on the wire

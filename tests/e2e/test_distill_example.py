@@ -40,8 +40,9 @@ def test_the_distill_example_runs_under_nebula_launch(cli: CLI, tmp_path: Path) 
     assert job_processes(job_id) == []
     soft = st["metrics"]["cloud"]
     assert soft["distill_batches"] == STEPS and soft["distill_without_labels"] == 0, soft
-    # 2048 tokens: 11-bit ids both ways, fp16 values: 32 x (11 / 8 + 2) + 11 / 8 bytes a token
-    per_token = 32 * (11 / 8 + 2) + 11 / 8
+    # 2048 tokens: 11-bit ids both ways; the default labels, 12 draws, send ids only:
+    # 12 x 11 / 8 + 11 / 8 bytes a token
+    per_token = 12 * 11 / 8 + 11 / 8
     assert soft["distill_bytes_per_token"] == pytest.approx(per_token, abs=0.01), soft
     logs = cli("logs", job_id, check=True).stdout
     assert "eval loss" in logs and "on cpu" in logs, logs[-2000:]

@@ -64,8 +64,14 @@ def spec_file(tmp_path: Path, steps: int = STEPS, **change: Any) -> Path:
 
 def test_a_launched_student_cluster_learns_from_its_teacher_cluster(
         cli: CLI, tmp_path: Path) -> None:
-    proc = cli("launch", str(spec_file(tmp_path)), timeout=180)
+    path = spec_file(tmp_path)
+    said = cli("validate", str(path), check=True).stdout  # what applies, and the old default
+    assert "distill: 16 sampled labels per token (ids only), temperature 1, alpha 0.9" in said
+    old_default = "note: distill sets topk: 16 but not `labels`: the default is now"
+    assert old_default in " ".join(said.split()), said
+    proc = cli("launch", str(path), timeout=180)
     assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert old_default in " ".join(proc.stderr.split()), proc.stderr[-2000:]
     (job_id,) = cli.job_ids()
     st = json.loads(cli("status", job_id, "--json", check=True).stdout)
     assert st["state"] == "SUCCEEDED", st

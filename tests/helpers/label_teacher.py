@@ -53,7 +53,8 @@ def worker_ctx(pki: Path, cluster: str, host: str) -> ssl.SSLContext:
 
 def distill_cfg(pki: Path, cluster: str, host: str, *, teachers: dict[str, str],
                 listen: str = "", **kw: object) -> DistillConfig:
-    """A distill.json as the plan writes it (the spec's defaults, ``kw`` replaced)."""
+    """A distill.json as the plan writes it for `labels: topk` (the top K, fp16 values) at
+    the spec's other defaults, ``kw`` replaced."""
     d = DistillSpec()
     fields: dict[str, object] = dict(
         job_id=JOB, cluster=cluster, teacher=bool(listen), listen=listen, teachers=teachers,
@@ -61,7 +62,7 @@ def distill_cfg(pki: Path, cluster: str, host: str, *, teachers: dict[str, str],
                                          str(pki / cluster / f"worker-{host}.pem"),
                                          str(pki / cluster / f"worker-{host}.key")),
         topk=K, temperature=d.temperature, alpha=d.alpha, lookahead=d.lookahead,
-        when_no_teacher=d.when_no_teacher, values=d.values, max_tokens=d.max_tokens,
+        when_no_teacher=d.when_no_teacher, values="fp16", max_tokens=d.max_tokens,
         wait_s=d.wait_s, dead_after=1.0, model=None, batch_tokens=None)
     return DistillConfig(**(fields | kw))  # type: ignore[arg-type]
 

@@ -14,6 +14,7 @@ from helpers.label_teacher import distill_cfg, job_pki, serving_teacher
 from helpers.sshd_bed import free_port
 
 from nebula_cli.config.distill_config import DistillConfig
+from nebula_cli.config.distill_spec import DistillSpec
 from nebula_cli.relay.distill.sparse import from_draws
 from nebula_cli.runtime.distill import kd_loss, soft_labelled, topk_labels
 from nebula_cli.runtime.distill.loader import DistillError, SoftLabels
@@ -49,7 +50,8 @@ def test_every_batch_comes_once_in_order_with_its_teachers_top_k(tmp_path: Path)
     assert [b["input_ids"].tolist() for b, _ in seen] == [b["input_ids"].tolist() for b in data]
     for batch, soft in seen:
         assert soft is not None and soft.teacher == "lab"
-        ids, logp = topk_labels(model(batch["input_ids"]).detach(), 4, 2.0)
+        ids, logp = topk_labels(model(batch["input_ids"]).detach(), 4,
+                                DistillSpec().temperature)  # the teacher's, its default
         assert torch.equal(soft.ids, ids.reshape(2, WIDTH, 4))
         assert torch.allclose(soft.logp, logp.reshape(2, WIDTH, 4), atol=2e-2)
     stats = loader.stats

@@ -33,7 +33,8 @@ def test_the_answer_is_the_top_k_or_draws_seeded_by_the_tokens(device: str,
     tokens = np.random.default_rng(1).integers(0, 50, size=(3, 5))
     cfg = distill_cfg(tmp_path, "lab", "t1", teachers={}, topk=6)
     top = answerer(forward, cfg, device)(tokens)
-    ids, logp = topk_labels(model(torch.from_numpy(tokens).to(device)).detach(), 6, 2.0)
+    ids, logp = topk_labels(model(torch.from_numpy(tokens).to(device)).detach(), 6,
+                            cfg.temperature)
     assert np.array_equal(top.ids, ids.cpu().numpy())
     assert np.allclose(top.logp, logp.cpu().numpy())
     drawn = answerer(forward, distill_cfg(tmp_path, "lab", "t1", teachers={}, topk=6,

@@ -45,10 +45,12 @@ from nebula_cli.control.netbench import run_bench, write_report
 from nebula_cli.control.orchestrator import Orchestrator
 from nebula_cli.control.reachcheck import check_reach
 from nebula_cli.control.state import END_STATES, StateStore
+from nebula_cli.control.teacher_model import model_problems, teacher_models
 from nebula_cli.errors import (
     EXIT_FAILED,
     EXIT_INTERRUPTED,
     EXIT_OK,
+    LaunchError,
     NebulaError,
     SpecError,
     UsageError,
@@ -143,16 +145,27 @@ def validate(
     if params is not None:
         out.print(outer_memory_table(params, _job_memory(spec, params)))
     if not hosts:
+        models = teacher_models(spec)
+        for m in models:
+            out.print(f"[dim]{escape(m.said())}[/]")
+        if bad := model_problems(spec, models):
+            for problem in bad:
+                err.print(f"[bold red]error:[/] {escape(problem)}", markup=True)
+            raise typer.Exit(EXIT_FAILED)
         return
     with _store() as store, Orchestrator(store, accept_new_host_keys=accept_new) as orch:
         checks = orch.check_hosts(spec)
         ready = all(c.ok for c in checks)
         reach = check_reach(orch.facts, spec) if ready and spec.links() else None
+        models = teacher_models(spec, orch.read_on_gateway if ready else None)
     out.print(host_checks_table(checks))
     for c in checks:
         if c.reached:
             out.print(f"[dim]{escape(c.cluster)}/{escape(c.host)}: {escape(c.reached)}[/]")
     bad = [f"{c.cluster}/{c.host}: {'; '.join(c.problems)}" for c in checks if not c.ok]
+    for m in models:
+        out.print(f"[dim]{escape(m.said())}[/]")
+    bad += model_problems(spec, models)
     if params is not None:
         bad += memory_problems(spec, checks, params)
     if reach is not None:
@@ -207,6 +220,8 @@ def launch(
     spec = load_spec(spec_path)
     for note in spec.distill.notes() if spec.distill is not None else []:
         err.print(f"[yellow]note:[/] {escape(note)}", markup=True, highlight=False)
+    if bad := model_problems(spec, teacher_models(spec)):  # before any host is touched
+        raise LaunchError("\n".join(bad))
     with _store() as store, Orchestrator(store, accept_new_host_keys=accept_new) as orch:
         _bring_up(orch, lambda note, transfer: orch.launch(spec, progress=note,
                                                            transfer=transfer), detach, "launch")

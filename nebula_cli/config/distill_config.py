@@ -44,11 +44,17 @@ class DistillConfig:
     """How labels cross the wire (`relay.distill.sparse.Values`): "fp16" or "int8" (a top k
     and its values), or "draws" (`labels: sampled`: k drawn ids, no values)."""
     max_tokens: int
+    vocab: int | None
+    """The students' vocabulary as the spec declares it (`distill.vocab`; None: not declared):
+    a teacher whose answers say another is refused at the first."""
     wait_s: float
     dead_after: float
     """Seconds of silence after which a teacher's link is taken for dead (relay.dead_after)."""
     model: str | None
-    """A teacher with the built-in server: its Hugging Face model directory."""
+    """A teacher with the built-in server: its Hugging Face model directory (or hub id)."""
+    hub: bool
+    """Whether `model` is a Hugging Face hub id (otherwise a directory: never looked up on the
+    hub)."""
     batch_tokens: int | None
 
     @classmethod

@@ -60,6 +60,16 @@ class DistillSpec(SpecModel):
     """With when_no_teacher: wait, seconds a step waits for its labels before it fails
     naming the teacher clusters tried."""
 
+    vocab: int | None = Field(None, ge=1)
+    """The students' vocabulary (their tokenizer's size), when declared: a teacher whose model
+    has another is refused before launch (`validate`, for a `teacher: {model:}` whose config
+    it can read) and at its first answer. Default: not declared (a teacher's label id beyond
+    the student's vocabulary is still refused by the loss)."""
+    context: int | None = Field(None, ge=1)
+    """The students' sequence length, when declared: a `teacher: {model:}` with fewer positions
+    is refused at `validate`. Default: not declared (an ask longer than the teacher's context
+    is refused at the teacher)."""
+
     def notes(self) -> list[str]:
         """What `validate` and `launch` say of settings whose meaning the new defaults changed:
         a spec that sets `topk` or `temperature` but not `labels` was written for a top k."""
@@ -84,6 +94,11 @@ class TeacherSpec(SpecModel):
     """The built-in server of a teacher cluster (instead of its own `run`)."""
 
     model: str = Field(min_length=1)
-    """A Hugging Face causal LM directory on the teacher's hosts (relative: to the workdir)."""
+    """A Hugging Face causal LM directory on the teacher's hosts (relative: to the workdir),
+    or with `hub: true` a Hugging Face hub id (`org/name`) its hosts download."""
+    hub: bool = False
+    """Whether `model` names a model of the Hugging Face hub. By default it is a directory and
+    the teacher never asks the hub (`HF_HUB_OFFLINE`): a directory that is not there is said
+    at once, not retried as a download."""
     batch_tokens: int = Field(16384, ge=1)
     """Most tokens the server runs through the model at once."""

@@ -20,7 +20,7 @@ from typing import Any
 from nebula_cli.config import checkpoint_paths, plan_model, strict, worlds
 from nebula_cli.config.parts import helper_env
 from nebula_cli.config.plan_model import AgentPlan, JobPlan
-from nebula_cli.config.spec import HostSpec, JobSpec, spec_of_record
+from nebula_cli.config.spec import ClusterSpec, HostSpec, JobSpec, spec_of_record
 from nebula_cli.control import allocations
 from nebula_cli.control.fanout import GroupError, fanout
 from nebula_cli.control.hostcheck import HostCheck, bootstrap, check_host, require_python
@@ -361,6 +361,15 @@ class Orchestrator:
             for key, site in self.facts.routes(spec, self.facts.sites(spec)).items():
                 checks[key].interface = worlds.interface_of(*entries[key], site)
         return list(checks.values())
+
+    def read_on_gateway(self, cluster: ClusterSpec, path: str) -> bytes | None:
+        """A file on the cluster's first host (None: not there, or the host not reached)."""
+        host = cluster.gateway_host
+        try:
+            t = self.session.transport(describe_host(cluster, host, str(self.store.home)))
+            return t.read_file(path, max_bytes=1 << 20)
+        except NebulaError:
+            return None
 
     def _stop_agents(self, agents: list[AgentPlan], grace: float, force: bool,
                      timeout: float) -> None:

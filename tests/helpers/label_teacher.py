@@ -62,8 +62,8 @@ def distill_cfg(pki: Path, cluster: str, host: str, *, teachers: dict[str, str],
                                          str(pki / cluster / f"worker-{host}.pem"),
                                          str(pki / cluster / f"worker-{host}.key")),
         topk=K, temperature=d.temperature, alpha=d.alpha, lookahead=d.lookahead,
-        when_no_teacher=d.when_no_teacher, values="fp16", max_tokens=d.max_tokens,
-        wait_s=d.wait_s, dead_after=1.0, model=None, batch_tokens=None)
+        when_no_teacher=d.when_no_teacher, values="fp16", max_tokens=d.max_tokens, vocab=d.vocab,
+        wait_s=d.wait_s, dead_after=1.0, model=None, hub=False, batch_tokens=None)
     return DistillConfig(**(fields | kw))  # type: ignore[arg-type]
 
 

@@ -109,13 +109,16 @@ class DistillLoader:
     def __init__(self, loader: Iterable[Any], client: LabelClient, *, lookahead: int,
                  when_no_teacher: str, wait_s: float,
                  token_ids: Callable[[Any], torch.Tensor] = _token_ids,
-                 first_seq: int = 0, report_every: int = REPORT_EVERY) -> None:
+                 first_seq: int = 0, report_every: int = REPORT_EVERY,
+                 vocab: int | None = None) -> None:
+        """``vocab``: the student's vocabulary where the spec declares it (`distill.vocab`):
+        a teacher whose answer says another is refused, both named."""
         if when_no_teacher not in ("wait", "ce_only"):
             raise ValueError(f"when_no_teacher is 'wait' or 'ce_only', not {when_no_teacher!r}")
         self.loader, self.client, self.lookahead = loader, client, lookahead
         self.when_no_teacher, self.wait_s, self.token_ids = when_no_teacher, wait_s, token_ids
         self.seq = first_seq
-        self.report_every = report_every
+        self.report_every, self.vocab = report_every, vocab
         self.stats = DistillStats()
 
     def __iter__(self) -> Iterator[tuple[Any, SoftLabels | None]]:
@@ -182,6 +185,11 @@ class DistillLoader:
             self.client.forget(seq)
             self.stats.without_labels += 1
             return None
+        if self.vocab is not None and got.vocab is not None and got.vocab != self.vocab:
+            raise DistillError(
+                f"teacher {got.teacher}'s model has a vocabulary of {got.vocab} tokens and this "
+                f"student's (distill.vocab) is {self.vocab}: a student learns only from a "
+                "teacher with its own tokenizer")
         self.stats.wire_bytes += got.ask_bytes + got.wire_bytes
         self.stats.latency_s += got.latency_s
         k = got.labels.k
@@ -213,4 +221,5 @@ def soft_labelled(loader: Iterable[Any], config: DistillConfig | None = None,
                                "by nebula for a job with `distill:`")
         cfg = DistillConfig.load(path)
     return DistillLoader(loader, client_of(cfg, rank), lookahead=cfg.lookahead,
-                         when_no_teacher=cfg.when_no_teacher, wait_s=cfg.wait_s, **kw)
+                         when_no_teacher=cfg.when_no_teacher, wait_s=cfg.wait_s,
+                         **{"vocab": cfg.vocab, **kw})

@@ -63,3 +63,31 @@ def test_a_batch_beyond_the_teachers_vocabulary_stops_the_student_naming_both(
         finally:
             good.client.close()
     assert soft is not None and soft.vocab == vocab
+
+
+def test_a_declared_student_vocabulary_refuses_a_teacher_with_another_naming_both(
+        tmp_path: Path) -> None:
+    """`distill.vocab` says the students' tokenizer: a teacher whose model has another size
+    (here smaller, whose ids all fit the student's, so the loss alone would train on) is
+    refused at its first answer, both sizes and the teacher named."""
+    pki, port = job_pki(tmp_path / "pki"), free_port()
+    torch.manual_seed(0)
+    teacher = torch.nn.Sequential(torch.nn.Embedding(300, 8), torch.nn.Linear(8, 300))
+    teachers = {"lab": f"127.0.0.1:{port}"}
+    with serving_teacher(pki, port, teacher):
+        for vocab, refused in ((512, True), (300, False)):
+            cfg = distill_cfg(pki, "cloud", "s1", teachers=teachers, lookahead=0, vocab=vocab)
+            loader = soft_labelled([{"input_ids": torch.tensor([[1, 2]])}], config=cfg)
+            try:
+                if refused:
+                    with pytest.raises(DistillError) as exc:
+                        list(loader)
+                    assert str(exc.value) == (
+                        "teacher lab's model has a vocabulary of 300 tokens and this student's "
+                        "(distill.vocab) is 512: a student learns only from a teacher with its "
+                        "own tokenizer")
+                else:
+                    [(_, soft)] = list(loader)
+                    assert soft is not None and soft.vocab == 300
+            finally:
+                loader.client.close()

@@ -49,16 +49,17 @@ def _cell(row: dict[str, Any] | None) -> Text:
         return Text("-", style="dim")
     if row.get("error"):
         return Text("failed", style="bold red")
-    return Text.assemble(
+    return Text.assemble(  # short lines (at most 17 characters): three clusters fit 80 columns
         (human_rate(row.get("throughput_mbit")), "bold"), " TLS\n",
         f"{human_rate(row.get('plain_throughput_mbit'))} plain\n",
-        f"{human_ms(row.get('rtt_ms'))} rtt (p95 {human_ms(row.get('rtt_p95_ms'))})",
+        f"rtt {human_ms(row.get('rtt_ms'))}\np95 {human_ms(row.get('rtt_p95_ms'))}",
     )
 
 
 def bench_matrix(report: dict[str, Any]) -> Group:
     """Rows are sources, columns destinations; the diagonal holds the inside-cluster figures.
-    Each cell: throughput over TLS and plain TCP, then the TLS round trip (median, p95)."""
+    Each cell: throughput over TLS and plain TCP, then the TLS round trip (median, p95), one
+    figure a line, so that a value is never split from its unit at 80 columns."""
     names = list(report["clusters"])
     colors = cluster_colors(names)
     cells = {(r["a"], r["b"]): r for r in report["pairs"]}

@@ -11,7 +11,8 @@ import pytest
 from rich.console import Console
 
 from nebula_cli.cli.fit import Column, FittedTable, fitted_columns
-from nebula_cli.cli.planner_render import outer_memory_table
+from nebula_cli.cli.netbench_render import bench_matrix
+from nebula_cli.cli.planner_render import advisor_table, outer_memory_table
 from nebula_cli.cli.reach_render import reach_table
 from nebula_cli.cli.ui import (
     final_summary,
@@ -27,6 +28,7 @@ from nebula_cli.control.hostcheck import HostCheck
 from nebula_cli.control.jobs import JobSnapshot
 from nebula_cli.control.reachcheck import DIRECT, TUNNEL, PairCheck, ReachReport, Way
 from nebula_cli.control.state import HostRecord, JobRecord
+from nebula_cli.planner import advise
 from nebula_cli.planner.outer_memory import job_memory
 
 NOW = time.time()
@@ -185,3 +187,28 @@ def test_the_plans_memory_and_the_relays_reach_fit_80_columns() -> None:
     uncut(reach)
     for said in ("timed", "firewall?)", "connected", "OpenSSH_9.2p1", "works"):
         assert said in reach, (said, reach)
+
+
+def test_bench_networks_matrix_of_three_clusters_fits_80_columns_one_figure_a_line() -> None:
+    names = ["east", "west-cloud", "north"]
+
+    def pair(a: str, b: str, mbit: float, ms: float) -> dict[str, object]:
+        return {"a": a, "b": b, "throughput_mbit": mbit, "plain_throughput_mbit": mbit * 1.2,
+                "rtt_ms": ms, "rtt_p95_ms": ms * 1.5, "src_host": f"{a}1", "dst_host": f"{b}1",
+                "src_addr": "198.18.1.2", "dst_addr": "198.18.2.2"}
+    report = {"job": "bench-20261207-140000-24ff", "streams": 4, "duration_s": 5,
+              "clusters": {n: {"intra": pair(n, n, 9400.0, 0.041)} for n in names},
+              "pairs": [pair(a, b, 95.31, 52.31) for a in names for b in names if a != b]}
+    text = draw(bench_matrix(report))
+    uncut(text)
+    for figure in ("9.4 Gbit/s TLS", "11.3 Gbit/s plain", "rtt 41 µs", "p95 62 µs",
+                   "95.3 Mbit/s TLS", "114 Mbit/s plain", "rtt 52.3 ms", "p95 78.5 ms"):
+        assert figure in text, (figure, text)  # a value and its unit on one line
+
+
+def test_the_sync_advisors_grid_fits_80_columns() -> None:
+    text = draw(advisor_table(advise(100_000_000, 0.2, 1000, 50)))
+    uncut(text)
+    assert "recommended: H = 100, codec int8 (95.4 % utilisation)" in text
+    for codec, wan in (("none", 3.35), ("bf16", 1.75), ("int8", 0.96)):  # every column kept
+        assert codec in text and f"(WAN {wan:.2f} s)" in text, (codec, text)

@@ -76,9 +76,10 @@ SHARED_COPIES: dict[ProcessRole, float] = {ProcessRole.RELAY: 4.0, ProcessRole.R
 relay's published outer parameters and momentum, and the averages of its last round and the
 one it builds (its mapping of rank 0's staging memory is counted on rank 0)."""
 
-FIXES = ("more ranks per cluster", "`relay.sync.fragments`", "CPU offload of the outer state")
-"""What makes the outer step fit (with the sharded outer state, each of them shrinks a
-process's shard)."""
+FIXES = ("more ranks per cluster (each rank's shard shrinks)",
+         "the relay on another host (`gateway:`; a Slurm cluster: `relay_on: login`)")
+"""What makes the outer step fit with the settings nebula has (the outer state already lives
+in host memory; fragments, which would shrink a round's share, are not built yet)."""
 
 
 def shard_elements(params: int, ranks: int, role: ProcessRole) -> int:

@@ -195,6 +195,7 @@ def job_detail(snap: JobSnapshot, metrics: dict[str, dict[str, Any]] | None = No
     parts: list[Any] = [head, table]
     if metrics or relay:
         parts.append(metrics_table(job.clusters, metrics or {}, relay or {}))
+        parts.extend(distill_verdict(job.clusters, metrics or {}))
     parts.extend(parameter_verdict(final_parameters.of_job(job, finals or [])))
     return Group(*parts)
 
@@ -277,6 +278,8 @@ def _soft_labels(m: dict[str, Any]) -> Text:
         out = Text(f"{num(m.get('teacher_answers_per_s'), '.1f')} answers/s, "
                    f"{num(m.get('teacher_latency_ms'), '.0f')} ms")
         out.append(f", queue {queue}", style="yellow" if queue else "")
+        if finite(m.get("teacher_ce")):
+            out.append(f", CE {num(m['teacher_ce'], '.3f')}")
         return out
     if "distill_batches" not in m:
         return Text("-")
@@ -286,7 +289,34 @@ def _soft_labels(m: dict[str, Any]) -> Text:
         out.append(f" ({without} without)", style="yellow")
     if m.get("distill_kd") is not None:
         out.append(f", KD {num(m['distill_kd'], '.3f')}")
+    if finite(m.get("distill_ce")):
+        out.append(f", CE {num(m['distill_ce'], '.3f')}")
     return out
+
+
+def distill_verdict(clusters: list[str], latest: dict[str, dict[str, Any]]) -> list[Text]:
+    """Under the metrics of a distillation: the teachers' and the students' loss on the
+    students' batches side by side (`teacher_ce`, `distill_ce`: cross entropy at temperature
+    1), and a warning when no teacher is better than a student there: distillation cannot
+    help it. Empty until both have been measured."""
+    teachers = {c: latest[c]["teacher_ce"] for c in clusters
+                if finite(latest.get(c, {}).get("teacher_ce"))}
+    students = {c: latest[c]["distill_ce"] for c in clusters
+                if finite(latest.get(c, {}).get("distill_ce"))}
+    if not teachers or not students:
+        return []
+    line = Text("loss on the students' batches: " + ", ".join(
+        [*(f"teacher {c} {v:.3f}" for c, v in teachers.items()),
+         *(f"student {c} {v:.3f}" for c, v in students.items())]), style="dim")
+    best = min(teachers.values())
+    behind = [c for c, v in students.items() if v <= best]
+    if not behind:
+        return [line]
+    return [line, Text(
+        f"the teacher is no better than student {', '.join(behind)} on its own batches "
+        f"(CE {best:.3f} against {min(students[c] for c in behind):.3f}): distillation cannot "
+        "help it; check the teacher's model (its checkpoint, its tokenizer) or train without "
+        "it", style="yellow")]
 
 
 def _checkpoint(m: dict[str, Any]) -> Text:
@@ -313,6 +343,7 @@ def status_panel(snap: JobSnapshot, latest: dict[str, Any], relay: dict[str, Any
     parts: list[Any] = [summary]
     if latest or relay:
         parts.append(metrics_table(snap.job.clusters, latest, relay, history))
+        parts.extend(distill_verdict(snap.job.clusters, latest))
     return Panel(Group(*parts), title="nebula", title_align="left", border_style="dim")
 
 

@@ -7,7 +7,7 @@ from pathlib import Path
 from helpers.old_state import old_home
 from rich.console import Console
 
-from nebula_cli.cli.ui import job_detail, metrics_table
+from nebula_cli.cli.ui import distill_verdict, job_detail, metrics_table
 from nebula_cli.control.jobs import JobSnapshot
 from nebula_cli.control.state import StateStore
 
@@ -40,6 +40,26 @@ def test_soft_labels_column_only_in_a_job_with_students() -> None:
     assert "soft labels" in teacher_only
     plain = _text(metrics_table(["east"], {"east": {"step": 3, "loss": 1.0}}, {}))
     assert "soft labels" not in plain and "east" in plain
+
+
+def test_the_teachers_and_the_students_loss_on_their_batches_side_by_side() -> None:
+    """Each cluster's CE in its soft labels column; under the table both, and a warning when
+    the teacher is no better than a student on the student's own batches."""
+    latest = {"lab": {"teacher_answers": 90, "teacher_answers_per_s": 3.0,
+                      "teacher_latency_ms": 20.0, "teacher_queue": 0, "teacher_ce": 2.3141},
+              "cloud": {"distill_batches": 90, "distill_kd": 0.2, "distill_ce": 2.9512},
+              "edge": {"distill_batches": 80}}
+    shown = _text(metrics_table(["lab", "cloud", "edge"], latest, {}))
+    assert "queue 0, CE 2.314" in shown and "90/90, KD 0.200, CE 2.951" in shown
+    said = [t.plain for t in distill_verdict(["lab", "cloud", "edge"], latest)]
+    assert said == ["loss on the students' batches: teacher lab 2.314, student cloud 2.951"]
+    latest["cloud"]["distill_ce"] = 2.2
+    [line, warning] = [t.plain for t in distill_verdict(["lab", "cloud"], latest)]
+    assert warning == ("the teacher is no better than student cloud on its own batches (CE "
+                       "2.314 against 2.200): distillation cannot help it; check the teacher's "
+                       "model (its checkpoint, its tokenizer) or train without it")
+    assert distill_verdict(["cloud"], {"cloud": latest["cloud"]}) == []  # no teacher figure yet
+    assert distill_verdict(["lab", "edge"], latest) == []  # no student loss yet
 
 
 def test_status_notes_a_node_with_what_its_scheduler_said_in_a_record_of_the_last_version(

@@ -84,6 +84,15 @@ def test_a_launched_student_cluster_learns_from_its_teacher_cluster(
     assert "distill_batches" not in teacher
     assert teacher["teacher_answers"] >= STEPS and teacher["teacher_queue"] == 0, teacher
     assert teacher["step"] == teacher["teacher_answers"]
+    # each side's loss on the students' batches, side by side in status
+    assert teacher["teacher_ce"] > 0 and soft["distill_ce"] > 0, (teacher, soft)
+    shown = " ".join(cli("status", job_id, check=True).stdout.split())
+    assert (f"loss on the students' batches: teacher lab {teacher['teacher_ce']:.3f}, student "
+            f"cloud {soft['distill_ce']:.3f}") in shown, shown
+    # the test's teacher is random weights made peaked, on random tokens: no better than
+    # the student there, which status says
+    warned = "the teacher is no better than student cloud on its own batches" in shown
+    assert warned == (teacher["teacher_ce"] >= soft["distill_ce"]), shown
     page = tmp_path / "report.html"  # the report says it too
     assert cli("report", job_id, "--output", str(page)).returncode == 0
     text = page.read_text()

@@ -70,6 +70,10 @@ class DistillStats:
     """The KD terms `kd_loss` computed since the last record, summed (a tensor on the model's
     device: read once a record, so that a step waits for no device)."""
     kd_steps: int = 0
+    ce_sum: torch.Tensor | float = 0.0
+    """The hard-label losses `kd_loss` computed since the last record, summed (as kd_sum):
+    the student's loss on its own batches, beside its teacher's (`teacher_ce`)."""
+    ce_steps: int = 0
 
     @property
     def bytes_per_token(self) -> float:
@@ -80,17 +84,25 @@ class DistillStats:
         self.kd_sum = self.kd_sum + kd.detach()
         self.kd_steps += 1
 
+    def add_ce(self, ce: torch.Tensor) -> None:
+        """A step's hard-label loss (`kd_loss`, where it has the batch's labels)."""
+        self.ce_sum = self.ce_sum + ce.detach()
+        self.ce_steps += 1
+
     def record(self) -> dict[str, Any]:
         """The figures as metric values (``nebula status`` shows them per cluster):
-        ``distill_kd`` is the mean KD term of the steps since the last record (None without
-        one)."""
+        ``distill_kd`` and ``distill_ce`` are the mean KD term and hard-label loss of the steps
+        since the last record (None without one)."""
         kd = float(self.kd_sum) / self.kd_steps if self.kd_steps else None
+        ce = float(self.ce_sum) / self.ce_steps if self.ce_steps else None
         self.kd_sum, self.kd_steps = 0.0, 0
+        self.ce_sum, self.ce_steps = 0.0, 0
         return {"distill_batches": self.batches, "distill_without_labels": self.without_labels,
                 "distill_bytes_per_token": round(self.bytes_per_token, 2),
                 "distill_wait_s": round(self.waited_s, 3),
                 "distill_longest_wait_s": round(self.longest_wait_s, 3),
-                "distill_kd": None if kd is None else round(kd, 5)}
+                "distill_kd": None if kd is None else round(kd, 5),
+                "distill_ce": None if ce is None else round(ce, 5)}
 
 
 def _token_ids(batch: Any) -> torch.Tensor:

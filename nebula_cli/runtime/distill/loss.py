@@ -98,6 +98,8 @@ def kd_loss(student_logits: torch.Tensor, labels: torch.Tensor | None,
         kd = per_token.mean()
     if soft.stats is not None:  # the loader's figures: status and the report show its mean
         soft.stats.add_kd(kd)
+        if ce is not None:
+            soft.stats.add_ce(ce)
     kd_term = kd * temperature ** 2
     loss = kd_term if ce is None else alpha * kd_term + (1 - alpha) * ce
     return loss, kd, ce

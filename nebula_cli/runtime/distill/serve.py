@@ -7,7 +7,8 @@ relay, which rank 0 of the teacher cluster runs (on the cluster's first host, th
 students' asks. Runs until SIGTERM or SIGINT (or ``stop``).
 
 Rank 0 writes the label relay's figures into the job's metrics every `REPORT_S` seconds and
-when it stops (`teacher_record`: answers per second, their latency, the queue), which
+when it stops (`teacher_record`: answers per second, their latency, the queue, and the
+teacher's own loss on the students' batches it answered, `TeacherLoss`), which
 ``nebula status``, the live view and ``nebula report`` show for the teacher cluster. A
 record's ``step`` is the number of answers so far (a teacher takes no optimizer steps).
 """
@@ -44,17 +45,57 @@ REPORT_S = 5.0
 
 Forward = Callable[[torch.Tensor], torch.Tensor]
 
+LOSS_CHUNK = 1 << 24
+"""Logits (elements) the teacher's own loss takes at once: its log-softmax is one more such
+tensor, not one more copy of a whole ask's logits."""
 
-def answerer(forward: Forward, cfg: DistillConfig, device: str | torch.device = "cpu"
-             ) -> Callable[..., SparseLabels]:
+
+class TeacherLoss:
+    """The teacher's next-token cross entropy (nats, at temperature 1) on the sequences it was
+    asked for: the students' own batches, so that it stands beside the students' loss on them
+    (a teacher no better than its students cannot teach them). Added to by the serving link's
+    thread, taken by the figures' thread."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._sum, self._tokens = 0.0, 0
+
+    def add(self, logits: torch.Tensor, tokens: torch.Tensor) -> None:
+        """Sequences' logits (sequences, width, vocab) and their token ids (sequences, width):
+        position t scored on token t + 1."""
+        sequences, width, vocab = logits.shape
+        if width < 2:
+            return
+        rows = max(1, LOSS_CHUNK // (width * vocab))  # the log-softmax of a few sequences at once
+        nll = sum(float(torch.nn.functional.cross_entropy(
+            logits[i:i + rows, :-1].transpose(1, 2).float(), tokens[i:i + rows, 1:],
+            reduction="sum")) for i in range(0, sequences, rows))
+        with self._lock:
+            self._sum += nll
+            self._tokens += sequences * (width - 1)
+
+    def take(self) -> float | None:
+        """The mean since the last take (None: nothing scored), and start again."""
+        with self._lock:
+            mean = self._sum / self._tokens if self._tokens else None
+            self._sum, self._tokens = 0.0, 0
+        return mean
+
+
+def answerer(forward: Forward, cfg: DistillConfig, device: str | torch.device = "cpu",
+             loss: TeacherLoss | None = None) -> Callable[..., SparseLabels]:
     """What a serving link calls: token ids (numpy) -> every position's labels: its top k, or
-    (``values: draws``) k tokens drawn from its distribution, seeded by the tokens."""
+    (``values: draws``) k tokens drawn from its distribution, seeded by the tokens; ``loss``
+    adds up the teacher's own loss on them."""
 
     drawn = Values(cfg.values) is Values.DRAWS
 
     @torch.no_grad()
     def answer(tokens):  # type: ignore[no-untyped-def]
-        logits = forward(torch.from_numpy(tokens).to(device))
+        ids_in = torch.from_numpy(tokens).to(device)
+        logits = forward(ids_in)
+        if loss is not None:
+            loss.add(logits, ids_in)
         if drawn:  # the same tokens draw the same labels, on any replica, after any restart
             gen = torch.Generator(device=logits.device)
             gen.manual_seed(int.from_bytes(hashlib.blake2b(
@@ -67,27 +108,35 @@ def answerer(forward: Forward, cfg: DistillConfig, device: str | torch.device = 
     return answer
 
 
-def teacher_record(before: RelayCounts, now: RelayCounts, seconds: float) -> dict[str, Any]:
+def teacher_record(before: RelayCounts, now: RelayCounts, seconds: float,
+                   ce: float | None = None) -> dict[str, Any]:
     """The label relay's figures over an interval of ``seconds`` (``before``: its counts at the
     interval's start) as metric values: answers so far, answers per second and their mean
-    latency in the interval (None without answers), the queue, servers and students now."""
+    latency in the interval (None without answers), the queue, servers and students now, and
+    ``ce``: the teacher's loss on the batches rank 0 answered in it (`TeacherLoss`)."""
     answers = now.answers - before.answers
     latency = (now.latency_s - before.latency_s) / answers if answers else None
     return {"teacher_answers": now.answers, "teacher_tokens": now.tokens,
             "teacher_answers_per_s": round(answers / seconds, 3) if seconds > 0 else None,
             "teacher_latency_ms": None if latency is None else round(1000 * latency, 1),
             "teacher_queue": now.pending, "teacher_servers": now.servers,
-            "teacher_students": now.students}
+            "teacher_students": now.students,
+            "teacher_ce": None if ce is None else round(ce, 5)}
 
 
-def report_figures(relay: LabelRelay, served: threading.Event, every: float) -> None:
-    """Rank 0: a record of `teacher_record` every ``every`` seconds, and one when ``served``."""
+def report_figures(relay: LabelRelay, served: threading.Event, every: float,
+                   loss: TeacherLoss | None = None) -> None:
+    """Rank 0: a record of `teacher_record` every ``every`` seconds, and one when ``served``;
+    ``loss``: rank 0's own (a record without answers keeps the last one said)."""
     before, since = relay.counts(), time.monotonic()
+    ce = None
     while True:
         stopped = served.wait(every)
         now, at = relay.counts(), time.monotonic()
+        if loss is not None and (latest := loss.take()) is not None:
+            ce = latest
         try:
-            metrics.emit(step=now.answers, **teacher_record(before, now, at - since))
+            metrics.emit(step=now.answers, **teacher_record(before, now, at - since, ce))
         except OSError as exc:  # a full disk, say: serving goes on, the figures come back
             log.warning("teacher %s: could not write its figures: %s", relay.cluster, exc)
         if stopped:
@@ -132,11 +181,14 @@ def serve(forward: Forward, *, vocab: int | None = None, context: int | None = N
     if relay is not None:  # its own relay, reached where it listens
         bound = split_addr(cfg.listen)[0]
         addr = f"{'127.0.0.1' if bound in ('', '0.0.0.0', '::') else bound}:{relay.port}"
+    loss = TeacherLoss() if relay is not None else None
     link = ServeLink(addr, client_context(pair, ca), job_id=cfg.job_id, cluster=cfg.cluster,
-                     vocab=vocab, context=context, answer=answerer(forward, cfg, device))
+                     vocab=vocab, context=context,
+                     answer=answerer(forward, cfg, device, loss))
     reporter, served = None, threading.Event()
     if relay is not None:
-        reporter = threading.Thread(target=report_figures, args=(relay, served, REPORT_S),
+        reporter = threading.Thread(target=report_figures,
+                                    args=(relay, served, REPORT_S, loss),
                                     daemon=True, name="teacher-figures")
         reporter.start()
     try:

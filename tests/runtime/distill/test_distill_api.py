@@ -64,6 +64,11 @@ def test_every_batch_comes_once_in_order_with_its_teachers_top_k(tmp_path: Path)
     record = stats.record()
     assert record["distill_kd"] == pytest.approx(float(sum(kds)) / 4, abs=1e-5)
     assert stats.kd_steps == 0 and stats.record()["distill_kd"] is None  # an interval's mean
+    assert record["distill_ce"] is None  # no hard labels given: no student loss to show
+    # with the batch's own tokens as hard labels, the student's loss on them beside the KD term
+    ces = [kd_loss(student(torch.ones(2, WIDTH, 1)), b["input_ids"], soft, temperature=1.0,
+                   alpha=0.9)[2] for b, soft in seen[:3]]
+    assert stats.record()["distill_ce"] == pytest.approx(float(sum(ces)) / 3, abs=1e-5)
     # an answer: 2 x WIDTH tokens' top 4, 9-bit ids and fp16 values; an ask: its ids in the
     # bits of its largest (protocol 1: 4 bytes an id)
     answers = 10 * ((2 * WIDTH * 4 * 9 + 7) // 8 + 2 * WIDTH * 4 * 2)

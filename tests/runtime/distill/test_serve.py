@@ -7,6 +7,7 @@ and the records through `nebula launch` in tests/e2e/test_distill_launch.py."""
 
 from __future__ import annotations
 
+import importlib
 import json
 import threading
 from pathlib import Path
@@ -19,8 +20,14 @@ from helpers.label_teacher import distill_cfg
 
 from nebula_cli.relay.distill.label_relay import RelayCounts
 from nebula_cli.runtime.distill import topk_labels
-from nebula_cli.runtime.distill.serve import answerer, report_figures, teacher_record
+from nebula_cli.runtime.distill.serve import (
+    TeacherLoss,
+    answerer,
+    report_figures,
+    teacher_record,
+)
 
+SERVE = importlib.import_module("nebula_cli.runtime.distill.serve")  # the module, not serve()
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
 
@@ -45,6 +52,28 @@ def test_the_answer_is_the_top_k_or_draws_seeded_by_the_tokens(device: str,
     assert first.ids.shape == (15, 6) and np.allclose(np.exp(first.logp).sum(1), 1.0)
 
 
+@pytest.mark.parametrize("chunk", [SERVE.LOSS_CHUNK, 6 * 50])  # all at once; one sequence
+def test_the_teachers_own_loss_on_the_asked_batches_is_their_next_token_cross_entropy(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, chunk: int) -> None:
+    monkeypatch.setattr(SERVE, "LOSS_CHUNK", chunk)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Embedding(50, 8), torch.nn.Linear(8, 50))
+    loss = TeacherLoss()
+    answer = answerer(lambda ids: model(ids), distill_cfg(tmp_path, "lab", "t1", teachers={}),
+                      "cpu", loss)
+    batches = [np.random.default_rng(s).integers(0, 50, size=(2, 6)) for s in (1, 2)]
+    for tokens in batches:
+        answer(tokens)
+    with torch.no_grad():  # by hand: position t scored on token t + 1, over both asks
+        nll = [torch.nn.functional.cross_entropy(
+            model(torch.from_numpy(t))[:, :-1].reshape(-1, 50), torch.from_numpy(t)[:, 1:]
+            .reshape(-1), reduction="sum") for t in batches]
+    assert loss.take() == pytest.approx(float(sum(nll)) / (2 * 2 * 5), rel=1e-5)
+    assert loss.take() is None  # taken: the next interval starts empty
+    answer(np.zeros((3, 1), dtype=np.int64))  # one position scores nothing
+    assert loss.take() is None
+
+
 def counts(answers: int, latency_s: float, pending: int = 0) -> RelayCounts:
     return RelayCounts(asks=answers + pending, answers=answers, pending=pending, servers=2,
                        students=1, refused=0, tokens=64 * answers, latency_s=latency_s)
@@ -54,7 +83,9 @@ def test_a_record_says_the_intervals_rate_and_latency_and_the_queue_now() -> Non
     rec = teacher_record(counts(10, 2.0), counts(30, 3.0, pending=3), seconds=4.0)
     assert rec == {"teacher_answers": 30, "teacher_tokens": 1920, "teacher_answers_per_s": 5.0,
                    "teacher_latency_ms": 50.0, "teacher_queue": 3, "teacher_servers": 2,
-                   "teacher_students": 1}
+                   "teacher_students": 1, "teacher_ce": None}
+    assert teacher_record(counts(10, 2.0), counts(30, 3.0), 4.0, ce=2.3456789)["teacher_ce"] \
+        == 2.34568
     idle = teacher_record(counts(30, 3.0), counts(30, 3.0), seconds=5.0)
     assert idle["teacher_answers_per_s"] == 0.0 and idle["teacher_latency_ms"] is None
 

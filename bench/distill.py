@@ -146,7 +146,8 @@ def cfg(pki: Path, cluster: str, host: str, teachers: dict[str, str], listen: st
                      str(pki / cluster / f"worker-{host}.key")),
         topk=args.k, temperature=args.temperature, alpha=args.alpha, lookahead=args.lookahead,
         when_no_teacher="wait", values="draws" if args.labels == "sampled" else args.values,
-        max_tokens=d.max_tokens, wait_s=120.0, dead_after=2.0, model=None, batch_tokens=None)
+        max_tokens=d.max_tokens, vocab=None, wait_s=120.0, dead_after=2.0, model=None,
+        hub=False, batch_tokens=None)
 
 
 @contextlib.contextmanager

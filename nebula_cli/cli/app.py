@@ -45,7 +45,7 @@ from nebula_cli.control.netbench import run_bench, write_report
 from nebula_cli.control.orchestrator import Orchestrator
 from nebula_cli.control.reachcheck import check_reach
 from nebula_cli.control.state import END_STATES, StateStore
-from nebula_cli.control.teacher_model import model_problems, teacher_models
+from nebula_cli.control.teacher_model import TeacherModel, model_problems, teacher_models
 from nebula_cli.errors import (
     EXIT_FAILED,
     EXIT_INTERRUPTED,
@@ -146,11 +146,11 @@ def validate(
         out.print(outer_memory_table(params, _job_memory(spec, params)))
     if not hosts:
         models = teacher_models(spec)
-        for m in models:
-            out.print(f"[dim]{escape(m.said())}[/]")
-        if bad := model_problems(spec, models):
-            for problem in bad:
-                err.print(f"[bold red]error:[/] {escape(problem)}", markup=True)
+        bad, notes = model_problems(spec, models)
+        _say_models(models, notes)
+        for problem in bad:
+            err.print(f"[bold red]error:[/] {escape(problem)}", markup=True)
+        if bad:
             raise typer.Exit(EXIT_FAILED)
         return
     with _store() as store, Orchestrator(store, accept_new_host_keys=accept_new) as orch:
@@ -163,9 +163,9 @@ def validate(
         if c.reached:
             out.print(f"[dim]{escape(c.cluster)}/{escape(c.host)}: {escape(c.reached)}[/]")
     bad = [f"{c.cluster}/{c.host}: {'; '.join(c.problems)}" for c in checks if not c.ok]
-    for m in models:
-        out.print(f"[dim]{escape(m.said())}[/]")
-    bad += model_problems(spec, models)
+    problems, notes = model_problems(spec, models)
+    _say_models(models, notes)
+    bad += problems
     if params is not None:
         bad += memory_problems(spec, checks, params)
     if reach is not None:
@@ -177,6 +177,15 @@ def validate(
         raise typer.Exit(EXIT_FAILED)
     out.print(f"[green]✓[/] all {len(checks)} hosts ready"
               + (", every pair of relays can connect" if reach is not None else ""))
+
+
+def _say_models(models: list[TeacherModel], notes: list[str]) -> None:
+    """What validate read of each teacher's model (or why not), and its notes."""
+    for m in models:
+        if m.missing is None:
+            out.print(f"[dim]{escape(m.said())}[/]")
+    for note in notes:
+        err.print(f"[yellow]note:[/] {escape(note)}", markup=True, highlight=False)
 
 
 @app.command()
@@ -220,7 +229,10 @@ def launch(
     spec = load_spec(spec_path)
     for note in spec.distill.notes() if spec.distill is not None else []:
         err.print(f"[yellow]note:[/] {escape(note)}", markup=True, highlight=False)
-    if bad := model_problems(spec, teacher_models(spec)):  # before any host is touched
+    bad, notes = model_problems(spec, teacher_models(spec))  # before any host is touched
+    for note in notes:
+        err.print(f"[yellow]note:[/] {escape(note)}", markup=True, highlight=False)
+    if bad:
         raise LaunchError("\n".join(bad))
     with _store() as store, Orchestrator(store, accept_new_host_keys=accept_new) as orch:
         _bring_up(orch, lambda note, transfer: orch.launch(spec, progress=note,

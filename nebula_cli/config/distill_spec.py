@@ -21,13 +21,18 @@ MAX_TOKENS = 1 << 18
 """Most tokens one request to a teacher may carry (the bound of a request frame)."""
 
 
+TOP_K_FIELDS = ("topk", "temperature", "values")
+"""Settings a spec written for the old default (`labels: topk`) set without `labels`."""
+
+
 class DistillSpec(SpecModel):
     """How the training (student) clusters distil from the job's teacher cluster(s).
 
     The defaults are the settings measured best (docs/benchmarks.md, "Distillation across
     sites"): 12 sampled labels per token at T 1 with alpha 0.9 sent 458x fewer bytes than full
-    logits and gained 8.7 % over hard labels at a 0.49 % loss cost, over three seeds. (They had
-    been a top 32 at T 2 with alpha 0.5, which trained a student worse than none.)"""
+    logits and gained 8.4 % over hard labels at a 0.95 % loss cost (medians of three seeds).
+    (They had been a top 32 at T 2 with alpha 0.5, which trained a student about 1 % worse than
+    none.)"""
 
     topk: int = Field(12, ge=1, le=MAX_TOPK)
     """Soft labels per token, k: the teacher's k most likely next tokens (ids and values), or
@@ -61,10 +66,11 @@ class DistillSpec(SpecModel):
     naming the teacher clusters tried."""
 
     vocab: int | None = Field(None, ge=1)
-    """The students' vocabulary (their tokenizer's size), when declared: a teacher whose model
-    has another is refused before launch (`validate`, for a `teacher: {model:}` whose config
-    it can read) and at its first answer. Default: not declared (a teacher's label id beyond
-    the student's vocabulary is still refused by the loss)."""
+    """The students' models' vocabulary, their config's `vocab_size` (the width of their
+    logits, padding included), when declared: a teacher whose model has another is refused
+    before launch (`validate`, for a `teacher: {model:}` whose config it can read) and at its
+    first answer. Default: not declared (a teacher's label id beyond the student's vocabulary
+    is still refused by the loss)."""
     context: int | None = Field(None, ge=1)
     """The students' sequence length, when declared: a `teacher: {model:}` with fewer positions
     is refused at `validate`. Default: not declared (an ask longer than the teacher's context
@@ -72,12 +78,12 @@ class DistillSpec(SpecModel):
 
     def notes(self) -> list[str]:
         """What `validate` and `launch` say of settings whose meaning the new defaults changed:
-        a spec that sets `topk` or `temperature` but not `labels` was written for a top k."""
+        a spec that sets `topk`, `temperature` or `values` but not `labels` was written for a
+        top k (sampled labels send no values)."""
         given = self.model_fields_set
-        if "labels" in given or not given & {"topk", "temperature"}:
+        if "labels" in given or not given & set(TOP_K_FIELDS):
             return []
-        said = ", ".join(f"{f}: {getattr(self, f):g}" for f in ("topk", "temperature")
-                         if f in given)
+        said = ", ".join(f"{f}: {getattr(self, f)}" for f in TOP_K_FIELDS if f in given)
         return [f"distill sets {said} but not `labels`: the default is now "
                 f"`labels: sampled` (k tokens drawn from the teacher, ids only), no longer the "
                 f"teacher's top k; write `labels: topk` to keep a top k (CHANGELOG.md)"]

@@ -213,7 +213,7 @@ class JobSpec(SpecModel):
         first = ("clusters", teachers[0], "role")
         if self.distill is None:
             return [(first, "a teacher cluster needs the job's `distill:` section "
-                            "(`distill: {}` takes the defaults: 12 sampled labels a token)")]
+                            f"(`distill: {{}}` takes the defaults: {DistillSpec().summary()})")]
         if self.relay is None:
             return [(first, "soft labels travel through the relays: add `relay: {}`")]
         if len(teachers) == len(self.clusters):

@@ -362,14 +362,17 @@ class Orchestrator:
                 checks[key].interface = worlds.interface_of(*entries[key], site)
         return list(checks.values())
 
-    def read_on_gateway(self, cluster: ClusterSpec, path: str) -> bytes | None:
-        """A file on the cluster's first host (None: not there, or the host not reached)."""
-        host = cluster.gateway_host
-        try:
-            t = self.session.transport(describe_host(cluster, host, str(self.store.home)))
-            return t.read_file(path, max_bytes=1 << 20)
-        except NebulaError:
-            return None
+    def read_on_gateway(self, cluster: ClusterSpec, path: str,
+                        max_bytes: int = 16 << 20) -> bytes | None:
+        """A file on the cluster's first host (None: not there); NebulaError when the host
+        or the file cannot be read, or the file is larger than `max_bytes`."""
+        t = self.session.transport(describe_host(cluster, cluster.gateway_host,
+                                                 str(self.store.home)))
+        data = t.read_file(path, max_bytes=max_bytes + 1)
+        if data is not None and len(data) > max_bytes:
+            raise TransportError(f"{cluster.gateway_host.host}: {path} is larger than "
+                                 f"{max_bytes >> 20} MiB")
+        return data
 
     def _stop_agents(self, agents: list[AgentPlan], grace: float, force: bool,
                      timeout: float) -> None:

@@ -64,8 +64,10 @@ def test_the_defaults_are_the_measured_ones_sampled_labels_k_12_at_t_1_alpha_0_9
 
 
 @pytest.mark.parametrize("given, noted", [
-    ({"topk": 32, "temperature": 2.0}, "distill sets topk: 32, temperature: 2 but not `labels`"),
-    ({"temperature": 2.0}, "distill sets temperature: 2 but not `labels`"),
+    ({"topk": 32, "temperature": 2.0},
+     "distill sets topk: 32, temperature: 2.0 but not `labels`"),
+    ({"temperature": 2.0}, "distill sets temperature: 2.0 but not `labels`"),
+    ({"values": "int8"}, "distill sets values: int8 but not `labels`"),  # sampled sends none
     ({"topk": 32, "labels": "topk"}, None),  # said what it means
     ({"topk": 12, "labels": "sampled"}, None),
     ({"alpha": 0.5}, None),  # alpha means the same with either kind of label
@@ -139,7 +141,7 @@ def test_each_cluster_gets_its_view_of_the_distillation(tmp_path: Path) -> None:
     assert teacher.students == {"cloud": 1} and student.values == "int8" and student.topk == 16
     assert student.tls.cert == "/a/cloud/certs/worker.pem"
     assert student.dead_after == spec.relay.dead_after
-    sampled = parse(SPEC.replace("{topk: 16}", "{values: int8}"))  # sampled: the default
+    sampled = parse(SPEC.replace("{topk: 16}", "{}"))  # sampled: the default
     drawn = distill_config(sampled, "job-1", sampled.clusters[1], "/a/cloud", sites(sampled),
                            ports(sampled, {"lab": port}))
     assert drawn.values == "draws" and drawn.topk == 12  # k draws, no values on the wire

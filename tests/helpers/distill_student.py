@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 from transformers import GPT2Config, GPT2LMHeadModel
 
+from nebula_cli.config.distill_config import DISTILL_CONFIG_ENV, DistillConfig
 from nebula_cli.runtime.distill import kd_loss, soft_labelled
 
 BATCH = 4
@@ -75,13 +76,15 @@ def main() -> None:
     pause = float(os.environ.get("DISTILL_STEP_S") or 0)
     ckpt = os.environ.get("DISTILL_CKPT")
     first = resume(model, opt, ckpt, rank) if ckpt else 0
-    loader = None if hard else soft_labelled(mine[first:], first_seq=first)
+    cfg = None if hard else DistillConfig.load(os.environ[DISTILL_CONFIG_ENV])
+    loader = None if cfg is None else soft_labelled(mine[first:], config=cfg, first_seq=first)
+    t, alpha = (1.0, 0.0) if cfg is None else (cfg.temperature, cfg.alpha)  # hard: CE alone
     kd_first = kd_last = None
     start = time.monotonic()
     step = first
     for batch, soft in (((b, None) for b in mine[first:]) if loader is None else loader):
         logits = model(batch).logits
-        loss, kd, _ = kd_loss(logits, batch, soft, temperature=2.0, alpha=0.5)
+        loss, kd, _ = kd_loss(logits, batch, soft, temperature=t, alpha=alpha)  # the job's
         opt.zero_grad()
         loss.backward()
         for p in model.parameters():

@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 
 from nebula_cli.config.distill_config import DISTILL_CONFIG_ENV, DistillConfig
+from nebula_cli.config.hf_model import positions_of
 from nebula_cli.runtime.distill.serve import serve
 
 OFFLINE_ENV = ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")
@@ -28,9 +29,11 @@ def local_model(cfg: DistillConfig) -> str:
     path = Path(cfg.model).expanduser()
     if not (path / "config.json").is_file():
         where = path if path.is_absolute() else f"{path} in {Path.cwd()}"
+        why = ("no config.json in it" if path.is_dir() else
+               "a file, not a directory" if path.exists() else "no such directory")
         raise SystemExit(
             f"cluster {cfg.cluster} on {socket.gethostname()}: no Hugging Face model at "
-            f"{where} ({'no config.json in it' if path.is_dir() else 'no such directory'}); "
+            f"{where} ({why}); "
             "the spec's teacher.model is a directory on the teacher's hosts, relative to the "
             "workdir: save one there with model.save_pretrained(...), or set "
             "`teacher: {hub: true}` to download a hub id")
@@ -55,8 +58,7 @@ def main() -> None:
         step = max(1, rows_at_once // ids.shape[1])
         return torch.cat([model(ids[i:i + step]).logits for i in range(0, len(ids), step)])
 
-    positions = getattr(model.config, "max_position_embeddings", None) or getattr(
-        model.config, "n_positions", None)
+    positions = positions_of(model.config.to_dict())
     serve(forward, context=positions, config=cfg, device=device)  # vocab: its logits'
 
 

@@ -199,9 +199,9 @@ class DistillLoader:
             return None
         if self.vocab is not None and got.vocab is not None and got.vocab != self.vocab:
             raise DistillError(
-                f"teacher {got.teacher}'s model has a vocabulary of {got.vocab} tokens and this "
-                f"student's (distill.vocab) is {self.vocab}: a student learns only from a "
-                "teacher with its own tokenizer")
+                f"teacher {got.teacher}'s model has a vocabulary of {got.vocab:,} and this "
+                f"student's (distill.vocab) is {self.vocab:,}: a student learns only from a "
+                "teacher with its own tokenizer and vocabulary")
         self.stats.wire_bytes += got.ask_bytes + got.wire_bytes
         self.stats.latency_s += got.latency_s
         k = got.labels.k

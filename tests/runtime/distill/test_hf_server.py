@@ -59,8 +59,9 @@ def test_a_model_directory_is_loaded_with_the_hub_switched_off(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     (tmp_path / "teacher").mkdir()
     (tmp_path / "teacher" / "config.json").write_text("{}")
-    for name in HUB_ENV:
-        monkeypatch.delenv(name, raising=False)
+    for name in HUB_ENV:  # set, then removed: monkeypatch restores (removes) what it set
+        monkeypatch.setenv(name, "")
+        monkeypatch.delenv(name)
     cfg = distill_cfg(tmp_path, "lab", "t1", teachers={}, model=str(tmp_path / "teacher"))
     assert local_model(cfg) == str(tmp_path / "teacher")
     assert all(os.environ[name] == "1" for name in OFFLINE_ENV)

@@ -83,9 +83,9 @@ def test_a_declared_student_vocabulary_refuses_a_teacher_with_another_naming_bot
                     with pytest.raises(DistillError) as exc:
                         list(loader)
                     assert str(exc.value) == (
-                        "teacher lab's model has a vocabulary of 300 tokens and this student's "
+                        "teacher lab's model has a vocabulary of 300 and this student's "
                         "(distill.vocab) is 512: a student learns only from a teacher with its "
-                        "own tokenizer")
+                        "own tokenizer and vocabulary")
                 else:
                     [(_, soft)] = list(loader)
                     assert soft is not None and soft.vocab == 300

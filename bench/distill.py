@@ -1,5 +1,6 @@
 """Distillation across sites (issue 24), measured on this machine: a teacher GPT-2 pre-trained
-on the BPE-tokenized bundled corpus (examples/distill/bpe.py), then the same student trained
+on the BPE-tokenized bundled corpus (examples/distill/bpe.py; built once per settings and
+cached under ~/.cache/nebula-bench/, its build time printed), then the same student trained
 the same steps on the same batches five ways, side by side:
 
 - ``hard``: hard labels only;
@@ -37,11 +38,16 @@ end of the first step (the links' TLS handshakes and the first round trip are a 
 cost, 1-2 % of a 30-second run); ``student_util_whole_run`` counts it too. Both teachers (the
 colocated and the far one) serve at once and each seed's colocated and wan runs come one after
 the other, so that the machine's drift between minutes falls on both alike. Prints one line
-per run, then the issue's figures as JSON on the last line (with ``left_processes``: site processes
-still running at the end, which goals_met requires to be 0).
+per run, each seed's KD gain and cost, then the issue's figures as JSON on the last line:
+``per_seed`` (each seed's eval loss per row), the medians and the worst seed
+(``kd_gain_worst``, ``loss_cost_worst``), ``goals`` (issue 43's: a gain >= 5 % in the median
+and >= 3 % in every seed, a cost <= 1 % in the median and <= 2.5 % in the worst of >= 5 seeds,
+>= 300x fewer bytes, >= 0.95 of colocated throughput, identical ranks, no site process left)
+and ``goals_met``.
 
     .venv/bin/python bench/distill.py --quick --json
-    .venv/bin/python bench/distill.py --json --labels sampled --k 12 --temperature 1 --alpha 0.9
+    .venv/bin/python bench/distill.py --bed --json --seeds 5      # the spec's defaults
+    .venv/bin/python bench/distill.py --json --labels topk --k 32  # a top 32 instead
 """
 
 from __future__ import annotations
@@ -49,6 +55,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime as dt
+import hashlib
 import json
 import os
 import shutil
@@ -128,6 +135,40 @@ def sites(args: argparse.Namespace, stack: contextlib.ExitStack) -> Sites:
     bed = stack.enter_context(make_bed(BED, args.rate_mbit))
     at = {name: Place(h.ns, h.address, name) for name, h in bed.hosts.items()}
     return Sites(at["w1"], at["w2"], (at["e1"], at["e2"]), bed)
+
+
+CACHE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "nebula-bench"
+"""Where the bench keeps what it builds once (never in the checkout)."""
+
+
+def cached_teacher(tokenizer: Path, vocab: int, steps: int, batches: list[torch.Tensor]
+                   ) -> tuple[GPT2LMHeadModel, float | None, Path]:
+    """The teacher of these settings (its size, steps, seed, tokenizer and batches), loaded
+    from the cache when it was built before; (model, the seconds its build took when it was
+    loaded from the cache else None, its folder). Built here it is saved there."""
+    key = hashlib.sha256(json.dumps({"teacher": TEACHER, "steps": steps, "seed": 0,
+                                     "lr": 1e-3, "vocab": vocab}).encode()
+                         + tokenizer.read_bytes() + b"".join(b.numpy().tobytes()
+                                                            for b in batches)).hexdigest()[:16]
+    folder = CACHE / f"distill-teacher-{key}"
+    if (folder / "config.json").is_file() and (folder / "built_s").is_file():
+        model = GPT2LMHeadModel.from_pretrained(folder).eval()
+        return model, float((folder / "built_s").read_text()), folder
+    start = time.monotonic()
+    teacher = gpt(vocab, TEACHER["embd"], TEACHER["layers"], seed=0)
+    opt = torch.optim.AdamW(teacher.parameters(), lr=1e-3)
+    for batch in batches:
+        loss = teacher(batch, labels=batch).loss
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    teacher.eval()
+    partial = folder.with_name(folder.name + f".{os.getpid()}")
+    teacher.save_pretrained(partial)
+    (partial / "built_s").write_text(f"{time.monotonic() - start:.1f}")
+    shutil.rmtree(folder, ignore_errors=True)
+    partial.rename(folder)  # whole, or not there: a killed build leaves no half teacher
+    return teacher, None, folder
 
 
 def gpt(vocab: int, embd: int, layers: int, seed: int) -> GPT2LMHeadModel:
@@ -244,6 +285,7 @@ def run(work: Path) -> None:
     args.site_cpus = {cpus[0]} if args.pin and len(cpus) > 1 else None
     student_cpus = set(cpus[1:]) if args.site_cpus else set(cpus)
     teacher_steps, student_steps = (300, 120) if args.quick else (1500, 600)
+    started = time.monotonic()
     torch.set_num_threads(2)
     tok = train_tokenizer(work / "bpe.json")
     vocab = tok.get_vocab_size()
@@ -253,18 +295,16 @@ def run(work: Path) -> None:
     pick = lambda n: [seqs[torch.randint(0, len(seqs), (8,), generator=g)] for _ in range(n)]  # noqa: E731
     print(f"vocab {vocab}; {len(train)} train tokens, {held.numel()} eval tokens", flush=True)
 
-    # phase a (one site here: the gpt example does two)
-    teacher = gpt(vocab, TEACHER["embd"], TEACHER["layers"], seed=0)
-    opt = torch.optim.AdamW(teacher.parameters(), lr=1e-3)
-    for batch in pick(teacher_steps):
-        loss = teacher(batch, labels=batch).loss
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-    teacher.eval()
+    # phase a (one site here: the gpt example does two), built once per settings and cached
+    teacher_batches = pick(teacher_steps)
+    teacher, built_s, cached = cached_teacher(work / "bpe.json", vocab, teacher_steps,
+                                              teacher_batches)
     with torch.no_grad():
         t_eval = teacher(held, labels=held).loss.item()
-    print(f"teacher: {teacher_steps} steps, eval loss {t_eval:.4f}", flush=True)
+    print(f"teacher: {teacher_steps} steps, eval loss {t_eval:.4f} ("
+          + (f"cached at {cached}, built once in {built_s:.0f} s" if built_s is not None
+             else f"built in {time.monotonic() - started:.0f} s, cached at {cached}") + ")",
+          flush=True)
 
     batches = pick(student_steps)
     for task in Path("/proc/self/task").iterdir():  # every thread (torch's pool is made)
@@ -302,6 +342,11 @@ def run(work: Path) -> None:
     speed = {name: r["tokens_per_s"] for name, r in runs.items()}
     steady = {name: r["steady_tokens_per_s"] for name, r in runs.items()
               if "steady_tokens_per_s" in r}
+    per_seed = [{"seed": seed, **{row: runs[f"{row}{tag}"]["eval_loss"]
+                                  for row in ("hard", "full", "colocated", "wan")}}
+                for tag, seed in seed_tags(args)]
+    gains = [1 - s["wan"] / s["hard"] for s in per_seed]
+    costs = [s["wan"] / s["full"] - 1 for s in per_seed]
     figures = {
         "student_util_vs_colocated": median(steady[f"wan{tag}"] / steady[f"colocated{tag}"]
                                             for tag in tags),
@@ -309,10 +354,11 @@ def run(work: Path) -> None:
                                          for tag in tags),
         "bytes_per_token": runs["wan"]["bytes_per_token"],
         "bytes_reduction_vs_full_logits": full_bytes / runs["wan"]["bytes_per_token"],
-        "loss_cost_vs_full_logits": median(
-            runs[f"wan{tag}"]["eval_loss"] / runs[f"full{tag}"]["eval_loss"] - 1 for tag in tags),
-        "kd_gain_vs_hard_labels": median(
-            1 - runs[f"wan{tag}"]["eval_loss"] / runs[f"hard{tag}"]["eval_loss"] for tag in tags),
+        "loss_cost_vs_full_logits": median(costs),
+        "loss_cost_worst": max(costs),
+        "kd_gain_vs_hard_labels": median(gains),
+        "kd_gain_worst": min(gains),
+        "per_seed": per_seed,
         "student_seeds": [seed for _, seed in seed_tags(args)],
         "failover_stall_s": runs["failover"]["longest_wait_s"],
         "failover_throughput_vs_clean": speed["failover"] / speed["wan"],
@@ -331,12 +377,23 @@ def run(work: Path) -> None:
         "student_steps": student_steps, "teacher_steps": teacher_steps,
     }
     figures["left_processes"] = len(site_processes())
-    figures["goals_met"] = bool(
-        figures["student_util_vs_colocated"] >= 0.95
-        and figures["bytes_reduction_vs_full_logits"] >= 100
-        and figures["loss_cost_vs_full_logits"] <= 0.01
-        and figures["kd_gain_vs_hard_labels"] >= 0.03 and figures["identical"]
-        and figures["left_processes"] == 0)
+    goals = {  # issue 43's, at the spec's defaults, over >= 5 student seeds
+        "kd_gain_median_5pct": figures["kd_gain_vs_hard_labels"] >= 0.05,
+        "kd_gain_every_seed_3pct": figures["kd_gain_worst"] >= 0.03,
+        "loss_cost_median_1pct": figures["loss_cost_vs_full_logits"] <= 0.01,
+        "loss_cost_worst_2_5pct": figures["loss_cost_worst"] <= 0.025,
+        "bytes_300x": figures["bytes_reduction_vs_full_logits"] >= 300,
+        "util_0_95": figures["student_util_vs_colocated"] >= 0.95,
+        "five_seeds": len(per_seed) >= 5,
+        "identical": bool(figures["identical"]), "nothing_left": figures["left_processes"] == 0}
+    figures["goals"] = goals
+    figures["goals_met"] = all(goals.values())
+    print(f"KD gain over hard labels per seed: {', '.join(f'{100 * g:.1f} %' for g in gains)}"
+          f" (median {100 * median(gains):.1f} %, worst {100 * min(gains):.1f} %); cost against "
+          f"full logits: {', '.join(f'{100 * c:.2f} %' for c in costs)} (median "
+          f"{100 * median(costs):.2f} %, worst {100 * max(costs):.2f} %)", flush=True)
+    print("goals: " + ", ".join(f"{k} {'met' if v else 'NOT met'}" for k, v in goals.items()),
+          flush=True)
     if args.json:
         print(json.dumps(figures))
 

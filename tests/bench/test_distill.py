@@ -28,3 +28,25 @@ def test_the_sites_distill_json_loads_as_the_runtime_reads_it(
     loaded = DistillConfig.load(path)
     assert loaded == cfg and loaded.values == values and loaded.teacher
     assert (loaded.topk, loaded.temperature, loaded.alpha) == (d.topk, d.temperature, d.alpha)
+
+
+def test_the_teacher_is_built_once_per_settings_and_cached_outside_the_checkout(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import torch
+
+    bench = load_bench("distill")
+    monkeypatch.setattr(bench, "CACHE", tmp_path / "cache")
+    tokenizer = tmp_path / "bpe.json"
+    tokenizer.write_text('{"vocab": "of the test"}')
+    g = torch.Generator().manual_seed(0)
+    batches = [torch.randint(0, 64, (2, 8), generator=g) for _ in range(2)]
+    built, first_s, folder = bench.cached_teacher(tokenizer, 64, 2, batches)
+    assert first_s is None and folder.parent == tmp_path / "cache"  # built here, then saved
+    assert (folder / "config.json").is_file() and float((folder / "built_s").read_text()) > 0
+    loaded, built_s, again = bench.cached_teacher(tokenizer, 64, 2, batches)
+    assert again == folder and built_s == float((folder / "built_s").read_text())
+    assert all(torch.equal(a, b) for a, b in zip(built.state_dict().values(),
+                                                 loaded.state_dict().values(), strict=True))
+    other = bench.cached_teacher(tokenizer, 64, 2, batches[:1])[2]  # other batches: another
+    assert other != folder and sorted(p.name for p in (tmp_path / "cache").iterdir()) == \
+        sorted([folder.name, other.name])  # no half-built folder left

@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 
 from nebula_cli.config.distill_config import DISTILL_CONFIG_ENV, DistillConfig
+from nebula_cli.config.distill_spec import TeacherSpec
 from nebula_cli.config.hf_model import positions_of
 from nebula_cli.runtime.distill.serve import serve
 
@@ -52,7 +53,7 @@ def main() -> None:
     device = (torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
               if torch.cuda.is_available() else torch.device("cpu"))
     model = AutoModelForCausalLM.from_pretrained(model_path).to(device).eval()
-    rows_at_once = cfg.batch_tokens or 16384
+    rows_at_once = cfg.batch_tokens or TeacherSpec.model_fields["batch_tokens"].default
 
     def forward(ids: torch.Tensor) -> torch.Tensor:
         step = max(1, rows_at_once // ids.shape[1])

@@ -30,7 +30,7 @@ class DistillSpec(SpecModel):
 
     The defaults are the settings measured best (docs/benchmarks.md, "Distillation across
     sites"): 12 sampled labels per token at T 1 with alpha 0.9 sent 458x fewer bytes than full
-    logits and gained 8.4 % over hard labels at a 0.95 % loss cost (medians of three seeds).
+    logits and gained 8.4 % over hard labels at a 0.95 % loss cost (medians of five seeds).
     (They had been a top 32 at T 2 with alpha 0.5, which trained a student about 1 % worse than
     none.)"""
 

@@ -19,9 +19,11 @@ from collections.abc import Callable
 from nebula_cli.relay.net.duplex import DuplexTLS
 from nebula_cli.relay.net.wire import (
     HEADER_SIZE,
+    LINGER_S,
     Frame,
     FrameType,
     WireError,
+    close_after_refusal,
     recv_frame,
     send_frame,
 )
@@ -86,8 +88,10 @@ class LabelLink:
         return True
 
     def end(self, frame: Frame, timeout: float = END_S) -> None:
-        """Send ``frame`` (a refusal) last, then end the link: after it is sent, or after
-        ``timeout`` seconds when it cannot be."""
+        """Send ``frame`` (a refusal) last, then end the link: after it is sent (this side's
+        FIN, what the peer still sends read and dropped, then closed: no reset that would fail
+        the peer's next send before it reads why, `close_after_refusal`), or after ``timeout``
+        seconds when it cannot be. Called by the link's reader (nothing else reads it)."""
         with self._cond:
             self._queue.extend((frame, None))
             self._cond.notify_all()
@@ -125,6 +129,14 @@ class LabelLink:
         with contextlib.suppress(OSError):
             self.sock.close()
 
+    def _close_after_refusal(self) -> None:
+        if self.closed.is_set():
+            return
+        self.closed.set()
+        with self._cond:
+            self._cond.notify_all()
+        close_after_refusal(self.sock, seconds=min(LINGER_S, END_S / 2))
+
     def _send_loop(self) -> None:
         while True:
             with self._cond:
@@ -133,8 +145,8 @@ class LabelLink:
                     return
                 frame = self._queue.popleft()
                 self._writing_since = time.monotonic()
-            if frame is None:
-                self.close()
+            if frame is None:  # end()'s: the refusal before it is sent
+                self._close_after_refusal()
                 return
             try:
                 send_frame(self.io, frame)  # type: ignore[arg-type]  # sendall, as a socket's

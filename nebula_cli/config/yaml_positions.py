@@ -47,7 +47,7 @@ MAX_VALUES = 50_000
 _CONTROL_RE = re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f-\x9f]")
 
 
-class LimitExceeded(MarkedYAMLError):
+class SpecTooLarge(MarkedYAMLError):
     """A document nested deeper than MAX_DEPTH or larger than MAX_VALUES: refused."""
 
 
@@ -95,7 +95,7 @@ class _Builder:
     def _spend(self, node: Node) -> None:
         self._budget -= 1
         if self._budget < 0:
-            raise LimitExceeded(
+            raise SpecTooLarge(
                 None, None, f"the document expands to more than {MAX_VALUES} values (aliases "
                 "'*name' and merge keys '<<' repeat what their anchor holds); a spec is far "
                 "smaller", node.start_mark)
@@ -103,7 +103,7 @@ class _Builder:
     def build(self, node: Node, path: PathKey) -> Any:
         self._spend(node)
         if len(path) > MAX_DEPTH:
-            raise LimitExceeded(None, None, f"nested more than {MAX_DEPTH} levels deep",
+            raise SpecTooLarge(None, None, f"nested more than {MAX_DEPTH} levels deep",
                                 node.start_mark)
         self.out.values[path] = _pos(node)
         if isinstance(node, ScalarNode):
@@ -198,16 +198,16 @@ def _scan(text: str, loader: type = _FAST_LOADER) -> None:
             if isinstance(event, NodeEvent):
                 count += 1
                 if count > MAX_VALUES:
-                    raise LimitExceeded(None, None, f"the document holds more than {MAX_VALUES} "
+                    raise SpecTooLarge(None, None, f"the document holds more than {MAX_VALUES} "
                                         "values; a spec is far smaller", event.start_mark)
             if isinstance(event, CollectionStartEvent):
                 depth += 1
                 if depth > MAX_DEPTH:
-                    raise LimitExceeded(None, None, f"nested more than {MAX_DEPTH} levels deep",
+                    raise SpecTooLarge(None, None, f"nested more than {MAX_DEPTH} levels deep",
                                         event.start_mark)
             elif isinstance(event, CollectionEndEvent):
                 depth -= 1
-    except LimitExceeded:
+    except SpecTooLarge:
         raise
     except yaml.YAMLError:
         if loader is not yaml.SafeLoader:
@@ -225,7 +225,7 @@ def load_located(text: str) -> Located:
         try:  # the pure-Python loader again, for its (clearer) wording of the error
             root = yaml.compose(text, Loader=yaml.SafeLoader)
         except RecursionError as exc:  # only if libyaml and PyYAML disagree
-            raise LimitExceeded(None, None, "nested too deeply", None) from exc
+            raise SpecTooLarge(None, None, "nested too deeply", None) from exc
     builder = _Builder()
     if root is not None:
         builder.out.data = builder.build(root, ())
@@ -337,7 +337,7 @@ def yaml_problem(exc: yaml.YAMLError, file: str, text: str = "") -> SpecError:
         return problem(file, _line_col(text, exc.position), (), message)
     mark = getattr(exc, "problem_mark", None) or getattr(exc, "context_mark", None)
     parts = [getattr(exc, "context", None), getattr(exc, "problem", None) or str(exc)]
-    prefix = "" if isinstance(exc, LimitExceeded) else "invalid YAML: "
+    prefix = "" if isinstance(exc, SpecTooLarge) else "invalid YAML: "
     message = prefix + ", ".join(p for p in parts if p)
     return problem(file, (mark.line + 1, mark.column + 1) if mark else (1, 1), (), message)
 

@@ -42,6 +42,7 @@ from nebula_cli.errors import (
     UsageError,
 )
 from nebula_cli.scheduler.allocation import Allocation
+from nebula_cli.scheduler.base import Progress
 from nebula_cli.scheduler.registry import allocator_named, allocator_of
 from nebula_cli.transport import Transport
 
@@ -55,7 +56,6 @@ CANCEL_STOP_TIMEOUT = 6.0
 RESUME_EVENT = "resume"
 """The event kind a resume records; a job's attempt is 1 + their number."""
 
-Progress = Callable[[str], None]
 Transfer = Callable[[str, int, int], None]  # (what, bytes done, bytes in all)
 
 

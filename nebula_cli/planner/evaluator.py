@@ -24,7 +24,7 @@ from nebula_cli.planner.incremental import swap_evaluation, swapped
 PROGRESS_EVERY = 0.25
 """Seconds between two progress reports."""
 
-Progress = Callable[[int, float, float], None]
+SearchProgress = Callable[[int, float, float], None]
 """on_progress(evaluations so far, best score so far, seconds elapsed)."""
 
 
@@ -72,7 +72,7 @@ class Evaluator:
     started: float = field(default_factory=time.perf_counter)
     time_limit: float | None = None
     """Seconds after `started` at which no more evaluations are made (None: no limit)."""
-    on_progress: Progress | None = None
+    on_progress: SearchProgress | None = None
     timed_out: bool = False
     _reported: float = 0.0
 

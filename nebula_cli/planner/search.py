@@ -30,7 +30,14 @@ from dataclasses import dataclass
 import numpy as np
 
 from nebula_cli.planner.costmodel import CostModel, PlanError
-from nebula_cli.planner.evaluator import Evaluator, Exhausted, Progress, Scored, groups_of, key_of
+from nebula_cli.planner.evaluator import (
+    Evaluator,
+    Exhausted,
+    Scored,
+    SearchProgress,
+    groups_of,
+    key_of,
+)
 from nebula_cli.planner.localsearch import better, descend
 from nebula_cli.planner.scale import at_scale, scale_hybrid, scale_local
 
@@ -70,7 +77,7 @@ def _trivial(model: CostModel) -> bool:
 
 def random_search(model: CostModel, budget: int, seed: int = 0, *,
                   time_limit: float | None = None,
-                  on_progress: Progress | None = None) -> SearchOutcome:
+                  on_progress: SearchProgress | None = None) -> SearchOutcome:
     """Baseline: the best of `budget` random balanced partitions."""
     ev = Evaluator(model, budget, time_limit=time_limit, on_progress=on_progress)
     rng = np.random.default_rng(seed)
@@ -86,7 +93,7 @@ def random_search(model: CostModel, budget: int, seed: int = 0, *,
 
 def local_search(model: CostModel, budget: int, seed: int = 0, *,
                  time_limit: float | None = None,
-                 on_progress: Progress | None = None) -> SearchOutcome:
+                 on_progress: SearchProgress | None = None) -> SearchOutcome:
     """Baseline: the swap local search from random partitions, restarted at each local optimum
     until the budget is spent (at scale: scale.scale_local)."""
     ev = Evaluator(model, budget, time_limit=time_limit, on_progress=on_progress)
@@ -107,7 +114,7 @@ def local_search(model: CostModel, budget: int, seed: int = 0, *,
 def hybrid_search(model: CostModel, budget: int, seed: int = 0, *,
                   population: int = POPULATION, seeded: bool = True,
                   time_limit: float | None = None,
-                  on_progress: Progress | None = None) -> SearchOutcome:
+                  on_progress: SearchProgress | None = None) -> SearchOutcome:
     """nebula's search: seeded population, aligned crossover, local search on every offspring
     (at scale: scale.scale_hybrid). `seeded=False` starts from random partitions only (for
     comparison). Stops at the budget or after `time_limit` seconds, with the best so far."""

@@ -3,7 +3,7 @@ fetches) use, on top of :mod:`nebula_cli.relay.net.wire`.
 
 A tensor travels as a header frame (meta with ``numel``, no payload) and then frames of the
 same type with meta ``{"lo": offset}`` and up to ``CHUNK_NUMEL`` fp32 elements each, in order.
-On the relay's own host (a :class:`~nebula_cli.relay.net.local_socket.LocalConn`) the header frame
+On the relay's own host (a :class:`~nebula_cli.relay.net.local_socket.LocalSocket`) the header frame
 carries a sealed memfd with the tensor's bytes instead, and no chunk frame follows
 (:func:`send_tensor` and :func:`recv_tensor` choose by the connection). The receiver states the
 largest tensor it accepts (``max_numel``) before anything is allocated or mapped.
@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from nebula_cli.relay.net.local_socket import LocalConn, from_memfd, to_memfd
+from nebula_cli.relay.net.local_socket import LocalSocket, from_memfd, to_memfd
 from nebula_cli.relay.net.schema import is_int
 from nebula_cli.relay.net.wire import (
     HEADER_SIZE,
@@ -66,10 +66,10 @@ def send_frames(sock: socket.socket, frames: list[Frame]) -> int:
 
 
 def send_tensor(conn: Any, ftype: FrameType, meta: dict[str, Any], tensor: torch.Tensor) -> int:
-    """Send ``tensor`` as :func:`tensor_frames` lays it out, or on a LocalConn as one header
+    """Send ``tensor`` as :func:`tensor_frames` lays it out, or on a LocalSocket as one header
     frame with a sealed memfd of its bytes attached (no memfd for an empty tensor). Returns the
     bytes written to the connection."""
-    if not isinstance(conn, LocalConn):
+    if not isinstance(conn, LocalSocket):
         return send_frames(conn, tensor_frames(ftype, meta, tensor))
     flat = flat_fp32(tensor)
     head = b"".join(encode_frame(Frame(ftype, {**meta, "numel": flat.numel()})))
@@ -95,10 +95,10 @@ def recv_tensor(sock: socket.socket, ftype: FrameType, numel: int,
                 max_numel: int = MAX_TENSOR_NUMEL,
                 on_unmap: Callable[[], None] | None = None) -> torch.Tensor:
     """Read the chunk frames of a tensor of ``numel`` elements announced by a header frame
-    (on a LocalConn: map the memfd that came with it; ``on_unmap`` runs once nothing maps it
+    (on a LocalSocket: map the memfd that came with it; ``on_unmap`` runs once nothing maps it
     any more); nothing is allocated or mapped unless ``numel <= max_numel``."""
     numel = check_numel(numel, max_numel)
-    if isinstance(sock, LocalConn):
+    if isinstance(sock, LocalSocket):
         return (from_memfd(sock.take_fd(), numel, sock.seals, on_unmap) if numel
                 else torch.empty(0))
     out = torch.empty(numel, dtype=torch.float32)

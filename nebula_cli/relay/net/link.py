@@ -7,7 +7,7 @@ itself when the peer did not offer records; then both threads use the socket thr
 :class:`DuplexTLS`, which serialises their OpenSSL calls (two threads may not be inside
 SSL_read and SSL_write at once) and waits outside its lock.
 Control frames jump ahead of bulk ones; WAN shaping is applied on the sender; an idle link
-carries heartbeats (the relay's :class:`~nebula_cli.relay.net.messages.Progress`);
+carries heartbeats (the relay's :class:`~nebula_cli.relay.net.messages.RelayProgress`);
 :attr:`PeerLink.last_rx` tells the relay's ticker whether it is alive. What a frame means is
 not this module's business: received frames go to ``on_frame``.
 """
@@ -30,7 +30,7 @@ from nebula_cli.relay.net.buffers import BufferPool
 from nebula_cli.relay.net.duplex import DuplexTLS
 from nebula_cli.relay.net.framing import send_frames
 from nebula_cli.relay.net.gcm_records import RecordConn
-from nebula_cli.relay.net.messages import Goodbye, Progress, Refusal
+from nebula_cli.relay.net.messages import Goodbye, Refusal, RelayProgress
 from nebula_cli.relay.net.schema import encode
 from nebula_cli.relay.net.shaping import Shaper
 from nebula_cli.relay.net.wire import (
@@ -76,11 +76,11 @@ class PeerLink:
     next frame (checked before it is allocated).
     """
 
-    def __init__(self, cluster: str, conn: LinkConn, progress: Progress, *,
+    def __init__(self, cluster: str, conn: LinkConn, progress: RelayProgress, *,
                  shaping: ShapingConfig, heartbeat: float,
                  on_frame: Callable[[PeerLink, Frame], None],
                  on_close: Callable[[PeerLink, str], None],
-                 beat: Callable[[], Progress], payload_cap: Callable[[], int]) -> None:
+                 beat: Callable[[], RelayProgress], payload_cap: Callable[[], int]) -> None:
         self.cluster = cluster
         self.io: RecordConn | DuplexTLS
         if isinstance(conn, RecordConn):
@@ -129,7 +129,7 @@ class PeerLink:
         for t in self._threads:
             t.start()
 
-    def progress(self, p: Progress) -> None:
+    def progress(self, p: RelayProgress) -> None:
         """A peer's progress (HELLO or heartbeat): its newest round, state and result, its
         lineage, and the round its workers finished at (None while they train)."""
         self.done, self.state_round, self.result_round = p.done, p.state_round, p.result_round

@@ -41,6 +41,7 @@ import mmap
 import os
 import secrets
 import socket
+import ssl
 import stat
 import struct
 import sys
@@ -137,7 +138,7 @@ def listen(path: str, backlog: int = 16) -> socket.socket:
     return sock
 
 
-def connect(path: str, timeout: float) -> LocalConn:
+def connect(path: str, timeout: float) -> LocalSocket:
     """A connection to the relay's socket at ``path`` (OSError when it is not there;
     PermissionError, before a byte is sent, when the process serving it is another user's)."""
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -150,7 +151,7 @@ def connect(path: str, timeout: float) -> LocalConn:
     except BaseException:
         sock.close()
         raise
-    return LocalConn(sock)
+    return LocalSocket(sock)
 
 
 def peer_uid(sock: socket.socket) -> int:
@@ -159,7 +160,7 @@ def peer_uid(sock: socket.socket) -> int:
     return struct.unpack("3i", creds)[1]
 
 
-class LocalConn:
+class LocalSocket:
     """A connected Unix socket that carries frames and file descriptors: ``recv_into`` and
     ``sendall`` as a socket's (what :mod:`nebula_cli.relay.net.wire` uses), ``send_with_fd`` to
     attach one descriptor to a message, ``take_fd`` to claim the one that arrived. ``seals``:
@@ -402,3 +403,8 @@ def from_memfd(fd: int, numel: int, seals: int = FROZEN,
     if on_unmap is not None:
         weakref.finalize(mm, on_unmap)
     return torch.frombuffer(mm, dtype=torch.float32)  # keeps the mapping alive
+
+
+HopSocket = ssl.SSLSocket | LocalSocket
+"""A connection of the relay's hop to its cluster's ranks: mutual TLS, or on its own host this
+socket."""

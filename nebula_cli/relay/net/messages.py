@@ -21,7 +21,7 @@ from nebula_cli.relay.net.wire import Frame, FrameType
 
 
 @dataclass(frozen=True, kw_only=True)
-class Progress:
+class RelayProgress:
     """How far a relay is, as its peers see it (HELLO, WELCOME, heartbeats)."""
 
     NAME: ClassVar[str] = "progress"
@@ -50,7 +50,7 @@ class PeerHello:
     NAME: ClassVar[str] = "HELLO"
 
     cluster: str
-    progress: Progress = wire(Progress(), flat=True)
+    progress: RelayProgress = wire(RelayProgress(), flat=True)
     records: Any = None
 
 
@@ -83,11 +83,11 @@ class Pong:
         return Frame(FrameType.HEARTBEAT, encode(self))
 
 
-def decode_heartbeat(meta: object) -> Ping | Pong | Progress:
+def decode_heartbeat(meta: object) -> Ping | Pong | RelayProgress:
     """A HEARTBEAT frame's meta: a ping, a pong, or (no op) the sender's progress."""
     op = choice_of("HEARTBEAT", meta, "op", HeartbeatOp, None)
     if op is None:
-        return decode(Progress, meta, what="HEARTBEAT")
+        return decode(RelayProgress, meta, what="HEARTBEAT")
     return decode(Ping if op == HeartbeatOp.PING else Pong, meta)
 
 

@@ -48,7 +48,7 @@ from nebula_cli.relay.net.limits import (
 )
 from nebula_cli.relay.net.link import LinkConn, LinkDown, PeerLink, peer_addr, refuse
 from nebula_cli.relay.net.listen import listen_tcp
-from nebula_cli.relay.net.messages import Goodbye, PeerHello, Ping, Progress, Refusal
+from nebula_cli.relay.net.messages import Goodbye, PeerHello, Ping, Refusal, RelayProgress
 from nebula_cli.relay.net.schema import MessageError, decode
 from nebula_cli.relay.net.wire import Frame, FrameType, WireError, recv_frame, tune_socket
 
@@ -154,7 +154,7 @@ class Peers:
 
     def __init__(self, cfg: RelayConfig, server_ctx: ssl.SSLContext,
                  client_ctx: ssl.SSLContext, *, hello: Callable[[], dict[str, Any]],
-                 make_link: Callable[[str, LinkConn, Progress], PeerLink],
+                 make_link: Callable[[str, LinkConn, RelayProgress], PeerLink],
                  on_up: Callable[[PeerLink], None], on_down: Callable[[PeerLink, str], None],
                  refusals: Refusals, stopping: threading.Event) -> None:
         self.cfg, self.me = cfg, cfg.cluster
@@ -287,7 +287,7 @@ class Peers:
                 self.stopping.wait(delay)
                 delay = min(delay * 2, BACKOFF_MAX)
 
-    def _add(self, cluster: str, conn: LinkConn, progress: Progress) -> None:
+    def _add(self, cluster: str, conn: LinkConn, progress: RelayProgress) -> None:
         link = self._make_link(cluster, conn, progress)
         with self.lock:
             if self.stopping.is_set():

@@ -22,7 +22,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import socket
-import ssl
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -70,9 +69,6 @@ log = logging.getLogger("nebula.relay.client")
 
 REFUSAL_READ_S = 1.0
 """How long a failed send waits for the relay's refusal that may lie behind it."""
-
-Conn = ssl.SSLSocket | local_hop.LocalConn
-"""A connection to the relay: mutual TLS, or its Unix socket on this host."""
 
 __all__ = ["CHUNK_NUMEL", "RelayClient", "RelayError", "RoundResult",
            "recv_tensor", "send_frames", "tensor_frames", "tune_socket"]
@@ -156,7 +152,7 @@ class RelayClient:
         self.result_timeout = result_timeout or max(600.0, 10 * round_timeout)
         """Longest wait for a round's result (a slow WAN and a large model take a while)."""
         self._ctx = client_context(CertPair(Path(cert), Path(key)), Path(ca))
-        self._sock: Conn | None = None
+        self._sock: local_hop.HopSocket | None = None
         self._closed = False
         """Set by :meth:`close`: a call still in another thread ends, without reconnecting."""
         self._calling = False
@@ -191,12 +187,12 @@ class RelayClient:
             raise RelayError("allreduce needs a floating-point torch.Tensor")
         said = decode(RoundInfo, info or {})
 
-        def call(sock: Conn) -> RoundResult:
+        def call(sock: local_hop.HopSocket) -> RoundResult:
             t0 = time.perf_counter()
             ask = Contrib(round=round_id, numel=tensor.numel(), info=said,
                           released=tuple(self._take_released()))
             send_tensor(sock, FrameType.CONTRIB, encode(ask),
-                        self._staged(tensor) if isinstance(sock, local_hop.LocalConn) else tensor)
+                        self._staged(tensor) if isinstance(sock, local_hop.LocalSocket) else tensor)
             t1 = time.perf_counter()
             sock.settimeout(self.result_timeout)
             reply = decode(RoundReply, self._expect(sock, FrameType.RESULT).meta)
@@ -252,7 +248,7 @@ class RelayClient:
         parts = 1 if momentum is None else 2
         if momentum is not None:
             tensor = _halves(tensor, momentum)
-        def call(sock: Conn) -> None:
+        def call(sock: local_hop.HopSocket) -> None:
             send_tensor(sock, FrameType.STATE,
                         encode(Publish(round=round_id, numel=tensor.numel(), parts=parts)), tensor)
             sock.settimeout(max(60.0, self.connect_timeout))
@@ -267,7 +263,7 @@ class RelayClient:
     def fetch_state_with_round(self) -> tuple[int | None, torch.Tensor | None]:
         """(round, state) of the newest global state known to the relay and its peers."""
 
-        def call(sock: Conn) -> tuple[int | None, torch.Tensor | None]:
+        def call(sock: local_hop.HopSocket) -> tuple[int | None, torch.Tensor | None]:
             send_frames(sock, [FetchState().to_frame()])
             sock.settimeout(self.result_timeout)
             head = decode(StateReply, self._expect(sock, FrameType.STATE).meta)
@@ -287,7 +283,7 @@ class RelayClient:
         finished, then (round, theta, momentum) of the state every cluster should end with
         when it is not this one's, else (None, None, None)."""
 
-        def call(sock: Conn) -> tuple[int | None, torch.Tensor | None,
+        def call(sock: local_hop.HopSocket) -> tuple[int | None, torch.Tensor | None,
                                                torch.Tensor | None]:
             send_frames(sock, [FinalState(wait=wait).to_frame()])
             sock.settimeout(None if wait is None else wait + self.result_timeout)
@@ -355,7 +351,7 @@ class RelayClient:
         give_up = time.monotonic() + self.retry_for
         delay = 0.2
         while True:
-            sock: Conn | None = None
+            sock: local_hop.HopSocket | None = None
             try:
                 self._calling = True
                 sock = self._connect()
@@ -380,7 +376,7 @@ class RelayClient:
             finally:
                 self._calling = False
 
-    def _open(self) -> Conn:
+    def _open(self) -> local_hop.HopSocket:
         """The relay's Unix socket when the plan names one and it is there, else mutual TLS."""
         if self.local is not None:
             try:
@@ -397,7 +393,7 @@ class RelayClient:
         self.transport = "tls"
         return sock
 
-    def _connect(self) -> Conn:
+    def _connect(self) -> local_hop.HopSocket:
         if self._sock is not None:
             return self._sock
         if self._closed:
@@ -423,7 +419,7 @@ class RelayClient:
             sock.close()
 
     @staticmethod
-    def _why_refused(sock: Conn) -> str | None:
+    def _why_refused(sock: local_hop.HopSocket) -> str | None:
         """The reason of a refusal the relay sent before it closed, when one waits to be read:
         a request refused at its head, with more of it still to send, can fail on its send (a
         relay that reads no more of it resets the connection) before its answer is read."""
@@ -435,7 +431,7 @@ class RelayClient:
         return Refusal.read(frame.meta).reason if frame.type == FrameType.ERROR else None
 
     @staticmethod
-    def _expect(sock: Conn, ftype: FrameType) -> Frame:
+    def _expect(sock: local_hop.HopSocket, ftype: FrameType) -> Frame:
         frame = recv_frame(sock)
         if frame.type == FrameType.ERROR:
             raise RelayError(f"relay refused: {Refusal.read(frame.meta).reason}")

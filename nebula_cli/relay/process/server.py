@@ -46,7 +46,7 @@ from nebula_cli.relay.codecs.registry import relay_codecs
 from nebula_cli.relay.net import local_socket as local
 from nebula_cli.relay.net.limits import Refusals, chunk_payload_cap
 from nebula_cli.relay.net.link import PeerLink
-from nebula_cli.relay.net.messages import Ping, Pong, Progress, decode_heartbeat
+from nebula_cli.relay.net.messages import Ping, Pong, RelayProgress, decode_heartbeat
 from nebula_cli.relay.net.peers import PROTOCOL, Listener, Peers
 from nebula_cli.relay.net.schema import encode
 from nebula_cli.relay.net.wire import Frame, FrameType, WireError
@@ -219,7 +219,7 @@ class Relay:
         sync = self.rounds.sync
         return None if sync is None else sync.numel
 
-    def _progress(self) -> Progress:
+    def _progress(self) -> RelayProgress:
         return self.rounds.progress()
 
     def _welcome(self) -> WorkerWelcome:
@@ -236,7 +236,7 @@ class Relay:
     def _accept_peer(self, sock: Any, addr: str) -> None:
         self.peers.accept(sock, addr)
 
-    def _make_link(self, cluster: str, sock: Any, progress: Progress) -> PeerLink:
+    def _make_link(self, cluster: str, sock: Any, progress: RelayProgress) -> PeerLink:
         return PeerLink(cluster, sock, progress, shaping=self.cfg.shaping,
                         heartbeat=self.cfg.heartbeat, on_frame=self._on_peer_frame,
                         on_close=self.peers.closed, beat=self._progress,

@@ -20,7 +20,7 @@ from enum import StrEnum
 from typing import Any, ClassVar
 
 from nebula_cli.relay.net.limits import LimitExceeded, SyncSize
-from nebula_cli.relay.net.messages import Progress
+from nebula_cli.relay.net.messages import RelayProgress
 from nebula_cli.relay.net.schema import MessageError, choice_of, decode, encode, wire
 from nebula_cli.relay.net.wire import Frame, FrameType
 from nebula_cli.relay.protocol.next_round import NextRound
@@ -161,7 +161,7 @@ class WorkerWelcome:
     clusters: tuple[str, ...]
     codec: str
     round_timeout: float
-    progress: Progress = wire(Progress(), flat=True)
+    progress: RelayProgress = wire(RelayProgress(), flat=True)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -56,7 +56,8 @@ from nebula_cli.relay.net.limits import (
 )
 from nebula_cli.relay.net.local_socket import (
     FIXED_SIZE,
-    LocalConn,
+    HopSocket,
+    LocalSocket,
     SharedMemoryError,
     SharedPool,
     peer_uid,
@@ -88,10 +89,6 @@ from nebula_cli.relay.protocol.results import GlobalState
 from nebula_cli.relay.protocol.rounds import Rounds
 
 log = logging.getLogger("nebula.relay")
-
-Conn = ssl.SSLSocket | LocalConn
-"""A worker's connection: mutual TLS, or the local Unix socket."""
-
 
 class _Refused(Exception):
     """A request refused with an ERROR frame; ``close``: the stream cannot go on."""
@@ -128,7 +125,7 @@ class WorkerPort:
         self._welcome, self._published = welcome, published
         self.refusals, self.stopping = refusals, stopping
         self.sessions = Gate(MAX_WORKER_CONNECTIONS)
-        self.socks: set[Conn] = set()
+        self.socks: set[HopSocket] = set()
         self._lock = threading.Lock()
 
     def handshake(self, sock: socket.socket, addr: str) -> Callable[[], None] | None:
@@ -149,7 +146,7 @@ class WorkerPort:
     def local_handshake(self, sock: socket.socket, addr: str) -> Callable[[], None] | None:
         """A connection on the Unix socket: a process of this relay's own uid (SO_PEERCRED),
         the session to run; else refused and closed before a byte is read."""
-        conn = LocalConn(sock, seals=FIXED_SIZE)
+        conn = LocalSocket(sock, seals=FIXED_SIZE)
         try:
             uid = peer_uid(sock)
         except OSError:
@@ -172,17 +169,17 @@ class WorkerPort:
             socks = list(self.socks)
         for s in socks:
             with contextlib.suppress(OSError):
-                socket.socket.shutdown(s.sock if isinstance(s, LocalConn) else s,
+                socket.socket.shutdown(s.sock if isinstance(s, LocalSocket) else s,
                                        socket.SHUT_RDWR)
 
-    def _session(self, tls: Conn, name: str, addr: str) -> None:
+    def _session(self, tls: HopSocket, name: str, addr: str) -> None:
         with self._lock:
             self.socks.add(tls)
         try:
-            how = "the local socket" if isinstance(tls, LocalConn) else f"mutual TLS ({addr})"
+            how = "the local socket" if isinstance(tls, LocalSocket) else f"mutual TLS ({addr})"
             log.info("worker %s connected through %s", name, how)
             tls.settimeout(None)  # a worker may be quiet for many inner steps: no timeout,
-            if not isinstance(tls, LocalConn):  # (the kernel ends a local one at once)
+            if not isinstance(tls, LocalSocket):  # (the kernel ends a local one at once)
                 keep_alive(tls)  # but a worker gone without a word frees its slot in ~a minute
             self._serve(tls, name, addr)
         except ConnectionClosed:
@@ -194,11 +191,11 @@ class WorkerPort:
             with self._lock:
                 self.socks.discard(tls)
             self.sessions.leave("workers")
-            if self.shared is not None and isinstance(tls, LocalConn):
+            if self.shared is not None and isinstance(tls, LocalSocket):
                 self.shared.forget(tls.lent)
             tls.close()
 
-    def _serve(self, sock: Conn, name: str, addr: str) -> None:
+    def _serve(self, sock: HopSocket, name: str, addr: str) -> None:
         while not self.stopping.is_set():
             frame = recv_frame(sock, max_payload=0)
             try:
@@ -208,7 +205,7 @@ class WorkerPort:
                     raise _Refused(str(exc), close=True) from None
                 if not self._handle(sock, req):
                     return
-                if isinstance(sock, LocalConn) and sock.pending_fds:
+                if isinstance(sock, LocalSocket) and sock.pending_fds:
                     raise _Refused("a file descriptor sent with a frame that carries no tensor",
                                    close=True)
             except _Refused as exc:
@@ -218,7 +215,8 @@ class WorkerPort:
                     close_after_refusal(sock)
                     return
 
-    def _tensor(self, sock: Conn, ftype: FrameType, numel: int, parts: int = 1) -> torch.Tensor:
+    def _tensor(self, sock: HopSocket, ftype: FrameType, numel: int,
+                parts: int = 1) -> torch.Tensor:
         """Read a worker's tensor of this cluster's sync size times ``parts`` (registering the
         size the first time); _Refused otherwise."""
         sync = self.rounds.sync
@@ -243,7 +241,7 @@ class WorkerPort:
             raise _Refused(str(exc)) from None
         return x
 
-    def _handle(self, sock: Conn, req: WorkerRequest) -> bool:
+    def _handle(self, sock: HopSocket, req: WorkerRequest) -> bool:
         """Answer one request; False when the worker said goodbye."""
         rounds = self.rounds
         if isinstance(req, WorkerHello):
@@ -262,13 +260,13 @@ class WorkerPort:
             t0 = time.perf_counter()
             x = self._tensor(sock, FrameType.CONTRIB, req.numel)
             upload = time.perf_counter() - t0
-            if self.shared is not None and isinstance(sock, LocalConn) and req.released:
+            if self.shared is not None and isinstance(sock, LocalSocket) and req.released:
                 ours = sock.lent & set(req.released)
                 sock.lent -= ours
                 self.shared.release(ours)
             out = rounds.local_round(req.round, x, req.info)
             token = None
-            if self.shared is not None and isinstance(sock, LocalConn):
+            if self.shared is not None and isinstance(sock, LocalSocket):
                 token = self.shared.lend(out.tensor)  # until released
                 if token is not None:
                     sock.lent.add(token)
@@ -298,7 +296,7 @@ class WorkerPort:
         return True
 
     @staticmethod
-    def _send_state(sock: Conn, op: StateOp, st: GlobalState | None) -> None:
+    def _send_state(sock: HopSocket, op: StateOp, st: GlobalState | None) -> None:
         if st is None:
             send_frames(sock, [Frame(FrameType.STATE, encode(StateReply(op=op, round=None)))])
         else:

@@ -17,7 +17,7 @@ from collections.abc import Callable
 from enum import StrEnum
 
 from nebula_cli.relay.net.limits import LimitExceeded, SyncSize
-from nebula_cli.relay.net.messages import Progress
+from nebula_cli.relay.net.messages import RelayProgress
 from nebula_cli.relay.protocol.agreement import Decision
 from nebula_cli.relay.protocol.allreduce import RoundExchange
 from nebula_cli.relay.protocol.lineage import UNKNOWN, advance, initial
@@ -128,10 +128,10 @@ class RoundState:
             self.finished = self.done_round
             self.cv.notify_all()
 
-    def progress(self) -> Progress:
+    def progress(self) -> RelayProgress:
         """This relay's progress as peers see it (HELLO, heartbeats)."""
         with self.lock:
-            return Progress(done=self.done_round,
+            return RelayProgress(done=self.done_round,
                             state_round=self.published.round_id if self.published else None,
                             result_round=self.average.round_id if self.average else None,
                             finished=self.finished, lineage=self.lineage, sync=self.sync)

@@ -47,7 +47,7 @@ from nebula_cli.relay.codecs.chunks import chunk_spans
 from nebula_cli.relay.codecs.contribution import OwnChunks, check_contribution, decode
 from nebula_cli.relay.codecs.feedback import ErrorFeedback
 from nebula_cli.relay.net.limits import Refusals, SyncSize
-from nebula_cli.relay.net.messages import Progress
+from nebula_cli.relay.net.messages import RelayProgress
 from nebula_cli.relay.protocol.agreement import BEHIND, Decision
 from nebula_cli.relay.protocol.allreduce import ExchangeError, RoundExchange, Schedule
 from nebula_cli.relay.protocol.messages import (
@@ -121,7 +121,7 @@ class Rounds:
         with self.state.lock:
             return self.state.finished
 
-    def progress(self) -> Progress:
+    def progress(self) -> RelayProgress:
         """This relay's progress as its peers see it (HELLO, heartbeats)."""
         return self.state.progress()
 

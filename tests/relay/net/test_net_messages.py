@@ -13,8 +13,8 @@ from nebula_cli.relay.net.messages import (
     PeerHello,
     Ping,
     Pong,
-    Progress,
     Refusal,
+    RelayProgress,
     decode_heartbeat,
 )
 from nebula_cli.relay.net.schema import MessageError, decode, encode
@@ -22,28 +22,28 @@ from nebula_cli.relay.net.wire import FrameType
 
 
 def test_progress_round_trips_and_states_the_sync_size_for_peers_to_see() -> None:
-    p = Progress(done=7, state_round=6, result_round=7, finished=None, lineage="abc",
+    p = RelayProgress(done=7, state_round=6, result_round=7, finished=None, lineage="abc",
                  sync=SyncSize.flat(100))
     meta = json.loads(json.dumps(encode(p)))
     assert set(meta) == {"done", "state_round", "result_round", "sync", "finished", "lineage"}
     assert meta["sync"]["numel"] == 100
-    assert decode(Progress, meta) == Progress(done=7, state_round=6, result_round=7,
+    assert decode(RelayProgress, meta) == RelayProgress(done=7, state_round=6, result_round=7,
                                             finished=None, lineage="abc")  # a peer's: not read
-    assert decode(Progress, {}) == Progress()  # nothing said: no round yet
+    assert decode(RelayProgress, {}) == RelayProgress()  # nothing said: no round yet
 
 
 @pytest.mark.parametrize("bad", [{"done": "3"}, {"done": -5}, {"finished": True},
                                  {"lineage": 5}, {"state_round": 1.5}])
 def test_a_malformed_progress_is_refused(bad: dict) -> None:
     with pytest.raises(MessageError, match=next(iter(bad))):
-        decode(Progress, bad, what="HEARTBEAT")
+        decode(RelayProgress, bad, what="HEARTBEAT")
 
 
 def test_heartbeats_are_pings_pongs_or_progress() -> None:
     assert decode_heartbeat(Ping(id=4).to_frame().meta) == Ping(id=4)
     assert decode_heartbeat(Pong(id=4).to_frame().meta) == Pong(id=4)
     assert Ping(id=1).to_frame().type == FrameType.HEARTBEAT
-    assert decode_heartbeat({"done": 3}) == Progress(done=3)
+    assert decode_heartbeat({"done": 3}) == RelayProgress(done=3)
     with pytest.raises(MessageError, match="op must be one of"):
         decode_heartbeat({"op": "pang", "id": 1})
     with pytest.raises(MessageError, match="id must be an integer"):
@@ -53,7 +53,7 @@ def test_heartbeats_are_pings_pongs_or_progress() -> None:
 def test_a_hello_names_its_cluster_and_carries_progress_and_an_offer() -> None:
     hello = decode(PeerHello, {"role": "relay", "cluster": "b", "job_id": "j", "done": 2,
                                  "records": {"cipher": "x"}})
-    assert hello == PeerHello(cluster="b", progress=Progress(done=2), records={"cipher": "x"})
+    assert hello == PeerHello(cluster="b", progress=RelayProgress(done=2), records={"cipher": "x"})
     with pytest.raises(MessageError, match="HELLO: cluster is missing"):
         decode(PeerHello, {"done": 2})
 
@@ -75,15 +75,15 @@ def test_a_goodbye_says_whether_the_cluster_leaves_the_job() -> None:
 # Protocol 2's bytes of each message, pinned before the messages were declared once
 # (relay/net/schema.py derives every encoding from the fields): they must not move.
 PINS = [
-    (lambda: Progress(),
+    (lambda: RelayProgress(),
      '{"done":-1,"state_round":null,"result_round":null,"sync":null,"finished":null,"lineage":nul'
      'l}'),
-    (lambda: Progress(done=7, state_round=6, result_round=7, finished=None, lineage='abc',
+    (lambda: RelayProgress(done=7, state_round=6, result_round=7, finished=None, lineage='abc',
              sync=SyncSize.flat(100)),
      '{"done":7,"state_round":6,"result_round":7,"sync":{"numel":100,"tensors":1,"dtypes":["float'
      '32"],"shapes_sha256":"2659a239ccad75d71ccea5625331b6ec5b64a7314d19262f5b24c6a6e51eebfc"},"f'
      'inished":null,"lineage":"abc"}'),
-    (lambda: Progress(done=3, state_round=None, result_round=2, finished=9, lineage=None),
+    (lambda: RelayProgress(done=3, state_round=None, result_round=2, finished=9, lineage=None),
      '{"done":3,"state_round":null,"result_round":2,"sync":null,"finished":9,"lineage":null}'),
     (lambda: Ping(id=4).to_frame(),
      'HEARTBEAT {"op":"ping","id":4}'),

@@ -11,7 +11,7 @@ import torch
 from helpers.wire_pins import pinned
 
 from nebula_cli.relay.net.limits import SyncSize
-from nebula_cli.relay.net.messages import Progress
+from nebula_cli.relay.net.messages import RelayProgress
 from nebula_cli.relay.net.schema import MessageError, decode, encode
 from nebula_cli.relay.net.wire import Frame, FrameType
 from nebula_cli.relay.process.worker_messages import (
@@ -105,7 +105,7 @@ def test_state_replies_say_whether_a_state_follows() -> None:
 
 def test_the_welcome_tells_who_the_relay_is_and_how_far() -> None:
     welcome = WorkerWelcome(cluster="a", clusters=("a", "b"), codec="auto", round_timeout=30.0,
-                            progress=Progress(done=4, lineage="x"))
+                            progress=RelayProgress(done=4, lineage="x"))
     assert decode(WorkerWelcome, wire(encode(welcome))) == welcome
 
 # Protocol 2's bytes of each message, pinned before the messages were declared once
@@ -134,7 +134,7 @@ PINS = [
     (lambda: FinalState().to_frame(),
      'STATE_REQUEST {"op":"final","wait":null}'),
     (lambda: WorkerWelcome(cluster='a', clusters=('a', 'b'), codec='auto', round_timeout=30.0,
-             progress=Progress(done=4, lineage='x')),
+             progress=RelayProgress(done=4, lineage='x')),
      '{"cluster":"a","clusters":["a","b"],"codec":"auto","round_timeout":30.0,"done":4,"state_rou'
      'nd":null,"result_round":null,"sync":null,"finished":null,"lineage":"x"}'),
     (lambda: RoundReply(round_id=5, present=('a', 'b'), rejected=('c',), missing=('d',),

@@ -57,7 +57,7 @@ def local_clients(job: Job, paths: dict[str, str]) -> Iterator[dict[str, RelayCl
             cl.close()
 
 
-def hello(sock: local.LocalConn, cluster: str, job_id: str) -> Frame:
+def hello(sock: local.LocalSocket, cluster: str, job_id: str) -> Frame:
     sock.sendall(b"".join(encode_frame(Frame(FrameType.HELLO, {
         "role": "worker", "cluster": cluster, "job_id": job_id}))))
     return recv_frame(sock)

@@ -49,19 +49,23 @@ def _s(value: float | None) -> str:
 
 
 def placement_table(result: PlacementResult) -> Group:
-    """Stages in pipeline order (one column per replica: who sends to whom is read along a
-    column), then the score, its parts, the baselines and the effort."""
+    """Each pipeline (replica) as one row, its stages' devices in order (who sends to whom is
+    read along a row, wrapped between devices, never inside one); each stage's costs; then the
+    score, its parts, the baselines and the effort. Fits 80 columns at any replica count."""
     p = result.placement
-    stages = Table(title="placement (stage j of replica r; each column is one pipeline)",
-                   title_justify="left")
-    stages.add_column("stage", justify="right")
-    for r in range(len(p.stages[0]) if p.stages else 0):
-        stages.add_column(f"r{r}", overflow="fold")
-    stages.add_column("data s", justify="right")
-    stages.add_column("link to next s", justify="right")
-    for j, devices in enumerate(p.stages):
+    pipelines = Table(title="placement: each row is one pipeline, its stages in order",
+                      title_justify="left")
+    pipelines.add_column("replica", justify="right", no_wrap=True)
+    pipelines.add_column(f"stage 0 -> {len(p.stages) - 1}" if p.stages else "stages",
+                         overflow="fold")
+    for r, devices in enumerate(p.replicas):
+        pipelines.add_row(f"r{r}", " -> ".join(str(d) for d in devices))
+    stages = Table(title="each stage's cost (s)", title_justify="left")
+    for col in ("stage", "data s", "link to next s"):
+        stages.add_column(col, justify="right", no_wrap=True)
+    for j in range(len(p.stages)):
         link = p.links_s[j] if j < len(p.links_s) else None
-        stages.add_row(str(j), *[str(d) for d in devices], _s(p.data_s[j]), _s(link))
+        stages.add_row(str(j), _s(p.data_s[j]), _s(link))
 
     stop = (f", stopped at the {result.time_limit:g} s time limit" if result.timed_out
             else "")
@@ -82,7 +86,7 @@ def placement_table(result: PlacementResult) -> Group:
             evals = result.baseline_evaluations.get(key)
             summary.add_row(label, _s(score), "", "", "-" if evals is None else str(evals),
                             "-" if secs is None else f"{secs:.1f}")
-    return Group(stages, summary)
+    return Group(pipelines, stages, summary)
 
 
 def advisor_table(advice: Advice) -> Group:

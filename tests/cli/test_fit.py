@@ -12,7 +12,7 @@ from rich.console import Console
 
 from nebula_cli.cli.fit import Column, FittedTable, fitted_columns
 from nebula_cli.cli.netbench_render import bench_matrix
-from nebula_cli.cli.planner_render import advisor_table, outer_memory_table
+from nebula_cli.cli.planner_render import advisor_table, outer_memory_table, placement_table
 from nebula_cli.cli.reach_render import reach_table
 from nebula_cli.cli.ui import (
     final_summary,
@@ -29,7 +29,9 @@ from nebula_cli.control.jobs import JobSnapshot
 from nebula_cli.control.reachcheck import DIRECT, TUNNEL, PairCheck, ReachReport, Way
 from nebula_cli.control.state import HostRecord, JobRecord
 from nebula_cli.planner import advise
+from nebula_cli.planner.costmodel import Cost
 from nebula_cli.planner.outer_memory import job_memory
+from nebula_cli.planner.placement import Placement, PlacementResult
 
 NOW = time.time()
 SPEC = {"clusters": [{"name": "east", "hosts": ["e1", "e2"]},
@@ -212,3 +214,21 @@ def test_the_sync_advisors_grid_fits_80_columns() -> None:
     assert "recommended: H = 100, codec int8 (95.4 % utilisation)" in text
     for codec, wan in (("none", 3.35), ("bf16", 1.75), ("int8", 0.96)):  # every column kept
         assert codec in text and f"(WAN {wan:.2f} s)" in text, (codec, text)
+
+
+@pytest.mark.parametrize("stages, replicas", [(4, 4), (4, 8), (16, 12)])
+def test_a_placement_of_many_replicas_fits_80_columns_one_pipeline_a_row(
+        stages: int, replicas: int) -> None:
+    """`nebula plan placement`: each replica's devices on its row, in stage order (a column per
+    replica had cut the link costs to "0.0…" and split device names at 8 replicas)."""
+    grid = [[f"east-gpu{j * replicas + r}" for r in range(replicas)] for j in range(stages)]
+    placed = Placement(grid, [0.0123 * (j + 1) for j in range(stages - 1)],
+                       [0.5 + j for j in range(stages)], Cost(3.21, 1.1, 1.05))
+    text = draw(placement_table(PlacementResult(placed, 4000, 12.3, 4000, 0,
+                                                {"random": 4.5, "local_search": 3.9},
+                                                lower_bound=2.9)))
+    uncut(text)
+    flat = " ".join(text.replace("│", " ").split())
+    for r in range(replicas):  # each pipeline whole, in order, wrapped between devices only
+        assert f"r{r} " + " -> ".join(grid[j][r] for j in range(stages)) in flat, (r, text)
+    assert f"{0.0123 * (stages - 1):.3f}" in text and "local search alone" in text

@@ -8,7 +8,10 @@ writable by nobody else unless sticky (``/tmp``: others cannot rename what is no
 "Somebody else can write" is o+w, or g+w when the folder's group has a member other than this
 user (named in the group, or having it as their primary group: setgid project folders on HPC
 sites are common, a user's private group is not another user). The folders as named and as
-resolved (through symlinks) are both checked. Standard library only.
+resolved (through symlinks) are both checked, and a symbolic link on the way as named (the
+folder itself too) must be this user's or root's: DeepSpeed opens the named path, and a link's
+owner can point it elsewhere whatever folder it lies in (in a sticky one too: delete, make
+again). Standard library only.
 """
 
 from __future__ import annotations
@@ -58,12 +61,22 @@ def _problem(path: Path, info: os.stat_result) -> str | None:
 
 
 def unsafe_ancestors(directory: Path) -> list[str]:
-    """What lets another user replace `directory` from above: each ancestor (as named and as
-    resolved; those that do not exist yet skipped) that is not this user's or root's, or that
-    somebody else can write and is not sticky. Empty when there is none."""
+    """What lets another user replace `directory` from above: a symbolic link of another user
+    on the way as named (`directory` itself too); each ancestor (as named and as resolved;
+    those that do not exist yet skipped) that is not this user's or root's, or that somebody
+    else can write and is not sticky. Empty when there is none."""
     seen: set[tuple[int, int]] = set()
     found: list[str] = []
-    for path in (Path(os.path.abspath(directory)), Path(os.path.realpath(directory))):
+    named = Path(os.path.abspath(directory))
+    for link in [*reversed(named.parents), named]:
+        try:
+            info = os.lstat(link)
+        except OSError:
+            continue
+        if stat.S_ISLNK(info.st_mode) and info.st_uid not in (0, os.getuid()):
+            found.append(f"its ancestor {link} is a symbolic link of another user (uid "
+                         f"{info.st_uid}), who can point it elsewhere")
+    for path in (named, Path(os.path.realpath(directory))):
         for ancestor in reversed(path.parents):
             try:
                 info = os.stat(ancestor)

@@ -20,6 +20,7 @@ from helpers.checkpoint_standins import StandInEngine
 from helpers.plan_defaults import default_checkpoint
 
 from nebula_cli.runtime import checkpoint as ck
+from nebula_cli.runtime import checkpoint_trust as trust
 from nebula_cli.runtime import metrics
 from nebula_cli.runtime.outer import SyncError
 
@@ -109,6 +110,31 @@ def test_an_ancestor_reached_through_a_symlink_is_checked_where_it_resolves(
     with pytest.raises(SyncError) as err:
         ck.Checkpointer(StandInEngine(), default_checkpoint(link / "ckpt")).load_newest()
     assert f"its ancestor {link} (that is, {base}) is writable by every user" in str(err.value)
+
+
+def test_a_symbolic_link_of_another_user_on_the_way_is_refused(base: Path, tmp_path: Path
+                                                              ) -> None:
+    """A link another user owns, in a sticky folder (so nobody else can touch it), pointing at
+    this user's own safe folder: its owner can point it elsewhere between the check and
+    DeepSpeed's load of the named path, so it is refused; the same link of this user's is
+    fine."""
+    directory = base / "ckpt"
+    _saved(directory)
+    sticky = tmp_path / "sticky"
+    sticky.mkdir()
+    sticky.chmod(0o1777)
+    link = sticky / "theirs"
+    link.symlink_to(base)
+    try:
+        os.lchown(link, OTHER_UID, -1)
+        with pytest.raises(SyncError) as err:
+            ck.Checkpointer(StandInEngine(), default_checkpoint(link / "ckpt")).load_newest()
+        assert (f"its ancestor {link} is a symbolic link of another user (uid {OTHER_UID}), "
+                "who can point it elsewhere") in str(err.value)
+        os.lchown(link, os.getuid(), -1)  # the user's own link: nothing to say
+        assert trust.unsafe_ancestors(link / "ckpt") == []
+    finally:
+        link.unlink()
 
 
 @pytest.mark.parametrize("kind", ["another user's folder", "an ancestor open to every user"])

@@ -62,7 +62,11 @@ def test_a_killed_agent_is_lost_then_revived_with_new_processes(tmp_path: Path) 
                          and s["pid"] != before["pid"] and s)
         assert not pid_alive(before["pid"])  # the orphan was ended, not left beside the new one
         assert after["restarts"] == 1
-        assert (d / "logs" / "rank0.log").read_text().count("up ") == 2
+        # RUNNING says the new process started, not that its shell has written yet: wait for
+        # its line (seen once in CI: read before the new shell's echo)
+        log = d / "logs" / "rank0.log"
+        assert wait_for(lambda: f"up {after['pid']}\n" in log.read_text()), log.read_text()
+        assert log.read_text().split("\n")[:2] == [f"up {before['pid']}", f"up {after['pid']}"]
         events = [json.loads(x)["kind"] for x in (d / "events.jsonl").read_text().splitlines()]
         assert "agent-lost" in events
         (again,) = _agent("revive", str(d))  # a live agent is left as it is

@@ -42,7 +42,7 @@ def test_the_teacher_is_built_once_per_settings_and_cached_outside_the_checkout(
     batches = [torch.randint(0, 64, (2, 8), generator=g) for _ in range(2)]
     built, first_s, folder = bench.cached_teacher(tokenizer, 64, 2, batches)
     assert first_s is None and folder.parent == tmp_path / "cache"  # built here, then saved
-    assert (folder / "config.json").is_file() and float((folder / "built_s").read_text()) > 0
+    assert (folder / "config.json").is_file() and float((folder / "built_s").read_text()) >= 0
     loaded, built_s, again = bench.cached_teacher(tokenizer, 64, 2, batches)
     assert again == folder and built_s == float((folder / "built_s").read_text())
     assert all(torch.equal(a, b) for a, b in zip(built.state_dict().values(),

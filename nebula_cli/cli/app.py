@@ -185,7 +185,11 @@ def _say_models(models: list[TeacherModel], notes: list[str]) -> None:
         if m.missing is None:
             out.print(f"[dim]{escape(m.said())}[/]")
     for note in notes:
-        err.print(f"[yellow]note:[/] {escape(note)}", markup=True, highlight=False)
+        _note(note)
+
+
+def _note(text: str) -> None:
+    err.print(f"[yellow]note:[/] {escape(text)}", markup=True, highlight=False)
 
 
 @app.command()
@@ -227,11 +231,9 @@ def launch(
 ) -> None:
     """Provision every host, start the job, then show it live (Ctrl-C detaches)."""
     spec = load_spec(spec_path)
-    for note in spec.distill.notes() if spec.distill is not None else []:
-        err.print(f"[yellow]note:[/] {escape(note)}", markup=True, highlight=False)
     bad, notes = model_problems(spec, teacher_models(spec))  # before any host is touched
-    for note in notes:
-        err.print(f"[yellow]note:[/] {escape(note)}", markup=True, highlight=False)
+    for note in [*(spec.distill.notes() if spec.distill is not None else []), *notes]:
+        _note(note)
     if bad:
         raise LaunchError("\n".join(bad))
     with _store() as store, Orchestrator(store, accept_new_host_keys=accept_new) as orch:

@@ -116,26 +116,28 @@ class LabelLink:
 
     def close(self, why: str | None = None) -> None:
         """End the link (its reader and its sender wake with an error); idempotent."""
-        if self.closed.is_set():
+        if not self._mark_closed():
             return
         self.why = why
         if why is not None:
             log.warning("soft labels: ended the link of %s: %s", self.peer, why)
-        self.closed.set()
-        with self._cond:
-            self._cond.notify_all()
         with contextlib.suppress(OSError):
             self.sock.shutdown(socket.SHUT_RDWR)
         with contextlib.suppress(OSError):
             self.sock.close()
 
-    def _close_after_refusal(self) -> None:
-        if self.closed.is_set():
-            return
-        self.closed.set()
+    def _mark_closed(self) -> bool:
+        """Mark the link ended and wake its sender; False when it already was."""
         with self._cond:
+            if self.closed.is_set():
+                return False
+            self.closed.set()
             self._cond.notify_all()
-        close_after_refusal(self.sock, seconds=min(LINGER_S, END_S / 2))
+        return True
+
+    def _close_after_refusal(self) -> None:
+        if self._mark_closed():
+            close_after_refusal(self.sock, seconds=min(LINGER_S, END_S / 2))
 
     def _send_loop(self) -> None:
         while True:

@@ -42,7 +42,8 @@ class DistillConfig:
     """"wait" or "ce_only"."""
     values: str
     """How labels cross the wire (`relay.distill.sparse.Values`): "fp16" or "int8" (a top k
-    and its values), or "draws" (`labels: sampled`: k drawn ids, no values)."""
+    and its values), "draws" (`labels: sampled`: k drawn ids, no values), or "token"
+    (`mode: on_policy`: the teacher's log-probability of each asked token, no ids)."""
     max_tokens: int
     vocab: int | None
     """The students' vocabulary as the spec declares it (`distill.vocab`; None: not declared):

@@ -34,6 +34,12 @@ class DistillSpec(SpecModel):
     (They had been a top 32 at T 2 with alpha 0.5, which trained a student about 1 % worse than
     none.)"""
 
+    mode: Literal["off_policy", "on_policy"] = "off_policy"
+    """Whose tokens the students learn on: 'off_policy': their own batches, with the
+    teacher's labels of every position (`labels`); 'on_policy': continuations the students
+    sample from their prompts, which the teacher scores (its log-probability of each sampled
+    token, 2 bytes back; `labels`, `topk` and `values` do not apply), trained on with the
+    reverse KL (`runtime.distill.on_policy`)."""
     topk: int = Field(12, ge=1, le=MAX_TOPK)
     """Soft labels per token, k: the teacher's k most likely next tokens (ids and values), or
     with `labels: sampled` k tokens drawn from its distribution."""
@@ -76,11 +82,33 @@ class DistillSpec(SpecModel):
     is refused at `validate`. Default: not declared (an ask longer than the teacher's context
     is refused at the teacher)."""
 
+    @property
+    def on_policy(self) -> bool:
+        return self.mode == "on_policy"
+
+    @property
+    def wire_values(self) -> str:
+        """How the labels cross the wire (`relay.distill.sparse.Values`)."""
+        if self.on_policy:
+            return "token"
+        return "draws" if self.labels == "sampled" else self.values
+
+    @property
+    def wire_topk(self) -> int:
+        """Labels a token carries on the wire (on-policy: one score)."""
+        return 1 if self.on_policy else self.topk
+
     def notes(self) -> list[str]:
         """What `validate` and `launch` say of settings whose meaning the new defaults changed:
         a spec that sets `topk`, `temperature` or `values` but not `labels` was written for a
-        top k (sampled labels send no values)."""
+        top k (sampled labels send no values); an on-policy spec that sets what applies to
+        off-policy labels only."""
         given = self.model_fields_set
+        if self.on_policy:
+            unused = [f for f in ("labels", "topk", "values") if f in given]
+            return [f"distill.mode: on_policy: the teacher scores the students' samples (one "
+                    f"value a token); {', '.join(unused)} apply to off-policy labels only and "
+                    f"are not used"] if unused else []
         if "labels" in given or not given & set(TOP_K_FIELDS):
             return []
         said = ", ".join(f"{f}: {getattr(self, f)}" for f in TOP_K_FIELDS if f in given)
@@ -90,6 +118,10 @@ class DistillSpec(SpecModel):
 
     def summary(self) -> str:
         """One line for `validate`: what the students are sent and how they weigh it."""
+        if self.on_policy:
+            return (f"on-policy: the students' samples scored by the teacher (2 bytes a token "
+                    f"back), temperature {self.temperature:g}, alpha {self.alpha:g}, "
+                    f"{self.lookahead} batches ahead, with no teacher: {self.when_no_teacher}")
         labels = (f"{self.topk} sampled labels per token (ids only)" if self.labels == "sampled"
                   else f"top {self.topk} labels per token ({self.values} values)")
         return (f"{labels}, temperature {self.temperature:g}, alpha {self.alpha:g}, "

@@ -83,6 +83,17 @@ def test_a_spec_written_for_the_old_top_k_default_is_told_the_new_one(
         assert "write `labels: topk` to keep a top k" in notes[0]
 
 
+def test_on_policy_says_what_the_students_get_and_notes_the_off_policy_settings() -> None:
+    d = DistillSpec(mode="on_policy")
+    assert d.on_policy and d.notes() == []
+    assert d.summary().startswith("on-policy: the students' samples scored by the teacher "
+                                  "(2 bytes a token back), temperature 1, alpha 0.9,")
+    (note,) = DistillSpec(mode="on_policy", topk=32, labels="topk").notes()
+    assert note.startswith("distill.mode: on_policy") and "labels, topk apply to off-policy" in note
+    assert "one of 'off_policy', 'on_policy'" in problem(SPEC.replace("{topk: 16}",
+                                                                      "{mode: online}"))
+
+
 @pytest.mark.parametrize("edit, where, says", [
     (("distill: {topk: 16}\n", ""), "<spec>:8:11: clusters[0].role", "needs the job's `distill:`"),
     (("    run: python serve.py\n", ""), "<spec>:9:11: clusters[0].role", "needs its server"),
@@ -145,6 +156,10 @@ def test_each_cluster_gets_its_view_of_the_distillation(tmp_path: Path) -> None:
     drawn = distill_config(sampled, "job-1", sampled.clusters[1], "/a/cloud", sites(sampled),
                            ports(sampled, {"lab": port}))
     assert drawn.values == "draws" and drawn.topk == 12  # k draws, no values on the wire
+    scoring = parse(SPEC.replace("{topk: 16}", "{mode: on_policy}"))
+    scored = distill_config(scoring, "job-1", scoring.clusters[0], "/a/lab", sites(scoring),
+                            ports(scoring, {"lab": port}))
+    assert scored.values == "token" and scored.topk == 1  # one score a token, no ids back
     path = tmp_path / "distill.json"  # what the runtime loads, strictly
     path.write_bytes(strict.dumps(student))
     assert DistillConfig.load(path) == student

@@ -116,6 +116,38 @@ def test_a_launched_student_cluster_learns_from_its_teacher_cluster(
     assert lab["detail"]["exit_codes"] == {"0": 0}  # hf_server left cleanly on SIGTERM
 
 
+def test_on_policy_students_learn_from_the_teachers_scores_of_their_own_samples(
+        cli: CLI, tmp_path: Path) -> None:
+    """`distill.mode: on_policy` through `nebula launch`: each student rank continues the first
+    half of its batches with `generate`, the built-in server scores the samples (its
+    log-probability of each sampled token), the students train on the reverse KL; every batch
+    is scored, at most 16 bytes per generated token cross each way, both ranks end identical,
+    and nothing is left running."""
+    path = spec_file(tmp_path, distill={"mode": "on_policy", "topk": 12},
+                     cloud_env={"DISTILL_ON_POLICY": "1"})
+    said = " ".join(cli("validate", str(path), check=True).stdout.split())
+    assert "distill: on-policy: the students' samples scored by the teacher" in said, said
+    assert "topk apply to off-policy labels only and are not used" in said, said
+    proc = cli("launch", str(path), timeout=180)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    (job_id,) = cli.job_ids()
+    st = json.loads(cli("status", job_id, "--json", check=True).stdout)
+    assert st["state"] == "SUCCEEDED", st
+    soft = st["metrics"]["cloud"]
+    assert soft["distill_batches"] == STEPS and soft["distill_without_labels"] == 0, soft
+    assert soft["distill_kd"] is not None, soft  # the reverse KL of the samples
+    assert st["metrics"]["lab"]["teacher_answers"] >= STEPS
+    results = [json.loads((tmp_path / "work" / f"r{r}.json").read_text()) for r in range(2)]
+    assert results[0]["digest"] == results[1]["digest"]
+    for r in results:
+        assert r["steps"] == STEPS and r["without_labels"] == 0, r
+        generated = r["seen_tokens"] // 2  # the second half of every sequence was sampled
+        up, down = r["ask_bytes"], r["wire_bytes"] - r["ask_bytes"]
+        assert down == 2 * r["seen_tokens"], r  # one fp16 score a position, no ids back
+        assert up / generated <= 16 and down / generated <= 16, r
+    assert job_processes(job_id) == []
+
+
 def test_a_teacher_killed_by_sigkill_is_restarted_and_the_students_go_on(
         cli: CLI, tmp_path: Path) -> None:
     """The teacher cluster's server (and all it ran) SIGKILLed while the students train: its

@@ -7,6 +7,8 @@ MASTER_PORT and NEBULA_DISTILL_CONFIG set; DISTILL_DATA names a .pt of token ids
 (sequences, width) to train on (each rank takes every WORLD_SIZE-th batch of 4 sequences),
 DISTILL_EVAL one to measure the eval loss on, DISTILL_HARD=1 trains on hard labels only,
 DISTILL_STEP_S=s makes each step last s seconds more (a slower student, for fault tests),
+DISTILL_ON_POLICY=1 trains on-policy (`distill.mode: on_policy`: the first half of each
+sequence is a prompt the student continues with `generate`, the teacher scores the samples),
 DISTILL_CKPT=dir saves the rank's model, optimizer and step there every 5 steps and, when one is
 there at the start, resumes from it (the loader's first ask numbered by that step).
 """
@@ -24,7 +26,7 @@ import torch.distributed as dist
 from transformers import GPT2Config, GPT2LMHeadModel
 
 from nebula_cli.config.distill_config import DISTILL_CONFIG_ENV, DistillConfig
-from nebula_cli.runtime.distill import kd_loss, soft_labelled
+from nebula_cli.runtime.distill import kd_loss, on_policy, on_policy_loss, soft_labelled
 
 BATCH = 4
 
@@ -77,14 +79,32 @@ def main() -> None:
     ckpt = os.environ.get("DISTILL_CKPT")
     first = resume(model, opt, ckpt, rank) if ckpt else 0
     cfg = None if hard else DistillConfig.load(os.environ[DISTILL_CONFIG_ENV])
-    loader = None if cfg is None else soft_labelled(mine[first:], config=cfg, first_seq=first)
+    scored = os.environ.get("DISTILL_ON_POLICY") == "1"
+    half = data.shape[1] // 2
+
+    def sample(prompts: torch.Tensor) -> torch.Tensor:  # the student's own continuations
+        return model.generate(prompts, attention_mask=torch.ones_like(prompts), do_sample=True,
+                              max_new_tokens=data.shape[1] - half, pad_token_id=0)
+
+    if cfg is None:
+        loader = None
+    elif scored:
+        loader = on_policy([b[:, :half] for b in mine[first:]], sample, config=cfg,
+                           first_seq=first)
+    else:
+        loader = soft_labelled(mine[first:], config=cfg, first_seq=first)
     t, alpha = (1.0, 0.0) if cfg is None else (cfg.temperature, cfg.alpha)  # hard: CE alone
     kd_first = kd_last = None
     start = time.monotonic()
     step = first
     for batch, soft in (((b, None) for b in mine[first:]) if loader is None else loader):
-        logits = model(batch).logits
-        loss, kd, _ = kd_loss(logits, batch, soft, temperature=t, alpha=alpha)  # the job's
+        if scored:
+            logits = model(batch.sequences).logits
+            loss, kd, _ = on_policy_loss(logits, batch.sequences, soft, start=batch.start,
+                                         alpha=alpha)
+        else:
+            logits = model(batch).logits
+            loss, kd, _ = kd_loss(logits, batch, soft, temperature=t, alpha=alpha)  # the job's
         opt.zero_grad()
         loss.backward()
         for p in model.parameters():
@@ -115,6 +135,9 @@ def main() -> None:
                    "kd_last": kd_last, "eval_loss": eval_loss,
                    "without_labels": stats.without_labels if stats else None,
                    "bytes_per_token": stats.bytes_per_token if stats else None,
+                   "ask_bytes": stats.ask_bytes if stats else None,
+                   "wire_bytes": stats.wire_bytes if stats else None,
+                   "seen_tokens": stats.tokens if stats else None,
                    "longest_wait_s": stats.longest_wait_s if stats else None}, f)
     if loader is not None:
         loader.client.close()

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from nebula_cli.relay.distill.dial import LabelRefused, RelayRefused, dial
-from nebula_cli.relay.distill.idpack import bits_needed, pack_ids
+from nebula_cli.relay.distill.idpack import bits_needed, pack_ids, unpack_ids
 from nebula_cli.relay.distill.link import LabelLink, keep_alive
 from nebula_cli.relay.distill.messages import (
     LabelAnswer,
@@ -31,7 +31,13 @@ from nebula_cli.relay.distill.messages import (
     Side,
     max_answer_bytes,
 )
-from nebula_cli.relay.distill.sparse import SparseLabels, decode, payload_nbytes
+from nebula_cli.relay.distill.sparse import (
+    SparseLabels,
+    Values,
+    decode,
+    next_tokens,
+    payload_nbytes,
+)
 from nebula_cli.relay.net import schema
 from nebula_cli.relay.net.wire import FrameType, WireError
 
@@ -55,6 +61,9 @@ class Answer:
     """Seconds from the ask (its latest sending) to the answer."""
     vocab: int
     """The teacher's vocabulary (every id of the labels is below it)."""
+    scored: bool = False
+    """Whether the labels score the asked tokens themselves (``token`` values, on-policy)
+    rather than give the teacher's own."""
 
 
 class AskRefused(ValueError):
@@ -287,12 +296,17 @@ class LabelClient:
                     continue  # answered already (by a teacher that was taken for gone)
                 if ans.rows != asked.ask.tokens:
                     raise WireError(f"{ans.rows} rows of labels for {asked.ask.tokens} tokens")
-            labels = decode(frame.payload, ans.rows, ans.k, ans.vocab, ans.values)
+            scored = None
+            if ans.values is Values.TOKEN:  # the ids it scored: what was asked, one on
+                scored = next_tokens(unpack_ids(asked.payload, asked.ask.tokens,
+                                                asked.ask.bits), asked.ask.width)
+            labels = decode(frame.payload, ans.rows, ans.k, ans.vocab, ans.values, scored)
             with self._cond:
                 if ans.seq in self._asked and ans.seq not in self._answers:
                     self._answers[ans.seq] = Answer(labels, ans.teacher or name,
                                                     len(frame.payload), len(asked.payload),
-                                                    time.monotonic() - asked.sent, ans.vocab)
+                                                    time.monotonic() - asked.sent, ans.vocab,
+                                                    scored is not None)
                     self.answered += 1
                     self._cond.notify_all()
 

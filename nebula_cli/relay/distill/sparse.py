@@ -9,7 +9,11 @@ An answer for ``rows`` tokens is one payload, in this order:
   ``int8``: per row its lowest and highest value as two half floats, then ``rows * k`` bytes,
   each value quantized linearly between them (255 steps; 1 byte a label, 4 bytes a row);
   ``draws``: none. The ids are k tokens drawn from the teacher's distribution, with repeats,
-  in ascending order; a token's value is how often it was drawn, over k (`from_draws`).
+  in ascending order; a token's value is how often it was drawn, over k (`from_draws`);
+  ``token`` (on-policy distillation, k = 1): no ids, ``rows`` half floats: at each position the
+  teacher's log-probability of the asked sequence's next token (the student's own sample: it
+  knows the ids, so they are not sent back); a sequence's last position, which has no next
+  token, says 0.
 
 With ``fp16`` and ``int8`` the ids are the teacher's top k and the values their
 log-probabilities at the job's temperature, highest first. The length of a payload is known
@@ -37,6 +41,9 @@ class Values(StrEnum):
     INT8 = "int8"
     DRAWS = "draws"
     """No values: the ids are draws from the teacher's distribution (`from_draws`)."""
+    TOKEN = "token"
+    """No ids: one value per position, the teacher's log-probability of the asked sequence's
+    next token (`next_tokens`: the ids, which the asker has)."""
 
 
 ABSENT = -1.0e4
@@ -53,9 +60,21 @@ def id_bits(vocab: int) -> int:
 
 def payload_nbytes(rows: int, k: int, vocab: int, values: Values) -> int:
     """The exact length of an answer's payload."""
+    if values is Values.TOKEN:
+        id_bits(vocab)  # (the vocabulary still checked)
+        return rows * k * 2
     ids = packed_nbytes(rows * k, id_bits(vocab))
     vals = {Values.FP16: rows * k * 2, Values.INT8: rows * (4 + k), Values.DRAWS: 0}[values]
     return ids + vals
+
+
+def next_tokens(tokens: np.ndarray, width: int) -> np.ndarray:
+    """The ids ``token`` values score: for every position of sequences of ``width`` tokens laid
+    one after the other in ``tokens``, the sequence's next token, as (positions, 1) int64; a
+    sequence's last position repeats its own token (its value is 0 and scores nothing)."""
+    seqs = np.asarray(tokens, dtype=np.int64).reshape(-1, width)
+    out = np.concatenate([seqs[:, 1:], seqs[:, -1:]], axis=1)
+    return out.reshape(-1, 1)
 
 
 @dataclass(frozen=True)
@@ -113,6 +132,10 @@ def to_draws(labels: SparseLabels) -> np.ndarray:
 def encode(labels: SparseLabels, vocab: int, values: Values) -> bytes:
     """The payload of ``labels`` (see the module's docstring)."""
     bits = id_bits(vocab)
+    if values is Values.TOKEN:
+        if labels.k != 1:
+            raise WireError(f"token values are one a position, not {labels.k}")
+        return np.asarray(labels.logp, dtype=np.float32).astype("<f2").tobytes()
     ids = np.ascontiguousarray(to_draws(labels) if values is Values.DRAWS else labels.ids,
                                dtype=np.int64).reshape(-1)
     if ids.size and (ids.min() < 0 or ids.max() >= vocab):
@@ -132,12 +155,20 @@ def encode(labels: SparseLabels, vocab: int, values: Values) -> bytes:
 
 
 def decode(payload: bytes | bytearray | memoryview, rows: int, k: int, vocab: int,
-           values: Values) -> SparseLabels:
-    """``rows`` tokens' labels from a payload of exactly ``payload_nbytes`` bytes."""
+           values: Values, scored: np.ndarray | None = None) -> SparseLabels:
+    """``rows`` tokens' labels from a payload of exactly ``payload_nbytes`` bytes; ``token``
+    values need ``scored``, the ids they score (`next_tokens` of what was asked)."""
     want = payload_nbytes(rows, k, vocab, values)
     if len(payload) != want:
         raise WireError(f"soft labels of {rows} tokens x {k} in {len(payload)} bytes; "
                         f"expected {want}")
+    if values is Values.TOKEN:
+        if k != 1 or scored is None or scored.shape != (rows, 1):
+            raise WireError(f"token values of {rows} x {k} without the {rows} ids they score")
+        logp = np.frombuffer(payload, dtype="<f2").astype(np.float32).reshape(rows, 1)
+        if not np.isfinite(logp).all() or (logp > 0).any():
+            raise WireError("a token's log-probability that is not finite or above 0")
+        return SparseLabels(np.asarray(scored, np.int64), logp)
     bits = id_bits(vocab)
     data = np.frombuffer(payload, dtype=np.uint8)
     id_bytes = packed_nbytes(rows * k, bits)

@@ -26,6 +26,7 @@ from nebula_cli.config.distill_config import DISTILL_CONFIG_ENV, DistillConfig
 from nebula_cli.errors import NebulaError
 from nebula_cli.pki import CertPair, client_context
 from nebula_cli.relay.distill.label_client import AskRefused, LabelClient, LabelsFailed
+from nebula_cli.relay.distill.sparse import Values
 from nebula_cli.runtime import metrics
 
 POLL_S = 0.05
@@ -51,6 +52,10 @@ class SoftLabels:
     vocab: int | None = None
     """The teacher's vocabulary (None: not said); `kd_loss` refuses ids beyond the
     student's."""
+    on_policy: bool = False
+    """Whether these score the asked tokens (``distill.mode: on_policy``, k = 1: ``logp`` is
+    the teacher's log-probability of each position's next token; `on_policy_loss`), not the
+    teacher's own labels (`kd_loss`)."""
 
 
 @dataclass
@@ -62,6 +67,8 @@ class DistillStats:
     tokens: int = 0
     wire_bytes: int = 0
     """Bytes of the answers' payloads and of the asks' (their token ids, packed)."""
+    ask_bytes: int = 0
+    """Of ``wire_bytes``, the asks' (towards the teacher)."""
     latency_s: float = 0.0
     waited_s: float = 0.0
     """Seconds steps spent waiting for their labels."""
@@ -203,11 +210,12 @@ class DistillLoader:
                 f"student's (distill.vocab) is {self.vocab:,}: a student learns only from a "
                 "teacher with its own tokenizer and vocabulary")
         self.stats.wire_bytes += got.ask_bytes + got.wire_bytes
+        self.stats.ask_bytes += got.ask_bytes
         self.stats.latency_s += got.latency_s
         k = got.labels.k
         return SoftLabels(torch.from_numpy(got.labels.ids).reshape(*shape, k),
                           torch.from_numpy(got.labels.logp).reshape(*shape, k), got.teacher,
-                          self.stats, got.vocab)
+                          self.stats, got.vocab, got.scored)
 
 
 def client_of(cfg: DistillConfig, rank: int | None = None) -> LabelClient:
@@ -219,12 +227,9 @@ def client_of(cfg: DistillConfig, rank: int | None = None) -> LabelClient:
                        rank=int(os.environ.get("RANK", "0")) if rank is None else rank).start()
 
 
-def soft_labelled(loader: Iterable[Any], config: DistillConfig | None = None,
-                  rank: int | None = None, **kw: Any) -> DistillLoader:
-    """``loader`` with soft labels, as the job's distill.json (``NEBULA_DISTILL_CONFIG``, or
-    ``config``) says; ``kw``: `DistillLoader`'s own arguments (``token_ids``, ``first_seq``:
-    the first batch's number, e.g. the step a resumed run starts at); ``rank``: this
-    process's in its cluster (default ``RANK``)."""
+def job_config(config: DistillConfig | None, on_policy: bool) -> DistillConfig:
+    """``config``, or the job's distill.json (``NEBULA_DISTILL_CONFIG``); a DistillError when
+    there is none, or when its `distill.mode` is not the one the script's loader is for."""
     cfg = config
     if cfg is None:
         path = os.environ.get(DISTILL_CONFIG_ENV)
@@ -232,6 +237,22 @@ def soft_labelled(loader: Iterable[Any], config: DistillConfig | None = None,
             raise DistillError(f"{DISTILL_CONFIG_ENV} is not set: this process was not started "
                                "by nebula for a job with `distill:`")
         cfg = DistillConfig.load(path)
+    if (Values(cfg.values) is Values.TOKEN) != on_policy:
+        raise DistillError(
+            "the job's distill.mode is on_policy: its teachers score the students' samples; "
+            "take batches from distill.on_policy(loader, sample=...)" if not on_policy else
+            "the job's distill.mode is off_policy: its teachers send their own labels; take "
+            "batches from distill.soft_labelled(loader), or set distill.mode: on_policy")
+    return cfg
+
+
+def soft_labelled(loader: Iterable[Any], config: DistillConfig | None = None,
+                  rank: int | None = None, **kw: Any) -> DistillLoader:
+    """``loader`` with soft labels, as the job's distill.json (``NEBULA_DISTILL_CONFIG``, or
+    ``config``) says; ``kw``: `DistillLoader`'s own arguments (``token_ids``, ``first_seq``:
+    the first batch's number, e.g. the step a resumed run starts at); ``rank``: this
+    process's in its cluster (default ``RANK``)."""
+    cfg = job_config(config, on_policy=False)
     return DistillLoader(loader, client_of(cfg, rank), lookahead=cfg.lookahead,
                          when_no_teacher=cfg.when_no_teacher, wait_s=cfg.wait_s,
                          **{"vocab": cfg.vocab, **kw})

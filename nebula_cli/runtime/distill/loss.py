@@ -54,6 +54,21 @@ def sampled_labels(logits: torch.Tensor, k: int, temperature: float,
     return torch.multinomial(p, k, replacement=True, generator=generator)
 
 
+def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: float
+                   ) -> torch.Tensor:
+    """A teacher's log-probability at ``temperature`` of each sequence's next token, at every
+    position of ``logits`` (sequences, width, vocab) for ``tokens`` (sequences, width), as
+    (positions, 1) float32; a sequence's last position (no next token) says 0: the labels of
+    ``distill.mode: on_policy``, where ``tokens`` are the student's own samples."""
+    sequences, width, vocab = logits.shape
+    out = torch.zeros(sequences, width, dtype=torch.float32, device=logits.device)
+    rows = max(1, (1 << 24) // max(1, width * vocab))  # a log-softmax of a few at once
+    for i in range(0, sequences, rows):
+        logp = F.log_softmax(logits[i:i + rows, :-1].float() / temperature, dim=-1)
+        out[i:i + rows, :-1] = logp.gather(-1, tokens[i:i + rows, 1:, None]).squeeze(-1)
+    return out.reshape(-1, 1)
+
+
 def kd_loss(student_logits: torch.Tensor, labels: torch.Tensor | None,
             soft: SoftLabels | None, *, temperature: float, alpha: float,
             ignore_index: int = IGNORE_INDEX, shift: bool = True
@@ -75,6 +90,9 @@ def kd_loss(student_logits: torch.Tensor, labels: torch.Tensor | None,
         if ce is None:
             raise ValueError("neither hard labels nor soft labels to learn from")
         return ce, None, ce
+    if soft.on_policy:
+        raise ValueError("these labels score the student's own samples (distill.mode: "
+                         "on_policy): train on them with on_policy_loss, not kd_loss")
     if soft.vocab is not None and soft.vocab > vocab and int(soft.ids.max()) >= vocab:
         raise ValueError(f"soft labels with token id {int(soft.ids.max())} from teacher "
                          f"{soft.teacher}'s vocabulary of {soft.vocab}; the student's "
@@ -103,3 +121,49 @@ def kd_loss(student_logits: torch.Tensor, labels: torch.Tensor | None,
     kd_term = kd * temperature ** 2
     loss = kd_term if ce is None else alpha * kd_term + (1 - alpha) * ce
     return loss, kd, ce
+
+
+def on_policy_loss(student_logits: torch.Tensor, sequences: torch.Tensor,
+                   soft: SoftLabels | None, *, start: int, alpha: float = 1.0
+                   ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """(loss, reverse KL, ce) for ``student_logits`` (batch, width, vocab) of ``sequences``
+    (batch, width): prompts of ``start`` tokens, each continued by the student's own samples,
+    which the teacher scored (``soft``: `token_logprobs`, ``distill.mode: on_policy``).
+
+    The distillation term is the reverse KL(student || teacher) of the sampled tokens, as
+    on-policy distillation computes it (GKD with beta = 1 on samples; Thinking Machines'
+    per-token reverse KL with no discount; MiniLLM): with ``log q`` the student's and ``log p``
+    the teacher's log-probability of a sampled token, ``r = log q - log p`` (not
+    differentiated) weighs the student's score function, so the gradient of
+    ``mean(r * log q)`` is, in expectation over the samples, the gradient of the reverse KL
+    (the score function's expectation is zero). ``alpha < 1`` mixes in the cross entropy of
+    the prompts' own tokens (hard labels): ``alpha * RKL + (1 - alpha) * CE``; with no teacher
+    (``soft`` None: ``when_no_teacher: ce_only``) the prompts' cross entropy alone."""
+    batch, width, vocab = student_logits.shape
+    if not 1 <= start < width:
+        raise ValueError(f"prompts of {start} tokens in sequences of {width}: each sequence "
+                         "needs a prompt and at least one sampled token")
+    logq_all = F.log_softmax(student_logits[:, :-1].float(), dim=-1)
+    target = sequences[:, 1:].to(logq_all.device)
+    ce = None
+    if start > 1:
+        ce = F.nll_loss(logq_all[:, :start - 1].reshape(-1, vocab),
+                        target[:, :start - 1].reshape(-1))
+    if soft is None:
+        if ce is None:
+            raise ValueError("no teacher's scores, and prompts of one token: nothing to learn")
+        return ce, None, ce
+    if not soft.on_policy:
+        raise ValueError("these soft labels are a teacher's own (distill.mode: off_policy): "
+                         "train on them with kd_loss")
+    logq = logq_all[:, start - 1:].gather(-1, target[:, start - 1:, None]).squeeze(-1)
+    logp = soft.logp.to(logq.device).float().reshape(batch, width)[:, start - 1:-1]
+    r = (logq - logp).detach()
+    rkl = r.mean()
+    term = (r * logq).mean()
+    if soft.stats is not None:
+        soft.stats.add_kd(rkl)
+        if ce is not None:
+            soft.stats.add_ce(ce)
+    loss = term if ce is None or alpha >= 1.0 else alpha * term + (1 - alpha) * ce
+    return loss, rkl, ce

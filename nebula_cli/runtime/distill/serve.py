@@ -33,10 +33,10 @@ from nebula_cli.pki import CertPair, client_context
 from nebula_cli.relay.distill.dial import split_addr
 from nebula_cli.relay.distill.label_relay import LabelRelay, RelayCounts
 from nebula_cli.relay.distill.serve_link import ServeLink
-from nebula_cli.relay.distill.sparse import SparseLabels, Values, from_draws
+from nebula_cli.relay.distill.sparse import SparseLabels, Values, from_draws, next_tokens
 from nebula_cli.relay.distill.student_links import max_asks
 from nebula_cli.runtime import metrics
-from nebula_cli.runtime.distill.loss import sampled_labels, topk_labels
+from nebula_cli.runtime.distill.loss import sampled_labels, token_logprobs, topk_labels
 
 log = logging.getLogger("nebula.distill")
 
@@ -85,10 +85,12 @@ class TeacherLoss:
 def answerer(forward: Forward, cfg: DistillConfig, device: str | torch.device = "cpu",
              loss: TeacherLoss | None = None) -> Callable[..., SparseLabels]:
     """What a serving link calls: token ids (numpy) -> every position's labels: its top k, or
-    (``values: draws``) k tokens drawn from its distribution, seeded by the tokens; ``loss``
-    adds up the teacher's own loss on them."""
+    (``values: draws``) k tokens drawn from its distribution, seeded by the tokens, or
+    (``values: token``, on-policy) its log-probability of each next token; ``loss`` adds up
+    the teacher's own loss on them."""
 
-    drawn = Values(cfg.values) is Values.DRAWS
+    values = Values(cfg.values)
+    drawn = values is Values.DRAWS
 
     @torch.no_grad()
     def answer(tokens):  # type: ignore[no-untyped-def]
@@ -96,6 +98,9 @@ def answerer(forward: Forward, cfg: DistillConfig, device: str | torch.device = 
         logits = forward(ids_in)
         if loss is not None:
             loss.add(logits, ids_in)
+        if values is Values.TOKEN:  # the students' samples, scored
+            logp = token_logprobs(logits, ids_in, cfg.temperature)
+            return SparseLabels(next_tokens(tokens, tokens.shape[-1]), logp.cpu().numpy())
         if drawn:  # the same tokens draw the same labels, on any replica, after any restart
             gen = torch.Generator(device=logits.device)
             gen.manual_seed(int.from_bytes(hashlib.blake2b(

@@ -13,6 +13,7 @@ from nebula_cli.relay.distill.sparse import (
     encode,
     from_draws,
     id_bits,
+    next_tokens,
     payload_nbytes,
     to_draws,
 )
@@ -48,7 +49,8 @@ def test_round_trip_ids_exact_and_values_within_their_encodings_error(vocab: int
 
 def test_bytes_per_token_against_full_fp32_logits() -> None:
     vocab, k = 4096, 32
-    fp16, int8, draws = (payload_nbytes(1000, k, vocab, v) / 1000 for v in Values)
+    fp16, int8, draws = (payload_nbytes(1000, k, vocab, v) / 1000
+                         for v in (Values.FP16, Values.INT8, Values.DRAWS))
     assert fp16 == k * 12 / 8 + k * 2 == 112  # 12-bit ids, 2-byte values
     assert int8 == k * 12 / 8 + k + 4 == 84
     assert draws == k * 12 / 8 == 48  # ids only
@@ -86,3 +88,24 @@ def test_a_payload_of_another_length_or_with_ids_outside_the_vocabulary_is_refus
     nan[-2:] = np.array([np.nan], dtype="<f2").tobytes()
     with pytest.raises(WireError, match="not finite"):
         decode(nan, 3, 4, 300, Values.FP16)
+
+
+def test_token_values_cross_as_two_bytes_a_position_and_need_the_ids_they_score() -> None:
+    """`mode: on_policy` (values "token"): one fp16 log-probability a position, no ids (the
+    asker has them: each sequence's next token, `next_tokens`); the last position says 0."""
+    tokens = np.array([[5, 9, 2, 7], [1, 1, 3, 0]])
+    scored = next_tokens(tokens.reshape(-1), 4)
+    assert scored.reshape(2, 4).tolist() == [[9, 2, 7, 7], [1, 3, 0, 0]]
+    logp = np.array([[-0.25], [-3.5], [-1.0], [0.0], [-2.0], [-0.125], [-7.0], [0.0]],
+                    np.float32)
+    data = encode(SparseLabels(scored, logp), 10, Values.TOKEN)
+    assert len(data) == payload_nbytes(8, 1, 10, Values.TOKEN) == 16
+    back = decode(data, 8, 1, 10, Values.TOKEN, scored)
+    assert np.array_equal(back.ids, scored) and np.array_equal(back.logp, logp)
+    with pytest.raises(WireError, match="without the 8 ids"):
+        decode(data, 8, 1, 10, Values.TOKEN)
+    with pytest.raises(WireError, match="one a position"):
+        encode(labels(3, 2, 10), 10, Values.TOKEN)
+    above = np.frombuffer(np.full(8, 0.5, "<f2").tobytes(), np.uint8).tobytes()
+    with pytest.raises(WireError, match="above 0"):
+        decode(above, 8, 1, 10, Values.TOKEN, scored)

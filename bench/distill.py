@@ -24,6 +24,11 @@ student's process holds only the student and its label client, in ``colocated`` 
 alike (with the teacher as a thread of the student's process, as before, both runs shared the
 interpreter and the CPUs with it).
 
+- ``on_policy``: across the same link, the students' own samples scored by the teacher
+  (``distill.mode: on_policy``): each batch's first half a prompt the student continues with
+  ``generate`` (``do_sample``), so the teacher runs as many tokens as for ``wan``: the gain
+  against off-policy KD is measured at equal teacher compute (``on_policy`` in the JSON: bytes
+  per sampled token each way, and the gain per seed);
 - ``two_ranks``: ``wan`` again with two student ranks (two processes, gloo; each asks for
   its half of every batch through its own loader): ``identical`` is whether both end with the
   same parameters.
@@ -84,7 +89,13 @@ from nebula_cli.config.distill_config import DistillConfig  # noqa: E402
 from nebula_cli.config.distill_spec import DistillSpec  # noqa: E402
 from nebula_cli.config.relay_config import TlsFiles  # noqa: E402
 from nebula_cli.pki.certs import issue_job_pki  # noqa: E402
-from nebula_cli.runtime.distill import kd_loss, soft_labelled, topk_labels  # noqa: E402
+from nebula_cli.runtime.distill import (  # noqa: E402
+    kd_loss,
+    on_policy,
+    on_policy_loss,
+    soft_labelled,
+    topk_labels,
+)
 from nebula_cli.runtime.distill.loader import SoftLabels  # noqa: E402
 from nebula_cli.transport.freeport import free_port  # noqa: E402
 
@@ -178,28 +189,33 @@ def gpt(vocab: int, embd: int, layers: int, seed: int) -> GPT2LMHeadModel:
 
 
 def cfg(pki: Path, cluster: str, host: str, teachers: dict[str, str], listen: str,
-        args: argparse.Namespace) -> DistillConfig:
-    d = DistillSpec()
+        args: argparse.Namespace, scored: bool = False) -> DistillConfig:
+    """A site's distill.json at the bench's settings (``scored``: `distill.mode: on_policy`)."""
+    d = DistillSpec(mode="on_policy" if scored else "off_policy", labels=args.labels,
+                    topk=args.k, values=args.values)
     return DistillConfig(
         job_id=JOB, cluster=cluster, teacher=bool(listen), listen=listen, teachers=teachers,
         students={"cloud": 2},
         tls=TlsFiles(str(pki / "ca.pem"), str(pki / cluster / f"worker-{host}.pem"),
                      str(pki / cluster / f"worker-{host}.key")),
-        topk=args.k, temperature=args.temperature, alpha=args.alpha, lookahead=args.lookahead,
-        when_no_teacher="wait", values="draws" if args.labels == "sampled" else args.values,
+        topk=d.wire_topk, temperature=args.temperature, alpha=args.alpha,
+        lookahead=args.lookahead, when_no_teacher="wait", values=d.wire_values,
         max_tokens=d.max_tokens, vocab=None, wait_s=120.0, dead_after=2.0, model=None,
         hub=False, batch_tokens=None)
 
 
 @contextlib.contextmanager
 def teacher_site(weights: Path, vocab: int, pki: Path, cluster: str, args: argparse.Namespace,
-                 place: Place) -> Iterator[tuple[int, Callable[[], None]]]:
+                 place: Place, scored: bool = False
+                 ) -> Iterator[tuple[int, Callable[[], None]]]:
     """A teacher serving at ``place`` (a process of its own in its host's namespace, on the
-    sites' CPUs): its port, and what kills it (SIGKILL: a teacher process lost mid-run)."""
+    sites' CPUs): its port, and what kills it (SIGKILL: a teacher process lost mid-run);
+    ``scored``: it scores the students' samples (on-policy)."""
     port = free_port("127.0.0.1")
     addr = f"{place.address}:{port}"
-    config = pki.parent / f"distill-{cluster}-{place.host or 'here'}.json"
-    config.write_text(json.dumps(asdict(cfg(pki, cluster, "t1", {cluster: addr}, addr, args))))
+    config = pki.parent / f"distill-{cluster}-{place.host or 'here'}{'-op' * scored}.json"
+    config.write_text(json.dumps(asdict(cfg(pki, cluster, "t1", {cluster: addr}, addr, args,
+                                            scored))))
     with contextlib.ExitStack() as stack:
         with in_netns(place.ns):
             proc, _ = stack.enter_context(site(
@@ -244,6 +260,45 @@ def train_student(args: argparse.Namespace, batches: list[torch.Tensor], held: t
         out |= {"bytes_per_token": stats.bytes_per_token, "longest_wait_s": stats.longest_wait_s,
                 "waited_s": stats.waited_s, "without_labels": stats.without_labels}
     return out
+
+
+def train_on_policy(args: argparse.Namespace, batches: list[torch.Tensor],
+                    held: torch.Tensor, vocab: int, config: DistillConfig, seed: int = 1
+                    ) -> dict:
+    """The student trained on its own samples of each batch's first half, scored by the
+    teacher (`on_policy_loss` at the bench's alpha: the prompts' cross entropy mixed in)."""
+    model = gpt(vocab, args.student_embd, 2, seed=seed)
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
+    half = WIDTH // 2
+    gen = torch.Generator().manual_seed(seed)
+
+    def sample(prompts: torch.Tensor) -> torch.Tensor:
+        torch.manual_seed(int(torch.randint(0, 1 << 30, (1,), generator=gen)))
+        return model.generate(prompts, attention_mask=torch.ones_like(prompts),
+                              do_sample=True, max_new_tokens=WIDTH - half, pad_token_id=0)
+
+    loader = on_policy([b[:, :half] for b in batches], sample, config=config)
+    start = time.monotonic()
+    try:
+        for batch, scores in loader:
+            loss, _, _ = on_policy_loss(model(batch.sequences).logits, batch.sequences, scores,
+                                        start=batch.start, alpha=args.alpha)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    finally:
+        loader.client.close()
+    elapsed = time.monotonic() - start
+    stats = loader.stats
+    sampled_tokens = stats.tokens // 2
+    return {"eval_loss": eval_loss(model, held),
+            "tokens_per_s": sum(b.numel() for b in batches) / elapsed, "elapsed_s": elapsed,
+            "bytes_per_token": stats.bytes_per_token,
+            "bytes_per_sampled_token_up": stats.ask_bytes / sampled_tokens,
+            "bytes_per_sampled_token_down": (stats.wire_bytes - stats.ask_bytes)
+            / sampled_tokens,
+            "longest_wait_s": stats.longest_wait_s, "waited_s": stats.waited_s,
+            "without_labels": stats.without_labels}
 
 
 def main() -> None:
@@ -343,9 +398,10 @@ def run(work: Path) -> None:
     steady = {name: r["steady_tokens_per_s"] for name, r in runs.items()
               if "steady_tokens_per_s" in r}
     per_seed = [{"seed": seed, **{row: runs[f"{row}{tag}"]["eval_loss"]
-                                  for row in ("hard", "full", "colocated", "wan")}}
+                                  for row in ("hard", "full", "colocated", "wan", "on_policy")}}
                 for tag, seed in seed_tags(args)]
     gains = [1 - s["wan"] / s["hard"] for s in per_seed]
+    on_gains = [1 - s["on_policy"] / s["wan"] for s in per_seed]
     costs = [s["wan"] / s["full"] - 1 for s in per_seed]
     figures = {
         "student_util_vs_colocated": median(steady[f"wan{tag}"] / steady[f"colocated{tag}"]
@@ -360,6 +416,13 @@ def run(work: Path) -> None:
         "kd_gain_worst": min(gains),
         "per_seed": per_seed,
         "student_seeds": [seed for _, seed in seed_tags(args)],
+        "on_policy": {
+            "bytes_per_token_up": runs["on_policy"]["bytes_per_sampled_token_up"],
+            "bytes_per_token_down": runs["on_policy"]["bytes_per_sampled_token_down"],
+            "gain_vs_off_policy": median(on_gains), "gain_vs_off_policy_per_seed": on_gains,
+            "gain_vs_hard_labels": median(1 - s["on_policy"] / s["hard"] for s in per_seed),
+            "per": "sampled token (half of each sequence; the teacher runs as many tokens as "
+                   "for the off-policy row)"},
         "failover_stall_s": runs["failover"]["longest_wait_s"],
         "failover_throughput_vs_clean": speed["failover"] / speed["wan"],
         "identical": runs["two_ranks"]["identical"],
@@ -385,6 +448,8 @@ def run(work: Path) -> None:
         "bytes_300x": figures["bytes_reduction_vs_full_logits"] >= 300,
         "util_0_95": figures["student_util_vs_colocated"] >= 0.95,
         "five_seeds": len(per_seed) >= 5,
+        "on_policy_16_bytes_each_way": max(figures["on_policy"]["bytes_per_token_up"],
+                                           figures["on_policy"]["bytes_per_token_down"]) <= 16,
         "identical": bool(figures["identical"]), "nothing_left": figures["left_processes"] == 0}
     figures["goals"] = goals
     figures["goals_met"] = all(goals.values())
@@ -392,6 +457,12 @@ def run(work: Path) -> None:
           f" (median {100 * median(gains):.1f} %, worst {100 * min(gains):.1f} %); cost against "
           f"full logits: {', '.join(f'{100 * c:.2f} %' for c in costs)} (median "
           f"{100 * median(costs):.2f} %, worst {100 * max(costs):.2f} %)", flush=True)
+    print(f"on-policy against off-policy KD at equal teacher tokens per seed: "
+          f"{', '.join(f'{100 * g:.1f} %' for g in on_gains)} (median "
+          f"{100 * median(on_gains):.1f} %; positive: on-policy's eval loss lower); "
+          f"{figures['on_policy']['bytes_per_token_up']:.2f} B up and "
+          f"{figures['on_policy']['bytes_per_token_down']:.2f} B down per sampled token",
+          flush=True)
     print("goals: " + ", ".join(f"{k} {'met' if v else 'NOT met'}" for k, v in goals.items()),
           flush=True)
     if args.json:
@@ -432,6 +503,11 @@ def soft_label_runs(args: argparse.Namespace, runs: dict[str, dict], teacher: to
             loader.client.close()
         runs["two_ranks"] = two_ranks(args, batches, held, vocab, pki, {"lab2": f"{host}:{via}"},
                                       work)
+    with teacher_site(weights, vocab, pki, "lab2", args, far, scored=True) as (port, _), \
+            where.across(far, port, args) as (host, via):
+        scoring = cfg(pki, "cloud", "s1", {"lab2": f"{host}:{via}"}, "", args, scored=True)
+        for tag, seed in seed_tags(args):
+            runs[f"on_policy{tag}"] = train_on_policy(args, batches, held, vocab, scoring, seed)
     with teacher_site(weights, vocab, pki, "lab", args, far) as (p1, kill1), \
             teacher_site(weights, vocab, pki, "lab2", args, far2) as (p2, _), \
             where.across(far, p1, args) as (h1, v1), where.across(far2, p2, args) as (h2, v2):

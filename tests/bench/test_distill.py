@@ -30,6 +30,19 @@ def test_the_sites_distill_json_loads_as_the_runtime_reads_it(
     assert (loaded.topk, loaded.temperature, loaded.alpha) == (d.topk, d.temperature, d.alpha)
 
 
+def test_the_on_policy_sites_distill_json_scores_the_students_tokens(tmp_path: Path) -> None:
+    bench = load_bench("distill")
+    d = DistillSpec()
+    args = argparse.Namespace(k=d.topk, temperature=d.temperature, alpha=d.alpha,
+                              lookahead=d.lookahead, labels=d.labels, values=d.values)
+    cfg = bench.cfg(tmp_path / "pki", "lab", "t1", {"lab": "127.0.0.1:1"}, "127.0.0.1:1", args,
+                    scored=True)
+    path = tmp_path / "distill.json"
+    path.write_bytes(strict.dumps(cfg))
+    loaded = DistillConfig.load(path)
+    assert loaded == cfg and (loaded.values, loaded.topk) == ("token", 1)
+
+
 def test_the_teacher_is_built_once_per_settings_and_cached_outside_the_checkout(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     import torch

@@ -174,9 +174,17 @@ class ClusterSpec(_ClusterSections):  # type: ignore[misc,valid-type]
         kind = self.kind
         if self.teacher is not None and not kind.serves_labels:
             return [(("teacher",), "`teacher:` is for a cluster with `role: teacher`")]
-        if kind.serves_labels and self.teacher is not None and self.run is not None:
+        if kind.serves_labels and self.teacher is not None and self.teacher.builtin \
+                and self.run is not None:
             return [(("teacher",), "a teacher runs either its own `run` or the built-in "
-                                   "server of `teacher:`; remove one")]
+                                   "server of `teacher: {model:}`; remove one")]
+        if kind.serves_labels and self.teacher is not None and not self.teacher.builtin \
+                and self.run is None:
+            return [(("teacher",), "a teacher serving a checkpoint (`from_job`, "
+                                   "`checkpoint`) needs its own `run:`: a script that "
+                                   "rebuilds the model, loads it (nebula_cli.runtime.distill."
+                                   "teacher_checkpoint) and calls nebula_cli.runtime.distill."
+                                   "serve")]
         if kind.serves_labels and self.teacher is None and self.run is None:
             return [(("role",), "a teacher cluster needs its server: `run: <command>` (a "
                                 "script calling nebula_cli.runtime.distill.serve) or "

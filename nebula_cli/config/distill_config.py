@@ -15,6 +15,11 @@ from nebula_cli.config.relay_config import TlsFiles
 
 DISTILL_CONFIG_ENV = "NEBULA_DISTILL_CONFIG"
 """The environment variable that names a process's distill.json."""
+TEACHER_CHECKPOINT_ENV = "NEBULA_TEACHER_CHECKPOINT"
+"""The environment variable that names, to a teacher's `run`, the checkpoint folder it serves
+(`teacher: {from_job:}` or `{checkpoint:}`)."""
+TEACHER_CHECKPOINT_DIR = "teacher-checkpoint"
+"""Where in the job's folder on a teacher's host `from_job`'s checkpoint is copied."""
 
 
 @dataclass(frozen=True)

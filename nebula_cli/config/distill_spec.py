@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from nebula_cli.config.fields import Port
 from nebula_cli.config.sections import SpecModel
@@ -129,14 +129,49 @@ class DistillSpec(SpecModel):
 
 
 class TeacherSpec(SpecModel):
-    """The built-in server of a teacher cluster (instead of its own `run`)."""
+    """What a teacher cluster serves: a Hugging Face model with the built-in server
+    (`model`, instead of its own `run`), or a checkpoint its own `run` loads (`from_job`: an
+    earlier nebula job's newest one, copied to its hosts at launch; `checkpoint`: a folder
+    already on them)."""
 
-    model: str = Field(min_length=1)
+    model: str | None = Field(None, min_length=1)
     """A Hugging Face causal LM directory on the teacher's hosts (relative: to the workdir),
     or with `hub: true` a Hugging Face hub id (`org/name`) its hosts download."""
+    from_job: str | None = Field(None, min_length=1)
+    """An earlier nebula job (its id, short id or name, as `nebula status` takes it) whose
+    newest complete checkpoint (`checkpoint:` of that job) the teacher serves: at launch it
+    is copied from the job's first host of `from_cluster` to each of the teacher's hosts,
+    through this machine (its size printed; a copy cut off goes on where it stopped at the
+    next launch), and the cluster's `run` finds it in ``NEBULA_TEACHER_CHECKPOINT``
+    (`nebula_cli.runtime.distill.teacher_checkpoint.load_state_dict()`)."""
+    from_cluster: str | None = Field(None, min_length=1)
+    """With `from_job`: which of its training clusters to take the checkpoint of (they end
+    with the same parameters). Default: its first."""
+    checkpoint: str | None = Field(None, min_length=1)
+    """A nebula (DeepSpeed) checkpoint folder on the teacher's hosts (relative: to the
+    workdir) that the cluster's `run` loads (``NEBULA_TEACHER_CHECKPOINT`` names it)."""
     hub: bool = False
     """Whether `model` names a model of the Hugging Face hub. By default it is a directory and
     the teacher never asks the hub (`HF_HUB_OFFLINE`): a directory that is not there is said
     at once, not retried as a download."""
     batch_tokens: int = Field(16384, ge=1)
     """Most tokens the server runs through the model at once."""
+
+    @model_validator(mode="after")
+    def _one_source(self) -> TeacherSpec:
+        given = [f for f in ("model", "from_job", "checkpoint") if getattr(self, f)]
+        if len(given) != 1:
+            raise ValueError("a teacher serves one of `model` (a Hugging Face model, built-in "
+                             "server), `from_job` (an earlier job's checkpoint) or `checkpoint` "
+                             f"(a checkpoint folder on its hosts): found "
+                             f"{', '.join(given) or 'none'}")
+        if self.from_cluster and not self.from_job:
+            raise ValueError("`from_cluster` names a cluster of `from_job`'s job")
+        if self.hub and not self.model:
+            raise ValueError("`hub` is for a `model` that names a Hugging Face hub id")
+        return self
+
+    @property
+    def builtin(self) -> bool:
+        """Whether the built-in server runs (a Hugging Face `model`), not the cluster's run."""
+        return self.model is not None

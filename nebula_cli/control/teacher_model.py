@@ -76,12 +76,12 @@ def read_config(data: bytes | None) -> tuple[int | None, int | None, str | None]
 
 
 def _unread(c: ClusterSpec, why: str) -> TeacherModel:
-    assert c.teacher is not None
+    assert c.teacher is not None and c.teacher.model is not None
     return TeacherModel(c.name, c.teacher.model, why, read=False)
 
 
 def _model_of(spec: JobSpec, c: ClusterSpec, read_remote: ReadRemote | None) -> TeacherModel:
-    assert c.teacher is not None
+    assert c.teacher is not None and c.teacher.model is not None
     model = c.teacher.model
     if c.teacher.hub:
         return _unread(c, "a Hugging Face hub id, downloaded by its hosts")
@@ -111,7 +111,8 @@ def _model_of(spec: JobSpec, c: ClusterSpec, read_remote: ReadRemote | None) -> 
 
 def teacher_models(spec: JobSpec, read_remote: ReadRemote | None = None) -> list[TeacherModel]:
     """Every teacher cluster's `teacher: {model:}`, read where it can be now (module doc)."""
-    return [_model_of(spec, c, read_remote) for c in spec.clusters if c.teacher is not None]
+    return [_model_of(spec, c, read_remote) for c in spec.clusters
+            if c.teacher is not None and c.teacher.builtin]
 
 
 def model_problems(spec: JobSpec, models: list[TeacherModel]) -> tuple[list[str], list[str]]:

@@ -113,6 +113,12 @@ def test_on_policy_says_what_the_students_get_and_notes_the_off_policy_settings(
     (("{topk: 16}", "{when_no_teacher: skip}"), "distill.when_no_teacher",
      "one of 'wait', 'ce_only', found 'skip'"),
     (("run: python serve.py", "run: torchrun serve.py"), "clusters[0].run", "torchrun"),
+    (("    run: python serve.py\n", "    teacher: {from_job: phase-a}\n"),
+     "clusters[0].teacher", "needs its own `run:`"),
+    (("    run: python serve.py\n", "    run: python serve.py\n    teacher: {model: m, "
+      "checkpoint: c}\n"), "clusters[0].teacher", "found model, checkpoint"),
+    (("    run: python serve.py\n", "    run: python serve.py\n    teacher: {checkpoint: c, "
+      "from_cluster: east}\n"), "clusters[0].teacher", "`from_cluster` names a cluster of"),
     (("    role: teacher\n", "    role: teacher\n    relay_reach: outbound\n"),
      "clusters[0].relay_reach", "soft labels do not ride SSH tunnels yet"),
 ])
@@ -168,6 +174,24 @@ def test_each_cluster_gets_its_view_of_the_distillation(tmp_path: Path) -> None:
     path.write_text(json.dumps(data))
     with pytest.raises(Exception, match="topk"):
         DistillConfig.load(path)
+
+
+def test_a_teacher_serving_a_checkpoint_is_told_where_it_is() -> None:
+    from nebula_cli.config.distill_config import TEACHER_CHECKPOINT_DIR, TEACHER_CHECKPOINT_ENV
+    from nebula_cli.config.roles.teacher import TeacherRole
+
+    for teacher, where in (("{from_job: phase-a}", f"/j/{TEACHER_CHECKPOINT_DIR}"),
+                           ("{checkpoint: ckpt/east}", "ckpt/east")):
+        spec = parse(SPEC.replace("    run: python serve.py\n",
+                                  f"    run: python serve.py\n    teacher: {teacher}\n"))
+        lab = spec.clusters[0]
+        assert lab.teacher is not None and not lab.teacher.builtin and lab.run is not None
+
+        class At:  # what TeacherRole.environment reads of the host being planned
+            cluster, job_root = lab, "/j"
+
+        env = TeacherRole().environment(At(), {})  # type: ignore[arg-type]
+        assert env[TEACHER_CHECKPOINT_ENV] == where
 
 
 def test_the_plan_runs_no_averaging_relay_on_a_teacher_and_names_none_to_students(

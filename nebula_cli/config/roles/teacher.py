@@ -9,7 +9,11 @@ from __future__ import annotations
 import posixpath
 
 from nebula_cli.config import strict
-from nebula_cli.config.distill_config import DISTILL_CONFIG_ENV
+from nebula_cli.config.distill_config import (
+    DISTILL_CONFIG_ENV,
+    TEACHER_CHECKPOINT_DIR,
+    TEACHER_CHECKPOINT_ENV,
+)
 from nebula_cli.config.distill_plan import distill_config
 from nebula_cli.config.parts import METRICS_CONFIG_ENV, METRICS_FILE_ENV, helper_env
 from nebula_cli.config.plan_model import WORKER, cert_names
@@ -36,8 +40,14 @@ class TeacherRole:
         return [at.site.python, "-m", BUILTIN_SERVER]
 
     def environment(self, at: WorkerHost, env: dict[str, str]) -> dict[str, str]:
-        """Without the training hook (a teacher does not train); its metric files kept."""
+        """Without the training hook (a teacher does not train); its metric files kept; a
+        teacher serving a checkpoint is told where it is (`TEACHER_CHECKPOINT_ENV`)."""
         kept = {k: env[k] for k in (METRICS_FILE_ENV, METRICS_CONFIG_ENV) if k in env}
+        teacher = at.cluster.teacher
+        if teacher is not None and teacher.from_job:
+            kept[TEACHER_CHECKPOINT_ENV] = posixpath.join(at.job_root, TEACHER_CHECKPOINT_DIR)
+        elif teacher is not None and teacher.checkpoint:
+            kept[TEACHER_CHECKPOINT_ENV] = teacher.checkpoint  # (relative: to its workdir)
         return helper_env(env) | kept
 
     def files(self, at: WorkerHost) -> tuple[dict[str, str], dict[str, bytes]]:

@@ -12,6 +12,9 @@ Also runs by hand: ``python train.py`` (one process) or ``deepspeed --num_gpus 2
 - Rank 0 of the cluster logs loss, tokens/s and lr every ``--log-every`` steps and
   ``eval_loss`` every ``--eval-every`` steps (``nebula_cli.runtime.log``), and at the end a
   ``final`` record with the eval loss and a sha256 of the fp32 parameters.
+- With $NEBULA_DISTILL_CONFIG set (a student cluster of a job with ``distill:``: Nebula-I's
+  phase b, ``examples/nebula-i/``), every batch comes with its teachers' soft labels and the
+  loss is ``runtime.distill.kd_loss`` at the job's temperature and alpha.
 - SIGTERM: the current step finishes, the final record is written, exit status 0.
 - The spec's ``checkpoint:``: ``OuterSync.resume()`` loads the cluster's newest checkpoint and
   the loop goes on from its step; ``OuterSync.checkpoint(step)`` saves one every
@@ -21,6 +24,7 @@ Also runs by hand: ``python train.py`` (one process) or ``deepspeed --num_gpus 2
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import hashlib
 import json
 import os
@@ -47,6 +51,7 @@ except ImportError:  # run from a checkout without nebula installed
 from data import BatchSampler, eval_batches, evaluate, load_corpus, split_corpus  # noqa: E402
 from model import GPT, GPTConfig  # noqa: E402
 
+from nebula_cli.config.distill_config import DISTILL_CONFIG_ENV, DistillConfig  # noqa: E402
 from nebula_cli.runtime import log  # noqa: E402
 
 
@@ -150,6 +155,42 @@ def all_reduce_values(values: list[float], device: torch.device, op: Any = None)
     return t.tolist()
 
 
+class SoftBatches:
+    """The sampler's batches with the job's teachers' soft labels (`runtime.distill`), and the
+    distillation loss of the next one (`kd_loss` at the job's temperature and alpha; the
+    targets are the next bytes already: no shift)."""
+
+    def __init__(self, sampler: BatchSampler, batches: int, first: int) -> None:
+        from nebula_cli.runtime import distill
+
+        self.cfg = DistillConfig.load(os.environ[DISTILL_CONFIG_ENV])
+        self.kd_loss = distill.kd_loss
+        source = (sampler.next() for _ in range(batches))
+        self.loader = distill.soft_labelled(source, config=self.cfg, token_ids=lambda b: b[0],
+                                            first_seq=first)
+        self.batches = iter(self.loader)
+
+    def loss(self, engine: Any, device: torch.device) -> torch.Tensor:
+        (x, y), soft = next(self.batches)
+        logits, _ = engine(x.to(device))
+        if soft is not None:
+            soft = dataclasses.replace(soft, ids=soft.ids.to(device), logp=soft.logp.to(device))
+        loss, _, _ = self.kd_loss(logits, y.to(device), soft, temperature=self.cfg.temperature,
+                                  alpha=self.cfg.alpha, shift=False)
+        return loss
+
+    def close(self) -> None:
+        self.loader.report()  # the figures of the batches since the last record
+        self.loader.client.close()
+
+
+def distilled(sampler: BatchSampler, batches: int, first: int) -> SoftBatches | None:
+    """Soft-labelled batches in a student cluster of a job with `distill:` (None elsewhere)."""
+    if not os.environ.get(DISTILL_CONFIG_ENV):
+        return None
+    return SoftBatches(sampler, batches, first)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     stop = StopFlag()
@@ -199,6 +240,10 @@ def main(argv: list[str] | None = None) -> int:
             flush=True,
         )
 
+    # a student cluster of a job with `distill:` (Nebula-I's phase b): each batch comes with
+    # its teacher's soft labels, asked `lookahead` batches ahead; the loss is kd_loss
+    soft_batches = distilled(sampler, (args.steps - start) * accum, first=start * accum)
+
     tokens_per_step = micro * accum * cfg.block_size * world
     first_loss = last_loss = eval_loss = float("nan")
     window_loss, window_steps = 0.0, 0
@@ -212,8 +257,11 @@ def main(argv: list[str] | None = None) -> int:
             info: dict[str, Any] = {}
             t_step = time.perf_counter()
             for _ in range(accum):
-                x, y = sampler.next()
-                _, loss = engine(x.to(device), y.to(device))
+                if soft_batches is None:
+                    x, y = sampler.next()
+                    _, loss = engine(x.to(device), y.to(device))
+                else:
+                    loss = soft_batches.loss(engine, device)
                 engine.backward(loss)
                 if sync is not None:  # gradient mode averages gradients across clusters here
                     info.update(sync.after_backward() or {})
@@ -258,6 +306,8 @@ def main(argv: list[str] | None = None) -> int:
                     print(f"gpt: SIGTERM, stopped after step {step}", flush=True)
                 break
         t_loop = time.perf_counter()
+        if soft_batches is not None:
+            soft_batches.close()
         if sync is not None:  # the round in flight, a last one over the steps since the last
             # boundary, then the state every cluster ends with (a SIGTERM ends the wait for it)
             flushed = sync.finish(agree=not stopping, stop=lambda: stop.requested)

@@ -38,7 +38,7 @@ from nebula_cli.cli.ui import (
     upload_bars,
 )
 from nebula_cli.config.spec import JobSpec, load_spec
-from nebula_cli.control import final_parameters
+from nebula_cli.control import final_parameters, teacher_source
 from nebula_cli.control.dryrun import measure
 from nebula_cli.control.memory_fit import memory_problems
 from nebula_cli.control.netbench import run_bench, write_report
@@ -127,6 +127,15 @@ def _store() -> StateStore:
     return StateStore()
 
 
+def _source_problems(spec: JobSpec) -> tuple[list[str], list[str]]:
+    """`teacher_source.source_problems`, the local records opened only for a spec with a
+    `teacher: {from_job:}`."""
+    if not teacher_source.sourced_teachers(spec):
+        return [], []
+    with _store() as store:
+        return teacher_source.source_problems(store, spec)
+
+
 @app.command()
 @handle_errors
 def validate(
@@ -144,9 +153,13 @@ def validate(
     out.print(spec_summary(spec_path, spec))
     if params is not None:
         out.print(outer_memory_table(params, _job_memory(spec, params)))
+    sourced, said = _source_problems(spec)
+    for note in said:
+        _note(note)
     if not hosts:
         models = teacher_models(spec)
         bad, notes = model_problems(spec, models)
+        bad += sourced
         _say_models(models, notes)
         for problem in bad:
             err.print(f"[bold red]error:[/] {escape(problem)}", markup=True)
@@ -165,7 +178,7 @@ def validate(
     bad = [f"{c.cluster}/{c.host}: {'; '.join(c.problems)}" for c in checks if not c.ok]
     problems, notes = model_problems(spec, models)
     _say_models(models, notes)
-    bad += problems
+    bad += problems + sourced
     if params is not None:
         bad += memory_problems(spec, checks, params)
     if reach is not None:
@@ -232,10 +245,11 @@ def launch(
     """Provision every host, start the job, then show it live (Ctrl-C detaches)."""
     spec = load_spec(spec_path)
     bad, notes = model_problems(spec, teacher_models(spec))  # before any host is touched
+    sourced, _ = _source_problems(spec)
     for note in [*(spec.distill.notes() if spec.distill is not None else []), *notes]:
         _note(note)
-    if bad:
-        raise LaunchError("\n".join(bad))
+    if bad or sourced:
+        raise LaunchError("\n".join(bad + sourced))
     with _store() as store, Orchestrator(store, accept_new_host_keys=accept_new) as orch:
         _bring_up(orch, lambda note, transfer: orch.launch(spec, progress=note,
                                                            transfer=transfer), detach, "launch")

@@ -82,6 +82,17 @@ class AgentConfig:
         return strict.load(cls, path)
 
 
+CHECKPOINT_MARKER = "COMPLETE"
+"""Written last into a checkpoint: a tag without it is never loaded."""
+CHECKPOINT_TAG_PREFIX = "step"
+"""A checkpoint's tag: this, then its step."""
+
+
+def checkpoint_tag(step: int) -> str:
+    """The tag of the checkpoint of ``step``."""
+    return f"{CHECKPOINT_TAG_PREFIX}{step}"
+
+
 @dataclass(frozen=True)
 class CheckpointSettings:
     """Where and how often a worker checkpoints (spec: checkpoint); read by

@@ -204,4 +204,9 @@ def base_env(site: Site, job_root: str, user: dict[str, str] | None = None) -> d
 
 def job_root_of(site: Site, job_id: str) -> str:
     """The job's directory on a host."""
-    return posixpath.join(site.home, "jobs", job_id)
+    return job_root_in(site.home, job_id)
+
+
+def job_root_in(home: str, job_id: str) -> str:
+    """The job's directory on a host whose home is ``home``."""
+    return posixpath.join(home, "jobs", job_id)

@@ -21,7 +21,7 @@ from nebula_cli.config import checkpoint_paths, plan_model, strict, worlds
 from nebula_cli.config.parts import helper_env
 from nebula_cli.config.plan_model import AgentPlan, JobPlan
 from nebula_cli.config.spec import ClusterSpec, HostSpec, JobSpec, spec_of_record
-from nebula_cli.control import allocations
+from nebula_cli.control import allocations, teacher_source
 from nebula_cli.control.fanout import GroupError, fanout
 from nebula_cli.control.hostcheck import HostCheck, bootstrap, check_host, require_python
 from nebula_cli.control.jobs import JobOps, JobSnapshot, StopReport, job_state
@@ -186,10 +186,12 @@ class Orchestrator:
                              renew=action == "resume", conns=allocations.node_conns(allocs))
             for agent in plan.agents:  # recorded first: `stop` reaches hosts a launch touched
                 self._record(job_id, agent, "PENDING")
+            teachers = self._teacher_checkpoints(spec, progress)
             # hosts that upload first: the others see their files (a Slurm cluster's nodes)
             for hosts in ([a for a in plan.hosts if not a.files_from_first_host],
                           [a for a in plan.hosts if a.files_from_first_host]):
-                fanout(hosts, lambda a: self._provision_host(spec, a, progress, transfer),
+                fanout(hosts, lambda a: self._provision_host(spec, a, progress, transfer,
+                                                             teachers.get(a.cluster)),
                        timeout=SETUP_TIMEOUT, cancel=self.session.abort)
             fanout(plan.agents, self._write_agent_files, timeout=AGENT_TIMEOUT,
                    cancel=self.session.abort)
@@ -272,10 +274,27 @@ class Orchestrator:
         self.store.set_job_state(job_id, "PENDING", reason="")
         return running
 
+    def _teacher_checkpoints(self, spec: JobSpec, progress: Progress
+                             ) -> dict[str, tuple[teacher_source.CheckpointSource, Path]]:
+        """Each `teacher: {from_job:}` cluster's checkpoint, found and copied into the local
+        cache (once per launch, before any host is provisioned)."""
+        out = {}
+        for c in teacher_source.sourced_teachers(spec):
+            assert c.teacher is not None and c.teacher.from_job is not None
+            source = teacher_source.find_source(self.store, self.session.transport,
+                                                c.teacher.from_job, c.teacher.from_cluster)
+            progress(f"{c.name}: serves {source.said()}")
+            out[c.name] = (source, teacher_source.fetch(source, self.session.transport(
+                source.conn), self.store.home, progress))
+        return out
+
     def _provision_host(self, spec: JobSpec, agent: AgentPlan, progress: Progress,
-                        transfer: Transfer | None = None) -> None:
+                        transfer: Transfer | None = None,
+                        teacher: tuple[teacher_source.CheckpointSource, Path] | None = None
+                        ) -> None:
         """Once per host: job dir, nebula_cli and the workdir uploaded (where the host does not
-        share our files), the DeepSpeed config, setup, then `launchers/bootstrap.sh`."""
+        share our files), a `from_job` teacher's checkpoint, the DeepSpeed config, setup, then
+        `launchers/bootstrap.sh`."""
         t = self.session.transport(agent.conn)
         t.makedirs(agent.job_root, mode=0o700)
         where = f"{agent.cluster}/{agent.host}"
@@ -285,6 +304,8 @@ class Orchestrator:
         for local, remote in agent.uploads.items():
             n, size = t.upload_tree(local, remote, list(spec.exclude), bar("workdir"))
             progress(f"{where}: workdir uploaded ({n} files changed, {size} bytes)")
+        if teacher is not None:
+            teacher_source.place(*teacher, t, agent.job_root, where, progress)
         ds = spec.deepspeed_config()
         if ds is not None:
             t.put_bytes(json.dumps(ds, indent=1).encode(),

@@ -68,7 +68,10 @@ import torch
 import torch.distributed as dist
 
 from nebula_cli.config import staging
+from nebula_cli.config.parts import CHECKPOINT_MARKER as MARKER
+from nebula_cli.config.parts import CHECKPOINT_TAG_PREFIX as TAG_PREFIX
 from nebula_cli.config.parts import SHM, CheckpointSettings
+from nebula_cli.config.parts import checkpoint_tag as tag_of
 from nebula_cli.ownership import not_own_folder
 from nebula_cli.runtime import outer_files
 from nebula_cli.runtime.checkpoint_trust import FIX, unsafe_ancestors
@@ -77,10 +80,7 @@ from nebula_cli.runtime.outer import SyncError
 from nebula_cli.runtime.settle import keep
 from nebula_cli.runtime.threads import start_or_run
 
-MARKER = "COMPLETE"
-"""Written last into a checkpoint: a tag without it is never loaded."""
 LATEST = "latest"
-TAG_PREFIX = "step"
 SHM_HEADROOM = 2.0
 """Staging in /dev/shm needs this many times the estimated checkpoint size free."""
 BYTES_PER_PARAM = 16
@@ -89,10 +89,6 @@ BYTES_PER_PARAM = 16
 
 def say(message: str) -> None:
     print(f"nebula: {message}", file=sys.stderr, flush=True)
-
-
-def tag_of(step: int) -> str:
-    return f"{TAG_PREFIX}{step}"
 
 
 def step_of(name: str) -> int | None:

@@ -137,6 +137,8 @@ class DistillLoader:
         self.loader, self.client, self.lookahead = loader, client, lookahead
         self.when_no_teacher, self.wait_s, self.token_ids = when_no_teacher, wait_s, token_ids
         self.seq = first_seq
+        self.taken = first_seq - 1
+        """The number of the last batch yielded."""
         self.report_every, self.vocab = report_every, vocab
         self.stats = DistillStats()
 
@@ -163,14 +165,18 @@ class DistillLoader:
             seq, batch, shape = window.popleft()
             fill()
             labels = self._labels(seq, shape)
+            self.taken = seq
             if self.report_every and self.stats.batches % self.report_every == 0:
-                self._report(seq)
+                self.report()
             yield batch, labels
         if self.report_every and self.stats.batches % self.report_every:
-            self._report(self.seq - 1)
+            self.report()
 
-    def _report(self, seq: int) -> None:
-        metrics.emit(step=seq + 1, **self.stats.record())
+    def report(self) -> None:
+        """A metric record of the figures now (the loader makes one every ``report_every``
+        batches and one when its batches end; a script that stops taking batches before
+        then makes the last one with this)."""
+        metrics.emit(step=self.taken + 1, **self.stats.record())
 
     def _labels(self, seq: int, shape: tuple[int, ...]) -> SoftLabels | None:
         try:

@@ -1,0 +1,205 @@
+"""`teacher: {from_job: JOB}`: the earlier job's newest complete checkpoint, found on the first
+host of its cluster (`from_cluster`, default its first training cluster), copied to each of
+the teacher's hosts at launch, into ``<job dir>/teacher-checkpoint`` (the folder
+``NEBULA_TEACHER_CHECKPOINT`` names to the teacher's `run`).
+
+It travels through this machine: each file is downloaded once into nebula's local cache
+(``<nebula home>/teacher-checkpoints/<job>/<cluster>/<tag>``, a file at a time, each first as a
+``.part`` renamed when whole: a copy cut off goes on at the next launch from the files it
+had), then uploaded to every teacher host, its files 0600 in folders 0700 and the COMPLETE
+marker last, as nebula publishes a checkpoint (the teacher's loader trusts nothing else). The
+size is said before the copy starts. Where hosts share files with this machine (the local
+transport) the cache is still the one copy read from.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import posixpath
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from nebula_cli.config import checkpoint_paths, plan_model
+from nebula_cli.config.distill_config import TEACHER_CHECKPOINT_DIR
+from nebula_cli.config.parts import CHECKPOINT_MARKER as MARKER
+from nebula_cli.config.parts import CHECKPOINT_TAG_PREFIX as TAG_PREFIX
+from nebula_cli.config.parts import checkpoint_tag as tag_of
+from nebula_cli.config.spec import ClusterSpec, JobSpec, spec_of_record
+from nebula_cli.control.planning import describe_host
+from nebula_cli.control.state import StateStore
+from nebula_cli.errors import UsageError
+from nebula_cli.transport import Conn, Transport
+
+Progress = Callable[[str], None]
+GetTransport = Callable[[Conn], Transport]
+
+CACHE_DIR = "teacher-checkpoints"
+"""Under nebula's home on this machine: the checkpoints `from_job` downloaded."""
+
+LIST_TAG = r"""
+import json, os, sys
+root, prefix, marker = sys.argv[1:4]
+steps = []
+for name in os.listdir(root) if os.path.isdir(root) else []:
+    digits = name[len(prefix):]
+    if name.startswith(prefix) and digits.isdigit() and os.path.isfile(
+            os.path.join(root, name, marker)):
+        steps.append(int(digits))
+out = {"steps": sorted(steps), "files": []}
+if steps:
+    tag = os.path.join(root, prefix + str(max(steps)))
+    for d, _, names in os.walk(tag):
+        for n in names:
+            p = os.path.join(d, n)
+            out["files"].append([os.path.relpath(p, tag), os.path.getsize(p)])
+print(json.dumps(out))
+"""
+"""Run with the host's python: the newest complete tag of a checkpoint folder, and its files
+with their sizes."""
+
+
+@dataclass(frozen=True)
+class CheckpointSource:
+    """The checkpoint a `from_job` teacher serves: where it is and what it holds."""
+
+    job_id: str
+    cluster: str
+    host: str
+    folder: str
+    """The earlier job's checkpoint folder on ``host``."""
+    step: int
+    files: tuple[tuple[str, int], ...]
+    """(path in the tag, bytes), the COMPLETE marker among them."""
+    conn: Conn
+    """How this machine reaches ``host``."""
+
+    @property
+    def tag(self) -> str:
+        return tag_of(self.step)
+
+    @property
+    def size(self) -> int:
+        return sum(n for _, n in self.files)
+
+    def said(self) -> str:
+        return (f"job {self.job_id}'s checkpoint {self.tag} of cluster {self.cluster} "
+                f"({_size(self.size)}, {len(self.files)} files, on {self.host})")
+
+
+def _size(n: int) -> str:
+    for unit, scale in (("GB", 1 << 30), ("MB", 1 << 20), ("KB", 1 << 10)):
+        if n >= scale:
+            return f"{n / scale:.1f} {unit}"
+    return f"{n} bytes"
+
+
+def source_cluster(spec: JobSpec, job_id: str, named: str | None) -> ClusterSpec:
+    """The earlier job's cluster whose checkpoint is served: ``named``, or its first training
+    cluster; UsageError naming the fix when the job has no such cluster or no checkpoints."""
+    if spec.checkpoint is None:
+        raise UsageError(f"job {job_id} saved no checkpoints (its spec has no `checkpoint:`): "
+                         "it has nothing a teacher could serve; run it with `checkpoint:`")
+    training = [c for c in spec.clusters if not c.kind.serves_labels]
+    if named is None:
+        if not training:
+            raise UsageError(f"job {job_id} has no training cluster")
+        return training[0]
+    for c in training:
+        if c.name == named:
+            return c
+    raise UsageError(f"job {job_id} has no training cluster {named!r} (teacher.from_cluster): "
+                     f"its training clusters are {', '.join(c.name for c in training)}")
+
+
+def find_source(store: StateStore, transport: GetTransport, ref: str,
+                cluster: str | None) -> CheckpointSource:
+    """The newest complete checkpoint of job ``ref``'s cluster, on its first host."""
+    job = store.get_job(ref)
+    spec = spec_of_record(job.spec, job.spec_path)
+    c = source_cluster(spec, job.id, cluster)
+    host = c.hosts[0]
+    conn = describe_host(c, host, str(store.home))
+    t = transport(conn)
+    place = c.scheduling.checkpoint_places(c, host)[0]
+    folder = checkpoint_paths.checkpoint_dir(spec, job.id, plan_model.job_root_in(t.home, job.id),
+                                             c, place)
+    assert folder is not None  # (the spec has `checkpoint:`)
+    found = t.run([t.python, "-c", LIST_TAG, folder, TAG_PREFIX, MARKER], timeout=120)
+    if not found.ok:
+        raise UsageError(f"could not list job {job.id}'s checkpoints in {folder} on "
+                         f"{host.host}: {found.tail()}")
+    listed = json.loads(found.stdout.strip().splitlines()[-1])
+    if not listed["steps"]:
+        raise UsageError(f"job {job.id} has no complete checkpoint in {folder} on {host.host} "
+                         f"(cluster {c.name}): it saved none, or they were removed")
+    return CheckpointSource(job.id, c.name, host.host, folder, max(listed["steps"]),
+                            tuple((str(p), int(n)) for p, n in sorted(listed["files"])), conn)
+
+
+def fetch(source: CheckpointSource, t: Transport, cache: Path, progress: Progress) -> Path:
+    """The checkpoint's tag in the local cache under ``cache``, each file downloaded unless a
+    whole one is there (a copy cut off goes on from there)."""
+    local = cache / CACHE_DIR / source.job_id / source.cluster / source.tag
+    have = sum(n for p, n in source.files if _whole(local / p, n))
+    if have < source.size:
+        progress(f"copying {source.said()}"
+                 + (f": {_size(have)} of it already here" if have else ""))
+    for path, size in source.files:
+        dest = local / path
+        if _whole(dest, size):
+            continue
+        dest.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+        part = dest.with_name(dest.name + ".part")
+        t.get(posixpath.join(source.folder, source.tag, path), str(part))
+        got = part.stat().st_size
+        if got != size:
+            raise UsageError(f"{path} of {source.said()} came as {got} bytes, not {size}: "
+                             "it changed while it was copied; launch again")
+        os.replace(part, dest)
+    return local
+
+
+def _whole(path: Path, size: int) -> bool:
+    return path.is_file() and path.stat().st_size == size
+
+
+def place(source: CheckpointSource, local: Path, t: Transport, job_root: str,
+          where: str, progress: Progress) -> str:
+    """The tag uploaded into ``<job_root>/teacher-checkpoint`` on a teacher's host, published
+    as nebula publishes checkpoints (private files, the marker last); the folder's path."""
+    folder = posixpath.join(job_root, TEACHER_CHECKPOINT_DIR)
+    tag = posixpath.join(folder, source.tag)
+    t.makedirs(folder, mode=0o700)
+    for path, _ in sorted(source.files, key=lambda f: f[0] == MARKER):  # the marker last
+        remote = posixpath.join(tag, path)
+        t.makedirs(posixpath.dirname(remote), mode=0o700)
+        t.put(str(local / path), remote, mode=0o600)
+    progress(f"{where}: teacher checkpoint {source.tag} of job {source.job_id} placed "
+             f"({_size(source.size)})")
+    return folder
+
+
+def sourced_teachers(spec: JobSpec) -> list[ClusterSpec]:
+    """The spec's teacher clusters that serve an earlier job's checkpoint."""
+    return [c for c in spec.clusters if c.teacher is not None and c.teacher.from_job]
+
+
+def source_problems(store: StateStore, spec: JobSpec) -> tuple[list[str], list[str]]:
+    """(problems, notes) of each `teacher: {from_job:}`, from this machine's records alone
+    (before launch touches a host): the job there, with `checkpoint:` and the cluster named;
+    the note says what launch will copy from where."""
+    problems, notes = [], []
+    for c in sourced_teachers(spec):
+        assert c.teacher is not None and c.teacher.from_job is not None
+        try:
+            job = store.get_job(c.teacher.from_job)
+            held = source_cluster(spec_of_record(job.spec, job.spec_path), job.id,
+                                  c.teacher.from_cluster)
+        except UsageError as exc:
+            problems.append(f"{c.name}: teacher.from_job: {exc}")
+            continue
+        notes.append(f"{c.name}: serves job {job.id}'s newest complete checkpoint of cluster "
+                     f"{held.name} ({job.state}), copied from {held.hosts[0].host} at launch")
+    return problems, notes

@@ -15,6 +15,7 @@ from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
 
 from nebula_cli.config.distill_config import DISTILL_CONFIG_ENV
 from nebula_cli.integrations.hf_distill import DistillTrainer
+from nebula_cli.runtime.distill.loader import DistillError
 
 VOCAB, WIDTH, STEPS = 256, 16, 6
 
@@ -137,3 +138,33 @@ def test_a_resume_in_the_middle_of_an_epoch_trains_the_rest_with_labels_as_if_ne
     assert resumed.state.global_step == STEPS
     for a, b in zip(whole.model.parameters(), resumed.model.parameters(), strict=True):
         assert torch.allclose(a, b, atol=1e-6)
+
+
+def test_an_on_policy_job_trains_the_trainer_on_its_own_scored_samples(tmp_path: Path) -> None:
+    """`distill.mode: on_policy`: each batch's first half is a prompt the model continues with
+    `generate` (to the batch's width), the teacher scores the samples, the loss is
+    `on_policy_loss` (its reverse-KL term falls); padded batches are refused."""
+    pki, port = job_pki(tmp_path / "pki"), free_port()
+    teacher = peaked_teacher(gpt2(seed=7, n_embd=64)).eval()
+    cfg = distill_cfg(pki, "cloud", "s1", teachers={"lab": f"127.0.0.1:{port}"}, lookahead=1,
+                      alpha=1.0, values="token", topk=1)
+    with serving_teacher(pki, port, lambda ids: teacher(ids).logits, values="token", topk=1):
+        trainer = DistillTrainer(model=gpt2(seed=0), args=args(tmp_path / "op"),
+                                 train_dataset=Tokens(), distill_config=cfg)
+        trainer.train()
+    assert trainer.soft_batches is not None
+    stats = trainer.soft_batches.loader.stats
+    assert stats.batches == STEPS and stats.without_labels == 0, stats
+    assert stats.wire_bytes - stats.ask_bytes == 2 * STEPS * 4 * WIDTH  # 2 bytes a token back
+    assert len(losses(trainer)) == STEPS  # (kd_loss refuses scores: on_policy_loss ran)
+
+    class Padded(Tokens):
+        def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+            mask = torch.ones(WIDTH, dtype=torch.long)
+            mask[-2:] = 0
+            return {**super().__getitem__(i), "attention_mask": mask}
+
+    padded = DistillTrainer(model=gpt2(seed=0), args=args(tmp_path / "pad"),
+                            train_dataset=Padded(), distill_config=cfg)
+    with pytest.raises(DistillError, match="this batch is padded"):
+        padded.train()

@@ -76,6 +76,14 @@ def round_vs_bound(round_s: float, link_s: float, machine_s: float) -> tuple[flo
     return round_s / bound, binds
 
 
+def steady_round_s(seconds: list[float]) -> float | None:
+    """The mean round after the first (which pays the relays' and rank 0's first mappings of
+    their shared memory and fresh pages: 2-3x the third at 100 M); all of them when there is
+    one. The linear cost is fitted on it."""
+    later = seconds[1:] or seconds
+    return round(sum(later) / len(later), 4) if later else None
+
+
 def linear_cost(points: list[tuple[int, int, float]]) -> tuple[float, float, float]:
     """(a, b, worst relative miss) of round_s = a + b * params / ranks over (params, ranks,
     round_s) points."""

@@ -63,3 +63,9 @@ def test_ratio_bound_and_fit() -> None:
     a, b, worst = m.linear_cost([(p, r, 0.5 + 2e-7 * p / r)
                                  for p, r in ((1_000_000, 1), (8_000_000, 2), (20_000_000, 4))])
     assert abs(a - 0.5) < 1e-9 and abs(b - 2e-7) < 1e-15 and worst < 1e-9
+
+
+def test_the_steady_round_leaves_the_first_out() -> None:
+    m = load_bench("_scale_figures")
+    assert m.steady_round_s([17.8, 9.84, 6.26]) == 8.05  # (the first maps its memory)
+    assert m.steady_round_s([2.0]) == 2.0 and m.steady_round_s([]) is None

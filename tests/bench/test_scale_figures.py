@@ -63,6 +63,10 @@ def test_ratio_bound_and_fit() -> None:
     a, b, worst = m.linear_cost([(p, r, 0.5 + 2e-7 * p / r)
                                  for p, r in ((1_000_000, 1), (8_000_000, 2), (20_000_000, 4))])
     assert abs(a - 0.5) < 1e-9 and abs(b - 2e-7) < 1e-15 and worst < 1e-9
+    # the steady rounds measured at 1.3 M, 20 M and 100 M (2 ranks): the relative misses fitted
+    a, b, worst = m.linear_cost([(1_298_880, 2, 0.1111), (19_111_936, 2, 1.0941),
+                                 (99_526_656, 2, 4.7277)])
+    assert abs(a - 0.0468) < 1e-3 and abs(b - 1.0019e-7) < 1e-10 and 0.08 < worst < 0.085
 
 
 def test_the_steady_round_leaves_the_first_out() -> None:

@@ -166,11 +166,14 @@ def validate(
         if bad:
             raise typer.Exit(EXIT_FAILED)
         return
+    found: list[str] = []
     with _store() as store, Orchestrator(store, accept_new_host_keys=accept_new) as orch:
         checks = orch.check_hosts(spec)
         ready = all(c.ok for c in checks)
         reach = check_reach(orch.facts, spec) if ready and spec.links() else None
         models = teacher_models(spec, orch.read_on_gateway if ready else None)
+        if not sourced:
+            found, sourced = teacher_source.find_sources(store, orch.session.transport, spec)
     out.print(host_checks_table(checks))
     for c in checks:
         if c.reached:
@@ -178,6 +181,8 @@ def validate(
     bad = [f"{c.cluster}/{c.host}: {'; '.join(c.problems)}" for c in checks if not c.ok]
     problems, notes = model_problems(spec, models)
     _say_models(models, notes)
+    for line in found if not sourced else []:
+        out.print(f"[dim]{escape(line)}[/]")
     bad += problems + sourced
     if params is not None:
         bad += memory_problems(spec, checks, params)

@@ -29,7 +29,7 @@ from nebula_cli.config.parts import checkpoint_tag as tag_of
 from nebula_cli.config.spec import ClusterSpec, JobSpec, spec_of_record
 from nebula_cli.control.planning import describe_host
 from nebula_cli.control.state import StateStore
-from nebula_cli.errors import UsageError
+from nebula_cli.errors import NebulaError, UsageError
 from nebula_cli.transport import Conn, Transport
 
 Progress = Callable[[str], None]
@@ -203,3 +203,19 @@ def source_problems(store: StateStore, spec: JobSpec) -> tuple[list[str], list[s
         notes.append(f"{c.name}: serves job {job.id}'s newest complete checkpoint of cluster "
                      f"{held.name} ({job.state}), copied from {held.hosts[0].host} at launch")
     return problems, notes
+
+
+def find_sources(store: StateStore, transport: GetTransport, spec: JobSpec
+                 ) -> tuple[list[str], list[str]]:
+    """(what was found, problems) of each `teacher: {from_job:}`, asked of the earlier job's
+    host (`validate --hosts`): the checkpoint a launch would copy, with its size."""
+    found, problems = [], []
+    for c in sourced_teachers(spec):
+        assert c.teacher is not None and c.teacher.from_job is not None
+        try:
+            source = find_source(store, transport, c.teacher.from_job, c.teacher.from_cluster)
+        except NebulaError as exc:
+            problems.append(f"{c.name}: teacher.from_job: {exc}")
+            continue
+        found.append(f"{c.name}: would serve {source.said()}")
+    return found, problems

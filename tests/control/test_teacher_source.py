@@ -130,3 +130,15 @@ def test_a_file_that_changes_while_copied_is_refused(tmp_path: Path) -> None:
         empty = store.create_job("phase-a", dict(PHASE_A), None)
         with pytest.raises(UsageError, match="has no complete checkpoint in"):
             teacher_source.find_source(store, session.transport, empty.id, None)
+
+
+def test_validate_hosts_says_what_a_launch_would_copy(tmp_path: Path) -> None:
+    with StateStore(tmp_path / "home") as store, Session(store) as session:
+        job = store.create_job("phase-a", dict(PHASE_A), None)
+        spec = phase_b(tmp_path, "phase-a")
+        found, bad = teacher_source.find_sources(store, session.transport, spec)
+        assert found == [] and len(bad) == 1 and "has no complete checkpoint in" in bad[0]
+        saved(store, job.id, {40: {"w.pt": b"w" * 2048}}, (40,))
+        found, bad = teacher_source.find_sources(store, session.transport, spec)
+        assert bad == [] and found == [f"lab: would serve job {job.id}'s checkpoint step40 of "
+                                       "cluster east (2.0 KB, 2 files, on e1)"]

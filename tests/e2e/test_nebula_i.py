@@ -52,6 +52,11 @@ def test_phase_b_distils_from_the_checkpoint_phase_a_ended_with(cli: CLI,
     assert a.returncode == 0, a.stdout + a.stderr
     finished(cli, "nebula-i-a")
 
+    checked = cli("validate", str(shortened(tmp_path, "phase_b", 10)), "--hosts", timeout=300)
+    assert checked.returncode == 0, checked.stdout + checked.stderr
+    shown = " ".join((checked.stdout + checked.stderr).split())
+    assert "lab: would serve job nebula-i-a-" in shown and "checkpoint step20" in shown, shown
+
     b = cli("launch", str(shortened(tmp_path, "phase_b", 10)), timeout=600)
     assert b.returncode == 0, b.stdout + b.stderr
     said = " ".join((b.stdout + b.stderr).split())

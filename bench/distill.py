@@ -272,10 +272,16 @@ def train_on_policy(args: argparse.Namespace, batches: list[torch.Tensor],
     half = WIDTH // 2
     gen = torch.Generator().manual_seed(seed)
 
-    def sample(prompts: torch.Tensor) -> torch.Tensor:
+    def sample(prompts: torch.Tensor) -> torch.Tensor:  # the student's own distribution
         torch.manual_seed(int(torch.randint(0, 1 << 30, (1,), generator=gen)))
-        return model.generate(prompts, attention_mask=torch.ones_like(prompts),
-                              do_sample=True, max_new_tokens=WIDTH - half, pad_token_id=0)
+        model.eval()  # (no dropout in the samples)
+        try:
+            return model.generate(prompts, attention_mask=torch.ones_like(prompts),
+                                  do_sample=True, top_k=0, top_p=1.0, temperature=1.0,
+                                  max_new_tokens=WIDTH - half, min_new_tokens=WIDTH - half,
+                                  pad_token_id=0)
+        finally:
+            model.train()
 
     loader = on_policy([b[:, :half] for b in batches], sample, config=config)
     start = time.monotonic()

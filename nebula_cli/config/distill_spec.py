@@ -38,8 +38,9 @@ class DistillSpec(SpecModel):
     """Whose tokens the students learn on: 'off_policy': their own batches, with the
     teacher's labels of every position (`labels`); 'on_policy': continuations the students
     sample from their prompts, which the teacher scores (its log-probability of each sampled
-    token, 2 bytes back; `labels`, `topk` and `values` do not apply), trained on with the
-    reverse KL (`runtime.distill.on_policy`)."""
+    token, 2 bytes back, at temperature 1 as the students sample; `labels`, `topk`, `values`
+    and `temperature` do not apply), trained on with the reverse KL
+    (`runtime.distill.on_policy`)."""
     topk: int = Field(12, ge=1, le=MAX_TOPK)
     """Soft labels per token, k: the teacher's k most likely next tokens (ids and values), or
     with `labels: sampled` k tokens drawn from its distribution."""
@@ -105,10 +106,10 @@ class DistillSpec(SpecModel):
         off-policy labels only."""
         given = self.model_fields_set
         if self.on_policy:
-            unused = [f for f in ("labels", "topk", "values") if f in given]
+            unused = [f for f in ("labels", "topk", "values", "temperature") if f in given]
             return [f"distill.mode: on_policy: the teacher scores the students' samples (one "
-                    f"value a token); {', '.join(unused)} apply to off-policy labels only and "
-                    f"are not used"] if unused else []
+                    f"value a token, at temperature 1); {', '.join(unused)} apply to off-policy "
+                    f"labels only and are not used"] if unused else []
         if "labels" in given or not given & set(TOP_K_FIELDS):
             return []
         said = ", ".join(f"{f}: {getattr(self, f)}" for f in TOP_K_FIELDS if f in given)
@@ -120,7 +121,7 @@ class DistillSpec(SpecModel):
         """One line for `validate`: what the students are sent and how they weigh it."""
         if self.on_policy:
             return (f"on-policy: the students' samples scored by the teacher (2 bytes a token "
-                    f"back), temperature {self.temperature:g}, alpha {self.alpha:g}, "
+                    f"back, both at temperature 1), alpha {self.alpha:g}, "
                     f"{self.lookahead} batches ahead, with no teacher: {self.when_no_teacher}")
         labels = (f"{self.topk} sampled labels per token (ids only)" if self.labels == "sampled"
                   else f"top {self.topk} labels per token ({self.values} values)")

@@ -73,6 +73,8 @@ class Orchestrator:
         self.session = Session(store, accept_new_host_keys=accept_new_host_keys)
         self.jobs = JobOps(self.session)
         self.facts = HostFacts(self.session)
+        self._placing = threading.Lock()
+        """One teacher checkpoint placed at a time (hosts that share a job folder)."""
 
     def close(self) -> None:
         self.session.close()
@@ -180,13 +182,13 @@ class Orchestrator:
             self.store.add_event(job_id, "warning", warning)
         plan: JobPlan | None = None
         started: list[AgentPlan] = []
-        try:
+        try:  # a teacher's checkpoint first: no allocation waits idle while it downloads
+            teachers = self._teacher_checkpoints(spec, job_id, action, progress)
             allocs = self._allocate(job_id, spec, progress, transfer)
             plan = self.facts.plan(allocations.expand(spec, allocs), job_id,
                              renew=action == "resume", conns=allocations.node_conns(allocs))
             for agent in plan.agents:  # recorded first: `stop` reaches hosts a launch touched
                 self._record(job_id, agent, "PENDING")
-            teachers = self._teacher_checkpoints(spec, progress)
             # hosts that upload first: the others see their files (a Slurm cluster's nodes)
             for hosts in ([a for a in plan.hosts if not a.files_from_first_host],
                           [a for a in plan.hosts if a.files_from_first_host]):
@@ -274,18 +276,33 @@ class Orchestrator:
         self.store.set_job_state(job_id, "PENDING", reason="")
         return running
 
-    def _teacher_checkpoints(self, spec: JobSpec, progress: Progress
+    def _teacher_checkpoints(self, spec: JobSpec, job_id: str, action: str,
+                             progress: Progress
                              ) -> dict[str, tuple[teacher_source.CheckpointSource, Path]]:
         """Each `teacher: {from_job:}` cluster's checkpoint, found and copied into the local
-        cache (once per launch, before any host is provisioned)."""
+        cache (once per launch, before anything is allocated or provisioned) and recorded in
+        the job's folder; a resume serves the recorded one (from the cache when it is there
+        whole, without asking the earlier job's host)."""
+        job_dir = self.store.job_dir(job_id)
+        kept = teacher_source.recorded(job_dir) if action == "resume" else {}
         out = {}
         for c in teacher_source.sourced_teachers(spec):
             assert c.teacher is not None and c.teacher.from_job is not None
-            source = teacher_source.find_source(self.store, self.session.transport,
-                                                c.teacher.from_job, c.teacher.from_cluster)
+            source = kept.get(c.name)
+            local = source and teacher_source.cached(source, self.store.home)
+            if source is None or local is None:
+                source = teacher_source.find_source(
+                    self.store, self.session.transport,
+                    source.job_id if source else c.teacher.from_job,
+                    source.cluster if source else c.teacher.from_cluster,
+                    source.step if source else None)
+                assert source.conn is not None
+                local = teacher_source.fetch(source, self.session.transport(source.conn),
+                                             self.store.home, progress)
             progress(f"{c.name}: serves {source.said()}")
-            out[c.name] = (source, teacher_source.fetch(source, self.session.transport(
-                source.conn), self.store.home, progress))
+            out[c.name] = (source, local)
+        if out:
+            teacher_source.record(job_dir, {name: s for name, (s, _) in out.items()})
         return out
 
     def _provision_host(self, spec: JobSpec, agent: AgentPlan, progress: Progress,
@@ -304,8 +321,9 @@ class Orchestrator:
         for local, remote in agent.uploads.items():
             n, size = t.upload_tree(local, remote, list(spec.exclude), bar("workdir"))
             progress(f"{where}: workdir uploaded ({n} files changed, {size} bytes)")
-        if teacher is not None:
-            teacher_source.place(*teacher, t, agent.job_root, where, progress)
+        if teacher is not None and not agent.files_from_first_host:  # (the first host's)
+            with self._placing:  # hosts sharing one job folder: one copy, the others see it
+                teacher_source.place(*teacher, t, agent.job_root, where, progress)
         ds = spec.deepspeed_config()
         if ds is not None:
             t.put_bytes(json.dumps(ds, indent=1).encode(),

@@ -20,6 +20,7 @@ import posixpath
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from nebula_cli.config import checkpoint_paths, plan_model
 from nebula_cli.config.distill_config import TEACHER_CHECKPOINT_DIR
@@ -29,7 +30,7 @@ from nebula_cli.config.parts import checkpoint_tag as tag_of
 from nebula_cli.config.spec import ClusterSpec, JobSpec, spec_of_record
 from nebula_cli.control.planning import describe_host
 from nebula_cli.control.state import StateStore
-from nebula_cli.errors import NebulaError, UsageError
+from nebula_cli.errors import NebulaError, SpecError, UsageError
 from nebula_cli.transport import Conn, Transport
 
 Progress = Callable[[str], None]
@@ -37,16 +38,21 @@ GetTransport = Callable[[Conn], Transport]
 
 CACHE_DIR = "teacher-checkpoints"
 """Under nebula's home on this machine: the checkpoints `from_job` downloaded."""
+RECORD = "teacher-sources.json"
+"""In the job's local folder: each `from_job` teacher's checkpoint as launch resolved it (a
+resume serves the same one, not the newest of a job of that name run since)."""
 
 LIST_TAG = r"""
 import json, os, sys
-root, prefix, marker = sys.argv[1:4]
+root, prefix, marker, pinned = sys.argv[1:5]
 steps = []
 for name in os.listdir(root) if os.path.isdir(root) else []:
     digits = name[len(prefix):]
     if name.startswith(prefix) and digits.isdigit() and os.path.isfile(
             os.path.join(root, name, marker)):
         steps.append(int(digits))
+if pinned:
+    steps = [s for s in steps if s == int(pinned)]
 out = {"steps": sorted(steps), "files": []}
 if steps:
     tag = os.path.join(root, prefix + str(max(steps)))
@@ -56,8 +62,8 @@ if steps:
             out["files"].append([os.path.relpath(p, tag), os.path.getsize(p)])
 print(json.dumps(out))
 """
-"""Run with the host's python: the newest complete tag of a checkpoint folder, and its files
-with their sizes."""
+"""Run with the host's python: the newest complete tag of a checkpoint folder (or the one of the
+step given), and its files with their sizes."""
 
 
 @dataclass(frozen=True)
@@ -72,8 +78,8 @@ class CheckpointSource:
     step: int
     files: tuple[tuple[str, int], ...]
     """(path in the tag, bytes), the COMPLETE marker among them."""
-    conn: Conn
-    """How this machine reaches ``host``."""
+    conn: Conn | None = None
+    """How this machine reaches ``host`` (None: read back from the job's record, not asked)."""
 
     @property
     def tag(self) -> str:
@@ -82,6 +88,17 @@ class CheckpointSource:
     @property
     def size(self) -> int:
         return sum(n for _, n in self.files)
+
+    def to_record(self) -> dict[str, Any]:
+        """What the job's record keeps (`RECORD`): a resume serves the same checkpoint."""
+        return {"job_id": self.job_id, "cluster": self.cluster, "host": self.host,
+                "folder": self.folder, "step": self.step, "files": [list(f) for f in self.files]}
+
+    @classmethod
+    def from_record(cls, data: dict[str, Any]) -> CheckpointSource:
+        return cls(str(data["job_id"]), str(data["cluster"]), str(data["host"]),
+                   str(data["folder"]), int(data["step"]),
+                   tuple((str(p), int(n)) for p, n in data["files"]))
 
     def said(self) -> str:
         return (f"job {self.job_id}'s checkpoint {self.tag} of cluster {self.cluster} "
@@ -105,17 +122,32 @@ def source_cluster(spec: JobSpec, job_id: str, named: str | None) -> ClusterSpec
     if named is None:
         if not training:
             raise UsageError(f"job {job_id} has no training cluster")
-        return training[0]
-    for c in training:
-        if c.name == named:
-            return c
-    raise UsageError(f"job {job_id} has no training cluster {named!r} (teacher.from_cluster): "
-                     f"its training clusters are {', '.join(c.name for c in training)}")
+        chosen = training[0]
+    else:
+        found = [c for c in training if c.name == named]
+        if not found:
+            raise UsageError(f"job {job_id} has no training cluster {named!r} "
+                             f"(teacher.from_cluster): its training clusters are "
+                             f"{', '.join(c.name for c in training)}")
+        chosen = found[0]
+    try:
+        ds = spec.deepspeed_config() or {}
+    except SpecError:  # its config file is gone from this machine: the stage is not known
+        ds = {}
+    zero = (ds.get("zero_optimization") or {}).get("stage", 0)
+    nodes = chosen.scheduling.node_count(chosen)
+    if zero and nodes > 1:
+        raise UsageError(f"job {job_id}'s cluster {chosen.name} ran ZeRO {zero} on {nodes} "
+                         "hosts: each host's checkpoint holds only its own ranks' partitions, "
+                         "and a teacher is served from one host's (not yet joined across "
+                         "hosts); take a cluster of one host (teacher.from_cluster)")
+    return chosen
 
 
 def find_source(store: StateStore, transport: GetTransport, ref: str,
-                cluster: str | None) -> CheckpointSource:
-    """The newest complete checkpoint of job ``ref``'s cluster, on its first host."""
+                cluster: str | None, step: int | None = None) -> CheckpointSource:
+    """The newest complete checkpoint of job ``ref``'s cluster (``step``: that step's), on its
+    first host."""
     job = store.get_job(ref)
     spec = spec_of_record(job.spec, job.spec_path)
     c = source_cluster(spec, job.id, cluster)
@@ -126,16 +158,39 @@ def find_source(store: StateStore, transport: GetTransport, ref: str,
     folder = checkpoint_paths.checkpoint_dir(spec, job.id, plan_model.job_root_in(t.home, job.id),
                                              c, place)
     assert folder is not None  # (the spec has `checkpoint:`)
-    found = t.run([t.python, "-c", LIST_TAG, folder, TAG_PREFIX, MARKER], timeout=120)
+    found = t.run([t.python, "-c", LIST_TAG, folder, TAG_PREFIX, MARKER,
+                   "" if step is None else str(step)], timeout=120)
     if not found.ok:
         raise UsageError(f"could not list job {job.id}'s checkpoints in {folder} on "
                          f"{host.host}: {found.tail()}")
     listed = json.loads(found.stdout.strip().splitlines()[-1])
     if not listed["steps"]:
-        raise UsageError(f"job {job.id} has no complete checkpoint in {folder} on {host.host} "
-                         f"(cluster {c.name}): it saved none, or they were removed")
+        which = "no complete checkpoint" if step is None else f"no complete checkpoint {step}"
+        raise UsageError(f"job {job.id} has {which} in {folder} on {host.host} (cluster "
+                         f"{c.name}): it saved none, or they were removed")
     return CheckpointSource(job.id, c.name, host.host, folder, max(listed["steps"]),
                             tuple((str(p), int(n)) for p, n in sorted(listed["files"])), conn)
+
+
+def record(job_dir: Path, sources: dict[str, CheckpointSource]) -> None:
+    """Keep each teacher cluster's checkpoint as launch resolved it (`RECORD`)."""
+    (job_dir / RECORD).write_text(json.dumps({n: s.to_record() for n, s in sources.items()},
+                                             indent=1))
+
+
+def recorded(job_dir: Path) -> dict[str, CheckpointSource]:
+    """What `record` kept; {} when there is none."""
+    try:
+        data = json.loads((job_dir / RECORD).read_text())
+    except (OSError, ValueError):
+        return {}
+    return {name: CheckpointSource.from_record(s) for name, s in data.items()}
+
+
+def cached(source: CheckpointSource, cache: Path) -> Path | None:
+    """The tag in the local cache under ``cache`` when every file of it is there whole."""
+    local = cache / CACHE_DIR / source.job_id / source.cluster / source.tag
+    return local if all(_whole(local / p, n) for p, n in source.files) else None
 
 
 def fetch(source: CheckpointSource, t: Transport, cache: Path, progress: Progress) -> Path:
@@ -171,6 +226,8 @@ def place(source: CheckpointSource, local: Path, t: Transport, job_root: str,
     as nebula publishes checkpoints (private files, the marker last); the folder's path."""
     folder = posixpath.join(job_root, TEACHER_CHECKPOINT_DIR)
     tag = posixpath.join(folder, source.tag)
+    if t.exists(posixpath.join(tag, MARKER)):  # placed already (a resume, or a host sharing
+        return folder                          # this folder: published whole, marker last)
     t.makedirs(folder, mode=0o700)
     for path, _ in sorted(source.files, key=lambda f: f[0] == MARKER):  # the marker last
         remote = posixpath.join(tag, path)

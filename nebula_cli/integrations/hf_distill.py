@@ -17,7 +17,8 @@ same position, and the hard labels are shifted as the model's own loss shifts th
 
 In a job with ``distill.mode: on_policy`` each training batch's first ``on_policy_prompt``
 tokens (default: half its width) are a prompt the model continues with its own samples
-(``generate`` with ``do_sample``, in eval mode, up to the batch's width: the teacher runs as
+(``generate`` with ``do_sample`` and no top k, top p or temperature: from the model's own
+distribution, in eval mode, up to the batch's width: the teacher runs as
 many tokens as off-policy), which the teacher scores; the loss is
 ``runtime.distill.on_policy_loss`` (the prompts' cross entropy mixed in by ``alpha``). Its
 batches must be unpadded (an attention mask of ones: packed or fixed-length texts).
@@ -58,6 +59,12 @@ SOFT_KEY = "nebula_soft_labels"
 """Where a training batch carries its soft labels from the dataloader to ``compute_loss``."""
 START_KEY = "nebula_prompt_tokens"
 """On-policy: where a batch of samples carries its prompts' length to ``compute_loss``."""
+
+
+UNBIASED = {"top_k": 0, "top_p": 1.0, "temperature": 1.0}
+"""`generate`'s settings that sample from the model's own distribution (transformers applies
+a top 50 by default, and a model's generation config may set more): the reverse KL is
+estimated on its samples."""
 
 
 def is_on_policy(config: DistillConfig) -> bool:
@@ -184,7 +191,7 @@ class DistillTrainer(Trainer):  # type: ignore[misc]
             p = prompts.to(device)
             pad = getattr(model.generation_config, "pad_token_id", None)
             seqs = model.generate(p, attention_mask=torch.ones_like(p), do_sample=True,
-                                  max_new_tokens=self._width - p.shape[1],
+                                  **UNBIASED, max_new_tokens=self._width - p.shape[1],
                                   min_new_tokens=self._width - p.shape[1],
                                   pad_token_id=0 if pad is None else pad)
         finally:

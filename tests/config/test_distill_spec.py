@@ -87,9 +87,10 @@ def test_on_policy_says_what_the_students_get_and_notes_the_off_policy_settings(
     d = DistillSpec(mode="on_policy")
     assert d.on_policy and d.notes() == []
     assert d.summary().startswith("on-policy: the students' samples scored by the teacher "
-                                  "(2 bytes a token back), temperature 1, alpha 0.9,")
-    (note,) = DistillSpec(mode="on_policy", topk=32, labels="topk").notes()
-    assert note.startswith("distill.mode: on_policy") and "labels, topk apply to off-policy" in note
+                                  "(2 bytes a token back, both at temperature 1), alpha 0.9,")
+    (note,) = DistillSpec(mode="on_policy", topk=32, labels="topk", temperature=2.0).notes()
+    assert note.startswith("distill.mode: on_policy")
+    assert "labels, topk, temperature apply to off-policy labels only" in note
     assert "one of 'off_policy', 'on_policy'" in problem(SPEC.replace("{topk: 16}",
                                                                       "{mode: online}"))
 

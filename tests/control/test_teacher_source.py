@@ -142,3 +142,20 @@ def test_validate_hosts_says_what_a_launch_would_copy(tmp_path: Path) -> None:
         found, bad = teacher_source.find_sources(store, session.transport, spec)
         assert bad == [] and found == [f"lab: would serve job {job.id}'s checkpoint step40 of "
                                        "cluster east (2.0 KB, 2 files, on e1)"]
+
+
+def test_a_zero_cluster_of_several_hosts_is_refused_before_anything_is_copied(
+        tmp_path: Path) -> None:
+    """Each host keeps only its own ranks' ZeRO partitions: one host's tag is no whole model."""
+    zero = {**PHASE_A, "deepspeed": {"train_micro_batch_size_per_gpu": 1,
+                                     "zero_optimization": {"stage": 2}},
+            "clusters": [{"name": "east", "transport": "local", "hosts": ["e1", "e2"]},
+                         {"name": "west", "transport": "local", "hosts": ["w1"]}]}
+    with StateStore(tmp_path / "home") as store:
+        store.create_job("phase-a", zero, None)
+        bad, _ = teacher_source.source_problems(store, phase_b(tmp_path, "phase-a"))
+        assert len(bad) == 1 and "ran ZeRO 2 on 2 hosts" in bad[0], bad
+        assert "take a cluster of one host (teacher.from_cluster)" in bad[0]
+        bad, notes = teacher_source.source_problems(store, phase_b(tmp_path, "phase-a",
+                                                                   from_cluster="west"))
+        assert bad == [] and "of cluster west" in notes[0]

@@ -5,8 +5,9 @@ phase a's first host, copied through this machine's cache to the teacher's host,
 there as nebula publishes checkpoints) to two student clusters that distil a smaller GPT with
 DeepSpeed (examples/gpt/train.py under the automatic hook) and average through the relays.
 Both jobs end SUCCEEDED with identical workers; every student batch came with soft labels;
-the launch said what it copied; a second launch takes the checkpoint from the cache; nothing
-is left running. The examples' specs, run shorter (fewer steps, shorter rounds)."""
+the launch said what it copied; a second launch takes the checkpoint from the cache, and once
+stopped resumes with the checkpoint its launch took, although phase a has run again since;
+nothing is left running. The examples' specs, run shorter (fewer steps, shorter rounds)."""
 
 from __future__ import annotations
 
@@ -74,6 +75,17 @@ def test_phase_b_distils_from_the_checkpoint_phase_a_ended_with(cli: CLI,
     placed = list(cli.home.rglob("teacher-checkpoint/step20/COMPLETE"))
     assert placed, "the teacher's copy was not published with its marker"
 
-    again = cli("launch", str(shortened(tmp_path, "phase_b", 5)), timeout=600)
+    again = cli("launch", str(shortened(tmp_path, "phase_b", 400)), "--detach", timeout=600)
     assert again.returncode == 0, again.stdout + again.stderr
     assert "copying job" not in again.stdout + again.stderr  # the cache had it whole
+    later = again.stdout.strip().splitlines()[-1]
+    cli("stop", later, check=True, timeout=300)
+    # phase a run again: the newest job of that name now holds another checkpoint (step10)
+    a2 = cli("launch", str(shortened(tmp_path, "phase_a", 10)), timeout=600)
+    assert a2.returncode == 0, a2.stdout + a2.stderr
+    resumed = cli("resume", later, "--detach", timeout=600)
+    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+    out = " ".join((resumed.stdout + resumed.stderr).split())
+    assert "checkpoint step20 of cluster east" in out and "copying" not in out, out
+    cli("stop", later, check=True, timeout=300)
+    assert job_processes(later) == []

@@ -83,8 +83,14 @@ def main() -> None:
     half = data.shape[1] // 2
 
     def sample(prompts: torch.Tensor) -> torch.Tensor:  # the student's own continuations
-        return model.generate(prompts, attention_mask=torch.ones_like(prompts), do_sample=True,
-                              max_new_tokens=data.shape[1] - half, pad_token_id=0)
+        model.eval()
+        try:
+            return model.generate(prompts, attention_mask=torch.ones_like(prompts),
+                                  do_sample=True, top_k=0, top_p=1.0, temperature=1.0,
+                                  max_new_tokens=data.shape[1] - half,
+                                  min_new_tokens=data.shape[1] - half, pad_token_id=0)
+        finally:
+            model.train()
 
     if cfg is None:
         loader = None

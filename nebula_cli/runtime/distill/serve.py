@@ -99,7 +99,7 @@ def answerer(forward: Forward, cfg: DistillConfig, device: str | torch.device = 
         if loss is not None:
             loss.add(logits, ids_in)
         if values is Values.TOKEN:  # the students' samples, scored
-            logp = token_logprobs(logits, ids_in, cfg.temperature)
+            logp = token_logprobs(logits, ids_in, 1.0)  # as the student samples: at T = 1
             return SparseLabels(next_tokens(tokens, tokens.shape[-1]), logp.cpu().numpy())
         if drawn:  # the same tokens draw the same labels, on any replica, after any restart
             gen = torch.Generator(device=logits.device)

@@ -9,7 +9,7 @@ rebuilds (a model that is not a Hugging Face one is rebuilt by that script)::
 
 Whatever the earlier job's parallelism: under ZeRO 1-3 the fp32 weights are joined from the
 ranks' partitions (DeepSpeed's own ``zero_to_fp32``, which needs every rank's partition in the
-tag: a cluster of one host, or hosts that share the checkpoint folder); without ZeRO the
+tag: a cluster of one host, since each host keeps its own ranks'); without ZeRO the
 module's own states (as trained: fp16 under fp16 training). The checkpoint is trusted as the
 runtime's resume trusts one (`runtime.checkpoint.check_loadable`: DeepSpeed's files are read
 with ``weights_only=False``, which runs code).
@@ -46,7 +46,7 @@ def checkpoint_folder(path: str | os.PathLike[str] | None = None) -> Path:
                 f"{TEACHER_CHECKPOINT_ENV} is not set: this process was not started by nebula "
                 "for a teacher cluster with `teacher: {from_job: ...}` or `{checkpoint: ...}`")
         path = named
-    return Path(path)
+    return Path(path).expanduser()
 
 
 def newest_tag(folder: Path) -> Path:
@@ -72,8 +72,8 @@ def load_state_dict(path: str | os.PathLike[str] | None = None) -> dict[str, tor
         except (ValueError, FileNotFoundError, AssertionError) as exc:
             raise TeacherCheckpointError(
                 f"{tag}: its ZeRO partitions do not make the whole model ({exc}): every rank's "
-                "partition must be in the tag (a cluster of one host, or hosts sharing the "
-                "checkpoint folder)") from exc
+                "partition must be in the tag, as in the checkpoint of a cluster of one host "
+                "(each host keeps its own ranks')") from exc
         return {k: v.detach().cpu() for k, v in state.items()}
     states = tag / MODEL_STATES
     if not states.is_file():

@@ -97,6 +97,7 @@ from nebula_cli.runtime.distill import (  # noqa: E402
     topk_labels,
 )
 from nebula_cli.runtime.distill.loader import SoftLabels  # noqa: E402
+from nebula_cli.runtime.distill.on_policy import own_samples  # noqa: E402
 from nebula_cli.transport.freeport import free_port  # noqa: E402
 
 JOB = "job-bench-distill"
@@ -274,14 +275,7 @@ def train_on_policy(args: argparse.Namespace, batches: list[torch.Tensor],
 
     def sample(prompts: torch.Tensor) -> torch.Tensor:  # the student's own distribution
         torch.manual_seed(int(torch.randint(0, 1 << 30, (1,), generator=gen)))
-        model.eval()  # (no dropout in the samples)
-        try:
-            return model.generate(prompts, attention_mask=torch.ones_like(prompts),
-                                  do_sample=True, top_k=0, top_p=1.0, temperature=1.0,
-                                  max_new_tokens=WIDTH - half, min_new_tokens=WIDTH - half,
-                                  pad_token_id=0)
-        finally:
-            model.train()
+        return own_samples(model, prompts, WIDTH - half)
 
     loader = on_policy([b[:, :half] for b in batches], sample, config=config)
     start = time.monotonic()

@@ -54,17 +54,12 @@ from nebula_cli.runtime.distill import (
     soft_labelled,
 )
 from nebula_cli.runtime.distill.loader import DistillError
+from nebula_cli.runtime.distill.on_policy import own_samples
 
 SOFT_KEY = "nebula_soft_labels"
 """Where a training batch carries its soft labels from the dataloader to ``compute_loss``."""
 START_KEY = "nebula_prompt_tokens"
 """On-policy: where a batch of samples carries its prompts' length to ``compute_loss``."""
-
-
-UNBIASED = {"top_k": 0, "top_p": 1.0, "temperature": 1.0}
-"""`generate`'s settings that sample from the model's own distribution (transformers applies
-a top 50 by default, and a model's generation config may set more): the reverse KL is
-estimated on its samples."""
 
 
 def is_on_policy(config: DistillConfig) -> bool:
@@ -183,20 +178,8 @@ class DistillTrainer(Trainer):  # type: ignore[misc]
     def _sample(self, prompts: torch.Tensor) -> torch.Tensor:
         """The model's own continuations of ``prompts`` to the batch's width (eval mode: no
         dropout in the samples)."""
-        model = self.accelerator.unwrap_model(self.model)
-        was = model.training
-        model.eval()
-        try:
-            device = next(model.parameters()).device
-            p = prompts.to(device)
-            pad = getattr(model.generation_config, "pad_token_id", None)
-            seqs = model.generate(p, attention_mask=torch.ones_like(p), do_sample=True,
-                                  **UNBIASED, max_new_tokens=self._width - p.shape[1],
-                                  min_new_tokens=self._width - p.shape[1],
-                                  pad_token_id=0 if pad is None else pad)
-        finally:
-            model.train(was)
-        return seqs
+        return own_samples(self.accelerator.unwrap_model(self.model), prompts,
+                           self._width - prompts.shape[1])
 
     def compute_loss(self, model: Any, inputs: dict[str, Any], return_outputs: bool = False,
                      **kwargs: Any) -> Any:

@@ -27,6 +27,7 @@ from transformers import GPT2Config, GPT2LMHeadModel
 
 from nebula_cli.config.distill_config import DISTILL_CONFIG_ENV, DistillConfig
 from nebula_cli.runtime.distill import kd_loss, on_policy, on_policy_loss, soft_labelled
+from nebula_cli.runtime.distill.on_policy import own_samples
 
 BATCH = 4
 
@@ -83,14 +84,7 @@ def main() -> None:
     half = data.shape[1] // 2
 
     def sample(prompts: torch.Tensor) -> torch.Tensor:  # the student's own continuations
-        model.eval()
-        try:
-            return model.generate(prompts, attention_mask=torch.ones_like(prompts),
-                                  do_sample=True, top_k=0, top_p=1.0, temperature=1.0,
-                                  max_new_tokens=data.shape[1] - half,
-                                  min_new_tokens=data.shape[1] - half, pad_token_id=0)
-        finally:
-            model.train()
+        return own_samples(model, prompts, data.shape[1] - half)
 
     if cfg is None:
         loader = None

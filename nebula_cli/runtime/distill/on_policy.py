@@ -28,9 +28,30 @@ import torch
 from nebula_cli.config.distill_config import DistillConfig
 from nebula_cli.runtime.distill.loader import DistillLoader, client_of, job_config
 
+UNBIASED = {"do_sample": True, "top_k": 0, "top_p": 1.0, "temperature": 1.0}
+"""A Hugging Face `generate`'s settings that sample from the model's own distribution
+(transformers applies a top 50 by default, and a model's generation config may set more): the
+reverse KL is estimated on these samples."""
+
 Sampler = Callable[[torch.Tensor], torch.Tensor]
 """Prompts (batch, start) int64 -> the same prompts, each continued by the student's samples
 (batch, width > start)."""
+
+
+def own_samples(model: Any, prompts: torch.Tensor, new_tokens: int) -> torch.Tensor:
+    """``prompts`` continued by exactly ``new_tokens`` of a Hugging Face causal LM's own samples
+    (`UNBIASED`; in eval mode, so no dropout in them; its mode restored after), on its
+    device: a `Sampler` for `on_policy`."""
+    was = model.training
+    model.eval()
+    try:
+        p = prompts.to(next(model.parameters()).device)
+        pad = getattr(model.generation_config, "pad_token_id", None)
+        return model.generate(p, attention_mask=torch.ones_like(p), **UNBIASED,
+                              max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                              pad_token_id=0 if pad is None else pad)
+    finally:
+        model.train(was)
 
 
 @dataclass(frozen=True)

@@ -74,7 +74,7 @@ class Orchestrator:
         self.jobs = JobOps(self.session)
         self.facts = HostFacts(self.session)
         self._placing = threading.Lock()
-        """One teacher checkpoint placed at a time (hosts that share a job folder)."""
+        """One teacher checkpoint placed at a time on hosts that share this machine's files."""
 
     def close(self) -> None:
         self.session.close()
@@ -291,11 +291,10 @@ class Orchestrator:
             source = kept.get(c.name)
             local = source and teacher_source.cached(source, self.store.home)
             if source is None or local is None:
-                source = teacher_source.find_source(
-                    self.store, self.session.transport,
-                    source.job_id if source else c.teacher.from_job,
-                    source.cluster if source else c.teacher.from_cluster,
-                    source.step if source else None)
+                ref, cluster, step = ((source.job_id, source.cluster, source.step) if source
+                                      else (c.teacher.from_job, c.teacher.from_cluster, None))
+                source = teacher_source.find_source(self.store, self.session.transport, ref,
+                                                    cluster, step)
                 assert source.conn is not None
                 local = teacher_source.fetch(source, self.session.transport(source.conn),
                                              self.store.home, progress)
@@ -322,7 +321,9 @@ class Orchestrator:
             n, size = t.upload_tree(local, remote, list(spec.exclude), bar("workdir"))
             progress(f"{where}: workdir uploaded ({n} files changed, {size} bytes)")
         if teacher is not None and not agent.files_from_first_host:  # (the first host's)
-            with self._placing:  # hosts sharing one job folder: one copy, the others see it
+            # hosts that share this machine's files share one job folder: one copy, the others
+            # see it; other hosts copy at once
+            with self._placing if t.shares_files else contextlib.nullcontext():
                 teacher_source.place(*teacher, t, agent.job_root, where, progress)
         ds = spec.deepspeed_config()
         if ds is not None:

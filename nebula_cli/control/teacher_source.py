@@ -89,6 +89,10 @@ class CheckpointSource:
     def size(self) -> int:
         return sum(n for _, n in self.files)
 
+    def cached_at(self, cache: Path) -> Path:
+        """Where the tag lies in the local cache under ``cache``."""
+        return cache / CACHE_DIR / self.job_id / self.cluster / self.tag
+
     def to_record(self) -> dict[str, Any]:
         """What the job's record keeps (`RECORD`): a resume serves the same checkpoint."""
         return {"job_id": self.job_id, "cluster": self.cluster, "host": self.host,
@@ -189,14 +193,14 @@ def recorded(job_dir: Path) -> dict[str, CheckpointSource]:
 
 def cached(source: CheckpointSource, cache: Path) -> Path | None:
     """The tag in the local cache under ``cache`` when every file of it is there whole."""
-    local = cache / CACHE_DIR / source.job_id / source.cluster / source.tag
+    local = source.cached_at(cache)
     return local if all(_whole(local / p, n) for p, n in source.files) else None
 
 
 def fetch(source: CheckpointSource, t: Transport, cache: Path, progress: Progress) -> Path:
     """The checkpoint's tag in the local cache under ``cache``, each file downloaded unless a
     whole one is there (a copy cut off goes on from there)."""
-    local = cache / CACHE_DIR / source.job_id / source.cluster / source.tag
+    local = source.cached_at(cache)
     have = sum(n for p, n in source.files if _whole(local / p, n))
     if have < source.size:
         progress(f"copying {source.said()}"

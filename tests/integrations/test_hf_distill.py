@@ -13,7 +13,7 @@ from helpers.label_teacher import distill_cfg, job_pki, peaked_teacher, serving_
 from helpers.sshd_bed import free_port
 from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
 
-from nebula_cli.config.distill_config import DISTILL_CONFIG_ENV
+from nebula_cli.config.distill_config import DISTILL_CONFIG_ENV, DistillConfig
 from nebula_cli.integrations.hf_distill import DistillTrainer
 from nebula_cli.runtime.distill.loader import DistillError
 
@@ -46,20 +46,31 @@ def args(out: Path, batch: int = 4, accumulate: int = 1) -> TrainingArguments:
                              seed=0, dataloader_num_workers=0)
 
 
+def trained(tmp_path: Path, name: str, scored: bool = False, **cfg_kw: object
+            ) -> tuple[DistillTrainer, DistillConfig]:
+    """A DistillTrainer trained on Tokens against a real teacher (a peaked GPT-2 served on
+    loopback; ``scored``: an on-policy job's, scoring the samples), and its distill.json
+    (``cfg_kw`` its fields)."""
+    pki, port = job_pki(tmp_path / "pki"), free_port()
+    teacher = peaked_teacher(gpt2(seed=7, n_embd=64)).eval()
+    wire: dict[str, object] = {"values": "token", "topk": 1} if scored else {}
+    cfg = distill_cfg(pki, "cloud", "s1", teachers={"lab": f"127.0.0.1:{port}"}, **wire,
+                      **cfg_kw)
+    with serving_teacher(pki, port, lambda ids: teacher(ids).logits, **wire):
+        trainer = DistillTrainer(model=gpt2(seed=0), args=args(tmp_path / name),
+                                 train_dataset=Tokens(), distill_config=cfg)
+        trainer.train()
+    return trainer, cfg
+
+
 def losses(trainer: Trainer) -> list[float]:
     return [r["loss"] for r in trainer.state.log_history if "loss" in r]
 
 
 def test_a_trainer_named_distilltrainer_trains_on_its_teachers_soft_labels(
         tmp_path: Path) -> None:
-    pki, port = job_pki(tmp_path / "pki"), free_port()
-    teacher = peaked_teacher(gpt2(seed=7, n_embd=64)).eval()
-    cfg = distill_cfg(pki, "cloud", "s1", teachers={"lab": f"127.0.0.1:{port}"}, lookahead=2,
-                      alpha=1.0, wait_s=60.0)  # the KD term alone: it must fall
-    with serving_teacher(pki, port, lambda ids: teacher(ids).logits):
-        trainer = DistillTrainer(model=gpt2(seed=0), args=args(tmp_path / "kd"),
-                                 train_dataset=Tokens(), distill_config=cfg)
-        trainer.train()
+    trainer, _ = trained(tmp_path, "kd", lookahead=2, alpha=1.0,
+                         wait_s=60.0)  # the KD term alone: it must fall
     assert trainer.soft_batches is not None
     stats = trainer.soft_batches.loader.stats
     assert stats.batches == STEPS and stats.without_labels == 0, stats
@@ -144,14 +155,7 @@ def test_an_on_policy_job_trains_the_trainer_on_its_own_scored_samples(tmp_path:
     """`distill.mode: on_policy`: each batch's first half is a prompt the model continues with
     `generate` (to the batch's width), the teacher scores the samples, the loss is
     `on_policy_loss` (its reverse-KL term falls); padded batches are refused."""
-    pki, port = job_pki(tmp_path / "pki"), free_port()
-    teacher = peaked_teacher(gpt2(seed=7, n_embd=64)).eval()
-    cfg = distill_cfg(pki, "cloud", "s1", teachers={"lab": f"127.0.0.1:{port}"}, lookahead=1,
-                      alpha=1.0, values="token", topk=1)
-    with serving_teacher(pki, port, lambda ids: teacher(ids).logits, values="token", topk=1):
-        trainer = DistillTrainer(model=gpt2(seed=0), args=args(tmp_path / "op"),
-                                 train_dataset=Tokens(), distill_config=cfg)
-        trainer.train()
+    trainer, cfg = trained(tmp_path, "op", scored=True, lookahead=1, alpha=1.0)
     assert trainer.soft_batches is not None
     stats = trainer.soft_batches.loader.stats
     assert stats.batches == STEPS and stats.without_labels == 0, stats

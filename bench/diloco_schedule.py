@@ -2,8 +2,8 @@
 
     .venv/bin/python bench/diloco_schedule.py [--steps 200] [--inner-steps H] [--seeds 1234,1,2]
         [--settings 0.7,0.9 0.6,0.5 1.0,0] [--modes sync overlap late] [--tau 3]
-        [--codec C] [--density D] [--bits B] [--span 16|256] [--workers-per-cluster 2]
-        [--micro-batch 4] [--json]
+        [--codec C] [--density D] [--bits B] [--span 16|256] [--decays 1,0.95]
+        [--workers-per-cluster 2] [--micro-batch 4] [--json]
 
 H and the outer settings default to the codec's schedule in bench/_schedules.py (the same as
 bench/wan_training.py's).
@@ -18,7 +18,8 @@ mean of the workers' averaged gradients).
 
   flat      all the workers in one world: the baseline (a) of bench/wan_training.py
   sync      2 clusters, DiLoCo every H steps: delta = theta_global - local, averaged
-            (the relay's codec, --codec, with error feedback), nebula's OuterOptimizer
+            (the relay's codec, --codec, with error feedback, its decay each of --decays:
+            compression.feedback_decay), nebula's OuterOptimizer
             (Nesterov), every cluster set to theta_global
   overlap   the same, each average applied --tau steps after its boundary on top of the
             progress made meanwhile, on every cluster (nebula's overlapped sync at the step
@@ -52,6 +53,7 @@ from model import GPT, GPTConfig  # noqa: E402
 
 from nebula_cli.codecs.topk.codec import TopKCodec  # noqa: E402
 from nebula_cli.codecs.topk.params import TopKParams  # noqa: E402
+from nebula_cli.config.codec_knobs import FEEDBACK_DECAY  # noqa: E402
 from nebula_cli.config.sections import CompressionSpec  # noqa: E402
 from nebula_cli.relay.codecs.feedback import ErrorFeedback  # noqa: E402
 from nebula_cli.relay.codecs.registry import KNOWN_CODECS, get_codec  # noqa: E402
@@ -108,14 +110,14 @@ def run_flat(args: argparse.Namespace, seed: int, split: Any, held: Any) -> floa
 
 
 def run_diloco(args: argparse.Namespace, seed: int, split: Any, held: Any, lr: float,
-               momentum: float, mode: str) -> dict[str, Any]:
+               momentum: float, mode: str, decay: float = FEEDBACK_DECAY) -> dict[str, Any]:
     worlds = [World(seed, split, cluster=c, ranks=args.workers_per_cluster, micro=args.micro_batch)
               for c in range(CLUSTERS)]
     theta = worlds[0].read()  # theta_global, the same on every cluster
     outer = OuterOptimizer(lr, momentum, nesterov=True)
     codec = (TopKCodec(args.density, args.bits, span=args.span) if args.span
              else get_codec(args.codec, density=args.density, bits=args.bits))
-    feedback = [ErrorFeedback(codec) for _ in worlds]  # the relay's codec, one residual each
+    feedback = [ErrorFeedback(codec, decay) for _ in worlds]  # the relay's, one residual each
     sent_bytes = 0
     anchor: list[torch.Tensor] = [theta] * CLUSTERS
     pending: torch.Tensor | None = None
@@ -198,6 +200,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="topk: bits per kept value")
     p.add_argument("--span", type=int, choices=[16, 256], default=None,
                    help="topk: elements per top-k span (default: the codec's choice)")
+    p.add_argument("--decays", default=f"{FEEDBACK_DECAY:g}",
+                   help="comma-separated error-feedback decays beta to compare "
+                        "(compression.feedback_decay; default: the spec's)")
     p.add_argument("--workers-per-cluster", type=int, default=2,
                    help="2 as in bench/wan_training.py, 1 as in bench/hetero.py")
     p.add_argument("--micro-batch", type=int, default=4,
@@ -216,11 +221,21 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     try:
         args.pairs = [tuple(float(x) for x in s.split(",")) for s in args.settings]
         args.seed_list = [int(x) for x in args.seeds.split(",")]
+        args.decay_list = [float(x) for x in args.decays.split(",")]
     except ValueError:
-        p.error("--settings takes lr,momentum pairs such as 0.7,0.9; --seeds integers")
+        p.error("--settings takes lr,momentum pairs such as 0.7,0.9; --seeds integers; "
+                "--decays numbers")
+    if any(not 0.0 < d <= 1.0 for d in args.decay_list):
+        p.error("--decays: each in (0, 1]")
     if any(len(pair) != 2 for pair in args.pairs):
         p.error("--settings takes lr,momentum pairs such as 0.7,0.9")
     return args
+
+
+def combos(args: argparse.Namespace) -> list[tuple[str, float, float, float]]:
+    """(mode, outer lr, outer momentum, feedback decay) of each DiLoCo run of a seed."""
+    return [(mode, lr, momentum, decay) for mode in args.modes for lr, momentum in args.pairs
+            for decay in args.decay_list]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -233,41 +248,43 @@ def main(argv: list[str] | None = None) -> int:
     for seed in args.seed_list:
         held = eval_batches(split.eval, EVAL_BATCHES, EVAL_MICRO, CONTEXT, seed=seed)
         flat = flats[seed] = run_flat(args, seed, split, held)
-        for mode in args.modes:
-            for lr, momentum in args.pairs:
-                out = run_diloco(args, seed, split, held, lr, momentum, mode)
-                runs.append({"seed": seed, "mode": mode, "outer_lr": lr,
-                             "outer_momentum": momentum, "eval": round(out["eval"], 4),
-                             "flat_eval": round(flat, 4), "identical": out["identical"],
-                             "gap": round((out["eval"] - flat) / flat, 4),
-                             "bytes_per_token_reduction": round(out["bytes_reduction"], 1)})
-                print(f"seed {seed} {mode:8s} lr {lr:<4g} momentum {momentum:<4g} eval "
-                      f"{out['eval']:.4f} (flat {flat:.4f}) gap {100 * runs[-1]['gap']:+.2f} %",
-                      file=sys.stderr, flush=True)
+        for mode, lr, momentum, decay in combos(args):
+            out = run_diloco(args, seed, split, held, lr, momentum, mode, decay)
+            runs.append({"seed": seed, "mode": mode, "outer_lr": lr,
+                         "outer_momentum": momentum, "feedback_decay": decay,
+                         "eval": round(out["eval"], 4),
+                         "flat_eval": round(flat, 4), "identical": out["identical"],
+                         "gap": round((out["eval"] - flat) / flat, 4),
+                         "bytes_per_token_reduction": round(out["bytes_reduction"], 1)})
+            print(f"seed {seed} {mode:8s} lr {lr:<4g} momentum {momentum:<4g} decay "
+                  f"{decay:<4g} eval "
+                  f"{out['eval']:.4f} (flat {flat:.4f}) gap {100 * runs[-1]['gap']:+.2f} %",
+                  file=sys.stderr, flush=True)
     codec = args.codec + (f" density {args.density} bits {args.bits}" if args.codec == "topk"
                           else "")
     print(f"{args.steps} steps, {args.workers_per_cluster} worker(s) per cluster of "
           f"{args.micro_batch} x {CONTEXT} tokens, "
           f"H={args.inner_steps}, codec {codec}, seeds {args.seeds}, "
           f"tau {args.tau}, {time.monotonic() - t0:.0f} s")
-    print(f"{'seed':>5s}  {'mode':8s}  {'outer lr':>8s}  {'momentum':>8s}  {'eval loss':>9s}  "
-          f"{'flat':>7s}  {'gap':>7s}  {'bytes/token':>11s}")
+    print(f"{'seed':>5s}  {'mode':8s}  {'outer lr':>8s}  {'momentum':>8s}  {'decay':>5s}  "
+          f"{'eval loss':>9s}  {'flat':>7s}  {'gap':>7s}  {'bytes/token':>11s}")
     for r in runs:
         print(f"{r['seed']:5d}  {r['mode']:8s}  {r['outer_lr']:8g}  {r['outer_momentum']:8g}  "
-              f"{r['eval']:9.4f}  {r['flat_eval']:7.4f}  {100 * r['gap']:+6.2f}%  "
+              f"{r['feedback_decay']:5g}  {r['eval']:9.4f}  {r['flat_eval']:7.4f}  "
+              f"{100 * r['gap']:+6.2f}%  "
               f"{r['bytes_per_token_reduction']:10.1f}x")
     medians = []
-    for mode in args.modes:
-        for lr, momentum in args.pairs:
-            mine = [r for r in runs if (r["mode"], r["outer_lr"], r["outer_momentum"])
-                    == (mode, lr, momentum)]
-            medians.append({"mode": mode, "outer_lr": lr, "outer_momentum": momentum,
-                            "loss_gap": statistics.median(r["gap"] for r in mine),
-                            "bytes_per_token_reduction": statistics.median(
-                                r["bytes_per_token_reduction"] for r in mine)})
-            print(f"median over seeds {args.seeds}: {mode} lr {lr:g} momentum {momentum:g}: "
-                  f"loss gap {100 * medians[-1]['loss_gap']:+.2f} %, bytes per token "
-                  f"{medians[-1]['bytes_per_token_reduction']:.1f}x fewer than flat")
+    for mode, lr, momentum, decay in combos(args):
+        mine = [r for r in runs if (r["mode"], r["outer_lr"], r["outer_momentum"],
+                                    r["feedback_decay"]) == (mode, lr, momentum, decay)]
+        medians.append({"mode": mode, "outer_lr": lr, "outer_momentum": momentum,
+                        "feedback_decay": decay,
+                        "loss_gap": statistics.median(r["gap"] for r in mine),
+                        "bytes_per_token_reduction": statistics.median(
+                            r["bytes_per_token_reduction"] for r in mine)})
+        print(f"median over seeds {args.seeds}: {mode} lr {lr:g} momentum {momentum:g} "
+              f"decay {decay:g}: loss gap {100 * medians[-1]['loss_gap']:+.2f} %, bytes per token "
+              f"{medians[-1]['bytes_per_token_reduction']:.1f}x fewer than flat")
     if args.json:
         first = medians[0]
         print(json.dumps({"loss_gap": first["loss_gap"],
@@ -276,7 +293,7 @@ def main(argv: list[str] | None = None) -> int:
                           "settings": {"steps": args.steps, "inner_steps": args.inner_steps,
                                        "seeds": args.seed_list, "tau": args.tau,
                                        "codec": args.codec, "density": args.density,
-                                       "bits": args.bits}}))
+                                       "bits": args.bits, "decays": args.decay_list}}))
     return 0
 
 

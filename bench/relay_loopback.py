@@ -53,6 +53,7 @@ import torch
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from nebula_cli.config.codec_knobs import FEEDBACK_DECAY  # noqa: E402
 from nebula_cli.config.relay_config import RelayConfig, ShapingConfig  # noqa: E402
 from nebula_cli.config.spec import CompressionSpec, RelaySpec  # noqa: E402
 from nebula_cli.pki import JobPKI, client_context, issue_job_pki, server_context  # noqa: E402
@@ -225,7 +226,8 @@ def _relay_config(c: str, clusters: list[str], peer: dict[str, str], work: dict[
         job_id="bench", cluster=c, clusters=clusters, peer_listen=peer[c],
         worker_listen=work[c], peers={o: peer[o] for o in clusters if o != c},
         tls={"ca": str(pki.ca_cert), "cert": str(pair.cert), "key": str(pair.key)},
-        codec="none", error_feedback=False, codec_params=CompressionSpec().params,
+        codec="none", error_feedback=False, feedback_decay=FEEDBACK_DECAY,
+        codec_params=CompressionSpec().params,
         round_timeout=120.0, heartbeat=relay.heartbeat, dead_after=relay.dead_after,
         shaping=ShapingConfig(rate_mbit=None, delay_ms=0.0), auto_steps=None,
         metrics_file=str(tmp / f"metrics-{c}.jsonl"), worker_socket=_socket(tmp, c))

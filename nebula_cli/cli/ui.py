@@ -23,6 +23,7 @@ from rich.text import Text
 
 from nebula_cli.cli.fit import Column, FittedTable
 from nebula_cli.cli.palette import cluster_colours
+from nebula_cli.config.codec_knobs import FEEDBACK_DECAY
 from nebula_cli.config.spec import JobSpec
 from nebula_cli.control import final_parameters
 from nebula_cli.control.follow import LogLine, finite
@@ -125,7 +126,8 @@ def sync_summary(spec: JobSpec) -> str:
     codec = (labels if len(comp.codecs) == 1
              else f"codec chosen by the relays each round ({labels})")
     lossy = any(params[c].rel_error > 0 for c in comp.codecs)  # "none" has nothing to feed back
-    feedback = " with error feedback" if comp.error_feedback and lossy else ""
+    decay = f" (decay {comp.feedback_decay:g})" if comp.feedback_decay != FEEDBACK_DECAY else ""
+    feedback = f" with error feedback{decay}" if comp.error_feedback and lossy else ""
 
     def outer(codec: str) -> str:
         lr, mom = relay.outer_for(codec)

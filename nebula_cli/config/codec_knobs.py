@@ -28,6 +28,10 @@ otherwise. 0.6 / 0.5 loses at most 3 % of eval loss against flat data parallel w
 5 and 20 rounds (bench/diloco_schedule.py, three seeds); DiLoCo's 0.7 / 0.9, chosen for runs of
 hundreds of rounds, lost 4.8-8.3 % at 2 and 5 rounds (docs/benchmarks.md, "A default safe at
 every length")."""
+FEEDBACK_DECAY = 1.0
+"""The error feedback's decay beta (`compression.feedback_decay`): 1 carries every unsent part
+until it is sent (the default: measured with topk and int8 since 2026-11-24); below 1 an unsent
+part fades by beta a round (SparseLoCo)."""
 _LIMITS = {"gt": (">", float.__gt__), "ge": (">=", float.__ge__),
            "lt": ("<", float.__lt__), "le": ("<=", float.__le__)}
 

@@ -105,6 +105,9 @@ class RelayConfig:
     auto_codec)."""
     error_feedback: bool
     """Keep the codec's rounding error and add it to the next round's contribution."""
+    feedback_decay: float
+    """The kept error enters the next round times this (the spec's
+    ``compression.feedback_decay``)."""
     codec_params: CodecParamSet
     """Every codec's knobs (codec name -> its params), from the spec: the rounds build their
     codecs from them, the HELLO carries them all (`CodecParamSet.handshake`)."""

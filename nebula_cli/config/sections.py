@@ -13,6 +13,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, create_model, model_validator
 
+from nebula_cli.config.codec_knobs import FEEDBACK_DECAY
 from nebula_cli.config.codec_params import (
     AUTO_CODEC,
     AUTO_CODECS,
@@ -112,6 +113,10 @@ class _Compression(SpecModel):
     target allows; the first rounds use int8), and say why in their log and the metrics."""
     error_feedback: bool = True
     """Carry the quantisation error into the next round."""
+    feedback_decay: float = Field(FEEDBACK_DECAY, gt=0.0, le=1.0)
+    """The error feedback's decay beta: what a round left unsent enters the next round's input
+    times beta (1: all of it, however many rounds it waits; SparseLoCo's outer step uses about
+    0.95 with topk and no outer momentum)."""
 
     @model_validator(mode="before")
     @classmethod
@@ -130,6 +135,9 @@ class _Compression(SpecModel):
                 auto = " (or auto)" if owner in AUTO_CODECS else ""
                 messages.append(f"{' and '.join(stray)} {verb} to codec {owner}{auto} only, "
                                 f"not {self.codec} (set codec: {owner}, or remove them)")
+        if self.feedback_decay != FEEDBACK_DECAY and not self.error_feedback:
+            messages.append("feedback_decay applies to error feedback, which is off "
+                            "(set error_feedback: true, or remove feedback_decay)")
         if messages:
             raise ValueError("; ".join(messages))
         return self
@@ -160,9 +168,10 @@ CompressionSpec = create_model(
     run length bench/diloco_schedule.py covers (2, 5 and 20 rounds); topk sends about 20x fewer
     bytes but loses 10-16 % on runs of a few rounds (what it leaves out is still in its error
     feedback, or arrives stale): docs/benchmarks.md, "A default safe at every length". Besides
-    ``codec`` and ``error_feedback``, one field per codec knob, flat (``block_size`` of int8,
-    ``density`` and ``bits`` of topk: see `nebula_cli.config.codec_params`); a knob of a codec
-    the rounds do not use is refused unless left at its default.""",
+    ``codec``, ``error_feedback`` and ``feedback_decay``, one field per codec knob, flat
+    (``block_size`` of int8, ``density`` and ``bits`` of topk: see
+    `nebula_cli.config.codec_params`); a knob of a codec the rounds do not use is refused
+    unless left at its default.""",
     **{knob.name: _knob_field(params, knob)
        for params in CODEC_PARAMS.values() for knob in params.knobs()})
 

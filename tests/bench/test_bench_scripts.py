@@ -182,6 +182,24 @@ def test_diloco_schedule_runs_every_mode(capsys: pytest.CaptureFixture[str],
     assert out["loss_gap"] == out["medians"][0]["loss_gap"] == out["runs"][0]["gap"]
 
 
+def test_diloco_schedule_compares_error_feedback_decays(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """--decays runs each setting once per decay beta (compression.feedback_decay), at equal
+    bytes, each with its own median."""
+    mod = load("diloco_schedule")
+    assert mod.main(["--steps", "6", "--inner-steps", "2", "--codec", "topk", "--modes", "sync",
+                     "--decays", "1,0.5", "--micro-batch", "2", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert [r["feedback_decay"] for r in out["runs"]] == [1.0, 0.5]
+    assert [m["feedback_decay"] for m in out["medians"]] == [1.0, 0.5]
+    assert out["runs"][0]["eval"] != out["runs"][1]["eval"]  # the decay changed the rounds
+    assert (out["runs"][0]["bytes_per_token_reduction"]
+            == out["runs"][1]["bytes_per_token_reduction"])
+    assert out["settings"]["decays"] == [1.0, 0.5]
+    with pytest.raises(SystemExit):
+        mod.parse_args(["--decays", "0"])
+
+
 def test_relay_loopback_runs_and_prints_every_ratio_and_stage() -> None:
     """A tiny real run (8 MB, one round each way): the ratios come from that run, the stages
     are printed side by side, the worker on the relays' host went through their sockets."""

@@ -5,9 +5,10 @@ from __future__ import annotations
 from pathlib import Path
 
 from helpers.old_state import old_home
+from helpers.plan_defaults import minimal_spec
 from rich.console import Console
 
-from nebula_cli.cli.ui import distill_verdict, job_detail, metrics_table
+from nebula_cli.cli.ui import distill_verdict, job_detail, metrics_table, sync_summary
 from nebula_cli.control.jobs import JobSnapshot
 from nebula_cli.control.state import StateStore
 
@@ -71,3 +72,13 @@ def test_status_notes_a_node_with_what_its_scheduler_said_in_a_record_of_the_las
             if line.lstrip().startswith("hpc")}
     assert "Slurm job 12 RUNNING on n[1-2]" in rows["n1"] and "Slurm job" in rows["n2"]
     assert "Slurm job" not in rows["login"]
+
+
+def test_the_sync_line_says_the_error_feedback_decay_only_when_it_is_set() -> None:
+    spec = minimal_spec()
+    assert spec.relay is not None
+    assert sync_summary(spec).endswith("with error feedback")
+    comp = spec.relay.compression.model_copy(update={"codec": "topk", "feedback_decay": 0.95})
+    decayed = spec.model_copy(update={"relay": spec.relay.model_copy(
+        update={"compression": comp})})
+    assert sync_summary(decayed).endswith("2 bits) with error feedback (decay 0.95)")

@@ -229,7 +229,7 @@ def test_codec_param_set_refuses_with_the_field(change: dict[str, object], messa
 
 def test_the_spec_has_a_field_per_knob_checked_where_it_is_written() -> None:
     assert list(CompressionSpec.model_fields) == [
-        "codec", "error_feedback", "block_size", "density", "bits"]
+        "codec", "error_feedback", "feedback_decay", "block_size", "density", "bits"]
     assert spec_problems("{codec: topk, density: 0}") == [
         (7, 39, "relay.compression.density", "expected a number > 0, found 0")]
     assert spec_problems("{codec: topk, bits: 3}") == [
@@ -238,7 +238,8 @@ def test_the_spec_has_a_field_per_knob_checked_where_it_is_written() -> None:
         (7, 42, "relay.compression.block_size", "expected an integer >= 16, found 8")]
     assert spec_problems("{codec: topk, colour: 1}") == [
         (7, 30, "relay.compression.colour",
-         "unknown key 'colour'; known keys: codec, error_feedback, block_size, density, bits")]
+         "unknown key 'colour'; known keys: codec, error_feedback, feedback_decay, block_size, "
+         "density, bits")]
     assert spec_problems("{codec: zip}")[0][3] == (
         "expected one of 'none', 'fp16', 'bf16', 'int8', 'topk', 'auto', found 'zip'")
 
@@ -254,6 +255,21 @@ def test_a_knob_belongs_to_a_codec_the_rounds_use() -> None:
     # block_size also aligns the relays' chunks: any codec takes it
     topk = parse_spec(SPEC % "{codec: topk, block_size: 128}", base_dir=Path("."))
     assert topk.relay is not None and topk.relay.compression.params["int8"].block_size == 128
+
+
+def test_the_error_feedback_decay_is_checked_where_it_is_written() -> None:
+    """compression.feedback_decay (SparseLoCo's beta): in (0, 1], 1 by default, refused where
+    there is no error feedback to decay."""
+    assert CompressionSpec().feedback_decay == codec_knobs.FEEDBACK_DECAY == 1.0
+    spec = parse_spec(SPEC % "{codec: topk, feedback_decay: 0.95}", base_dir=Path("."))
+    assert spec.relay is not None and spec.relay.compression.feedback_decay == 0.95
+    assert spec_problems("{codec: topk, feedback_decay: 0}") == [
+        (7, 46, "relay.compression.feedback_decay", "expected a number > 0, found 0")]
+    assert spec_problems("{codec: topk, feedback_decay: 1.5}")[0][3] == (
+        "expected a number <= 1, found 1.5")
+    assert spec_problems("{codec: int8, error_feedback: false, feedback_decay: 0.9}") == [
+        (7, 16, "relay.compression", "feedback_decay applies to error feedback, which is off "
+                                     "(set error_feedback: true, or remove feedback_decay)")]
 
 
 def test_outer_defaults_come_from_the_codec() -> None:

@@ -55,6 +55,7 @@ def test_codec_params_travel_whole_and_load_typed(tmp_path: Path) -> None:
      "codec_params.int8.block_size: expected an integer, found 'big'"),
     ({"codec_params__topk": {"density": 0.1}}, r"codec_params.topk: missing key\(s\) bits"),
     ({"heartbeat": "2"}, "heartbeat: expected a number, found '2'"),
+    ({"feedback_decay": "0.9"}, "feedback_decay: expected a number, found '0.9'"),
     ({"tls__ca": 5}, "tls.ca: expected str, found 5"),
     ({"clusters": ["a", "b", "b"]}, "clusters: a cluster is listed twice"),
     ({"peers": {}}, "peers: expected an address for each of"),

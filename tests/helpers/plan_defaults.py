@@ -55,6 +55,7 @@ def relay_defaults(**settings: Any) -> dict[str, Any]:
     spec_knobs = {k: getattr(relay.compression, k) for k in owners}
     return {"codec": relay.compression.codec,
             "error_feedback": relay.compression.error_feedback,
+            "feedback_decay": relay.compression.feedback_decay,
             "codec_params": params_from_knobs({**spec_knobs, **knobs}),
             "round_timeout": relay.timeout,
             "heartbeat": relay.heartbeat, "dead_after": relay.dead_after,

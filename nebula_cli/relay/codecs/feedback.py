@@ -1,5 +1,7 @@
 """Error feedback around a codec: what one round's encoding lost is added to the next round's
-input (per key), so nothing is lost, only delayed."""
+input (per key), so nothing is lost, only delayed; or, with a decay beta < 1 (SparseLoCo's outer
+step, arXiv 2508.15706), what was left out fades by beta each round, so the residual is a
+momentum of what has not been sent yet rather than a debt paid in full, however stale."""
 
 from __future__ import annotations
 
@@ -7,24 +9,29 @@ from collections.abc import Hashable
 
 import torch
 
+from nebula_cli.config.codec_knobs import FEEDBACK_DECAY
 from nebula_cli.relay.codecs.base import Codec, CodecError, Encoded, prepare
 
 
 class ErrorFeedback:
     """Error feedback around a codec: what rounding lost for a key in one round is added to that
     key's next input, so the sum of decoded values tracks the sum of inputs (their difference is
-    the current residual, bounded by one round's codec error)."""
+    the current residual, bounded by one round's codec error). With ``decay`` beta < 1 the
+    input is x + beta residual: a residual left unsent for n rounds counts beta**n."""
 
-    def __init__(self, codec: Codec) -> None:
+    def __init__(self, codec: Codec, decay: float = FEEDBACK_DECAY) -> None:
+        if not 0.0 < decay <= 1.0:
+            raise CodecError(f"error feedback: decay must be in (0, 1], got {decay!r}")
         self.codec = codec
+        self.decay = decay
         self._residuals: dict[Hashable, torch.Tensor] = {}
 
     def encode(self, x: torch.Tensor, key: Hashable, codec: Codec | None = None) -> Encoded:
-        """Encode x + residual[key] (with ``codec``, default the one given at construction);
-        keep residual[key] := (x + residual) - decode(encoding). The residual is a dense fp32
-        tensor whatever the codec, so a round may change codecs (``compression: auto``): what
-        one codec left out goes into the next codec's input. On a CodecError the residual is
-        left as it was."""
+        """Encode x + decay residual[key] (with ``codec``, default the one given at
+        construction); keep residual[key] := that input - decode(encoding). The residual is a
+        dense fp32 tensor whatever the codec, so a round may change codecs (``compression:
+        auto``): what one codec left out goes into the next codec's input. On a CodecError the
+        residual is left as it was."""
         codec = codec or self.codec
         x = prepare(x)
         residual = self._residuals.get(key)
@@ -33,7 +40,12 @@ class ErrorFeedback:
                 f"error feedback for {key!r}: got {x.numel()} elements, the kept residual has "
                 f"{residual.numel()} (reset() it when the layout changes)"
             )
-        target = x if residual is None else x + residual
+        if residual is None:
+            target = x
+        elif self.decay == 1.0:
+            target = x + residual
+        else:
+            target = torch.add(x, residual, alpha=self.decay)
         enc = codec.encode(target)
         self._residuals[key] = target - codec.decode(enc)
         return enc

@@ -93,7 +93,8 @@ class Rounds:
         self.prev_exchanged = False  # this relay's previous round was an exchange with peers
         self.prev_codec: str | None = None  # the codec of this relay's previous round
         self.empty = empty
-        self.feedback = ErrorFeedback(self.control.codec) if cfg.error_feedback else None
+        self.feedback = (ErrorFeedback(self.control.codec, cfg.feedback_decay)
+                         if cfg.error_feedback else None)
         self.grace = max(2.0, 2 * cfg.heartbeat)
         self.stall_timeout = max(30.0, 3 * cfg.round_timeout)
         self._event, self._finished = event, finished

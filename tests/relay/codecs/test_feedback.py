@@ -39,3 +39,28 @@ def test_a_refused_encoding_leaves_the_residual_as_it_was() -> None:
     with pytest.raises(CodecError, match="NaN or infinite"):
         ef.encode(torch.full((8,), math.nan), "k")
     assert torch.equal(ef.residual("k"), kept)  # type: ignore[arg-type]
+
+
+def test_a_decay_fades_what_stays_unsent_and_1_keeps_all_of_it() -> None:
+    """With decay beta the input is x + beta * residual: a part topk never sends fades by beta
+    a round (SparseLoCo's outer step), where beta 1 carries it whole; the decoded sum then lags
+    the inputs' by the decayed residual, not by the whole debt."""
+    codec = get_codec("topk", density=1 / 16, bits=8)
+    x = torch.zeros(16)
+    x[0], x[1] = 1.0, 0.01  # the small one is never the span's largest: never sent
+    for beta in (1.0, 0.9, 0.5):
+        ef = ErrorFeedback(codec, beta)
+        for _ in range(20):
+            ef.encode(x, "delta")
+        residual = ef.residual("delta")
+        assert residual is not None
+        kept = sum(beta ** n for n in range(20)) * 0.01  # 0.01 each round, faded by beta
+        assert residual[1].item() == pytest.approx(kept, rel=1e-5)
+        assert residual[0].abs().item() < 1e-2  # the large one is sent every round
+    assert ErrorFeedback(codec).decay == 1.0
+
+
+@pytest.mark.parametrize("beta", [0.0, -0.5, 1.5, math.nan])
+def test_a_decay_outside_0_1_is_refused(beta: float) -> None:
+    with pytest.raises(CodecError, match=r"decay must be in \(0, 1\]"):
+        ErrorFeedback(get_codec("int8"), beta)

@@ -2,7 +2,7 @@
 
     .venv/bin/python bench/diloco_schedule.py [--steps 200] [--inner-steps H] [--seeds 1234,1,2]
         [--settings 0.7,0.9 0.6,0.5 1.0,0] [--modes sync overlap late] [--tau 3]
-        [--codec C] [--density D] [--bits B] [--span 16|256] [--decays 1,0.95]
+        [--codec C] [--density D] [--bits B] [--span 16..4096] [--decays 1,0.95]
         [--workers-per-cluster 2] [--micro-batch 4] [--json]
 
 H and the outer settings default to the codec's schedule in bench/_schedules.py (the same as
@@ -52,7 +52,7 @@ from data import BatchSampler, eval_batches, evaluate, load_corpus, split_corpus
 from model import GPT, GPTConfig  # noqa: E402
 
 from nebula_cli.codecs.topk.codec import TopKCodec  # noqa: E402
-from nebula_cli.codecs.topk.params import TopKParams  # noqa: E402
+from nebula_cli.codecs.topk.params import TOPK_SPANS, TopKParams  # noqa: E402
 from nebula_cli.config.codec_knobs import FEEDBACK_DECAY  # noqa: E402
 from nebula_cli.config.sections import CompressionSpec  # noqa: E402
 from nebula_cli.relay.codecs.feedback import ErrorFeedback  # noqa: E402
@@ -198,8 +198,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="topk: kept fraction")
     p.add_argument("--bits", type=int, default=TopKParams.bits,
                    help="topk: bits per kept value")
-    p.add_argument("--span", type=int, choices=[16, 256], default=None,
-                   help="topk: elements per top-k span (default: the codec's choice)")
+    p.add_argument("--span", type=int, choices=TOPK_SPANS, default=None,
+                   help="topk: elements per top-k span, a power of two from 16 to 4096 "
+                        "(default: from the density, 16 or 256)")
     p.add_argument("--decays", default=f"{FEEDBACK_DECAY:g}",
                    help="comma-separated error-feedback decays beta to compare "
                         "(compression.feedback_decay; default: the spec's)")

@@ -3,6 +3,7 @@
     .venv/bin/python bench/wan_training.py [--quick] [--json] [--mbit 20] [--delay-ms 25]
                                            [--steps 200] [--inner-steps 25] [--micro-batch 4]
                                            [--codec C] [--density D] [--bits B]
+                                           [--span S] [--feedback-decay BETA]
                                            [--seeds 1234,1,2]
 
 One run, one test bed: two clusters (east = e1, e2; west = w1, w2; one CPU worker per host), the
@@ -60,7 +61,13 @@ from _schedules import schedule  # noqa: E402
 from _timeline import timeline  # noqa: E402
 
 sys.path.insert(0, str(_bed.REPO))
-from nebula_cli.codecs.topk.params import TOPK_BIT_CHOICES, TopKParams  # noqa: E402
+from nebula_cli.codecs.topk.params import (  # noqa: E402
+    TOPK_BIT_CHOICES,
+    TOPK_SPAN_AUTO,
+    TOPK_SPANS,
+    TopKParams,
+)
+from nebula_cli.config.codec_knobs import FEEDBACK_DECAY  # noqa: E402
 from nebula_cli.config.sections import CompressionSpec  # noqa: E402
 from nebula_cli.relay.codecs.registry import KNOWN_CODECS  # noqa: E402
 
@@ -133,6 +140,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="topk: fraction of the elements sent per round")
     p.add_argument("--bits", type=int, default=TopKParams.bits, choices=TOPK_BIT_CHOICES,
                    help="topk: bits per sent value")
+    p.add_argument("--span", type=int, default=TopKParams.span,
+                   choices=(TOPK_SPAN_AUTO, *TOPK_SPANS),
+                   help="topk: elements per top-k span (default 0: from the density)")
+    p.add_argument("--feedback-decay", type=float, default=FEEDBACK_DECAY,
+                   help="compression.feedback_decay, the error feedback's beta (default: the "
+                        "spec's)")
     p.add_argument("--repeat", type=int, default=1,
                    help="run (b), (c) and (b) with overlap this many times on the first seed "
                         "and print each utilisation and their spread (goals: every run)")
@@ -173,15 +186,18 @@ def relay(args: argparse.Namespace, *, overlap: bool, delay_ms: float) -> dict[s
 
 
 def compression(args: argparse.Namespace) -> dict[str, Any]:
-    out: dict[str, Any] = {"codec": args.codec, "error_feedback": True}
+    out: dict[str, Any] = {"codec": args.codec, "error_feedback": True,
+                           "feedback_decay": args.feedback_decay}
     if args.codec == "topk":
-        out.update(density=args.density, bits=args.bits)
+        out.update(density=args.density, bits=args.bits, span=args.span)
     return out
 
 
 def codec_label(args: argparse.Namespace) -> str:
-    return args.codec + (f" (density {args.density:g}, {args.bits} bits)"
-                         if args.codec == "topk" else "")
+    label = (CompressionSpec(**compression(args)).params[args.codec].label()
+             if args.codec == "topk" else args.codec)
+    return label + (f", feedback decay {args.feedback_decay:g}"
+                    if args.feedback_decay != FEEDBACK_DECAY else "")
 
 
 def run_job(neb: _bed.Nebula, bed: Any, tmp: Path, args: argparse.Namespace, name: str,

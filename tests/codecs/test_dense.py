@@ -225,7 +225,8 @@ def _corruptions(enc: Encoded) -> list[tuple[Encoded, str]]:
     elif enc.codec == "topk":
         good = dict(enc.meta)
         for change in ({"span": None}, {"k": None}, {"k": 0}, {"k": good["span"] + 1},
-                       {"bits": 3}, {"k": "5"}, {"span": 32}, {"span": True}, {"x": 1}):
+                       {"bits": 3}, {"k": "5"}, {"span": 48}, {"span": 8192},
+                       {"span": True}, {"x": 1}):
             meta = {**good, **change}
             meta = {key: v for key, v in meta.items() if v is not None}
             bad.append((Encoded(enc.codec, enc.numel, meta, p), "topk: (meta|k|bits|span)"))

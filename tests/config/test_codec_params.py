@@ -61,7 +61,7 @@ def test_the_catalog_names_every_codec_once_with_its_own_knobs() -> None:
     assert all(CODEC_PARAMS[name].name == name for name in CODEC_PARAMS)
     assert set(AUTO_CODECS) <= set(CODEC_PARAMS)
     assert {k: v.name for k, v in knob_owner().items()} == {
-        "block_size": "int8", "density": "topk", "bits": "topk"}
+        "block_size": "int8", "density": "topk", "bits": "topk", "span": "topk"}
     with pytest.raises(TypeError):
         CODEC_PARAMS["zstd"] = NoneParams  # type: ignore[index]  # closed
 
@@ -131,6 +131,11 @@ def test_bytes_per_element_by_hand() -> None:
     assert TopKParams(bits=4).bytes_per_element() == 4 / 1024 + (4 + 4) / 16 / 8
     # below 1/32: spans of 256 with 8-bit positions; 0.02 * 256 rounds to 5 kept
     assert TopKParams(density=0.02).bytes_per_element() == 4 / 1024 + 5 * (8 + 2) / 256 / 8
+    # SparseLoCo's chunk: 64 of 4096 (1.56 %), 12-bit positions, one pair of scales a span
+    assert TopKParams(density=1 / 64, bits=1, span=4096).bytes_per_element() == (
+        4 / 4096 + 64 * (12 + 1) / 4096 / 8)
+    assert TopKParams(density=1e-6, bits=1, span=4096).bytes_per_element() == (
+        4 / 4096 + (12 + 1) / 4096 / 8)  # at least one a span
 
 
 @pytest.mark.parametrize(("density", "layout"), [
@@ -139,6 +144,16 @@ def test_bytes_per_element_by_hand() -> None:
     (0.03, (256, 8)), (0.02, (256, 5)), (1e-6, (256, 1))])
 def test_topk_layout_of_a_density(density: float, layout: tuple[int, int]) -> None:
     assert TopKParams(density=density).layout() == layout
+
+
+@pytest.mark.parametrize(("density", "span", "layout"), [
+    (1 / 64, 4096, (4096, 64)), (0.01, 1024, (1024, 10)), (1e-6, 32, (32, 1)),
+    (1.0, 64, (64, 64)), (0.0625, 16, (16, 1))])
+def test_topk_layout_of_a_span_asked(density: float, span: int,
+                                     layout: tuple[int, int]) -> None:
+    assert TopKParams(density=density, span=span).layout() == layout
+    assert TopKParams(span=48).problems() == [
+        ("span", "expected one of 0, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, found 48")]
 
 
 def test_ranking_outer_defaults_labels_and_handshake() -> None:
@@ -150,10 +165,12 @@ def test_ranking_outer_defaults_labels_and_handshake() -> None:
         "topk": (2.5, 0.0)}
     assert TopKParams(density=0.125, bits=4).label() == "topk (density 0.125, 4 bits)"
     assert Int8Params(block_size=64).label() == "int8"
-    assert TopKParams().handshake() == {"density": 0.0625, "bits": 2}
+    assert TopKParams(density=1 / 64, bits=1, span=4096).label() == (
+        "topk (density 0.015625, 1 bit, span 4096)")
+    assert TopKParams().handshake() == {"density": 0.0625, "bits": 2, "span": 0}
     assert NoneParams().handshake() == {}
     assert params_from_knobs({"block_size": 64}).handshake() == {
-        "block_size": 64, "density": 0.0625, "bits": 2}
+        "block_size": 64, "density": 0.0625, "bits": 2, "span": 0}
 
 
 @pytest.mark.parametrize(("params", "problem"), [
@@ -164,8 +181,8 @@ def test_ranking_outer_defaults_labels_and_handshake() -> None:
     (TopKParams(density=1.5), ("density", "expected a number <= 1, found 1.5")),
     (TopKParams(density="0.1"), ("density", "expected a number, found '0.1'")),  # type: ignore[arg-type]
     (TopKParams(density=float("nan")), ("density", "expected a number, found nan")),
-    (TopKParams(bits=3), ("bits", "expected one of 2, 4, 8, found 3")),
-    (TopKParams(bits=True), ("bits", "expected one of 2, 4, 8, found true")),
+    (TopKParams(bits=3), ("bits", "expected one of 1, 2, 4, 8, found 3")),
+    (TopKParams(bits=True), ("bits", "expected one of 1, 2, 4, 8, found true")),
 ])
 def test_problems_are_worded_as_the_spec_words_them(params: CodecParams,
                                                     problem: tuple[str, str]) -> None:
@@ -195,16 +212,16 @@ def test_codec_param_set_round_trips_through_json_strictly() -> None:
     part = dataclasses.make_dataclass("Part", [("p", CodecParamSet)])(params)
     data = json.loads(json.dumps(dataclasses.asdict(part)))["p"]
     assert data == {"none": {}, "fp16": {}, "bf16": {}, "int8": {"block_size": 256},
-                    "topk": {"density": 0.0625, "bits": 4}}
+                    "topk": {"density": 0.0625, "bits": 4, "span": 0}}
     again = CodecParamSet.from_plan(data, "codec_params")
     assert again == params and isinstance(again["topk"], TopKParams)
     assert CodecParamSet.from_plan(params, "codec_params") == params  # already loaded
 
 
 @pytest.mark.parametrize(("change", "message"), [
-    ({"topk": {"density": 0.5, "bits": 3}},
-     "codec_params.topk.bits: expected one of 2, 4, 8, found 3"),
-    ({"topk": {"density": "half", "bits": 2}},
+    ({"topk": {"density": 0.5, "bits": 3, "span": 0}},
+     "codec_params.topk.bits: expected one of 1, 2, 4, 8, found 3"),
+    ({"topk": {"density": "half", "bits": 2, "span": 0}},
      "codec_params.topk.density: expected a number, found 'half'"),
     ({"int8": {"block_size": 4}}, "codec_params.int8.block_size: expected an integer >= 16"),
     ({"int8": {}}, r"codec_params.int8: missing key\(s\) block_size"),
@@ -229,17 +246,17 @@ def test_codec_param_set_refuses_with_the_field(change: dict[str, object], messa
 
 def test_the_spec_has_a_field_per_knob_checked_where_it_is_written() -> None:
     assert list(CompressionSpec.model_fields) == [
-        "codec", "error_feedback", "feedback_decay", "block_size", "density", "bits"]
+        "codec", "error_feedback", "feedback_decay", "block_size", "density", "bits", "span"]
     assert spec_problems("{codec: topk, density: 0}") == [
         (7, 39, "relay.compression.density", "expected a number > 0, found 0")]
     assert spec_problems("{codec: topk, bits: 3}") == [
-        (7, 36, "relay.compression.bits", "expected one of 2, 4, 8, found 3")]
+        (7, 36, "relay.compression.bits", "expected one of 1, 2, 4, 8, found 3")]
     assert spec_problems("{codec: int8, block_size: 8}") == [
         (7, 42, "relay.compression.block_size", "expected an integer >= 16, found 8")]
     assert spec_problems("{codec: topk, colour: 1}") == [
         (7, 30, "relay.compression.colour",
          "unknown key 'colour'; known keys: codec, error_feedback, feedback_decay, block_size, "
-         "density, bits")]
+         "density, bits, span")]
     assert spec_problems("{codec: zip}")[0][3] == (
         "expected one of 'none', 'fp16', 'bf16', 'int8', 'topk', 'auto', found 'zip'")
 

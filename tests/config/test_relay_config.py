@@ -46,14 +46,14 @@ def test_codec_params_travel_whole_and_load_typed(tmp_path: Path) -> None:
     assert isinstance(again.codec_params, CodecParamSet)
     assert isinstance(again.codec_params["int8"], Int8Params)
     assert json.loads((tmp_path / "relay.json").read_text())["codec_params"]["topk"] == {
-        "density": 0.125, "bits": 4}
+        "density": 0.125, "bits": 4, "span": 0}
 
 
 @pytest.mark.parametrize(("change", "message"), [
-    ({"codec_params__topk__bits": 3}, "codec_params.topk.bits: expected one of 2, 4, 8"),
+    ({"codec_params__topk__bits": 3}, "codec_params.topk.bits: expected one of 1, 2, 4, 8"),
     ({"codec_params__int8__block_size": "big"},
      "codec_params.int8.block_size: expected an integer, found 'big'"),
-    ({"codec_params__topk": {"density": 0.1}}, r"codec_params.topk: missing key\(s\) bits"),
+    ({"codec_params__topk": {"density": 0.1}}, r"codec_params.topk: missing key\(s\) bits, span"),
     ({"heartbeat": "2"}, "heartbeat: expected a number, found '2'"),
     ({"feedback_decay": "0.9"}, "feedback_decay: expected a number, found '0.9'"),
     ({"tls__ca": 5}, "tls.ca: expected str, found 5"),

@@ -8,12 +8,15 @@ from typing import ClassVar
 
 from nebula_cli.config.codec_knobs import CodecParams, knob
 
-TOPK_BIT_CHOICES = (2, 4, 8)
-"""Bits a topk value may take on the wire."""
+TOPK_BIT_CHOICES = (1, 2, 4, 8)
+"""Bits a topk value may take on the wire (1: its sign only)."""
 TOPK_SCALE_BLOCK = 1024
-"""topk: elements per pair of bfloat16 scales."""
-TOPK_SPANS = (16, 256)
-"""topk: elements per top-k span (both divide TOPK_SCALE_BLOCK); a position takes 4 or 8 bits."""
+"""topk: elements per pair of bfloat16 scales, at least (a span longer than this has its own)."""
+TOPK_SPANS = tuple(2 ** p for p in range(4, 13))
+"""topk: elements per top-k span, the powers of two from 16 to 4096 (SparseLoCo's chunk); a
+position in a span of 2**p takes p bits."""
+TOPK_SPAN_AUTO = 0
+"""The ``span`` knob's "from the density": spans of 16 from a density of 1/32 up, else 256."""
 
 
 @dataclass(frozen=True)
@@ -31,26 +34,40 @@ class TopKParams(CodecParams):
     density: float = knob(0.0625, gt=0.0, le=1.0)
     """Fraction of the elements sent each round (1 of every 16; per span, at least one)."""
     bits: int = knob(2, choices=TOPK_BIT_CHOICES)
-    """Bits per sent value."""
+    """Bits per sent value (1: its sign, the magnitude the mean of its block's kept ones)."""
+    span: int = knob(TOPK_SPAN_AUTO, choices=(TOPK_SPAN_AUTO, *TOPK_SPANS))
+    """Elements per top-k span, a power of two from 16 to 4096 (0: from the density, 16 or
+    256). Longer spans choose among more elements per position bit: SparseLoCo keeps 64 of
+    4096."""
 
     def layout(self) -> tuple[int, int]:
-        """(span, kept per span) of this density: spans of 16 (4-bit positions) once it keeps
-        at least one of 16, else spans of 256 (8-bit positions), at least one kept."""
+        """(span, kept per span): the span asked, keeping round(density x span), at least one;
+        or from the density: spans of 16 (4-bit positions) once it keeps at least one of 16,
+        else spans of 256 (8-bit positions), at least one kept."""
+        if self.span != TOPK_SPAN_AUTO:
+            return self.span, max(1, min(self.span, round(self.density * self.span)))
         if round(self.density * 16) >= 1:
             return 16, min(16, round(self.density * 16))
         return 256, max(1, round(self.density * 256))
 
     def bytes_per_element(self) -> float:
         span, k = self.layout()
-        return 4.0 / TOPK_SCALE_BLOCK + k / span * (topk_position_bits(span) + self.bits) / 8
+        return (4.0 / topk_scale_block(span)
+                + k / span * (topk_position_bits(span) + self.bits) / 8)
 
     def label(self) -> str:
-        return f"topk (density {self.density:g}, {self.bits} bits)"
+        span = "" if self.span == TOPK_SPAN_AUTO else f", span {self.span}"
+        return f"topk (density {self.density:g}, {self.bits} bit{'s' * (self.bits > 1)}{span})"
 
 
 def topk_position_bits(span: int) -> int:
-    """Bits of a kept element's position in its span."""
-    return 4 if span == TOPK_SPANS[0] else 8
+    """Bits of a kept element's position in its span (a power of two)."""
+    return span.bit_length() - 1
+
+
+def topk_scale_block(span: int) -> int:
+    """Elements per pair of scales: TOPK_SCALE_BLOCK, or the span when it is longer."""
+    return max(TOPK_SCALE_BLOCK, span)
 
 
 PARAMS = (TopKParams,)

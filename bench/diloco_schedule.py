@@ -3,6 +3,7 @@
     .venv/bin/python bench/diloco_schedule.py [--steps 200] [--inner-steps H] [--seeds 1234,1,2]
         [--settings 0.7,0.9 0.6,0.5 1.0,0] [--modes sync overlap late] [--tau 3]
         [--codec C] [--density D] [--bits B] [--span 16..4096] [--decays 1,0.95]
+        [--optimizer adamw|muon]
         [--workers-per-cluster 2] [--micro-batch 4] [--json]
 
 H and the outer settings default to the codec's schedule in bench/_schedules.py (the same as
@@ -50,6 +51,7 @@ sys.path.insert(0, str(REPO / "examples" / "gpt"))
 sys.path.insert(0, str(REPO))
 from data import BatchSampler, eval_batches, evaluate, load_corpus, split_corpus  # noqa: E402
 from model import GPT, GPTConfig  # noqa: E402
+from optim import OPTIMIZERS, muon_adamw  # noqa: E402
 
 from nebula_cli.codecs.topk.codec import TopKCodec  # noqa: E402
 from nebula_cli.codecs.topk.params import TOPK_SPANS, TopKParams  # noqa: E402
@@ -73,12 +75,14 @@ def inner_lr(step: int) -> float:
 class World:
     """One DeepSpeed world (a cluster): a model, its AdamW, one sampler per worker."""
 
-    def __init__(self, seed: int, split: Any, cluster: int, ranks: int, micro: int) -> None:
+    def __init__(self, seed: int, split: Any, cluster: int, ranks: int, micro: int,
+                 optimizer: str = "adamw") -> None:
         torch.manual_seed(seed)
         self.model = GPT(GPTConfig(block_size=CONTEXT))
         self.params = [p for p in self.model.parameters() if p.requires_grad]
-        self.opt = torch.optim.AdamW(self.params, lr=LR, betas=(0.9, 0.95), eps=1e-8,
-                                     weight_decay=0.01)
+        adamw = {"lr": LR, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.01}
+        self.opt = (muon_adamw(self.model, adamw) if optimizer == "muon"
+                    else torch.optim.AdamW(self.params, **adamw))
         self.samplers = [BatchSampler(split.train, micro, CONTEXT, seed=seed, rank=r,
                                       cluster=cluster) for r in range(ranks)]
         self.steps = 0
@@ -103,7 +107,7 @@ class World:
 
 def run_flat(args: argparse.Namespace, seed: int, split: Any, held: Any) -> float:
     world = World(seed, split, cluster=0, ranks=CLUSTERS * args.workers_per_cluster,
-                  micro=args.micro_batch)
+                  micro=args.micro_batch, optimizer=args.optimizer)
     for _ in range(args.steps):
         world.step()
     return evaluate(world.model, held)
@@ -111,8 +115,8 @@ def run_flat(args: argparse.Namespace, seed: int, split: Any, held: Any) -> floa
 
 def run_diloco(args: argparse.Namespace, seed: int, split: Any, held: Any, lr: float,
                momentum: float, mode: str, decay: float = FEEDBACK_DECAY) -> dict[str, Any]:
-    worlds = [World(seed, split, cluster=c, ranks=args.workers_per_cluster, micro=args.micro_batch)
-              for c in range(CLUSTERS)]
+    worlds = [World(seed, split, cluster=c, ranks=args.workers_per_cluster,
+                    micro=args.micro_batch, optimizer=args.optimizer) for c in range(CLUSTERS)]
     theta = worlds[0].read()  # theta_global, the same on every cluster
     outer = OuterOptimizer(lr, momentum, nesterov=True)
     codec = (TopKCodec(args.density, args.bits, span=args.span) if args.span
@@ -204,6 +208,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--decays", default=f"{FEEDBACK_DECAY:g}",
                    help="comma-separated error-feedback decays beta to compare "
                         "(compression.feedback_decay; default: the spec's)")
+    p.add_argument("--optimizer", choices=OPTIMIZERS, default="adamw",
+                   help="the inner optimizer of every world, flat's too: AdamW, or Muon on the "
+                        "blocks' matrices with AdamW on the rest (examples/gpt/optim.py)")
     p.add_argument("--workers-per-cluster", type=int, default=2,
                    help="2 as in bench/wan_training.py, 1 as in bench/hetero.py")
     p.add_argument("--micro-batch", type=int, default=4,
@@ -261,10 +268,10 @@ def main(argv: list[str] | None = None) -> int:
                   f"{decay:<4g} eval "
                   f"{out['eval']:.4f} (flat {flat:.4f}) gap {100 * runs[-1]['gap']:+.2f} %",
                   file=sys.stderr, flush=True)
-    codec = args.codec + (f" density {args.density} bits {args.bits}" if args.codec == "topk"
-                          else "")
+    codec = args.codec + (f" density {args.density} bits {args.bits} span {args.span or 'auto'}"
+                          if args.codec == "topk" else "")
     print(f"{args.steps} steps, {args.workers_per_cluster} worker(s) per cluster of "
-          f"{args.micro_batch} x {CONTEXT} tokens, "
+          f"{args.micro_batch} x {CONTEXT} tokens, inner optimizer {args.optimizer}, "
           f"H={args.inner_steps}, codec {codec}, seeds {args.seeds}, "
           f"tau {args.tau}, {time.monotonic() - t0:.0f} s")
     print(f"{'seed':>5s}  {'mode':8s}  {'outer lr':>8s}  {'momentum':>8s}  {'decay':>5s}  "
@@ -294,7 +301,9 @@ def main(argv: list[str] | None = None) -> int:
                           "settings": {"steps": args.steps, "inner_steps": args.inner_steps,
                                        "seeds": args.seed_list, "tau": args.tau,
                                        "codec": args.codec, "density": args.density,
-                                       "bits": args.bits, "decays": args.decay_list}}))
+                                       "bits": args.bits, "span": args.span,
+                                       "decays": args.decay_list,
+                                       "optimizer": args.optimizer}}))
     return 0
 
 

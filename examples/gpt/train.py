@@ -50,6 +50,7 @@ except ImportError:  # run from a checkout without nebula installed
 
 from data import BatchSampler, eval_batches, evaluate, load_corpus, split_corpus  # noqa: E402
 from model import GPT, GPTConfig  # noqa: E402
+from optim import OPTIMIZERS, muon_adamw  # noqa: E402
 
 from nebula_cli.config.distill_config import DISTILL_CONFIG_ENV, DistillConfig  # noqa: E402
 from nebula_cli.runtime import log  # noqa: E402
@@ -92,6 +93,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--cpus", default=os.environ.get("GPT_CPUS") or None,
                    help="run on these CPUs only, e.g. 0 or 0,1 (benchmarks that give each "
                         "cluster its own cores; default $GPT_CPUS, all)")
+    p.add_argument("--optimizer", choices=OPTIMIZERS, default="adamw",
+                   help="adamw: the DeepSpeed config's; muon: Muon on the blocks' weight "
+                        "matrices, AdamW (the config's settings) on the rest (optim.py; ZeRO 0 "
+                        "only)")
     args = parse_checked(p, argv)
     if args.slowdown < 1:
         p.error("--slowdown must be at least 1")
@@ -136,6 +141,20 @@ def load_ds_config(path: Path | None) -> dict[str, Any]:
     path = path or Path(os.environ.get("NEBULA_DS_CONFIG") or HERE / "ds_config.json")
     with open(path, encoding="utf-8") as f:
         return json.load(f)
+
+
+def optimizer_args(args: argparse.Namespace, model: torch.nn.Module) -> dict[str, Any]:
+    """deepspeed.initialize's config and optimizer: the config's own, or Muon with AdamW at
+    the config's AdamW settings (the config's optimizer then removed: DeepSpeed takes one)."""
+    config = load_ds_config(args.ds_config)
+    if args.optimizer != "muon":
+        return {"config": config, "model_parameters": model.parameters()}
+    stage = config.get("zero_optimization", {}).get("stage", 0)
+    if stage:
+        raise SystemExit(f"--optimizer muon needs ZeRO stage 0 (the config has {stage}): ZeRO "
+                         "partitions the weights into flat buffers, where Muon finds no matrix")
+    adamw = config.pop("optimizer", {}).get("params", {"lr": 2e-3})
+    return {"config": config, "optimizer": muon_adamw(model, adamw)}
 
 
 def param_checksum(engine: Any) -> str:
@@ -211,9 +230,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     torch.manual_seed(args.seed)  # same initial weights on every rank of every cluster
     model = GPT(cfg)
-    engine, _, _, _ = deepspeed.initialize(
-        model=model, model_parameters=model.parameters(), config=load_ds_config(args.ds_config)
-    )
+    engine, _, _, _ = deepspeed.initialize(model=model, **optimizer_args(args, model))
     device = engine.device
     micro, accum = engine.train_micro_batch_size_per_gpu(), engine.gradient_accumulation_steps()
 

@@ -40,6 +40,7 @@ def _load(name: str, path: Path) -> ModuleType:
 gpt_model = _load("nebula_example_gpt_model", GPT_DIR / "model.py")
 gpt_data = _load("nebula_example_gpt_data", GPT_DIR / "data.py")
 make_corpus = _load("nebula_example_make_corpus", GPT_DIR / "data" / "make_corpus.py")
+gpt_optim = _load("nebula_example_gpt_optim", GPT_DIR / "optim.py")
 
 
 def test_default_model_size_and_shapes() -> None:
@@ -150,6 +151,72 @@ def test_eval_batches_fixed_and_evaluate() -> None:
     assert math.isnan(gpt_data.evaluate(model, []))
 
 
+# --- Muon with AdamW (optim.py) ----------------------------------------------------------------
+
+
+def test_muon_takes_the_blocks_matrices_and_adamw_the_rest_in_one_optimizer() -> None:
+    """The blocks' 2-D weights go to torch's Muon, embeddings, head, norms and biases to AdamW;
+    stepping the one optimizer is stepping both parts alone, a scheduler's lr reaches both, and
+    its state round-trips (DeepSpeed's checkpoint saves it)."""
+    torch.manual_seed(0)
+    model = gpt_model.GPT(gpt_model.GPTConfig(block_size=16, n_layer=2, d_model=32, n_head=2))
+    matrices, rest = gpt_optim.muon_parameters(model)
+    names = {id(p): n for n, p in model.named_parameters()}
+    assert all(p.ndim == 2 and names[id(p)].startswith("blocks.") for p in matrices)
+    assert {names[id(p)] for p in rest} >= {"tok_emb.weight", "pos_emb.weight", "ln_f.weight"}
+    assert len(matrices) == 2 * 4 and not any(p.ndim == 2 and names[id(p)].startswith("blocks.")
+                                               for p in rest)
+    twin = gpt_model.GPT(gpt_model.GPTConfig(block_size=16, n_layer=2, d_model=32, n_head=2))
+    twin.load_state_dict(model.state_dict())
+    settings = {"lr": 2e-3, "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": 0.01}
+    opt = gpt_optim.muon_adamw(model, settings)
+    t_mat, t_rest = gpt_optim.muon_parameters(twin)
+    alone = [torch.optim.Muon(t_mat, lr=1e-3, weight_decay=0.01, momentum=0.95,
+                              adjust_lr_fn="match_rms_adamw"),
+             torch.optim.AdamW(t_rest, lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.01)]
+    x = torch.randint(0, 256, (4, 16), generator=torch.Generator().manual_seed(1))
+    losses = []
+    for _ in range(4):
+        for m, steppers in ((model, [opt]), (twin, alone)):
+            _, loss = m(x, x)
+            for o in steppers:
+                o.zero_grad()
+            loss.backward()
+            for o in steppers:
+                for group in o.param_groups:
+                    group["lr"] = 1e-3  # as a scheduler sets it
+                o.step()
+            if m is model:
+                losses.append(loss.item())
+    assert {g["lr"] for g in opt.muon.param_groups + opt.adamw.param_groups} == {1e-3}
+    for (_, a), (_, b) in zip(model.named_parameters(), twin.named_parameters(), strict=True):
+        assert torch.equal(a, b)
+    assert losses[-1] < losses[0]
+    again = gpt_optim.muon_adamw(twin, settings)
+    again.load_state_dict(opt.state_dict())
+    assert set(opt.state_dict()) == {"muon", "adamw"}
+    assert len(again.muon.state) == len(matrices) and len(again.adamw.state) == len(rest)
+
+
+def test_muon_is_refused_under_zero_with_the_reason(tmp_path: Path) -> None:
+    train = _load("nebula_example_gpt_train", GPT_DIR / "train.py")
+    config = json.loads((GPT_DIR / "ds_config.json").read_text())
+    config["zero_optimization"] = {"stage": 1}
+    path = tmp_path / "zero1.json"
+    path.write_text(json.dumps(config))
+    model = gpt_model.GPT(gpt_model.GPTConfig(block_size=16, n_layer=1, d_model=32, n_head=2))
+    args = train.parse_args(["--optimizer", "muon", "--ds-config", str(path)])
+    with pytest.raises(SystemExit, match="needs ZeRO stage 0 \\(the config has 1\\)"):
+        train.optimizer_args(args, model)
+    plain = train.optimizer_args(train.parse_args(["--ds-config", str(path)]), model)
+    assert "optimizer" not in plain and plain["config"]["optimizer"]["type"] == "AdamW"
+    args = train.parse_args(["--optimizer", "muon"])
+    muon = train.optimizer_args(args, model)
+    assert type(muon["optimizer"]).__name__ == "MuonAdamW"  # (train.py's own import of it)
+    assert "optimizer" not in muon["config"]  # DeepSpeed takes one
+    assert muon["optimizer"].adamw.defaults["lr"] == 0.002
+
+
 # --- a real 2-rank DeepSpeed run -------------------------------------------------------------
 
 
@@ -233,6 +300,23 @@ def test_two_rank_deepspeed_run_loss_falls(tmp_path: Path) -> None:
     assert len(final["param_sha256"]) == 64
     out = (tmp_path / "rank0.log").read_text()
     assert "[nebula-metrics] " in out and "gpt: final step=20" in out
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_two_rank_deepspeed_run_with_muon(tmp_path: Path) -> None:
+    """--optimizer muon in a real DeepSpeed world: the loss falls, both ranks end identical."""
+    procs = _start_ranks(tmp_path, "--steps", "20", "--log-every", "5", "--eval-every", "20",
+                         "--optimizer", "muon", *TINY_GPT.split())
+    try:
+        _wait(procs, tmp_path, timeout=500)
+    finally:
+        _stop(procs)
+    recs = _records(tmp_path)
+    (other,) = [json.loads(x) for x in (tmp_path / "metrics-1.jsonl").read_text().splitlines()]
+    assert other["param_sha256"] == recs[-1]["param_sha256"]
+    losses = [r["loss"] for r in recs if "loss" in r]
+    assert losses[-1] < losses[0] - 0.5, losses
 
 
 @pytest.mark.slow

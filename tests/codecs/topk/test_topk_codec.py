@@ -19,7 +19,7 @@ def test_layout_follows_the_params_and_refuses_bad_densities() -> None:
         with pytest.raises(CodecError, match="density must be in"):
             layout_for(bad)  # type: ignore[arg-type]
     assert BLOCK == 1024 and BITS == (1, 2, 4, 8)
-    assert SPANS == tuple(2 ** p for p in range(4, 13))
+    assert tuple(2 ** p for p in range(4, 13)) == SPANS
 
 
 def test_constructor_knobs_and_meta() -> None:

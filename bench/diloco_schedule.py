@@ -205,9 +205,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--span", type=int, choices=TOPK_SPANS, default=None,
                    help="topk: elements per top-k span, a power of two from 16 to 4096 "
                         "(default: from the density, 16 or 256)")
-    p.add_argument("--decays", default=f"{FEEDBACK_DECAY:g}",
+    p.add_argument("--decays", default=None,
                    help="comma-separated error-feedback decays beta to compare "
-                        "(compression.feedback_decay; default: the spec's)")
+                        "(compression.feedback_decay; default: the codec's)")
     p.add_argument("--optimizer", choices=OPTIMIZERS, default="adamw",
                    help="the inner optimizer of every world, flat's too: AdamW, or Muon on the "
                         "blocks' matrices with AdamW on the rest (examples/gpt/optim.py)")
@@ -229,7 +229,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     try:
         args.pairs = [tuple(float(x) for x in s.split(",")) for s in args.settings]
         args.seed_list = [int(x) for x in args.seeds.split(",")]
-        args.decay_list = [float(x) for x in args.decays.split(",")]
+        args.decay_list = ([float(x) for x in args.decays.split(",")] if args.decays
+                           else [CompressionSpec(codec=args.codec).decay_for(args.codec)])
     except ValueError:
         p.error("--settings takes lr,momentum pairs such as 0.7,0.9; --seeds integers; "
                 "--decays numbers")

@@ -226,7 +226,7 @@ def _relay_config(c: str, clusters: list[str], peer: dict[str, str], work: dict[
         job_id="bench", cluster=c, clusters=clusters, peer_listen=peer[c],
         worker_listen=work[c], peers={o: peer[o] for o in clusters if o != c},
         tls={"ca": str(pki.ca_cert), "cert": str(pair.cert), "key": str(pair.key)},
-        codec="none", error_feedback=False, feedback_decay=FEEDBACK_DECAY,
+        codec="none", error_feedback=False, feedback_decay={"none": FEEDBACK_DECAY},
         codec_params=CompressionSpec().params,
         round_timeout=120.0, heartbeat=relay.heartbeat, dead_after=relay.dead_after,
         shaping=ShapingConfig(rate_mbit=None, delay_ms=0.0), auto_steps=None,

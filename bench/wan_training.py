@@ -143,9 +143,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--span", type=int, default=TopKParams.span,
                    choices=(TOPK_SPAN_AUTO, *TOPK_SPANS),
                    help="topk: elements per top-k span (default 0: from the density)")
-    p.add_argument("--feedback-decay", type=float, default=FEEDBACK_DECAY,
+    p.add_argument("--feedback-decay", type=float, default=None,
                    help="compression.feedback_decay, the error feedback's beta (default: the "
-                        "spec's)")
+                        "codec's)")
     p.add_argument("--repeat", type=int, default=1,
                    help="run (b), (c) and (b) with overlap this many times on the first seed "
                         "and print each utilisation and their spread (goals: every run)")
@@ -187,7 +187,7 @@ def relay(args: argparse.Namespace, *, overlap: bool, delay_ms: float) -> dict[s
 
 def compression(args: argparse.Namespace) -> dict[str, Any]:
     out: dict[str, Any] = {"codec": args.codec, "error_feedback": True,
-                           "feedback_decay": args.feedback_decay}
+                           "feedback_decay": args.feedback_decay}  # None: the codec's
     if args.codec == "topk":
         out.update(density=args.density, bits=args.bits, span=args.span)
     return out
@@ -196,8 +196,8 @@ def compression(args: argparse.Namespace) -> dict[str, Any]:
 def codec_label(args: argparse.Namespace) -> str:
     label = (CompressionSpec(**compression(args)).params[args.codec].label()
              if args.codec == "topk" else args.codec)
-    return label + (f", feedback decay {args.feedback_decay:g}"
-                    if args.feedback_decay != FEEDBACK_DECAY else "")
+    decay = CompressionSpec(**compression(args)).decay_for(args.codec)
+    return label + (f", feedback decay {decay:g}" if decay != FEEDBACK_DECAY else "")
 
 
 def run_job(neb: _bed.Nebula, bed: Any, tmp: Path, args: argparse.Namespace, name: str,

@@ -29,8 +29,8 @@ otherwise. 0.6 / 0.5 loses at most 3 % of eval loss against flat data parallel w
 hundreds of rounds, lost 4.8-8.3 % at 2 and 5 rounds (docs/benchmarks.md, "A default safe at
 every length")."""
 FEEDBACK_DECAY = 1.0
-"""The error feedback's decay beta (`compression.feedback_decay`): 1 carries every unsent part
-until it is sent (the default: measured with topk and int8 since 2026-11-24); below 1 an unsent
+"""The error feedback's decay beta of a codec that names none (`CodecParams.feedback_decay`,
+`compression.feedback_decay`): 1 carries every unsent part until it is sent; below 1 an unsent
 part fades by beta a round (SparseLoCo)."""
 _LIMITS = {"gt": (">", float.__gt__), "ge": (">=", float.__ge__),
            "lt": ("<", float.__lt__), "le": ("<=", float.__le__)}
@@ -67,6 +67,8 @@ class CodecParams(ABC):
     """Outer learning rate of a round with this codec when the spec names none."""
     outer_momentum: ClassVar[float] = DENSE_OUTER[1]
     """Outer momentum of a round with this codec when the spec names none."""
+    feedback_decay: ClassVar[float] = FEEDBACK_DECAY
+    """The error feedback's decay beta of a round with this codec when the spec names none."""
     auto: ClassVar[bool] = False
     """``compression: auto`` may choose it (`codec_params.AUTO_CODECS`)."""
 

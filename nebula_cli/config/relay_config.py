@@ -105,9 +105,9 @@ class RelayConfig:
     auto_codec)."""
     error_feedback: bool
     """Keep the codec's rounding error and add it to the next round's contribution."""
-    feedback_decay: float
-    """The kept error enters the next round times this (the spec's
-    ``compression.feedback_decay``)."""
+    feedback_decay: dict[str, float]
+    """Codec -> the decay of the error kept from a round with it, when it enters the next
+    round (`CompressionSpec.decay_for`), for each codec the rounds may use."""
     codec_params: CodecParamSet
     """Every codec's knobs (codec name -> its params), from the spec: the rounds build their
     codecs from them, the HELLO carries them all (`CodecParamSet.handshake`)."""

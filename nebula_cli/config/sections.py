@@ -13,7 +13,6 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, create_model, model_validator
 
-from nebula_cli.config.codec_knobs import FEEDBACK_DECAY
 from nebula_cli.config.codec_params import (
     AUTO_CODEC,
     AUTO_CODECS,
@@ -113,10 +112,10 @@ class _Compression(SpecModel):
     target allows; the first rounds use int8), and say why in their log and the metrics."""
     error_feedback: bool = True
     """Carry the quantisation error into the next round."""
-    feedback_decay: float = Field(FEEDBACK_DECAY, gt=0.0, le=1.0)
+    feedback_decay: float | None = Field(None, gt=0.0, le=1.0)
     """The error feedback's decay beta: what a round left unsent enters the next round's input
-    times beta (1: all of it, however many rounds it waits; SparseLoCo's outer step uses about
-    0.95 with topk and no outer momentum)."""
+    times beta (1: all of it, however many rounds it waits). Default: the codec's
+    (`CodecParams.feedback_decay`)."""
 
     @model_validator(mode="before")
     @classmethod
@@ -135,12 +134,18 @@ class _Compression(SpecModel):
                 auto = " (or auto)" if owner in AUTO_CODECS else ""
                 messages.append(f"{' and '.join(stray)} {verb} to codec {owner}{auto} only, "
                                 f"not {self.codec} (set codec: {owner}, or remove them)")
-        if self.feedback_decay != FEEDBACK_DECAY and not self.error_feedback:
+        if self.feedback_decay is not None and not self.error_feedback:
             messages.append("feedback_decay applies to error feedback, which is off "
                             "(set error_feedback: true, or remove feedback_decay)")
         if messages:
             raise ValueError("; ".join(messages))
         return self
+
+    def decay_for(self, codec: str) -> float:
+        """The error feedback's decay of a round that uses ``codec``: the spec's, else the
+        codec's."""
+        given = self.feedback_decay
+        return CODEC_PARAMS[codec].feedback_decay if given is None else given
 
     @property
     def codecs(self) -> tuple[str, ...]:
@@ -166,10 +171,11 @@ CompressionSpec = create_model(
     __doc__="""How tensors are encoded on the WAN; also written as a codec name (``compression:
     int8``). The default, int8, loses at most 3 % of eval loss against flat data parallel at every
     run length bench/diloco_schedule.py covers (2, 5 and 20 rounds); topk sends about 20x fewer
-    bytes but loses 10-16 % on runs of a few rounds (what it leaves out is still in its error
-    feedback, or arrives stale): docs/benchmarks.md, "A default safe at every length". Besides
-    ``codec``, ``error_feedback`` and ``feedback_decay``, one field per codec knob, flat
-    (``block_size`` of int8, ``density`` and ``bits`` of topk: see
+    bytes, within 1 % at 30 rounds but about 2 % behind at 5 and 20 % at 2 (what it leaves out
+    of the last rounds is never sent): docs/benchmarks.md, "A default safe at every length" and
+    "Error feedback as momentum". Besides ``codec``, ``error_feedback`` and ``feedback_decay``,
+    one field per codec knob, flat (``block_size`` of int8, ``density``, ``bits`` and ``span``
+    of topk: see
     `nebula_cli.config.codec_params`); a knob of a codec the rounds do not use is refused
     unless left at its default.""",
     **{knob.name: _knob_field(params, knob)

@@ -9,6 +9,7 @@ from helpers.plan_defaults import minimal_spec
 from rich.console import Console
 
 from nebula_cli.cli.ui import distill_verdict, job_detail, metrics_table, sync_summary
+from nebula_cli.codecs.topk.params import TopKParams
 from nebula_cli.control.jobs import JobSnapshot
 from nebula_cli.control.state import StateStore
 
@@ -82,3 +83,10 @@ def test_the_sync_line_says_the_error_feedback_decay_only_when_it_is_set() -> No
     decayed = spec.model_copy(update={"relay": spec.relay.model_copy(
         update={"compression": comp})})
     assert sync_summary(decayed).endswith("2 bits) with error feedback (decay 0.95)")
+    comp = comp.model_copy(update={"codec": "auto", "feedback_decay": None})
+    auto = spec.model_copy(update={"relay": spec.relay.model_copy(update={"compression": comp})})
+    assert TopKParams.feedback_decay == 0.7  # each codec's own, said per codec where not 1
+    assert sync_summary(auto).endswith("with error feedback (decay 0.7 with topk)")
+    topk = comp.model_copy(update={"codec": "topk"})
+    own = spec.model_copy(update={"relay": spec.relay.model_copy(update={"compression": topk})})
+    assert sync_summary(own).endswith("2 bits) with error feedback (decay 0.7)")

@@ -277,9 +277,12 @@ def test_a_knob_belongs_to_a_codec_the_rounds_use() -> None:
 def test_the_error_feedback_decay_is_checked_where_it_is_written() -> None:
     """compression.feedback_decay (SparseLoCo's beta): in (0, 1], 1 by default, refused where
     there is no error feedback to decay."""
-    assert CompressionSpec().feedback_decay == codec_knobs.FEEDBACK_DECAY == 1.0
+    assert CompressionSpec().feedback_decay is None  # the codec's
+    assert CompressionSpec().decay_for("int8") == codec_knobs.FEEDBACK_DECAY == 1.0
+    assert CompressionSpec(codec="topk").decay_for("topk") == TopKParams.feedback_decay
     spec = parse_spec(SPEC % "{codec: topk, feedback_decay: 0.95}", base_dir=Path("."))
     assert spec.relay is not None and spec.relay.compression.feedback_decay == 0.95
+    assert spec.relay.compression.decay_for("topk") == 0.95
     assert spec_problems("{codec: topk, feedback_decay: 0}") == [
         (7, 46, "relay.compression.feedback_decay", "expected a number > 0, found 0")]
     assert spec_problems("{codec: topk, feedback_decay: 1.5}")[0][3] == (

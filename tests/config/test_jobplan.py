@@ -91,6 +91,7 @@ def test_every_consumer_loads_the_spec_defaults(tmp_path: Path) -> None:
             relay = RelayConfig.load(root / "relay.json")  # what the relay loads
             assert (relay.codec, relay.error_feedback, relay.block_size) == (
                 comp_d.codec, comp_d.error_feedback, comp_d.block_size)
+            assert relay.feedback_decay == {c: comp_d.decay_for(c) for c in comp_d.codecs}
             assert (relay.round_timeout, relay.heartbeat) == (relay_d.timeout,
                                                               relay_d.heartbeat)
             assert relay.worker_listen == "0.0.0.0:29401"

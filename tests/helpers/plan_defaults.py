@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from nebula_cli.config import checkpoint_paths, relay_plan, sync_plan
-from nebula_cli.config.codec_params import knob_owner, params_from_knobs
+from nebula_cli.config.codec_params import CODEC_PARAMS, knob_owner, params_from_knobs
 from nebula_cli.config.parts import CheckpointSettings, SyncConfig
 from nebula_cli.config.spec import JobSpec, parse_spec
 
@@ -55,7 +55,7 @@ def relay_defaults(**settings: Any) -> dict[str, Any]:
     spec_knobs = {k: getattr(relay.compression, k) for k in owners}
     return {"codec": relay.compression.codec,
             "error_feedback": relay.compression.error_feedback,
-            "feedback_decay": relay.compression.feedback_decay,
+            "feedback_decay": {c: relay.compression.decay_for(c) for c in CODEC_PARAMS},
             "codec_params": params_from_knobs({**spec_knobs, **knobs}),
             "round_timeout": relay.timeout,
             "heartbeat": relay.heartbeat, "dead_after": relay.dead_after,

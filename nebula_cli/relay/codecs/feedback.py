@@ -5,7 +5,7 @@ momentum of what has not been sent yet rather than a debt paid in full, however 
 
 from __future__ import annotations
 
-from collections.abc import Hashable
+from collections.abc import Hashable, Mapping
 
 import torch
 
@@ -17,14 +17,26 @@ class ErrorFeedback:
     """Error feedback around a codec: what rounding lost for a key in one round is added to that
     key's next input, so the sum of decoded values tracks the sum of inputs (their difference is
     the current residual, bounded by one round's codec error). With ``decay`` beta < 1 the
-    input is x + beta residual: a residual left unsent for n rounds counts beta**n."""
+    input is x + beta residual: a residual left unsent for n rounds counts beta**n. ``decay``
+    may name a beta per codec (``{"int8": 1.0, "topk": 0.9}``: the round's codec decides, with
+    ``compression: auto``); a codec it does not name takes FEEDBACK_DECAY."""
 
-    def __init__(self, codec: Codec, decay: float = FEEDBACK_DECAY) -> None:
-        if not 0.0 < decay <= 1.0:
-            raise CodecError(f"error feedback: decay must be in (0, 1], got {decay!r}")
+    def __init__(self, codec: Codec, decay: float | Mapping[str, float] = FEEDBACK_DECAY
+                 ) -> None:
+        betas = decay.values() if isinstance(decay, Mapping) else [decay]
+        for beta in betas:
+            if not 0.0 < beta <= 1.0:
+                raise CodecError(f"error feedback: decay must be in (0, 1], got {beta!r}")
         self.codec = codec
-        self.decay = decay
+        self._decay = decay
         self._residuals: dict[Hashable, torch.Tensor] = {}
+
+    def decay(self, codec: Codec | None = None) -> float:
+        """The beta of a round encoded with ``codec`` (default: the one given at
+        construction)."""
+        if not isinstance(self._decay, Mapping):
+            return self._decay
+        return self._decay.get((codec or self.codec).name, FEEDBACK_DECAY)
 
     def encode(self, x: torch.Tensor, key: Hashable, codec: Codec | None = None) -> Encoded:
         """Encode x + decay residual[key] (with ``codec``, default the one given at
@@ -40,12 +52,13 @@ class ErrorFeedback:
                 f"error feedback for {key!r}: got {x.numel()} elements, the kept residual has "
                 f"{residual.numel()} (reset() it when the layout changes)"
             )
+        beta = self.decay(codec)
         if residual is None:
             target = x
-        elif self.decay == 1.0:
+        elif beta == 1.0:
             target = x + residual
         else:
-            target = torch.add(x, residual, alpha=self.decay)
+            target = torch.add(x, residual, alpha=beta)
         enc = codec.encode(target)
         self._residuals[key] = target - codec.decode(enc)
         return enc

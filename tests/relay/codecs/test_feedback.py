@@ -57,7 +57,22 @@ def test_a_decay_fades_what_stays_unsent_and_1_keeps_all_of_it() -> None:
         kept = sum(beta ** n for n in range(20)) * 0.01  # 0.01 each round, faded by beta
         assert residual[1].item() == pytest.approx(kept, rel=1e-5)
         assert residual[0].abs().item() < 1e-2  # the large one is sent every round
-    assert ErrorFeedback(codec).decay == 1.0
+    assert ErrorFeedback(codec).decay() == 1.0
+
+
+def test_a_decay_per_codec_follows_the_rounds_codec() -> None:
+    """With compression: auto a round's codec names its beta; a codec not named takes 1."""
+    int8, topk = get_codec("int8"), get_codec("topk", density=1 / 16, bits=8)
+    ef = ErrorFeedback(int8, {"topk": 0.5})
+    assert (ef.decay(), ef.decay(topk)) == (1.0, 0.5)
+    x = torch.zeros(16)
+    x[0], x[1] = 1.0, 0.01
+    ef.encode(x, "d", topk)
+    ef.encode(x, "d", topk)  # the second round's input: x + 0.5 * (the 0.01 left out)
+    residual = ef.residual("d")
+    assert residual is not None and residual[1].item() == pytest.approx(0.015, rel=1e-5)
+    with pytest.raises(CodecError, match="decay must be in"):
+        ErrorFeedback(int8, {"topk": 0.0})
 
 
 @pytest.mark.parametrize("beta", [0.0, -0.5, 1.5, math.nan])

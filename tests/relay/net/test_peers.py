@@ -28,6 +28,7 @@ from helpers.slow_link import SlowLink
 from helpers.sshd_bed import free_port
 from helpers.tls_handshake import client_hello
 
+from nebula_cli.config.codec_params import params_from_knobs
 from nebula_cli.config.relay_config import RelayConfig
 from nebula_cli.pki import JobPKI, issue_job_pki
 from nebula_cli.relay.net.admission import FIRST_BYTES_TIMEOUT
@@ -230,3 +231,21 @@ def test_a_relay_whose_cluster_leaves_departs_and_a_stopped_or_lost_one_does_not
         assert relay_a.peers.departed() == frozenset()
     finally:
         again.stop()
+
+
+@pytest.mark.parametrize("knobs", [{"span": 4096}, {"bits": 1}])
+def test_relays_whose_codec_knobs_differ_never_link_and_say_which(
+        job: TwoClusters, relay_a: Relay, knobs: dict[str, int],
+        caplog: pytest.LogCaptureFixture) -> None:
+    """Every codec knob is in the HELLO (a topk span or width read differently by two relays
+    would decode garbage): a peer whose knobs differ is refused, the knob named."""
+    other = dataclasses.replace(job.cfg["b"], codec_params=params_from_knobs(knobs))
+    relay_b = Relay(other)
+    relay_b.start()
+    try:
+        (key, value), = knobs.items()
+        wait_until(lambda: any(f"{key} {value!r} differs" in r.getMessage()
+                               for r in caplog.records), 10.0, "a's refusal naming the knob")
+        assert relay_a.connected() == [] and relay_b.connected() == []
+    finally:
+        relay_b.stop()

@@ -15,6 +15,7 @@ import pytest
 import torch
 from helpers.rounds_hub import Hub, run_round
 
+from nebula_cli.codecs.topk.params import TopKParams
 from nebula_cli.relay.codecs.registry import get_codec
 from nebula_cli.relay.net.limits import (
     CHUNK_SLACK,
@@ -91,6 +92,36 @@ def test_sparse_contributions_are_summed_not_dropped(clusters: list[str]) -> Non
     for c in clusters:
         assert out[c].mode == "direct"
         assert torch.equal(out[c].tensor, mean)
+
+
+def test_the_error_feedback_decays_by_the_rounds_codec() -> None:
+    """topk with error feedback at the plan's decay (topk's 0.7): the second round encodes
+    x2 + 0.7 * (what the first left out), chunk by chunk, on every relay."""
+    clusters = ["a", "b"]
+    hub = Hub(clusters, codec="topk", density=0.02, bits=2, error_feedback=True,
+              chunk_numel=512, block_size=256)
+    assert TopKParams.feedback_decay == 0.7
+    try:
+        assert all(r.feedback is not None and r.feedback.decay(get_codec("topk")) == 0.7
+                   for r in hub.rounds.values())
+        gen = torch.Generator().manual_seed(8)
+        first = {c: torch.randn(2000, generator=gen) for c in clusters}
+        second = {c: torch.randn(2000, generator=gen) for c in clusters}
+        run_round(hub, 0, first)
+        out = run_round(hub, 1, second)
+    finally:
+        hub.close()
+    codec = get_codec("topk", density=0.02, bits=2)
+
+    def chunked(x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([codec.decode(codec.encode(x[lo:lo + 512]))
+                          for lo in range(0, 2000, 512)])
+    sent = {c: chunked(second[c] + 0.7 * (first[c] - chunked(first[c]))) for c in clusters}
+    mean = (sent["a"] + sent["b"]) / 2
+    for c in clusters:
+        assert torch.allclose(out[c].tensor, mean, atol=1e-6)
+    undecayed = {c: chunked(second[c] + first[c] - chunked(first[c])) for c in clusters}
+    assert not torch.allclose(out["a"].tensor, (undecayed["a"] + undecayed["b"]) / 2)
 
 
 def test_a_late_relay_is_left_out_and_fetches_the_average(hub3: Hub) -> None:

@@ -51,11 +51,10 @@ sys.path.insert(0, str(REPO / "examples" / "gpt"))
 sys.path.insert(0, str(REPO))
 from data import BatchSampler, eval_batches, evaluate, load_corpus, split_corpus  # noqa: E402
 from model import GPT, GPTConfig  # noqa: E402
-from optim import OPTIMIZERS, muon_adamw  # noqa: E402
+from optim import ADAMW, MUON, OPTIMIZERS, muon_adamw  # noqa: E402
 
 from nebula_cli.codecs.topk.codec import TopKCodec  # noqa: E402
 from nebula_cli.codecs.topk.params import TOPK_SPANS, TopKParams  # noqa: E402
-from nebula_cli.config.codec_knobs import FEEDBACK_DECAY  # noqa: E402
 from nebula_cli.config.sections import CompressionSpec  # noqa: E402
 from nebula_cli.relay.codecs.feedback import ErrorFeedback  # noqa: E402
 from nebula_cli.relay.codecs.registry import KNOWN_CODECS, get_codec  # noqa: E402
@@ -76,12 +75,12 @@ class World:
     """One DeepSpeed world (a cluster): a model, its AdamW, one sampler per worker."""
 
     def __init__(self, seed: int, split: Any, cluster: int, ranks: int, micro: int,
-                 optimizer: str = "adamw") -> None:
+                 optimizer: str = ADAMW) -> None:
         torch.manual_seed(seed)
         self.model = GPT(GPTConfig(block_size=CONTEXT))
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         adamw = {"lr": LR, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.01}
-        self.opt = (muon_adamw(self.model, adamw) if optimizer == "muon"
+        self.opt = (muon_adamw(self.model, adamw) if optimizer == MUON
                     else torch.optim.AdamW(self.params, **adamw))
         self.samplers = [BatchSampler(split.train, micro, CONTEXT, seed=seed, rank=r,
                                       cluster=cluster) for r in range(ranks)]
@@ -114,14 +113,15 @@ def run_flat(args: argparse.Namespace, seed: int, split: Any, held: Any) -> floa
 
 
 def run_diloco(args: argparse.Namespace, seed: int, split: Any, held: Any, lr: float,
-               momentum: float, mode: str, decay: float = FEEDBACK_DECAY) -> dict[str, Any]:
+               momentum: float, mode: str, decay: float | None = None) -> dict[str, Any]:
     worlds = [World(seed, split, cluster=c, ranks=args.workers_per_cluster,
                     micro=args.micro_batch, optimizer=args.optimizer) for c in range(CLUSTERS)]
     theta = worlds[0].read()  # theta_global, the same on every cluster
     outer = OuterOptimizer(lr, momentum, nesterov=True)
     codec = (TopKCodec(args.density, args.bits, span=args.span) if args.span
              else get_codec(args.codec, density=args.density, bits=args.bits))
-    feedback = [ErrorFeedback(codec, decay) for _ in worlds]  # the relay's, one residual each
+    # the relay's error feedback, one residual each; decay None: the codec's own
+    feedback = [ErrorFeedback(codec, decay) for _ in worlds]
     sent_bytes = 0
     anchor: list[torch.Tensor] = [theta] * CLUSTERS
     pending: torch.Tensor | None = None
@@ -161,7 +161,7 @@ def run_diloco(args: argparse.Namespace, seed: int, split: Any, held: Any, lr: f
         due = step + args.tau if mode == "overlap" else None
     if pending is not None:  # the flush at the end of training
         merge()
-    if args.flush and args.codec == "topk" and mode == "sync":
+    if args.flush and args.codec == TopKParams.name and mode == "sync":
         # the relays' last round: what error feedback still holds, sent with int8
         flush_codec = get_codec("int8")
         encs = [fb.encode(theta - w.read(), key="delta", codec=flush_codec)
@@ -208,7 +208,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--decays", default=None,
                    help="comma-separated error-feedback decays beta to compare "
                         "(compression.feedback_decay; default: the codec's)")
-    p.add_argument("--optimizer", choices=OPTIMIZERS, default="adamw",
+    p.add_argument("--optimizer", choices=OPTIMIZERS, default=ADAMW,
                    help="the inner optimizer of every world, flat's too: AdamW, or Muon on the "
                         "blocks' matrices with AdamW on the rest (examples/gpt/optim.py)")
     p.add_argument("--workers-per-cluster", type=int, default=2,
@@ -236,6 +236,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                 "--decays numbers")
     if any(not 0.0 < d <= 1.0 for d in args.decay_list):
         p.error("--decays: each in (0, 1]")
+    if args.span is not None and args.codec != TopKParams.name:
+        p.error(f"--span is topk's (--codec {TopKParams.name}), not {args.codec}'s")
     if any(len(pair) != 2 for pair in args.pairs):
         p.error("--settings takes lr,momentum pairs such as 0.7,0.9")
     return args
@@ -270,7 +272,7 @@ def main(argv: list[str] | None = None) -> int:
                   f"{out['eval']:.4f} (flat {flat:.4f}) gap {100 * runs[-1]['gap']:+.2f} %",
                   file=sys.stderr, flush=True)
     codec = args.codec + (f" density {args.density} bits {args.bits} span {args.span or 'auto'}"
-                          if args.codec == "topk" else "")
+                          if args.codec == TopKParams.name else "")
     print(f"{args.steps} steps, {args.workers_per_cluster} worker(s) per cluster of "
           f"{args.micro_batch} x {CONTEXT} tokens, inner optimizer {args.optimizer}, "
           f"H={args.inner_steps}, codec {codec}, seeds {args.seeds}, "

@@ -188,14 +188,14 @@ def relay(args: argparse.Namespace, *, overlap: bool, delay_ms: float) -> dict[s
 def compression(args: argparse.Namespace) -> dict[str, Any]:
     out: dict[str, Any] = {"codec": args.codec, "error_feedback": True,
                            "feedback_decay": args.feedback_decay}  # None: the codec's
-    if args.codec == "topk":
+    if args.codec == TopKParams.name:
         out.update(density=args.density, bits=args.bits, span=args.span)
     return out
 
 
 def codec_label(args: argparse.Namespace) -> str:
     label = (CompressionSpec(**compression(args)).params[args.codec].label()
-             if args.codec == "topk" else args.codec)
+             if args.codec == TopKParams.name else args.codec)
     decay = CompressionSpec(**compression(args)).decay_for(args.codec)
     return label + (f", feedback decay {decay:g}" if decay != FEEDBACK_DECAY else "")
 

@@ -24,8 +24,11 @@ from torch import nn
 
 MUON_MOMENTUM = 0.95
 """Muon's momentum (torch's default, and Moonshot's)."""
-OPTIMIZERS = ("adamw", "muon")
+ADAMW, MUON = "adamw", "muon"
+OPTIMIZERS = (ADAMW, MUON)
 """What ``--optimizer`` takes: the DeepSpeed config's AdamW, or Muon with AdamW."""
+ADAMW_SETTINGS = ("lr", "betas", "eps", "weight_decay")
+"""The AdamW settings of a DeepSpeed config's optimizer that both parts take."""
 
 
 def muon_parameters(model: nn.Module) -> tuple[list[nn.Parameter], list[nn.Parameter]]:
@@ -75,7 +78,8 @@ class MuonAdamW(torch.optim.Optimizer):
 
 def muon_adamw(model: nn.Module, adamw: dict[str, Any]) -> MuonAdamW:
     """Muon with AdamW for `model`, at the AdamW settings `adamw` (a DeepSpeed config's
-    optimizer params: lr, betas, eps, weight_decay)."""
+    optimizer params: lr, and any of betas, eps, weight_decay; the others left at
+    MuonAdamW's)."""
     matrices, rest = muon_parameters(model)
-    return MuonAdamW(matrices, rest, lr=adamw["lr"], betas=tuple(adamw.get("betas", (0.9, 0.999))),
-                     eps=adamw.get("eps", 1e-8), weight_decay=adamw.get("weight_decay", 0.01))
+    given = {k: tuple(v) if k == "betas" else v for k, v in adamw.items() if k in ADAMW_SETTINGS}
+    return MuonAdamW(matrices, rest, **given)

@@ -50,7 +50,7 @@ except ImportError:  # run from a checkout without nebula installed
 
 from data import BatchSampler, eval_batches, evaluate, load_corpus, split_corpus  # noqa: E402
 from model import GPT, GPTConfig  # noqa: E402
-from optim import OPTIMIZERS, muon_adamw  # noqa: E402
+from optim import ADAMW, MUON, OPTIMIZERS, muon_adamw  # noqa: E402
 
 from nebula_cli.config.distill_config import DISTILL_CONFIG_ENV, DistillConfig  # noqa: E402
 from nebula_cli.runtime import log  # noqa: E402
@@ -93,7 +93,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--cpus", default=os.environ.get("GPT_CPUS") or None,
                    help="run on these CPUs only, e.g. 0 or 0,1 (benchmarks that give each "
                         "cluster its own cores; default $GPT_CPUS, all)")
-    p.add_argument("--optimizer", choices=OPTIMIZERS, default="adamw",
+    p.add_argument("--optimizer", choices=OPTIMIZERS, default=ADAMW,
                    help="adamw: the DeepSpeed config's; muon: Muon on the blocks' weight "
                         "matrices, AdamW (the config's settings) on the rest (optim.py; ZeRO 0 "
                         "only)")
@@ -147,14 +147,18 @@ def optimizer_args(args: argparse.Namespace, model: torch.nn.Module) -> dict[str
     """deepspeed.initialize's config and optimizer: the config's own, or Muon with AdamW at
     the config's AdamW settings (the config's optimizer then removed: DeepSpeed takes one)."""
     config = load_ds_config(args.ds_config)
-    if args.optimizer != "muon":
+    if args.optimizer != MUON:
         return {"config": config, "model_parameters": model.parameters()}
     stage = config.get("zero_optimization", {}).get("stage", 0)
     if stage:
         raise SystemExit(f"--optimizer muon needs ZeRO stage 0 (the config has {stage}): ZeRO "
                          "partitions the weights into flat buffers, where Muon finds no matrix")
-    adamw = config.pop("optimizer", {}).get("params", {"lr": 2e-3})
-    return {"config": config, "optimizer": muon_adamw(model, adamw)}
+    given = config.pop("optimizer", None) or {}
+    if given.get("type", "").lower() != "adamw" or "lr" not in given.get("params", {}):
+        raise SystemExit(f"--optimizer muon takes the AdamW settings of the DeepSpeed config's "
+                         f"optimizer (type AdamW, params with lr); the config has "
+                         f"{given or 'none'}")
+    return {"config": config, "optimizer": muon_adamw(model, given["params"])}
 
 
 def param_checksum(engine: Any) -> str:

@@ -106,8 +106,9 @@ class RelayConfig:
     error_feedback: bool
     """Keep the codec's rounding error and add it to the next round's contribution."""
     feedback_decay: dict[str, float]
-    """Codec -> the decay of the error kept from a round with it, when it enters the next
-    round (`CompressionSpec.decay_for`), for each codec the rounds may use."""
+    """Codec -> the decay of the kept error when a round that uses it takes the error in
+    (`CompressionSpec.decay_for`; with ``compression: auto`` the codec of the round being
+    encoded decides); a codec the rounds may use and this omits decays by its own default."""
     codec_params: CodecParamSet
     """Every codec's knobs (codec name -> its params), from the spec: the rounds build their
     codecs from them, the HELLO carries them all (`CodecParamSet.handshake`)."""
@@ -177,6 +178,14 @@ class RelayConfig:
         if (self.codec == AUTO_CODEC) != (self.auto_codec is not None):
             raise RelayConfigError(f"codec {self.codec!r} and auto_codec {self.auto_codec!r}: "
                                    f"auto_codec is set exactly when codec is {AUTO_CODEC!r}")
+        rounds = self.auto_codec.codecs if self.auto_codec is not None else [self.codec]
+        for codec, beta in self.feedback_decay.items():
+            if codec not in rounds:
+                raise RelayConfigError(f"feedback_decay: {codec!r} is not a codec the rounds "
+                                       f"use ({', '.join(rounds)})")
+            if not 0.0 < beta <= 1.0:
+                raise RelayConfigError(f"feedback_decay.{codec}: expected a number in (0, 1], "
+                                       f"found {beta!r}")
 
     # ------------------------------------------------------------------ derived
 

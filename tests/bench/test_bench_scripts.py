@@ -198,6 +198,10 @@ def test_diloco_schedule_compares_error_feedback_decays(
     assert out["settings"]["decays"] == [1.0, 0.5]
     with pytest.raises(SystemExit):
         mod.parse_args(["--decays", "0"])
+    with pytest.raises(SystemExit):  # a span is topk's
+        mod.parse_args(["--codec", "int8", "--span", "4096"])
+    assert mod.parse_args(["--codec", "topk"]).decay_list == [0.7]  # the codec's own
+    assert mod.parse_args(["--codec", "int8"]).decay_list == [1.0]
 
 
 def test_relay_loopback_runs_and_prints_every_ratio_and_stage() -> None:

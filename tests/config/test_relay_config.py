@@ -57,6 +57,8 @@ def test_codec_params_travel_whole_and_load_typed(tmp_path: Path) -> None:
     ({"heartbeat": "2"}, "heartbeat: expected a number, found '2'"),
     ({"feedback_decay": "0.9"}, "feedback_decay: expected a mapping, found '0.9'"),
     ({"feedback_decay": {"int8": "0.9"}}, "feedback_decay.int8: expected a number"),
+    ({"feedback_decay": {"int8": 0.0}}, r"feedback_decay.int8: expected a number in \(0, 1\]"),
+    ({"feedback_decay": {"topk": 0.7}}, "feedback_decay: 'topk' is not a codec the rounds use"),
     ({"tls__ca": 5}, "tls.ca: expected str, found 5"),
     ({"clusters": ["a", "b", "b"]}, "clusters: a cluster is listed twice"),
     ({"peers": {}}, "peers: expected an address for each of"),

@@ -215,6 +215,13 @@ def test_muon_is_refused_under_zero_with_the_reason(tmp_path: Path) -> None:
     assert type(muon["optimizer"]).__name__ == "MuonAdamW"  # (train.py's own import of it)
     assert "optimizer" not in muon["config"]  # DeepSpeed takes one
     assert muon["optimizer"].adamw.defaults["lr"] == 0.002
+    assert muon["optimizer"].adamw.defaults["betas"] == (0.9, 0.95)  # the config's, not ours
+    config["zero_optimization"] = {"stage": 0}
+    config["optimizer"] = {"type": "Lamb", "params": {"lr": 0.01}}
+    path.write_text(json.dumps(config))
+    args = train.parse_args(["--optimizer", "muon", "--ds-config", str(path)])
+    with pytest.raises(SystemExit, match="takes the AdamW settings .* the config has"):
+        train.optimizer_args(args, model)
 
 
 # --- a real 2-rank DeepSpeed run -------------------------------------------------------------

@@ -7,8 +7,15 @@ from pathlib import Path
 from typing import Any
 
 from nebula_cli.config import checkpoint_paths, relay_plan, sync_plan
-from nebula_cli.config.codec_params import CODEC_PARAMS, knob_owner, params_from_knobs
+from nebula_cli.config.codec_params import (
+    AUTO_CODEC,
+    AUTO_CODECS,
+    CODEC_PARAMS,
+    knob_owner,
+    params_from_knobs,
+)
 from nebula_cli.config.parts import CheckpointSettings, SyncConfig
+from nebula_cli.config.sections import CompressionSpec
 from nebula_cli.config.spec import JobSpec, parse_spec
 
 MINIMAL = """
@@ -44,6 +51,13 @@ def default_checkpoint(directory: str | Path, **overrides: Any) -> CheckpointSet
     return dataclasses.replace(cfg, dir=str(directory), **overrides)
 
 
+def _decays(comp: CompressionSpec, settings: dict[str, Any]) -> dict[str, float]:
+    """The plan's map of decays (`relay_plan.relay_config`) for the codec `settings` names."""
+    codec = settings.get("codec", comp.codec)
+    codecs = AUTO_CODECS if codec == AUTO_CODEC else (codec,)
+    return {c: comp.decay_for(c) for c in codecs if c in CODEC_PARAMS}
+
+
 def relay_defaults(**settings: Any) -> dict[str, Any]:
     """The settings of relay.json that come from the spec, at the spec's defaults, with
     `settings` replaced; codec knobs given by name (``block_size=64``, ``density=0.02``) replace
@@ -55,7 +69,7 @@ def relay_defaults(**settings: Any) -> dict[str, Any]:
     spec_knobs = {k: getattr(relay.compression, k) for k in owners}
     return {"codec": relay.compression.codec,
             "error_feedback": relay.compression.error_feedback,
-            "feedback_decay": {c: relay.compression.decay_for(c) for c in CODEC_PARAMS},
+            "feedback_decay": _decays(relay.compression, settings),
             "codec_params": params_from_knobs({**spec_knobs, **knobs}),
             "round_timeout": relay.timeout,
             "heartbeat": relay.heartbeat, "dead_after": relay.dead_after,

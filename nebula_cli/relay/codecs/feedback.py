@@ -9,21 +9,22 @@ from collections.abc import Hashable, Mapping
 
 import torch
 
-from nebula_cli.config.codec_knobs import FEEDBACK_DECAY
 from nebula_cli.relay.codecs.base import Codec, CodecError, Encoded, prepare
 
 
 class ErrorFeedback:
     """Error feedback around a codec: what rounding lost for a key in one round is added to that
     key's next input, so the sum of decoded values tracks the sum of inputs (their difference is
-    the current residual, bounded by one round's codec error). With ``decay`` beta < 1 the
-    input is x + beta residual: a residual left unsent for n rounds counts beta**n. ``decay``
-    may name a beta per codec (``{"int8": 1.0, "topk": 0.9}``: the round's codec decides, with
-    ``compression: auto``); a codec it does not name takes FEEDBACK_DECAY."""
+    the current residual, bounded by one round's codec error). With a decay beta < 1 the
+    input is x + beta residual: a residual left unsent for n rounds counts beta**n. ``decay``:
+    None (the default) takes each round's codec's own (``CodecParams.feedback_decay``: topk
+    0.7, the dense codecs 1); one beta for every codec; or a beta per codec name (``{"int8":
+    1.0, "topk": 0.9}``; a codec it does not name takes its own). The codec of the round being
+    encoded decides (``compression: auto`` switches between rounds)."""
 
-    def __init__(self, codec: Codec, decay: float | Mapping[str, float] = FEEDBACK_DECAY
-                 ) -> None:
-        betas = decay.values() if isinstance(decay, Mapping) else [decay]
+    def __init__(self, codec: Codec, decay: float | Mapping[str, float] | None = None) -> None:
+        betas = (decay.values() if isinstance(decay, Mapping)
+                 else [] if decay is None else [decay])
         for beta in betas:
             if not 0.0 < beta <= 1.0:
                 raise CodecError(f"error feedback: decay must be in (0, 1], got {beta!r}")
@@ -34,9 +35,10 @@ class ErrorFeedback:
     def decay(self, codec: Codec | None = None) -> float:
         """The beta of a round encoded with ``codec`` (default: the one given at
         construction)."""
-        if not isinstance(self._decay, Mapping):
-            return self._decay
-        return self._decay.get((codec or self.codec).name, FEEDBACK_DECAY)
+        codec = codec or self.codec
+        if isinstance(self._decay, Mapping):
+            return self._decay.get(codec.name, codec.Params.feedback_decay)
+        return codec.Params.feedback_decay if self._decay is None else self._decay
 
     def encode(self, x: torch.Tensor, key: Hashable, codec: Codec | None = None) -> Encoded:
         """Encode x + decay residual[key] (with ``codec``, default the one given at

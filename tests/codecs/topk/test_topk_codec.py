@@ -133,10 +133,36 @@ def test_the_stream_packing_is_the_byte_packing_where_both_apply() -> None:
     """Widths that divide 8 keep their layout (payloads of the 16 and 256 spans unchanged);
     the stream writes each code's lowest bit first, as they do."""
     from nebula_cli.codecs.topk import codec as topk
+    for bits in (1, 2, 4, 8):
+        codes = torch.randint(0, 1 << bits, (37,), generator=torch.Generator().manual_seed(3))
+        assert torch.equal(topk._pack_stream(codes, bits), topk._pack(codes, bits))
+        assert torch.equal(topk._unpack(topk._pack(codes, bits), bits, 37).long(), codes)
     codes = torch.randint(0, 16, (37,), generator=torch.Generator().manual_seed(3))
-    assert torch.equal(topk._pack_stream(codes, 4), topk._pack(codes, 4))
     assert torch.equal(topk._unpack(topk._pack(codes, 4), 4, 37).long(), codes)
     wide = torch.randint(0, 4096, (101,), generator=torch.Generator().manual_seed(4))
     assert topk._pack(wide, 12).numel() == -(-101 * 12 // 8)
     assert torch.equal(topk._unpack(topk._pack(wide, 12), 12, 101).long(), wide)
     assert topk._pack(torch.tensor([0xABC]), 12).tolist() == [0xBC, 0x0A]
+
+
+@pytest.mark.parametrize(("span", "bits", "density", "digest"), [
+    (16, 2, 0.0625, "db1fb6826e9a6df9"), (16, 4, 0.0625, "44f8b77e4ee172c4"),
+    (16, 8, 0.0625, "2e8d164504740935"), (16, 2, 0.125, "da042a29de71971c"),
+    (256, 2, 0.02, "eaed8296ab28b913"), (256, 4, 0.02, "3f87082cef747399"),
+    (256, 8, 0.02, "933f3c4fe0b88b94"), (256, 2, 0.0625, "50cef8b08e11616f")])
+def test_the_earlier_layouts_payloads_are_byte_for_byte_what_they_were(
+        span: int, bits: int, density: float, digest: str) -> None:
+    """Spans of 16 and 256 in 2, 4 and 8 bits: the payloads of commit 325e743 (before spans up
+    to 4096 and 1-bit values), pinned by their sha256 (kept zeros included). A torch whose topk
+    returned a span's picks in another order would show here too."""
+    import hashlib
+    g = torch.Generator().manual_seed(42)
+    x = torch.randn(5000, generator=g)
+    x[::7] = 0.0
+    payload = bytes(TopKCodec(density, bits, span=span).encode(x).payload)
+    assert hashlib.sha256(payload).hexdigest()[:16] == digest
+
+
+def test_span_false_is_refused_not_taken_for_auto() -> None:
+    with pytest.raises(CodecError, match="span must be one of"):
+        TopKCodec(0.0625, 2, span=False)  # type: ignore[arg-type]

@@ -9,6 +9,7 @@ import math
 import pytest
 import torch
 
+from nebula_cli.codecs.topk.params import TopKParams
 from nebula_cli.relay.codecs.base import CodecError
 from nebula_cli.relay.codecs.feedback import ErrorFeedback
 from nebula_cli.relay.codecs.registry import get_codec
@@ -57,14 +58,17 @@ def test_a_decay_fades_what_stays_unsent_and_1_keeps_all_of_it() -> None:
         kept = sum(beta ** n for n in range(20)) * 0.01  # 0.01 each round, faded by beta
         assert residual[1].item() == pytest.approx(kept, rel=1e-5)
         assert residual[0].abs().item() < 1e-2  # the large one is sent every round
-    assert ErrorFeedback(codec).decay() == 1.0
+    assert ErrorFeedback(codec).decay() == TopKParams.feedback_decay == 0.7  # topk's own
+    assert ErrorFeedback(get_codec("int8")).decay() == 1.0
 
 
 def test_a_decay_per_codec_follows_the_rounds_codec() -> None:
-    """With compression: auto a round's codec names its beta; a codec not named takes 1."""
+    """With compression: auto a round's codec names its beta; a codec not named takes its
+    own."""
     int8, topk = get_codec("int8"), get_codec("topk", density=1 / 16, bits=8)
     ef = ErrorFeedback(int8, {"topk": 0.5})
     assert (ef.decay(), ef.decay(topk)) == (1.0, 0.5)
+    assert ErrorFeedback(int8, {"int8": 0.9}).decay(topk) == TopKParams.feedback_decay
     x = torch.zeros(16)
     x[0], x[1] = 1.0, 0.01
     ef.encode(x, "d", topk)

@@ -51,8 +51,8 @@ class TwoClusters:
         self.cfg = {}
         for c in CLUSTERS:
             pair = self.pki.relay(c)
-            opts = {**relay_defaults(), "codec": "none", "error_feedback": False,
-                    "round_timeout": 20.0, "heartbeat": 1.0, "chunk_numel": 1024}
+            opts = relay_defaults(codec="none", error_feedback=False, round_timeout=20.0,
+                                  heartbeat=1.0, chunk_numel=1024)
             self.cfg[c] = RelayConfig(
                 job_id=JOB, cluster=c, clusters=CLUSTERS, peer_listen=addr(self.peer[c]),
                 worker_listen=addr(self.work[c]),

@@ -73,7 +73,7 @@ def relays(bed: Any, tmp: Path, pki_dir: Path, gateway: dict[str, str], codec: s
                      "cert": str(pki_dir / cluster / "relay.pem"),
                      "key": str(pki_dir / cluster / "relay.key")},
                 codec=codec, error_feedback=comp.error_feedback,
-                feedback_decay={c: comp.decay_for(c) for c in comp.codecs},
+                feedback_decay=comp.decays,
                 codec_params=comp.params,
                 round_timeout=900.0,
                 heartbeat=spec.heartbeat, dead_after=spec.dead_after,

@@ -54,9 +54,9 @@ class MuonAdamW(torch.optim.Optimizer):
         self.adamw = torch.optim.AdamW(list(rest), lr=lr, betas=betas, eps=eps,
                                        weight_decay=weight_decay)
         self._parts = (self.muon, self.adamw)
+        # the same group dicts as the two parts' (add_param_group keeps each dict it is given):
+        # a scheduler's lr reaches them
         super().__init__([g for part in self._parts for g in part.param_groups], {"lr": lr})
-        # the same group dicts as the two parts': a scheduler's lr reaches them
-        self.param_groups = [g for part in self._parts for g in part.param_groups]
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:

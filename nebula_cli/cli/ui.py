@@ -126,8 +126,8 @@ def sync_summary(spec: JobSpec) -> str:
     codec = (labels if len(comp.codecs) == 1
              else f"codec chosen by the relays each round ({labels})")
     lossy = any(params[c].rel_error > 0 for c in comp.codecs)  # "none" has nothing to feed back
-    decays = [f"{comp.decay_for(c):g}{f' with {c}' if len(comp.codecs) > 1 else ''}"
-              for c in comp.codecs if comp.decay_for(c) != FEEDBACK_DECAY]
+    decays = [f"{beta:g}{f' with {c}' if len(comp.codecs) > 1 else ''}"
+              for c, beta in comp.decays.items() if beta != FEEDBACK_DECAY]
     decay = f" (decay {', '.join(decays)})" if decays else ""
     feedback = f" with error feedback{decay}" if comp.error_feedback and lossy else ""
 

@@ -168,7 +168,7 @@ def relay_config(spec: JobSpec, job_id: str, cluster: ClusterSpec, adir: str, po
         tls=tls_files(adir, RELAY),
         codec=relay.compression.codec,
         error_feedback=relay.compression.error_feedback,
-        feedback_decay={c: relay.compression.decay_for(c) for c in relay.compression.codecs},
+        feedback_decay=relay.compression.decays,
         codec_params=relay.compression.params,
         auto_steps=auto_steps(spec), auto_codec=auto_codec(spec), round_timeout=relay.timeout,
         heartbeat=relay.heartbeat, dead_after=relay.dead_after,

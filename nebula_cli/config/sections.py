@@ -148,6 +148,11 @@ class _Compression(SpecModel):
         return CODEC_PARAMS[codec].feedback_decay if given is None else given
 
     @property
+    def decays(self) -> dict[str, float]:
+        """Codec -> its rounds' decay, for each codec a round may use (the relay plan's map)."""
+        return {c: self.decay_for(c) for c in self.codecs}
+
+    @property
     def codecs(self) -> tuple[str, ...]:
         """The codecs a round may use: the codec, or auto's candidates (most faithful first)."""
         return AUTO_CODECS if self.codec == AUTO_CODEC else (self.codec,)

@@ -9,7 +9,6 @@ from typing import Any
 from nebula_cli.config import checkpoint_paths, relay_plan, sync_plan
 from nebula_cli.config.codec_params import (
     AUTO_CODEC,
-    AUTO_CODECS,
     CODEC_PARAMS,
     knob_owner,
     params_from_knobs,
@@ -54,8 +53,8 @@ def default_checkpoint(directory: str | Path, **overrides: Any) -> CheckpointSet
 def _decays(comp: CompressionSpec, settings: dict[str, Any]) -> dict[str, float]:
     """The plan's map of decays (`relay_plan.relay_config`) for the codec `settings` names."""
     codec = settings.get("codec", comp.codec)
-    codecs = AUTO_CODECS if codec == AUTO_CODEC else (codec,)
-    return {c: comp.decay_for(c) for c in codecs if c in CODEC_PARAMS}
+    known = codec == AUTO_CODEC or codec in CODEC_PARAMS  # (a test may name an unknown one)
+    return comp.model_copy(update={"codec": codec}).decays if known else {}
 
 
 def relay_defaults(**settings: Any) -> dict[str, Any]:

@@ -54,13 +54,7 @@ class ErrorFeedback:
                 f"error feedback for {key!r}: got {x.numel()} elements, the kept residual has "
                 f"{residual.numel()} (reset() it when the layout changes)"
             )
-        beta = self.decay(codec)
-        if residual is None:
-            target = x
-        elif beta == 1.0:
-            target = x + residual
-        else:
-            target = torch.add(x, residual, alpha=beta)
+        target = x if residual is None else torch.add(x, residual, alpha=self.decay(codec))
         enc = codec.encode(target)
         self._residuals[key] = target - codec.decode(enc)
         return enc
